@@ -1,0 +1,199 @@
+"""The GPU catalog: which GPU models exist, their MIG profiles and how node labels name them.
+
+The data lives in `dynpart/data/gpu-catalog.yaml`; users extend it with files of the same
+schema. `Catalog` is immutable and cheap to pass around; `load_catalog` is the only function
+here that reads files.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dynpart.errors import CatalogError, UnknownGpuModel
+
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+
+
+class MigProfile(BaseModel):
+    """One GPU-instance profile of one GPU model, with its placement rules."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=r"^\d+g\.\d+gb(\+me)?$")
+    gi_profile_id: int = Field(alias="id", ge=0)
+    nvml: str = Field(pattern=r"^NVML_GPU_INSTANCE_PROFILE_\w+$")
+    compute: int = Field(ge=1)
+    memory: int = Field(ge=1)
+    max: int = Field(ge=1)
+    starts: tuple[int, ...] = Field(min_length=1)
+
+    @property
+    def media_extensions(self) -> bool:
+        return self.name.endswith("+me")
+
+    @property
+    def resource_name(self) -> str:
+        """Kubernetes extended resource (device plugin, mixed strategy): `+` is written `.`."""
+        return MIG_RESOURCE_PREFIX + self.name.replace("+", ".")
+
+
+class GpuModel(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    memory_gb: int = Field(gt=0)
+    products: tuple[str, ...] = ()
+    memory_slices: int = Field(default=0, ge=0)
+    compute_slices: int = Field(default=0, ge=0)
+    mig_profiles: tuple[MigProfile, ...] = ()
+
+    @model_validator(mode="after")
+    def _check_profiles(self) -> "GpuModel":
+        seen: set[str] = set()
+        for p in self.mig_profiles:
+            if p.name in seen:
+                raise ValueError(f"model {self.name}: profile {p.name!r} listed twice")
+            seen.add(p.name)
+            if p.compute > self.compute_slices or p.memory > self.memory_slices:
+                raise ValueError(
+                    f"model {self.name}: profile {p.name} needs {p.compute} compute / {p.memory} "
+                    f"memory slices, the GPU has {self.compute_slices} / {self.memory_slices}"
+                )
+            for s in p.starts:
+                if s < 0 or s + p.memory > self.memory_slices:
+                    raise ValueError(
+                        f"model {self.name}: profile {p.name} start {s} does not fit in "
+                        f"{self.memory_slices} memory slices"
+                    )
+        for pattern in self.products:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"model {self.name}: products pattern {pattern!r}: {e}") from None
+        return self
+
+    @property
+    def supports_mig(self) -> bool:
+        return bool(self.mig_profiles)
+
+    @cached_property
+    def profiles_by_name(self) -> dict[str, MigProfile]:
+        return {p.name: p for p in self.mig_profiles}
+
+    def profile(self, name: str) -> MigProfile:
+        try:
+            return self.profiles_by_name[name]
+        except KeyError:
+            raise CatalogError(
+                f"GPU model {self.name} has no MIG profile {name!r}; "
+                f"its profiles: {', '.join(self.profiles_by_name)}"
+            ) from None
+
+
+def _normalise_product(label: str) -> str:
+    value = label.strip()
+    value = re.sub(r"^NVIDIA[- ]", "", value, flags=re.IGNORECASE)
+    value = re.sub(r"-(SHARED|MIG-.*)$", "", value, flags=re.IGNORECASE)
+    return value.replace(" ", "-")
+
+
+class Catalog:
+    """An ordered set of GPU models. Later definitions of a name replace earlier ones."""
+
+    def __init__(self, models: Iterable[GpuModel]):
+        by_name: dict[str, GpuModel] = {}
+        for m in models:
+            by_name[m.name] = m
+        self.models: dict[str, GpuModel] = by_name
+        self._matchers = [
+            (m, [re.compile(p, re.IGNORECASE) for p in m.products]) for m in by_name.values()
+        ]
+        self._cache: dict[str, GpuModel] = {}
+
+    @classmethod
+    def from_documents(cls, documents: Iterable[tuple[str, Any]]) -> "Catalog":
+        """Build from parsed YAML documents, each given with a name for error messages."""
+        models: list[GpuModel] = []
+        for source, doc in documents:
+            if not isinstance(doc, dict) or not isinstance(doc.get("models"), list):
+                raise CatalogError(f"{source}: a catalog file must be a mapping with a 'models' list")
+            for i, entry in enumerate(doc["models"]):
+                try:
+                    models.append(GpuModel.model_validate(entry))
+                except ValidationError as e:
+                    first = e.errors()[0]
+                    loc = ".".join(str(x) for x in first["loc"])
+                    name = entry.get("name", "?") if isinstance(entry, dict) else "?"
+                    raise CatalogError(
+                        f"{source}: models[{i}] ({name}){'.' + loc if loc else ''}: {first['msg']}"
+                        f" (value {first.get('input')!r})"
+                    ) from None
+        return cls(models)
+
+    def extended(self, other: "Catalog") -> "Catalog":
+        return Catalog([*self.models.values(), *other.models.values()])
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.models)
+
+    def resolve(self, value: str, where: str = "gpu model") -> GpuModel:
+        """Map a catalog name or a `nvidia.com/gpu.product` label value to a model."""
+        hit = self._cache.get(value)
+        if hit is not None:
+            return hit
+        model = self.models.get(value)
+        if model is None:
+            normalised = _normalise_product(value)
+            for candidate, patterns in self._matchers:
+                if candidate.name.lower() == normalised.lower() or any(
+                    p.fullmatch(normalised) for p in patterns
+                ):
+                    model = candidate
+                    break
+        if model is None:
+            raise UnknownGpuModel(value, self.names, where)
+        self._cache[value] = model
+        return model
+
+    def mig_profile_names(self) -> set[str]:
+        return {p.name for m in self.models.values() for p in m.mig_profiles}
+
+
+def _read_yaml(path: Path | str, text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise CatalogError(f"{path}: not valid YAML: {e}") from None
+
+
+_default: Catalog | None = None
+
+
+def default_catalog() -> Catalog:
+    """The catalog shipped with dynpart (cached)."""
+    global _default
+    if _default is None:
+        text = resources.files("dynpart").joinpath("data/gpu-catalog.yaml").read_text()
+        _default = Catalog.from_documents([("gpu-catalog.yaml", _read_yaml("gpu-catalog.yaml", text))])
+    return _default
+
+
+def load_catalog(extra_files: Iterable[Path | str] = ()) -> Catalog:
+    """The shipped catalog extended with the users' files (later files win)."""
+    catalog = default_catalog()
+    for f in extra_files:
+        path = Path(f)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise CatalogError(f"catalog file {path}: {e.strerror}") from None
+        catalog = catalog.extended(Catalog.from_documents([(str(path), _read_yaml(path, text))]))
+    return catalog

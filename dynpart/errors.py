@@ -1,0 +1,34 @@
+"""Errors raised for bad input. Each message names the field and the value that was wrong."""
+
+
+class DynpartError(Exception):
+    """Base class: a user-facing error, printed in one line by the CLI (no traceback)."""
+
+
+class CatalogError(DynpartError):
+    """A catalog file or entry is malformed, or a GPU model is unknown."""
+
+
+class UnknownGpuModel(CatalogError):
+    def __init__(self, value: str, known: list[str], where: str = "gpu model"):
+        self.value = value
+        super().__init__(
+            f"{where}: unknown GPU model {value!r}; known models: {', '.join(known)}. "
+            "Add it in a catalog file (see dynpart/data/gpu-catalog.yaml for the schema) "
+            "and pass it with --catalog."
+        )
+
+
+class ResourceNameError(DynpartError):
+    """A Kubernetes resource name is not a slice resource dynpart understands."""
+
+
+class SnapshotError(DynpartError):
+    """A snapshot is inconsistent with the catalog or the MIG/MPS rules."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        head = problems[0] if len(problems) == 1 else f"{len(problems)} problems: " + "; ".join(problems[:5])
+        if len(problems) > 5:
+            head += f"; ... ({len(problems) - 5} more)"
+        super().__init__(f"invalid snapshot: {head}")

@@ -1,0 +1,71 @@
+"""Kubernetes resource names of GPU slices, parsed and written in one place.
+
+- MIG (device plugin, mixed strategy): `nvidia.com/mig-<profile>`, `+me` written `.me`,
+  e.g. `nvidia.com/mig-1g.10gb`, `nvidia.com/mig-1g.10gb.me`.
+- MPS slices (nebuly device-plugin fork, as nos uses): `nvidia.com/gpu-<N>gb`; N is in the
+  GPU's capacity unit (GB on a real cluster, any unit a simulation picks).
+- A whole GPU: `nvidia.com/gpu`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict
+
+from dynpart.errors import ResourceNameError
+
+WHOLE_GPU = "nvidia.com/gpu"
+_MIG = re.compile(r"^nvidia\.com/mig-(\d+g\.\d+gb)(\.me)?$")
+_MPS = re.compile(r"^nvidia\.com/gpu-(\d+)gb$")
+
+
+class MigResource(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    kind: Literal["mig"] = "mig"
+    profile: str
+
+
+class MpsResource(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    kind: Literal["mps"] = "mps"
+    size: int
+
+
+class WholeGpuResource(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    kind: Literal["gpu"] = "gpu"
+
+
+SliceResource = Union[MigResource, MpsResource, WholeGpuResource]
+
+
+def is_slice_resource(name: str) -> bool:
+    return name == WHOLE_GPU or bool(_MIG.match(name) or _MPS.match(name))
+
+
+def parse_resource(name: str) -> SliceResource:
+    if name == WHOLE_GPU:
+        return WholeGpuResource()
+    m = _MIG.match(name)
+    if m:
+        return MigResource(profile=m.group(1) + ("+me" if m.group(2) else ""))
+    m = _MPS.match(name)
+    if m:
+        size = int(m.group(1))
+        if size <= 0:
+            raise ResourceNameError(f"resource {name!r}: an MPS slice must be at least 1 unit")
+        return MpsResource(size=size)
+    raise ResourceNameError(
+        f"resource {name!r} is not a GPU slice resource; expected nvidia.com/mig-<profile> "
+        "(e.g. nvidia.com/mig-1g.10gb), nvidia.com/gpu-<N>gb (e.g. nvidia.com/gpu-10gb) or nvidia.com/gpu"
+    )
+
+
+def mig_resource_name(profile: str) -> str:
+    return "nvidia.com/mig-" + profile.replace("+", ".")
+
+
+def mps_resource_name(size: int) -> str:
+    return f"nvidia.com/gpu-{size}gb"

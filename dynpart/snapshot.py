@@ -1,0 +1,246 @@
+"""What the planner sees (`Snapshot`) and what it decides (`Plan`): pydantic models, no I/O.
+
+Units: CPU in millicores, memory in MiB. MPS slice sizes and GPU capacities are integers in
+one unit per GPU: GB on a real cluster (the default capacity is the model's memory), or any
+unit a simulation picks (e.g. thousandths of a GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dynpart.catalog import Catalog, GpuModel
+from dynpart.errors import DynpartError, ResourceNameError, SnapshotError
+from dynpart.mig import MigRules
+from dynpart.resources import MigResource, MpsResource, SliceResource, parse_resource
+
+Mode = Literal["mig", "mps"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MigInstance(_Model):
+    """A MIG GPU instance (with its one compute instance) at a placement."""
+
+    profile: str
+    start: int = Field(ge=0)
+    used: bool = False
+    pod: str | None = None  # the pod using it, when known (in a plan: the pod planned onto it)
+
+
+class MpsSlice(_Model):
+    size: int = Field(gt=0)
+    used: bool = False
+    pod: str | None = None
+
+
+class Gpu(_Model):
+    index: int = Field(ge=0)
+    mig: list[MigInstance] = []
+    mps: list[MpsSlice] = []
+    # A GPU given whole to one pod (`nvidia.com/gpu`); only on an unpartitioned GPU.
+    whole_pod: str | None = None
+    # MPS capacity in slice units; default: the model's memory in GB.
+    capacity: int | None = Field(default=None, gt=0)
+
+
+class Node(_Model):
+    name: str = Field(min_length=1)
+    mode: Mode
+    gpu_model: str  # catalog name or `nvidia.com/gpu.product` label value
+    cpu_milli_free: int = Field(default=1_000_000, ge=0)
+    memory_mib_free: int = Field(default=1 << 30, ge=0)
+    labels: dict[str, str] = {}
+    gpus: list[Gpu] = []
+
+
+class PendingPod(_Model):
+    name: str = Field(min_length=1)  # namespace/name
+    resource: str  # nvidia.com/mig-1g.10gb, nvidia.com/gpu-10gb or nvidia.com/gpu
+    count: int = Field(default=1, ge=1)
+    cpu_milli: int = Field(default=0, ge=0)
+    memory_mib: int = Field(default=0, ge=0)
+    priority: int = 0
+    node_selector: dict[str, str] = {}
+    gpu_models: list[str] = []  # accepted models (names or product labels); empty = any
+
+
+class Snapshot(_Model):
+    nodes: list[Node] = []
+    pending: list[PendingPod] = []
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+
+class GpuLayout(_Model):
+    """The desired layout of one GPU: used instances/slices kept in place, free ones kept or
+    created; `pod` names the pod the plan expects on a slice."""
+
+    index: int
+    mig: list[MigInstance] = []
+    mps: list[MpsSlice] = []
+    whole_pod: str | None = None
+    changed: bool = False
+    created: int = 0
+    destroyed: int = 0
+
+
+class NodeLayout(_Model):
+    node: str
+    mode: Mode
+    gpus: list[GpuLayout]
+
+    @property
+    def changed(self) -> bool:
+        return any(g.changed for g in self.gpus)
+
+
+class PodPlacement(_Model):
+    pod: str
+    node: str
+    # one entry per slice: (gpu index, MIG profile@start, MPS size, or "whole")
+    slices: list[tuple[int, str]]
+
+
+class UnplacedPod(_Model):
+    pod: str
+    reason: str
+
+
+class PlanStats(_Model):
+    pending: int
+    placed: int
+    placed_weight: int
+    free_slices_destroyed: int
+    slices_created: int
+    gpus_touched: int
+    gpus_occupied: int
+    placed_upper_bound: int
+    solver: str  # "greedy", "cp-sat optimal", "cp-sat feasible", "cp-sat lns", ...
+    solve_s: float
+
+
+class Plan(_Model):
+    policy: str
+    layouts: list[NodeLayout]  # every node, in snapshot order
+    placements: list[PodPlacement]
+    unplaced: list[UnplacedPod]
+    stats: PlanStats
+
+    def changed_nodes(self) -> list[NodeLayout]:
+        return [n for n in self.layouts if n.changed]
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def parse_snapshot(data: Any) -> Snapshot:
+    """Validate raw data (e.g. parsed JSON/YAML) into a Snapshot; errors name field and value."""
+    try:
+        return Snapshot.model_validate(data)
+    except ValidationError as e:
+        raise SnapshotError(
+            [f"{_loc(err['loc'])} = {err.get('input')!r}: {err['msg']}" for err in e.errors()]
+        ) from None
+
+
+def gpu_capacity(gpu: Gpu, model: GpuModel) -> int:
+    return gpu.capacity if gpu.capacity is not None else model.memory_gb
+
+
+def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuModel]:
+    """Check the snapshot against the catalog and the MIG/MPS rules. Returns each node's model.
+
+    Raises SnapshotError listing every problem, each naming the field and the value."""
+    problems: list[str] = []
+    models: dict[str, GpuModel] = {}
+    seen_nodes: set[str] = set()
+    for i, node in enumerate(snapshot.nodes):
+        where = f"nodes[{i}] ({node.name})"
+        if node.name in seen_nodes:
+            problems.append(f"{where}.name = {node.name!r}: duplicate node name")
+        seen_nodes.add(node.name)
+        try:
+            model = catalog.resolve(node.gpu_model, where=f"{where}.gpu_model")
+        except DynpartError as e:
+            problems.append(str(e))
+            continue
+        models[node.name] = model
+        if node.mode == "mig" and not model.supports_mig:
+            problems.append(f"{where}.mode = 'mig': GPU model {model.name} does not support MIG")
+        indices: set[int] = set()
+        for j, gpu in enumerate(node.gpus):
+            gwhere = f"{where}.gpus[{j}]"
+            if gpu.index in indices:
+                problems.append(f"{gwhere}.index = {gpu.index}: duplicate GPU index")
+            indices.add(gpu.index)
+            if node.mode == "mig":
+                if gpu.mps:
+                    problems.append(f"{gwhere}.mps: MPS slices on a node in mig mode")
+                if model.supports_mig:
+                    bad = MigRules.of(model).violations([(m.profile, m.start) for m in gpu.mig])
+                    problems.extend(f"{gwhere}.mig: {b}" for b in bad)
+            else:
+                if gpu.mig:
+                    problems.append(f"{gwhere}.mig: MIG instances on a node in mps mode")
+                cap = gpu_capacity(gpu, model)
+                for k, s in enumerate(gpu.mps):
+                    if s.size > cap:
+                        problems.append(
+                            f"{gwhere}.mps[{k}].size = {s.size}: slice bigger than the GPU (capacity {cap})"
+                        )
+                total = sum(s.size for s in gpu.mps)
+                if total > cap:
+                    problems.append(f"{gwhere}.mps: slices add up to {total}, more than the GPU's capacity {cap}")
+                if gpu.whole_pod and gpu.mps:
+                    problems.append(f"{gwhere}.whole_pod = {gpu.whole_pod!r}: a whole GPU cannot also hold MPS slices")
+            if node.mode == "mig" and gpu.whole_pod:
+                problems.append(f"{gwhere}.whole_pod: whole GPUs are only modelled on mps nodes (use a 7g profile)")
+    known_profiles = catalog.mig_profile_names()
+    seen_pods: set[str] = set()
+    for i, pod in enumerate(snapshot.pending):
+        where = f"pending[{i}] ({pod.name})"
+        if pod.name in seen_pods:
+            problems.append(f"{where}.name = {pod.name!r}: duplicate pod name")
+        seen_pods.add(pod.name)
+        try:
+            res = parse_resource(pod.resource)
+        except ResourceNameError as e:
+            problems.append(f"{where}.resource: {e}")
+            continue
+        if isinstance(res, MigResource) and res.profile not in known_profiles:
+            problems.append(
+                f"{where}.resource = {pod.resource!r}: MIG profile {res.profile!r} is not offered by any GPU "
+                "model in the catalog"
+            )
+        for m in pod.gpu_models:
+            try:
+                catalog.resolve(m, where=f"{where}.gpu_models")
+            except DynpartError as e:
+                problems.append(str(e))
+    if problems:
+        raise SnapshotError(problems)
+    return models
+
+
+def request_of(pod: PendingPod) -> SliceResource:
+    return parse_resource(pod.resource)
+
+
+__all__ = [
+    "Gpu", "GpuLayout", "MigInstance", "MpsResource", "MpsSlice", "Node", "NodeLayout", "PendingPod",
+    "Plan", "PlanStats", "PodPlacement", "Snapshot", "UnplacedPod", "gpu_capacity", "parse_snapshot",
+    "request_of", "validate_snapshot",
+]

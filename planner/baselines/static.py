@@ -1,0 +1,59 @@
+"""A static layout, as GPU Operator's mig-manager gives: every unpartitioned GPU gets the one
+geometry configured for its model and the layout never changes afterwards; pods only take
+free slices that happen to match.
+
+The default is mig-parted's `all-balanced`: 2 x 1g + 1 x 2g + 1 x 3g on 7-slice GPUs,
+2 x 1g + 1 x 2g on A30; MPS GPUs are split into 4 equal slices."""
+
+from __future__ import annotations
+
+from dynpart.catalog import GpuModel
+from dynpart.errors import DynpartError
+from dynpart.mig import place_counts
+from planner.baselines.common import schedule, set_mig_geometry, set_mps_slices
+from planner.problem import Problem
+from planner.state import GpuState, MigState, MpsState, new_state
+
+
+def balanced_counts(model: GpuModel) -> dict[str, int]:
+    by_compute: dict[int, str] = {}
+    for p in model.mig_profiles:
+        if not p.media_extensions and p.compute not in by_compute:
+            by_compute[p.compute] = p.name  # first = smallest memory of that compute size
+    if model.compute_slices >= 7:
+        return {by_compute[1]: 2, by_compute[2]: 1, by_compute[3]: 1}
+    return {by_compute[1]: 2, by_compute[2]: 1}
+
+
+def parse_counts(model: GpuModel, text: str) -> dict[str, int]:
+    """"1g.10gb:3,2g.20gb:2" -> counts, checked against the catalog."""
+    counts: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, n = part.partition(":")
+        if name not in model.profiles_by_name:
+            raise DynpartError(f"static layout for {model.name}: unknown profile {name!r}")
+        try:
+            counts[name] = counts.get(name, 0) + int(n or 1)
+        except ValueError:
+            raise DynpartError(f"static layout for {model.name}: {part!r} is not profile:count") from None
+    return counts
+
+
+def plan_static(problem: Problem, layout: dict[str, str]) -> tuple[list[GpuState], dict[int, tuple[int, list[int]]]]:
+    states = [new_state(g) for g in problem.gpus]
+    for st in states:
+        model = st.info.model
+        if isinstance(st, MigState) and not st.insts:
+            counts = parse_counts(model, layout[model.name]) if model.name in layout else balanced_counts(model)
+            geometry = place_counts(model, counts)
+            if geometry is None:
+                raise DynpartError(f"static layout for {model.name}: {counts} has no valid MIG placement")
+            set_mig_geometry(st, geometry)
+        elif isinstance(st, MpsState) and not st.slices and st.whole_pod is None:
+            parts = int(layout.get("mps", "4"))
+            set_mps_slices(st, [st.cap // parts] * parts)
+    cpu = [n.cpu_free for n in problem.nodes]
+    mem = [n.mem_free for n in problem.nodes]
+    placed: dict[int, tuple[int, list[int]]] = {}
+    schedule(problem, states, cpu, mem, placed)
+    return states, placed

@@ -1,0 +1,55 @@
+"""An upper bound on how many pending pods any plan can place (a counting bound).
+
+Per mode, the pods that have a candidate node are sorted smallest first and counted while
+their total size fits in the capacity not held by used slices (memory slices and, separately,
+compute slices for MIG; capacity units for MPS; whole idle GPUs for `nvidia.com/gpu`). Every
+plan places at most that many, because the k smallest pods are the cheapest k to place.
+"""
+
+from __future__ import annotations
+
+from planner.problem import KIND_GPU, KIND_MIG, KIND_MPS, Problem
+
+
+def _count_fitting(sizes: list[int], capacity: int) -> int:
+    n = total = 0
+    for s in sorted(sizes):
+        if total + s > capacity:
+            break
+        total += s
+        n += 1
+    return n
+
+
+def placed_upper_bound(problem: Problem) -> int:
+    mig_mem = mig_compute = mps_cap = idle_gpus = 0
+    for g in problem.gpus:
+        if g.rules is not None:
+            used_mem = sum(g.rules.memory[p] for p, _, _ in g.used_mig)
+            used_compute = sum(g.rules.compute[p] for p, _, _ in g.used_mig)
+            mig_mem += g.model.memory_slices - used_mem
+            mig_compute += g.model.compute_slices - used_compute
+        else:
+            mps_cap += g.capacity - sum(s for s, _ in g.used_mps) if not g.whole_pod else 0
+            idle_gpus += 0 if (g.used_mps or g.whole_pod) else 1
+    mem_sizes, compute_sizes, mps_sizes, gpu_sizes = [], [], [], []
+    for r in problem.requests:
+        if not r.candidates:
+            continue
+        if r.kind == KIND_MIG:
+            prof = problem.nodes[r.candidates[0]].model.profiles_by_name[r.profile]
+            models = {problem.nodes[n].model.name: problem.nodes[n].model for n in r.candidates}
+            mem_sizes.append(r.count * min(m.profiles_by_name[r.profile].memory for m in models.values()))
+            compute_sizes.append(r.count * prof.compute)
+        elif r.kind == KIND_MPS:
+            mps_sizes.append(r.count * r.size)
+        else:
+            gpu_sizes.append(r.count)
+    mig = min(_count_fitting(mem_sizes, mig_mem), _count_fitting(compute_sizes, mig_compute))
+    mps = _count_fitting(mps_sizes, mps_cap)
+    whole = _count_fitting(gpu_sizes, idle_gpus)
+    # MPS slices and whole GPUs compete for the same GPUs; bound each separately, then the pair
+    return mig + min(len(mps_sizes) + len(gpu_sizes), mps + whole)
+
+
+__all__ = ["placed_upper_bound", "KIND_GPU", "KIND_MPS"]

@@ -1,0 +1,190 @@
+"""The snapshot compiled into plain indexed structures the algorithms work on.
+
+Built once per `plan()` call; everything after this step works with integers and lists, not
+pydantic models, because the planner must stay fast on thousands of GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dynpart.catalog import Catalog, GpuModel
+from dynpart.mig import MigRules
+from dynpart.resources import MigResource, MpsResource, WholeGpuResource, parse_resource
+from dynpart.snapshot import Snapshot, gpu_capacity, validate_snapshot
+
+KIND_MIG, KIND_MPS, KIND_GPU = "mig", "mps", "gpu"
+
+
+@dataclass
+class GpuInfo:
+    gid: int
+    node: int
+    index: int
+    model: GpuModel
+    rules: MigRules | None
+    capacity: int  # MPS capacity (unused on MIG nodes)
+    # MIG: existing instances as (profile index, start, pod or None); used ones are fixed
+    used_mig: list[tuple[int, int, str | None]] = field(default_factory=list)
+    free_mig: list[tuple[int, int]] = field(default_factory=list)
+    # MPS: existing slices (size, pod)
+    used_mps: list[tuple[int, str | None]] = field(default_factory=list)
+    free_mps: list[int] = field(default_factory=list)
+    whole_pod: str | None = None
+
+    @property
+    def has_used(self) -> bool:
+        return bool(self.used_mig or self.used_mps or self.whole_pod)
+
+
+@dataclass
+class NodeInfo:
+    idx: int
+    name: str
+    mode: str
+    model: GpuModel
+    cpu_free: int
+    mem_free: int
+    labels: dict[str, str]
+    gpus: list[int]  # gids
+
+
+@dataclass
+class Request:
+    """One pending pod: `count` slices of one resource, all on one node."""
+
+    idx: int
+    name: str
+    resource: str
+    kind: str  # mig | mps | gpu
+    profile: str | None
+    size: int  # MPS size; MIG: memory slices of the profile on the first candidate model
+    count: int
+    cpu: int
+    mem: int
+    priority: int
+    weight: int = 1
+    candidates: list[int] = field(default_factory=list)  # node indices
+    no_candidate_reason: str | None = None
+
+    @property
+    def signature(self) -> tuple[str, object]:
+        return (self.kind, self.profile if self.kind == KIND_MIG else self.size)
+
+
+@dataclass
+class Problem:
+    nodes: list[NodeInfo]
+    gpus: list[GpuInfo]
+    requests: list[Request]
+
+    def gpus_of(self, node: int) -> list[GpuInfo]:
+        return [self.gpus[g] for g in self.nodes[node].gpus]
+
+
+def priority_weights(priorities: list[int]) -> dict[int, int]:
+    """Weight per priority level such that one pod of a level outweighs all pods of lower
+    levels together: placing the most pods is weighted by priority, strictly."""
+    levels = sorted(set(priorities))
+    counts = {lvl: priorities.count(lvl) for lvl in levels}
+    weights: dict[int, int] = {}
+    below = 0
+    for lvl in levels:
+        weights[lvl] = below + 1
+        below += weights[lvl] * counts[lvl]
+    return weights
+
+
+def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
+    models = validate_snapshot(snapshot, catalog)
+    nodes: list[NodeInfo] = []
+    gpus: list[GpuInfo] = []
+    for ni, node in enumerate(snapshot.nodes):
+        model = models[node.name]
+        rules = MigRules.of(model) if node.mode == "mig" else None
+        gids = []
+        for gpu in sorted(node.gpus, key=lambda g: g.index):
+            info = GpuInfo(
+                gid=len(gpus), node=ni, index=gpu.index, model=model, rules=rules,
+                capacity=gpu_capacity(gpu, model), whole_pod=gpu.whole_pod,
+            )
+            if rules is not None:
+                for inst in sorted(gpu.mig, key=lambda m: m.start):
+                    p = rules.index[inst.profile]
+                    if inst.used or inst.pod:
+                        info.used_mig.append((p, inst.start, inst.pod))
+                    else:
+                        info.free_mig.append((p, inst.start))
+            else:
+                for s in gpu.mps:
+                    if s.used or s.pod:
+                        info.used_mps.append((s.size, s.pod))
+                    else:
+                        info.free_mps.append(s.size)
+                info.free_mps.sort(reverse=True)
+            gids.append(info.gid)
+            gpus.append(info)
+        nodes.append(NodeInfo(ni, node.name, node.mode, model, node.cpu_milli_free,
+                              node.memory_mib_free, dict(node.labels), gids))
+
+    weights = priority_weights([p.priority for p in snapshot.pending])
+    requests: list[Request] = []
+    for pi, pod in enumerate(snapshot.pending):
+        res = parse_resource(pod.resource)
+        if isinstance(res, MigResource):
+            kind, profile, size = KIND_MIG, res.profile, 0
+        elif isinstance(res, MpsResource):
+            kind, profile, size = KIND_MPS, None, res.size
+        else:
+            assert isinstance(res, WholeGpuResource)
+            kind, profile, size = KIND_GPU, None, 0
+        req = Request(pi, pod.name, pod.resource, kind, profile, size, pod.count, pod.cpu_milli,
+                      pod.memory_mib, pod.priority, weights[pod.priority])
+        accepted = {catalog.resolve(m).name for m in pod.gpu_models}
+        reasons: list[tuple[int, str]] = []
+        for node in nodes:
+            why = _node_rejects(node, gpus, req, pod.node_selector, accepted)
+            if why is None:
+                req.candidates.append(node.idx)
+            else:
+                reasons.append(why)
+        if kind == KIND_MIG and req.candidates:
+            req.size = nodes[req.candidates[0]].model.profiles_by_name[profile].memory
+        if not req.candidates:
+            req.no_candidate_reason = _summarise(reasons, len(nodes))
+        requests.append(req)
+    return Problem(nodes, gpus, requests)
+
+
+def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: dict[str, str],
+                  accepted: set[str]) -> tuple[int, str] | None:
+    """Why this node can never host the pod (whatever the layout), or None if it may.
+    The number is how far the node got through the filters (for the summary)."""
+    wanted_mode = "mig" if req.kind == KIND_MIG else "mps"
+    if node.mode != wanted_mode:
+        return 0, f"no node in {wanted_mode} mode"
+    for k, v in selector.items():
+        if node.labels.get(k) != v:
+            return 1, f"no {wanted_mode} node matches nodeSelector {k}={v}"
+    if accepted and node.model.name not in accepted:
+        return 2, f"no {wanted_mode} node has an accepted GPU model ({', '.join(sorted(accepted))})"
+    if req.kind == KIND_MIG and req.profile not in node.model.profiles_by_name:
+        return 3, f"MIG profile {req.profile} is not offered by the GPU models of the mig nodes"
+    if req.kind == KIND_MPS:
+        caps = [gpus[g].capacity for g in node.gpus]
+        if not caps or max(caps) < req.size:
+            return 3, f"a {req.size} slice is bigger than every MPS GPU (largest {max(caps, default=0)})"
+    if req.kind == KIND_MIG and req.count > len(node.gpus) * node.model.memory_slices:
+        return 4, f"{req.count} slices do not fit on one node"
+    if req.kind == KIND_GPU and req.count > len(node.gpus):
+        return 4, f"{req.count} whole GPUs asked; nodes have at most {len(node.gpus)}"
+    if req.cpu > node.cpu_free or req.mem > node.mem_free:
+        return 5, f"not enough free CPU/memory on any matching node (asks {req.cpu}m CPU, {req.mem} MiB)"
+    return None
+
+
+def _summarise(reasons: list[tuple[int, str]], n_nodes: int) -> str:
+    """The reason of the node that got furthest through the filters is the most telling."""
+    if not n_nodes:
+        return "no GPU nodes in the cluster"
+    return max(reasons, key=lambda r: r[0])[1]

@@ -1,0 +1,246 @@
+"""Mutable per-GPU layouts used while planning, with the cost of each way to add a slice.
+
+An option to host one slice on one GPU costs, in the planner's objective order:
+  change  = free slices destroyed + 1 if the GPU was not changed yet (each change drains and
+            reconfigures a device),
+  empty   = 1 if the GPU hosts no pod yet (keep whole GPUs empty where possible),
+and is then ranked by best fit (least capacity left over) and, for MIG, by how many placements
+the remaining free memory slices still allow (placement-aware packing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from dynpart.mig import MigRules
+from planner.problem import KIND_GPU, KIND_MIG, GpuInfo
+
+# (change, empty, leftover, -flex)
+Cost = tuple[int, int, int, int]
+
+
+@lru_cache(maxsize=None)
+def _flex_table(rules: MigRules) -> tuple[int, ...]:
+    """For each mask of occupied memory slices: the memory of all placements that still fit."""
+    table = []
+    for occupied in range(rules.full_mask + 1):
+        table.append(sum(rules.memory[p] for p, pl in enumerate(rules.placements)
+                         for _, m in pl if not occupied & m))
+    return tuple(table)
+
+
+@dataclass(slots=True)
+class MigInst:
+    p: int
+    start: int
+    used: bool  # in use now (never moved or destroyed)
+    pod: str | None  # using pod, or the pending pod planned onto it
+    existing: bool  # exists now (else created by the plan)
+
+    @property
+    def hard(self) -> bool:
+        return self.used or self.pod is not None
+
+
+class MigState:
+    __slots__ = ("info", "rules", "insts", "changed", "destroyed", "created")
+
+    def __init__(self, info: GpuInfo):
+        assert info.rules is not None
+        self.info = info
+        self.rules: MigRules = info.rules
+        self.insts = [MigInst(p, s, True, pod, True) for p, s, pod in info.used_mig]
+        self.insts += [MigInst(p, s, False, None, True) for p, s in info.free_mig]
+        self.insts.sort(key=lambda i: i.start)
+        self.changed = False
+        self.destroyed = 0
+        self.created = 0
+
+    def clone(self) -> "MigState":
+        c = MigState.__new__(MigState)
+        c.info, c.rules, c.changed, c.destroyed, c.created = self.info, self.rules, self.changed, self.destroyed, self.created
+        c.insts = [MigInst(i.p, i.start, i.used, i.pod, i.existing) for i in self.insts]
+        return c
+
+    def key(self) -> tuple:
+        return (self.rules.model.name, tuple((i.start, i.p, i.hard) for i in self.insts), self.changed)
+
+    def hard_mask(self) -> int:
+        m = 0
+        for i in self.insts:
+            if i.hard:
+                m |= self.rules.mask(i.p, i.start)
+        return m
+
+    def has_pod(self) -> bool:
+        return any(i.hard for i in self.insts)
+
+    def option(self, p: int) -> tuple[Cost, int, tuple[int, ...]] | None:
+        """Cheapest way to host one instance of profile p: (cost, start, indices to destroy).
+        start = -1 - k means: reuse the existing free instance insts[k]."""
+        rules = self.rules
+        full = rules.full_mask
+        hard = self.hard_mask()
+        empty = 0 if hard else 1
+        best: tuple[Cost, int, tuple[int, ...]] | None = None
+        for k, inst in enumerate(self.insts):
+            if inst.p == p and not inst.hard:
+                after = hard | rules.mask(p, inst.start)
+                cost = (0, empty, (full & ~after).bit_count(), -_flex_table(rules)[after])
+                if best is None or cost < best[0]:
+                    best = (cost, -1 - k, ())
+        if best is not None:
+            return best
+        flex = _flex_table(rules)
+        for start, m in rules.placements[p]:
+            if hard & m:
+                continue
+            destroy = tuple(k for k, i in enumerate(self.insts) if rules.mask(i.p, i.start) & m)
+            counts = [0] * len(rules.names)
+            compute = media = 0
+            for k, i in enumerate(self.insts):
+                if k not in destroy:
+                    counts[i.p] += 1
+                    compute += rules.compute[i.p]
+                    media += rules.media[i.p]
+            if not rules.can_add(p, start, 0, counts, compute, media):
+                continue
+            after = hard | m
+            change = len(destroy) + (0 if self.changed else 1)
+            cost = (change, empty, (full & ~after).bit_count(), -flex[after])
+            if best is None or cost < best[0]:
+                best = (cost, start, destroy)
+        return best
+
+    def apply(self, p: int, start: int, destroy: tuple[int, ...], pod: str) -> None:
+        if start < 0:
+            self.insts[-1 - start].pod = pod
+            return
+        for k in sorted(destroy, reverse=True):
+            assert not self.insts[k].hard, "never destroy a used slice"
+            if self.insts[k].existing:
+                self.destroyed += 1
+            else:
+                self.created -= 1
+            del self.insts[k]
+        self.insts.append(MigInst(p, start, False, pod, False))
+        self.insts.sort(key=lambda i: i.start)
+        self.created += 1
+        self.changed = True
+
+
+@dataclass(slots=True)
+class MpsPiece:
+    size: int
+    used: bool
+    pod: str | None
+    existing: bool
+
+    @property
+    def hard(self) -> bool:
+        return self.used or self.pod is not None
+
+
+class MpsState:
+    __slots__ = ("info", "cap", "slices", "whole_pod", "whole_existing", "changed", "destroyed", "created")
+
+    def __init__(self, info: GpuInfo):
+        self.info = info
+        self.cap = info.capacity
+        self.slices = [MpsPiece(s, True, pod, True) for s, pod in info.used_mps]
+        self.slices += [MpsPiece(s, False, None, True) for s in info.free_mps]
+        self.whole_pod = info.whole_pod
+        self.whole_existing = info.whole_pod is not None
+        self.changed = False
+        self.destroyed = 0
+        self.created = 0
+
+    def clone(self) -> "MpsState":
+        c = MpsState.__new__(MpsState)
+        c.info, c.cap, c.whole_pod, c.whole_existing = self.info, self.cap, self.whole_pod, self.whole_existing
+        c.changed, c.destroyed, c.created = self.changed, self.destroyed, self.created
+        c.slices = [MpsPiece(s.size, s.used, s.pod, s.existing) for s in self.slices]
+        return c
+
+    def key(self) -> tuple:
+        return (self.cap, tuple(sorted((s.size, s.hard) for s in self.slices)), self.changed,
+                self.whole_pod is not None)
+
+    def has_pod(self) -> bool:
+        return self.whole_pod is not None or any(s.hard for s in self.slices)
+
+    def option(self, size: int) -> tuple[Cost, int, tuple[int, ...]] | None:
+        """Cheapest way to host one slice of `size` (size 0 = the whole GPU)."""
+        if self.whole_pod is not None:
+            return None
+        hard_total = sum(s.size for s in self.slices if s.hard)
+        empty = 0 if hard_total or any(s.hard for s in self.slices) else 1
+        touch = 0 if self.changed else 1
+        if size == 0:
+            if any(s.hard for s in self.slices):
+                return None
+            k = len(self.slices)
+            return ((k + (touch if k else 0), empty, 0, 0), -1, tuple(range(k)))
+        for k, s in enumerate(self.slices):
+            if not s.hard and s.size == size:
+                return ((0, empty, self.cap - hard_total - size, 0), -1 - k, ())
+        unallocated = self.cap - sum(s.size for s in self.slices)
+        leftover = self.cap - hard_total - size
+        if leftover < 0:
+            return None
+        destroy: list[int] = []
+        if unallocated < size:
+            free = sorted((k for k, s in enumerate(self.slices) if not s.hard),
+                          key=lambda k: (-self.slices[k].size, k))
+            for k in free:
+                destroy.append(k)
+                unallocated += self.slices[k].size
+                if unallocated >= size:
+                    break
+        return ((len(destroy) + touch, empty, leftover, 0), 0, tuple(sorted(destroy)))
+
+    def apply(self, size: int, start: int, destroy: tuple[int, ...], pod: str) -> None:
+        if size and start < 0:  # reuse an existing free slice
+            self.slices[-1 - start].pod = pod
+            return
+        for k in sorted(destroy, reverse=True):
+            assert not self.slices[k].hard, "never destroy a used slice"
+            if self.slices[k].existing:
+                self.destroyed += 1
+            else:
+                self.created -= 1
+            del self.slices[k]
+        if destroy:
+            self.changed = True
+        if size == 0:
+            self.whole_pod = pod
+            return
+        self.slices.append(MpsPiece(size, False, pod, False))
+        self.created += 1
+        self.changed = True
+
+
+GpuState = MigState | MpsState
+
+
+def new_state(info: GpuInfo) -> GpuState:
+    return MigState(info) if info.rules is not None else MpsState(info)
+
+
+def option_for(state: GpuState, kind: str, what: object) -> tuple[Cost, int, tuple[int, ...]] | None:
+    if isinstance(state, MigState):
+        if kind != KIND_MIG:
+            return None
+        p = state.rules.index.get(what)  # type: ignore[arg-type]
+        return None if p is None else state.option(p)
+    if kind == KIND_MIG:
+        return None
+    return state.option(0 if kind == KIND_GPU else what)  # type: ignore[arg-type]
+
+
+def apply_option(state: GpuState, kind: str, what: object, start: int, destroy: tuple[int, ...], pod: str) -> None:
+    if isinstance(state, MigState):
+        state.apply(state.rules.index[what], start, destroy, pod)  # type: ignore[index]
+    else:
+        state.apply(0 if kind == KIND_GPU else what, start, destroy, pod)  # type: ignore[arg-type]
