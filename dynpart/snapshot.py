@@ -127,13 +127,29 @@ class PlanStats(_Model):
 
 class Plan(_Model):
     policy: str
-    layouts: list[NodeLayout]  # every node, in snapshot order
+    # the desired layout of every GPU that changes or receives pods, by node in snapshot order;
+    # a GPU not listed keeps its current layout (see `full_layout`)
+    layouts: list[NodeLayout]
     placements: list[PodPlacement]
     unplaced: list[UnplacedPod]
     stats: PlanStats
 
     def changed_nodes(self) -> list[NodeLayout]:
         return [n for n in self.layouts if n.changed]
+
+    def layout_of(self, node: str) -> NodeLayout | None:
+        return next((n for n in self.layouts if n.node == node), None)
+
+
+def full_layout(node: Node, planned: NodeLayout | None) -> NodeLayout:
+    """Every GPU of the node: the plan's layout where it has one, the current one elsewhere."""
+    by_index = {g.index: g for g in planned.gpus} if planned is not None else {}
+    gpus = []
+    for gpu in sorted(node.gpus, key=lambda g: g.index):
+        gpus.append(by_index.get(gpu.index) or GpuLayout(
+            index=gpu.index, mig=[m.model_copy() for m in gpu.mig], mps=[s.model_copy() for s in gpu.mps],
+            whole_pod=gpu.whole_pod))
+    return NodeLayout(node=node.name, mode=node.mode, gpus=gpus)
 
 
 # --- validation -----------------------------------------------------------------------------
@@ -241,6 +257,6 @@ def request_of(pod: PendingPod) -> SliceResource:
 
 __all__ = [
     "Gpu", "GpuLayout", "MigInstance", "MpsResource", "MpsSlice", "Node", "NodeLayout", "PendingPod",
-    "Plan", "PlanStats", "PodPlacement", "Snapshot", "UnplacedPod", "gpu_capacity", "parse_snapshot",
+    "Plan", "PlanStats", "PodPlacement", "Snapshot", "UnplacedPod", "full_layout", "gpu_capacity", "parse_snapshot",
     "request_of", "validate_snapshot",
 ]

@@ -37,9 +37,9 @@ def placed_upper_bound(problem: Problem) -> int:
         if not r.candidates:
             continue
         if r.kind == KIND_MIG:
+            # every model names its profiles by memory, so one profile has one shape everywhere
             prof = problem.nodes[r.candidates[0]].model.profiles_by_name[r.profile]
-            models = {problem.nodes[n].model.name: problem.nodes[n].model for n in r.candidates}
-            mem_sizes.append(r.count * min(m.profiles_by_name[r.profile].memory for m in models.values()))
+            mem_sizes.append(r.count * prof.memory)
             compute_sizes.append(r.count * prof.compute)
         elif r.kind == KIND_MPS:
             mps_sizes.append(r.count * r.size)

@@ -84,7 +84,6 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
 
     offered: dict[tuple[int, object], cp_model.LinearExprT] = {}
     cost_terms: list = []
-    max_cost = 0
     occ: dict[int, cp_model.IntVar] = {}
     decode: dict[int, object] = {}
     for g in gids:
@@ -99,7 +98,6 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
             for d in dem:
                 offered[(g, d)] = sum(cfg[0].get(d, 0) * y for cfg, y in zip(configs, ys))
             cost_terms.append(sum(cfg[1] * y for cfg, y in zip(configs, ys)))
-            max_cost += max(c[1] for c in configs)
             decode[g] = (configs, ys)
         else:
             assert isinstance(st, MpsState)
@@ -128,7 +126,6 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
             for s in sizes:
                 offered[(g, s)] = new[s] + sum(v for k, v in keep.items() if st.slices[k].size == s)
             cost_terms.append(sum(1 - v for v in keep.values()) + changed)
-            max_cost += len(keep) + 1
             decode[g] = (keep, new, whole, changed)
         occ[g] = m.NewBoolVar(f"o{g}")
         if st.has_pod():
@@ -167,12 +164,9 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
             m.Add(sum(r.cpu * v for r, v in here) <= cpu_left[n])
             m.Add(sum(r.mem * v for r, v in here) <= mem_left[n])
 
-    w2 = len(occ) + 1
-    w1 = w2 * (max_cost + 1)
     placed_expr = sum(r.weight * x[(r.idx, n)] for r in reqs for n in cand[r.idx])
     cost_expr = sum(cost_terms) if cost_terms else 0
     occ_expr = sum(occ.values()) if occ else 0
-    m.Maximize(w1 * placed_expr - w2 * cost_expr - occ_expr)
 
     if hint:
         for r in reqs:
@@ -180,16 +174,26 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
             for n in cand[r.idx]:
                 m.AddHint(x[(r.idx, n)], 1 if h is not None and h[0] == n else 0)
 
-    solver = cp_model.CpSolver()
-    p = solver.parameters
-    p.num_workers = 1
-    p.random_seed = 0
-    # deterministic budget (same input, same plan); the wall-clock limit is only a safety net
-    p.max_deterministic_time = max(0.05, time_limit_s)
-    p.max_time_in_seconds = max(0.1, 3 * time_limit_s)
-    status = solver.Solve(m)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    # Lexicographic: first the most (priority-weighted) pods, then, with that fixed, the fewest
+    # changes and then the fewest occupied GPUs. Two solves prove optimality far sooner than
+    # one big weighted objective.
+    m.Maximize(placed_expr)
+    solver = _solver(time_limit_s * 0.6)
+    status1 = solver.Solve(m)
+    if status1 not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
+    best_placed = round(solver.ObjectiveValue())
+    m.ClearHints()
+    for i in range(len(m.Proto().variables)):
+        v = m.GetIntVarFromProtoIndex(i)
+        m.AddHint(v, solver.Value(v))
+    m.Add(placed_expr >= best_placed)
+    m.Minimize((len(occ) + 1) * cost_expr + occ_expr)
+    solver2 = _solver(time_limit_s * 0.4)
+    status2 = solver2.Solve(m)
+    if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solver = solver2
+    optimal = status1 == cp_model.OPTIMAL and status2 == cp_model.OPTIMAL
 
     # --- decode into GPU states -------------------------------------------------------------
     new_states: dict[int, GpuState] = {g: new_state(problem.gpus[g]) for g in gids}
@@ -238,7 +242,18 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
                 _assign(new_states[g], r, k)
         placed[r.idx] = (node, used_gids)
     obj = objective(list(new_states.values()), {i: problem.requests[i].weight for i in placed})
-    return ExactResult(new_states, placed, status == cp_model.OPTIMAL, obj)
+    return ExactResult(new_states, placed, optimal, obj)
+
+
+def _solver(budget_s: float) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    p = solver.parameters
+    p.num_workers = 1
+    p.random_seed = 0
+    # deterministic budget (same input, same plan); the wall-clock limit is only a safety net
+    p.max_deterministic_time = max(0.05, budget_s)
+    p.max_time_in_seconds = max(0.1, 3 * budget_s)
+    return solver
 
 
 def _assign(st: GpuState, r: Request, k: int) -> None:

@@ -10,15 +10,15 @@ from planner.state import GpuState, MigState, MpsState, new_state, option_for
 def gpu_layout(state: GpuState) -> GpuLayout:
     if isinstance(state, MigState):
         names = state.rules.names
-        return GpuLayout(
-            index=state.info.index,
-            mig=[MigInstance(profile=names[i.p], start=i.start, used=i.used, pod=i.pod) for i in state.insts],
+        return GpuLayout.model_construct(
+            index=state.info.index, mps=[], whole_pod=None,
+            mig=[MigInstance.model_construct(profile=names[i.p], start=i.start, used=i.used, pod=i.pod) for i in state.insts],
             changed=state.changed, created=state.created, destroyed=state.destroyed,
         )
     assert isinstance(state, MpsState)
-    return GpuLayout(
-        index=state.info.index,
-        mps=[MpsSlice(size=s.size, used=s.used, pod=s.pod) for s in state.slices],
+    return GpuLayout.model_construct(
+        index=state.info.index, mig=[],
+        mps=[MpsSlice.model_construct(size=s.size, used=s.used, pod=s.pod) for s in state.slices],
         whole_pod=state.whole_pod, changed=state.changed, created=state.created, destroyed=state.destroyed,
     )
 
@@ -56,10 +56,15 @@ def unplaced_reason(problem: Problem, req: Request, gpu_states_initial: list[Gpu
 
 def build_plan(policy: str, problem: Problem, states: list[GpuState], placed: dict[int, tuple[int, list[int]]],
                bound: int, solver: str, solve_s: float) -> Plan:
-    layouts = [
-        NodeLayout(node=n.name, mode=n.mode, gpus=[gpu_layout(states[g]) for g in n.gpus])  # type: ignore[arg-type]
-        for n in problem.nodes
-    ]
+    # only GPUs whose layout changes or that receive pods; every other GPU keeps its layout
+    touched = {g for g, st in enumerate(states) if st.changed}
+    for _, gids in placed.values():
+        touched.update(gids)
+    layouts = []
+    for n in problem.nodes:
+        gpus = [gpu_layout(states[g]) for g in n.gpus if g in touched]
+        if gpus:
+            layouts.append(NodeLayout.model_construct(node=n.name, mode=n.mode, gpus=gpus))
     placements, unplaced = [], []
     weight = 0
     for req in problem.requests:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.mig import MigRules
 from dynpart.resources import MigResource, MpsResource, WholeGpuResource, parse_resource
@@ -128,6 +130,11 @@ def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
                               node.memory_mib_free, dict(node.labels), gids))
 
     weights = priority_weights([p.priority for p in snapshot.pending])
+    cpu_free = np.array([n.cpu_free for n in nodes], dtype=np.int64)
+    mem_free = np.array([n.mem_free for n in nodes], dtype=np.int64)
+    # the filters that do not depend on CPU/memory give the same answer for every pod with the
+    # same request, selector and accepted models: evaluate them once per such signature
+    static: dict[tuple, tuple[np.ndarray, list[tuple[int, str]]]] = {}
     requests: list[Request] = []
     for pi, pod in enumerate(snapshot.pending):
         res = parse_resource(pod.resource)
@@ -140,18 +147,29 @@ def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
             kind, profile, size = KIND_GPU, None, 0
         req = Request(pi, pod.name, pod.resource, kind, profile, size, pod.count, pod.cpu_milli,
                       pod.memory_mib, pod.priority, weights[pod.priority])
-        accepted = {catalog.resolve(m).name for m in pod.gpu_models}
-        reasons: list[tuple[int, str]] = []
-        for node in nodes:
-            why = _node_rejects(node, gpus, req, pod.node_selector, accepted)
-            if why is None:
-                req.candidates.append(node.idx)
-            else:
-                reasons.append(why)
+        accepted = frozenset(catalog.resolve(m).name for m in pod.gpu_models)
+        sig = (kind, profile, size, pod.count, tuple(sorted(pod.node_selector.items())), accepted)
+        hit = static.get(sig)
+        if hit is None:
+            ok, reasons = [], []
+            for node in nodes:
+                why = _node_rejects(node, gpus, req, pod.node_selector, accepted)
+                if why is None:
+                    ok.append(node.idx)
+                else:
+                    reasons.append(why)
+            hit = static[sig] = (np.array(ok, dtype=np.int64), reasons)
+        ok_nodes, reasons = hit
+        fits = ok_nodes[(cpu_free[ok_nodes] >= req.cpu) & (mem_free[ok_nodes] >= req.mem)] if len(ok_nodes) else ok_nodes
+        req.candidates = fits.tolist()
         if kind == KIND_MIG and req.candidates:
             req.size = nodes[req.candidates[0]].model.profiles_by_name[profile].memory
         if not req.candidates:
-            req.no_candidate_reason = _summarise(reasons, len(nodes))
+            if len(ok_nodes):
+                req.no_candidate_reason = (f"not enough free CPU/memory on any matching node "
+                                           f"(asks {req.cpu}m CPU, {req.mem} MiB)")
+            else:
+                req.no_candidate_reason = _summarise(reasons, len(nodes))
         requests.append(req)
     return Problem(nodes, gpus, requests)
 
@@ -178,8 +196,6 @@ def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: d
         return 4, f"{req.count} slices do not fit on one node"
     if req.kind == KIND_GPU and req.count > len(node.gpus):
         return 4, f"{req.count} whole GPUs asked; nodes have at most {len(node.gpus)}"
-    if req.cpu > node.cpu_free or req.mem > node.mem_free:
-        return 5, f"not enough free CPU/memory on any matching node (asks {req.cpu}m CPU, {req.mem} MiB)"
     return None
 
 

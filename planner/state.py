@@ -81,34 +81,54 @@ class MigState:
         start = -1 - k means: reuse the existing free instance insts[k]."""
         rules = self.rules
         full = rules.full_mask
-        hard = self.hard_mask()
+        flex = _flex_table(rules)
+        memory = rules.memory
+        hard = occ = compute = media = 0
+        counts = [0] * len(memory)
+        for i in self.insts:
+            m = ((1 << memory[i.p]) - 1) << i.start
+            occ |= m
+            if i.hard:
+                hard |= m
+            counts[i.p] += 1
+            compute += rules.compute[i.p]
+            media += rules.media[i.p]
         empty = 0 if hard else 1
         best: tuple[Cost, int, tuple[int, ...]] | None = None
         for k, inst in enumerate(self.insts):
             if inst.p == p and not inst.hard:
-                after = hard | rules.mask(p, inst.start)
-                cost = (0, empty, (full & ~after).bit_count(), -_flex_table(rules)[after])
+                after = hard | (((1 << memory[p]) - 1) << inst.start)
+                cost = (0, empty, (full & ~after).bit_count(), -flex[after])
                 if best is None or cost < best[0]:
                     best = (cost, -1 - k, ())
         if best is not None:
             return best
-        flex = _flex_table(rules)
+        touch = 0 if self.changed else 1
+        # Without destroying anything: always cheaper than any option that destroys.
+        if rules.can_add(p, 0, 0, counts, compute, media):
+            for start, m in rules.placements[p]:
+                if not occ & m:
+                    after = hard | m
+                    cost = (touch, empty, (full & ~after).bit_count(), -flex[after])
+                    if best is None or cost < best[0]:
+                        best = (cost, start, ())
+            if best is not None:
+                return best
         for start, m in rules.placements[p]:
             if hard & m:
                 continue
-            destroy = tuple(k for k, i in enumerate(self.insts) if rules.mask(i.p, i.start) & m)
-            counts = [0] * len(rules.names)
-            compute = media = 0
-            for k, i in enumerate(self.insts):
-                if k not in destroy:
-                    counts[i.p] += 1
-                    compute += rules.compute[i.p]
-                    media += rules.media[i.p]
-            if not rules.can_add(p, start, 0, counts, compute, media):
+            destroy = tuple(k for k, i in enumerate(self.insts) if (((1 << memory[i.p]) - 1) << i.start) & m)
+            left = list(counts)
+            c, me = compute, media
+            for k in destroy:
+                q = self.insts[k].p
+                left[q] -= 1
+                c -= rules.compute[q]
+                me -= rules.media[q]
+            if not rules.can_add(p, start, 0, left, c, me):
                 continue
             after = hard | m
-            change = len(destroy) + (0 if self.changed else 1)
-            cost = (change, empty, (full & ~after).bit_count(), -flex[after])
+            cost = (len(destroy) + touch, empty, (full & ~after).bit_count(), -flex[after])
             if best is None or cost < best[0]:
                 best = (cost, start, destroy)
         return best

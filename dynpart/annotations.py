@@ -1,0 +1,473 @@
+"""The node-annotation protocol between the planner and the node agent. Pure code, no I/O.
+
+The planner writes the desired layout of a node as `dynpart.io/spec-*` annotations with a new
+plan id; the agent applies it and answers with `dynpart.io/status-*` annotations naming the
+plan id it applied. MIG and MPS nodes use the same keys and the same handshake. The format,
+the handshake and examples are in docs/protocol.md; in short:
+
+    dynpart.io/spec-plan: "<plan id>"              dynpart.io/status-plan: "<plan id applied>"
+    dynpart.io/spec-mode: "mig" | "mps"            dynpart.io/status-mode: "mig" | "mps"
+    dynpart.io/spec-gpu-0-1g.10gb: "2@0,1"         dynpart.io/status-gpu-0-1g.10gb-free: "1@1"
+    dynpart.io/spec-gpu-0-3g.40gb: "1@4"           dynpart.io/status-gpu-0-1g.10gb-used: "1@0"
+    dynpart.io/spec-gpu-1-1g.10gb.me: "1@6"        dynpart.io/status-error: "<one problem a line>"
+    dynpart.io/spec-gpu-0-10gb: "2"  (MPS)         dynpart.io/status-heartbeat: "2025-01-31T12:00:00Z"
+
+A MIG value is `<count>@<start>,<start>...` (the placements, in memory slices); an MPS value is
+a count of slices of that size. `+me` is written `.me` in keys (annotation names allow
+`[A-Za-z0-9._-]` only).
+
+Decoding is strict and total: a malformed key or value, or an instance that breaks the GPU's
+MIG rules, is reported as a sentence in `problems` and ignored; decoding never raises.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Iterator, Literal, Mapping
+
+from dynpart.catalog import GpuModel
+from dynpart.mig import MigRules
+from dynpart.snapshot import GpuLayout, MigInstance, Mode, MpsSlice, NodeLayout
+
+PREFIX = "dynpart.io/"
+SPEC_PREFIX = PREFIX + "spec-"
+STATUS_PREFIX = PREFIX + "status-"
+
+SPEC_PLAN = SPEC_PREFIX + "plan"
+SPEC_MODE = SPEC_PREFIX + "mode"
+STATUS_PLAN = STATUS_PREFIX + "plan"
+STATUS_MODE = STATUS_PREFIX + "mode"
+STATUS_ERROR = STATUS_PREFIX + "error"
+STATUS_HEARTBEAT = STATUS_PREFIX + "heartbeat"
+
+# Opt-in node label: the node's GPUs are partitioned by dynpart, in this mode.
+PARTITIONING_LABEL = PREFIX + "gpu-partitioning"
+
+MAX_GPU_INDEX = 255
+MAX_PLAN_ID = 128
+MAX_ERROR_CHARS = 4096
+
+_PLAN_ID = re.compile(r"[!-~]{1,%d}" % MAX_PLAN_ID, re.ASCII)  # printable ASCII, no space
+_INT = re.compile(r"0|[1-9][0-9]{0,5}", re.ASCII)  # canonical, short: int() never sees 4300 digits
+_POSITIVE = re.compile(r"[1-9][0-9]{0,5}", re.ASCII)
+_MIG_SLICE = re.compile(r"([1-9][0-9]?g\.[1-9][0-9]{0,3}gb)(\.me)?", re.ASCII)
+_MPS_SLICE = re.compile(r"([1-9][0-9]{0,5})gb", re.ASCII)
+_MIG_VALUE = re.compile(r"([^@]*)@(.*)", re.ASCII | re.DOTALL)
+_HEARTBEAT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+SliceState = Literal["free", "used"]
+_RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, STATUS_PLAN, STATUS_MODE, STATUS_ERROR, STATUS_HEARTBEAT})
+
+
+# --- keys -------------------------------------------------------------------------------------
+
+
+def slice_token(profile: str) -> str:
+    """A MIG profile as written in a key: `1g.10gb+me` -> `1g.10gb.me`."""
+    token = profile.replace("+", ".")
+    if not _MIG_SLICE.fullmatch(token):
+        raise ValueError(f"MIG profile {profile!r} cannot be written in an annotation key")
+    return token
+
+
+def mps_token(size: int) -> str:
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"MPS slice size {size!r} must be a positive integer")
+    return f"{size}gb"
+
+
+def spec_key(gpu: int, token: str) -> str:
+    return f"{SPEC_PREFIX}gpu-{gpu}-{token}"
+
+
+def status_key(gpu: int, token: str, state: SliceState) -> str:
+    return f"{STATUS_PREFIX}gpu-{gpu}-{token}-{state}"
+
+
+def format_heartbeat(at: datetime) -> str:
+    if at.tzinfo is not None:
+        at = at.astimezone(timezone.utc)
+    return at.strftime(_HEARTBEAT_FORMAT)
+
+
+# --- canonical layouts --------------------------------------------------------------------------
+
+
+def canonical_gpu(gpu: GpuLayout, keep_used: bool) -> GpuLayout:
+    """Only what the protocol carries: placements (and used flags), sorted."""
+    mig = sorted(
+        (MigInstance(profile=m.profile, start=m.start, used=m.used and keep_used) for m in gpu.mig),
+        key=lambda m: (m.start, m.profile, m.used),
+    )
+    mps = sorted(
+        (MpsSlice(size=s.size, used=s.used and keep_used) for s in gpu.mps),
+        key=lambda s: (-s.size, not s.used),
+    )
+    return GpuLayout(index=gpu.index, mig=mig, mps=mps)
+
+
+def canonical_layout(layout: NodeLayout, keep_used: bool = False) -> NodeLayout:
+    """The layout as the annotations carry it: GPUs without instances or slices dropped, pods,
+    counters and whole-GPU assignments dropped, everything sorted. `decode_spec(encode_spec(x))`
+    gives `canonical_layout(x)`; `decode_status(encode_status(x))` gives it with `keep_used`."""
+    gpus = [canonical_gpu(g, keep_used) for g in sorted(layout.gpus, key=lambda g: g.index)]
+    if layout.mode == "mig":
+        gpus = [GpuLayout(index=g.index, mig=g.mig) for g in gpus if g.mig]
+    else:
+        gpus = [GpuLayout(index=g.index, mps=g.mps) for g in gpus if g.mps]
+    return NodeLayout(node=layout.node, mode=layout.mode, gpus=gpus)
+
+
+# --- encoding ---------------------------------------------------------------------------------
+
+
+def _check_plan_id(plan_id: str) -> str:
+    if not isinstance(plan_id, str) or not _PLAN_ID.fullmatch(plan_id):
+        raise ValueError(
+            f"plan id {plan_id!r} must be 1 to {MAX_PLAN_ID} printable ASCII characters without spaces"
+        )
+    return plan_id
+
+
+def _slice_values(gpu: GpuLayout, mode: Mode, with_state: bool) -> dict[tuple[str, SliceState], str]:
+    """(key token, state) -> value for one GPU; state is "free" when not `with_state`."""
+    if gpu.index < 0 or gpu.index > MAX_GPU_INDEX:
+        raise ValueError(f"GPU index {gpu.index} is outside 0..{MAX_GPU_INDEX}")
+    out: dict[tuple[str, SliceState], str] = {}
+    if mode == "mig":
+        starts: dict[tuple[str, SliceState], list[int]] = defaultdict(list)
+        for m in gpu.mig:
+            state: SliceState = "used" if with_state and m.used else "free"
+            starts[(slice_token(m.profile), state)].append(m.start)
+        for k, ss in starts.items():
+            out[k] = f"{len(ss)}@{','.join(str(s) for s in sorted(ss))}"
+    else:
+        counts: Counter[tuple[str, SliceState]] = Counter()
+        for s in gpu.mps:
+            counts[(mps_token(s.size), "used" if with_state and s.used else "free")] += 1
+        out = {k: str(n) for k, n in counts.items()}
+    return out
+
+
+def encode_spec(layout: NodeLayout, plan_id: str) -> dict[str, str]:
+    """The `dynpart.io/spec-*` annotations of a planned node layout (every instance or slice of
+    the layout, used or free, with its placement). Raises ValueError on a layout that cannot be
+    written (the planner's bug, not the user's): it is never given to a node half-written."""
+    out = {SPEC_PLAN: _check_plan_id(plan_id), SPEC_MODE: layout.mode}
+    for gpu in layout.gpus:
+        for (token, _), value in _slice_values(gpu, layout.mode, with_state=False).items():
+            out[spec_key(gpu.index, token)] = value
+    return out
+
+
+def encode_status(layout: NodeLayout, plan_id: str | None, errors: list[str] | tuple[str, ...] = (),
+                  heartbeat: datetime | None = None) -> dict[str, str]:
+    """The `dynpart.io/status-*` annotations the agent writes: every instance or slice on the
+    node as free or used, the plan id it applied (None: none yet), its errors, a heartbeat."""
+    out: dict[str, str] = {STATUS_MODE: layout.mode}
+    if plan_id is not None:
+        out[STATUS_PLAN] = _check_plan_id(plan_id)
+    for gpu in layout.gpus:
+        for (token, state), value in _slice_values(gpu, layout.mode, with_state=True).items():
+            out[status_key(gpu.index, token, state)] = value
+    if errors:
+        out[STATUS_ERROR] = _join_errors(errors)
+    if heartbeat is not None:
+        out[STATUS_HEARTBEAT] = format_heartbeat(heartbeat)
+    return out
+
+
+def _join_errors(errors: list[str] | tuple[str, ...]) -> str:
+    lines = [" ".join(str(e).split()) for e in errors]  # one line each
+    text = ""
+    for i, line in enumerate(lines):
+        candidate = line if not text else text + "\n" + line
+        if len(candidate) > MAX_ERROR_CHARS:
+            return text + f"\n... ({len(lines) - i} more)"
+        text = candidate
+    return text
+
+
+def annotation_patch(old: Mapping[str, str] | None, new: Mapping[str, str],
+                     prefix: str = SPEC_PREFIX) -> dict[str, str | None]:
+    """A JSON merge patch of `metadata.annotations` turning `old` into `new` for the keys under
+    `prefix` (default: the spec): keys whose value changes are set, keys under `prefix` that
+    `new` lacks are removed (None). Other keys are left alone. Empty when nothing changes."""
+    old = dict(old or {})
+    patch: dict[str, str | None] = {k: v for k, v in new.items() if old.get(k) != v}
+    for k in old:
+        if isinstance(k, str) and k.startswith(prefix) and k not in new:
+            patch[k] = None
+    return patch
+
+
+# --- decoding ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodedSpec:
+    """What a node's spec annotations ask for. `layout` is None when the node has no spec (the
+    agent then changes nothing); GPUs without keys are absent from it (meaning: no instances).
+    Unpacks as `layout, plan_id, problems`."""
+
+    layout: NodeLayout | None
+    plan_id: str | None
+    problems: list[str] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.layout, self.plan_id, self.problems))
+
+
+@dataclass(frozen=True)
+class DecodedStatus:
+    """What an agent reported. `layout` has `used` set per instance or slice; None when the
+    node has no status. Unpacks as `layout, plan_id, problems`."""
+
+    layout: NodeLayout | None
+    plan_id: str | None
+    problems: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    heartbeat: datetime | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.layout, self.plan_id, self.problems))
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bad(key: Any, value: Any, why: str) -> str:
+    return f"annotation {_show(key)} = {_show(value)}: {why}; ignored"
+
+
+@dataclass
+class _Item:
+    """One parsed slice key: a MIG profile with starts, or an MPS size with a count."""
+
+    key: str
+    value: str
+    gpu: int
+    state: SliceState
+    profile: str | None = None  # MIG
+    starts: tuple[int, ...] = ()
+    size: int = 0  # MPS
+    count: int = 0
+
+    @property
+    def mode(self) -> Mode:
+        return "mig" if self.profile is not None else "mps"
+
+
+def _parse_slice_key(key: str, value: Any, name: str, with_state: bool,
+                     model: GpuModel, problems: list[str]) -> _Item | None:
+    """`name` is the key without its `spec-`/`status-` prefix: `gpu-<i>-<slice>[-<state>]`."""
+    parts = name.split("-")
+    want = 4 if with_state else 3
+    if len(parts) != want or parts[0] != "gpu":
+        shape = "gpu-<index>-<profile or size>" + ("-free|used" if with_state else "")
+        problems.append(_bad(key, value, f"unknown key; expected {SPEC_PREFIX if not with_state else STATUS_PREFIX}{shape}"))
+        return None
+    index_text, token = parts[1], parts[2]
+    state: SliceState = "free"
+    if with_state:
+        if parts[3] not in ("free", "used"):
+            problems.append(_bad(key, value, f"state {parts[3]!r} is neither 'free' nor 'used'"))
+            return None
+        state = parts[3]  # type: ignore[assignment]
+    if not _INT.fullmatch(index_text) or int(index_text) > MAX_GPU_INDEX:
+        problems.append(_bad(key, value, f"GPU index {index_text!r} is not an integer in 0..{MAX_GPU_INDEX}"))
+        return None
+    gpu = int(index_text)
+    if not isinstance(value, str):
+        problems.append(_bad(key, value, "the value is not a string"))
+        return None
+    if m := _MIG_SLICE.fullmatch(token):
+        profile = m.group(1) + ("+me" if m.group(2) else "")
+        if profile not in model.profiles_by_name:
+            known = ", ".join(p.replace("+", ".") for p in model.profiles_by_name) or "none"
+            problems.append(_bad(key, value, f"{model.name} has no MIG profile {profile!r} (profiles: {known})"))
+            return None
+        vm = _MIG_VALUE.fullmatch(value)
+        if vm is None:
+            problems.append(_bad(key, value, "a MIG value must be <count>@<start>,<start>... (e.g. '2@0,1')"))
+            return None
+        count_text, starts_text = vm.groups()
+        if not _POSITIVE.fullmatch(count_text):
+            problems.append(_bad(key, value, f"count {count_text!r} is not a positive integer"))
+            return None
+        start_texts = starts_text.split(",")
+        bad = [s for s in start_texts if not _INT.fullmatch(s)]
+        if bad:
+            problems.append(_bad(key, value, f"start {bad[0]!r} is not a non-negative integer"))
+            return None
+        starts = tuple(int(s) for s in start_texts)
+        if len(starts) != int(count_text):
+            problems.append(_bad(key, value, f"count {count_text} does not match the {len(starts)} starts listed"))
+            return None
+        if len(set(starts)) != len(starts):
+            problems.append(_bad(key, value, "a start is listed twice"))
+            return None
+        return _Item(key, value, gpu, state, profile=profile, starts=starts)
+    if m := _MPS_SLICE.fullmatch(token):
+        if not _POSITIVE.fullmatch(value):
+            problems.append(_bad(key, value, "an MPS value must be a positive integer count of slices"))
+            return None
+        return _Item(key, value, gpu, state, size=int(m.group(1)), count=int(value))
+    problems.append(_bad(key, value, f"{token!r} is neither a MIG profile (e.g. 1g.10gb, 1g.10gb.me) "
+                                     "nor an MPS slice size (e.g. 10gb)"))
+    return None
+
+
+def _decode_slices(annotations: Mapping[Any, Any], model: GpuModel, prefix: str, mode_key: str,
+                   node: str, capacity: int | None,
+                   with_state: bool, problems: list[str]) -> NodeLayout | None:
+    """The per-GPU layout carried by the slice keys under `prefix` (shared by spec and status)."""
+    mode_value = annotations.get(mode_key)
+    mode: Mode | None = None
+    if mode_value is not None:
+        if mode_value in ("mig", "mps"):
+            mode = mode_value
+        else:
+            problems.append(_bad(mode_key, mode_value, "the mode must be 'mig' or 'mps'"))
+    items: list[_Item] = []
+    for key in sorted((k for k in annotations if isinstance(k, str)), key=str):
+        if not key.startswith(prefix) or key in _RESERVED:
+            continue
+        item = _parse_slice_key(key, annotations[key], key[len(prefix):], with_state, model, problems)
+        if item is not None:
+            items.append(item)
+    if mode is None:
+        shapes = {i.mode for i in items}
+        if not items and mode_value is None:
+            return None
+        if len(shapes) != 1:
+            problems.append(f"annotation {mode_key} is missing or invalid and the keys mix MIG and MPS "
+                            "slices; every slice key is ignored")
+            return None
+        mode = shapes.pop()
+    if mode == "mig" and not model.supports_mig:
+        problems.append(_bad(mode_key, "mig", f"GPU model {model.name} does not support MIG"))
+    layouts: dict[int, GpuLayout] = {}
+    by_gpu: dict[int, list[_Item]] = defaultdict(list)
+    for item in items:
+        if item.mode != mode:
+            problems.append(_bad(item.key, item.value, f"{'a MIG' if item.mode == 'mig' else 'an MPS'} slice on a node in {mode} mode"))
+            continue
+        by_gpu[item.gpu].append(item)
+    for gpu, gitems in sorted(by_gpu.items()):
+        if mode == "mig":
+            mig = _accept_mig(gitems, model, problems)
+            if mig:
+                layouts[gpu] = GpuLayout(index=gpu, mig=mig)
+        else:
+            mps = _accept_mps(gitems, capacity if capacity is not None else model.memory_gb, problems)
+            if mps:
+                layouts[gpu] = GpuLayout(index=gpu, mps=mps)
+    return NodeLayout(node=node, mode=mode, gpus=[layouts[i] for i in sorted(layouts)])
+
+
+def _accept_mig(items: list[_Item], model: GpuModel, problems: list[str]) -> list[MigInstance]:
+    """Add the instances one by one, in (start, profile) order; one that would break the MIG
+    rules with those already accepted is reported and left out."""
+    if not model.supports_mig:
+        return []
+    rules = MigRules.of(model)
+    cands = sorted(
+        ((s, it.profile or "", it.state == "used", it) for it in items for s in it.starts),
+        key=lambda c: (c[0], c[1], c[2]),
+    )
+    accepted: list[tuple[str, int]] = []
+    out: list[MigInstance] = []
+    for start, profile, used, it in cands:
+        broken = rules.violations([*accepted, (profile, start)])
+        if broken:
+            why = broken[0]
+            if f"{profile}@{start}" not in why and f"start at memory slice {start}" not in why:
+                why = f"{profile}@{start}: {why}"
+            problems.append(_bad(it.key, it.value, why))
+            continue
+        accepted.append((profile, start))
+        out.append(MigInstance(profile=profile, start=start, used=used))
+    return out
+
+
+def _accept_mps(items: list[_Item], capacity: int, problems: list[str]) -> list[MpsSlice]:
+    """Used slices first, then larger first; a key whose slices do not fit in what is left of
+    the GPU's capacity is reported and left out."""
+    out: list[MpsSlice] = []
+    total = 0
+    for it in sorted(items, key=lambda i: (i.state != "used", -i.size, i.key)):
+        need = it.size * it.count
+        if total + need > capacity:
+            problems.append(_bad(it.key, it.value, f"{it.count} x {it.size}gb does not fit: GPU {it.gpu} has "
+                                                   f"{capacity - total} of {capacity} GB left"))
+            continue
+        total += need
+        out.extend(MpsSlice(size=it.size, used=it.state == "used") for _ in range(it.count))
+    return sorted(out, key=lambda s: (-s.size, not s.used))
+
+
+def _decode_plan(annotations: Mapping[Any, Any], key: str, problems: list[str]) -> str | None:
+    value = annotations.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not _PLAN_ID.fullmatch(value):
+        problems.append(_bad(key, value, f"a plan id is 1 to {MAX_PLAN_ID} printable ASCII characters "
+                                         "without spaces"))
+        return None
+    return value
+
+
+def _ours(annotations: Any) -> dict[Any, Any]:
+    if not isinstance(annotations, Mapping):
+        return {}
+    return {k: v for k, v in annotations.items() if isinstance(k, str) and k.startswith(PREFIX)}
+
+
+def decode_spec(annotations: Mapping[str, str] | None, model: GpuModel, *, node: str = "",
+                capacity: int | None = None) -> DecodedSpec:
+    """Read a node's desired layout (see the module docstring). `capacity` is the MPS capacity
+    of one GPU in GB (default: the model's memory). Never raises."""
+    problems: list[str] = []
+    ours = _ours(annotations)
+    plan_id = _decode_plan(ours, SPEC_PLAN, problems)
+    layout = _decode_slices(ours, model, SPEC_PREFIX, SPEC_MODE, node, capacity, False, problems)
+    return DecodedSpec(layout, plan_id, problems)
+
+
+def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, node: str = "",
+                  capacity: int | None = None) -> DecodedStatus:
+    """Read what a node's agent reported. Never raises."""
+    problems: list[str] = []
+    ours = _ours(annotations)
+    plan_id = _decode_plan(ours, STATUS_PLAN, problems)
+    layout = _decode_slices(ours, model, STATUS_PREFIX, STATUS_MODE, node, capacity, True, problems)
+    errors: list[str] = []
+    raw_errors = ours.get(STATUS_ERROR)
+    if raw_errors is not None:
+        if isinstance(raw_errors, str):
+            errors = [line for line in raw_errors.split("\n") if line.strip()]
+        else:
+            problems.append(_bad(STATUS_ERROR, raw_errors, "the value is not a string"))
+    heartbeat: datetime | None = None
+    raw_beat = ours.get(STATUS_HEARTBEAT)
+    if raw_beat is not None:
+        try:
+            if not isinstance(raw_beat, str):
+                raise ValueError
+            heartbeat = datetime.strptime(raw_beat, _HEARTBEAT_FORMAT).replace(tzinfo=timezone.utc)
+        except ValueError:
+            problems.append(_bad(STATUS_HEARTBEAT, raw_beat, "a heartbeat is a UTC time like 2025-01-31T12:00:00Z"))
+    return DecodedStatus(layout, plan_id, problems, errors, heartbeat)
+
+
+__all__ = [
+    "DecodedSpec", "DecodedStatus", "PARTITIONING_LABEL", "PREFIX", "SPEC_MODE", "SPEC_PLAN", "SPEC_PREFIX",
+    "STATUS_ERROR", "STATUS_HEARTBEAT", "STATUS_MODE", "STATUS_PLAN", "STATUS_PREFIX", "annotation_patch",
+    "canonical_layout", "decode_spec", "decode_status", "encode_spec", "encode_status", "format_heartbeat",
+]

@@ -1,0 +1,88 @@
+"""Bad input gets a clear error naming the field and the value."""
+
+import pytest
+
+from dynpart.errors import SnapshotError
+from dynpart.snapshot import Gpu, MigInstance, MpsSlice, Node, PendingPod, Snapshot, parse_snapshot
+from planner import plan
+
+
+def _node(**kw):
+    base = dict(name="n1", mode="mig", gpu_model="H100-80GB", gpus=[Gpu(index=0)])
+    base.update(kw)
+    return Node(**base)
+
+
+def test_unknown_gpu_model():
+    snap = Snapshot(nodes=[_node(gpu_model="NVIDIA-Quantum-9000")])
+    with pytest.raises(SnapshotError, match=r"nodes\[0\] \(n1\)\.gpu_model: unknown GPU model 'NVIDIA-Quantum-9000'"):
+        plan(snap)
+
+
+def test_unknown_profile():
+    snap = Snapshot(nodes=[_node()], pending=[PendingPod(name="ns/a", resource="nvidia.com/mig-5g.20gb")])
+    with pytest.raises(SnapshotError, match=r"pending\[0\] \(ns/a\)\.resource = 'nvidia.com/mig-5g.20gb'.*5g.20gb"):
+        plan(snap)
+
+
+def test_resource_that_is_not_a_slice():
+    snap = Snapshot(nodes=[_node()], pending=[PendingPod(name="ns/a", resource="nvidia.com/mig-huge")])
+    with pytest.raises(SnapshotError, match=r"pending\[0\] \(ns/a\)\.resource.*'nvidia.com/mig-huge'"):
+        plan(snap)
+
+
+def test_slice_bigger_than_the_gpu():
+    snap = Snapshot(nodes=[_node(mode="mps", gpus=[Gpu(index=0, mps=[MpsSlice(size=100, used=True)])])])
+    with pytest.raises(SnapshotError, match=r"gpus\[0\]\.mps\[0\]\.size = 100: slice bigger than the GPU \(capacity 80\)"):
+        plan(snap)
+
+
+def test_slices_adding_up_past_capacity():
+    snap = Snapshot(nodes=[_node(mode="mps", gpus=[Gpu(index=0, mps=[MpsSlice(size=50), MpsSlice(size=40)])])])
+    with pytest.raises(SnapshotError, match="add up to 90, more than the GPU's capacity 80"):
+        plan(snap)
+
+
+def test_pod_asking_for_more_than_any_gpu_is_unplaced_with_a_reason_not_an_error():
+    snap = Snapshot(nodes=[_node(mode="mps")], pending=[PendingPod(name="ns/a", resource="nvidia.com/gpu-200gb")])
+    p = plan(snap)
+    assert p.unplaced[0].reason == "a 200 slice is bigger than every MPS GPU (largest 80)"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("count", -1, r"pending\[0\]\.count = -1: Input should be greater than or equal to 1"),
+    ("cpu_milli", -5, r"pending\[0\]\.cpu_milli = -5"),
+    ("memory_mib", -1, r"pending\[0\]\.memory_mib = -1"),
+])
+def test_negative_counts(field, value, message):
+    data = {"nodes": [], "pending": [{"name": "ns/a", "resource": "nvidia.com/gpu", field: value}]}
+    with pytest.raises(SnapshotError, match=message):
+        parse_snapshot(data)
+
+
+def test_negative_node_capacity_and_gpu_index():
+    with pytest.raises(SnapshotError, match=r"nodes\[0\]\.gpus\[0\]\.index = -1"):
+        parse_snapshot({"nodes": [{"name": "n", "mode": "mig", "gpu_model": "H100-80GB", "gpus": [{"index": -1}]}]})
+    with pytest.raises(SnapshotError, match=r"nodes\[0\]\.cpu_milli_free = -1"):
+        parse_snapshot({"nodes": [{"name": "n", "mode": "mig", "gpu_model": "H100-80GB", "cpu_milli_free": -1}]})
+
+
+def test_invalid_existing_geometry():
+    snap = Snapshot(nodes=[_node(gpus=[Gpu(index=0, mig=[MigInstance(profile="4g.40gb", start=0),
+                                                          MigInstance(profile="2g.20gb", start=2, used=True)])])])
+    with pytest.raises(SnapshotError, match=r"gpus\[0\]\.mig: 2g.20gb@2 overlaps"):
+        plan(snap)
+
+
+def test_unknown_mode_and_extra_fields():
+    with pytest.raises(SnapshotError, match=r"nodes\[0\]\.mode = 'timeslice'"):
+        parse_snapshot({"nodes": [{"name": "n", "mode": "timeslice", "gpu_model": "H100-80GB"}]})
+    with pytest.raises(SnapshotError, match=r"pending\[0\]\.replicas"):
+        parse_snapshot({"pending": [{"name": "a", "resource": "nvidia.com/gpu", "replicas": 2}]})
+
+
+def test_every_problem_is_listed():
+    snap = Snapshot(nodes=[_node(gpu_model="X1"), _node(name="n2", gpu_model="X2")])
+    with pytest.raises(SnapshotError) as e:
+        plan(snap)
+    assert len(e.value.problems) == 2
