@@ -72,7 +72,8 @@ def plan(snapshot: Snapshot, catalog: Catalog | None = None, options: PlanOption
                               [n.mem_free for n in problem.nodes])
             greedy_obj = objective(states, {i: problem.requests[i].weight for i in placed})
             if res is not None:
-                solver = "cp-sat optimal" if res.optimal else "cp-sat feasible"
+                solver = ("cp-sat optimal" if res.optimal else
+                          "cp-sat optimal placement" if res.placed_optimal else "cp-sat feasible")
                 if _better(res.objective, greedy_obj) or res.optimal:
                     states = [res.states[g.gid] for g in problem.gpus]
                     placed = res.placed

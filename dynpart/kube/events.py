@@ -1,0 +1,40 @@
+"""Posting Kubernetes Events (core/v1, so `kubectl describe` shows them on the object)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import uuid
+from typing import Any
+
+from kubernetes_asyncio import client
+
+log = logging.getLogger(__name__)
+
+
+def _reference(obj: dict[str, Any]) -> dict[str, Any]:
+    md = obj.get("metadata", {})
+    kind = obj.get("kind") or ("Pod" if "containers" in (obj.get("spec") or {}) else "Node")
+    ref = {"kind": kind, "apiVersion": "v1", "name": md.get("name"), "uid": md.get("uid")}
+    if md.get("namespace"):
+        ref["namespace"] = md["namespace"]
+    return ref
+
+
+async def post_event(core: client.CoreV1Api, obj: dict[str, Any], reason: str, message: str,
+                     component: str, warning: bool = False) -> None:
+    """Best effort: a failure to post an event is logged, never raised."""
+    ref = _reference(obj)
+    namespace = ref.get("namespace", "default")
+    now = dt.datetime.now(dt.timezone.utc)
+    body = {
+        "metadata": {"name": f"{ref['name']}.{uuid.uuid4().hex[:12]}", "namespace": namespace},
+        "involvedObject": ref, "reason": reason, "message": message[:1024],
+        "type": "Warning" if warning else "Normal", "source": {"component": component},
+        "firstTimestamp": now.isoformat(), "lastTimestamp": now.isoformat(), "count": 1,
+        "reportingComponent": component,
+    }
+    try:
+        await core.create_namespaced_event(namespace, body)
+    except Exception as e:
+        log.warning("could not post event %s on %s: %s", reason, ref["name"], e)

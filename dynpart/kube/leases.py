@@ -1,0 +1,127 @@
+"""Holding a coordination.k8s.io Lease: leader election for the planner's replicas.
+
+The holder renews the lease every `renew_s`; another replica takes it over once
+`renewTime + leaseDurationSeconds` has passed without a renewal. Every write carries the
+resourceVersion it read, so two replicas can never both win (the loser gets 409 Conflict).
+A leader that cannot renew within its lease steps down before anyone else may take over.
+On a clean stop the lease is released so that a standby takes over at once."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import time
+from typing import Any, Callable
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+_FMT = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime(_FMT)
+
+
+def _age_s(stamp: str | None) -> float:
+    if not stamp:
+        return float("inf")
+    for fmt in (_FMT, "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            t = dt.datetime.strptime(stamp, fmt).replace(tzinfo=dt.timezone.utc)
+            return (dt.datetime.now(dt.timezone.utc) - t).total_seconds()
+        except ValueError:
+            continue
+    return float("inf")
+
+
+class LeaderElector:
+    def __init__(self, api: client.CoordinationV1Api, name: str, namespace: str, identity: str,
+                 lease_s: int = 15, renew_s: float = 5.0, retry_s: float = 1.0,
+                 on_change: Callable[[bool], None] | None = None):
+        self.api, self.name, self.namespace, self.identity = api, name, namespace, identity
+        self.lease_s, self.renew_s, self.retry_s = lease_s, renew_s, retry_s
+        self.on_change = on_change
+        self.is_leader = False
+        self.leading = asyncio.Event()
+        self._renewed_at = 0.0
+
+    def _set(self, leader: bool) -> None:
+        if leader != self.is_leader:
+            self.is_leader = leader
+            (self.leading.set if leader else self.leading.clear)()
+            log.info("%s leadership of lease %s/%s", "acquired" if leader else "lost", self.namespace, self.name)
+            if self.on_change:
+                self.on_change(leader)
+
+    async def _try(self) -> bool:
+        try:
+            resp = await self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False)
+            lease: dict[str, Any] = json.loads(await resp.read())
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            body = {"metadata": {"name": self.name, "namespace": self.namespace},
+                    "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": self.lease_s,
+                             "acquireTime": _now(), "renewTime": _now(), "leaseTransitions": 0}}
+            try:
+                await self.api.create_namespaced_lease(self.namespace, body)
+                return True
+            except ApiException as e2:
+                if e2.status == 409:
+                    return False
+                raise
+        spec = lease.get("spec") or {}
+        holder = spec.get("holderIdentity")
+        duration = spec.get("leaseDurationSeconds") or self.lease_s
+        if holder == self.identity:
+            spec["renewTime"] = _now()
+        elif not holder or _age_s(spec.get("renewTime")) > duration:
+            spec.update(holderIdentity=self.identity, acquireTime=_now(), renewTime=_now(),
+                        leaseDurationSeconds=self.lease_s, leaseTransitions=(spec.get("leaseTransitions") or 0) + 1)
+        else:
+            return False
+        lease["spec"] = spec
+        try:
+            await self.api.replace_namespaced_lease(self.name, self.namespace, lease)
+            return True
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    won = await self._try()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    log.warning("lease %s/%s: %s", self.namespace, self.name, e)
+                    won = False
+                now = time.monotonic()
+                if won:
+                    self._renewed_at = now
+                    self._set(True)
+                elif not self.is_leader or now - self._renewed_at > self.lease_s * 2 / 3:
+                    # step down well before another replica may take the lease over
+                    self._set(False)
+                await asyncio.sleep(self.renew_s if self.is_leader else self.retry_s)
+        finally:
+            if self.is_leader:
+                self._set(False)
+                await asyncio.shield(self._release())
+
+    async def _release(self) -> None:
+        try:
+            lease = await self.api.read_namespaced_lease(self.name, self.namespace)
+            if lease.spec.holder_identity == self.identity:
+                lease.spec.holder_identity = None
+                lease.spec.renew_time = None
+                await self.api.replace_namespaced_lease(self.name, self.namespace, lease)
+        except Exception as e:
+            log.warning("could not release lease %s/%s: %s", self.namespace, self.name, e)

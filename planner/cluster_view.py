@@ -1,0 +1,218 @@
+"""From Kubernetes objects (plain dicts, as the API serves them) to the planner's snapshot.
+
+Pure functions: the controller feeds them what its watches cached; tests feed them literals.
+Every problem with one object (a malformed annotation, a pod asking for two slice kinds, a node
+without a GPU product label) is returned as a message for a log line and an Event, and that
+object is left out; one bad object never stops the planning of the others.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynpart.annotations import PARTITIONING_LABEL, decode_status
+from dynpart.catalog import Catalog
+from dynpart.errors import DynpartError
+from dynpart.resources import MigResource, MpsResource, WholeGpuResource, is_slice_resource, parse_resource
+from dynpart.snapshot import Gpu, MigInstance, MpsSlice, Node, PendingPod, Snapshot
+
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+COUNT_LABEL = "nvidia.com/gpu.count"
+TERMINAL_PHASES = {"Succeeded", "Failed"}
+
+
+def pod_key(pod: dict[str, Any]) -> str:
+    md = pod.get("metadata", {})
+    return f"{md.get('namespace', 'default')}/{md.get('name', '')}"
+
+
+def parse_quantity(value: Any) -> float:
+    """A Kubernetes quantity ("500m", "2", "1Gi", "128974848", "1e3") as a number of units."""
+    text = str(value).strip()
+    suffixes = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+                "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+    for suffix in sorted(suffixes, key=len, reverse=True):
+        if text.endswith(suffix) and text[: -len(suffix)]:
+            return float(text[: -len(suffix)]) * suffixes[suffix]
+    try:
+        return float(text)
+    except ValueError:
+        raise DynpartError(f"quantity {value!r} is not a Kubernetes quantity") from None
+
+
+def _container_requests(pod: dict[str, Any]) -> Counter[str]:
+    """Effective requests: sum over containers, at least the largest init container (the
+    scheduler's rule). Extended resources count from limits when requests omit them."""
+    def of(c: dict[str, Any]) -> Counter[str]:
+        res = c.get("resources") or {}
+        out: Counter[str] = Counter()
+        for name, q in {**(res.get("limits") or {}), **(res.get("requests") or {})}.items():
+            out[name] = parse_quantity(q)
+        return out
+    spec = pod.get("spec", {})
+    total: Counter[str] = Counter()
+    for c in spec.get("containers") or []:
+        total.update(of(c))
+    for c in spec.get("initContainers") or []:
+        for name, q in of(c).items():
+            total[name] = max(total[name], q)
+    return total
+
+
+def slice_requests(pod: dict[str, Any]) -> dict[str, int]:
+    return {k: int(v) for k, v in _container_requests(pod).items() if is_slice_resource(k) and v > 0}
+
+
+def is_batch_candidate(pod: dict[str, Any]) -> bool:
+    """Pending, marked Unschedulable by the scheduler, not bound or nominated, asking for a
+    MIG/MPS slice resource: the pods dynpart plans for (as nos does)."""
+    spec, status = pod.get("spec", {}), pod.get("status", {})
+    if status.get("phase") != "Pending" or spec.get("nodeName") or status.get("nominatedNodeName"):
+        return False
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    unschedulable = any(c.get("type") == "PodScheduled" and c.get("status") == "False"
+                        and c.get("reason") == "Unschedulable" for c in status.get("conditions") or [])
+    return unschedulable and bool(slice_requests(pod))
+
+
+def pending_pod(pod: dict[str, Any]) -> PendingPod:
+    """The planner's view of one pod; DynpartError when dynpart cannot plan it."""
+    name = pod_key(pod)
+    wanted = slice_requests(pod)
+    if len(wanted) != 1:
+        raise DynpartError(f"pod {name} asks for {len(wanted)} GPU slice resources ({', '.join(sorted(wanted))}); "
+                           "dynpart plans pods that ask for exactly one")
+    resource, count = next(iter(wanted.items()))
+    parse_resource(resource)
+    req = _container_requests(pod)
+    spec = pod.get("spec", {})
+    selector = dict(spec.get("nodeSelector") or {})
+    models = [selector.pop(PRODUCT_LABEL)] if PRODUCT_LABEL in selector else []
+    return PendingPod(
+        name=name, resource=resource, count=count,
+        cpu_milli=int(round(req.get("cpu", 0) * 1000)), memory_mib=int(req.get("memory", 0) // 2**20),
+        priority=int(spec.get("priority") or 0), node_selector=selector, gpu_models=models,
+    )
+
+
+@dataclass
+class NodeView:
+    node: Node | None
+    status_plan: str | None
+    problems: list[str] = field(default_factory=list)
+
+
+def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: Catalog) -> NodeView:
+    """A labelled GPU node as the planner sees it: current layout from the agent's status
+    annotations, CPU/memory left from allocatable minus the requests of the pods bound there.
+    Slices that pods bound to the node will take, but that the agent has not yet reported as
+    used, are counted as used: the planner never plans away a slice a pod is about to get."""
+    md = node.get("metadata", {})
+    name = md.get("name", "")
+    labels = md.get("labels") or {}
+    mode = labels.get(PARTITIONING_LABEL)
+    problems: list[str] = []
+    if mode not in ("mig", "mps"):
+        return NodeView(None, None, [f"node {name}: label {PARTITIONING_LABEL}={mode!r}: expected mig or mps"])
+    product = labels.get(PRODUCT_LABEL)
+    if not product:
+        return NodeView(None, None, [f"node {name}: no {PRODUCT_LABEL} label (GPU feature discovery sets it)"])
+    try:
+        model = catalog.resolve(product, where=f"node {name} label {PRODUCT_LABEL}")
+    except DynpartError as e:
+        return NodeView(None, None, [str(e)])
+    status = decode_status(md.get("annotations") or {}, model, node=name)
+    problems.extend(status.problems)
+    reported = {g.index: g for g in status.layout.gpus} if status.layout is not None else {}
+    try:
+        count = int(labels.get(COUNT_LABEL, 0))
+    except ValueError:
+        count = 0
+        problems.append(f"node {name}: label {COUNT_LABEL}={labels.get(COUNT_LABEL)!r} is not a number")
+    count = max([count, *(i + 1 for i in reported)])
+    bound_slices: Counter[str] = Counter()
+    cpu_used = mem_used = 0.0
+    for pod in bound_pods:
+        if pod.get("status", {}).get("phase") in TERMINAL_PHASES:
+            continue
+        req = _container_requests(pod)
+        cpu_used += req.get("cpu", 0)
+        mem_used += req.get("memory", 0)
+        for res, n in slice_requests(pod).items():
+            bound_slices[res] += n
+    gpus = []
+    for i in range(count):
+        g = reported.get(i)
+        if mode == "mig":
+            gpus.append(Gpu(index=i, mig=[MigInstance(profile=m.profile, start=m.start, used=m.used)
+                                          for m in (g.mig if g else [])]))
+        else:
+            gpus.append(Gpu(index=i, mps=[MpsSlice(size=s.size, used=s.used) for s in (g.mps if g else [])],
+                            whole_pod=g.whole_pod if g else None))
+    _protect_bound_slices(gpus, bound_slices, mode)
+    alloc = (node.get("status") or {}).get("allocatable") or {}
+    try:
+        cpu_free = max(0, int(round((parse_quantity(alloc.get("cpu", 0)) - cpu_used) * 1000)))
+        mem_free = max(0, int((parse_quantity(alloc.get("memory", 0)) - mem_used) // 2**20))
+    except DynpartError as e:
+        return NodeView(None, status.plan_id, [f"node {name}: allocatable: {e}"])
+    view = Node(name=name, mode=mode, gpu_model=model.name, cpu_milli_free=cpu_free, memory_mib_free=mem_free,
+                labels=dict(labels), gpus=gpus)
+    return NodeView(view, status.plan_id, problems)
+
+
+def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str) -> None:
+    """Mark free slices as used until each resource has at least as many used as pods bound."""
+    for res, n in bound.items():
+        kind = parse_resource(res)
+        if isinstance(kind, WholeGpuResource):
+            missing = n - sum(1 for g in gpus if g.whole_pod)
+            for g in [g for g in gpus if not g.whole_pod and not g.mps and not g.mig][: max(0, missing)]:
+                g.whole_pod = "(bound)"
+            continue
+        if isinstance(kind, MigResource):
+            matching = [m for g in gpus for m in g.mig if m.profile == kind.profile]
+        else:
+            matching = [s for g in gpus for s in g.mps if isinstance(kind, MpsResource) and s.size == kind.size]
+        missing = n - sum(1 for it in matching if it.used)
+        for it in [it for it in matching if not it.used][: max(0, missing)]:
+            it.used = True
+
+
+def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], catalog: Catalog,
+                   exclude_nodes: set[str] = frozenset(), exclude_pods: set[str] = frozenset(),  # type: ignore[assignment]
+                   ) -> tuple[Snapshot, dict[str, str | None], list[tuple[dict[str, Any], str]]]:
+    """The snapshot of the labelled nodes and the batch candidates.
+
+    Returns (snapshot, status plan id per node, problems as (object, message)). Nodes in
+    `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
+    nodes) are left out of this round."""
+    problems: list[tuple[dict[str, Any], str]] = []
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for pod in pods:
+        n = pod.get("spec", {}).get("nodeName")
+        if n:
+            by_node.setdefault(n, []).append(pod)
+    views: list[Node] = []
+    acks: dict[str, str | None] = {}
+    for node in sorted(nodes, key=lambda n: n.get("metadata", {}).get("name", "")):
+        name = node.get("metadata", {}).get("name", "")
+        if PARTITIONING_LABEL not in (node.get("metadata", {}).get("labels") or {}) or name in exclude_nodes:
+            continue
+        view = node_view(node, by_node.get(name, []), catalog)
+        problems.extend((node, p) for p in view.problems)
+        acks[name] = view.status_plan
+        if view.node is not None:
+            views.append(view.node)
+    pending: list[PendingPod] = []
+    for pod in sorted(pods, key=lambda p: (p.get("metadata", {}).get("creationTimestamp") or "", pod_key(p))):
+        if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods:
+            continue
+        try:
+            pending.append(pending_pod(pod))
+        except DynpartError as e:
+            problems.append((pod, str(e)))
+    return Snapshot(nodes=views, pending=pending), acks, problems

@@ -1,0 +1,221 @@
+"""The planner controller: watches labelled GPU nodes and pods, batches the pods that the
+scheduler found unschedulable for lack of a GPU slice, calls `plan()`, writes each changed
+node's desired layout as spec annotations with a new plan id, and waits for the node's agent to
+acknowledge that plan id before planning that node again.
+
+Everything that decides lives in pure modules (`cluster_view`, `batching`, `core`,
+`dynpart.annotations`); this module only moves data between them and the API server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes_asyncio import client
+
+from dynpart.annotations import PARTITIONING_LABEL, SPEC_PLAN, STATUS_PLAN, annotation_patch, encode_spec
+from dynpart.catalog import Catalog
+from dynpart.kube.events import post_event
+from dynpart.kube.patching import Conflict, patch_node_annotations
+from dynpart.kube.watching import Informer, object_key
+from dynpart.settings import PlannerSettings
+from dynpart.snapshot import full_layout
+from planner import metrics
+from planner.batching import BatchWindow
+from planner.cluster_view import build_snapshot, is_batch_candidate, pod_key
+from planner.core import PlanOptions, plan
+
+log = logging.getLogger("dynpart.planner")
+COMPONENT = "dynpart-planner"
+
+
+@dataclass
+class InFlight:
+    """A node plan written and not yet acknowledged."""
+    plan_id: str
+    sent_at: float
+    pods: set[str] = field(default_factory=set)
+
+
+class PlannerController:
+    def __init__(self, api: client.ApiClient, settings: PlannerSettings, catalog: Catalog):
+        self.core = client.CoreV1Api(api)
+        self.settings = settings
+        self.catalog = catalog
+        self.window = BatchWindow(settings.batch_idle_s, settings.batch_timeout_s)
+        self.in_flight: dict[str, InFlight] = {}
+        self.wake = asyncio.Event()
+        self.leading = asyncio.Event()
+        self._said: dict[str, str] = {}  # last event message per object, so events are not repeated
+        self._ids = itertools.count(1)
+        self._last_round = 0.0
+        self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL)
+        self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods")
+
+    # --- watches --------------------------------------------------------------------------
+
+    def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        key = pod_key(pod)
+        if kind != "DELETED" and is_batch_candidate(pod):
+            if key not in self.window.members:
+                self.window.add(key, time.monotonic())
+                self.wake.set()
+        else:
+            self.window.discard(key)
+
+    def _on_node(self, kind: str, node: dict[str, Any]) -> None:
+        name = node["metadata"]["name"]
+        flight = self.in_flight.get(name)
+        ann = node["metadata"].get("annotations") or {}
+        if flight is not None and ann.get(STATUS_PLAN) == flight.plan_id:
+            del self.in_flight[name]
+            metrics.PLAN_ACKS.inc()
+            metrics.PLAN_ACK_SECONDS.observe(time.monotonic() - flight.sent_at)
+            log.info("plan acknowledged", extra={"fields": {"node": name, "plan": flight.plan_id,
+                                                            "after_s": round(time.monotonic() - flight.sent_at, 3)}})
+            self.wake.set()
+
+    # --- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(self.nodes.run()), asyncio.create_task(self.pods.run())]
+        try:
+            await self.nodes.synced.wait()
+            await self.pods.synced.wait()
+            log.info("caches synced", extra={"fields": {"nodes": len(self.nodes.cache), "pods": len(self.pods.cache)}})
+            while True:
+                await self._step()
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _step(self) -> None:
+        now = time.monotonic()
+        wait = self.window.wait_s(now)
+        timeout = self.settings.resync_s if wait is None else wait
+        self.wake.clear()
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout=max(0.01, timeout))
+        except asyncio.TimeoutError:
+            pass
+        if not self.leading.is_set():
+            return
+        now = time.monotonic()
+        self._expire_acks(now)
+        resync = now - self._last_round >= self.settings.resync_s
+        if self.window.ready(now) or (resync and self._candidates()):
+            self.window.close()
+            self._last_round = now
+            await self.plan_round()
+
+    def _candidates(self) -> list[str]:
+        return [object_key(p) for p in self.pods.cache.values() if is_batch_candidate(p)]
+
+    def _expire_acks(self, now: float) -> None:
+        for name, flight in list(self.in_flight.items()):
+            if now - flight.sent_at > self.settings.ack_timeout_s:
+                del self.in_flight[name]
+                metrics.PLAN_ERRORS.labels("ack_timeout").inc()
+                log.warning("no acknowledgement from the node's agent", extra={"fields": {
+                    "node": name, "plan": flight.plan_id, "waited_s": self.settings.ack_timeout_s}})
+
+    def _awaiting_from_annotations(self) -> set[str]:
+        """Nodes whose written plan is not acknowledged, also after a restart or a new leader."""
+        out = set(self.in_flight)
+        for node in self.nodes.cache.values():
+            ann = node["metadata"].get("annotations") or {}
+            name = node["metadata"]["name"]
+            if ann.get(SPEC_PLAN) and ann.get(SPEC_PLAN) != ann.get(STATUS_PLAN) and name not in self.in_flight:
+                self.in_flight[name] = InFlight(ann[SPEC_PLAN], time.monotonic())
+                out.add(name)
+        return out
+
+    async def plan_round(self) -> None:
+        nodes = list(self.nodes.cache.values())
+        pods = list(self.pods.cache.values())
+        awaiting = self._awaiting_from_annotations()
+        held_pods = set().union(*(f.pods for f in self.in_flight.values())) if self.in_flight else set()
+        snapshot, _, problems = build_snapshot(nodes, pods, self.catalog, awaiting, held_pods)
+        for obj, message in problems:
+            metrics.PLAN_ERRORS.labels("bad_object").inc()
+            log.warning(message)
+            await self._event(obj, "DynpartInvalid", message, warning=True)
+        by_resource = Counter(p.resource for p in snapshot.pending)
+        metrics.PENDING_PODS.clear()
+        for res, n in by_resource.items():
+            metrics.PENDING_PODS.labels(res).set(n)
+        if not snapshot.pending:
+            return
+        options = PlanOptions(time_limit_s=self.settings.plan_time_limit_s)
+        started = time.perf_counter()
+        result = await asyncio.to_thread(plan, snapshot, self.catalog, options)
+        metrics.PLAN_SECONDS.observe(time.perf_counter() - started)
+        metrics.PLANS.inc()
+        plan_id = f"{int(time.time() * 1000):x}-{next(self._ids)}"
+        log.info("planned", extra={"fields": {"plan": plan_id, "pending": result.stats.pending,
+                                              "placed": result.stats.placed, "solver": result.stats.solver,
+                                              "gpus_touched": result.stats.gpus_touched,
+                                              "seconds": round(time.perf_counter() - started, 4)}})
+        pods_by_key = {pod_key(p): p for p in pods}
+        nodes_by_name = {n["metadata"]["name"]: n for n in nodes}
+        snap_nodes = {n.name: n for n in snapshot.nodes}
+        placed_on: dict[str, set[str]] = {}
+        for pl in result.placements:
+            placed_on.setdefault(pl.node, set()).add(pl.pod)
+        written: set[str] = set()
+        for layout in result.changed_nodes():
+            node_obj = nodes_by_name[layout.node]
+            full = full_layout(snap_nodes[layout.node], layout)
+            spec = encode_spec(full, plan_id)
+            patch = annotation_patch(node_obj["metadata"].get("annotations"), spec)
+            try:
+                await patch_node_annotations(self.core, layout.node, patch,
+                                             node_obj["metadata"].get("resourceVersion"))
+            except Conflict as e:
+                metrics.PLAN_ERRORS.labels("conflict").inc()
+                log.info("node changed while planning; will re-plan", extra={"fields": {"node": layout.node, "error": str(e)}})
+                self.wake.set()
+                continue
+            except Exception as e:
+                metrics.PLAN_ERRORS.labels("patch_failed").inc()
+                log.warning("could not write node plan", extra={"fields": {"node": layout.node, "error": str(e)}})
+                continue
+            written.add(layout.node)
+            self.in_flight[layout.node] = InFlight(plan_id, time.monotonic(), placed_on.get(layout.node, set()))
+            metrics.NODE_PLANS.inc()
+            created = sum(g.created for g in layout.gpus)
+            destroyed = sum(g.destroyed for g in layout.gpus)
+            metrics.SLICES_CREATED.labels(layout.mode).inc(created)
+            metrics.SLICES_DESTROYED.labels(layout.mode).inc(destroyed)
+            message = (f"plan {plan_id}: {created} slice(s) to create, {destroyed} free slice(s) to destroy on "
+                       f"GPU(s) {', '.join(str(g.index) for g in layout.gpus if g.changed)}")
+            log.info("node layout written", extra={"fields": {"node": layout.node, "plan": plan_id,
+                                                              "created": created, "destroyed": destroyed}})
+            await self._event(node_obj, "LayoutPlanned", message)
+        for pl in result.placements:
+            if pl.node in awaiting:
+                continue
+            metrics.PODS_PLACED.inc()
+            slices = ", ".join(f"GPU {g} {s}" for g, s in pl.slices)
+            waiting = "after its agent applies the new layout" if pl.node in written else "on free slices"
+            await self._event(pods_by_key.get(pl.pod), "SlicePlanned", f"dynpart plans this pod on node {pl.node} "
+                              f"({slices}) {waiting}")
+        for u in result.unplaced:
+            metrics.PODS_UNPLACEABLE.inc()
+            log.info("pod not placed", extra={"fields": {"pod": u.pod, "reason": u.reason}})
+            await self._event(pods_by_key.get(u.pod), "Unplaceable", f"dynpart cannot place this pod: {u.reason}",
+                              warning=True)
+
+    async def _event(self, obj: dict[str, Any] | None, reason: str, message: str, warning: bool = False) -> None:
+        if obj is None:
+            return
+        key = f"{obj.get('kind', '')}/{object_key(obj)}/{reason}"
+        if self._said.get(key) == message:
+            return
+        self._said[key] = message
+        await post_event(self.core, obj, reason, message, COMPONENT, warning)

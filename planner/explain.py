@@ -1,0 +1,108 @@
+"""`dynpart explain`: why a pod is not placed, or which slice on which node and GPU the planner
+would create for it. Works on a snapshot file (no cluster needed) or on the live cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dynpart.catalog import load_catalog
+from dynpart.errors import DynpartError
+from dynpart.snapshot import Plan, Snapshot, parse_snapshot
+from planner.core import PlanOptions, plan
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("explain", help="why a pod waits, or where the planner would put it",
+                       description="Plan once and explain the decision for one pod (or all pending pods). "
+                       "Give --snapshot FILE (YAML/JSON snapshot, see docs/planner.md) or use the live cluster "
+                       "(--kubeconfig or $KUBECONFIG).")
+    p.add_argument("pod", nargs="?", help="namespace/name of a pending pod (default: every pending pod)")
+    p.add_argument("--snapshot", help="snapshot file instead of the live cluster")
+    p.add_argument("--kubeconfig")
+    p.add_argument("--policy", choices=["dynpart", "nos", "static"], default="dynpart")
+    p.add_argument("--json", action="store_true", help="print the plan's decision as JSON")
+    p.set_defaults(func=run)
+
+
+def _load_snapshot_file(path: str) -> Snapshot:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise DynpartError(f"snapshot file {path}: {e.strerror}") from None
+    try:
+        data: Any = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise DynpartError(f"snapshot file {path}: not valid YAML/JSON: {e}") from None
+    return parse_snapshot(data)
+
+
+async def _live_snapshot(kubeconfig: str | None, catalog):  # type: ignore[no-untyped-def]
+    from kubernetes_asyncio import client
+
+    from dynpart.annotations import PARTITIONING_LABEL
+    from dynpart.kube.client import api_client
+    from planner.cluster_view import build_snapshot
+
+    api = await api_client(kubeconfig)
+    try:
+        core = client.CoreV1Api(api)
+        nodes = json.loads(await (await core.list_node(label_selector=PARTITIONING_LABEL, _preload_content=False)).read())
+        pods = json.loads(await (await core.list_pod_for_all_namespaces(_preload_content=False)).read())
+    finally:
+        await api.close()
+    snapshot, _, problems = build_snapshot(nodes["items"], pods["items"], catalog)
+    return snapshot, problems, {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in pods["items"]}
+
+
+def describe(result: Plan, pod: str) -> str:
+    for pl in result.placements:
+        if pl.pod == pod:
+            where = ", ".join(f"GPU {g}: {s}" for g, s in pl.slices)
+            layout = result.layout_of(pl.node)
+            mine = {g for g, _ in pl.slices}
+            changes = [g for g in (layout.gpus if layout else []) if g.changed and g.index in mine]
+            how = (f"creating {sum(g.created for g in changes)} and destroying {sum(g.destroyed for g in changes)} "
+                   f"free slice(s) on GPU(s) {', '.join(str(g.index) for g in changes)}" if changes
+                   else "using slices that are already free")
+            return f"{pod}: placed on node {pl.node} ({where}), {how}"
+    for u in result.unplaced:
+        if u.pod == pod:
+            return f"{pod}: not placed: {u.reason}"
+    raise DynpartError(f"pod {pod} is not among the pending pods planned (it must be Pending and Unschedulable "
+                       "and ask for a nvidia.com/mig-* or nvidia.com/gpu-*gb resource)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    catalog = load_catalog(args.catalog)
+    if args.snapshot:
+        snapshot, problems, live = _load_snapshot_file(args.snapshot), [], {}
+    else:
+        snapshot, problems, live = asyncio.run(_live_snapshot(args.kubeconfig, catalog))
+        if args.pod and args.pod not in {p.name for p in snapshot.pending}:
+            pod = live.get(args.pod)
+            if pod is None:
+                raise DynpartError(f"pod {args.pod} not found")
+            phase = pod.get("status", {}).get("phase")
+            node = pod.get("spec", {}).get("nodeName")
+            raise DynpartError(f"pod {args.pod} is {phase}{' on node ' + node if node else ''}: dynpart only plans "
+                               "pods that the scheduler marked Unschedulable and that ask for a GPU slice resource")
+    for _, message in problems:
+        print(f"note: {message}")
+    result = plan(snapshot, catalog, PlanOptions(policy=args.policy))
+    pods = [args.pod] if args.pod else [p.name for p in snapshot.pending]
+    if args.json:
+        print(json.dumps({"stats": result.stats.model_dump(),
+                          "placements": [p.model_dump() for p in result.placements if p.pod in pods],
+                          "unplaced": [u.model_dump() for u in result.unplaced if u.pod in pods]}, indent=2))
+        return 0
+    if not pods:
+        print("no pending pods ask for a GPU slice")
+    for name in pods:
+        print(describe(result, name))
+    return 0

@@ -1,0 +1,20 @@
+"""Prometheus metrics of the planner controller (served on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+PLAN_SECONDS = Histogram("dynpart_plan_seconds", "Time to compute one plan",
+                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+PENDING_PODS = Gauge("dynpart_pending_pods", "Pods waiting for a GPU slice, by resource", ["resource"])
+PODS_PLACED = Counter("dynpart_pods_placed_total", "Pods the planner found a slice for")
+PODS_UNPLACEABLE = Counter("dynpart_pods_unplaceable_total", "Pods the planner could not place in a round")
+SLICES_CREATED = Counter("dynpart_slices_created_total", "Slices the planner asked agents to create", ["mode"])
+SLICES_DESTROYED = Counter("dynpart_slices_destroyed_total", "Free slices the planner asked agents to destroy", ["mode"])
+PLANS = Counter("dynpart_plans_total", "Planning rounds")
+NODE_PLANS = Counter("dynpart_node_plans_total", "Node layouts written (one plan id each)")
+PLAN_ACKS = Counter("dynpart_plan_acks_total", "Node plans acknowledged by their agent")
+PLAN_ACK_SECONDS = Histogram("dynpart_plan_ack_seconds", "From writing a node plan to its acknowledgement",
+                             buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+PLAN_ERRORS = Counter("dynpart_plan_errors_total", "Planning problems by reason", ["reason"])
+LEADER = Gauge("dynpart_leader", "1 when this replica holds the planner lease")

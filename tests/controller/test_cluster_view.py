@@ -1,0 +1,97 @@
+"""The controller's pure parts: which pods join a batch, how pods and nodes become a snapshot."""
+
+import pytest
+
+from dynpart.annotations import encode_status
+from dynpart.catalog import default_catalog
+from dynpart.errors import DynpartError
+from dynpart.snapshot import GpuLayout, MigInstance, NodeLayout
+from planner.batching import BatchWindow
+from planner.cluster_view import build_snapshot, is_batch_candidate, parse_quantity, pending_pod
+
+CAT = default_catalog()
+
+
+def pod(name, resources, phase="Pending", node=None, unschedulable=True, **spec):
+    p = {"metadata": {"name": name, "namespace": "ml", "creationTimestamp": f"2026-01-01T00:00:{len(name):02d}Z"},
+         "spec": {"containers": [{"name": "c", "resources": {"limits": resources, "requests": {
+             k: v for k, v in resources.items() if not k.startswith("nvidia.com")}}}], **spec},
+         "status": {"phase": phase}}
+    if node:
+        p["spec"]["nodeName"] = node
+    if unschedulable:
+        p["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]
+    return p
+
+
+def node(name, mode="mig", product="NVIDIA-H100-80GB-HBM3", count=2, annotations=None, cpu="16", memory="64Gi"):
+    return {"metadata": {"name": name, "labels": {"dynpart.io/gpu-partitioning": mode, "nvidia.com/gpu.product": product,
+                                                  "nvidia.com/gpu.count": str(count)},
+                         "annotations": annotations or {}, "resourceVersion": "7"},
+            "status": {"allocatable": {"cpu": cpu, "memory": memory}}}
+
+
+def test_quantities():
+    assert parse_quantity("500m") == 0.5
+    assert parse_quantity("1Gi") == 2**30
+    assert parse_quantity("2") == 2
+    with pytest.raises(DynpartError, match="'lots'"):
+        parse_quantity("lots")
+
+
+def test_batch_candidates():
+    assert is_batch_candidate(pod("a", {"nvidia.com/mig-1g.10gb": "1"}))
+    assert not is_batch_candidate(pod("a", {"nvidia.com/mig-1g.10gb": "1"}, unschedulable=False))
+    assert not is_batch_candidate(pod("a", {"cpu": "1"}))
+    assert not is_batch_candidate(pod("a", {"nvidia.com/mig-1g.10gb": "1"}, node="n1"))
+    nominated = pod("a", {"nvidia.com/gpu-10gb": "1"})
+    nominated["status"]["nominatedNodeName"] = "n1"
+    assert not is_batch_candidate(nominated)
+
+
+def test_pending_pod_fields():
+    p = pending_pod(pod("a", {"nvidia.com/mig-2g.20gb": "2", "cpu": "1500m", "memory": "2Gi"},
+                        nodeSelector={"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "pool": "x"}, priority=5))
+    assert (p.name, p.resource, p.count, p.cpu_milli, p.memory_mib, p.priority) == ("ml/a", "nvidia.com/mig-2g.20gb", 2, 1500, 2048, 5)
+    assert p.node_selector == {"pool": "x"} and p.gpu_models == ["NVIDIA-A100-SXM4-80GB"]
+    with pytest.raises(DynpartError, match="asks for 2 GPU slice resources"):
+        pending_pod(pod("b", {"nvidia.com/mig-1g.10gb": "1", "nvidia.com/gpu-10gb": "1"}))
+
+
+def test_snapshot_from_objects_marks_slices_of_bound_pods_used():
+    status = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
+        MigInstance(profile="1g.10gb", start=0, used=True), MigInstance(profile="1g.10gb", start=1),
+        MigInstance(profile="2g.20gb", start=2)])]), "p1")
+    nodes = [node("n1", annotations=status), node("n2", product="NVIDIA-Quantum"), node("n3", mode="mps", product="NVIDIA-A100-SXM4-80GB")]
+    pods = [pod("running", {"nvidia.com/mig-1g.10gb": "1", "cpu": "2"}, phase="Running", node="n1", unschedulable=False),
+            pod("just-bound", {"nvidia.com/mig-1g.10gb": "1", "cpu": "1"}, node="n1", unschedulable=False),
+            pod("wants", {"nvidia.com/mig-3g.40gb": "1"}),
+            pod("two-kinds", {"nvidia.com/mig-3g.40gb": "1", "nvidia.com/gpu-10gb": "1"})]
+    snap, acks, problems = build_snapshot(nodes, pods, CAT)
+    assert [n.name for n in snap.nodes] == ["n1", "n3"]
+    n1 = snap.nodes[0]
+    assert len(n1.gpus) == 2 and n1.cpu_milli_free == 13000
+    # the agent reported one 1g used; a second pod is bound and will take the other one
+    assert [m.used for m in n1.gpus[0].mig] == [True, True, False]
+    assert acks["n1"] == "p1"
+    assert [p.name for p in snap.pending] == ["ml/wants"]
+    messages = [m for _, m in problems]
+    assert any("NVIDIA-Quantum" in m for m in messages) and any("two-kinds" in m for m in messages)
+
+
+def test_excluded_nodes_and_pods():
+    snap, _, _ = build_snapshot([node("n1"), node("n2")], [pod("a", {"nvidia.com/mig-1g.10gb": "1"})], CAT,
+                                exclude_nodes={"n1"}, exclude_pods={"ml/a"})
+    assert [n.name for n in snap.nodes] == ["n2"] and snap.pending == []
+
+
+def test_batch_window_closes_on_idle_or_timeout():
+    w = BatchWindow(idle_s=1, timeout_s=3)
+    assert not w.ready(0) and w.wait_s(0) is None
+    w.add("a", 0.0)
+    assert not w.ready(0.5) and w.ready(1.0)
+    w.add("b", 0.9)
+    w.add("c", 1.8)
+    w.add("d", 2.7)
+    assert not w.ready(2.9) and w.ready(3.0)
+    assert w.close() == {"a", "b", "c", "d"} and not w.ready(10)

@@ -1,0 +1,49 @@
+import pytest
+
+from dynpart.cli import main
+from dynpart.errors import DynpartError
+from dynpart.settings import PlannerSettings, load_settings
+
+
+def test_settings_precedence(tmp_path, monkeypatch):
+    f = tmp_path / "planner.yaml"
+    f.write_text("batch_idle_s: 2\nbatch_timeout_s: 9\nresync_s: 20\n")
+    monkeypatch.setenv("DYNPART_PLANNER_BATCH_TIMEOUT_S", "7")
+    s = load_settings(PlannerSettings, f, {"resync_s": 5, "log_level": None})
+    assert (s.batch_idle_s, s.batch_timeout_s, s.resync_s) == (2, 7, 5)
+
+
+def test_bad_settings_name_the_setting(tmp_path):
+    f = tmp_path / "planner.yaml"
+    f.write_text("batch_idle_s: -1\n")
+    with pytest.raises(DynpartError, match=r"setting batch_idle_s = -1: Input should be greater than 0"):
+        load_settings(PlannerSettings, f)
+    f.write_text("batch_idel_s: 1\n")
+    with pytest.raises(DynpartError, match="batch_idel_s"):
+        load_settings(PlannerSettings, f)
+
+
+def test_explain_on_a_snapshot_file(capsys):
+    assert main(["explain", "--snapshot", "examples/snapshot.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "ml/train-small: placed on node gpu-node-a (GPU 0: 1g.10gb@0), using slices that are already free" in out
+    assert "ml/train-mid: placed on node gpu-node-a (GPU 1: 4g.40gb@0), creating 1" in out
+    assert "ml/too-big: not placed: a 100 slice is bigger than every MPS GPU (largest 80)" in out
+
+
+def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path):
+    assert main(["explain", "--snapshot", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dynpart: error: snapshot file") and err.count("\n") == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pending: [{name: a, resource: nvidia.com/mig-5g.20gb}]\nnodes: [{name: n, mode: mig, gpu_model: H100-80GB}]")
+    assert main(["explain", "--snapshot", str(bad)]) == 2
+    assert "pending[0] (a).resource = 'nvidia.com/mig-5g.20gb'" in capsys.readouterr().err
+    assert main(["bench", "planner", "--nodes", "0"]) == 2
+
+
+def test_configuration_reference_is_current():
+    from pathlib import Path
+
+    from dynpart.settings_doc import render
+    assert Path("docs/configuration.md").read_text() == render(), "run: python -m dynpart.settings_doc > docs/configuration.md"
