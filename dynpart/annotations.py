@@ -124,6 +124,11 @@ def canonical_layout(layout: NodeLayout, keep_used: bool = False) -> NodeLayout:
 # --- encoding ---------------------------------------------------------------------------------
 
 
+def is_plan_id(value: Any) -> bool:
+    """Whether `value` can be written as a plan id (1 to 128 printable ASCII, no spaces)."""
+    return isinstance(value, str) and _PLAN_ID.fullmatch(value) is not None
+
+
 def _check_plan_id(plan_id: str) -> str:
     if not isinstance(plan_id, str) or not _PLAN_ID.fullmatch(plan_id):
         raise ValueError(
@@ -470,4 +475,5 @@ __all__ = [
     "DecodedSpec", "DecodedStatus", "PARTITIONING_LABEL", "PREFIX", "SPEC_MODE", "SPEC_PLAN", "SPEC_PREFIX",
     "STATUS_ERROR", "STATUS_HEARTBEAT", "STATUS_MODE", "STATUS_PLAN", "STATUS_PREFIX", "annotation_patch",
     "canonical_layout", "decode_spec", "decode_status", "encode_spec", "encode_status", "format_heartbeat",
+    "is_plan_id",
 ]

@@ -51,6 +51,13 @@ class AgentSettings(CommonSettings):
     device_plugin_configmap: str = Field(default="dynpart-device-plugin-configs", description="ConfigMap of MPS device-plugin configs")
     device_plugin_namespace: str = Field(default="dynpart-system", description="its namespace")
     fake_gpus: str | None = Field(default=None, description="MODEL:N — a fake NVML driver (tests, demos)")
+    device_plugin_config_mount: str | None = Field(
+        default=None, description="where the device-plugin ConfigMap is mounted: the node label is switched once "
+        "a new config file appears there")
+    config_settle_s: float = Field(default=60.0, ge=0, description="without a mount: seconds between writing a "
+                                   "config and switching the label to it")
+    mps_capacity_gb: int | None = Field(default=None, gt=0, description="MPS capacity of one GPU in GB "
+                                        "(default: the model's memory)")
     pod_resources_socket: str = Field(default="/var/lib/kubelet/pod-resources/kubelet.sock", description="kubelet PodResources API socket")
 
 

@@ -1,0 +1,150 @@
+"""`dynpart agent run|probe`: the node agent and its read-only NVML check."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+from typing import Any
+
+from dynpart.catalog import Catalog, load_catalog
+from dynpart.errors import DynpartError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("agent", help="node agent: apply the planner's GPU layout on this node",
+                       description="The dynpart node agent (see docs/agent.md).")
+    cmds = p.add_subparsers(dest="agent_command", metavar="SUBCOMMAND")
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+    run = cmds.add_parser("run", help="run the agent loop for one node",
+                          description="Watch this node's dynpart.io/spec-* annotations, apply them to the GPUs "
+                                      "(MIG through NVML, MPS through the device-plugin config) and report "
+                                      "dynpart.io/status-* annotations. Settings come from --config, then "
+                                      "DYNPART_AGENT_* environment variables, then these flags "
+                                      "(docs/configuration.md).")
+    run.add_argument("--config", help="YAML file of settings")
+    run.add_argument("--node", dest="node_name", help="this node's name (default: $DYNPART_AGENT_NODE_NAME, $NODE_NAME)")
+    run.add_argument("--fake-gpus", metavar="MODEL:N",
+                     help="use N fake GPUs of a catalog MODEL instead of NVML (tests, demos)")
+    run.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, else in-cluster)")
+    run.add_argument("--report-interval-s", "--interval", dest="report_interval_s", type=float, metavar="S",
+                     help="seconds between passes when nothing changes (default 10)")
+    run.add_argument("--pod-resources-socket", metavar="PATH",
+                     help="kubelet PodResources socket (with --fake-gpus and no socket there: no pod holds a device)")
+    run.add_argument("--device-plugin-configmap", metavar="NAME", help="the device plugin's ConfigMap (MPS configs)")
+    run.add_argument("--device-plugin-namespace", metavar="NS", help="its namespace")
+    run.add_argument("--config-mount", metavar="DIR",
+                     help="where that ConfigMap is mounted in the agent's pod: the node label is switched once a "
+                          "new config file appears there")
+    run.add_argument("--config-settle-s", type=float, metavar="S",
+                     help="without --config-mount: seconds between writing a config and using it (default 60)")
+    run.add_argument("--capacity-gb", type=int, help="MPS capacity of one GPU in GB (default: the model's memory)")
+    run.add_argument("--metrics-port", type=int)
+    run.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    run.add_argument("--log-json", action="store_true", default=None)
+    run.add_argument("--once", action="store_true", help="one pass, print the status annotations, exit")
+    run.set_defaults(func=run_agent)
+
+    probe = cmds.add_parser("probe", help="read-only NVML check of the GPUs against the catalog",
+                            description="Print devices, MIG mode, GI profile ids and possible placements as the "
+                                        "driver reports them, and compare them with the catalog. Changes nothing.")
+    probe.add_argument("--fake-gpus", metavar="MODEL:N", help=argparse.SUPPRESS)
+    probe.add_argument("--json", action="store_true", help="print JSON")
+    probe.set_defaults(func=run_probe)
+
+
+def _fake_driver(spec: str, catalog: Catalog) -> Any:
+    from agent.nvml import FakeNvml
+
+    model_name, _, count = spec.rpartition(":")
+    if not model_name or not count.isdigit() or int(count) < 1:
+        raise DynpartError(f"--fake-gpus {spec!r}: expected MODEL:N, e.g. H100-80GB:2")
+    return FakeNvml(catalog.resolve(model_name, where="--fake-gpus"), int(count))
+
+
+def _real_driver() -> Any:
+    from agent.nvml_real import RealNvml
+
+    return RealNvml()
+
+
+def _driver(args: argparse.Namespace, catalog: Catalog) -> Any:
+    return _fake_driver(args.fake_gpus, catalog) if args.fake_gpus else _real_driver()
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    from agent.nvml_probe import probe
+
+    catalog = load_catalog(args.catalog)
+    report = probe(_driver(args, catalog), catalog)
+    if args.json:
+        print(json.dumps({"ok": report.ok, "mismatches": report.mismatches, "gpus": report.gpus}, indent=2))
+    else:
+        print("\n".join(report.lines))
+        for m in report.mismatches:
+            print(f"MISMATCH: {m}")
+        print("catalog matches the driver" if report.ok else f"{len(report.mismatches)} mismatch(es)")
+    return 0 if report.ok else 1
+
+
+_SETTINGS = ("kubeconfig", "node_name", "report_interval_s", "pod_resources_socket", "device_plugin_configmap",
+             "device_plugin_namespace", "fake_gpus", "metrics_port", "log_level", "log_json")
+
+
+def run_agent(args: argparse.Namespace) -> int:
+    from dynpart.logs import setup_logging
+    from dynpart.settings import AgentSettings, load_settings
+
+    flags = {k: getattr(args, k, None) for k in _SETTINGS}
+    if args.catalog:
+        flags["catalog_files"] = args.catalog
+    if not flags["node_name"] and not os.environ.get("DYNPART_AGENT_NODE_NAME"):
+        flags["node_name"] = os.environ.get("NODE_NAME")
+    settings = load_settings(AgentSettings, args.config, flags)
+    if not settings.node_name:
+        raise DynpartError("the node name is required: --node, DYNPART_AGENT_NODE_NAME or NODE_NAME")
+    setup_logging(settings.log_level, settings.log_json)
+    return asyncio.run(_run(args, settings))
+
+
+async def _run(args: argparse.Namespace, settings: Any) -> int:
+    from agent.kube import KubeConfigStore, KubeNodeApi, connect
+    from agent.loop import Agent
+    from agent.podresources import FakePodResources, KubeletPodResources
+
+    catalog = load_catalog(settings.catalog_files)
+    driver = _fake_driver(settings.fake_gpus, catalog) if settings.fake_gpus else _real_driver()
+    pods: Any
+    if settings.fake_gpus and not os.path.exists(settings.pod_resources_socket):
+        pods = FakePodResources()
+    else:
+        pods = KubeletPodResources(settings.pod_resources_socket)
+    if settings.metrics_port and not args.once:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.metrics_port, settings.metrics_host)
+    api_client = await connect(settings.kubeconfig)
+    try:
+        mount = args.config_mount or settings.device_plugin_config_mount
+        settle = args.config_settle_s if args.config_settle_s is not None else settings.config_settle_s
+        capacity = args.capacity_gb or settings.mps_capacity_gb
+        configs = KubeConfigStore(api_client, settings.device_plugin_namespace, settings.device_plugin_configmap,
+                                  mount, settle)
+        agent = Agent(settings.node_name, node_api=KubeNodeApi(api_client, settings.node_name), driver=driver,
+                      pods=pods, catalog=catalog, configs=configs, interval_s=settings.report_interval_s,
+                      capacity_gb=capacity)
+        if args.once:
+            report = await agent.reconcile_once()
+            print(json.dumps(report.status, indent=2, sort_keys=True))
+            return 0 if not report.errors else 1
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await agent.run(stop)
+        return 0
+    finally:
+        await api_client.close()

@@ -1,0 +1,274 @@
+"""The agent's Kubernetes I/O behind two small interfaces, with in-memory fakes:
+
+- `NodeApi`: read, watch and merge-patch the agent's own Node (annotations and labels);
+- `ConfigStore`: the device-plugin ConfigMap, one key per config name, and whether a config
+  has reached the device plugin's mounted volume yet.
+
+`KubeNodeApi` / `KubeConfigStore` use kubernetes-asyncio and the helpers of `dynpart.kube`
+(client, merge patches); `connect()` builds the client from a kubeconfig or in-cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Protocol
+
+from dynpart.errors import DynpartError
+
+log = logging.getLogger("dynpart.agent.kube")
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class KubeError(DynpartError):
+    """A Kubernetes API call failed."""
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    resource_version: str = ""
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> "NodeView":
+        meta = obj.get("metadata") or {}
+        return cls(meta.get("name", ""), dict(meta.get("labels") or {}), dict(meta.get("annotations") or {}),
+                   str(meta.get("resourceVersion") or meta.get("resource_version") or ""))
+
+
+class NodeApi(Protocol):
+    async def get(self) -> NodeView: ...
+
+    async def patch(self, *, annotations: dict[str, str | None] | None = None,
+                    labels: dict[str, str | None] | None = None) -> NodeView:
+        """JSON merge patch of the node's metadata (a None value removes the key)."""
+        ...
+
+    def watch(self) -> AsyncIterator[NodeView]:
+        """The node each time it changes (reconnecting as needed); runs until cancelled."""
+        ...
+
+
+class ConfigStore(Protocol):
+    async def read(self, name: str) -> str | None: ...
+
+    async def write(self, name: str, content: str) -> None: ...
+
+    async def visible(self, name: str, content: str) -> bool:
+        """Whether the device plugin can already read this config (its ConfigMap volume)."""
+        ...
+
+
+# --- fakes ----------------------------------------------------------------------------------------
+
+
+class FakeNodeApi:
+    """One Node in memory. `events` (shareable with FakeConfigStore) records every write in
+    order: ("annotations", patch), ("labels", patch), ("config", name)."""
+
+    def __init__(self, name: str, labels: dict[str, str] | None = None,
+                 annotations: dict[str, str] | None = None, events: list[tuple[str, Any]] | None = None):
+        self.name = name
+        self.labels = dict(labels or {})
+        self.annotations = dict(annotations or {})
+        self.events: list[tuple[str, Any]] = events if events is not None else []
+        self._version = 1
+        self._watchers: list[asyncio.Queue[NodeView]] = []
+
+    def view(self) -> NodeView:
+        return NodeView(self.name, dict(self.labels), dict(self.annotations), str(self._version))
+
+    def set_annotations(self, patch: dict[str, str | None]) -> None:
+        """What another writer (the planner) does."""
+        _merge(self.annotations, patch)
+        self._changed()
+
+    async def get(self) -> NodeView:
+        return self.view()
+
+    async def patch(self, *, annotations: dict[str, str | None] | None = None,
+                    labels: dict[str, str | None] | None = None) -> NodeView:
+        if annotations:
+            self.events.append(("annotations", dict(annotations)))
+            _merge(self.annotations, annotations)
+        if labels:
+            self.events.append(("labels", dict(labels)))
+            _merge(self.labels, labels)
+        self._changed()
+        return self.view()
+
+    async def watch(self) -> AsyncIterator[NodeView]:
+        queue: asyncio.Queue[NodeView] = asyncio.Queue()
+        self._watchers.append(queue)
+        try:
+            yield self.view()
+            while True:
+                yield await queue.get()
+        finally:
+            self._watchers.remove(queue)
+
+    def _changed(self) -> None:
+        self._version += 1
+        for q in self._watchers:
+            q.put_nowait(self.view())
+
+
+def _merge(target: dict[str, str], patch: dict[str, str | None]) -> None:
+    for k, v in patch.items():
+        if v is None:
+            target.pop(k, None)
+        else:
+            target[k] = v
+
+
+class FakeConfigStore:
+    """Configs in memory; a config becomes visible after `visible_after` calls of visible()."""
+
+    def __init__(self, events: list[tuple[str, Any]] | None = None, visible_after: int = 0):
+        self.data: dict[str, str] = {}
+        self.events: list[tuple[str, Any]] = events if events is not None else []
+        self.visible_after = visible_after
+        self._checks: dict[str, int] = {}
+
+    async def read(self, name: str) -> str | None:
+        return self.data.get(name)
+
+    async def write(self, name: str, content: str) -> None:
+        self.events.append(("config", name))
+        self.data[name] = content
+
+    async def visible(self, name: str, content: str) -> bool:
+        if self.data.get(name) != content:
+            return False
+        self._checks[name] = self._checks.get(name, 0) + 1
+        return self._checks[name] > self.visible_after
+
+
+# --- kubernetes-asyncio ---------------------------------------------------------------------------
+
+
+async def connect(kubeconfig: str | None = None) -> Any:
+    """An ApiClient: from `kubeconfig` or $KUBECONFIG, else in-cluster (dynpart.kube.client)."""
+    from dynpart.kube.client import api_client
+
+    return await api_client(kubeconfig)
+
+
+def _api_error(what: str, e: Exception) -> KubeError:
+    status = getattr(e, "status", None)
+    reason = getattr(e, "reason", None) or str(e)
+    return KubeError(f"{what}: {status} {reason}" if status else f"{what}: {reason}")
+
+
+class KubeNodeApi:
+    """NodeApi on the real API server. Needs RBAC: get, list, watch, patch on nodes."""
+
+    def __init__(self, api_client: Any, name: str, watch_timeout_s: int = 300, retry_s: float = 5.0):
+        from kubernetes_asyncio import client
+
+        self.name = name
+        self._client = api_client
+        self._v1 = client.CoreV1Api(api_client)
+        self.watch_timeout_s = watch_timeout_s
+        self.retry_s = retry_s
+
+    async def get(self) -> NodeView:
+        try:
+            node = await self._v1.read_node(self.name)
+            return NodeView.from_dict(self._client.sanitize_for_serialization(node))
+        except Exception as e:
+            raise _api_error(f"read node {self.name}", e) from None
+
+    async def patch(self, *, annotations: dict[str, str | None] | None = None,
+                    labels: dict[str, str | None] | None = None) -> NodeView:
+        from dynpart.kube.patching import patch_node_annotations, patch_node_labels
+
+        try:
+            if labels:
+                await patch_node_labels(self._v1, self.name, labels)
+            if annotations:
+                return NodeView.from_dict(await patch_node_annotations(self._v1, self.name, annotations))
+        except Exception as e:
+            raise _api_error(f"patch node {self.name}", e) from None
+        return await self.get()
+
+    async def watch(self) -> AsyncIterator[NodeView]:
+        from kubernetes_asyncio import watch
+
+        while True:
+            try:
+                yield await self.get()
+                w = watch.Watch()
+                async with w:
+                    async for event in w.stream(self._v1.list_node, field_selector=f"metadata.name={self.name}",
+                                                timeout_seconds=self.watch_timeout_s):
+                        if event.get("type") in ("ADDED", "MODIFIED"):
+                            yield NodeView.from_dict(event["raw_object"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the watch ends or breaks: relist, then watch again
+                log.warning("watch of node %s interrupted (%s); retrying in %.0f s", self.name, e, self.retry_s)
+                await asyncio.sleep(self.retry_s)
+
+
+class KubeConfigStore:
+    """The device-plugin ConfigMap `namespace/name`, one key per config. When the agent mounts
+    the same ConfigMap at `mount_dir`, a config is visible once the kubelet has written its file
+    there (the device plugin's volume is synced the same way); without a mount, `settle_s`
+    seconds after the write. Needs RBAC: get, create, patch on that ConfigMap."""
+
+    def __init__(self, api_client: Any, namespace: str, name: str, mount_dir: str | None = None,
+                 settle_s: float = 0.0):
+        from kubernetes_asyncio import client
+
+        self._v1 = client.CoreV1Api(api_client)
+        self.namespace = namespace
+        self.name = name
+        self.mount_dir = Path(mount_dir) if mount_dir else None
+        self.settle_s = settle_s
+        self._written: dict[str, float] = {}
+
+    async def _read_all(self) -> dict[str, str] | None:
+        try:
+            cm = await self._v1.read_namespaced_config_map(self.name, self.namespace)
+            return dict(cm.data or {})
+        except Exception as e:
+            if getattr(e, "status", None) == 404:
+                return None
+            raise _api_error(f"read configmap {self.namespace}/{self.name}", e) from None
+
+    async def read(self, name: str) -> str | None:
+        data = await self._read_all()
+        return None if data is None else data.get(name)
+
+    async def write(self, name: str, content: str) -> None:
+        body = {"data": {name: content}}
+        try:
+            await self._v1.patch_namespaced_config_map(self.name, self.namespace, body, _content_type=MERGE_PATCH)
+        except Exception as e:
+            if getattr(e, "status", None) != 404:
+                raise _api_error(f"patch configmap {self.namespace}/{self.name}", e) from None
+            try:
+                await self._v1.create_namespaced_config_map(
+                    self.namespace, {"apiVersion": "v1", "kind": "ConfigMap",
+                                     "metadata": {"name": self.name, "namespace": self.namespace}, **body})
+            except Exception as e2:
+                raise _api_error(f"create configmap {self.namespace}/{self.name}", e2) from None
+        self._written[name] = time.monotonic()
+
+    async def visible(self, name: str, content: str) -> bool:
+        if self.mount_dir is not None:
+            try:
+                return (self.mount_dir / name).read_text() == content
+            except OSError:
+                return False
+        if await self.read(name) != content:
+            return False
+        written = self._written.get(name)
+        return written is None or time.monotonic() - written >= self.settle_s

@@ -1,0 +1,195 @@
+"""The agent's loop: on a spec change (node watch) or every `interval_s`, one pass: read the
+spec, apply it (MIG or MPS), write the status. The handshake (docs/protocol.md): the status
+names the plan id of the spec once the pass acted on it, so the planner knows the node's
+status is the outcome of its last plan.
+
+A pass is idempotent and starts from what the driver reports, so an agent restarted in the
+middle of a pass converges on its first pass. A pass that cannot observe the node safely (no
+driver, no PodResources) changes nothing and reports the error, keeping the last status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable
+
+from agent import metrics
+from agent.kube import ConfigStore, NodeApi, NodeView
+from agent.mig_agent import MigAgent, PassResult
+from agent.mps_agent import MpsAgent
+from agent.nvml import GpuDriver
+from agent.podresources import PodResources
+from dynpart.annotations import (
+    PARTITIONING_LABEL, SPEC_PREFIX, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_PLAN, STATUS_PREFIX, annotation_patch,
+    decode_spec, encode_status, format_heartbeat, is_plan_id,
+)
+from dynpart.catalog import Catalog, GpuModel
+from dynpart.errors import DynpartError
+from dynpart.snapshot import Mode, NodeLayout
+
+log = logging.getLogger("dynpart.agent")
+
+
+@dataclass
+class PassReport:
+    mode: Mode | None
+    plan_id: str | None  # the plan id acknowledged by this pass (None: none)
+    errors: list[str] = field(default_factory=list)
+    status: dict[str, str] = field(default_factory=dict)  # the status annotations written
+    failed: bool = False  # the pass could not observe or act (nothing was changed)
+
+
+class Agent:
+    def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver, pods: PodResources, catalog: Catalog,
+                 configs: ConfigStore | None = None, interval_s: float = 10.0, capacity_gb: int | None = None,
+                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
+        self.node = node
+        self.node_api = node_api
+        self.driver = driver
+        self.pods = pods
+        self.catalog = catalog
+        self.configs = configs
+        self.interval_s = interval_s
+        self.capacity_gb = capacity_gb
+        self.now = now
+        self._model: GpuModel | None = None
+        self._mig: MigAgent | None = None
+        self._mps: MpsAgent | None = None
+
+    def model(self) -> GpuModel:
+        if self._model is None:
+            devices = self.driver.devices()
+            if not devices:
+                raise DynpartError(f"node {self.node}: the driver reports no GPU")
+            names = {d.name for d in devices}
+            if len(names) > 1:
+                raise DynpartError(f"node {self.node}: GPUs of different models ({', '.join(sorted(names))}) "
+                                   "are not supported on one node")
+            self._model = self.catalog.resolve(devices[0].name, where=f"GPU 0 of node {self.node}")
+        return self._model
+
+    def _mode(self, node: NodeView, spec_mode: Mode | None) -> Mode:
+        if spec_mode is not None:
+            return spec_mode
+        label = node.labels.get(PARTITIONING_LABEL)
+        if label in ("mig", "mps"):
+            return label  # type: ignore[return-value]
+        return "mig" if any(d.mig_current for d in self.driver.devices()) else "mps"
+
+    async def reconcile_once(self) -> PassReport:
+        started = time.perf_counter()
+        try:
+            report = await self._pass()
+        except Exception:
+            metrics.PASSES.labels("error").inc()
+            raise
+        metrics.PASSES.labels("error" if report.failed else "ok").inc()
+        metrics.PASS_SECONDS.observe(time.perf_counter() - started)
+        metrics.ERRORS.set(len(report.errors))
+        return report
+
+    async def _pass(self) -> PassReport:
+        node = await self.node_api.get()
+        try:
+            model = self.model()
+            capacity = self.capacity_gb or model.memory_gb
+            spec = decode_spec(node.annotations, model, node=self.node, capacity=capacity)
+            layout = spec.layout
+            mode = self._mode(node, layout.mode if layout else None)
+            if mode == "mig":
+                if self._mig is None:
+                    self._mig = MigAgent(self.driver, self.pods, model)
+                desired_mig = None if layout is None else {g.index: [(m.profile, m.start) for m in g.mig]
+                                                           for g in layout.gpus}
+                result = await self._mig.apply(desired_mig)
+            else:
+                if self.configs is None:
+                    raise DynpartError("this node is in MPS mode but the agent has no device-plugin ConfigMap "
+                                       "(--device-plugin-configmap)")
+                if self._mps is None:
+                    self._mps = MpsAgent(self.driver, self.pods, self.node_api, self.configs, capacity)
+                desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
+                result = await self._mps.apply(desired_mps, node)
+        except DynpartError as e:
+            # Not safe to act or to describe the GPUs: keep the last status, report the error.
+            log.error("node %s: %s", self.node, e)
+            return await self._report_failure(node, str(e))
+        errors = [*spec.problems, *result.errors]
+        ack = spec.plan_id if result.applied and layout is not None else node.annotations.get(STATUS_PLAN)
+        status = encode_status(NodeLayout(node=self.node, mode=mode, gpus=result.gpus),
+                               _valid_or_none(ack), errors, self.now())
+        await self._write(node, status)
+        for e in errors:
+            log.warning("node %s: %s", self.node, e)
+        if ack is not None and ack != node.annotations.get(STATUS_PLAN):
+            metrics.PLAN_ACKS.inc()
+            log.info("node %s: plan %s applied", self.node, ack)
+        for m in ("mig", "mps"):
+            for state in ("free", "used"):
+                n = sum(1 for g in result.gpus for x in (g.mig if m == "mig" else g.mps)
+                        if x.used == (state == "used")) if m == mode else 0
+                metrics.SLICES.labels(m, state).set(n)
+        return PassReport(mode, _valid_or_none(ack), errors, status)
+
+    async def _report_failure(self, node: NodeView, error: str) -> PassReport:
+        status = {k: v for k, v in node.annotations.items() if k.startswith(STATUS_PREFIX)}
+        status[STATUS_ERROR] = error
+        status[STATUS_HEARTBEAT] = format_heartbeat(self.now())
+        await self._write(node, status)
+        return PassReport(None, status.get(STATUS_PLAN), [error], status, failed=True)
+
+    async def _write(self, node: NodeView, status: dict[str, str]) -> None:
+        patch = annotation_patch(node.annotations, status, prefix=STATUS_PREFIX)
+        if patch:
+            await self.node_api.patch(annotations=patch)
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Pass after pass until `stop` is set: at once when the spec changes, else every interval."""
+        stop = stop or asyncio.Event()
+        wake = asyncio.Event()
+        watcher = asyncio.create_task(self._watch(wake), name=f"watch node {self.node}")
+        try:
+            while not stop.is_set():
+                wake.clear()
+                try:
+                    await self.reconcile_once()
+                except DynpartError as e:
+                    log.error("node %s: pass failed: %s", self.node, e)
+                except Exception:  # keep the agent alive; the next pass starts from the real state
+                    log.exception("node %s: pass failed", self.node)
+                waits = [asyncio.create_task(wake.wait()), asyncio.create_task(stop.wait())]
+                try:
+                    await asyncio.wait(waits, timeout=self.interval_s, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for t in waits:
+                        t.cancel()
+        finally:
+            watcher.cancel()
+            try:
+                await watcher
+            except asyncio.CancelledError:
+                pass
+
+    async def _watch(self, wake: asyncio.Event) -> None:
+        last: dict[str, str] | None = None
+        while True:
+            try:
+                async for node in self.node_api.watch():
+                    spec = {k: v for k, v in node.annotations.items() if k.startswith(SPEC_PREFIX)}
+                    if spec != last:
+                        if last is not None:
+                            wake.set()
+                        last = spec
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("node %s: watch failed (%s); retrying", self.node, e)
+                await asyncio.sleep(min(self.interval_s, 5.0))
+
+
+def _valid_or_none(plan_id: str | None) -> str | None:
+    return plan_id if is_plan_id(plan_id) else None

@@ -1,0 +1,197 @@
+"""One MIG pass on a node: observe the GPUs, decide (`reconcile_mig`), act through the driver,
+observe again. Safety rules carried out here:
+
+- whether an instance is in use is asked again (NVML processes and a fresh PodResources list)
+  right before it is destroyed; the driver's own IN_USE refusal is the last guard;
+- MIG mode is enabled only on a GPU the spec wants partitioned, after checking it is idle;
+- a creation that needs the slices of an instance that could not be destroyed is skipped;
+- nothing is changed while the driver's GI profile ids disagree with the catalog's.
+Every failure becomes an error line for the status; none stops the pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from agent import metrics
+from agent.nvml import IN_USE, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
+from agent.podresources import PodResources, pods_by_device
+from agent.reconcile import Destroy, Instance, MigGpuState, reconcile_mig
+from dynpart.catalog import GpuModel
+from dynpart.mig import slot_mask
+from dynpart.snapshot import GpuLayout, MigInstance
+
+log = logging.getLogger("dynpart.agent.mig")
+
+
+@dataclass
+class PassResult:
+    gpus: list[GpuLayout]  # every GPU of the node as it is after the pass, with `used` set
+    errors: list[str] = field(default_factory=list)
+    applied: bool = False  # the spec was acted on: its plan id can be acknowledged
+
+
+@dataclass
+class _Observed:
+    devices: list[DeviceInfo]
+    states: list[MigGpuState]
+    raw: dict[tuple[int, int], GpuInstanceInfo]  # (gpu, gi id) -> what the driver listed
+
+
+def profile_problems(driver: GpuDriver, model: GpuModel, index: int) -> list[str]:
+    """Differences between the catalog's MIG profiles and what the driver reports for GPU `index`
+    (which must be in MIG mode). An id mismatch makes the agent refuse to change anything."""
+    problems = []
+    for p in model.mig_profiles:
+        info = driver.profile_info(index, p.nvml)
+        if info is None:
+            problems.append(f"GPU {index}: the driver does not offer {p.name} ({p.nvml})")
+        elif info.profile_id != p.gi_profile_id:
+            problems.append(f"GPU {index}: catalog says {p.name} ({p.nvml}) is GI profile id {p.gi_profile_id}, "
+                            f"the driver says {info.profile_id}; fix the catalog (dynpart agent probe)")
+        elif info.slices != p.compute:
+            problems.append(f"GPU {index}: catalog says {p.name} has {p.compute} compute slices, "
+                            f"the driver says {info.slices}; fix the catalog")
+    return problems
+
+
+class MigAgent:
+    def __init__(self, driver: GpuDriver, pods: PodResources, model: GpuModel):
+        self.driver = driver
+        self.pods = pods
+        self.model = model
+        self._by_id = {p.gi_profile_id: p for p in model.mig_profiles}
+        self._catalog_problems: list[str] | None = None  # checked once, on the first GPU in MIG mode
+
+    async def observe(self) -> _Observed:
+        devices = self.driver.devices()
+        holders = pods_by_device(await self.pods.list())
+        states: list[MigGpuState] = []
+        raw: dict[tuple[int, int], GpuInstanceInfo] = {}
+        for d in devices:
+            users = [f"pod {p}" for p in holders.get(d.uuid, [])]
+            instances: list[Instance] = []
+            if d.mig_current:
+                for gi in self.driver.gpu_instances(d.index):
+                    raw[(d.index, gi.gi_id)] = gi
+                    profile = self._by_id.get(gi.profile_id)
+                    gi_users = [f"pid {p}" for p in self.driver.processes(d.index, gi.gi_id)] if gi.compute_instances else []
+                    if gi.uuid:
+                        gi_users += [f"pod {p}" for p in holders.get(gi.uuid, [])]
+                    instances.append(Instance(gi.gi_id, profile.name if profile else None, gi.profile_id, gi.start,
+                                              gi.size, bool(gi.compute_instances), tuple(gi_users)))
+            else:
+                users = [f"pid {p}" for p in self.driver.processes(d.index)] + users
+            states.append(MigGpuState(d.index, d.mig_current, d.mig_pending and not d.mig_current,
+                                      tuple(instances), tuple(users)))
+        return _Observed(devices, states, raw)
+
+    def _check_catalog(self, observed: _Observed) -> list[str]:
+        if self._catalog_problems is None:
+            mig_gpu = next((d.index for d in observed.devices if d.mig_current), None)
+            if mig_gpu is None:
+                return []
+            self._catalog_problems = profile_problems(self.driver, self.model, mig_gpu)
+            for p in self._catalog_problems:
+                log.warning("%s", p)
+        return self._catalog_problems
+
+    async def _instance_users(self, gpu: int, gi: GpuInstanceInfo) -> list[str]:
+        users = [f"pid {p}" for p in self.driver.processes(gpu, gi.gi_id)] if gi.compute_instances else []
+        if gi.uuid:
+            users += [f"pod {p}" for p in pods_by_device(await self.pods.list()).get(gi.uuid, [])]
+        return users
+
+    async def _gpu_users(self, device: DeviceInfo) -> list[str]:
+        users = [f"pid {p}" for p in self.driver.processes(device.index)]
+        return users + [f"pod {p}" for p in pods_by_device(await self.pods.list()).get(device.uuid, [])]
+
+    async def apply(self, desired: dict[int, list[tuple[str, int]]] | None) -> PassResult:
+        """One pass. `desired` None: no spec, observe only."""
+        observed = await self.observe()
+        errors: list[str] = []
+        if desired is not None:
+            problems = self._check_catalog(observed)
+            errors.extend(problems)
+            if any("GI profile id" in p or "compute slices" in p for p in problems):
+                errors.append("MIG changes are suspended until the catalog matches the driver")
+            else:
+                errors.extend(await self._act(desired, observed))
+                observed = await self.observe()
+        return PassResult([self._layout(s) for s in observed.states], errors, applied=desired is not None)
+
+    async def _act(self, desired: dict[int, list[tuple[str, int]]], observed: _Observed) -> list[str]:
+        actions = reconcile_mig(desired, observed.states, self.model)
+        errors = list(actions.errors)
+        devices = {d.index: d for d in observed.devices}
+        skip: set[int] = set()
+        for e in actions.enable:
+            users = await self._gpu_users(devices[e.gpu])
+            if users:
+                errors.append(f"GPU {e.gpu}: MIG mode not enabled, the GPU is in use ({', '.join(users)})")
+                skip.add(e.gpu)
+                continue
+            try:
+                self.driver.set_mig_mode(e.gpu, True)
+            except GpuDriverError as ex:
+                errors.append(f"GPU {e.gpu}: enabling MIG mode failed: {ex}")
+                skip.add(e.gpu)
+                continue
+            now = {d.index: d for d in self.driver.devices()}[e.gpu]
+            if not now.mig_current:
+                errors.append(f"GPU {e.gpu}: MIG mode is enabled but pending until the GPU is reset")
+                skip.add(e.gpu)
+        not_destroyed: list[Destroy] = []
+        for d in actions.destroy:
+            gi = observed.raw[(d.gpu, d.gi_id)]
+            users = await self._instance_users(d.gpu, gi)
+            if users:
+                errors.append(f"GPU {d.gpu}: {d.label} was taken ({', '.join(users)}) just before it was to be "
+                              "destroyed; kept")
+                metrics.IN_USE_KEPT.inc()
+                not_destroyed.append(d)
+                continue
+            try:
+                for ci in gi.compute_instances:
+                    self.driver.destroy_compute_instance(d.gpu, d.gi_id, ci)
+                self.driver.destroy_gpu_instance(d.gpu, d.gi_id)
+                metrics.INSTANCES_DESTROYED.inc()
+                log.info("GPU %d: destroyed %s (GI %d)", d.gpu, d.label, d.gi_id)
+            except GpuDriverError as ex:
+                errors.append(f"GPU {d.gpu}: destroying {d.label} failed: {ex}")
+                if ex.code == IN_USE:
+                    metrics.IN_USE_KEPT.inc()
+                not_destroyed.append(d)
+        for c in actions.complete:
+            try:
+                self.driver.create_compute_instance(c.gpu, c.gi_id, self.model.profile(c.profile).compute)
+            except GpuDriverError as ex:
+                errors.append(f"GPU {c.gpu}: creating the compute instance of {c.profile}@{c.start} failed: {ex}")
+        for c in actions.create:
+            if c.gpu in skip:
+                continue
+            p = self.model.profile(c.profile)
+            mask = slot_mask(c.start, p.memory)
+            blocking = [d for d in not_destroyed if d.gpu == c.gpu and slot_mask(d.start, d.size) & mask]
+            if blocking:
+                errors.append(f"GPU {c.gpu}: {c.profile}@{c.start} not created: {blocking[0].label} is still there")
+                continue
+            try:
+                gi_id = self.driver.create_gpu_instance(c.gpu, p.gi_profile_id, c.start, p.memory)
+            except GpuDriverError as ex:
+                errors.append(f"GPU {c.gpu}: creating {c.profile}@{c.start} failed: {ex}")
+                continue
+            try:
+                self.driver.create_compute_instance(c.gpu, gi_id, p.compute)
+                metrics.INSTANCES_CREATED.inc()
+                log.info("GPU %d: created %s@%d (GI %d)", c.gpu, c.profile, c.start, gi_id)
+            except GpuDriverError as ex:  # the next pass completes the GI (or removes it)
+                errors.append(f"GPU {c.gpu}: creating the compute instance of {c.profile}@{c.start} failed: {ex}")
+        return errors
+
+    def _layout(self, state: MigGpuState) -> GpuLayout:
+        return GpuLayout(index=state.index, mig=[
+            MigInstance(profile=i.profile, start=i.start, used=i.used)
+            for i in state.instances if i.profile is not None and i.complete
+        ])

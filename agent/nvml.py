@@ -1,0 +1,360 @@
+"""What the agent needs from the GPU driver (`GpuDriver`), and `FakeNvml`, a fake that enforces
+the driver's MIG rules (facts file section 1) so that the agent can be tested without a GPU.
+
+The real implementation is `RealNvml` (module `agent.nvml_real`, on nvidia-ml-py), re-exported
+here. Identifiers follow NVML: a GPU by its index, a GPU instance (GI) by its id on that GPU,
+a profile by its GI profile id (the `id` column of the catalog), placements in memory slices.
+Calls are synchronous and short (NVML is a C library); the agent calls them inline.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, NoReturn, Protocol
+
+from dynpart.catalog import GpuModel, MigProfile
+from dynpart.errors import DynpartError
+from dynpart.mig import MigRules
+
+# Error codes (NVML_ERROR_* without the prefix) that the agent reacts to.
+IN_USE = "IN_USE"
+INSUFFICIENT_RESOURCES = "INSUFFICIENT_RESOURCES"
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+NOT_FOUND = "NOT_FOUND"
+NOT_SUPPORTED = "NOT_SUPPORTED"
+
+
+class GpuDriverError(DynpartError):
+    """An NVML call failed; `code` is the NVML error name without `NVML_ERROR_`."""
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        super().__init__(message)
+
+
+class NvmlUnavailable(GpuDriverError):
+    """No NVML on this host (no NVIDIA driver, or the binding is missing)."""
+
+    def __init__(self, message: str):
+        super().__init__("LIBRARY_NOT_FOUND", message)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str  # product name as NVML reports it, e.g. "NVIDIA H100 80GB HBM3"
+    uuid: str  # "GPU-..."
+    memory_mib: int
+    mig_capable: bool
+    mig_current: bool  # MIG mode now
+    mig_pending: bool  # MIG mode after the next GPU reset
+
+
+@dataclass(frozen=True)
+class GpuInstanceInfo:
+    gi_id: int
+    profile_id: int  # GI profile id (catalog `id`)
+    start: int  # placement, in memory slices
+    size: int
+    compute_instances: tuple[int, ...]  # compute-instance ids
+    uuid: str | None  # MIG device UUID ("MIG-..."), None while it has no compute instance
+
+
+@dataclass(frozen=True)
+class ProfileInfo:
+    profile_id: int
+    slices: int  # compute slices (NVML sliceCount)
+    instance_count: int  # most instances of the profile on the GPU
+    memory_mib: int
+    name: str = ""  # the driver's name for it, e.g. "MIG 1g.10gb" (empty if unknown)
+
+
+class GpuDriver(Protocol):
+    """The NVML operations the agent uses. Failures raise GpuDriverError."""
+
+    def devices(self) -> list[DeviceInfo]: ...
+
+    def set_mig_mode(self, index: int, enabled: bool) -> None: ...
+
+    def gpu_instances(self, index: int) -> list[GpuInstanceInfo]: ...
+
+    def create_gpu_instance(self, index: int, profile_id: int, start: int, size: int) -> int:
+        """Create a GI at an explicit placement; returns its id."""
+        ...
+
+    def create_compute_instance(self, index: int, gi_id: int, slices: int) -> int:
+        """Create the compute instance covering the whole GI (`slices` compute slices)."""
+        ...
+
+    def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None: ...
+
+    def destroy_gpu_instance(self, index: int, gi_id: int) -> None: ...
+
+    def processes(self, index: int, gi_id: int | None = None) -> list[int]:
+        """Pids computing on a GI's MIG device, or on the whole GPU (gi_id None)."""
+        ...
+
+    def profile_info(self, index: int, nvml_name: str) -> ProfileInfo | None:
+        """The driver's view of a NVML_GPU_INSTANCE_PROFILE_* profile; None if unsupported."""
+        ...
+
+    def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
+        """Every (start, size) the profile may be created at on an empty GPU."""
+        ...
+
+
+# --- the fake -------------------------------------------------------------------------------------
+
+
+class SimulatedCrash(BaseException):
+    """Raised by FakeNvml.crash_after: the agent process 'dies' in the middle of a pass."""
+
+
+@dataclass
+class FakeOp:
+    """One mutating call, as FakeNvml's `ops` log records it."""
+
+    op: str  # set_mig_mode | create_gi | create_ci | destroy_ci | destroy_gi
+    device: int
+    gi_id: int | None = None
+    profile: str | None = None
+    start: int | None = None
+    result: str = "ok"  # or the error code
+
+
+@dataclass
+class _FakeGi:
+    gi_id: int
+    profile: MigProfile
+    start: int
+    ci: int | None = None  # the one full compute instance
+    uuid: str | None = None
+    pids: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _FakeGpu:
+    index: int
+    uuid: str
+    mig_current: bool
+    mig_pending: bool
+    gis: dict[int, _FakeGi] = field(default_factory=dict)
+    pids: set[int] = field(default_factory=set)  # processes on the whole GPU (MIG off)
+    next_gi: int = 1
+
+
+class FakeNvml:
+    """An in-memory GPU driver for one GPU model, enforcing: legal starts and sizes, no
+    memory-slice overlap, per-profile max counts, one `+me` instance, the compute-slice total,
+    one full compute instance per GI, IN_USE when destroying a CI with processes or a GI with
+    a CI, MIG mode changes refused while the GPU is busy, and state lost on `reboot()` (MIG
+    mode too on Hopper and later). Every mutating call is logged in `ops`.
+
+    Test controls: `attach`/`detach` processes, `crash_after(n)`, `before_op` (a hook called
+    before each mutating call with the FakeOp about to be tried), `reset(i)`, `reboot()`."""
+
+    def __init__(self, model: GpuModel, count: int = 1, *, mig_enabled: bool = True,
+                 mig_persists: bool | None = None, mode_needs_reset: bool = False, name: str | None = None):
+        if not model.supports_mig and mig_enabled:
+            mig_enabled = False
+        self.model = model
+        self.rules = MigRules.of(model)
+        self.name = name or f"NVIDIA {model.name}"
+        # Ampere keeps MIG mode across a reboot; Hopper and later lose it (facts file section 1).
+        self.mig_persists = model.name.startswith("A") if mig_persists is None else mig_persists
+        # A MIG mode change that stays pending until `reset()` (as when the driver cannot reset
+        # the GPU by itself, e.g. under a hypervisor).
+        self.mode_needs_reset = mode_needs_reset
+        self._by_id = {p.gi_profile_id: p for p in model.mig_profiles}
+        self._gpus = [_FakeGpu(i, f"GPU-fake-{i:04d}", mig_enabled, mig_enabled) for i in range(count)]
+        self._serial = itertools.count(1)
+        self.ops: list[FakeOp] = []
+        self.before_op: Callable[[FakeOp], None] | None = None
+        self._crash_in: int | None = None
+
+    # --- test controls ---
+
+    def crash_after(self, n: int) -> None:
+        """Let `n` more mutating calls through, then raise SimulatedCrash on the next one."""
+        self._crash_in = n
+
+    def attach(self, index: int, pid: int, gi_id: int | None = None) -> None:
+        gpu = self._gpu(index)
+        if gi_id is None:
+            gpu.pids.add(pid)
+            return
+        gi = self._gi(gpu, gi_id)
+        if gi.ci is None:
+            raise GpuDriverError(NOT_FOUND, f"GPU {index} GI {gi_id} has no compute instance to run on")
+        gi.pids.add(pid)
+
+    def detach(self, index: int, pid: int) -> None:
+        gpu = self._gpu(index)
+        gpu.pids.discard(pid)
+        for gi in gpu.gis.values():
+            gi.pids.discard(pid)
+
+    def reset(self, index: int) -> None:
+        """A GPU reset: instances lost, a pending MIG mode applied."""
+        gpu = self._gpu(index)
+        gpu.gis.clear()
+        gpu.pids.clear()
+        gpu.mig_current = gpu.mig_pending
+
+    def reboot(self) -> None:
+        for gpu in self._gpus:
+            gpu.gis.clear()
+            gpu.pids.clear()
+            gpu.mig_current = gpu.mig_pending = gpu.mig_pending and self.mig_persists
+
+    def gi_at(self, index: int, start: int) -> int | None:
+        for gi in self._gpu(index).gis.values():
+            if gi.start == start:
+                return gi.gi_id
+        return None
+
+    def layout(self, index: int) -> list[tuple[str, int]]:
+        """(profile, start) of the complete instances (GI with its CI), sorted by start."""
+        return sorted(((g.profile.name, g.start) for g in self._gpu(index).gis.values() if g.ci is not None),
+                      key=lambda x: (x[1], x[0]))
+
+    # --- GpuDriver ---
+
+    def devices(self) -> list[DeviceInfo]:
+        return [DeviceInfo(g.index, self.name, g.uuid, self.model.memory_gb * 1024, self.model.supports_mig,
+                           g.mig_current, g.mig_pending) for g in self._gpus]
+
+    def set_mig_mode(self, index: int, enabled: bool) -> None:
+        gpu = self._gpu(index)
+        op = self._begin(FakeOp("set_mig_mode", index, profile="enable" if enabled else "disable"))
+        if not self.model.supports_mig:
+            self._fail(op, NOT_SUPPORTED, f"GPU {index} ({self.model.name}) does not support MIG")
+        if enabled and (gpu.pids or any(g.pids for g in gpu.gis.values())):
+            self._fail(op, IN_USE, f"GPU {index} is busy (processes {sorted(gpu.pids)}); MIG mode not changed")
+        if not enabled and gpu.gis:
+            self._fail(op, IN_USE, f"GPU {index} still has GPU instances; MIG mode not changed")
+        gpu.mig_pending = enabled
+        if not self.mode_needs_reset:
+            gpu.mig_current = enabled
+
+    def gpu_instances(self, index: int) -> list[GpuInstanceInfo]:
+        gpu = self._gpu(index)
+        return [GpuInstanceInfo(g.gi_id, g.profile.gi_profile_id, g.start, g.profile.memory,
+                                () if g.ci is None else (g.ci,), g.uuid)
+                for g in sorted(gpu.gis.values(), key=lambda g: g.gi_id)]
+
+    def create_gpu_instance(self, index: int, profile_id: int, start: int, size: int) -> int:
+        gpu = self._gpu(index)
+        profile = self._by_id.get(profile_id)
+        op = self._begin(FakeOp("create_gi", index, profile=profile.name if profile else str(profile_id), start=start))
+        if not gpu.mig_current:
+            self._fail(op, NOT_SUPPORTED, f"GPU {index}: MIG mode is disabled")
+        if profile is None:
+            self._fail(op, INVALID_ARGUMENT, f"GPU {index}: no GPU instance profile id {profile_id}")
+        if size != profile.memory or start not in profile.starts:
+            self._fail(op, INVALID_ARGUMENT, f"GPU {index}: placement {start}:{size} is not valid for {profile.name}")
+        existing = [(g.profile.name, g.start) for g in gpu.gis.values()]
+        broken = self.rules.violations([*existing, (profile.name, start)])
+        if broken:
+            self._fail(op, INSUFFICIENT_RESOURCES, f"GPU {index}: {profile.name}@{start}: {broken[0]}")
+        gi_id = gpu.next_gi
+        gpu.next_gi += 1
+        gpu.gis[gi_id] = _FakeGi(gi_id, profile, start)
+        op.gi_id = gi_id
+        return gi_id
+
+    def create_compute_instance(self, index: int, gi_id: int, slices: int) -> int:
+        gpu = self._gpu(index)
+        gi = gpu.gis.get(gi_id)
+        op = self._begin(FakeOp("create_ci", index, gi_id, gi.profile.name if gi else None, gi.start if gi else None))
+        if gi is None:
+            self._fail(op, NOT_FOUND, f"GPU {index}: no GPU instance {gi_id}")
+        if slices != gi.profile.compute:
+            self._fail(op, INVALID_ARGUMENT, f"GPU {index} GI {gi_id}: a full compute instance has "
+                                             f"{gi.profile.compute} slices, not {slices}")
+        if gi.ci is not None:
+            self._fail(op, INSUFFICIENT_RESOURCES, f"GPU {index} GI {gi_id} already has a compute instance")
+        gi.ci = 0
+        gi.uuid = f"MIG-fake-{index}-{next(self._serial):06d}"
+        return gi.ci
+
+    def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
+        gpu = self._gpu(index)
+        gi = gpu.gis.get(gi_id)
+        op = self._begin(FakeOp("destroy_ci", index, gi_id, gi.profile.name if gi else None, gi.start if gi else None))
+        if gi is None or gi.ci != ci_id:
+            self._fail(op, NOT_FOUND, f"GPU {index}: no compute instance {ci_id} in GI {gi_id}")
+        if gi.pids:
+            self._fail(op, IN_USE, f"GPU {index} GI {gi_id}: processes {sorted(gi.pids)} are running on it")
+        gi.ci = None
+        gi.uuid = None
+
+    def destroy_gpu_instance(self, index: int, gi_id: int) -> None:
+        gpu = self._gpu(index)
+        gi = gpu.gis.get(gi_id)
+        op = self._begin(FakeOp("destroy_gi", index, gi_id, gi.profile.name if gi else None, gi.start if gi else None))
+        if gi is None:
+            self._fail(op, NOT_FOUND, f"GPU {index}: no GPU instance {gi_id}")
+        if gi.ci is not None or gi.pids:
+            self._fail(op, IN_USE, f"GPU {index} GI {gi_id} still has a compute instance")
+        del gpu.gis[gi_id]
+
+    def processes(self, index: int, gi_id: int | None = None) -> list[int]:
+        gpu = self._gpu(index)
+        if gi_id is None:
+            return sorted(gpu.pids.union(*(g.pids for g in gpu.gis.values())))
+        return sorted(self._gi(gpu, gi_id).pids)
+
+    def profile_info(self, index: int, nvml_name: str) -> ProfileInfo | None:
+        self._gpu(index)
+        for p in self.model.mig_profiles:
+            if p.nvml == nvml_name:
+                return ProfileInfo(p.gi_profile_id, p.compute, p.max,
+                                   self.model.memory_gb * 1024 * p.memory // max(1, self.model.memory_slices),
+                                   f"MIG {p.name}")
+        return None
+
+    def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
+        self._gpu(index)
+        p = self._by_id.get(profile_id)
+        if p is None:
+            raise GpuDriverError(INVALID_ARGUMENT, f"GPU {index}: no GPU instance profile id {profile_id}")
+        return [(s, p.memory) for s in p.starts]
+
+    # --- internals ---
+
+    def _gpu(self, index: int) -> _FakeGpu:
+        if not 0 <= index < len(self._gpus):
+            raise GpuDriverError(INVALID_ARGUMENT, f"no GPU with index {index}")
+        return self._gpus[index]
+
+    def _gi(self, gpu: _FakeGpu, gi_id: int) -> _FakeGi:
+        gi = gpu.gis.get(gi_id)
+        if gi is None:
+            raise GpuDriverError(NOT_FOUND, f"GPU {gpu.index}: no GPU instance {gi_id}")
+        return gi
+
+    def _begin(self, op: FakeOp) -> FakeOp:
+        if self._crash_in is not None:
+            if self._crash_in <= 0:
+                self._crash_in = None
+                raise SimulatedCrash(f"simulated crash before {op.op} on GPU {op.device}")
+            self._crash_in -= 1
+        if self.before_op is not None:
+            self.before_op(op)
+        self.ops.append(op)
+        return op
+
+    @staticmethod
+    def _fail(op: FakeOp, code: str, message: str) -> NoReturn:
+        op.result = code
+        raise GpuDriverError(code, message)
+
+
+def __getattr__(name: str):  # RealNvml lives in its own module (it imports pynvml lazily)
+    if name == "RealNvml":
+        from agent.nvml_real import RealNvml
+
+        return RealNvml
+    raise AttributeError(name)

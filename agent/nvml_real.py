@@ -1,0 +1,233 @@
+"""`RealNvml`: the GpuDriver on NVML through nvidia-ml-py (`import pynvml`).
+
+Not exercised by CI (no GPU there): `dynpart agent probe` checks it read-only on a GPU host.
+Written against nvidia-ml-py 13.x; the calls are those of the facts file section 2. pynvml
+gives raw ctypes function pointers without argtypes, so pointer arguments (placements, arrays,
+counts) are passed with `byref` / as arrays exactly as the C prototypes in nvml.h want them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable, TypeVar
+
+from agent.nvml import DeviceInfo, GpuDriverError, GpuInstanceInfo, NvmlUnavailable, ProfileInfo
+
+T = TypeVar("T")
+
+# compute slices of a full-GI compute instance -> NVML_COMPUTE_INSTANCE_PROFILE_* name
+_CI_PROFILE = {1: "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE", 2: "NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE",
+               3: "NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE", 4: "NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE",
+               6: "NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE", 7: "NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE",
+               8: "NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE"}
+
+
+def _load_pynvml() -> Any:
+    try:
+        import pynvml
+    except ImportError as e:  # pragma: no cover - the package is a dependency
+        raise NvmlUnavailable(f"NVML not available: the nvidia-ml-py package is not installed ({e})") from None
+    return pynvml
+
+
+class RealNvml:
+    """GpuDriver on the host's NVIDIA driver. Raises NvmlUnavailable when there is none."""
+
+    def __init__(self) -> None:
+        nv = _load_pynvml()
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as e:
+            raise NvmlUnavailable(f"NVML not available: no NVIDIA driver on this host (pynvml: {e})") from None
+        except OSError as e:  # a broken libnvidia-ml
+            raise NvmlUnavailable(f"NVML not available: cannot load libnvidia-ml ({e})") from None
+        self._nv = nv
+        self._codes = {getattr(nv, n): n[len("NVML_ERROR_"):] for n in dir(nv)
+                       if n.startswith("NVML_ERROR_") and isinstance(getattr(nv, n), int)}
+
+    def close(self) -> None:
+        try:
+            self._nv.nvmlShutdown()
+        except self._nv.NVMLError:
+            pass
+
+    # --- plumbing ---
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        except self._nv.NVMLError as e:
+            code = self._codes.get(getattr(e, "value", None), "UNKNOWN")
+            raise GpuDriverError(code, f"{fn.__name__}: {e}") from None
+
+    def _handle(self, index: int) -> Any:
+        return self._call(self._nv.nvmlDeviceGetHandleByIndex, index)
+
+    def _gi_handle(self, index: int, gi_id: int) -> Any:
+        return self._call(self._nv.nvmlDeviceGetGpuInstanceById, self._handle(index), gi_id)
+
+    def _gi_profile_infos(self, handle: Any) -> list[Any]:
+        nv = self._nv
+        out = []
+        for enum in range(nv.NVML_GPU_INSTANCE_PROFILE_COUNT):
+            info = self._profile_info_raw(handle, enum)
+            if info is not None:
+                out.append(info)
+        return out
+
+    def _profile_info_raw(self, handle: Any, enum: int) -> Any | None:
+        nv = self._nv
+        try:
+            try:
+                return nv.nvmlDeviceGetGpuInstanceProfileInfo(handle, enum)
+            except nv.NVMLError_FunctionNotFound:  # drivers without the V2 entry point
+                return nv.nvmlDeviceGetGpuInstanceProfileInfo(handle, enum, 1)
+        except (nv.NVMLError_NotSupported, nv.NVMLError_InvalidArgument):
+            return None
+        except nv.NVMLError as e:
+            code = self._codes.get(getattr(e, "value", None), "UNKNOWN")
+            raise GpuDriverError(code, f"nvmlDeviceGetGpuInstanceProfileInfo: {e}") from None
+
+    def _mig_devices(self, handle: Any) -> dict[int, Any]:
+        """GI id -> MIG device handle (one per GI: the agent creates one full CI per GI)."""
+        nv = self._nv
+        out: dict[int, Any] = {}
+        for i in range(self._call(nv.nvmlDeviceGetMaxMigDeviceCount, handle)):
+            try:
+                mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
+            except (nv.NVMLError_NotFound, nv.NVMLError_InvalidArgument):
+                continue
+            except nv.NVMLError as e:
+                raise GpuDriverError(self._codes.get(e.value, "UNKNOWN"), f"nvmlDeviceGetMigDeviceHandleByIndex: {e}") from None
+            out.setdefault(self._call(nv.nvmlDeviceGetGpuInstanceId, mig), mig)
+        return out
+
+    # --- GpuDriver ---
+
+    def devices(self) -> list[DeviceInfo]:
+        nv = self._nv
+        out = []
+        for index in range(self._call(nv.nvmlDeviceGetCount)):
+            h = self._handle(index)
+            name = self._call(nv.nvmlDeviceGetName, h)
+            uuid = self._call(nv.nvmlDeviceGetUUID, h)
+            memory = self._call(nv.nvmlDeviceGetMemoryInfo, h).total // (1 << 20)
+            try:
+                current, pending = nv.nvmlDeviceGetMigMode(h)
+                capable = True
+            except nv.NVMLError_NotSupported:
+                current = pending = 0
+                capable = False
+            except nv.NVMLError as e:
+                raise GpuDriverError(self._codes.get(e.value, "UNKNOWN"), f"nvmlDeviceGetMigMode: {e}") from None
+            out.append(DeviceInfo(index, str(name), str(uuid), int(memory), capable,
+                                  current == nv.NVML_DEVICE_MIG_ENABLE, pending == nv.NVML_DEVICE_MIG_ENABLE))
+        return out
+
+    def set_mig_mode(self, index: int, enabled: bool) -> None:
+        nv = self._nv
+        mode = nv.NVML_DEVICE_MIG_ENABLE if enabled else nv.NVML_DEVICE_MIG_DISABLE
+        # The return value is the activation status: not SUCCESS means the new mode is pending
+        # (a GPU reset is needed); devices() shows it as mig_pending != mig_current.
+        self._call(nv.nvmlDeviceSetMigMode, self._handle(index), mode)
+
+    def gpu_instances(self, index: int) -> list[GpuInstanceInfo]:
+        nv = self._nv
+        h = self._handle(index)
+        migs = self._mig_devices(h)
+        seen: dict[int, GpuInstanceInfo] = {}
+        for info in self._gi_profile_infos(h):
+            n = max(1, int(info.instanceCount))
+            arr = (nv.c_nvmlGpuInstance_t * n)()
+            count = ctypes.c_uint(0)
+            self._call(nv.nvmlDeviceGetGpuInstances, h, info.id, arr, ctypes.byref(count))
+            for gi in arr[: count.value]:
+                gi_info = self._call(nv.nvmlGpuInstanceGetInfo, gi)
+                if gi_info.id in seen:
+                    continue
+                mig = migs.get(gi_info.id)
+                uuid = str(self._call(nv.nvmlDeviceGetUUID, mig)) if mig is not None else None
+                seen[gi_info.id] = GpuInstanceInfo(
+                    int(gi_info.id), int(gi_info.profileId), int(gi_info.placement.start),
+                    int(gi_info.placement.size), tuple(self._compute_instances(gi)), uuid)
+        return [seen[k] for k in sorted(seen)]
+
+    def _compute_instances(self, gi: Any) -> list[int]:
+        nv = self._nv
+        ids: list[int] = []
+        for enum in range(nv.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+            try:
+                info = nv.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+                    gi, enum, nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+            except (nv.NVMLError_NotSupported, nv.NVMLError_InvalidArgument):
+                continue
+            except nv.NVMLError as e:
+                raise GpuDriverError(self._codes.get(e.value, "UNKNOWN"),
+                                     f"nvmlGpuInstanceGetComputeInstanceProfileInfo: {e}") from None
+            n = max(1, int(info.instanceCount))
+            arr = (nv.c_nvmlComputeInstance_t * n)()
+            count = ctypes.c_uint(0)
+            self._call(nv.nvmlGpuInstanceGetComputeInstances, gi, info.id, arr, ctypes.byref(count))
+            for ci in arr[: count.value]:
+                ci_id = int(self._call(nv.nvmlComputeInstanceGetInfo, ci).id)
+                if ci_id not in ids:
+                    ids.append(ci_id)
+        return sorted(ids)
+
+    def create_gpu_instance(self, index: int, profile_id: int, start: int, size: int) -> int:
+        nv = self._nv
+        placement = nv.c_nvmlGpuInstancePlacement_t()
+        placement.start = start
+        placement.size = size
+        gi = self._call(nv.nvmlDeviceCreateGpuInstanceWithPlacement, self._handle(index), profile_id,
+                        ctypes.byref(placement))
+        return int(self._call(nv.nvmlGpuInstanceGetInfo, gi).id)
+
+    def create_compute_instance(self, index: int, gi_id: int, slices: int) -> int:
+        nv = self._nv
+        name = _CI_PROFILE.get(slices)
+        if name is None:
+            raise GpuDriverError("INVALID_ARGUMENT", f"no compute-instance profile with {slices} slices")
+        gi = self._gi_handle(index, gi_id)
+        info = self._call(nv.nvmlGpuInstanceGetComputeInstanceProfileInfo, gi, getattr(nv, name),
+                          nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
+        ci = self._call(nv.nvmlGpuInstanceCreateComputeInstance, gi, info.id)
+        return int(self._call(nv.nvmlComputeInstanceGetInfo, ci).id)
+
+    def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
+        nv = self._nv
+        gi = self._gi_handle(index, gi_id)
+        ci = self._call(nv.nvmlGpuInstanceGetComputeInstanceById, gi, ci_id)
+        self._call(nv.nvmlComputeInstanceDestroy, ci)
+
+    def destroy_gpu_instance(self, index: int, gi_id: int) -> None:
+        self._call(self._nv.nvmlGpuInstanceDestroy, self._gi_handle(index, gi_id))
+
+    def processes(self, index: int, gi_id: int | None = None) -> list[int]:
+        nv = self._nv
+        h = self._handle(index)
+        if gi_id is not None:
+            h = self._mig_devices(h).get(gi_id)
+            if h is None:
+                return []  # no compute instance: nothing can run there
+        return sorted(int(p.pid) for p in self._call(nv.nvmlDeviceGetComputeRunningProcesses, h))
+
+    def profile_info(self, index: int, nvml_name: str) -> ProfileInfo | None:
+        enum = getattr(self._nv, nvml_name, None)
+        if not isinstance(enum, int):
+            return None
+        info = self._profile_info_raw(self._handle(index), enum)
+        if info is None:
+            return None
+        name = getattr(info, "name", b"")  # the V2 struct only
+        name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+        return ProfileInfo(int(info.id), int(info.sliceCount), int(info.instanceCount), int(info.memorySizeMB), name)
+
+    def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
+        nv = self._nv
+        h = self._handle(index)
+        count = ctypes.c_uint(0)
+        self._call(nv.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, None, ctypes.byref(count))
+        arr = (nv.c_nvmlGpuInstancePlacement_t * max(1, count.value))()
+        self._call(nv.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, arr, ctypes.byref(count))
+        return [(int(p.start), int(p.size)) for p in arr[: count.value]]

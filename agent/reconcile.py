@@ -1,0 +1,210 @@
+"""What to do to bring a node's GPUs to the spec: pure decisions, no I/O.
+
+MIG (`reconcile_mig`): keep the instances the spec has (completing a GPU instance left without
+its compute instance), destroy the free ones it lacks, create the missing ones at their explicit
+placements. An instance in use (a process on it, or a pod holding its device) is never
+destroyed: when the spec wants it gone it is kept and reported, and a wanted instance that
+would overlap it is not created (reported too). MIG mode is enabled only on a GPU the spec
+wants partitioned, and only when nothing runs on it.
+
+MPS (`reconcile_mps`): the slices of each GPU are the spec's, plus any slice pods still hold;
+what then does not fit in the GPU's capacity is left out and reported.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from dynpart.catalog import GpuModel
+from dynpart.mig import MigRules, slot_mask
+
+
+@dataclass(frozen=True)
+class Instance:
+    """A GPU instance found on a GPU."""
+
+    gi_id: int
+    profile: str | None  # catalog profile name; None when the catalog does not know its profile id
+    profile_id: int
+    start: int
+    size: int
+    complete: bool = True  # has its compute instance
+    users: tuple[str, ...] = ()  # why it is in use: "pid 4242", "pod ns/name"
+
+    @property
+    def used(self) -> bool:
+        return bool(self.users)
+
+    @property
+    def label(self) -> str:
+        return f"{self.profile or f'profile id {self.profile_id}'}@{self.start}"
+
+
+@dataclass(frozen=True)
+class MigGpuState:
+    index: int
+    mig_enabled: bool
+    mig_pending: bool = False  # MIG mode after the next reset
+    instances: tuple[Instance, ...] = ()
+    users: tuple[str, ...] = ()  # processes/pods on the GPU as a whole
+
+
+@dataclass(frozen=True)
+class EnableMig:
+    gpu: int
+
+
+@dataclass(frozen=True)
+class Destroy:
+    gpu: int
+    gi_id: int
+    label: str
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Create:
+    gpu: int
+    profile: str
+    start: int
+
+
+@dataclass(frozen=True)
+class Complete:
+    """Create the missing compute instance of a wanted GPU instance."""
+
+    gpu: int
+    gi_id: int
+    profile: str
+    start: int
+
+
+@dataclass
+class MigActions:
+    enable: list[EnableMig] = field(default_factory=list)
+    destroy: list[Destroy] = field(default_factory=list)
+    complete: list[Complete] = field(default_factory=list)
+    create: list[Create] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.enable or self.destroy or self.complete or self.create)
+
+
+def _users(inst: Instance) -> str:
+    return ", ".join(inst.users)
+
+
+def reconcile_mig(desired: dict[int, Iterable[tuple[str, int]]], gpus: Iterable[MigGpuState],
+                  model: GpuModel) -> MigActions:
+    """Actions for every GPU of the node. `desired` maps a GPU index to its (profile, start)
+    placements; a GPU it lacks is wanted empty. `desired` is assumed valid per GPU (decoded)."""
+    out = MigActions()
+    rules = MigRules.of(model) if model.supports_mig else None
+    states = {g.index: g for g in gpus}
+    for index in sorted(set(desired) - set(states)):
+        out.errors.append(f"the spec has GPU {index} but this node has GPUs "
+                          f"{', '.join(map(str, sorted(states))) or 'none'}; ignored")
+    for index in sorted(states):
+        gpu = states[index]
+        want = set(desired.get(index, ()))
+        if rules is None:
+            if want:
+                out.errors.append(f"GPU {index}: {model.name} does not support MIG; the spec's instances are ignored")
+            continue
+        if not gpu.mig_enabled:
+            if not want:
+                continue
+            if gpu.mig_pending:
+                out.errors.append(f"GPU {index}: MIG mode is enabled but pending until the GPU is reset; "
+                                  "reset the GPU (or reboot) to apply the spec")
+            elif gpu.users:
+                out.errors.append(f"GPU {index}: MIG mode is disabled and the GPU is in use ({', '.join(gpu.users)}); "
+                                  "MIG mode will be enabled when it is idle")
+            else:
+                out.enable.append(EnableMig(index))
+                out.create.extend(Create(index, p, s) for p, s in sorted(want, key=lambda x: (x[1], x[0])))
+            continue
+        _reconcile_gpu(gpu, want, rules, out)
+    out.destroy.sort(key=lambda d: (d.gpu, d.start))
+    out.create.sort(key=lambda c: (c.gpu, c.start))
+    return out
+
+
+def _reconcile_gpu(gpu: MigGpuState, want: set[tuple[str, int]], rules: MigRules, out: MigActions) -> None:
+    index = gpu.index
+    kept: list[tuple[str, int]] = []  # instances staying, in catalog terms
+    blocked = 0  # memory slices of staying instances the catalog cannot name
+    staying: list[Instance] = []
+    have: set[tuple[str, int]] = set()
+    for inst in sorted(gpu.instances, key=lambda i: (i.start, i.gi_id)):
+        key = (inst.profile, inst.start) if inst.profile is not None else None
+        if key is None:
+            out.errors.append(f"GPU {index}: GPU instance {inst.gi_id} has GI profile id {inst.profile_id}, which the "
+                              f"catalog does not know for {rules.model.name}; left alone (fix the catalog)")
+            blocked |= slot_mask(inst.start, inst.size)
+            staying.append(inst)
+            continue
+        if key in want and key not in have:
+            have.add(key)  # type: ignore[arg-type]
+            kept.append(key)  # type: ignore[arg-type]
+            staying.append(inst)
+            if not inst.complete:
+                out.complete.append(Complete(index, inst.gi_id, key[0], key[1]))
+        elif inst.used:
+            out.errors.append(f"GPU {index}: {inst.label} is in use ({_users(inst)}) but the spec does not have it; "
+                              "kept until it is free")
+            kept.append(key)  # type: ignore[arg-type]
+            staying.append(inst)
+        else:
+            out.destroy.append(Destroy(index, inst.gi_id, inst.label, inst.start, inst.size))
+    for profile, start in sorted(want - have, key=lambda x: (x[1], x[0])):
+        broken = rules.violations([*kept, (profile, start)])
+        p = rules.index.get(profile)
+        if not broken and p is not None and blocked & rules.mask(p, start):
+            broken = ["it overlaps a GPU instance of unknown profile"]
+        if broken:
+            mask = slot_mask(start, rules.memory[p]) if p is not None else 0
+            in_the_way = [i for i in staying if i.used and slot_mask(i.start, i.size) & mask]
+            why = (f"{', '.join(f'{i.label} ({_users(i)})' for i in in_the_way)} in use there"
+                   if in_the_way else broken[0])
+            out.errors.append(f"GPU {index}: cannot create {profile}@{start}: {why}; it will be created once that is free")
+            continue
+        kept.append((profile, start))
+        out.create.append(Create(index, profile, start))
+
+
+def reconcile_mps(desired: dict[int, Iterable[int]], used: dict[int, Counter[int]], gpus: Iterable[int],
+                  capacity: int) -> tuple[dict[int, list[int]], list[str]]:
+    """Slice sizes per GPU to configure, and the errors. Slices pods hold are always kept;
+    the spec's other slices are added largest first while they fit in `capacity`."""
+    errors: list[str] = []
+    gpu_set = set(gpus)
+    for index in sorted(set(desired) - gpu_set):
+        errors.append(f"the spec has GPU {index} but this node has GPUs "
+                      f"{', '.join(map(str, sorted(gpu_set))) or 'none'}; ignored")
+    final: dict[int, list[int]] = {}
+    for index in sorted(gpu_set):
+        want = Counter(desired.get(index, ()))
+        held = used.get(index, Counter())
+        sizes: list[int] = []
+        for size, n in sorted(held.items(), key=lambda x: -x[0]):
+            sizes.extend([size] * n)
+            if n > want[size]:
+                errors.append(f"GPU {index}: {n} x {size}gb slice(s) are in use by pods but the spec has {want[size]}; "
+                              "kept until they are free")
+        total = sum(sizes)
+        for size in sorted(want, reverse=True):
+            for _ in range(want[size] - held[size]):
+                if total + size > capacity:
+                    errors.append(f"GPU {index}: a {size}gb slice does not fit next to the slices in use "
+                                  f"({total} of {capacity} GB taken); it will be added once they are free")
+                    continue
+                sizes.append(size)
+                total += size
+        final[index] = sorted(sizes, reverse=True)
+    return final, errors

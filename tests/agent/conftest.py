@@ -1,0 +1,103 @@
+"""A node with fake GPUs, a fake kubelet and a fake API server, and an agent on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+
+from agent.kube import FakeConfigStore, FakeNodeApi
+from agent.loop import Agent
+from agent.nvml import FakeNvml
+from agent.podresources import FakePodResources
+from dynpart.annotations import encode_spec
+from dynpart.catalog import GpuModel, default_catalog
+from dynpart.snapshot import GpuLayout, MigInstance, MpsSlice, NodeLayout
+
+CATALOG = default_catalog()
+H100 = CATALOG.resolve("H100-80GB")
+A100 = CATALOG.resolve("A100-40GB")
+NOW = datetime(2025, 3, 1, 9, 0, 0, tzinfo=timezone.utc)
+
+
+def placements(*items: str) -> list[tuple[str, int]]:
+    """"1g.10gb@0" -> ("1g.10gb", 0)"""
+    out = []
+    for item in items:
+        profile, start = item.split("@")
+        out.append((profile, int(start)))
+    return out
+
+
+def mig_spec(gpus: dict[int, list[str]], plan: str = "p1") -> dict[str, str]:
+    layout = NodeLayout(node="node-1", mode="mig", gpus=[
+        GpuLayout(index=i, mig=[MigInstance(profile=p, start=s) for p, s in placements(*items)])
+        for i, items in gpus.items()])
+    return encode_spec(layout, plan)
+
+
+def mps_spec(gpus: dict[int, list[int]], plan: str = "p1") -> dict[str, str]:
+    layout = NodeLayout(node="node-1", mode="mps", gpus=[
+        GpuLayout(index=i, mps=[MpsSlice(size=s) for s in sizes]) for i, sizes in gpus.items()])
+    return encode_spec(layout, plan)
+
+
+@dataclass
+class Rig:
+    driver: FakeNvml
+    pods: FakePodResources
+    node_api: FakeNodeApi
+    configs: FakeConfigStore
+    events: list[tuple[str, Any]] = field(default_factory=list)
+    pid: int = 1000
+
+    def agent(self, **kw: Any) -> Agent:
+        """A new agent process on this node (same GPUs, same API server)."""
+        return Agent("node-1", node_api=self.node_api, driver=self.driver, pods=self.pods, catalog=CATALOG,
+                     configs=self.configs, now=lambda: NOW, **kw)
+
+    def carve(self, gpu: int, *items: str) -> dict[str, int]:
+        """Create instances directly (as a previous plan did); returns "profile@start" -> GI id."""
+        out = {}
+        for profile, start in placements(*items):
+            p = self.driver.model.profile(profile)
+            gi = self.driver.create_gpu_instance(gpu, p.gi_profile_id, start, p.memory)
+            self.driver.create_compute_instance(gpu, gi, p.compute)
+            out[f"{profile}@{start}"] = gi
+        self.driver.ops.clear()
+        return out
+
+    def uuid(self, gpu: int, gi: int) -> str:
+        info = {g.gi_id: g for g in self.driver.gpu_instances(gpu)}[gi]
+        assert info.uuid is not None
+        return info.uuid
+
+    def run_pod(self, pod: str, gpu: int, gi: int, *, process: bool = True, assigned: bool = True) -> int:
+        """A pod on a MIG device: assigned by the kubelet and/or with a process on it."""
+        self.pid += 1
+        if process:
+            self.driver.attach(gpu, self.pid, gi)
+        if assigned:
+            profile = {g.gi_id: g for g in self.driver.gpu_instances(gpu)}[gi].profile_id
+            name = next(p.name for p in self.driver.model.mig_profiles if p.gi_profile_id == profile)
+            self.pods.assign(pod, "nvidia.com/mig-" + name.replace("+", "."), self.uuid(gpu, gi))
+        return self.pid
+
+    def stop_pod(self, pod: str, pid: int | None = None) -> None:
+        self.pods.release(pod)
+        if pid is not None:
+            for d in self.driver.devices():
+                self.driver.detach(d.index, pid)
+
+
+def make_rig(model: GpuModel = H100, count: int = 2, **driver_kw: Any) -> Rig:
+    events: list[tuple[str, Any]] = []
+    return Rig(FakeNvml(model, count, **driver_kw), FakePodResources(),
+               FakeNodeApi("node-1", events=events), FakeConfigStore(events), events)
+
+
+@pytest.fixture
+def rig() -> Rig:
+    return make_rig()

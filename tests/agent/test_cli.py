@@ -1,0 +1,67 @@
+"""`dynpart agent ...`: argument handling, the probe on a fake driver, NVML missing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agent.nvml import FakeNvml, NvmlUnavailable
+from agent.nvml_probe import probe
+from dynpart.cli import main
+
+from .conftest import CATALOG, H100
+
+
+def test_probe_fake_gpus_ok(capsys):
+    assert main(["agent", "probe", "--fake-gpus", "H100-80GB:2"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 1: NVIDIA H100-80GB" in out and "3g.40gb      id  9" in out and "catalog matches the driver" in out
+    assert main(["agent", "probe", "--fake-gpus", "A30-24GB:1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["gpus"][0]["model"] == "A30-24GB"
+
+
+def test_probe_finds_catalog_mismatches():
+    driver = FakeNvml(H100, 1)
+    real = driver.possible_placements
+    driver.possible_placements = lambda i, pid: real(i, pid)[:-1] if pid == 9 else real(i, pid)  # type: ignore
+    driver.create_gpu_instance(0, 0, 0, 8)
+    report = probe(driver, CATALOG)
+    assert not report.ok
+    assert report.mismatches == ["GPU 0 3g.40gb: starts [0] (catalog [0, 4])"]
+    assert any("instance GI 1: 7g.80gb@0" in line for line in report.lines)
+
+
+def test_probe_mig_off_and_unknown_model():
+    report = probe(FakeNvml(H100, 1, mig_enabled=False, name="NVIDIA Mystery"), CATALOG)
+    assert not report.ok and "unknown GPU model 'NVIDIA Mystery'" in report.mismatches[0]
+
+
+def test_bad_arguments(capsys):
+    assert main(["agent", "probe", "--fake-gpus", "H100-80GB"]) == 2
+    assert "expected MODEL:N" in capsys.readouterr().err
+    assert main(["agent", "probe", "--fake-gpus", "Nope:1"]) == 2
+    assert "unknown GPU model 'Nope'" in capsys.readouterr().err
+
+
+def test_run_needs_a_node(capsys, monkeypatch):
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    monkeypatch.delenv("DYNPART_AGENT_NODE_NAME", raising=False)
+    assert main(["agent", "run"]) == 2
+    assert "the node name is required" in capsys.readouterr().err
+
+
+def test_probe_without_a_driver_is_one_clean_line(capsys):
+    from agent.nvml_real import RealNvml
+
+    try:
+        RealNvml().close()
+    except NvmlUnavailable:
+        pass
+    else:
+        pytest.skip("this host has an NVIDIA driver")
+    assert main(["agent", "probe"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dynpart: error: NVML not available: no NVIDIA driver on this host (pynvml:")
+    assert "Traceback" not in err

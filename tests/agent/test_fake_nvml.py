@@ -1,0 +1,153 @@
+"""FakeNvml enforces the driver's MIG rules (facts file section 1), so tests built on it mean something."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.nvml import (
+    IN_USE, INSUFFICIENT_RESOURCES, INVALID_ARGUMENT, NOT_FOUND, NOT_SUPPORTED, FakeNvml, GpuDriverError,
+    SimulatedCrash,
+)
+from dynpart.mig import Placement, feasible_geometries, is_valid_geometry, maximal_geometries
+
+from .conftest import A100, CATALOG, H100
+
+
+def create(d: FakeNvml, gpu: int, profile: str, start: int) -> int:
+    p = d.model.profile(profile)
+    gi = d.create_gpu_instance(gpu, p.gi_profile_id, start, p.memory)
+    d.create_compute_instance(gpu, gi, p.compute)
+    return gi
+
+
+def code_of(fn, *args) -> str:
+    with pytest.raises(GpuDriverError) as e:
+        fn(*args)
+    return e.value.code
+
+
+def test_placement_rules():
+    d = FakeNvml(H100)
+    p3 = H100.profile("3g.40gb")
+    assert code_of(d.create_gpu_instance, 0, p3.gi_profile_id, 2, 4) == INVALID_ARGUMENT  # start not legal
+    assert code_of(d.create_gpu_instance, 0, p3.gi_profile_id, 0, 2) == INVALID_ARGUMENT  # wrong size
+    assert code_of(d.create_gpu_instance, 0, 77, 0, 1) == INVALID_ARGUMENT  # no such profile
+    create(d, 0, "3g.40gb", 4)
+    p1 = H100.profile("1g.20gb")
+    assert code_of(d.create_gpu_instance, 0, p1.gi_profile_id, 6, 2) == INSUFFICIENT_RESOURCES  # overlap
+    create(d, 0, "1g.10gb+me", 0)
+    me = H100.profile("1g.10gb+me")
+    assert code_of(d.create_gpu_instance, 0, me.gi_profile_id, 1, 1) == INSUFFICIENT_RESOURCES  # one +me
+    assert d.layout(0) == [("1g.10gb+me", 0), ("3g.40gb", 4)]
+    assert [o.result for o in d.ops if o.op == "create_gi"] == [
+        INVALID_ARGUMENT, INVALID_ARGUMENT, INVALID_ARGUMENT, "ok", INSUFFICIENT_RESOURCES, "ok", INSUFFICIENT_RESOURCES]
+
+
+def test_max_count():
+    d = FakeNvml(A100)
+    for s in (0, 2, 4, 6):
+        create(d, 0, "1g.10gb", s)
+    assert d.layout(0) == [("1g.10gb", s) for s in (0, 2, 4, 6)]
+    d2 = FakeNvml(A100)
+    create(d2, 0, "3g.20gb", 0)
+    create(d2, 0, "3g.20gb", 4)
+    assert len(d2.layout(0)) == 2
+
+
+def test_compute_instance_rules():
+    d = FakeNvml(H100)
+    p = H100.profile("2g.20gb")
+    gi = d.create_gpu_instance(0, p.gi_profile_id, 2, 2)
+    assert d.gpu_instances(0)[0].uuid is None and d.gpu_instances(0)[0].compute_instances == ()
+    assert code_of(d.create_compute_instance, 0, gi, 1) == INVALID_ARGUMENT  # not the full GI
+    d.create_compute_instance(0, gi, 2)
+    assert code_of(d.create_compute_instance, 0, gi, 2) == INSUFFICIENT_RESOURCES
+    assert d.gpu_instances(0)[0].uuid.startswith("MIG-")
+    assert code_of(d.destroy_gpu_instance, 0, gi) == IN_USE  # CI first
+    d.attach(0, 42, gi)
+    assert d.processes(0, gi) == [42] and d.processes(0) == [42]
+    assert code_of(d.destroy_compute_instance, 0, gi, 0) == IN_USE
+    d.detach(0, 42)
+    d.destroy_compute_instance(0, gi, 0)
+    d.destroy_gpu_instance(0, gi)
+    assert d.gpu_instances(0) == []
+    assert code_of(d.destroy_gpu_instance, 0, gi) == NOT_FOUND
+
+
+def test_mig_mode_rules():
+    d = FakeNvml(H100, mig_enabled=False)
+    assert code_of(d.create_gpu_instance, 0, 0, 0, 8) == NOT_SUPPORTED
+    d.attach(0, 7)
+    assert code_of(d.set_mig_mode, 0, True) == IN_USE
+    d.detach(0, 7)
+    d.set_mig_mode(0, True)
+    assert d.devices()[0].mig_current
+    create(d, 0, "7g.80gb", 0)
+    assert code_of(d.set_mig_mode, 0, False) == IN_USE  # instances exist
+
+
+def test_reboot_and_reset():
+    h = FakeNvml(H100)
+    create(h, 0, "7g.80gb", 0)
+    h.reboot()
+    assert h.gpu_instances(0) == [] and not h.devices()[0].mig_current  # Hopper: MIG mode lost
+    a = FakeNvml(A100)
+    create(a, 0, "7g.40gb", 0)
+    a.reboot()
+    assert a.gpu_instances(0) == [] and a.devices()[0].mig_current  # Ampere: MIG mode kept
+    r = FakeNvml(H100, mig_enabled=False, mode_needs_reset=True)
+    r.set_mig_mode(0, True)
+    assert (r.devices()[0].mig_current, r.devices()[0].mig_pending) == (False, True)
+    r.reset(0)
+    assert r.devices()[0].mig_current
+
+
+def test_crash_after():
+    d = FakeNvml(H100)
+    d.crash_after(1)
+    p = H100.profile("7g.80gb")
+    gi = d.create_gpu_instance(0, p.gi_profile_id, 0, 8)
+    with pytest.raises(SimulatedCrash):
+        d.create_compute_instance(0, gi, 7)
+    assert d.gpu_instances(0)[0].compute_instances == ()  # the crash came before the call
+    d.create_compute_instance(0, gi, 7)  # one crash only
+
+
+@pytest.mark.parametrize("model", [m for m in CATALOG.models.values() if m.supports_mig], ids=lambda m: m.name)
+def test_every_maximal_geometry_can_be_created_in_any_order(model):
+    """With explicit placements, the creation order does not matter (unlike nos/mig-parted)."""
+    for counts in maximal_geometries(model):
+        geometry = None
+        for g in feasible_geometries(model, [n for n, _ in counts]):
+            if sorted((n for n, _ in g)) == sorted(n for n, c in counts for _ in range(c)):
+                geometry = sorted(g, key=lambda x: x.start)
+                break
+        assert geometry is not None
+        for order in itertools.islice(itertools.permutations(geometry), 0, None, 97):
+            d = FakeNvml(model)
+            for placement in order:
+                create(d, 0, placement.profile, placement.start)
+            assert d.layout(0) == [(p.profile, p.start) for p in geometry]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_fake_accepts_exactly_the_valid_geometries(data):
+    model = data.draw(st.sampled_from([H100, A100, CATALOG.resolve("A30-24GB")]))
+    geometries = feasible_geometries(model)
+    g = data.draw(st.sampled_from(geometries))
+    d = FakeNvml(model)
+    for p in sorted(g, key=lambda p: -p.start):
+        create(d, 0, p.profile, p.start)
+    extra = data.draw(st.sampled_from(model.mig_profiles))
+    start = data.draw(st.sampled_from(extra.starts))
+    valid = is_valid_geometry(model, [*g, Placement(extra.name, start)])
+    try:
+        d.create_gpu_instance(0, extra.gi_profile_id, start, extra.memory)
+        assert valid
+    except GpuDriverError as e:
+        assert not valid and e.code == INSUFFICIENT_RESOURCES

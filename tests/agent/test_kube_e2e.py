@@ -1,0 +1,92 @@
+"""The agent's Kubernetes layer (`KubeNodeApi`, `KubeConfigStore`) against a real kube-apiserver
+(tests/e2e's local control plane), with fake GPUs: spec in, MIG instances and status out; MPS
+config in the ConfigMap before the node label."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from agent.kube import KubeConfigStore, KubeNodeApi, connect
+from agent.loop import Agent
+from agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, parse_config
+from agent.nvml import FakeNvml
+from agent.podresources import FakePodResources
+from dynpart.annotations import PARTITIONING_LABEL, STATUS_PLAN, annotation_patch
+from dynpart.kube.patching import patch_node_annotations
+
+from .conftest import CATALOG, H100, mig_spec, mps_spec
+
+pytestmark = pytest.mark.e2e
+
+
+async def _node(core, mode: str) -> str:
+    name = f"agent-e2e-{mode}-{uuid.uuid4().hex[:6]}"
+    await core.create_node({"apiVersion": "v1", "kind": "Node",
+                            "metadata": {"name": name, "labels": {PARTITIONING_LABEL: mode}}})
+    return name
+
+
+async def test_agent_against_a_real_apiserver(e2e_cluster):
+    from kubernetes_asyncio import client
+
+    api = await connect(str(e2e_cluster.kubeconfig))
+    core = client.CoreV1Api(api)
+    try:
+        # --- MIG: the loop wakes on the spec, applies it, acknowledges it
+        name = await _node(core, "mig")
+        driver = FakeNvml(H100, 2)
+        agent = Agent(name, node_api=KubeNodeApi(api, name, retry_s=0.2), driver=driver, pods=FakePodResources(),
+                      catalog=CATALOG, interval_s=30)
+        stop = asyncio.Event()
+        task = asyncio.create_task(agent.run(stop))
+
+        async def annotations(node: str) -> dict[str, str]:
+            return (await core.read_node(node)).metadata.annotations or {}
+
+        async def wait_for(predicate, timeout=20.0):
+            for _ in range(int(timeout / 0.1)):
+                value = await predicate()
+                if value:
+                    return value
+                await asyncio.sleep(0.1)
+            raise AssertionError("timed out")
+
+        await wait_for(lambda: _has(annotations(name), "dynpart.io/status-heartbeat"))
+        spec = mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["1g.10gb@6"]}, plan="e1")
+        await patch_node_annotations(core, name, annotation_patch(await annotations(name), spec))
+        ann = await wait_for(lambda: _ack(annotations(name), "e1"))
+        assert ann["dynpart.io/status-gpu-0-3g.40gb-free"] == "2@0,4"
+        assert ann["dynpart.io/status-gpu-1-1g.10gb-free"] == "1@6"
+        assert driver.layout(0) == [("3g.40gb", 0), ("3g.40gb", 4)]
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+        # --- MPS: the config goes into the ConfigMap before the label names it
+        await core.create_namespace({"metadata": {"name": "dynpart-system"}})
+        name = await _node(core, "mps")
+        configs = KubeConfigStore(api, "dynpart-system", "dynpart-device-plugin-configs", settle_s=0)
+        mps = Agent(name, node_api=KubeNodeApi(api, name), driver=FakeNvml(H100, 1, mig_enabled=False),
+                    pods=FakePodResources(), catalog=CATALOG, configs=configs)
+        await patch_node_annotations(core, name, mps_spec({0: [10, 10, 20]}, plan="m1"))
+        report = await mps.reconcile_once()
+        assert report.errors == [] and report.plan_id == "m1"
+        node = await core.read_node(name)
+        config = node.metadata.labels[DEVICE_PLUGIN_CONFIG_LABEL]
+        cm = await core.read_namespaced_config_map("dynpart-device-plugin-configs", "dynpart-system")
+        assert parse_config(cm.data[config]) == {0: [20, 10, 10]}
+        assert node.metadata.annotations[STATUS_PLAN] == "m1"
+        assert node.metadata.annotations["dynpart.io/status-gpu-0-10gb-free"] == "2"
+    finally:
+        await api.close()
+
+
+async def _has(coro, key):
+    return key in await coro
+
+
+async def _ack(coro, plan):
+    ann = await coro
+    return ann if ann.get(STATUS_PLAN) == plan else None

@@ -1,0 +1,136 @@
+"""The agent loop: the plan-id handshake, malformed specs reported, failures that change nothing,
+waking up on a spec change."""
+
+from __future__ import annotations
+
+import asyncio
+
+from agent.podresources import PodResourcesError
+from dynpart.annotations import (
+    SPEC_MODE, SPEC_PLAN, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_MODE, STATUS_PLAN, annotation_patch,
+)
+
+from .conftest import Rig, make_rig, mig_spec
+
+
+async def test_handshake(rig: Rig):
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p1"))
+    await agent.reconcile_once()
+    ann = rig.node_api.annotations
+    assert ann[STATUS_PLAN] == "p1" and ann[STATUS_MODE] == "mig"
+    assert ann["dynpart.io/status-gpu-0-7g.80gb-free"] == "1@0"
+    assert ann[STATUS_HEARTBEAT] == "2025-03-01T09:00:00Z"
+    # the planner writes the next plan as one merge patch, removing its stale keys
+    new = mig_spec({0: ["3g.40gb@0"], 1: ["1g.10gb@3"]}, plan="p2")
+    old_spec = {k: v for k, v in ann.items() if k.startswith("dynpart.io/spec-")}
+    rig.node_api.set_annotations(annotation_patch(old_spec, new))
+    await agent.reconcile_once()
+    ann = rig.node_api.annotations
+    assert ann[STATUS_PLAN] == "p2"
+    assert "dynpart.io/spec-gpu-0-7g.80gb" not in ann and "dynpart.io/status-gpu-0-7g.80gb-free" not in ann
+    assert ann["dynpart.io/status-gpu-0-3g.40gb-free"] == "1@0"
+    assert ann["dynpart.io/status-gpu-1-1g.10gb-free"] == "1@3"
+    assert rig.driver.layout(0) == [("3g.40gb", 0)] and rig.driver.layout(1) == [("1g.10gb", 3)]
+
+
+async def test_malformed_spec_is_reported_not_raised(rig: Rig):
+    rig.node_api.set_annotations({
+        **mig_spec({0: ["3g.40gb@4"]}, plan="p1"),
+        "dynpart.io/spec-gpu-0-1g.20gb": "1@5",         # illegal start
+        "dynpart.io/spec-gpu-x-1g.10gb": "1@0",          # bad index
+        "dynpart.io/spec-gpu-1-1g.10gb": "two@0",        # bad count
+        "dynpart.io/spec-gpu-9-7g.80gb": "1@0",          # no such GPU on the node
+        "dynpart.io/spec-gpu-1-9g.99gb": "1@0",          # unknown profile
+    })
+    report = await rig.agent().reconcile_once()
+    assert rig.driver.layout(0) == [("3g.40gb", 4)] and rig.driver.layout(1) == []
+    errors = rig.node_api.annotations[STATUS_ERROR].split("\n")
+    assert len(errors) == 5 and errors == report.errors
+    for needle in ("'dynpart.io/spec-gpu-0-1g.20gb' = '1@5'", "GPU index 'x'", "count 'two'",
+                   "the spec has GPU 9 but this node has GPUs 0, 1", "no MIG profile '9g.99gb'"):
+        assert any(needle in e for e in errors), needle
+    assert rig.node_api.annotations[STATUS_PLAN] == "p1"
+
+
+async def test_unsafe_observation_changes_nothing(rig: Rig):
+    rig.carve(0, "1g.10gb@0")
+    agent = rig.agent()
+    await agent.reconcile_once()
+    before = dict(rig.node_api.annotations)
+
+    async def broken_list():
+        raise PodResourcesError("kubelet PodResources API at /x: UNAVAILABLE: connection refused")
+
+    rig.pods.list = broken_list  # type: ignore[method-assign]
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p5"))
+    report = await agent.reconcile_once()
+    assert rig.driver.ops == []
+    assert report.errors == ["kubelet PodResources API at /x: UNAVAILABLE: connection refused"]
+    ann = rig.node_api.annotations
+    assert ann["dynpart.io/status-gpu-0-1g.10gb-free"] == before["dynpart.io/status-gpu-0-1g.10gb-free"]
+    assert STATUS_PLAN not in ann and "UNAVAILABLE" in ann[STATUS_ERROR]
+
+
+async def test_unknown_gpu_model_is_reported(rig: Rig):
+    rig.driver.name = "NVIDIA Mystery 9000"
+    report = await rig.agent().reconcile_once()
+    assert "unknown GPU model 'NVIDIA Mystery 9000'" in report.errors[0]
+    assert rig.driver.ops == []
+
+
+async def test_status_not_rewritten_when_unchanged(rig: Rig):
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}))
+    await agent.reconcile_once()
+    n = len(rig.events)
+    await agent.reconcile_once()  # same clock, same state: nothing to patch
+    assert len(rig.events) == n
+
+
+async def test_run_wakes_on_spec_change(rig: Rig):
+    agent = rig.agent(interval_s=60)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+
+    async def until(predicate):
+        for _ in range(200):
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out")
+
+    await until(lambda: STATUS_MODE in rig.node_api.annotations)  # the first pass
+    rig.node_api.set_annotations(mig_spec({0: ["4g.40gb@0"]}, plan="w1"))
+    await until(lambda: rig.node_api.annotations.get(STATUS_PLAN) == "w1")
+    assert rig.driver.layout(0) == [("4g.40gb", 0)]
+    rig.node_api.set_annotations({SPEC_PLAN: "w2", SPEC_MODE: "mig", "dynpart.io/spec-gpu-0-4g.40gb": None})
+    await until(lambda: rig.node_api.annotations.get(STATUS_PLAN) == "w2")
+    assert rig.driver.layout(0) == []
+    stop.set()
+    await asyncio.wait_for(task, 2)
+
+
+async def test_run_survives_a_failing_pass():
+    rig = make_rig()
+    agent = rig.agent(interval_s=0.01)
+    calls = 0
+    real = agent.reconcile_once
+
+    async def flaky():
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("boom")
+        return await real()
+
+    agent.reconcile_once = flaky  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    for _ in range(200):
+        if STATUS_MODE in rig.node_api.annotations:
+            break
+        await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.wait_for(task, 2)
+    assert calls >= 2 and STATUS_MODE in rig.node_api.annotations

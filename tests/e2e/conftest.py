@@ -1,0 +1,1 @@
+"""The e2e fixtures live in tests/conftest.py so that one cluster serves every test module."""
