@@ -54,6 +54,10 @@ class NodeApi(Protocol):
         """The node each time it changes (reconnecting as needed); runs until cancelled."""
         ...
 
+    async def event(self, reason: str, message: str, warning: bool = False) -> None:
+        """A Kubernetes Event on the node (best effort: never raises)."""
+        ...
+
 
 class ConfigStore(Protocol):
     async def read(self, name: str) -> str | None: ...
@@ -102,6 +106,9 @@ class FakeNodeApi:
             _merge(self.labels, labels)
         self._changed()
         return self.view()
+
+    async def event(self, reason: str, message: str, warning: bool = False) -> None:
+        self.events.append(("event", (reason, message, warning)))
 
     async def watch(self) -> AsyncIterator[NodeView]:
         queue: asyncio.Queue[NodeView] = asyncio.Queue()
@@ -197,6 +204,12 @@ class KubeNodeApi:
         except Exception as e:
             raise _api_error(f"patch node {self.name}", e) from None
         return await self.get()
+
+    async def event(self, reason: str, message: str, warning: bool = False) -> None:
+        from dynpart.kube.events import post_event
+
+        await post_event(self._v1, {"kind": "Node", "metadata": {"name": self.name}}, reason, message,
+                         "dynpart-agent", warning)
 
     async def watch(self) -> AsyncIterator[NodeView]:
         from kubernetes_asyncio import watch

@@ -59,6 +59,7 @@ class Agent:
         self._model: GpuModel | None = None
         self._mig: MigAgent | None = None
         self._mps: MpsAgent | None = None
+        self._said: dict[str, str] = {}
 
     def model(self) -> GpuModel:
         if self._model is None:
@@ -125,15 +126,26 @@ class Agent:
         await self._write(node, status)
         for e in errors:
             log.warning("node %s: %s", self.node, e)
+        if spec.problems:
+            await self._event("DynpartInvalidSpec", "ignored malformed annotations: " + "; ".join(spec.problems), True)
+        if result.errors:
+            await self._event("ApplyFailed", "; ".join(result.errors), True)
         if ack is not None and ack != node.annotations.get(STATUS_PLAN):
             metrics.PLAN_ACKS.inc()
             log.info("node %s: plan %s applied", self.node, ack)
+            await self._event("LayoutApplied", f"plan {ack} applied ({mode})")
         for m in ("mig", "mps"):
             for state in ("free", "used"):
                 n = sum(1 for g in result.gpus for x in (g.mig if m == "mig" else g.mps)
                         if x.used == (state == "used")) if m == mode else 0
                 metrics.SLICES.labels(m, state).set(n)
         return PassReport(mode, _valid_or_none(ack), errors, status)
+
+    async def _event(self, reason: str, message: str, warning: bool = False) -> None:
+        """One Event per distinct message and reason (a pass repeats every interval)."""
+        if self._said.get(reason) != message:
+            self._said[reason] = message
+            await self.node_api.event(reason, message, warning)
 
     async def _report_failure(self, node: NodeView, error: str) -> PassReport:
         status = {k: v for k, v in node.annotations.items() if k.startswith(STATUS_PREFIX)}

@@ -134,3 +134,15 @@ async def test_run_survives_a_failing_pass():
     stop.set()
     await asyncio.wait_for(task, 2)
     assert calls >= 2 and STATUS_MODE in rig.node_api.annotations
+
+
+async def test_events_on_the_node_once_per_message(rig: Rig):
+    agent = rig.agent()
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="p1"), "dynpart.io/spec-gpu-0-1g.20gb": "1@5"})
+    await agent.reconcile_once()
+    await agent.reconcile_once()  # the next pass says nothing new
+    events = [e for kind, e in rig.node_api.events if kind == "event"]
+    reasons = [r for r, _, _ in events]
+    assert reasons.count("DynpartInvalidSpec") == 1 and reasons.count("LayoutApplied") == 1
+    invalid = next(e for e in events if e[0] == "DynpartInvalidSpec")
+    assert "'dynpart.io/spec-gpu-0-1g.20gb' = '1@5'" in invalid[1] and invalid[2] is True
