@@ -39,9 +39,15 @@ def slices_of(problem: Problem, states: list[GpuState], req: Request, gids: list
     return sorted(set(out))
 
 
-def unplaced_reason(problem: Problem, req: Request, gpu_states_initial: list[GpuState] | None = None) -> str:
+def unplaced_reason(problem: Problem, req: Request, policy: str = "dynpart") -> str:
     if req.no_candidate_reason:
         return req.no_candidate_reason
+    if policy == "static":
+        return (f"the static layout has no free {req.resource} on its {len(req.candidates)} candidate node(s) "
+                "and never changes")
+    if policy == "nos":
+        return (f"nos's greedy supplied no free {req.resource} on its {len(req.candidates)} candidate node(s) "
+                "(geometries without placements, nodes in name order)")
     what = req.profile if req.kind == KIND_MIG else req.size
     # would it fit on an otherwise untouched cluster (only used slices fixed)?
     for n in req.candidates:
@@ -70,7 +76,7 @@ def build_plan(policy: str, problem: Problem, states: list[GpuState], placed: di
     for req in problem.requests:
         hit = placed.get(req.idx)
         if hit is None:
-            unplaced.append(UnplacedPod(pod=req.name, reason=unplaced_reason(problem, req)))
+            unplaced.append(UnplacedPod(pod=req.name, reason=unplaced_reason(problem, req, policy)))
             continue
         node, gids = hit
         weight += req.weight
