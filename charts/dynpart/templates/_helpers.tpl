@@ -1,0 +1,96 @@
+{{/* Chart name, truncated to 63 characters (DNS label). */}}
+{{- define "dynpart.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-scoped name: <release>-dynpart, or just <release> when it contains the chart name. */}}
+{{- define "dynpart.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "dynpart.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "dynpart.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: dynpart
+{{- end }}
+
+{{/* Selector labels of one component: include "dynpart.selectorLabels" (list . "planner") */}}
+{{- define "dynpart.selectorLabels" -}}
+{{- $ctx := index . 0 -}}
+app.kubernetes.io/name: {{ include "dynpart.name" $ctx }}
+app.kubernetes.io/instance: {{ $ctx.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "dynpart.componentLabels" -}}
+{{ include "dynpart.labels" (index . 0) }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end }}
+
+{{- define "dynpart.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "dynpart.plannerName" -}}
+{{ include "dynpart.fullname" . | trunc 55 | trimSuffix "-" }}-planner
+{{- end }}
+
+{{- define "dynpart.agentName" -}}
+{{ include "dynpart.fullname" . | trunc 57 | trimSuffix "-" }}-agent
+{{- end }}
+
+{{- define "dynpart.catalogName" -}}
+{{ include "dynpart.fullname" . | trunc 55 | trimSuffix "-" }}-catalog
+{{- end }}
+
+{{/* Namespace of the device-plugin ConfigMap. */}}
+{{- define "dynpart.devicePluginNamespace" -}}
+{{ .Values.devicePlugin.namespace | default .Release.Namespace }}
+{{- end }}
+
+{{/* Where the extra catalog is mounted in both components' containers. */}}
+{{- define "dynpart.catalogFile" -}}
+/etc/dynpart/catalog/extra.yaml
+{{- end }}
+
+{{/* Fails rendering when catalog.extra is not a YAML mapping with a `models` list. */}}
+{{- define "dynpart.checkCatalog" -}}
+{{- if .Values.catalog.extra }}
+{{- $doc := fromYaml .Values.catalog.extra }}
+{{- if hasKey $doc "Error" }}
+{{- fail (printf "catalog.extra is not a YAML mapping: %s" (get $doc "Error")) }}
+{{- end }}
+{{- if not (kindIs "slice" (get $doc "models")) }}
+{{- fail "catalog.extra must be a YAML mapping with a `models:` list (the schema of dynpart/data/gpu-catalog.yaml)" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level security context of the non-root components (the image's user 10001). */}}
+{{- define "dynpart.restrictedPodSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "dynpart.restrictedContainerSecurityContext" -}}
+privileged: false
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end }}

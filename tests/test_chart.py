@@ -1,0 +1,281 @@
+"""The Helm chart charts/dynpart: lint, render, validate (charts/check.sh) and rendered facts.
+
+Needs helm, kubeconform and the Kubernetes JSON schemas from `bash charts/build-tools.sh`
+(built from Go modules into .cache/). Without them these tests skip, except in CI (CI=true)
+where that is an error. The server-side dry run against a real API server is
+tests/e2e/test_chart_dry_run.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "dynpart"
+FULL_VALUES = CHART / "ci" / "full-values.yaml"
+CACHE = Path(os.environ.get("DYNPART_TOOLS_CACHE") or ROOT / ".cache")
+HELM = CACHE / "tools" / "bin" / "helm"
+KUBECONFORM = CACHE / "tools" / "bin" / "kubeconform"
+SCHEMAS = CACHE / "kube-schemas"
+NAMESPACE = "dynpart-system"
+PARTITIONING_LABEL = "dynpart.io/gpu-partitioning"
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _require_tools() -> None:
+    missing = [str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p)
+               for p in (HELM, KUBECONFORM) if not os.access(p, os.X_OK)]
+    if not (SCHEMAS / "current").is_file():
+        missing.append(f"{SCHEMAS}/current")
+    if not missing:
+        return
+    message = f"chart tools not built ({', '.join(missing)}): run bash charts/build-tools.sh"
+    if _in_ci():
+        pytest.fail(f"CI=true but {message}", pytrace=False)
+    pytest.skip(message)
+
+
+def render(*args: str, release: str = "dynpart", namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+    _require_tools()
+    proc = subprocess.run([str(HELM), "template", release, str(CHART), "--namespace", namespace, *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def find(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    hits = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(hits) == 1, f"{len(hits)} {kind} {name or ''} in the rendering"
+    return hits[0]
+
+
+def rules(role: dict[str, Any]) -> dict[tuple[str, str, tuple[str, ...]], set[str]]:
+    """(apiGroup, resource, resourceNames) -> verbs, one key per combination."""
+    out: dict[tuple[str, str, tuple[str, ...]], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                out.setdefault((group, res, tuple(rule.get("resourceNames") or ())), set()).update(rule["verbs"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def default() -> list[dict[str, Any]]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def full() -> list[dict[str, Any]]:
+    return render("-f", str(FULL_VALUES))
+
+
+def test_check_script_lints_and_validates(default, full):
+    """helm lint (also --strict, ServiceMonitor, full values), schema refusals, kubeconform -strict."""
+    _require_tools()
+    env = {k: v for k, v in os.environ.items() if k != "DYNPART_E2E_KUBECONFIG"}  # dry run: the e2e test
+    proc = subprocess.run(["bash", str(ROOT / "charts" / "check.sh")], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, f"charts/check.sh failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    assert "all chart checks passed" in proc.stdout
+    for objs in (default, full):
+        assert f"Valid: {len(objs)}, Invalid: 0, Errors: 0, Skipped: 0" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_planner_deployment(default):
+    dep = find(default, "Deployment")
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["args"] == ["planner", "run", "--config", "/etc/dynpart/planner.yaml"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["DYNPART_PLANNER_IDENTITY"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert c["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
+    # not privileged, not root, nothing to escalate to
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    sc = c["securityContext"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
+    assert "hostPath" not in str(pod["volumes"]) and not pod.get("hostNetwork")
+    assert pod["serviceAccountName"] == "dynpart-planner"
+
+
+def test_planner_config_is_valid_planner_settings(default, full, tmp_path, monkeypatch):
+    from dynpart.settings import PlannerSettings, load_settings
+
+    for objs, catalog in ((default, []), (full, ["/etc/dynpart/catalog/extra.yaml"])):
+        text = find(objs, "ConfigMap", "dynpart-planner")["data"]["planner.yaml"]
+        (tmp_path / "planner.yaml").write_text(text)
+        monkeypatch.setenv("DYNPART_PLANNER_IDENTITY", "dynpart-planner-abc")
+        s = load_settings(PlannerSettings, tmp_path / "planner.yaml")
+        assert s.lease_namespace == NAMESPACE and s.leader_election and s.identity == "dynpart-planner-abc"
+        assert s.catalog_files == catalog
+    # values reach the settings
+    assert (s.batch_idle_s, s.batch_timeout_s, s.ack_timeout_s, s.plan_time_limit_s) == (1, 5.5, 120, 2)
+    assert (s.log_level, s.log_json, s.metrics_port, s.lease_name) == ("DEBUG", False, 9100, "dynpart-planner-test")
+
+
+def test_agent_daemonset(default):
+    ds = find(default, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [{"matchExpressions": [{"key": PARTITIONING_LABEL, "operator": "In", "values": ["mig", "mps"]}]}]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["runtimeClassName"] == "nvidia" and pod["priorityClassName"] == "system-node-critical"
+    (c,) = pod["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "compute,utility"
+    assert c["securityContext"]["privileged"] is True  # MIG: CAP_SYS_ADMIN on the GPUs (agent.privileged)
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
+    assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"]]
+    assert vols["device-plugin-config"]["configMap"] == {"name": "dynpart-device-plugin-configs", "optional": True}
+
+
+def _agent_settings(objs: list[dict[str, Any]], tmp_path: Path, monkeypatch) -> tuple[Any, Any]:
+    """The rendered agent command line parsed by the real `dynpart` parser, and the AgentSettings
+    it yields with the rendered config file (as `dynpart agent run` builds them)."""
+    from dynpart.cli import build_parser
+    from dynpart.settings import AgentSettings, load_settings
+
+    pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e.get("value", "gpu-node-1") for e in c["env"]}  # fieldRefs: the node name
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+    ns = build_parser().parse_args(args)
+    assert (ns.command, ns.agent_command) == ("agent", "run")
+    cm = {v["name"]: v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v}["config"]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "config")
+    assert ns.config == mount["mountPath"]
+    (tmp_path / "agent.yaml").write_text(find(objs, "ConfigMap", cm)["data"][mount["subPath"]])
+    for k in [k for k in os.environ if k.startswith("DYNPART_AGENT_")]:
+        monkeypatch.delenv(k)
+    flags = {k: getattr(ns, k, None) for k in ("node_name", "report_interval_s", "log_level", "metrics_port")}
+    return ns, load_settings(AgentSettings, tmp_path / "agent.yaml", flags)
+
+
+def test_agent_command_line_and_settings(default, full, tmp_path, monkeypatch):
+    ns, s = _agent_settings(default, tmp_path, monkeypatch)
+    assert s.node_name == "gpu-node-1" and s.report_interval_s == 10
+    assert (s.device_plugin_namespace, s.device_plugin_configmap) == (NAMESPACE, "dynpart-device-plugin-configs")
+    assert s.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert ns.config_mount == "/etc/dynpart/device-plugin" and s.catalog_files == []
+    ns, s = _agent_settings(full, tmp_path, monkeypatch)
+    assert (s.device_plugin_namespace, s.device_plugin_configmap) == ("gpu-operator", "nvidia-device-plugin-configs")
+    assert ns.config_mount is None and ns.config_settle_s == 30  # another namespace: not mountable
+    assert s.catalog_files == ["/etc/dynpart/catalog/extra.yaml"]
+    assert (s.report_interval_s, s.log_level, s.log_json, s.metrics_port) == (5, "DEBUG", False, 9100)
+
+
+def test_planner_rbac_is_minimal(default):
+    cr = find(default, "ClusterRole", "dynpart-planner")
+    assert rules(cr) == {
+        ("", "pods", ()): {"get", "list", "watch"},
+        ("", "nodes", ()): {"get", "list", "watch", "patch"},
+        ("", "events", ()): {"create", "patch"},
+        ("events.k8s.io", "events", ()): {"create", "patch"},
+    }
+    role = find(default, "Role", "dynpart-planner-leader-election")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert rules(role) == {
+        ("coordination.k8s.io", "leases", ("dynpart-planner",)): {"get", "update"},
+        ("coordination.k8s.io", "leases", ()): {"create"},  # create cannot be limited by name
+    }
+    crb = find(default, "ClusterRoleBinding", "dynpart-planner")
+    assert crb["subjects"] == [{"kind": "ServiceAccount", "name": "dynpart-planner", "namespace": NAMESPACE}]
+
+
+def test_agent_rbac_is_minimal(default, full):
+    assert rules(find(default, "ClusterRole", "dynpart-agent")) == {
+        ("", "nodes", ()): {"get", "list", "watch", "patch"},
+        ("", "pods", ()): {"get", "list", "watch"},
+        ("", "events", ()): {"create"},
+    }
+    for objs, ns, cm in ((default, NAMESPACE, "dynpart-device-plugin-configs"),
+                         (full, "gpu-operator", "nvidia-device-plugin-configs")):
+        role = find(objs, "Role", "dynpart-agent-device-plugin-config")
+        assert role["metadata"]["namespace"] == ns
+        assert find(objs, "RoleBinding", "dynpart-agent-device-plugin-config")["metadata"]["namespace"] == ns
+        assert rules(role) == {("", "configmaps", (cm,)): {"get", "list", "watch", "update", "patch"},
+                               ("", "configmaps", ()): {"create"}}
+
+
+def test_no_wildcards_secrets_or_deletes(default, full):
+    for objs in (default, full):
+        for role in (o for o in objs if o["kind"] in ("Role", "ClusterRole")):
+            for rule in role["rules"]:
+                assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], role["metadata"]["name"]
+                assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(rule["verbs"])
+                assert "secrets" not in rule["resources"]
+
+
+def test_one_service_account_each_and_bindings_point_to_them(default):
+    sas = {o["metadata"]["name"] for o in default if o["kind"] == "ServiceAccount"}
+    assert sas == {"dynpart-planner", "dynpart-agent"}
+    pods = {o["kind"]: o["spec"]["template"]["spec"]["serviceAccountName"] for o in default
+            if o["kind"] in ("Deployment", "DaemonSet")}
+    assert pods == {"Deployment": "dynpart-planner", "DaemonSet": "dynpart-agent"}
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in default}
+    for b in (o for o in default if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        assert (b["roleRef"]["kind"], b["roleRef"]["name"]) in kinds
+        assert all(s["name"] in sas for s in b["subjects"])
+
+
+def test_service_monitor_only_when_enabled(default, full):
+    assert not [o for o in default if o["kind"] == "ServiceMonitor"]
+    sm = find(full, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert sm["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    svc = find(full, "Service")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert svc["spec"]["ports"][0]["port"] == 9100
+
+
+def test_full_values_options(full, tmp_path):
+    from dynpart.catalog import load_catalog
+
+    dep = find(full, "Deployment")
+    assert dep["spec"]["replicas"] == 3
+    assert dep["spec"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    pod = find(full, "DaemonSet")["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in pod
+    sc = pod["containers"][0]["securityContext"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert pod["containers"][0]["image"] == "registry.example.com/gpu/dynpart:0.1.0-test"
+    extra = find(full, "ConfigMap", "dynpart-catalog")["data"]["extra.yaml"]
+    (tmp_path / "extra.yaml").write_text(extra)
+    assert "A100-80GB-CUSTOM" in load_catalog([str(tmp_path / "extra.yaml")]).models
+
+
+def test_bad_catalog_is_refused():
+    _require_tools()
+    proc = subprocess.run([str(HELM), "template", "x", str(CHART), "--set", "catalog.extra=gpus: []"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "models:" in proc.stderr
+
+
+def test_dockerfile_matches_the_chart(default):
+    text = (ROOT / "Dockerfile").read_text()
+    assert "ARG PYTHON_IMAGE=python:3.11-slim" in text
+    assert 'ENTRYPOINT ["dynpart"]' in text
+    user = re.search(r"^USER (\d+):(\d+)$", text, re.M)
+    assert user, "the image must run as a numeric non-root user"
+    pod_sc = find(default, "Deployment")["spec"]["template"]["spec"]["securityContext"]
+    assert (str(pod_sc["runAsUser"]), str(pod_sc["runAsGroup"])) == user.groups()
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert (chart["apiVersion"], chart["version"], chart["appVersion"]) == ("v2", "0.1.0", "0.1.0")
