@@ -18,7 +18,10 @@ from typing import Any
 
 from kubernetes_asyncio import client
 
-from dynpart.annotations import PARTITIONING_LABEL, SPEC_PLAN, STATUS_PLAN, annotation_patch, encode_spec
+from dynpart.annotations import (
+    PARTITIONING_LABEL, SPEC_PLAN, STATUS_HEARTBEAT, STATUS_MODE, STATUS_PLAN, STATUS_PREFIX, annotation_patch,
+    encode_spec,
+)
 from dynpart.catalog import Catalog
 from dynpart.kube.events import post_event
 from dynpart.kube.patching import Conflict, patch_node_annotations
@@ -52,6 +55,7 @@ class PlannerController:
         self.wake = asyncio.Event()
         self.leading = asyncio.Event()
         self._said: dict[str, str] = {}  # last event message per object, so events are not repeated
+        self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._ids = itertools.count(1)
         self._last_round = 0.0
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL)
@@ -79,6 +83,19 @@ class PlannerController:
             log.info("plan acknowledged", extra={"fields": {"node": name, "plan": flight.plan_id,
                                                             "after_s": round(time.monotonic() - flight.sent_at, 3)}})
             self.wake.set()
+        # New facts about the node's GPUs (a plan applied, a slice freed or taken, the node gone):
+        # pods still waiting may fit now, or only now be planned on it, so they join the batch.
+        status = None if kind == "DELETED" else {k: v for k, v in ann.items()
+                                                 if k.startswith(STATUS_PREFIX) and k != STATUS_HEARTBEAT}
+        if status != self._status.get(name):
+            if status is None:
+                self._status.pop(name, None)
+            else:
+                self._status[name] = status
+            now = time.monotonic()
+            for key in self._candidates():
+                self.window.add(key, now)
+            self.wake.set()
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -96,7 +113,8 @@ class PlannerController:
 
     async def _step(self) -> None:
         now = time.monotonic()
-        wait = self.window.wait_s(now)
+        # a standby keeps its batch (it plans it on taking over) but waits for a wake-up, not for the batch
+        wait = self.window.wait_s(now) if self.leading.is_set() else None
         timeout = self.settings.resync_s if wait is None else wait
         self.wake.clear()
         try:
@@ -125,12 +143,16 @@ class PlannerController:
                     "node": name, "plan": flight.plan_id, "waited_s": self.settings.ack_timeout_s}})
 
     def _awaiting_from_annotations(self) -> set[str]:
-        """Nodes whose written plan is not acknowledged, also after a restart or a new leader."""
+        """Nodes not to plan this round: those whose written plan is not acknowledged (also
+        after a restart or a new leader), and those whose agent has not reported yet: what is
+        on their GPUs is unknown, so planning them could only guess."""
         out = set(self.in_flight)
         for node in self.nodes.cache.values():
             ann = node["metadata"].get("annotations") or {}
             name = node["metadata"]["name"]
-            if ann.get(SPEC_PLAN) and ann.get(SPEC_PLAN) != ann.get(STATUS_PLAN) and name not in self.in_flight:
+            if STATUS_MODE not in ann:
+                out.add(name)
+            elif ann.get(SPEC_PLAN) and ann.get(SPEC_PLAN) != ann.get(STATUS_PLAN) and name not in self.in_flight:
                 self.in_flight[name] = InFlight(ann[SPEC_PLAN], time.monotonic())
                 out.add(name)
         return out
@@ -168,6 +190,7 @@ class PlannerController:
         for pl in result.placements:
             placed_on.setdefault(pl.node, set()).add(pl.pod)
         written: set[str] = set()
+        not_written: set[str] = set()
         for layout in result.changed_nodes():
             node_obj = nodes_by_name[layout.node]
             full = full_layout(snap_nodes[layout.node], layout)
@@ -179,11 +202,15 @@ class PlannerController:
             except Conflict as e:
                 metrics.PLAN_ERRORS.labels("conflict").inc()
                 log.info("node changed while planning; will re-plan", extra={"fields": {"node": layout.node, "error": str(e)}})
+                not_written.add(layout.node)
+                for key in placed_on.get(layout.node, ()):  # the next batch plans them on the node as it is now
+                    self.window.add(key, time.monotonic())
                 self.wake.set()
                 continue
             except Exception as e:
                 metrics.PLAN_ERRORS.labels("patch_failed").inc()
                 log.warning("could not write node plan", extra={"fields": {"node": layout.node, "error": str(e)}})
+                not_written.add(layout.node)
                 continue
             written.add(layout.node)
             self.in_flight[layout.node] = InFlight(plan_id, time.monotonic(), placed_on.get(layout.node, set()))
@@ -198,18 +225,21 @@ class PlannerController:
                                                               "created": created, "destroyed": destroyed}})
             await self._event(node_obj, "LayoutPlanned", message)
         for pl in result.placements:
-            if pl.node in awaiting:
+            if pl.node in awaiting or pl.node in not_written:
                 continue
             metrics.PODS_PLACED.inc()
             slices = ", ".join(f"GPU {g} {s}" for g, s in pl.slices)
             waiting = "after its agent applies the new layout" if pl.node in written else "on free slices"
             await self._event(pods_by_key.get(pl.pod), "SlicePlanned", f"dynpart plans this pod on node {pl.node} "
                               f"({slices}) {waiting}")
+        # the reason is about the nodes this round saw: say so when some were left out
+        left_out = (" (nodes still applying an earlier plan, or whose agent has not reported yet, were not "
+                    "considered)" if awaiting else "")
         for u in result.unplaced:
             metrics.PODS_UNPLACEABLE.inc()
-            log.info("pod not placed", extra={"fields": {"pod": u.pod, "reason": u.reason}})
-            await self._event(pods_by_key.get(u.pod), "Unplaceable", f"dynpart cannot place this pod: {u.reason}",
-                              warning=True)
+            log.info("pod not placed", extra={"fields": {"pod": u.pod, "reason": u.reason + left_out}})
+            await self._event(pods_by_key.get(u.pod), "Unplaceable",
+                              f"dynpart cannot place this pod: {u.reason}{left_out}", warning=True)
 
     async def _event(self, obj: dict[str, Any] | None, reason: str, message: str, warning: bool = False) -> None:
         if obj is None:

@@ -45,14 +45,14 @@ async def _live_snapshot(kubeconfig: str | None, catalog):  # type: ignore[no-un
     from kubernetes_asyncio import client
 
     from dynpart.annotations import PARTITIONING_LABEL
-    from dynpart.kube.client import api_client
+    from dynpart.kube.client import api_client, read_json
     from planner.cluster_view import build_snapshot
 
     api = await api_client(kubeconfig)
     try:
         core = client.CoreV1Api(api)
-        nodes = json.loads(await (await core.list_node(label_selector=PARTITIONING_LABEL, _preload_content=False)).read())
-        pods = json.loads(await (await core.list_pod_for_all_namespaces(_preload_content=False)).read())
+        nodes = await read_json(await core.list_node(label_selector=PARTITIONING_LABEL, _preload_content=False))
+        pods = await read_json(await core.list_pod_for_all_namespaces(_preload_content=False))
     finally:
         await api.close()
     snapshot, _, problems = build_snapshot(nodes["items"], pods["items"], catalog)

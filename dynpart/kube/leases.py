@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 import logging
 import time
 from typing import Any, Callable
 
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from dynpart.kube.client import read_json
 
 log = logging.getLogger(__name__)
 _FMT = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -60,11 +61,12 @@ class LeaderElector:
     async def _try(self) -> bool:
         try:
             resp = await self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False)
-            lease: dict[str, Any] = json.loads(await resp.read())
+            lease: dict[str, Any] = await read_json(resp)
         except ApiException as e:
             if e.status != 404:
                 raise
-            body = {"metadata": {"name": self.name, "namespace": self.namespace},
+            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": self.name, "namespace": self.namespace},
                     "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": self.lease_s,
                              "acquireTime": _now(), "renewTime": _now(), "leaseTransitions": 0}}
             try:

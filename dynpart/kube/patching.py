@@ -4,11 +4,12 @@ computed from, so a concurrent writer's change is never overwritten (the API ser
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from dynpart.kube.client import read_json
 
 
 class Conflict(Exception):
@@ -23,11 +24,11 @@ async def patch_node_annotations(core: client.CoreV1Api, name: str, annotations:
     try:
         resp = await core.patch_node(name, {"metadata": metadata}, _content_type="application/merge-patch+json",
                                      _preload_content=False)
+        return await read_json(resp)
     except ApiException as e:
         if e.status == 409:
             raise Conflict(f"node {name} changed since resourceVersion {resource_version}") from None
         raise
-    return json.loads(await resp.read())
 
 
 async def patch_node_labels(core: client.CoreV1Api, name: str, labels: dict[str, str | None]) -> None:

@@ -4,12 +4,13 @@ a cache of objects by key, relists after errors (410 Gone included), and calls b
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import Any, Awaitable, Callable
 
 from kubernetes_asyncio import watch
 from kubernetes_asyncio.client.exceptions import ApiException
+
+from dynpart.kube.client import read_json
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Informer:
 
     async def _relist(self) -> str:
         resp = await self.list_fn(_preload_content=False, **self.kwargs)
-        body = json.loads(await resp.read())
+        body = await read_json(resp)
         fresh = {object_key(o): o for o in body.get("items", [])}
         for key in set(self.cache) - set(fresh):
             self.on_change("DELETED", self.cache.pop(key))

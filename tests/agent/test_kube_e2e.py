@@ -8,6 +8,7 @@ import asyncio
 import uuid
 
 import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from agent.kube import KubeConfigStore, KubeNodeApi, connect
 from agent.loop import Agent
@@ -65,7 +66,10 @@ async def test_agent_against_a_real_apiserver(e2e_cluster):
         await asyncio.wait_for(task, 10)
 
         # --- MPS: the config goes into the ConfigMap before the label names it
-        await core.create_namespace({"metadata": {"name": "dynpart-system"}})
+        try:  # the cluster is shared: another test module may have created it
+            await core.create_namespace({"metadata": {"name": "dynpart-system"}})
+        except ApiException as e:
+            assert e.status == 409, e
         name = await _node(core, "mps")
         configs = KubeConfigStore(api, "dynpart-system", "dynpart-device-plugin-configs", settle_s=0)
         mps = Agent(name, node_api=KubeNodeApi(api, name), driver=FakeNvml(H100, 1, mig_enabled=False),

@@ -1,0 +1,272 @@
+"""The whole control loop on the local control plane: pods that ask for GPU slices go Unschedulable
+in the real kube-scheduler, the planner (a real subprocess) plans, the node agents (in-process, on
+fake GPUs) carve, the simulated device plugins publish the new slices, the scheduler binds, the
+simulated kubelets run the pods. See tests/e2e/harness.py."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, render_config
+from agent.nvml import GpuDriverError, SimulatedCrash
+from dynpart.annotations import SPEC_PLAN, STATUS_PLAN
+from dynpart.kube.patching import Conflict, patch_node_annotations
+
+
+def _load_harness():
+    """tests/e2e is not a package (like conftest.py loads cluster.py): load harness.py by path."""
+    name = "dynpart_e2e_harness"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "harness.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before exec: dataclasses look the module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+_h = _load_harness()
+REPO_ROOT, Harness, PlannerProcess = _h.REPO_ROOT, _h.Harness, _h.PlannerProcess
+agent_metrics_port, ensure_system_namespace, scrape, wait_until = (
+    _h.agent_metrics_port, _h.ensure_system_namespace, _h.scrape, _h.wait_until)
+
+pytestmark = pytest.mark.e2e
+
+A100 = "NVIDIA-A100-SXM4-80GB"
+H100 = "NVIDIA-H100-80GB-HBM3"
+REACTION_FILE = REPO_ROOT / ".cache" / "e2e" / "reaction.json"
+
+
+@pytest.fixture(scope="module")
+def planner(e2e_cluster, tmp_path_factory):
+    """One planner for the module (default settings, leader election on)."""
+    ensure_system_namespace(e2e_cluster.kubeconfig)
+    proc = PlannerProcess(e2e_cluster.kubeconfig, tmp_path_factory.mktemp("planner") / "planner-a.log",
+                          "planner-a").start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+async def harness(e2e_cluster, planner):
+    await planner.wait_log(r"acquired leadership", timeout=60)
+    await planner.wait_log(r"caches synced", timeout=60)
+    h = Harness(e2e_cluster.kubeconfig, planners=[planner])
+    await h.start()
+    try:
+        yield h
+    finally:
+        await h.close()
+        print(f"--- planner log tail ({planner.log_path}) ---\n{planner.log_tail(150)}")  # shown on failure
+
+
+def _workload() -> list[tuple[str, str]]:
+    """60 pods that fit: 40 MIG (2 nodes x 8 GPUs), 20 MPS (4 x 80 GB)."""
+    mix = ([("mig-7g", "nvidia.com/mig-7g.80gb")] * 2 + [("mig-3g", "nvidia.com/mig-3g.40gb")] * 8
+           + [("mig-2g", "nvidia.com/mig-2g.20gb")] * 12 + [("mig-1g", "nvidia.com/mig-1g.10gb")] * 14
+           + [("mig-1gme", "nvidia.com/mig-1g.10gb.me")] * 4
+           + [("mps-10", "nvidia.com/gpu-10gb")] * 12 + [("mps-20", "nvidia.com/gpu-20gb")] * 8)
+    random.Random(2025).shuffle(mix)
+    return [(f"{prefix}-{i}", res) for i, (prefix, res) in enumerate(mix)]
+
+
+async def test_sixty_pods_reach_running(harness: Harness, planner: PlannerProcess):
+    h = harness
+    await h.add_node("a100", A100, "mig", 8)
+    await h.add_node("h100", H100, "mig", 8)
+    await h.add_node("mps", H100, "mps", 4)
+    for node in h.nodes.values():
+        await h.start_agent(node)
+
+    pods = _workload()
+    bursts = [pods[0:20], pods[20:40], pods[40:60]]
+    recs = await h.create_pods(bursts[0])
+    await h.wait_running(recs, timeout=90)
+
+    # A pod that can never fit: an Event says why, and the loop goes on.
+    too_big = await h.create_pod("too-big", "nvidia.com/gpu-200gb")
+    for burst in bursts[1:]:
+        batch = await h.create_pods(burst)
+        await h.wait_running(batch, timeout=90)
+        recs += batch
+
+    async def unplaceable():
+        return [e for e in await h.events_of(too_big) if e.reason == "Unplaceable"]
+    events = await wait_until(unplaceable, 30, "an Unplaceable event on the 200 GB pod", interval=0.2)
+    assert "dynpart cannot place this pod" in events[0].message and "200" in events[0].message, events[0].message
+    assert events[0].type == "Warning" and events[0].source.component == "dynpart-planner"
+    assert too_big.running_at is None and too_big.node is None
+
+    assert len(recs) == 60 and all(r.running_at is not None for r in recs)
+    assert {r.node for r in recs} == set(h.nodes), "every node should host pods"
+    summary = h.write_reaction(REACTION_FILE, recs)
+    print(f"\nreaction time over {summary['running']} pods (create -> Running): median {summary['median_s']} s, "
+          f"p95 {summary['p95_s']} s, max {summary['max_s']} s; by resource {summary['by_resource']}; "
+          f"{sum(r.waited_for_devices for r in recs)} bound before their devices were free")
+
+    # Jobs finish; whole-GPU jobs arrive, one per MIG GPU that nothing runs on any more: every one of
+    # them needs that GPU re-carved (its free instances destroyed) around the GPUs still in use.
+    mig = [n for n in h.nodes.values() if n.mode == "mig"]
+    done = [r for r in recs[:20] if r.node in {n.name for n in mig}]
+    for r in done:
+        await h.delete_pod(r)
+    idle = [(n.name, i) for n in mig for i in range(n.count)
+            if not any(hd.gpu == i for hs in n.holdings.values() for hd in hs)]
+    with_instances = [(n.name, i) for n in mig for i in range(n.count) if (n.name, i) in idle and n.driver.layout(i)]
+    whole = await h.create_pods([(f"whole-{k}", "nvidia.com/mig-7g.80gb") for k in range(len(idle))])
+    await h.wait_running(whole, timeout=90)
+    destroyed = [(n.name, r.op.device, r.op.profile, r.op.start) for n in mig for r in n.destroys
+                 if r.op.op == "destroy_gi"]
+    print(f"after {len(done)} jobs finished: {len(whole)} 7g.80gb pods on the {len(idle)} idle MIG GPUs "
+          f"({len(with_instances)} of them carved), median {statistics.median(r.reaction_s for r in whole):.2f} s; "
+          f"{len(destroyed)} MIG instances destroyed ({sum(len(n.destroys) for n in mig)} destroy calls)")
+    assert len(with_instances) > 0 and len(destroyed) >= len(with_instances)
+    assert {(n, g) for n, g, _, _ in destroyed} <= set(idle), "only GPUs nothing ran on were re-carved"
+
+    # Used slices were never disrupted, and the handshake was kept.
+    assert h.destroy_violations() == []
+    assert h.handshake_violations() == []
+
+    # Metrics over HTTP: the planner's and the agents'.
+    p = await asyncio.to_thread(scrape, planner.metrics_port)
+    for name in ("dynpart_plan_seconds_count", "dynpart_pods_placed_total", "dynpart_pods_unplaceable_total",
+                 "dynpart_slices_created_total", 'dynpart_slices_created_total{mode="mig"}',
+                 'dynpart_slices_created_total{mode="mps"}', "dynpart_plan_acks_total", "dynpart_node_plans_total",
+                 "dynpart_leader", "dynpart_plan_ack_seconds_count", "dynpart_plans_total",
+                 'dynpart_slices_destroyed_total{mode="mig"}'):
+        assert p.get(name, 0) > 0, f"planner metric {name} = {p.get(name)}"
+    a = await asyncio.to_thread(scrape, agent_metrics_port())
+    for name in ('dynpart_agent_passes_total{result="ok"}', "dynpart_agent_pass_seconds_count",
+                 "dynpart_agent_plan_acks_total", "dynpart_agent_mig_instances_created_total",
+                 "dynpart_agent_mps_config_switches_total", "dynpart_agent_mig_instances_destroyed_total"):
+        assert a.get(name, 0) > 0, f"agent metric {name} = {a.get(name)}"
+    assert a["dynpart_agent_mig_instances_created_total"] >= 40
+    assert a["dynpart_agent_mig_instances_destroyed_total"] >= len(destroyed)
+
+
+async def test_used_slices_survive_recarving(harness: Harness):
+    """One H100: a pod keeps running on 1g.10gb@6 while the GPU is re-carved three times around it."""
+    h = harness
+    node = await _precarved_h100(h)
+    await h.start_agent(node)
+
+    a = await h.create_pod("keep-1g", "nvidia.com/mig-1g.10gb")
+    await h.wait_running([a])
+    kept = node.holdings[a.key][0]
+    assert node.driver.gpu_instances(0)[[g.gi_id for g in node.driver.gpu_instances(0)].index(kept.gi_id)].start == 6
+
+    assert node.destroys == [], "the pod took the free 1g.10gb: nothing to re-carve yet"
+
+    def destroyed() -> list[tuple[str, int]]:
+        return [(r.op.profile, r.op.start) for r in node.destroys if r.op.op == "destroy_gi"]
+
+    b = await h.create_pod("new-3g", "nvidia.com/mig-3g.40gb")  # needs 2g@0 and 2g@2 gone
+    await h.wait_running([b])
+    assert sorted(destroyed()) == [("2g.20gb", 0), ("2g.20gb", 2)]
+    c = await h.create_pod("new-2g", "nvidia.com/mig-2g.20gb")  # needs 1g.20gb@4 gone
+    await h.wait_running([c])
+    assert destroyed()[2:] == [("1g.20gb", 4)]
+    await h.delete_pod(b)
+    d = await h.create_pod("new-4g", "nvidia.com/mig-4g.40gb")  # needs the (now free) 3g@0 gone
+    await h.wait_running([d])
+
+    layout = node.driver.layout(0)
+    assert layout == [("4g.40gb", 0), ("2g.20gb", 4), ("1g.10gb", 6)], layout
+    assert node.holdings[a.key][0].device == kept.device and kept.pid in node.driver.processes(0, kept.gi_id)
+    print(f"\nre-carving: {len(node.destroys)} destroy calls, GPU instances destroyed: {destroyed()}; "
+          f"reaction times {[round(r.reaction_s, 2) for r in (a, b, c, d)]} s")
+    assert destroyed()[3:] == [("3g.40gb", 0)]
+    assert h.destroy_violations() == []
+    assert h.handshake_violations() == []
+
+
+async def _precarved_h100(h: Harness):
+    """A 1-GPU H100 node left by an earlier layout: 2g.20gb@0, 2g.20gb@2, 1g.20gb@4, 1g.10gb@6, all free."""
+    def carve(node) -> None:
+        by_name = {p.name: p for p in node.model.mig_profiles}
+        for profile, start in (("2g.20gb", 0), ("2g.20gb", 2), ("1g.20gb", 4), ("1g.10gb", 6)):
+            p = by_name[profile]
+            gi = node.driver.create_gpu_instance(0, p.gi_profile_id, start, p.memory)
+            node.driver.create_compute_instance(0, gi, p.compute)
+        node.driver.ops.clear()
+    return await h.add_node("recarve", H100, "mig", 1, prepare=carve)
+
+
+async def test_agent_restarted_mid_plan_converges(harness: Harness):
+    h = harness
+    node = await h.add_node("crash", A100, "mig", 2)
+    first = await h.start_agent(node)
+    node.driver.crash_after(3)  # the pass applying the first plan dies before its 4th driver call
+
+    pods = await h.create_pods([("c-3g", "nvidia.com/mig-3g.40gb"), ("c-2g", "nvidia.com/mig-2g.20gb"),
+                                ("c-1g-a", "nvidia.com/mig-1g.10gb"), ("c-1g-b", "nvidia.com/mig-1g.10gb"),
+                                ("c-7g", "nvidia.com/mig-7g.80gb")])
+    await wait_until(lambda: first.task.done(), 60, "the agent to crash", describe=h.describe)
+    assert isinstance(first.task.exception(), SimulatedCrash)
+    assert len(node.driver.ops) == 3
+    ann = (await h.core.read_node(node.name)).metadata.annotations
+    assert ann[SPEC_PLAN] and ann.get(STATUS_PLAN) != ann[SPEC_PLAN], "a crashed pass must not acknowledge"
+    await first.shutdown()
+
+    await h.start_agent(node)  # a new agent process on the same GPUs
+    await h.wait_running(pods, timeout=90)
+
+    async def acknowledged():
+        a = (await h.core.read_node(node.name)).metadata.annotations
+        return a.get(STATUS_PLAN) == a.get(SPEC_PLAN)
+    await wait_until(acknowledged, 30, "status-plan == spec-plan")
+    assert h.destroy_violations() == []
+    assert h.handshake_violations() == []
+
+
+async def test_a_stale_plan_write_is_refused(harness: Harness):
+    """The precondition the planner's writes rely on, against the real API server: a merge patch
+    carrying an old resourceVersion is a Conflict, not a silent success."""
+    h = harness
+    node = await h.add_node("stale", H100, "mig", 1)
+    rv = (await h.core.read_node(node.name)).metadata.resource_version
+    await patch_node_annotations(h.core, node.name, {"dynpart.io/spec-plan": "p1"}, rv)
+    with pytest.raises(Conflict):
+        await patch_node_annotations(h.core, node.name, {"dynpart.io/spec-plan": "p2"}, rv)
+    assert (await h.core.read_node(node.name)).metadata.annotations[SPEC_PLAN] == "p1"
+
+
+def test_the_checks_can_fail():
+    """The harness's two safety checks catch what they are meant to (no cluster needed)."""
+    h = Harness(REPO_ROOT / "unused.kubeconfig")
+    h.history["n"] = [{}, {SPEC_PLAN: "p1"}, {SPEC_PLAN: "p2"},  # p1 overwritten before its acknowledgement
+                      {SPEC_PLAN: "p2", STATUS_PLAN: "p2"}, {SPEC_PLAN: "p1", STATUS_PLAN: "p2"}]  # p1 again
+    assert len(h.handshake_violations()) == 2
+    h.history["n"] = [{}, {SPEC_PLAN: "p1"}, {SPEC_PLAN: "p1", STATUS_PLAN: "p1"}, {SPEC_PLAN: "p2", STATUS_PLAN: "p1"}]
+    assert h.handshake_violations() == []
+
+    node = _h.SimNode("n", H100, "mig", 1)
+    p = next(p for p in node.model.mig_profiles if p.name == "1g.10gb")
+    gi = node.driver.create_gpu_instance(0, p.gi_profile_id, 0, p.memory)
+    node.driver.create_compute_instance(0, gi, p.compute)
+    assert node.assign("ns/pod", "nvidia.com/mig-1g.10gb", 1, {}) is not None
+    with pytest.raises(GpuDriverError):
+        node.driver.destroy_compute_instance(0, gi, 0)  # the fake driver refuses: IN_USE
+    assert len(node.destroy_violations()) == 1 and "held by ns/pod" in node.destroy_violations()[0]
+    node.release("ns/pod")
+    node.driver.destroy_compute_instance(0, gi, 0)
+    node.driver.destroy_gpu_instance(0, gi)
+    assert len(node.destroy_violations()) == 1 and len(node.destroys) == 3
+
+    mps = _h.SimNode("m", H100, "mps", 1)
+    configs = {"c1": render_config({0: [20, 10]}), "c2": render_config({0: [20, 20, 20]})}
+    mps.labels = {DEVICE_PLUGIN_CONFIG_LABEL: "c1"}
+    assert mps.assign("ns/pod", "nvidia.com/gpu-10gb", 1, configs) is not None
+    mps.check_mps_config(configs)
+    assert mps.destroy_violations() == []
+    mps.labels = {DEVICE_PLUGIN_CONFIG_LABEL: "c2"}  # a config without the 10 GB slice the pod holds
+    mps.check_mps_config(configs)
+    assert len(mps.destroy_violations()) == 1
