@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError, ResourceNameError, SnapshotError
 from dynpart.mig import MigRules
-from dynpart.resources import MigResource, MpsResource, SliceResource, parse_resource
+from dynpart.resources import MigResource, parse_resource
 
 Mode = Literal["mig", "mps"]
 
@@ -251,12 +251,8 @@ def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuMode
     return models
 
 
-def request_of(pod: PendingPod) -> SliceResource:
-    return parse_resource(pod.resource)
-
-
 __all__ = [
-    "Gpu", "GpuLayout", "MigInstance", "MpsResource", "MpsSlice", "Node", "NodeLayout", "PendingPod",
+    "Gpu", "GpuLayout", "MigInstance", "MpsSlice", "Node", "NodeLayout", "PendingPod",
     "Plan", "PlanStats", "PodPlacement", "Snapshot", "UnplacedPod", "full_layout", "gpu_capacity", "parse_snapshot",
-    "request_of", "validate_snapshot",
+    "validate_snapshot",
 ]

@@ -51,5 +51,3 @@ def placed_upper_bound(problem: Problem) -> int:
     # MPS slices and whole GPUs compete for the same GPUs; bound each separately, then the pair
     return mig + min(len(mps_sizes) + len(gpu_sizes), mps + whole)
 
-
-__all__ = ["placed_upper_bound", "KIND_GPU", "KIND_MPS"]

@@ -80,9 +80,6 @@ class Problem:
     gpus: list[GpuInfo]
     requests: list[Request]
 
-    def gpus_of(self, node: int) -> list[GpuInfo]:
-        return [self.gpus[g] for g in self.nodes[node].gpus]
-
 
 def priority_weights(priorities: list[int]) -> dict[int, int]:
     """Weight per priority level such that one pod of a level outweighs all pods of lower
