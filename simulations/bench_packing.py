@@ -1,0 +1,146 @@
+"""`dynpart bench packing` without the I/O: run the packing protocol for a policy over several
+seeds (in parallel processes) and summarise as the published tables do."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from dynpart.catalog import Catalog
+from simulations.baselines import BestFit, Random
+from simulations.cluster_spec import ClusterSpec
+from simulations.errors import SimulationError
+from simulations.fragmentation import FragmentationModel
+from simulations.packing import PackingPolicy, PackingResult, run_packing
+from simulations.packing_dynpart import DEFAULT_CANDIDATES, MAX_BATCH, DynpartPacking
+from simulations.traces import TracePod
+
+POLICIES = ("dynpart", "best-fit", "random")
+
+# README of ../shared/traces: mean of seeds 42..51, (at 100 %, at 130 %) arrived
+PUBLISHED = {
+    "openb_pod_list_default.csv": {"random": (86.30, 87.47), "dotprod": (90.62, 90.85),
+                                   "gpuclustering": (91.65, 91.88), "gpupacking": (91.78, 92.00),
+                                   "best-fit": (92.86, 93.08), "fgd": (95.23, 95.39)},
+    "openb_pod_list_gpushare40.csv": {"best-fit": (91.44, 91.69), "fgd": (93.96, 94.15)},
+}
+
+
+@dataclass(frozen=True)
+class PackingJob:
+    policy: str
+    seed: int
+    batch: int = 1
+    ratio: float = 1.3
+    candidates: int = DEFAULT_CANDIDATES
+    time_limit_s: float = 0.05
+
+
+def policy_factory(job: PackingJob, pods: Sequence[TracePod], catalog: Catalog | None) -> Callable[[int], PackingPolicy]:
+    if job.policy == "best-fit":
+        return BestFit
+    if job.policy == "random":
+        return Random
+    if job.policy == "dynpart":
+        frag = FragmentationModel(pods)
+        return lambda seed: DynpartPacking(frag, catalog, job.batch, job.candidates, job.time_limit_s)
+    raise SimulationError(f"unknown packing policy {job.policy!r}; expected one of {', '.join(POLICIES)}")
+
+
+def run_job(job: PackingJob, pods: Sequence[TracePod], cluster: ClusterSpec, catalog: Catalog | None,
+            progress: Callable[[int, int], None] | None = None) -> PackingResult:
+    return run_packing(pods, cluster, policy_factory(job, pods, catalog), job.seed, job.ratio, job.batch, progress)
+
+
+# worker processes get the (large) inputs once, through the pool initializer
+_WORKER: dict = {}
+
+
+def _init_worker(pods: Sequence[TracePod], cluster: ClusterSpec, catalog: Catalog | None) -> None:
+    _WORKER.update(pods=pods, cluster=cluster, catalog=catalog)
+
+
+def _run_in_worker(job: PackingJob) -> PackingResult:
+    return run_job(job, _WORKER["pods"], _WORKER["cluster"], _WORKER["catalog"])
+
+
+def run_jobs(jobs: list[PackingJob], pods: Sequence[TracePod], cluster: ClusterSpec, catalog: Catalog | None,
+             n_procs: int, on_done: Callable[[PackingResult, int], None] | None = None,
+             on_step: Callable[[int, int], None] | None = None) -> list[PackingResult]:
+    """Every job, in parallel processes when n_procs > 1; results in job order."""
+    results: dict[int, PackingResult] = {}
+    if n_procs <= 1 or len(jobs) == 1:
+        for i, job in enumerate(jobs):
+            results[i] = run_job(job, pods, cluster, catalog, on_step)
+            if on_done:
+                on_done(results[i], len(results))
+    else:
+        with ProcessPoolExecutor(max_workers=min(n_procs, len(jobs)), initializer=_init_worker,
+                                 initargs=(pods, cluster, catalog)) as pool:
+            futures = {pool.submit(_run_in_worker, job): i for i, job in enumerate(jobs)}
+            for fut in as_completed(futures):
+                results[futures[fut]] = fut.result()
+                if on_done:
+                    on_done(results[futures[fut]], len(results))
+    return [results[i] for i in range(len(jobs))]
+
+
+def default_jobs() -> int:
+    return os.cpu_count() or 1
+
+
+def validate(policy: str, batch: int, ratio: float, candidates: int) -> None:
+    if policy not in POLICIES:
+        raise SimulationError(f"--policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    if not 1 <= batch <= MAX_BATCH:
+        raise SimulationError(f"--batch {batch}: must be between 1 and {MAX_BATCH}")
+    if policy != "dynpart" and batch != 1:
+        raise SimulationError(f"--batch {batch}: the {policy} baseline places one pod at a time (batch 1)")
+    if not 0.1 <= ratio <= 5:
+        raise SimulationError(f"--tune {ratio}: expected a ratio of the GPU capacity between 0.1 and 5")
+    if candidates < 1:
+        raise SimulationError(f"--candidates {candidates}: must be at least 1")
+
+
+def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: float, trace_name: str | None,
+              candidates: int | None) -> dict:
+    """The summary one `bench packing` run prints and writes (percentages, mean over seeds)."""
+    a100 = [r.alloc_at(100) for r in results]
+    a130 = [r.alloc_at(130) for r in results]
+    out = {
+        "policy": policy,
+        "batch": batch,
+        "seeds": [r.seed for r in results],
+        "alloc_at_100": round(statistics.fmean(a100), 3),
+        "alloc_at_130": round(statistics.fmean(a130), 3),
+        "alloc_at_100_stdev": round(statistics.stdev(a100), 3) if len(a100) > 1 else 0.0,
+        "alloc_at_130_stdev": round(statistics.stdev(a130), 3) if len(a130) > 1 else 0.0,
+        "per_seed": [
+            {"seed": r.seed, "alloc_at_100": round(r.alloc_at(100), 3), "alloc_at_130": round(r.alloc_at(130), 3),
+             "final_arrived_pct": round(r.curve[-1][0], 3), "pods": r.pods, "placed": r.counts.placed,
+             "failed": r.counts.failed, "failed_by_kind": {k: v[1] for k, v in sorted(r.counts.by_kind.items())},
+             "plan_calls": r.plan_calls, "used_slices_disrupted": int(r.extra.get("disrupted", 0)),
+             "wall_s": round(r.wall_s, 2)}
+            for r in results
+        ],
+        "wall_s": round(wall_s, 2),
+        "seed_wall_s_max": round(max(r.wall_s for r in results), 2),
+    }
+    if policy == "dynpart":
+        out["candidates"] = candidates
+    published = PUBLISHED.get(trace_name or "", {})
+    if published:
+        out["published"] = {k: {"alloc_at_100": v[0], "alloc_at_130": v[1]} for k, v in published.items()}
+    return out
+
+
+def mean_curve(results: list[PackingResult]) -> list[tuple[float, float]]:
+    """Allocation at each whole percent of arrived demand, mean over the seeds that reached it."""
+    by_pct: dict[float, list[float]] = {}
+    for r in results:
+        for arrived, alloc in r.curve[:-1]:
+            by_pct.setdefault(arrived, []).append(alloc)
+    return [(pct, statistics.fmean(v)) for pct, v in sorted(by_pct.items())]

@@ -1,0 +1,120 @@
+"""`dynpart bench packing`: the packing benchmark of the FGD paper (Weng et al., ATC'23).
+
+Every pod of the trace arrives once, in a seeded random order, onto the same cluster; the list
+is tuned to 130% of the cluster's GPU capacity; nothing leaves and a pod that cannot be placed
+fails for good. The figure is the GPU allocation ratio when 100% and 130% of the capacity has
+arrived (mean over seeds), as in the paper's tables. Without --trace it runs a small built-in
+synthetic workload so that a first run shows a result at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from dynpart.catalog import load_catalog
+from simulations import bench_packing as bp
+from simulations import inputs, plots, report
+from simulations.errors import SimulationError
+from simulations.packing_dynpart import DEFAULT_CANDIDATES, MAX_BATCH
+from simulations.progress import Progress
+
+
+def register(bench_sub: argparse._SubParsersAction) -> None:
+    p = bench_sub.add_parser("packing", help="the FGD paper's packing benchmark (allocation at 100%%/130%% arrived)",
+                             description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", metavar="CSV", help="openb pod list (default: a built-in synthetic workload)")
+    p.add_argument("--nodes", metavar="CSV", help="openb node list (e.g. openb_node_list_all_node.csv)")
+    p.add_argument("--cluster", metavar="YAML|NxGxMODEL", help="cluster file or inline spec instead of --nodes")
+    p.add_argument("--policy", default="dynpart",
+                   help=f"{', '.join(bp.POLICIES)}, or several separated by commas (default dynpart)")
+    p.add_argument("--batch", type=int, default=1,
+                   help=f"dynpart: consecutive arrivals planned together, 1..{MAX_BATCH} (default 1: online)")
+    p.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES,
+                   help=f"dynpart: best nodes per pod put in the planner's snapshot (default {DEFAULT_CANDIDATES})")
+    p.add_argument("--seeds", default="42-51", help="shuffle seeds: N, N-M or a list (default 42-51, the paper's)")
+    p.add_argument("--tune", type=float, default=1.3, help="workload size as a ratio of GPU capacity (default 1.3)")
+    p.add_argument("--time-limit", type=float, default=0.05,
+                   help="dynpart: planner exact-search budget per plan, deterministic seconds (default 0.05)")
+    p.add_argument("--jobs", type=int, default=bp.default_jobs(), help="parallel processes (default: CPU count)")
+    p.add_argument("--out", metavar="DIR", help="write summary.json, steps.csv and allocation.png there")
+    p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    catalog = load_catalog(args.catalog)
+    seeds = inputs.parse_seeds(args.seeds)
+    policies = [s.strip() for s in args.policy.split(",") if s.strip()]
+    for pol in policies:
+        bp.validate(pol, args.batch if pol == "dynpart" else 1, args.tune, args.candidates)
+    if args.batch != 1 and "dynpart" not in policies:
+        bp.validate(policies[0], args.batch, args.tune, args.candidates)  # baselines place one pod at a time
+    if args.jobs < 1:
+        raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
+    data = inputs.load(args.trace, args.nodes, args.cluster, catalog, default_cluster=None)
+    if not args.json:
+        print(data.describe(), file=sys.stderr)
+    summaries, curves = [], {}
+    all_results = {}
+    for pol in policies:
+        batch = args.batch if pol == "dynpart" else 1
+        jobs = [bp.PackingJob(pol, s, batch, args.tune, args.candidates, args.time_limit) for s in seeds]
+        prog = Progress(f"{pol} (batch {batch})", len(jobs))
+        # with one process, a bar within each seed too (on a terminal only)
+        inner = Progress(f"{pol} seed", 1) if (args.jobs <= 1 or len(jobs) == 1) and prog.tty else None
+
+        def on_step(done: int, total: int, _p: Progress | None = inner) -> None:
+            if _p is not None:
+                _p.total = total
+                _p.update(done)
+
+        def on_done(r, n, _p=prog) -> None:
+            _p.update(n, f"seed {r.seed}: {r.alloc_at(130):.2f}% at 130% ({r.wall_s:.1f}s)")
+
+        t0 = time.perf_counter()
+        results = bp.run_jobs(jobs, data.trace.pods, data.cluster, catalog, args.jobs, on_done,
+                              on_step if inner is not None else None)
+        wall = time.perf_counter() - t0
+        prog.close()
+        summary = bp.summarise(pol, batch, results, wall, data.trace_name, args.candidates if pol == "dynpart" else None)
+        summary.update(trace=data.trace.path, cluster=data.cluster.source, tune=args.tune,
+                       trace_rows={"read": data.trace.rows, "used": len(data.trace.pods), "ignored": 0},
+                       gpus=data.cluster.gpu_count)
+        summaries.append(summary)
+        label = f"{pol}" + (f" (batch {batch})" if pol == "dynpart" else "")
+        curves[label] = bp.mean_curve(results)
+        all_results[label] = results
+    doc = summaries[0] if len(summaries) == 1 else {"runs": summaries}
+    if args.out:
+        out = report.out_dir(args.out)
+        report.write_json(out / "summary.json", doc)
+        report.write_csv(out / "steps.csv", ["policy", "batch", "seed", "arrived_pct", "allocation_pct"],
+                         [(s["policy"], s["batch"], r.seed, round(a, 3), round(b, 4))
+                          for s, (label, rs) in zip(summaries, all_results.items()) for r in rs for a, b in r.curve])
+        published = bp.PUBLISHED.get(data.trace_name or "", {})
+        plots.packing_curves(curves, out / "allocation.png",
+                             f"packing: {data.trace_name or 'synthetic workload'}, seeds {args.seeds}",
+                             {k: v for k, v in published.items() if k in ("best-fit", "fgd")})
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(_summary_table(summaries))
+        if args.out:
+            print(f"wrote {args.out}/summary.json, steps.csv, allocation.png")
+    return 0
+
+
+def _summary_table(summaries: list[dict]) -> str:
+    rows = []
+    for s in summaries:
+        failed = sum(p["failed"] for p in s["per_seed"])
+        rows.append((s["policy"], s["batch"], len(s["seeds"]), f"{s['alloc_at_100']:.2f}%", f"{s['alloc_at_130']:.2f}%",
+                     f"±{s['alloc_at_130_stdev']:.2f}", failed // len(s["seeds"]), f"{s['seed_wall_s_max']:.1f}s",
+                     f"{s['wall_s']:.1f}s"))
+    for name, v in summaries[0].get("published", {}).items():
+        rows.append((f"published {name}", "", "", f"{v['alloc_at_100']:.2f}%", f"{v['alloc_at_130']:.2f}%", "", "", "", ""))
+    return report.table(["policy", "batch", "seeds", "alloc@100%", "alloc@130%", "stdev", "failed/seed",
+                         "max seed", "wall"], rows)

@@ -1,0 +1,69 @@
+"""Command-line inputs shared by `dynpart simulate` and `dynpart bench packing`: the pod trace,
+the cluster and the seeds, with what was read reported (rows used and ignored)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dynpart.catalog import Catalog
+from simulations.cluster_spec import ClusterSpec, from_node_list, read_cluster
+from simulations.errors import SimulationError
+from simulations.traces import PodTrace, read_nodes, read_pods
+from simulations.workload import synthetic_cluster, synthetic_trace
+
+
+@dataclass
+class Inputs:
+    trace: PodTrace
+    cluster: ClusterSpec
+    synthetic: bool
+
+    @property
+    def trace_name(self) -> str | None:
+        return None if self.synthetic else Path(self.trace.path).name
+
+    def describe(self) -> str:
+        return (f"trace {self.trace.path}: {self.trace.rows} rows read, {len(self.trace.pods)} pods used, 0 ignored\n"
+                f"cluster {self.cluster.source}: {self.cluster.describe()}")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'42-51', '42,43,50' or '7'."""
+    seeds: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise SimulationError(f"--seeds {text!r}: expected N, N-M or a comma-separated list")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo or hi - lo > 10_000:
+            raise SimulationError(f"--seeds {text!r}: bad range {part}")
+        seeds.extend(range(lo, hi + 1))
+    if not seeds:
+        raise SimulationError(f"--seeds {text!r}: no seeds")
+    if len(set(seeds)) != len(seeds):
+        raise SimulationError(f"--seeds {text!r}: a seed is listed twice")
+    return seeds
+
+
+def load(trace: str | None, nodes: str | None, cluster: str | None, catalog: Catalog, *,
+         default_cluster: str | ClusterSpec | None,
+         node_mode: str = "mps", synthetic_pods: int = 300, synthetic_seed: int = 0) -> Inputs:
+    if nodes and cluster:
+        raise SimulationError("give either --nodes (an openb node list) or --cluster (YAML or NxGxMODEL), not both")
+    synthetic = trace is None
+    pods = synthetic_trace(synthetic_pods, synthetic_seed) if synthetic else read_pods(trace)
+    if nodes:
+        spec = from_node_list(read_nodes(nodes), node_mode)
+    elif cluster:
+        spec = read_cluster(cluster, catalog)
+    elif isinstance(default_cluster, ClusterSpec):
+        spec = default_cluster
+    elif default_cluster:
+        spec = read_cluster(default_cluster, catalog)
+    elif synthetic:
+        spec = synthetic_cluster()
+    else:
+        raise SimulationError("--trace needs a cluster: --nodes NODE_LIST.csv or --cluster FILE.yaml|NxGxMODEL")
+    return Inputs(pods, spec, synthetic)

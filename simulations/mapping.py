@@ -1,0 +1,109 @@
+"""How a trace pod's GPU request (`num_gpu`, `gpu_milli`) becomes a slice resource in replay.
+
+MIG, rule `compute` (default): the smallest profile whose compute share (compute slices / the
+GPU's compute slices) is at least gpu_milli / 1000; among profiles with the same compute, the
+one with the least memory; `+me` profiles are never chosen. Rule `memory`: the same with the
+memory share (memory slices / the GPU's memory slices). A pod asking for whole GPUs
+(gpu_milli 1000) gets `num_gpu` instances of the full-GPU profile (7g) on one node.
+
+MPS (capacity in GB, the model's memory): a sharing pod gets the smallest slice in whole GB
+with at least its share of the memory, `nvidia.com/gpu-<N>gb`; whole-GPU pods get
+`nvidia.com/gpu` x num_gpu. (The packing benchmark uses its own unit, GPU milli.)
+"""
+
+from __future__ import annotations
+
+import math
+
+from dynpart.catalog import GpuModel
+from dynpart.resources import WHOLE_GPU, mig_resource_name, mps_resource_name
+from simulations.errors import SimulationError
+from simulations.traces import MILLI, TracePod
+
+RULES = ("compute", "memory")
+
+
+def mig_profile_for(model: GpuModel, gpu_milli: int, rule: str = "compute") -> str:
+    if rule not in RULES:
+        raise SimulationError(f"--mapping {rule!r}: expected one of {', '.join(RULES)}")
+    if not model.supports_mig:
+        raise SimulationError(f"GPU model {model.name} does not support MIG")
+    share = gpu_milli / MILLI
+    best = None
+    for p in model.mig_profiles:
+        if p.media_extensions:
+            continue
+        have = p.compute / model.compute_slices if rule == "compute" else p.memory / model.memory_slices
+        if have + 1e-9 < share:
+            continue
+        key = (p.compute, p.memory) if rule == "compute" else (p.memory, p.compute)
+        if best is None or key < best[0]:
+            best = (key, p.name)
+    if best is None:  # cannot happen: the full profile covers any share
+        raise SimulationError(f"no MIG profile of {model.name} covers {gpu_milli} milli")
+    return best[1]
+
+
+def full_profile(model: GpuModel) -> str:
+    return max((p for p in model.mig_profiles if not p.media_extensions), key=lambda p: (p.compute, p.memory)).name
+
+
+def request_for(pod: TracePod, model: GpuModel, mode: str, rule: str = "compute") -> tuple[str, int]:
+    """(resource, count) of a GPU pod on this model in this mode."""
+    if pod.num_gpu == 0:
+        raise ValueError("CPU-only pods have no GPU request")
+    if mode == "mig":
+        profile = full_profile(model) if not pod.is_share else mig_profile_for(model, pod.gpu_milli, rule)
+        return mig_resource_name(profile), pod.num_gpu
+    if not pod.is_share:
+        return WHOLE_GPU, pod.num_gpu
+    return mps_resource_name(max(1, math.ceil(pod.gpu_milli * model.memory_gb / MILLI - 1e-9))), 1
+
+
+def held_share(model: GpuModel, mode: str, what: str, capacity: int) -> float:
+    """Fraction of one GPU a slice holds (MIG: its memory slices; MPS: its size / capacity)."""
+    if what == "whole":
+        return 1.0
+    if mode == "mig":
+        profile = what.split("@")[0]
+        return model.profiles_by_name[profile].memory / model.memory_slices
+    return int(what) / capacity
+
+
+def static_layout(name: str, model: GpuModel, mode: str) -> dict[str, str]:
+    """`PlanOptions.static_layout` for a named static geometry:
+    - `all-balanced`: mig-parted's all-balanced (the planner's default for static);
+    - `all-<profile>` or `all-<N>g`: as many instances of that profile as fit
+      (e.g. all-1g.10gb: 7 x 1g.10gb, all-7g: one 7g instance per GPU);
+    - `<profile>:<count>,...`: an explicit geometry;
+    - MPS: `mps-<N>` splits every GPU into N equal slices (all-balanced: 4)."""
+    from dynpart.mig import place_counts  # the MIG rules, not planning logic
+
+    if mode == "mps":
+        if name == "all-balanced":
+            return {}
+        if name.startswith("mps-") and name[4:].isdigit() and int(name[4:]) >= 1:
+            return {"mps": name[4:]}
+        raise SimulationError(f"--static-geometry {name!r}: in mps mode use all-balanced or mps-N (N equal slices)")
+    if name == "all-balanced":
+        return {}
+    if name.startswith("all-"):
+        want = name[4:]
+        names = [p for p in model.mig_profiles if not p.media_extensions]
+        match = [p for p in names if p.name == want] or sorted(
+            (p for p in names if p.name.split(".")[0] == want), key=lambda p: p.memory)[:1]
+        if not match:
+            raise SimulationError(f"--static-geometry {name!r}: {model.name} has no profile {want!r} "
+                                  f"(profiles: {', '.join(p.name for p in names)})")
+        prof = match[0]
+        count = max(k for k in range(1, prof.max + 1) if place_counts(model, {prof.name: k}) is not None)
+        return {model.name: f"{prof.name}:{count}"}
+    for part in name.split(","):
+        prof, _, n = part.strip().partition(":")
+        if prof not in model.profiles_by_name or (n and not n.isdigit()):
+            raise SimulationError(f"--static-geometry {name!r}: expected all-balanced, all-<profile> or "
+                                  f"profile:count,... with profiles of {model.name}")
+    if place_counts(model, {p.split(":")[0].strip(): int(p.split(":")[1] or 1) if ":" in p else 1
+                            for p in name.split(",")}) is None:
+        raise SimulationError(f"--static-geometry {name!r}: no valid MIG placement on {model.name}")
+    return {model.name: name}

@@ -1,0 +1,45 @@
+"""Progress on stderr: a redrawn bar on a terminal, else a plain line every so often."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class Progress:
+    def __init__(self, label: str, total: int, stream: TextIO | None = None, every_s: float = 15.0,
+                 enabled: bool = True):
+        self.label = label
+        self.total = max(1, total)
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every_s = every_s
+        self.enabled = enabled
+        self.t0 = time.monotonic()
+        self.last = 0.0
+        self.done = 0
+
+    def update(self, done: int, note: str = "") -> None:
+        if not self.enabled:
+            return
+        self.done = done
+        now = time.monotonic()
+        if self.tty:
+            if now - self.last < 0.1 and done < self.total:
+                return
+            width = 30
+            filled = int(width * done / self.total)
+            bar = "#" * filled + "-" * (width - filled)
+            self.stream.write(f"\r{self.label} [{bar}] {done}/{self.total} {now - self.t0:5.0f}s {note}\033[K")
+            self.stream.flush()
+        elif now - self.last >= self.every_s or done >= self.total:
+            self.stream.write(f"{self.label}: {done}/{self.total} ({100 * done // self.total}%) "
+                              f"{now - self.t0:.0f}s {note}\n")
+            self.stream.flush()
+        self.last = now
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,69 @@
+"""Metrics of a replay run: pending-time percentiles, placements, reconfigurations."""
+
+from __future__ import annotations
+
+import math
+
+from simulations.replay import ReplayResult
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of the values; None when there are none."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def gpu_waits(r: ReplayResult) -> tuple[list[float], int]:
+    """Pending time of every GPU pod that could run on the cluster; a pod never placed counts
+    as waiting until the end of the simulation. Returns (waits, pods never placed)."""
+    waits, never = [], 0
+    for run in r.runs:
+        if run.resource is None or run.failed:
+            continue
+        if run.start is None:
+            never += 1
+            waits.append(max(0.0, r.end_time - run.arrival))
+        else:
+            waits.append(run.start - run.arrival)
+    return waits, never
+
+
+def summary(r: ReplayResult) -> dict:
+    waits, never = gpu_waits(r)
+    gpu_runs = [x for x in r.runs if x.resource is not None]
+    cpu_runs = [x for x in r.runs if x.resource is None]
+    cpu_waits = [x.start - x.arrival for x in cpu_runs if x.start is not None]
+    tl = r.timeline
+    span = tl[-1][0] - tl[0][0] if len(tl) > 1 else 0.0
+    avg_alloc = (sum((tl[i + 1][0] - tl[i][0]) * tl[i][3] for i in range(len(tl) - 1)) / span) if span else 0.0
+    rnd = (lambda v: None if v is None else round(v, 1))
+    return {
+        "policy": r.policy,
+        "mode": r.mode,
+        "gpu_pods": len(gpu_runs),
+        "placed": sum(1 for x in gpu_runs if x.start is not None),
+        "never_placed": never,
+        "failed": sum(1 for x in gpu_runs if x.failed),
+        "pending_s": {"p50": rnd(percentile(waits, 50)), "p95": rnd(percentile(waits, 95)),
+                      "p99": rnd(percentile(waits, 99)), "max": rnd(max(waits) if waits else None),
+                      "mean": rnd(sum(waits) / len(waits) if waits else None)},
+        "cpu_only_pods": {"pods": len(cpu_runs), "placed": len(cpu_waits),
+                          "failed": sum(1 for x in cpu_runs if x.failed),
+                          "pending_p95_s": rnd(percentile(cpu_waits, 95))},
+        "reconfigurations": r.reconfigurations,
+        "slices_created_or_destroyed": r.mig_ops,
+        "gpus_touched": r.gpus_touched,
+        "gpus": r.gpu_count,
+        "used_slices_disrupted": r.used_slices_disrupted,
+        "plans_rejected": r.plans_rejected,
+        "allocation_mean_pct": round(avg_alloc, 2),
+        "allocation_max_pct": round(max((t[3] for t in tl), default=0.0), 2),
+        "max_waiting": max((t[1] for t in tl), default=0),
+        "plan_calls": r.plan_calls,
+        "plan_s": round(r.plan_s, 2),
+        "simulated_s": round(r.end_time, 1),
+        "wall_s": round(r.wall_s, 2),
+        "notes": r.ignored_rows,
+    }

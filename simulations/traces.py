@@ -1,0 +1,203 @@
+"""The openb trace formats (Alibaba cluster-trace-gpu-v2023), parsed strictly.
+
+Pod lists: `name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec,qos,pod_phase,creation_time,
+deletion_time,scheduled_time]` (the multigpu files have only the first 5 columns). Node lists:
+`sn,cpu_milli,memory_mib,gpu,model`.
+
+Every row is either used or rejected with a `TraceError` naming file and line: nothing is
+dropped silently. Parsing works on text (`parse_pods`, `parse_nodes`); `read_pods` and
+`read_nodes` only add the file reading.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+from simulations.errors import TraceError
+
+MILLI = 1000  # GPU milli of one whole GPU
+
+POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
+POD_OPTIONAL = ("gpu_spec", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
+NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
+
+
+@dataclass(frozen=True, slots=True)
+class TracePod:
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    num_gpu: int  # 0 = CPU-only
+    gpu_milli: int  # per GPU: the share asked for when num_gpu == 1, else 1000
+    gpu_spec: tuple[str, ...] = ()  # accepted GPU models; empty = any
+    creation_time: int | None = None
+    deletion_time: int | None = None
+    line: int = 0
+
+    @property
+    def gpu_demand(self) -> int:
+        """Requested GPU milli, as the paper counts it."""
+        return self.num_gpu * self.gpu_milli
+
+    @property
+    def is_share(self) -> bool:
+        return self.num_gpu == 1 and self.gpu_milli < MILLI
+
+    @property
+    def duration(self) -> int | None:
+        if self.creation_time is None or self.deletion_time is None:
+            return None
+        return self.deletion_time - self.creation_time
+
+
+@dataclass(frozen=True, slots=True)
+class TraceNode:
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    gpus: int
+    model: str  # "" for a CPU-only node
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class PodTrace:
+    path: str
+    pods: tuple[TracePod, ...]
+    has_times: bool  # creation/deletion times present (needed for replay)
+    rows: int  # data rows read (= len(pods): rows are used or rejected, never skipped)
+
+
+@dataclass(frozen=True)
+class NodeList:
+    path: str
+    nodes: tuple[TraceNode, ...]
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+
+def _rows(text: str, path: str, required: tuple[str, ...]) -> tuple[list[str], list[tuple[int, list[str]]]]:
+    reader = csv.reader(io.StringIO(text))
+    header: list[str] | None = None
+    rows: list[tuple[int, list[str]]] = []
+    for row in reader:
+        line = reader.line_num
+        if not row or all(not c.strip() for c in row):
+            if header is None:
+                continue
+            raise TraceError(path, line, "empty row")
+        if header is None:
+            header = [c.strip() for c in row]
+            missing = [c for c in required if c not in header]
+            if missing:
+                raise TraceError(path, line, f"header lacks column(s) {', '.join(missing)}; "
+                                 f"expected {','.join(required)}")
+            continue
+        if len(row) != len(header):
+            raise TraceError(path, line, f"{len(row)} fields, the header has {len(header)}")
+        rows.append((line, [c.strip() for c in row]))
+    if header is None:
+        raise TraceError(path, None, "empty file (no header)")
+    return header, rows
+
+
+def _int(path: str, line: int, column: str, value: str, lo: int = 0, hi: int | None = None) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        raise TraceError(path, line, f"{column} = {value!r}: not an integer") from None
+    if v < lo or (hi is not None and v > hi):
+        bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise TraceError(path, line, f"{column} = {v}: out of range ({bound})")
+    return v
+
+
+def parse_pods(text: str, path: str = "<pods>") -> PodTrace:
+    header, rows = _rows(text, path, POD_COLUMNS)
+    col = {c: i for i, c in enumerate(header)}
+    has_times = "creation_time" in col and "deletion_time" in col
+    pods: list[TracePod] = []
+    seen: dict[str, int] = {}
+    for line, row in rows:
+        name = row[col["name"]]
+        if not name:
+            raise TraceError(path, line, "name is empty")
+        if name in seen:
+            raise TraceError(path, line, f"pod {name!r} already listed on line {seen[name]}")
+        seen[name] = line
+        cpu = _int(path, line, "cpu_milli", row[col["cpu_milli"]])
+        mem = _int(path, line, "memory_mib", row[col["memory_mib"]])
+        num_gpu = _int(path, line, "num_gpu", row[col["num_gpu"]], 0, 64)
+        gpu_milli = _int(path, line, "gpu_milli", row[col["gpu_milli"]], 0, MILLI)
+        if num_gpu == 0 and gpu_milli:
+            raise TraceError(path, line, f"gpu_milli = {gpu_milli} but num_gpu = 0")
+        if num_gpu >= 1 and gpu_milli == 0:
+            raise TraceError(path, line, f"num_gpu = {num_gpu} but gpu_milli = 0")
+        if num_gpu > 1 and gpu_milli != MILLI:
+            raise TraceError(path, line, f"num_gpu = {num_gpu} with gpu_milli = {gpu_milli}: only single-GPU "
+                             "pods may share a GPU (multi-GPU pods take whole GPUs, gpu_milli 1000)")
+        spec: tuple[str, ...] = ()
+        if "gpu_spec" in col and row[col["gpu_spec"]]:
+            spec = tuple(s.strip() for s in row[col["gpu_spec"]].split("|"))
+            if any(not s for s in spec):
+                raise TraceError(path, line, f"gpu_spec = {row[col['gpu_spec']]!r}: empty model name")
+            if num_gpu == 0:
+                raise TraceError(path, line, f"gpu_spec = {row[col['gpu_spec']]!r} on a CPU-only pod")
+        created = deleted = None
+        if has_times:
+            created = _int(path, line, "creation_time", row[col["creation_time"]])
+            deleted = _int(path, line, "deletion_time", row[col["deletion_time"]])
+            if deleted < created:
+                raise TraceError(path, line, f"deletion_time {deleted} is before creation_time {created}")
+        pods.append(TracePod(name, cpu, mem, num_gpu, gpu_milli if num_gpu else 0, spec, created, deleted, line))
+    if not pods:
+        raise TraceError(path, None, "no pods (only a header)")
+    return PodTrace(path, tuple(pods), has_times, len(rows))
+
+
+def parse_nodes(text: str, path: str = "<nodes>") -> NodeList:
+    header, rows = _rows(text, path, NODE_COLUMNS)
+    col = {c: i for i, c in enumerate(header)}
+    nodes: list[TraceNode] = []
+    seen: dict[str, int] = {}
+    for line, row in rows:
+        name = row[col["sn"]]
+        if not name:
+            raise TraceError(path, line, "sn (node name) is empty")
+        if name in seen:
+            raise TraceError(path, line, f"node {name!r} already listed on line {seen[name]}")
+        seen[name] = line
+        cpu = _int(path, line, "cpu_milli", row[col["cpu_milli"]], 1)
+        mem = _int(path, line, "memory_mib", row[col["memory_mib"]], 1)
+        gpus = _int(path, line, "gpu", row[col["gpu"]], 0, 64)
+        model = row[col["model"]]
+        if gpus and not model:
+            raise TraceError(path, line, f"node {name} has {gpus} GPU(s) but no model")
+        if not gpus and model:
+            raise TraceError(path, line, f"node {name} has model {model!r} but 0 GPUs")
+        nodes.append(TraceNode(name, cpu, mem, gpus, model, line))
+    if not nodes:
+        raise TraceError(path, None, "no nodes (only a header)")
+    return NodeList(path, tuple(nodes))
+
+
+def _read(path: Path | str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise TraceError(str(path), None, e.strerror or str(e)) from None
+    except UnicodeDecodeError as e:
+        raise TraceError(str(path), None, f"not a text file ({e.reason})") from None
+
+
+def read_pods(path: Path | str) -> PodTrace:
+    return parse_pods(_read(path), str(path))
+
+
+def read_nodes(path: Path | str) -> NodeList:
+    return parse_nodes(_read(path), str(path))

@@ -1,0 +1,91 @@
+"""Workloads: the packing protocol's tuned and shuffled pod list, and the built-in synthetic
+trace and cluster used when no trace is given."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from simulations.cluster_spec import ClusterSpec, NodeSpec
+from simulations.traces import MILLI, PodTrace, TracePod
+
+
+def tuned(pods: Sequence[TracePod], capacity_milli: int, ratio: float, rng: np.random.Generator) -> list[TracePod]:
+    """All pods, then pods drawn uniformly with replacement from the same list and appended
+    while the total requested GPU milli stays <= ratio x capacity (the first draw that would
+    exceed it ends the list). Copies get unique names `<name>#<k>`."""
+    out = list(pods)
+    total = sum(p.gpu_demand for p in pods)
+    limit = ratio * capacity_milli
+    k = 0
+    while True:
+        p = pods[int(rng.integers(len(pods)))]
+        if total + p.gpu_demand > limit:
+            break
+        k += 1
+        out.append(dataclasses.replace(p, name=f"{p.name}#{k}"))
+        total += p.gpu_demand
+        if k > 50 * len(pods) + 1000 and not p.gpu_demand:
+            break  # a list of CPU-only pods never reaches a GPU demand target
+    return out
+
+
+def packing_workload(pods: Sequence[TracePod], capacity_milli: int, ratio: float, seed: int) -> list[TracePod]:
+    """The paper's protocol: tune to `ratio` of the GPU capacity, then shuffle, both seeded."""
+    rng = np.random.default_rng(seed)
+    out = tuned(pods, capacity_milli, ratio, rng)
+    order = rng.permutation(len(out))
+    return [out[i] for i in order]
+
+
+# --- the built-in synthetic workload ----------------------------------------------------------
+
+# (gpus per node, model, cpu cores, memory GiB, node count) -- a small cluster shaped like openb
+_SYNTH_NODES = [(8, "G2", 96, 384, 24), (2, "T4", 104, 512, 16), (2, "P100", 16, 120, 8),
+                (4, "V100M16", 32, 128, 4), (0, "", 32, 256, 12)]
+# share sizes seen in openb with their weights
+_SHARES = [(1000, 39), (810, 11), (470, 8), (320, 3), (650, 3), (230, 2), (460, 1), (160, 1), (110, 1)]
+
+
+def synthetic_cluster() -> ClusterSpec:
+    nodes = []
+    for gpus, model, cores, gib, count in _SYNTH_NODES:
+        for _ in range(count):
+            prefix = model.lower() if model else "cpu"
+            nodes.append(NodeSpec(f"synth-{prefix}-{len(nodes):03d}", cores * 1000, gib * 1024, gpus, model, "mps"))
+    return ClusterSpec("<synthetic cluster>", tuple(nodes))
+
+
+def synthetic_trace(n_pods: int = 900, seed: int = 0, span_s: int = 6 * 3600) -> PodTrace:
+    """A seeded pod list with the openb mix: 13% CPU-only, single-GPU pods sharing a GPU or
+    taking it whole, a few 2/4/8-GPU pods; creation times over `span_s`, durations log-normal."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array([s for s, _ in _SHARES])
+    weights = np.array([w for _, w in _SHARES], dtype=float)
+    weights /= weights.sum()
+    pods = []
+    t = 0.0
+    for i in range(n_pods):
+        t += rng.exponential(span_s / n_pods)
+        duration = int(min(span_s, rng.lognormal(6.3, 1.6))) + 1
+        u = rng.random()
+        if u < 0.13:
+            num_gpu, milli = 0, 0
+            cpu = int(rng.choice([8, 12, 16, 32])) * 1000
+        elif u < 0.985:
+            num_gpu, milli = 1, int(rng.choice(sizes, p=weights))
+            cpu = int(rng.choice([3, 4, 8, 11, 12, 16])) * 1000
+        else:
+            num_gpu, milli = int(rng.choice([2, 4, 8], p=[0.2, 0.2, 0.6])), MILLI
+            cpu = num_gpu * 8000
+        mem = cpu // 1000 * int(rng.choice([2, 4])) * 1024
+        pods.append(TracePod(f"synth-pod-{i:04d}", cpu, mem, num_gpu, milli, (), int(t), int(t) + duration, i + 2))
+    return PodTrace("<synthetic trace>", tuple(pods), True, len(pods))
+
+
+def synthetic_mig_cluster(nodes: int = 2) -> ClusterSpec:
+    """The replay demo cluster: `nodes` x 8 H100-80GB in MIG mode, 224 CPUs and 2 TiB each."""
+    return ClusterSpec("<synthetic MIG cluster>", tuple(
+        NodeSpec(f"synth-h100-{i:02d}", 224_000, 2 << 20, 8, "H100-80GB", "mig") for i in range(nodes)))

@@ -1,0 +1,180 @@
+"""The packing protocol, its baselines and the dynpart policy, on small synthetic data."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from simulations import bridge
+from simulations.baselines import BestFit, Random, best_fit_scores
+from simulations.bench_packing import PackingJob, run_job, summarise
+from simulations.fragmentation import FragmentationModel
+from simulations.packing import run_packing
+from simulations.packing_dynpart import DynpartPacking
+from simulations.state import PackingState
+from simulations.workload import packing_workload, synthetic_cluster, synthetic_trace, tuned
+
+from .conftest import cluster, pod
+
+
+def test_tuned_workload_stays_under_the_target_and_keeps_every_pod():
+    pods = list(synthetic_trace(120, seed=3).pods)
+    cap = 200 * 1000
+    out = tuned(pods, cap, 1.3, np.random.default_rng(1))
+    assert [p.name for p in out[: len(pods)]] == [p.name for p in pods]
+    total = sum(p.gpu_demand for p in out)
+    assert total <= 1.3 * cap
+    assert len({p.name for p in out}) == len(out)
+    shuffled = packing_workload(pods, cap, 1.3, seed=42)
+    assert shuffled == packing_workload(pods, cap, 1.3, seed=42)
+    assert Counter(p.name for p in shuffled) != Counter(p.name for p in packing_workload(pods, cap, 1.3, seed=43))
+
+
+class Recording:
+    """Wraps a policy: records, for each pod it fails, whether some node could take it."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.wrongly_failed: list[str] = []
+
+    def place_batch(self, state, pods):
+        could = {p.name: bool(state.feasible(p).any()) for p in pods}
+        out = self.inner.place_batch(state, pods)
+        if len(pods) == 1:
+            self.wrongly_failed += [p.name for p, ok in zip(pods, out) if not ok and could[p.name]]
+        return out
+
+
+@pytest.mark.parametrize("make", [BestFit, Random,
+                                  lambda s: DynpartPacking(FragmentationModel(synthetic_trace(300).pods))])
+def test_protocol_invariants(make):
+    trace = synthetic_trace(300)
+    spec = synthetic_cluster()
+    holder = {}
+
+    def factory(seed):
+        holder["p"] = Recording(make(seed))
+        return holder["p"]
+
+    r = run_packing(trace.pods, spec, factory, seed=7)
+    arrived = [a for a, _ in r.curve]
+    alloc = [b for _, b in r.curve]
+    assert arrived == sorted(arrived) and alloc == sorted(alloc)  # one-way: nothing leaves
+    biggest = 100 * max(p.gpu_demand for p in trace.pods) / r.capacity_milli
+    # never more allocated than arrived (a point is recorded when a pod's arrival crosses it)
+    assert all(b <= a + biggest + 1e-9 for a, b in r.curve) and alloc[-1] <= arrived[-1]
+    assert arrived[-1] <= 130.0 + 1e-9
+    assert r.counts.placed + r.counts.failed == r.pods
+    assert not holder["p"].wrongly_failed  # a pod fails only when no node can take it
+    assert r.alloc_at(100) <= r.alloc_at(130)
+    assert r.extra.get("disrupted", 0) == 0
+
+
+def _state():
+    return PackingState(cluster(("a", 16_000, 2, "T4"), ("b", 64_000, 2, "T4"), ("c", 64_000, 4, "V100"),
+                                ("cpu", 32_000, 0, "")))
+
+
+def test_state_fit_rule_and_gpu_choice():
+    st = _state()
+    st.place(pod("x", milli=700), 1, (0,))
+    st.place(pod("y", milli=300), 1, (1,))
+    assert st.gpu_free[1, :2].tolist() == [300, 700]
+    share = pod("s", milli=250)
+    assert st.best_fit_gpus(share, 1) == (0,)  # the tightest GPU that fits
+    assert st.feasible(pod("w", gpus=2)).tolist() == [True, False, True, False]  # two whole GPUs
+    assert st.feasible(pod("big", cpu=20_000, milli=100)).tolist() == [False, True, True, False]
+    assert st.feasible(pod("spec", milli=100, spec=("V100",))).tolist() == [False, False, True, False]
+    assert st.feasible(pod("cpu-only", gpus=0)).tolist() == [True, True, True, True]
+    assert st.best_fit_gpus(pod("w3", gpus=3), 2) == (0, 1, 2)
+    with pytest.raises(ValueError):
+        st.place(pod("z", milli=800), 1, (0,))
+    st.remove("x")
+    assert st.gpu_free[1, 0] == 1000 and st.allocated == 300
+
+
+def test_best_fit_score_and_choice():
+    st = _state()
+    st.place(pod("x", milli=900), 2, (3,))
+    p = pod("s", cpu=4000, milli=100)
+    scores = best_fit_scores(st, p)
+    # s = 0.5 (cpu_free - cpu) / 128000 + 0.5 (gpu_free - gpu) / 8000; score = trunc((1 - s) 100)
+    expect_c = int((1 - (0.5 * (63_000 - 4000) / 128_000 + 0.5 * (3100 - 100) / 8000)) * 100)
+    assert scores[2] == expect_c
+    node, gpus = BestFit(seed=0).choose(st, p)
+    assert node == 0  # the least resources left over: the 16-core T4 node
+    st.place(p, node, gpus)
+    assert BestFit(seed=0).choose(st, pod("t", cpu=1000, milli=100)) == (0, (0,))  # same GPU, tightest
+    # ties are broken at random among the best score (seeded)
+    twins = PackingState(cluster(("a", 8000, 1, "T4"), ("b", 8000, 1, "T4")))
+    picks = {BestFit(seed=s).choose(twins, pod("p", milli=500))[0] for s in range(20)}
+    assert picks == {0, 1}
+
+
+def test_random_places_on_feasible_nodes_only():
+    st = _state()
+    rnd = Random(seed=1)
+    for i in range(30):
+        p = pod(f"p{i}", cpu=1000, milli=200)
+        pick = rnd.choose(st, p)
+        if pick is None:
+            assert not st.feasible(p).any()
+            continue
+        assert st.feasible(p)[pick[0]] and st.gpu_free[pick[0], pick[1][0]] >= 200
+        st.place(p, *pick)
+
+
+def test_fragmentation_matches_its_definition():
+    pods = [pod("a", cpu=4000, milli=500), pod("b", cpu=4000, milli=500), pod("c", cpu=12_000, milli=1000),
+            pod("d", cpu=30_000, gpus=2), pod("e", cpu=2000, milli=200, mem=64 << 10)]
+    fm = FragmentationModel(pods, weighting="count", memory=True)
+    kinds = Counter((p.cpu_milli, p.memory_mib, p.num_gpu, p.gpu_milli) for p in pods)
+
+    def brute(cpu, free, mem):
+        f = np.maximum(free, 0)
+        total, out = f.sum(), 0.0
+        for (c, m, n, g), k in kinds.items():
+            runs = cpu >= c and mem >= m
+            if n == 1 and g < 1000:
+                fits = runs and free.max() >= g
+                out += k / len(pods) * (f[f < g].sum() if fits else total)
+            else:
+                fits = runs and (free == 1000).sum() >= n
+                out += k / len(pods) * (f[f < 1000].sum() if fits else total)
+        return out
+
+    rng = np.random.default_rng(0)
+    free = rng.choice([-1, 0, 150, 500, 700, 1000], size=(200, 4))
+    cpu = rng.integers(0, 40_000, 200)
+    mem = rng.integers(0, 128 << 10, 200)
+    got = fm.frag(cpu, free, mem)
+    want = [brute(c, f, m) for c, f, m in zip(cpu, free, mem)]
+    assert np.allclose(got, want)
+
+
+def test_dynpart_batches_plan_through_plan_and_keep_used_slices():
+    trace = synthetic_trace(200, seed=5)
+    for batch in (1, 8):
+        r = run_job(PackingJob("dynpart", seed=3, batch=batch), trace.pods, synthetic_cluster(), None)
+        assert r.plan_calls > 0 and r.extra["disrupted"] == 0
+        assert r.extra["cpu_only_by_shell"] > 0
+        assert r.counts.placed > 0.6 * r.pods
+    s = summarise("dynpart", 8, [r], 1.0, "openb_pod_list_default.csv", 4)
+    assert {"policy", "batch", "seeds", "alloc_at_100", "alloc_at_130", "per_seed", "wall_s"} <= set(s)
+    assert s["published"]["fgd"]["alloc_at_130"] == 95.39
+
+
+def test_packing_snapshot_is_valid_for_the_planner(catalog):
+    st = _state()
+    st.place(pod("x", milli=700), 1, (0,))
+    st.place(pod("w", gpus=1), 1, (1,))
+    node = DynpartPacking._node(st, 1)
+    assert [g.index for g in node.gpus] == [0]  # the full GPU is left out
+    snap = bridge.snapshot([node], [bridge.pending_pod(pod("p", milli=300), *bridge.packing_request(pod("p", milli=300)))])
+    cat = bridge.catalog_for(["T4", "V100"], catalog)
+    from dynpart.snapshot import Snapshot, validate_snapshot
+    validate_snapshot(Snapshot.model_validate(snap.model_dump()), cat)  # model_construct built it valid
+    assert bridge.packing_request(pod("m", gpus=4)) == ("nvidia.com/gpu", 4)
+    assert bridge.packing_request(pod("s", milli=470)) == ("nvidia.com/gpu-470gb", 1)

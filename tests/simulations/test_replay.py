@@ -1,0 +1,138 @@
+"""Replay invariants: no used slice disrupted, a slice held by one pod at a time (reused only
+after its pod left), slices within the GPU, reconfiguration delays, and the metrics."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+
+from dynpart.mig import MigRules
+from simulations.errors import SimulationError
+from simulations.mapping import mig_profile_for, request_for, static_layout
+from simulations.replay import ReplayOptions, run_replay
+from simulations.replay_summary import percentile, summary
+from simulations.workload import synthetic_mig_cluster, synthetic_trace
+
+from .conftest import cluster, pod
+
+
+def _holds(result):
+    """(node, gpu) -> [(from, to, slice, pod)] for every pod that held slices."""
+    out = defaultdict(list)
+    for r in result.runs:
+        if r.start is None or not r.slices:
+            continue
+        for gi, what in r.slices:
+            out[(r.node, gi)].append((r.assigned, r.start + r.duration, what, r.pod.name))
+    return out
+
+
+def _check_invariants(result, catalog, model="H100-80GB"):
+    assert result.used_slices_disrupted == 0 and result.plans_rejected == 0
+    rules = MigRules.of(catalog.resolve(model))
+    cap = catalog.resolve(model).memory_gb
+    for (node, gpu), holds in _holds(result).items():
+        for i, (a0, a1, what_a, pa) in enumerate(holds):
+            for b0, b1, what_b, pb in holds[i + 1:]:
+                if a0 < b1 and b0 < a1:  # held at the same time on the same GPU
+                    assert what_a != what_b or what_a != "whole", (pa, pb)
+                    if result.mode == "mig":
+                        pa_, sa = what_a.split("@")
+                        pb_, sb = what_b.split("@")
+                        ma = rules.mask(rules.index[pa_], int(sa))
+                        mb = rules.mask(rules.index[pb_], int(sb))
+                        assert not ma & mb, f"{pa} and {pb} share memory slices of {node}/{gpu}"
+                    else:
+                        assert "whole" not in (what_a, what_b), (pa, pb)
+        if result.mode == "mps":
+            times = sorted({t for h in holds for t in h[:2]})
+            for t in times:
+                used = sum(int(w) for a, b, w, _ in holds if a <= t < b and w != "whole")
+                assert used <= cap
+    for r in result.runs:
+        if r.start is not None:
+            assert r.arrival <= r.assigned <= r.start
+
+
+@pytest.mark.parametrize("policy", ["dynpart", "nos", "static"])
+def test_mig_replay_invariants(policy, catalog):
+    trace = synthetic_trace(150, seed=2)
+    opts = ReplayOptions(policy=policy, mig_op_delay_s=20.0,
+                         static_layout=tuple(static_layout("all-balanced", catalog.resolve("H100-80GB"), "mig").items()))
+    result = run_replay(trace.pods, synthetic_mig_cluster(1), catalog, opts)
+    _check_invariants(result, catalog)
+    s = summary(result)
+    assert s["placed"] + s["never_placed"] + s["failed"] == s["gpu_pods"]
+    if policy == "static":
+        assert result.reconfigurations == 0 and s["never_placed"] > 0  # all-balanced has no 7g slice
+    else:
+        assert s["never_placed"] == 0 and result.reconfigurations > 0 and result.gpus_touched <= 8
+
+
+@pytest.mark.parametrize("policy", ["dynpart", "nos"])
+def test_mps_replay_invariants(policy, catalog):
+    trace = synthetic_trace(120, seed=4)
+    spec = cluster(("n0", 224_000, 4, "H100-80GB"), ("n1", 224_000, 4, "H100-80GB"), mode="mps")
+    result = run_replay(trace.pods, spec, catalog, ReplayOptions(policy=policy))
+    assert result.mode == "mps"
+    _check_invariants(result, catalog)
+    assert summary(result)["never_placed"] == 0
+
+
+def test_reconfiguration_delay_and_slice_reuse(catalog):
+    # a and b (3g.40gb each) are planned in the first window onto one GPU: two instances are
+    # created in one reconfiguration (2 ops x 7 s), both ready when it ends; c arrives after
+    # both left and reuses a free instance: no reconfiguration
+    pods = [pod("a", milli=400, t0=0, t1=100), pod("b", milli=400, t0=10, t1=300),
+            pod("c", milli=400, t0=500, t1=600)]
+    spec = cluster(("n0", 64_000, 1, "H100-80GB"), mode="mig")
+    r = run_replay(pods, spec, catalog, ReplayOptions(policy="dynpart", window_s=60, mig_op_delay_s=7))
+    a, b, c = r.runs
+    assert (a.assigned, a.start, b.assigned, b.start) == (60, 74, 60, 74)
+    assert c.assigned == 540 and c.start == 540
+    assert r.reconfigurations == 1 and r.mig_ops == 2 and r.gpus_touched == 1
+    _check_invariants(r, catalog)
+
+
+def test_pods_that_never_fit_fail_and_cpu_pods_are_placed(catalog):
+    pods = [pod("huge", cpu=500_000, milli=100), pod("cpu", gpus=0, cpu=4000), pod("ok", milli=100)]
+    r = run_replay(pods, cluster(("n0", 64_000, 2, "H100-80GB"), mode="mig"), catalog, ReplayOptions())
+    runs = {x.pod.name: x for x in r.runs}
+    huge, cpu, ok = runs["huge"], runs["cpu"], runs["ok"]
+    assert huge.failed and huge.start is None
+    assert cpu.start is not None and ok.start is not None
+    s = summary(r)
+    assert s["failed"] == 1 and s["cpu_only_pods"]["placed"] == 1
+
+
+def test_replay_needs_times_and_one_model(catalog):
+    with pytest.raises(SimulationError, match="no creation/deletion time"):
+        run_replay([pod("a", t0=None, t1=None)], synthetic_mig_cluster(1), catalog, ReplayOptions())
+    two = cluster(("a", 1000, 1, "H100-80GB"), ("b", 1000, 1, "A100-80GB"), mode="mig")
+    with pytest.raises(SimulationError, match="one model"):
+        run_replay([pod("a")], two, catalog, ReplayOptions())
+    with pytest.raises(SimulationError, match="--policy"):
+        run_replay([pod("a")], synthetic_mig_cluster(1), catalog, replace(ReplayOptions(), policy="magic"))
+
+
+def test_mapping_rules(catalog):
+    h100 = catalog.resolve("H100-80GB")
+    assert mig_profile_for(h100, 100) == "1g.10gb"
+    assert mig_profile_for(h100, 470) == "4g.40gb"  # 3/7 < 0.47 <= 4/7
+    assert mig_profile_for(h100, 810) == "7g.80gb"
+    assert mig_profile_for(h100, 200, "memory") == "1g.20gb"  # 2/8 memory slices, 1 compute
+    assert request_for(pod("w", gpus=2), h100, "mig") == ("nvidia.com/mig-7g.80gb", 2)
+    assert request_for(pod("s", milli=470), h100, "mps") == ("nvidia.com/gpu-38gb", 1)  # ceil(0.47 x 80)
+    assert request_for(pod("w", gpus=4), h100, "mps") == ("nvidia.com/gpu", 4)
+    assert static_layout("all-7g", h100, "mig") == {"H100-80GB": "7g.80gb:1"}
+    assert static_layout("mps-2", h100, "mps") == {"mps": "2"}
+    with pytest.raises(SimulationError):
+        static_layout("all-9g", h100, "mig")
+
+
+def test_percentile():
+    assert percentile([], 95) is None
+    assert percentile([5.0], 50) == 5.0
+    assert percentile(list(range(1, 101)), 95) == 95

@@ -1,0 +1,129 @@
+"""Trace and cluster inputs: the openb CSV formats, the cluster YAML, and errors that name the
+file and the line."""
+
+from __future__ import annotations
+
+import pytest
+
+from simulations.cluster_spec import parse_cluster, parse_memory_mib, read_cluster
+from simulations.errors import TraceError
+from simulations.inputs import parse_seeds
+from simulations.errors import SimulationError
+from simulations.traces import parse_nodes, parse_pods, read_nodes, read_pods
+
+HEADER = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
+
+
+def test_full_pod_list_is_parsed():
+    trace = parse_pods(HEADER
+                       + "p0,12000,16384,1,1000,,LS,Running,0,100,0\n"
+                       + "p1,6000,12288,1,460,T4|G2,LS,Running,5,50,5\n"
+                       + "p2,88000,327680,8,1000,,BE,Failed,7,9,\n"
+                       + "p3,8000,30517,0,0,,BE,Running,1,2,1\n", "pods.csv")
+    assert trace.has_times and trace.rows == 4 and len(trace.pods) == 4
+    p0, p1, p2, p3 = trace.pods
+    assert (p0.gpu_demand, p0.is_share) == (1000, False)
+    assert (p1.gpu_demand, p1.is_share, p1.gpu_spec) == (460, True, ("T4", "G2"))
+    assert p2.gpu_demand == 8000 and p2.duration == 2
+    assert p3.num_gpu == 0 and p3.gpu_demand == 0 and p3.line == 5
+
+
+def test_five_column_multigpu_format_has_no_times():
+    trace = parse_pods("name,cpu_milli,memory_mib,num_gpu,gpu_milli\na,1000,10,2,1000\nb,1000,10,1,300\n")
+    assert not trace.has_times
+    assert [p.gpu_demand for p in trace.pods] == [2000, 300]
+    assert trace.pods[0].creation_time is None
+
+
+@pytest.mark.parametrize("row, message", [
+    ("x,abc,1,1,1000,,LS,R,0,1,0", "cpu_milli = 'abc': not an integer"),
+    ("x,1,1,1,1000,,LS,R,0,1", "10 fields, the header has 11"),
+    ("x,1,1,2,500,,LS,R,0,1,0", "only single-GPU pods may share"),
+    ("x,1,1,0,300,,LS,R,0,1,0", "gpu_milli = 300 but num_gpu = 0"),
+    ("x,1,1,1,0,,LS,R,0,1,0", "num_gpu = 1 but gpu_milli = 0"),
+    ("x,1,1,1,1001,,LS,R,0,1,0", "gpu_milli = 1001: out of range"),
+    ("x,-5,1,1,100,,LS,R,0,1,0", "cpu_milli = -5: out of range"),
+    ("x,1,1,1,100,,LS,R,9,3,0", "deletion_time 3 is before creation_time 9"),
+    ("x,1,1,0,0,T4,LS,R,0,1,0", "on a CPU-only pod"),
+    ("x,1,1,1,100,T4||G2,LS,R,0,1,0", "empty model name"),
+    (",1,1,1,100,,LS,R,0,1,0", "name is empty"),
+])
+def test_bad_pod_rows_name_file_and_line(row, message):
+    with pytest.raises(TraceError) as e:
+        parse_pods(HEADER + "ok,1,1,1,100,,LS,R,0,1,0\n" + row + "\n", "pods.csv")
+    assert str(e.value).startswith("pods.csv:3: ")
+    assert message in str(e.value)
+
+
+def test_duplicate_pod_and_missing_columns_and_empty_files():
+    with pytest.raises(TraceError, match=r"pods.csv:3: pod 'a' already listed on line 2"):
+        parse_pods(HEADER + "a,1,1,1,100,,LS,R,0,1,0\na,1,1,1,100,,LS,R,0,1,0\n", "pods.csv")
+    with pytest.raises(TraceError, match=r"p.csv:1: header lacks column\(s\) gpu_milli"):
+        parse_pods("name,cpu_milli,memory_mib,num_gpu\na,1,1,1\n", "p.csv")
+    with pytest.raises(TraceError, match="empty file"):
+        parse_pods("", "p.csv")
+    with pytest.raises(TraceError, match="no pods"):
+        parse_pods(HEADER, "p.csv")
+    with pytest.raises(TraceError, match=r"p.csv:3: empty row"):
+        parse_pods(HEADER + "a,1,1,1,100,,LS,R,0,1,0\n\nb,1,1,1,100,,LS,R,0,1,0\n", "p.csv")
+
+
+def test_node_list_and_its_errors():
+    nodes = parse_nodes("sn,cpu_milli,memory_mib,gpu,model\nn0,32000,262144,0,\nn1,96000,393216,8,G2\n")
+    assert nodes.gpu_count == 8 and nodes.nodes[1].model == "G2"
+    with pytest.raises(TraceError, match=r"nodes.csv:2: node n0 has 2 GPU\(s\) but no model"):
+        parse_nodes("sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,2,\n", "nodes.csv")
+    with pytest.raises(TraceError, match=r"nodes.csv:2: node n0 has model 'T4' but 0 GPUs"):
+        parse_nodes("sn,cpu_milli,memory_mib,gpu,model\nn0,1,1,0,T4\n", "nodes.csv")
+
+
+def test_read_errors_name_the_path(tmp_path):
+    f = tmp_path / "bad.csv"
+    f.write_text(HEADER + "a,1,1,1,100,,LS,R,0,1,0\nb,1,x,1,100,,LS,R,0,1,0\n")
+    with pytest.raises(TraceError, match=rf"{f}:3: memory_mib = 'x'"):
+        read_pods(f)
+    with pytest.raises(TraceError, match=r"missing.csv"):
+        read_nodes(tmp_path / "missing.csv")
+
+
+def test_real_openb_files_parse(openb):
+    default = read_pods(openb / "openb_pod_list_default.csv")
+    assert len(default.pods) == default.rows == 8152 and default.has_times
+    multi = read_pods(openb / "openb_pod_list_multigpu20.csv")
+    assert not multi.has_times and len(multi.pods) == multi.rows
+    spec = read_pods(openb / "openb_pod_list_gpuspec20.csv")
+    assert any(p.gpu_spec for p in spec.pods)
+    nodes = read_nodes(openb / "openb_node_list_all_node.csv")
+    assert len(nodes.nodes) == 1523 and nodes.gpu_count == 6212
+
+
+def test_cluster_yaml_and_inline_spec(catalog, tmp_path):
+    spec = parse_cluster({"nodes": [{"count": 16, "gpu_model": "H100-80GB", "gpus": 8, "mode": "mig", "cpu": 112,
+                                     "memory": "1TiB"},
+                                    {"count": 2, "cpu": "64000m", "memory": 262144, "name": "cpu"}]}, "c.yaml", catalog)
+    assert len(spec.nodes) == 18 and spec.gpu_count == 128
+    h = spec.nodes[0]
+    assert (h.cpu_milli, h.memory_mib, h.mode, h.model) == (112_000, 1 << 20, "mig", "H100-80GB")
+    assert spec.nodes[-1].name == "cpu-001" and spec.nodes[-1].cpu_milli == 64_000
+    inline = read_cluster("4x8xH100-80GB", catalog)
+    assert inline.gpu_count == 32 and inline.nodes[0].mode == "mig"  # MIG-capable model: mig by default
+    assert read_cluster("2x2xT4:mps", catalog).nodes[0].mode == "mps"
+    f = tmp_path / "c.yaml"
+    f.write_text("nodes:\n  - count: 2\n    gpus: 8\n    gpu_model: H100-80GB\n    colour: red\n")
+    with pytest.raises(TraceError, match=r"c.yaml: nodes\[0\]: unknown key\(s\) colour"):
+        read_cluster(str(f), catalog)
+    f.write_text("nodes: [\n")
+    with pytest.raises(TraceError, match="not valid YAML"):
+        read_cluster(str(f), catalog)
+    with pytest.raises(TraceError, match="expected a cluster YAML file or NODESxGPUSxMODEL"):
+        read_cluster(str(tmp_path / "nope.yaml"), catalog)
+    with pytest.raises(ValueError, match="expected MiB or a quantity"):
+        parse_memory_mib("1 lightyear")
+
+
+def test_seeds():
+    assert parse_seeds("42-51") == list(range(42, 52))
+    assert parse_seeds("1,5,7-8") == [1, 5, 7, 8]
+    for bad in ("x", "5-3", "1,1", ""):
+        with pytest.raises(SimulationError):
+            parse_seeds(bad)
