@@ -106,7 +106,7 @@ def _improve_by_windows(problem: Problem, states: list[GpuState], placed: dict[i
     per_window = max(0.02, budget / 10)
     improved = 0
     for req in open_reqs:
-        if budget <= 0 or time.perf_counter() - t0 > 3 * opts.time_limit_s + 1:
+        if budget <= 0 or time.perf_counter() - t0 > 10 * opts.time_limit_s + 5:
             break
         if req.idx in placed:
             continue

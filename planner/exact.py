@@ -255,8 +255,9 @@ def _solver(budget_s: float) -> cp_model.CpSolver:
     # the pattern model's LP relaxation is strong: use it fully (proves optimality much sooner)
     p.linearization_level = 2
     # deterministic budget (same input, same plan); the wall-clock limit is only a safety net
+    # against a runaway, loose enough that a loaded machine does not hit it first
     p.max_deterministic_time = max(0.05, budget_s)
-    p.max_time_in_seconds = max(0.1, 3 * budget_s)
+    p.max_time_in_seconds = 10 * budget_s + 5
     return solver
 
 

@@ -81,15 +81,23 @@ class Problem:
     requests: list[Request]
 
 
+# Weights stay far below CP-SAT's int64 objective range (they are multiplied by 0/1 per pod).
+_MAX_WEIGHT = 1 << 40
+
+
 def priority_weights(priorities: list[int]) -> dict[int, int]:
     """Weight per priority level such that one pod of a level outweighs all pods of lower
-    levels together: placing the most pods is weighted by priority, strictly."""
+    levels together: placing the most pods is weighted by priority, strictly. With so many
+    levels and pods that strict weights would overflow, the highest levels only weigh more
+    (one more than the level below) instead of dominating."""
     levels = sorted(set(priorities))
     counts = {lvl: priorities.count(lvl) for lvl in levels}
     weights: dict[int, int] = {}
     below = 0
+    previous = 0
     for lvl in levels:
-        weights[lvl] = below + 1
+        weights[lvl] = below + 1 if below + 1 <= _MAX_WEIGHT else previous + 1
+        previous = weights[lvl]
         below += weights[lvl] * counts[lvl]
     return weights
 

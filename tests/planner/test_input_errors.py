@@ -86,3 +86,12 @@ def test_every_problem_is_listed():
     with pytest.raises(SnapshotError) as e:
         plan(snap)
     assert len(e.value.problems) == 2
+
+
+def test_priority_weights_are_strict_and_bounded():
+    from planner.problem import priority_weights
+    w = priority_weights([0, 0, 5, 9])
+    assert w[5] > 2 * w[0] and w[9] > w[5] + 2 * w[0]
+    many = priority_weights(list(range(30)) * 2000)  # 30 levels of 2,000 pods: strict weights would overflow
+    assert all(v < 2**62 // 60_000 for v in many.values())
+    assert [many[i] for i in range(30)] == sorted(many.values())
