@@ -6,11 +6,8 @@ simulated kubelets run the pods. See tests/e2e/harness.py."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,23 +15,9 @@ from agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, render_config
 from agent.nvml import GpuDriverError, SimulatedCrash
 from dynpart.annotations import SPEC_PLAN, STATUS_PLAN
 from dynpart.kube.patching import Conflict, patch_node_annotations
-
-
-def _load_harness():
-    """tests/e2e is not a package (like conftest.py loads cluster.py): load harness.py by path."""
-    name = "dynpart_e2e_harness"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "harness.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before exec: dataclasses look the module up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_h = _load_harness()
-REPO_ROOT, Harness, PlannerProcess = _h.REPO_ROOT, _h.Harness, _h.PlannerProcess
-agent_metrics_port, ensure_system_namespace, scrape, wait_until = (
-    _h.agent_metrics_port, _h.ensure_system_namespace, _h.scrape, _h.wait_until)
+from tests.e2e.harness import (
+    REPO_ROOT, Harness, PlannerProcess, SimNode, agent_metrics_port, ensure_system_namespace, scrape, wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -248,7 +231,7 @@ def test_the_checks_can_fail():
     h.history["n"] = [{}, {SPEC_PLAN: "p1"}, {SPEC_PLAN: "p1", STATUS_PLAN: "p1"}, {SPEC_PLAN: "p2", STATUS_PLAN: "p1"}]
     assert h.handshake_violations() == []
 
-    node = _h.SimNode("n", H100, "mig", 1)
+    node = SimNode("n", H100, "mig", 1)
     p = next(p for p in node.model.mig_profiles if p.name == "1g.10gb")
     gi = node.driver.create_gpu_instance(0, p.gi_profile_id, 0, p.memory)
     node.driver.create_compute_instance(0, gi, p.compute)
@@ -261,7 +244,7 @@ def test_the_checks_can_fail():
     node.driver.destroy_gpu_instance(0, gi)
     assert len(node.destroy_violations()) == 1 and len(node.destroys) == 3
 
-    mps = _h.SimNode("m", H100, "mps", 1)
+    mps = SimNode("m", H100, "mps", 1)
     configs = {"c1": render_config({0: [20, 10]}), "c2": render_config({0: [20, 20, 20]})}
     mps.labels = {DEVICE_PLUGIN_CONFIG_LABEL: "c1"}
     assert mps.assign("ns/pod", "nvidia.com/gpu-10gb", 1, configs) is not None

@@ -5,15 +5,13 @@ whose plan is still unacknowledged, and the pods submitted after the kill run.""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from kubernetes_asyncio import client
 
 from dynpart.annotations import SPEC_PLAN, STATUS_PLAN
+from tests.e2e import harness as _h
 
 pytestmark = pytest.mark.e2e
 
@@ -21,19 +19,6 @@ LEASE_S = 6  # DYNPART_PLANNER_LEASE_DURATION_S (default 15)
 H100 = "NVIDIA-H100-80GB-HBM3"
 A100 = "NVIDIA-A100-SXM4-80GB"
 
-
-def _load_harness():
-    """tests/e2e is not a package (like conftest.py loads cluster.py): load harness.py by path."""
-    name = "dynpart_e2e_harness"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "harness.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before exec: dataclasses look the module up
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-_h = _load_harness()
 
 
 @pytest.fixture
