@@ -1,0 +1,34 @@
+"""Every command and subcommand of the one `dynpart` entry point has a working --help."""
+
+import argparse
+
+import pytest
+
+from dynpart.cli import build_parser, main
+
+
+def _commands(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = [prefix]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += _commands(sub, prefix + (name,))
+    return out
+
+
+COMMANDS = _commands(build_parser())
+
+
+def test_every_part_is_registered():
+    top = {c[0] for c in COMMANDS if c}
+    assert {"simulate", "bench", "explain", "planner", "agent", "catalog"} <= top
+    assert {("bench", "planner"), ("bench", "packing"), ("planner", "run"), ("agent", "run"), ("agent", "probe")} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "dynpart")
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dynpart") and len(out.splitlines()) > 3
