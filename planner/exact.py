@@ -20,7 +20,7 @@ from ortools.sat.python import cp_model
 
 from dynpart.mig import feasible_geometries
 from planner.problem import KIND_GPU, KIND_MIG, Problem, Request
-from planner.state import GpuState, MigInst, MigState, MpsPiece, MpsState, new_state
+from planner.state import GpuState, MigState, MpsPiece, MpsState, new_state
 
 
 @dataclass
@@ -204,21 +204,7 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
         if isinstance(st, MigState):
             configs, ys = dec  # type: ignore[misc]
             chosen = next(c for c, y in zip(configs, ys) if solver.Value(y))
-            geom = chosen[2]
-            names = st.rules.names
-            existing = {(names[i.p], i.start): i for i in st.insts}
-            insts: list[MigInst] = []
-            destroyed = sum(1 for key, i in existing.items() if not i.used and key not in geom)
-            created = 0
-            for name, start in sorted(geom, key=lambda pl: pl[1]):
-                if (name, start) in existing:
-                    insts.append(existing[(name, start)])
-                else:
-                    insts.append(MigInst(st.rules.index[name], start, False, None, False))
-                    created += 1
-            st.insts = insts
-            st.destroyed, st.created = destroyed, created
-            st.changed = bool(destroyed or created)
+            st.set_geometry(chosen[2])
         else:
             assert isinstance(st, MpsState)
             keep, new, whole, _ = dec  # type: ignore[misc]

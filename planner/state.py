@@ -133,6 +133,26 @@ class MigState:
                 best = (cost, start, destroy)
         return best
 
+    def set_geometry(self, geometry: frozenset) -> None:
+        """Rewrite the GPU to `geometry` (profile, start) pairs, which must keep every instance
+        that is used or planned in place; counts what is created and destroyed."""
+        names = self.rules.names
+        existing = {(names[i.p], i.start): i for i in self.insts}
+        assert all((names[i.p], i.start) in geometry for i in self.insts if i.hard), "never touch a used slice"
+        insts = []
+        created = 0
+        for name, start in sorted(geometry, key=lambda pl: pl[1]):
+            inst = existing.get((name, start))
+            if inst is None:
+                inst = MigInst(self.rules.index[name], start, False, None, False)
+                created += 1
+            insts.append(inst)
+        destroyed = sum(1 for key, i in existing.items() if i.existing and key not in geometry)
+        self.created += created
+        self.destroyed += destroyed
+        self.changed = self.changed or bool(created or destroyed)
+        self.insts = insts
+
     def apply(self, p: int, start: int, destroy: tuple[int, ...], pod: str) -> None:
         if start < 0:
             self.insts[-1 - start].pod = pod
@@ -219,6 +239,14 @@ class MpsState:
                 if unallocated >= size:
                     break
         return ((len(destroy) + touch, empty, leftover, 0), 0, tuple(sorted(destroy)))
+
+    def replace_free_slices(self, sizes: list[int]) -> None:
+        """Drop every free slice and create new ones of the given sizes (used slices stay)."""
+        kept = [s for s in self.slices if s.hard]
+        self.destroyed += sum(1 for s in self.slices if not s.hard and s.existing)
+        self.slices = kept + [MpsPiece(size, False, None, False) for size in sizes]
+        self.created += len(sizes)
+        self.changed = True
 
     def apply(self, size: int, start: int, destroy: tuple[int, ...], pod: str) -> None:
         if size and start < 0:  # reuse an existing free slice

@@ -1,10 +1,10 @@
 """What the baselines share: the scheduler's view after a layout is chosen (pods take free
-slices that match, first fit, in priority and arrival order) and layout rewriting."""
+slices that match, first fit, in priority and arrival order)."""
 
 from __future__ import annotations
 
 from planner.problem import KIND_GPU, KIND_MIG, Problem, Request
-from planner.state import GpuState, MigInst, MigState, MpsPiece, MpsState
+from planner.state import GpuState, MigState
 
 
 def scheduler_order(problem: Problem) -> list[Request]:
@@ -60,32 +60,3 @@ def schedule(problem: Problem, states: list[GpuState], cpu: list[int], mem: list
                 mem[n] -= req.mem
                 placed[req.idx] = (n, gids)
                 break
-
-
-def set_mig_geometry(st: MigState, geometry: frozenset) -> None:
-    """Rewrite a MIG GPU to `geometry` (which contains every used instance in place)."""
-    names = st.rules.names
-    existing = {(names[i.p], i.start): i for i in st.insts}
-    assert all((names[i.p], i.start) in geometry for i in st.insts if i.hard), "never touch a used slice"
-    insts = []
-    created = 0
-    for name, start in sorted(geometry, key=lambda pl: pl[1]):
-        inst = existing.get((name, start))
-        if inst is None:
-            inst = MigInst(st.rules.index[name], start, False, None, False)
-            created += 1
-        insts.append(inst)
-    destroyed = sum(1 for key, i in existing.items() if i.existing and key not in geometry)
-    st.created += created
-    st.destroyed += destroyed
-    st.changed = st.changed or bool(created or destroyed)
-    st.insts = insts
-
-
-def set_mps_slices(st: MpsState, sizes: list[int]) -> None:
-    """Replace the free slices of an MPS GPU by new ones of the given sizes."""
-    kept = [s for s in st.slices if s.hard]
-    st.destroyed += sum(1 for s in st.slices if not s.hard and s.existing)
-    st.slices = kept + [MpsPiece(size, False, None, False) for size in sizes]
-    st.created += len(sizes)
-    st.changed = True

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 
 from dynpart.mig import maximal_geometries, place_counts
-from planner.baselines.common import schedule, scheduler_order, set_mig_geometry, set_mps_slices
+from planner.baselines.common import schedule, scheduler_order
 from planner.problem import KIND_MIG, KIND_MPS, Problem
 from planner.state import GpuState, MigState, MpsState, new_state
 
@@ -72,7 +72,7 @@ def _nos_mig_gpu(st: MigState, lacking: Counter[str]) -> None:
     geometry = place_counts(st.rules.model, dict(best), fixed)
     if geometry is None:
         return  # the agent could not realise it: nos leaves the GPU as it was
-    set_mig_geometry(st, geometry)
+    st.set_geometry(geometry)
     for p in list(lacking):
         lacking[p] -= min(best[p], lacking[p])
 
@@ -88,4 +88,4 @@ def _nos_mps_gpu(st: MpsState, lacking: list[int]) -> None:
             room -= size
             lacking.remove(size)
     if sizes:
-        set_mps_slices(st, sizes)
+        st.replace_free_slices(sizes)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dynpart.catalog import GpuModel
 from dynpart.errors import DynpartError
 from dynpart.mig import place_counts
-from planner.baselines.common import schedule, set_mig_geometry, set_mps_slices
+from planner.baselines.common import schedule
 from planner.problem import Problem
 from planner.state import GpuState, MigState, MpsState, new_state
 
@@ -48,10 +48,10 @@ def plan_static(problem: Problem, layout: dict[str, str]) -> tuple[list[GpuState
             geometry = place_counts(model, counts)
             if geometry is None:
                 raise DynpartError(f"static layout for {model.name}: {counts} has no valid MIG placement")
-            set_mig_geometry(st, geometry)
+            st.set_geometry(geometry)
         elif isinstance(st, MpsState) and not st.slices and st.whole_pod is None:
             parts = int(layout.get("mps", "4"))
-            set_mps_slices(st, [st.cap // parts] * parts)
+            st.replace_free_slices([st.cap // parts] * parts)
     cpu = [n.cpu_free for n in problem.nodes]
     mem = [n.mem_free for n in problem.nodes]
     placed: dict[int, tuple[int, list[int]]] = {}
