@@ -152,7 +152,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         else:
             gpus.append(Gpu(index=i, mps=[MpsSlice(size=s.size, used=s.used) for s in (g.mps if g else [])],
                             whole_pod=g.whole_pod if g else None))
-    _protect_bound_slices(gpus, bound_slices, mode)
+    _protect_bound_slices(gpus, bound_slices)
     alloc = (node.get("status") or {}).get("allocatable") or {}
     try:
         cpu_free = max(0, int(round((parse_quantity(alloc.get("cpu", 0)) - cpu_used) * 1000)))
@@ -164,7 +164,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     return NodeView(view, status.plan_id, problems)
 
 
-def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str) -> None:
+def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str]) -> None:
     """Mark free slices as used until each resource has at least as many used as pods bound."""
     for res, n in bound.items():
         kind = parse_resource(res)

@@ -129,9 +129,7 @@ def _improve_by_windows(problem: Problem, states: list[GpuState], placed: dict[i
             base[g] = new_state(problem.gpus[g])
         cpu_left = {n: problem.nodes[n].cpu_free for n in window}
         mem_left = {n: problem.nodes[n].mem_free for n in window}
-        full_cpu = [cpu_left.get(i, 0) for i in range(len(problem.nodes))]
-        full_mem = [mem_left.get(i, 0) for i in range(len(problem.nodes))]
-        res = solve_exact(problem, base, window, reqs, placed, per_window, full_cpu, full_mem)
+        res = solve_exact(problem, base, window, reqs, placed, per_window, cpu_left, mem_left)
         budget -= per_window
         if res is None:
             continue

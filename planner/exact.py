@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 from ortools.sat.python import cp_model
 
@@ -68,9 +69,10 @@ def _mig_configs(st: MigState, demanded: set[str]) -> list[tuple[dict[str, int],
 
 def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: list[Request],
                 hint: dict[int, tuple[int, list[int]]] | None, time_limit_s: float,
-                cpu_left: list[int], mem_left: list[int]) -> ExactResult | None:
+                cpu_left: Sequence[int] | Mapping[int, int],
+                mem_left: Sequence[int] | Mapping[int, int]) -> ExactResult | None:
     """Plan `reqs` on `nodes` from the states in `base` (window GPUs must hold no planned pods).
-    cpu_left/mem_left: what each node has for these pods."""
+    cpu_left/mem_left: what each of `nodes` has for these pods, indexed by node index."""
     m = cp_model.CpModel()
     node_set = set(nodes)
     gids = [g for n in nodes for g in problem.nodes[n].gpus]
