@@ -123,9 +123,11 @@ def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: flo
              "final_arrived_pct": round(r.curve[-1][0], 3), "pods": r.pods, "placed": r.counts.placed,
              "failed": r.counts.failed, "failed_by_kind": {k: v[1] for k, v in sorted(r.counts.by_kind.items())},
              "plan_calls": r.plan_calls, "used_slices_disrupted": int(r.extra.get("disrupted", 0)),
+             "free_at_end_pct": {k: v for k, v in r.extra.get("free_at_end", {}).items() if v >= 0.05},
              "wall_s": round(r.wall_s, 2)}
             for r in results
         ],
+        "free_at_end_pct": _mean_free_at_end(results),
         "wall_s": round(wall_s, 2),
         "seed_wall_s_max": round(max(r.wall_s for r in results), 2),
     }
@@ -135,6 +137,14 @@ def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: flo
     if published:
         out["published"] = {k: {"alloc_at_100": v[0], "alloc_at_130": v[1]} for k, v in published.items()}
     return out
+
+
+def _mean_free_at_end(results: list[PackingResult]) -> dict[str, float]:
+    """Free capacity at the end by where it is (see `packing.free_at_end`), mean over the seeds;
+    the places under 0.05 % left out."""
+    keys = {k for r in results for k in r.extra.get("free_at_end", {})}
+    mean = {k: statistics.fmean(r.extra.get("free_at_end", {}).get(k, 0.0) for r in results) for k in keys}
+    return {k: round(v, 3) for k, v in sorted(mean.items(), key=lambda kv: -kv[1]) if v >= 0.05}
 
 
 def mean_curve(results: list[PackingResult]) -> list[tuple[float, float]]:

@@ -43,10 +43,11 @@ def packing_request(pod: TracePod) -> tuple[str, int]:
     return WHOLE_GPU, pod.num_gpu
 
 
-def pending_pod(pod: TracePod, resource: str, count: int, priority: int = 0) -> PendingPod:
+def pending_pod(pod: TracePod, resource: str, count: int, priority: int = 0,
+                node_selector: dict[str, str] | None = None) -> PendingPod:
     return PendingPod.model_construct(
         name=pod.name, resource=resource, count=count, cpu_milli=pod.cpu_milli, memory_mib=pod.memory_mib,
-        priority=priority, node_selector={}, gpu_models=list(pod.gpu_spec))
+        priority=priority, node_selector=node_selector or {}, gpu_models=list(pod.gpu_spec))
 
 
 def mps_gpu(index: int, capacity: int, holders: dict[str, int], whole: bool) -> Gpu:
@@ -58,9 +59,10 @@ def mps_gpu(index: int, capacity: int, holders: dict[str, int], whole: bool) -> 
                                mps=[MpsSlice.model_construct(size=m, used=True, pod=p) for p, m in holders.items()])
 
 
-def node(name: str, mode: str, model: str, cpu_free: int, mem_free: int, gpus: list[Gpu]) -> Node:
+def node(name: str, mode: str, model: str, cpu_free: int, mem_free: int, gpus: list[Gpu],
+         labels: dict[str, str] | None = None) -> Node:
     return Node.model_construct(name=name, mode=mode, gpu_model=model, cpu_milli_free=int(cpu_free),
-                                memory_mib_free=int(mem_free), labels={}, gpus=gpus)
+                                memory_mib_free=int(mem_free), labels=labels or {}, gpus=gpus)
 
 
 def snapshot(nodes: list[Node], pending: list[PendingPod]) -> Snapshot:

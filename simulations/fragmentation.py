@@ -5,10 +5,10 @@ GPU milli that this kind could not use is fragmented: all of it when the pod can
 at all (not enough CPU or memory, no GPU with enough free milli, too few fully free GPUs);
 otherwise the free milli of the GPUs too small for it (for a sharing pod: GPUs with less free
 than it asks; for a whole-GPU pod: the partly used GPUs). The node's expected fragmentation
-weighs each kind by its share of the workload: by GPU demand by default (a kind asking for a
-whole GPU counts 1000 times one asking for 1 milli; measured slightly better on openb than
-the paper's weighting by count, which `weighting="count"` restores). Unlike the paper, memory
-counts too (a kind whose memory does not fit cannot run there).
+weighs each kind by its share of the pods, as the paper does (`weighting="demand"` weighs by
+GPU demand instead: a kind asking for a whole GPU counts 1000 times one asking for 1 milli;
+measured worse on openb once scores are quantised, see `simulations.packing_dynpart`). Unlike
+the paper, memory counts too (a kind whose memory does not fit cannot run there).
 Placing a pod where it raises the expected fragmentation least keeps the most of the cluster
 usable for the pods still to come.
 
@@ -30,7 +30,7 @@ from simulations.traces import MILLI, TracePod
 
 
 class FragmentationModel:
-    def __init__(self, pods: Iterable[TracePod], capacity: int = MILLI, weighting: str = "demand",
+    def __init__(self, pods: Iterable[TracePod], capacity: int = MILLI, weighting: str = "count",
                  memory: bool = True):
         if weighting not in ("count", "demand"):
             raise ValueError(f"weighting {weighting!r}: expected count or demand")

@@ -82,6 +82,27 @@ def run_packing(pods: Sequence[TracePod], cluster: ClusterSpec, make_policy: Cal
         if progress is not None:
             progress(min(i + batch, len(workload)), len(workload))
     curve.append((100.0 * arrived / cap, 100.0 * state.allocated / cap))
+    extra = dict(getattr(policy, "stats", {}))
+    extra["free_at_end"] = free_at_end(state)
     return PackingResult(policy.name, batch, seed, len(workload), cap, curve, counts,
-                         time.perf_counter() - t0, getattr(policy, "plan_calls", 0),
-                         dict(getattr(policy, "stats", {})))
+                         time.perf_counter() - t0, getattr(policy, "plan_calls", 0), extra)
+
+
+def free_at_end(state: PackingState) -> dict[str, float]:
+    """Where the unallocated capacity is at the end, in % of the capacity: on fully free GPUs,
+    and on partly used GPUs grouped by the largest share a pod holds there (e.g. "810": the free
+    milli of GPUs that hold an 810-milli pod, which only pods of 190 milli or less can use)."""
+    out: dict[str, float] = {}
+    whole = 0
+    for n, gpus in enumerate(state.holders):
+        for g, holders in enumerate(gpus):
+            free = int(state.gpu_free[n, g])
+            if not holders:
+                whole += free
+            elif free > 0:
+                key = str(max(holders.values()))
+                out[key] = out.get(key, 0) + free
+    cap = state.total_gpu
+    res = {"whole_gpus": round(100.0 * whole / cap, 3)}
+    res.update({k: round(100.0 * v / cap, 3) for k, v in sorted(out.items(), key=lambda kv: -kv[1])})
+    return res

@@ -3,18 +3,32 @@
 For each batch of arrivals the simulator shell
 1. finds, for each GPU pod, the nodes where it fits now (the protocol's fit rule, vectorised
    over the whole cluster) and ranks them by how much the placement would raise the node's
-   expected GPU fragmentation (`simulations.fragmentation`, after the FGD paper's measure);
-2. builds a snapshot of the `candidates` best nodes of each pod only, in ranking order (which
-   also breaks the planner's ties), as MPS nodes whose GPUs have a capacity of 1000 (GPU
-   milli) and whose pods hold one used slice each (GPUs with nothing free are left out:
-   nothing can be planned on them);
-3. calls `plan()` with the batch as pending pods (larger requests get a higher priority, so a
-   batch is packed largest first), checks that the plan keeps every used slice in place, and
-   applies the placements to the simulator state. Pods the plan leaves out that still fit
-   somewhere (their candidates went to batch mates) are planned again, with fresh candidates.
+   expected GPU fragmentation (`simulations.fragmentation`, after the FGD paper's measure).
+   The change is scored as the paper's scheduler plugin scores it, in whole points
+   (trunc(100 sigmoid(-change / 1000))), and equal scores keep the cluster's node order, so
+   nodes within ~40 milli of the best are filled first-fit. Measured on openb (default trace,
+   seeds 42-51, batch 1): the exact change ranked alone gives 95.1 % at 130 %, the quantised
+   score with node-order ties 95.7 %, with random ties 95.2 %: first-fit among near-equals
+   keeps whole nodes and GPUs free for the pods still to come. Batch mates are ranked in
+   arrival order, each as if the ones before it were already on their best node, so they do
+   not all rank the same free space first;
+2. builds a snapshot of the `candidates` best nodes of each pod (GPUs with nothing free left
+   out), as MPS nodes whose GPUs have a capacity of 1000 (GPU milli) and whose pods hold one
+   used slice each; a label per pod on its candidate nodes, selected by the pod, keeps each
+   pod to its own candidates;
+3. calls `plan()` with the batch as pending pods (larger requests get a higher priority, so
+   when batch mates compete the larger ones win), checks that the plan keeps every used slice
+   in place and gives each pod exactly its request, and applies the placements to the
+   simulator state. Pods the plan leaves out that still fit somewhere are planned again, with
+   fresh candidates.
+The default of one candidate lets `plan()` choose the GPU on the node the ranking chose, and
+decide, for the whole batch at once, what fits (CPU, memory, GPU capacity). More candidates let
+it choose the node too, by its own objective (best-fit GPU), which knows nothing of node-level
+fragmentation: measured 95.66 % (batch 1) and 95.53 % (batch 32) with 4 candidates, against
+95.67 % and 95.69 % with 1.
 CPU-only pods are not modelled by the planner (it plans GPU resources): the shell places them
 itself, on the CPU-only node with the least CPU left over if one fits, else on the GPU node
-whose expected fragmentation rises least.
+with the best score.
 """
 
 from __future__ import annotations
@@ -32,7 +46,13 @@ from simulations.state import PackingState
 from simulations.traces import MILLI, TracePod
 
 MAX_BATCH = 32
-DEFAULT_CANDIDATES = 4
+CANDIDATE_LABEL = "candidate.sim.dynpart.io/pod-"
+DEFAULT_CANDIDATES = 1
+
+
+def fgd_score(frag_increase: np.ndarray) -> np.ndarray:
+    """The FGD plugin's node score: trunc(100 sigmoid(-increase / 1000)), 0..100, higher is better."""
+    return np.trunc(100.0 / (1.0 + np.exp(np.clip(frag_increase, -50_000, 50_000) / 1000.0)))
 
 
 def priority_of(pod: TracePod) -> int:
@@ -63,8 +83,8 @@ class DynpartPacking:
     # --- ranking ---------------------------------------------------------------------------
 
     def rank(self, state: PackingState, pod: TracePod, nodes: np.ndarray) -> np.ndarray:
-        """Candidate nodes, best first (stable: equal nodes stay in cluster order)."""
-        return nodes[np.argsort(self.frag_increase(state, pod, nodes), kind="stable")]
+        """Candidate nodes, best first (stable: equal scores stay in cluster order)."""
+        return nodes[np.argsort(-fgd_score(self.frag_increase(state, pod, nodes)), kind="stable")]
 
     def frag_increase(self, state: PackingState, pod: TracePod, nodes: np.ndarray) -> np.ndarray:
         """Increase of each node's expected fragmentation if the pod goes there (for a sharing
@@ -117,7 +137,7 @@ class DynpartPacking:
         """Plan the batch; pods the plan leaves out but that still fit somewhere are planned
         again with fresh candidates, until a round places nothing."""
         out: dict[str, bool] = {}
-        remaining = sorted(pods, key=lambda p: -p.gpu_demand)
+        remaining = list(pods)
         while remaining:
             placed = self._plan_round(state, remaining)
             if not placed:
@@ -127,13 +147,7 @@ class DynpartPacking:
         return out
 
     def _plan_round(self, state: PackingState, pods: list[TracePod]) -> dict[str, bool]:
-        ranked: list[np.ndarray] = []
-        pending = []
-        for pod in pods:
-            nodes = np.flatnonzero(state.feasible(pod))
-            if len(nodes):
-                ranked.append(self.rank(state, pod, nodes)[: self.k])
-                pending.append(pod)
+        ranked, pending = self._candidates(state, pods)
         if not pending:
             return {}
         order: list[int] = []  # each pod's best node first, then the second best...
@@ -143,9 +157,17 @@ class DynpartPacking:
                 if r < len(top) and int(top[r]) not in seen:
                     seen.add(int(top[r]))
                     order.append(int(top[r]))
+        # each pod may only go to its own candidates: a label per pod on its candidate nodes,
+        # and the pod selects that label
+        labels: dict[int, dict[str, str]] = {n: {} for n in order}
+        for i, top in enumerate(ranked):
+            for n in top:
+                labels[int(n)][f"{CANDIDATE_LABEL}{i}"] = "1"
         snap = bridge.snapshot(
-            [self._node(state, n) for n in order],
-            [bridge.pending_pod(p, *bridge.packing_request(p), priority=priority_of(p)) for p in pending])
+            [self._node(state, n, labels[n]) for n in order],
+            [bridge.pending_pod(p, *bridge.packing_request(p), priority=priority_of(p),
+                                node_selector={f"{CANDIDATE_LABEL}{i}": "1"})
+             for i, p in enumerate(pending)])
         t0 = time.perf_counter()
         result = plan(snap, self.catalog, self.options)
         self.stats["plan_s"] += time.perf_counter() - t0
@@ -166,11 +188,37 @@ class DynpartPacking:
         self._refresh_frag(state, [state.index[pl.node] for pl in result.placements])
         return out
 
+    def _candidates(self, state: PackingState, pods: list[TracePod]) -> tuple[list[np.ndarray], list[TracePod]]:
+        """The `k` best nodes of each pod that fits somewhere, in arrival order. Each batch mate
+        is ranked as if the ones before it were already on their best node (placed for the
+        ranking, then taken out again), so mates do not all rank the same free space first."""
+        ranked: list[np.ndarray] = []
+        pending: list[TracePod] = []
+        trial: list[str] = []
+        try:
+            for pod in pods:
+                nodes = np.flatnonzero(state.feasible(pod))
+                if not len(nodes):
+                    continue
+                top = self.rank(state, pod, nodes)[: self.k]
+                ranked.append(top)
+                pending.append(pod)
+                if len(pods) > 1:
+                    best = int(top[0])
+                    state.place(pod, best, state.best_fit_gpus(pod, best))
+                    trial.append(pod.name)
+                    self._refresh_frag(state, [best])
+        finally:
+            for name in reversed(trial):
+                self._refresh_frag(state, [state.remove(name).node])
+        return ranked, pending
+
     @staticmethod
-    def _node(state: PackingState, n: int) -> Node:
+    def _node(state: PackingState, n: int, labels: dict[str, str] | None = None) -> Node:
         gpus = [bridge.mps_gpu(g, state.capacity, state.holders[n][g], whole=False)
                 for g in range(int(state.ngpu[n])) if state.gpu_free[n, g] > 0]
-        return bridge.node(state.names[n], "mps", state.models[state.model_id[n]], state.cpu[n], state.mem[n], gpus)
+        return bridge.node(state.names[n], "mps", state.models[state.model_id[n]], state.cpu[n], state.mem[n], gpus,
+                           labels)
 
     def _place_cpu_only(self, state: PackingState, pod: TracePod) -> bool:
         nodes = np.flatnonzero(state.feasible(pod))
@@ -181,7 +229,7 @@ class DynpartPacking:
         if len(no_gpu):
             best = int(no_gpu[np.argmin(state.cpu[no_gpu])])
         else:
-            best = int(nodes[np.argmin(self.frag_increase(state, pod, nodes))])
+            best = int(nodes[np.argmax(fgd_score(self.frag_increase(state, pod, nodes)))])
         state.place(pod, best, ())
         self._refresh_frag(state, [best])
         return True

@@ -178,3 +178,57 @@ def test_packing_snapshot_is_valid_for_the_planner(catalog):
     validate_snapshot(Snapshot.model_validate(snap.model_dump()), cat)  # model_construct built it valid
     assert bridge.packing_request(pod("m", gpus=4)) == ("nvidia.com/gpu", 4)
     assert bridge.packing_request(pod("s", milli=470)) == ("nvidia.com/gpu-470gb", 1)
+
+
+def test_fgd_score_is_the_plugins_whole_point_score():
+    from simulations.packing_dynpart import fgd_score
+    inc = np.array([0.0, 10.0, 39.0, 41.0, -500.0, 190.0, 1e9, -1e9])
+    assert fgd_score(inc).tolist() == [50, 49, 49, 48, 62, 45, 0, 100]
+
+
+def test_equal_scores_keep_the_cluster_node_order():
+    # four empty identical nodes: every one scores the same, so the ranking is the node order
+    st = PackingState(cluster(*[(f"n{i}", 64_000, 2, "T4") for i in range(4)]))
+    pol = DynpartPacking(FragmentationModel([pod("k", milli=500), pod("w", gpus=1)]))
+    pol._refresh_frag(st)
+    assert pol.rank(st, pod("p", milli=500), np.arange(4)).tolist() == [0, 1, 2, 3]
+    st.place(pod("x", milli=500), 2, (0,))
+    pol._refresh_frag(st, [2])
+    # the half-used GPU of n2 takes a second 500 without new fragmentation: it now ranks first
+    assert pol.rank(st, pod("p", milli=500), np.arange(4)).tolist()[0] == 2
+
+
+def test_batch_mates_are_ranked_after_the_ones_before_them_and_the_state_is_restored():
+    st = PackingState(cluster(("a", 64_000, 1, "T4"), ("b", 64_000, 1, "T4"), ("c", 64_000, 1, "T4")))
+    pol = DynpartPacking(FragmentationModel([pod("w", gpus=1)]), batch=3)
+    pol._refresh_frag(st)
+    before = (st.gpu_free.copy(), st.cpu.copy(), pol.node_frag.copy())
+    mates = [pod(f"w{i}", gpus=1) for i in range(3)]
+    ranked, pending = pol._candidates(st, mates)
+    # one whole GPU per node: each mate ranks a different node first
+    assert sorted(int(r[0]) for r in ranked) == [0, 1, 2] and pending == mates
+    assert (st.gpu_free == before[0]).all() and (st.cpu == before[1]).all() and not st.placements
+    assert np.allclose(pol.node_frag, before[2])
+
+
+def test_a_batch_is_placed_in_one_plan_each_pod_on_its_own_candidate():
+    st = PackingState(cluster(*[(f"n{i}", 64_000, 1, "T4") for i in range(4)]))
+    pol = DynpartPacking(FragmentationModel([pod("w", gpus=1)]), batch=4)
+    mates = [pod(f"w{i}", gpus=1) for i in range(4)]
+    assert pol.place_batch(st, mates) == [True] * 4
+    assert pol.plan_calls == 1
+    assert sorted(st.placements[p.name].node for p in mates) == [0, 1, 2, 3]
+
+
+def test_free_at_end_accounts_for_all_unallocated_capacity():
+    from simulations.packing import free_at_end
+    st = _state()
+    st.place(pod("x", milli=810), 1, (0,))
+    st.place(pod("y", milli=100), 1, (0,))
+    st.place(pod("z", milli=470), 2, (3,))
+    st.place(pod("w", gpus=1), 2, (0,))
+    got = free_at_end(st)
+    cap = st.total_gpu
+    assert got == {"whole_gpus": round(100 * 5000 / cap, 3), "470": round(100 * 530 / cap, 3),
+                   "810": round(100 * 90 / cap, 3)}
+    assert abs(sum(got.values()) - 100 * (1 - st.allocation_ratio)) < 0.01
