@@ -117,6 +117,16 @@ def _int(path: str, line: int, column: str, value: str, lo: int = 0, hi: int | N
     return v
 
 
+def _new_name(path: str, line: int, name: str, seen: dict[str, int], column: str, kind: str) -> str:
+    """A row's name: not empty and not on an earlier row (seen: name -> line, updated)."""
+    if not name:
+        raise TraceError(path, line, f"{column} is empty")
+    if name in seen:
+        raise TraceError(path, line, f"{kind} {name!r} already listed on line {seen[name]}")
+    seen[name] = line
+    return name
+
+
 def parse_pods(text: str, path: str = "<pods>") -> PodTrace:
     header, rows = _rows(text, path, POD_COLUMNS)
     col = {c: i for i, c in enumerate(header)}
@@ -124,12 +134,7 @@ def parse_pods(text: str, path: str = "<pods>") -> PodTrace:
     pods: list[TracePod] = []
     seen: dict[str, int] = {}
     for line, row in rows:
-        name = row[col["name"]]
-        if not name:
-            raise TraceError(path, line, "name is empty")
-        if name in seen:
-            raise TraceError(path, line, f"pod {name!r} already listed on line {seen[name]}")
-        seen[name] = line
+        name = _new_name(path, line, row[col["name"]], seen, "name", "pod")
         cpu = _int(path, line, "cpu_milli", row[col["cpu_milli"]])
         mem = _int(path, line, "memory_mib", row[col["memory_mib"]])
         num_gpu = _int(path, line, "num_gpu", row[col["num_gpu"]], 0, 64)
@@ -166,12 +171,7 @@ def parse_nodes(text: str, path: str = "<nodes>") -> NodeList:
     nodes: list[TraceNode] = []
     seen: dict[str, int] = {}
     for line, row in rows:
-        name = row[col["sn"]]
-        if not name:
-            raise TraceError(path, line, "sn (node name) is empty")
-        if name in seen:
-            raise TraceError(path, line, f"node {name!r} already listed on line {seen[name]}")
-        seen[name] = line
+        name = _new_name(path, line, row[col["sn"]], seen, "sn (node name)", "node")
         cpu = _int(path, line, "cpu_milli", row[col["cpu_milli"]], 1)
         mem = _int(path, line, "memory_mib", row[col["memory_mib"]], 1)
         gpus = _int(path, line, "gpu", row[col["gpu"]], 0, 64)
