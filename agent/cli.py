@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _fake_driver(spec: str, catalog: Catalog) -> Any:
-    from agent.nvml import FakeNvml
+    from dynpart.agent.nvml import FakeNvml
 
     model_name, _, count = spec.rpartition(":")
     if not model_name or not count.isdigit() or int(count) < 1:
@@ -66,7 +66,7 @@ def _fake_driver(spec: str, catalog: Catalog) -> Any:
 
 
 def _real_driver() -> Any:
-    from agent.nvml_real import RealNvml
+    from dynpart.agent.nvml_real import RealNvml
 
     return RealNvml()
 
@@ -76,7 +76,7 @@ def _driver(args: argparse.Namespace, catalog: Catalog) -> Any:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    from agent.nvml_probe import probe
+    from dynpart.agent.nvml_probe import probe
 
     catalog = load_catalog(args.catalog)
     report = probe(_driver(args, catalog), catalog)
@@ -111,9 +111,9 @@ def run_agent(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace, settings: Any) -> int:
-    from agent.kube import KubeConfigStore, KubeNodeApi, connect
-    from agent.loop import Agent
-    from agent.podresources import FakePodResources, KubeletPodResources
+    from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect
+    from dynpart.agent.loop import Agent
+    from dynpart.agent.podresources import FakePodResources, KubeletPodResources
 
     catalog = load_catalog(settings.catalog_files)
     driver = _fake_driver(settings.fake_gpus, catalog) if settings.fake_gpus else _real_driver()

@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, Protocol
 
 from dynpart.errors import DynpartError
 
@@ -36,7 +37,7 @@ class NodeView:
     resource_version: str = ""
 
     @classmethod
-    def from_dict(cls, obj: dict[str, Any]) -> "NodeView":
+    def from_dict(cls, obj: dict[str, Any]) -> NodeView:
         meta = obj.get("metadata") or {}
         return cls(meta.get("name", ""), dict(meta.get("labels") or {}), dict(meta.get("annotations") or {}),
                    str(meta.get("resourceVersion") or meta.get("resource_version") or ""))

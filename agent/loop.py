@@ -13,19 +13,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Callable
+from datetime import UTC, datetime
 
-from agent import metrics
-from agent.kube import ConfigStore, NodeApi, NodeView
-from agent.mig_agent import MigAgent, PassResult
-from agent.mps_agent import MpsAgent
-from agent.nvml import GpuDriver
-from agent.podresources import PodResources
+from dynpart.agent import metrics
+from dynpart.agent.kube import ConfigStore, NodeApi, NodeView
+from dynpart.agent.mig_agent import MigAgent
+from dynpart.agent.mps_agent import MpsAgent
+from dynpart.agent.nvml import GpuDriver
+from dynpart.agent.podresources import PodResources
 from dynpart.annotations import (
-    PARTITIONING_LABEL, SPEC_PREFIX, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_PLAN, STATUS_PREFIX, annotation_patch,
-    decode_spec, encode_status, format_heartbeat, is_plan_id,
+    PARTITIONING_LABEL,
+    SPEC_PREFIX,
+    STATUS_ERROR,
+    STATUS_HEARTBEAT,
+    STATUS_PLAN,
+    STATUS_PREFIX,
+    annotation_patch,
+    decode_spec,
+    encode_status,
+    format_heartbeat,
+    is_plan_id,
 )
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
@@ -46,7 +55,7 @@ class PassReport:
 class Agent:
     def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver, pods: PodResources, catalog: Catalog,
                  configs: ConfigStore | None = None, interval_s: float = 10.0, capacity_gb: int | None = None,
-                 now: Callable[[], datetime] = lambda: datetime.now(timezone.utc)):
+                 now: Callable[[], datetime] = lambda: datetime.now(UTC)):
         self.node = node
         self.node_api = node_api
         self.driver = driver

@@ -14,10 +14,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from agent import metrics
-from agent.nvml import IN_USE, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
-from agent.podresources import PodResources, pods_by_device
-from agent.reconcile import Destroy, Instance, MigGpuState, reconcile_mig
+from dynpart.agent import metrics
+from dynpart.agent.nvml import IN_USE, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
+from dynpart.agent.podresources import PodResources, pods_by_device
+from dynpart.agent.reconcile import Destroy, Instance, MigGpuState, reconcile_mig
 from dynpart.catalog import GpuModel
 from dynpart.mig import slot_mask
 from dynpart.snapshot import GpuLayout, MigInstance

@@ -19,12 +19,12 @@ from typing import Any
 
 import yaml
 
-from agent import metrics
-from agent.kube import ConfigStore, NodeApi, NodeView
-from agent.mig_agent import PassResult
-from agent.nvml import GpuDriver
-from agent.podresources import PodResources, base_device_id
-from agent.reconcile import reconcile_mps
+from dynpart.agent import metrics
+from dynpart.agent.kube import ConfigStore, NodeApi, NodeView
+from dynpart.agent.mig_agent import PassResult
+from dynpart.agent.nvml import GpuDriver
+from dynpart.agent.podresources import PodResources, base_device_id
+from dynpart.agent.reconcile import reconcile_mps
 from dynpart.resources import WHOLE_GPU, MpsResource, is_slice_resource, mps_resource_name, parse_resource
 from dynpart.snapshot import GpuLayout, MpsSlice
 

@@ -10,8 +10,9 @@ Calls are synchronous and short (NVML is a C library); the agent calls them inli
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, NoReturn, Protocol
+from typing import NoReturn, Protocol
 
 from dynpart.catalog import GpuModel, MigProfile
 from dynpart.errors import DynpartError
@@ -354,7 +355,7 @@ class FakeNvml:
 
 def __getattr__(name: str):  # RealNvml lives in its own module (it imports pynvml lazily)
     if name == "RealNvml":
-        from agent.nvml_real import RealNvml
+        from dynpart.agent.nvml_real import RealNvml
 
         return RealNvml
     raise AttributeError(name)

@@ -9,9 +9,10 @@ counts) are passed with `byref` / as arrays exactly as the C prototypes in nvml.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from agent.nvml import DeviceInfo, GpuDriverError, GpuInstanceInfo, NvmlUnavailable, ProfileInfo
+from dynpart.agent.nvml import DeviceInfo, GpuDriverError, GpuInstanceInfo, NvmlUnavailable, ProfileInfo
 
 T = TypeVar("T")
 

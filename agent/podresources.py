@@ -13,9 +13,10 @@ Device ids are what the device plugin advertises: a MIG device's UUID (`MIG-...`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from dynpart.errors import DynpartError
 

@@ -14,8 +14,8 @@ what then does not fit in the GPU's capacity is left out and reported.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from dynpart.catalog import GpuModel
 from dynpart.mig import MigRules, slot_mask

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Iterator, Literal, Mapping
+from datetime import UTC, datetime
+from typing import Any, Literal
 
 from dynpart.catalog import GpuModel
 from dynpart.mig import MigRules
@@ -50,7 +51,7 @@ MAX_GPU_INDEX = 255
 MAX_PLAN_ID = 128
 MAX_ERROR_CHARS = 4096
 
-_PLAN_ID = re.compile(r"[!-~]{1,%d}" % MAX_PLAN_ID, re.ASCII)  # printable ASCII, no space
+_PLAN_ID = re.compile(rf"[!-~]{{1,{MAX_PLAN_ID}}}", re.ASCII)  # printable ASCII, no space
 _INT = re.compile(r"0|[1-9][0-9]{0,5}", re.ASCII)  # canonical, short: int() never sees 4300 digits
 _POSITIVE = re.compile(r"[1-9][0-9]{0,5}", re.ASCII)
 _MIG_SLICE = re.compile(r"([1-9][0-9]?g\.[1-9][0-9]{0,3}gb)(\.me)?", re.ASCII)
@@ -89,7 +90,7 @@ def status_key(gpu: int, token: str, state: SliceState) -> str:
 
 def format_heartbeat(at: datetime) -> str:
     if at.tzinfo is not None:
-        at = at.astimezone(timezone.utc)
+        at = at.astimezone(UTC)
     return at.strftime(_HEARTBEAT_FORMAT)
 
 
@@ -465,7 +466,7 @@ def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, nod
         try:
             if not isinstance(raw_beat, str):
                 raise ValueError
-            heartbeat = datetime.strptime(raw_beat, _HEARTBEAT_FORMAT).replace(tzinfo=timezone.utc)
+            heartbeat = datetime.strptime(raw_beat, _HEARTBEAT_FORMAT).replace(tzinfo=UTC)
         except ValueError:
             problems.append(_bad(STATUS_HEARTBEAT, raw_beat, "a heartbeat is a UTC time like 2025-01-31T12:00:00Z"))
     return DecodedStatus(layout, plan_id, problems, errors, heartbeat)

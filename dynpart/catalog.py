@@ -8,10 +8,11 @@ here that reads files.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -55,7 +56,7 @@ class GpuModel(BaseModel):
     mig_profiles: tuple[MigProfile, ...] = ()
 
     @model_validator(mode="after")
-    def _check_profiles(self) -> "GpuModel":
+    def _check_profiles(self) -> GpuModel:
         seen: set[str] = set()
         for p in self.mig_profiles:
             if p.name in seen:
@@ -118,7 +119,7 @@ class Catalog:
         self._cache: dict[str, GpuModel] = {}
 
     @classmethod
-    def from_documents(cls, documents: Iterable[tuple[str, Any]]) -> "Catalog":
+    def from_documents(cls, documents: Iterable[tuple[str, Any]]) -> Catalog:
         """Build from parsed YAML documents, each given with a name for error messages."""
         models: list[GpuModel] = []
         for source, doc in documents:
@@ -137,7 +138,7 @@ class Catalog:
                     ) from None
         return cls(models)
 
-    def extended(self, other: "Catalog") -> "Catalog":
+    def extended(self, other: Catalog) -> Catalog:
         return Catalog([*self.models.values(), *other.models.values()])
 
     @property

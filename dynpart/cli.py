@@ -1,9 +1,9 @@
 """`dynpart`: the one command-line entry point.
 
-Each subsystem owns its subcommands: a module listed in `_COMMANDS` exposes
+The top layer: it imports every part (`dynpart.planner`, `dynpart.agent`, `dynpart.simulations`)
+and nothing imports it. Each part owns its subcommands: a module listed in `_COMMANDS` exposes
 `register(subparsers)` that adds its parser(s) and sets `func` (a callable taking the parsed
-arguments and returning an exit code). Modules are imported lazily so that `dynpart --help`
-stays fast and a missing optional part never breaks the others.
+arguments and returning an exit code).
 
 User mistakes (`DynpartError`) print one line on stderr and exit 2, without a traceback.
 """
@@ -11,22 +11,36 @@ User mistakes (`DynpartError`) print one line on stderr and exit 2, without a tr
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from collections.abc import Callable
 
-from dynpart import __version__
+from dynpart import __version__, catalog_cli
+from dynpart.agent import cli as agent_cli
 from dynpart.errors import DynpartError
+from dynpart.planner import bench as planner_bench
+from dynpart.planner import controller_cli, explain
+from dynpart.simulations import cli as simulate_cli
+from dynpart.simulations import cli_bench as packing_bench_cli
 
-# (module, top-level command it registers) in help order
-_COMMANDS = [
-    ("simulations.cli", "simulate"),
-    ("planner.bench", "bench"),
-    ("simulations.cli_bench", "bench"),
-    ("planner.explain", "explain"),
-    ("planner.controller_cli", "planner"),
-    ("agent.cli", "agent"),
-    ("dynpart.catalog_cli", "catalog"),
+Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+# (how the part registers its parser(s), "bench" if they go under `dynpart bench`) in help order
+_COMMANDS: list[tuple[Register, bool]] = [
+    (simulate_cli.register, False),
+    (planner_bench.register, True),
+    (packing_bench_cli.register, True),
+    (explain.register, False),
+    (controller_cli.register, False),
+    (agent_cli.register, False),
+    (catalog_cli.register, False),
 ]
+
+
+def _print_help_of(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    def show(args: argparse.Namespace) -> int:
+        parser.print_help()
+        return 2
+    return show
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,23 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--catalog", action="append", default=[], metavar="FILE",
                         help="extra GPU catalog file (same schema as dynpart/data/gpu-catalog.yaml); repeatable")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    groups: dict[str, argparse._SubParsersAction] = {}
-    for module_name, command in _COMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-                continue  # that part is not installed
-            raise
-        if command == "bench":
-            if "bench" not in groups:
-                bench = sub.add_parser("bench", help="benchmarks that print figures (planner, packing)",
-                                       description="Benchmarks that print figures.")
-                groups["bench"] = bench.add_subparsers(dest="bench_command", metavar="BENCH")
-                bench.set_defaults(func=lambda a: (bench.print_help(), 2)[1])
-            module.register(groups["bench"])
-        else:
-            module.register(sub)
+    bench_sub = None
+    for register, under_bench in _COMMANDS:
+        if under_bench and bench_sub is None:  # `dynpart bench` goes where its first benchmark is
+            bench = sub.add_parser("bench", help="benchmarks that print figures (planner, packing)",
+                                   description="Benchmarks that print figures.")
+            bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+            bench.set_defaults(func=_print_help_of(bench))
+        register(bench_sub if under_bench and bench_sub is not None else sub)
     return parser
 
 

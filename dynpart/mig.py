@@ -12,9 +12,10 @@ integer operations; the functions below are the readable API over it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Iterable, NamedTuple
+from functools import cache, lru_cache
+from typing import NamedTuple
 
 from dynpart.catalog import GpuModel, MigProfile
 
@@ -44,7 +45,7 @@ class MigRules:
     full_mask: int
 
     @classmethod
-    def of(cls, model: GpuModel) -> "MigRules":
+    def of(cls, model: GpuModel) -> MigRules:
         return _rules_for(model)
 
     def mask(self, p: int, start: int) -> int:
@@ -99,7 +100,7 @@ class MigRules:
         )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _rules_for(model: GpuModel) -> MigRules:
     profiles: tuple[MigProfile, ...] = model.mig_profiles
     return MigRules(

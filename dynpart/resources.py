@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -38,7 +38,7 @@ class WholeGpuResource(BaseModel):
     kind: Literal["gpu"] = "gpu"
 
 
-SliceResource = Union[MigResource, MpsResource, WholeGpuResource]
+SliceResource = MigResource | MpsResource | WholeGpuResource
 
 
 def is_slice_resource(name: str) -> bool:

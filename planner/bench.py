@@ -12,8 +12,8 @@ import statistics
 import time
 
 from dynpart.catalog import load_catalog
-from planner.core import PlanOptions, plan
-from planner.workload import random_snapshot
+from dynpart.planner.core import PlanOptions, plan
+from dynpart.planner.workload import random_snapshot
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:

@@ -8,7 +8,7 @@ plan places at most that many, because the k smallest pods are the cheapest k to
 
 from __future__ import annotations
 
-from planner.problem import KIND_GPU, KIND_MIG, KIND_MPS, Problem
+from dynpart.planner.problem import KIND_MIG, KIND_MPS, Problem
 
 
 def _count_fitting(sizes: list[int], capacity: int) -> int:

@@ -19,19 +19,25 @@ from typing import Any
 from kubernetes_asyncio import client
 
 from dynpart.annotations import (
-    PARTITIONING_LABEL, SPEC_PLAN, STATUS_HEARTBEAT, STATUS_MODE, STATUS_PLAN, STATUS_PREFIX, annotation_patch,
+    PARTITIONING_LABEL,
+    SPEC_PLAN,
+    STATUS_HEARTBEAT,
+    STATUS_MODE,
+    STATUS_PLAN,
+    STATUS_PREFIX,
+    annotation_patch,
     encode_spec,
 )
 from dynpart.catalog import Catalog
 from dynpart.kube.events import post_event
 from dynpart.kube.patching import Conflict, patch_node_annotations
 from dynpart.kube.watching import Informer, object_key
+from dynpart.planner import metrics
+from dynpart.planner.batching import BatchWindow
+from dynpart.planner.cluster_view import build_snapshot, is_batch_candidate, pod_key
+from dynpart.planner.core import PlanOptions, plan
 from dynpart.settings import PlannerSettings
 from dynpart.snapshot import full_layout
-from planner import metrics
-from planner.batching import BatchWindow
-from planner.cluster_view import build_snapshot, is_batch_candidate, pod_key
-from planner.core import PlanOptions, plan
 
 log = logging.getLogger("dynpart.planner")
 COMPONENT = "dynpart-planner"
@@ -119,7 +125,7 @@ class PlannerController:
         self.wake.clear()
         try:
             await asyncio.wait_for(self.wake.wait(), timeout=max(0.01, timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         if not self.leading.is_set():
             return

@@ -54,8 +54,8 @@ async def _main(settings: PlannerSettings, catalog) -> None:  # type: ignore[no-
 
     from dynpart.kube.client import api_client
     from dynpart.kube.leases import LeaderElector
-    from planner import metrics
-    from planner.controller import PlannerController
+    from dynpart.planner import metrics
+    from dynpart.planner.controller import PlannerController
 
     if settings.metrics_port:
         start_http_server(settings.metrics_port, settings.metrics_host)

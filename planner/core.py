@@ -9,13 +9,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from dynpart.catalog import Catalog, default_catalog
+from dynpart.planner.bound import placed_upper_bound
+from dynpart.planner.exact import objective, solve_exact
+from dynpart.planner.greedy import Greedy, request_order
+from dynpart.planner.output import build_plan
+from dynpart.planner.problem import Problem, Request, compile_problem
+from dynpart.planner.state import GpuState, new_state
 from dynpart.snapshot import Plan, Snapshot
-from planner.bound import placed_upper_bound
-from planner.exact import objective, solve_exact
-from planner.greedy import Greedy, request_order
-from planner.output import build_plan
-from planner.problem import Problem, Request, compile_problem
-from planner.state import GpuState, new_state
 
 Policy = Literal["dynpart", "nos", "static"]
 
@@ -52,11 +52,11 @@ def plan(snapshot: Snapshot, catalog: Catalog | None = None, options: PlanOption
     problem = compile_problem(snapshot, catalog or default_catalog())
     bound = placed_upper_bound(problem)
     if opts.policy == "nos":
-        from planner.baselines.nos import plan_nos
+        from dynpart.planner.baselines.nos import plan_nos
         states, placed = plan_nos(problem)
         return build_plan("nos", problem, states, placed, bound, "nos greedy", time.perf_counter() - t0)
     if opts.policy == "static":
-        from planner.baselines.static import plan_static
+        from dynpart.planner.baselines.static import plan_static
         states, placed = plan_static(problem, opts.static_layout)
         return build_plan("static", problem, states, placed, bound, "static", time.perf_counter() - t0)
 

@@ -14,14 +14,14 @@ Determinism: one search worker, a fixed seed and a deterministic-time budget.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from ortools.sat.python import cp_model
 
 from dynpart.mig import feasible_geometries
-from planner.problem import KIND_GPU, KIND_MIG, Problem, Request
-from planner.state import GpuState, MigState, MpsPiece, MpsState, new_state
+from dynpart.planner.problem import KIND_GPU, KIND_MIG, Problem, Request
+from dynpart.planner.state import GpuState, MigState, MpsPiece, MpsState, new_state
 
 
 @dataclass
@@ -116,14 +116,14 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
             changed = m.NewBoolVar(f"c{g}")
             m.Add(hard_total + sum(st.slices[k].size * v for k, v in keep.items())
                   + sum(s * v for s, v in new.items()) <= st.cap)
-            for k, v in keep.items():
+            for v in keep.values():
                 m.AddImplication(v.Not(), changed)
             for s, v in new.items():
                 m.Add(v <= (st.cap // s) * changed)
             if whole is not None:
                 for v in keep.values():
                     m.AddImplication(whole, v.Not())
-                for s, v in new.items():
+                for v in new.values():
                     m.Add(v == 0).OnlyEnforceIf(whole)
                 offered[(g, "whole")] = whole
             for s in sizes:

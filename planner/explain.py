@@ -12,8 +12,8 @@ import yaml
 
 from dynpart.catalog import load_catalog
 from dynpart.errors import DynpartError
+from dynpart.planner.core import PlanOptions, plan
 from dynpart.snapshot import Plan, Snapshot, parse_snapshot
-from planner.core import PlanOptions, plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +46,7 @@ async def _live_snapshot(kubeconfig: str | None, catalog):  # type: ignore[no-un
 
     from dynpart.annotations import PARTITIONING_LABEL
     from dynpart.kube.client import api_client, read_json
-    from planner.cluster_view import build_snapshot
+    from dynpart.planner.cluster_view import build_snapshot
 
     api = await api_client(kubeconfig)
     try:

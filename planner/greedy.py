@@ -12,8 +12,8 @@ from __future__ import annotations
 import heapq
 from itertools import count as counter
 
-from planner.problem import KIND_GPU, KIND_MIG, Problem, Request
-from planner.state import GpuState, apply_option, new_state, option_for
+from dynpart.planner.problem import KIND_GPU, KIND_MIG, Problem, Request
+from dynpart.planner.state import GpuState, apply_option, new_state, option_for
 
 # how many nodes a multi-slice pod tries before giving up
 _MULTI_SLICE_NODE_TRIES = 64
@@ -148,7 +148,7 @@ class Greedy:
         self.mem[node] -= req.mem
         self.placement[req.idx] = (node, picks)
 
-    def run(self, order: list[Request] | None = None) -> "Greedy":
+    def run(self, order: list[Request] | None = None) -> Greedy:
         for req in order if order is not None else request_order(self.problem):
             self.place(req)
         return self

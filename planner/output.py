@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from dynpart.planner.problem import KIND_MIG, Problem, Request
+from dynpart.planner.state import GpuState, MigState, MpsState, new_state, option_for
 from dynpart.snapshot import GpuLayout, MigInstance, MpsSlice, NodeLayout, Plan, PlanStats, PodPlacement, UnplacedPod
-from planner.problem import KIND_MIG, Problem, Request
-from planner.state import GpuState, MigState, MpsState, new_state, option_for
 
 
 def gpu_layout(state: GpuState) -> GpuLayout:

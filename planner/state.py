@@ -11,16 +11,16 @@ the remaining free memory slices still allow (placement-aware packing).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from dynpart.mig import MigRules
-from planner.problem import KIND_GPU, KIND_MIG, GpuInfo
+from dynpart.planner.problem import KIND_GPU, KIND_MIG, GpuInfo
 
 # (change, empty, leftover, -flex)
 Cost = tuple[int, int, int, int]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _flex_table(rules: MigRules) -> tuple[int, ...]:
     """For each mask of occupied memory slices: the memory of all placements that still fit."""
     table = []
@@ -57,7 +57,7 @@ class MigState:
         self.destroyed = 0
         self.created = 0
 
-    def clone(self) -> "MigState":
+    def clone(self) -> MigState:
         c = MigState.__new__(MigState)
         c.info, c.rules, c.changed, c.destroyed, c.created = self.info, self.rules, self.changed, self.destroyed, self.created
         c.insts = [MigInst(i.p, i.start, i.used, i.pod, i.existing) for i in self.insts]
@@ -196,7 +196,7 @@ class MpsState:
         self.destroyed = 0
         self.created = 0
 
-    def clone(self) -> "MpsState":
+    def clone(self) -> MpsState:
         c = MpsState.__new__(MpsState)
         c.info, c.cap, c.whole_pod, c.whole_existing = self.info, self.cap, self.whole_pod, self.whole_existing
         c.changed, c.destroyed, c.created = self.changed, self.destroyed, self.created

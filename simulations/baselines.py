@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulations.state import PackingState
-from simulations.traces import TracePod
+from dynpart.simulations.state import PackingState
+from dynpart.simulations.traces import TracePod
 
 MAX_SPEC_CPU = 128_000.0
 MAX_SPEC_GPU = 8_000.0

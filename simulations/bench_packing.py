@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from dynpart.catalog import Catalog
-from simulations.baselines import BestFit, Random
-from simulations.cluster_spec import ClusterSpec
-from simulations.errors import SimulationError
-from simulations.fragmentation import FragmentationModel
-from simulations.packing import PackingPolicy, PackingResult, run_packing
-from simulations.packing_dynpart import DEFAULT_CANDIDATES, MAX_BATCH, DynpartPacking
-from simulations.traces import TracePod
+from dynpart.simulations.baselines import BestFit, Random
+from dynpart.simulations.cluster_spec import ClusterSpec
+from dynpart.simulations.errors import SimulationError
+from dynpart.simulations.fragmentation import FragmentationModel
+from dynpart.simulations.packing import PackingPolicy, PackingResult, run_packing
+from dynpart.simulations.packing_dynpart import DEFAULT_CANDIDATES, MAX_BATCH, DynpartPacking
+from dynpart.simulations.traces import TracePod
 
 POLICIES = ("dynpart", "best-fit", "random")
 

@@ -9,13 +9,13 @@ still validates every snapshot against the catalog.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
 from dynpart.resources import WHOLE_GPU, mps_resource_name
+from dynpart.simulations.traces import TracePod
 from dynpart.snapshot import Gpu, MpsSlice, Node, PendingPod, Plan, Snapshot
-from simulations.traces import TracePod
 
 # Memory of the openb GPU models (GB). G1/G2/G3 are undisclosed; their value only matters as
 # the default MPS capacity, which packing snapshots override (capacity 1000 = GPU milli).

@@ -20,14 +20,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from dynpart.catalog import Catalog, load_catalog
-from simulations import inputs, plots, report
-from simulations.bench_packing import default_jobs
-from simulations.errors import SimulationError
-from simulations.mapping import RULES, static_layout
-from simulations.progress import Progress
-from simulations.replay import REPLAY_POLICIES, ReplayOptions, ReplayResult, run_replay
-from simulations.replay_summary import gpu_waits, summary
-from simulations.workload import synthetic_mig_cluster
+from dynpart.simulations import inputs, plots, report
+from dynpart.simulations.bench_packing import default_jobs
+from dynpart.simulations.errors import SimulationError
+from dynpart.simulations.mapping import RULES, static_layout
+from dynpart.simulations.progress import Progress
+from dynpart.simulations.replay import REPLAY_POLICIES, ReplayOptions, ReplayResult, run_replay
+from dynpart.simulations.replay_summary import gpu_waits, summary
+from dynpart.simulations.workload import synthetic_mig_cluster
 
 DEFAULT_CLUSTER = "8x8xH100-80GB"
 SYNTHETIC_PODS = 200

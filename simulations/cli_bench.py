@@ -15,11 +15,11 @@ import sys
 import time
 
 from dynpart.catalog import load_catalog
-from simulations import bench_packing as bp
-from simulations import inputs, plots, report
-from simulations.errors import SimulationError
-from simulations.packing_dynpart import DEFAULT_CANDIDATES, MAX_BATCH
-from simulations.progress import Progress
+from dynpart.simulations import bench_packing as bp
+from dynpart.simulations import inputs, plots, report
+from dynpart.simulations.errors import SimulationError
+from dynpart.simulations.packing_dynpart import DEFAULT_CANDIDATES, MAX_BATCH
+from dynpart.simulations.progress import Progress
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:

@@ -22,11 +22,11 @@ hypothetical node states at once (one row each), which the simulator's ranking n
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
-from simulations.traces import MILLI, TracePod
+from dynpart.simulations.traces import MILLI, TracePod
 
 
 class FragmentationModel:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynpart.catalog import Catalog
-from simulations.cluster_spec import ClusterSpec, from_node_list, read_cluster
-from simulations.errors import SimulationError
-from simulations.traces import PodTrace, read_nodes, read_pods
-from simulations.workload import synthetic_cluster, synthetic_trace
+from dynpart.simulations.cluster_spec import ClusterSpec, from_node_list, read_cluster
+from dynpart.simulations.errors import SimulationError
+from dynpart.simulations.traces import PodTrace, read_nodes, read_pods
+from dynpart.simulations.workload import synthetic_cluster, synthetic_trace
 
 
 @dataclass

@@ -17,8 +17,8 @@ import math
 
 from dynpart.catalog import GpuModel
 from dynpart.resources import WHOLE_GPU, mig_resource_name, mps_resource_name
-from simulations.errors import SimulationError
-from simulations.traces import MILLI, TracePod
+from dynpart.simulations.errors import SimulationError
+from dynpart.simulations.traces import MILLI, TracePod
 
 RULES = ("compute", "memory")
 

@@ -12,14 +12,15 @@ recorded after each batch (a crossing inside a batch is recorded when the batch 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
-from simulations.cluster_spec import ClusterSpec
-from simulations.errors import SimulationError
-from simulations.state import Counts, PackingState
-from simulations.traces import TracePod
-from simulations.workload import packing_workload
+from dynpart.simulations.cluster_spec import ClusterSpec
+from dynpart.simulations.errors import SimulationError
+from dynpart.simulations.state import Counts, PackingState
+from dynpart.simulations.traces import TracePod
+from dynpart.simulations.workload import packing_workload
 
 
 class PackingPolicy(Protocol):

@@ -38,12 +38,12 @@ import time
 import numpy as np
 
 from dynpart.catalog import Catalog, default_catalog
+from dynpart.planner.core import PlanOptions, plan
+from dynpart.simulations import bridge
+from dynpart.simulations.fragmentation import FragmentationModel
+from dynpart.simulations.state import PackingState
+from dynpart.simulations.traces import MILLI, TracePod
 from dynpart.snapshot import Node
-from planner.core import PlanOptions, plan
-from simulations import bridge
-from simulations.fragmentation import FragmentationModel
-from simulations.state import PackingState
-from simulations.traces import MILLI, TracePod
 
 MAX_BATCH = 32
 CANDIDATE_LABEL = "candidate.sim.dynpart.io/pod-"

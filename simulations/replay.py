@@ -24,19 +24,19 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
+from dynpart.planner.core import PlanOptions, plan
 from dynpart.resources import WHOLE_GPU, mig_resource_name, mps_resource_name
+from dynpart.simulations import bridge
+from dynpart.simulations.cluster_spec import ClusterSpec
+from dynpart.simulations.errors import SimulationError
+from dynpart.simulations.mapping import RULES, held_share, request_for
+from dynpart.simulations.traces import TracePod
 from dynpart.snapshot import Gpu, MigInstance, MpsSlice, Plan, Snapshot
-from planner.core import PlanOptions, plan
-from simulations import bridge
-from simulations.cluster_spec import ClusterSpec
-from simulations.errors import SimulationError
-from simulations.mapping import RULES, held_share, request_for
-from simulations.traces import TracePod
 
 REPLAY_POLICIES = ("dynpart", "nos", "static")
 FAIRNESS = ("rank", "age", "none")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from simulations.replay import ReplayResult
+from dynpart.simulations.replay import ReplayResult
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -38,7 +38,6 @@ def summary(r: ReplayResult) -> dict:
     tl = r.timeline
     span = tl[-1][0] - tl[0][0] if len(tl) > 1 else 0.0
     avg_alloc = (sum((tl[i + 1][0] - tl[i][0]) * tl[i][3] for i in range(len(tl) - 1)) / span) if span else 0.0
-    rnd = (lambda v: None if v is None else round(v, 1))
     return {
         "policy": r.policy,
         "mode": r.mode,
@@ -67,3 +66,7 @@ def summary(r: ReplayResult) -> dict:
         "wall_s": round(r.wall_s, 2),
         "notes": r.ignored_rows,
     }
+
+
+def rnd(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)

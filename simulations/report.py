@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-from simulations.errors import SimulationError
+from dynpart.simulations.errors import SimulationError
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

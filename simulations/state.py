@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from simulations.cluster_spec import ClusterSpec
-from simulations.errors import SimulationError
-from simulations.traces import MILLI, TracePod
+from dynpart.simulations.cluster_spec import ClusterSpec
+from dynpart.simulations.errors import SimulationError
+from dynpart.simulations.traces import MILLI, TracePod
 
 
 @dataclass

@@ -16,7 +16,7 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 
-from simulations.errors import TraceError
+from dynpart.simulations.errors import TraceError
 
 MILLI = 1000  # GPU milli of one whole GPU
 

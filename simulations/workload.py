@@ -4,12 +4,12 @@ trace and cluster used when no trace is given."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from simulations.cluster_spec import ClusterSpec, NodeSpec
-from simulations.traces import MILLI, PodTrace, TracePod
+from dynpart.simulations.cluster_spec import ClusterSpec, NodeSpec
+from dynpart.simulations.traces import MILLI, PodTrace, TracePod
 
 
 def tuned(pods: Sequence[TracePod], capacity_milli: int, ratio: float, rng: np.random.Generator) -> list[TracePod]:

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynpart.annotations import (
-    SPEC_MODE, SPEC_PLAN, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_PLAN, STATUS_PREFIX, annotation_patch,
-    canonical_layout, decode_spec, decode_status, encode_spec, encode_status,
+    SPEC_MODE,
+    SPEC_PLAN,
+    STATUS_ERROR,
+    STATUS_HEARTBEAT,
+    STATUS_PLAN,
+    STATUS_PREFIX,
+    annotation_patch,
+    canonical_layout,
+    decode_spec,
+    decode_status,
+    encode_spec,
+    encode_status,
 )
 from dynpart.catalog import default_catalog
 from dynpart.mig import MigRules, feasible_geometries
@@ -63,7 +73,7 @@ def test_status_format():
     layout = NodeLayout(node="n1", mode="mig", gpus=[
         mig(0, "1g.10gb@0", "1g.10gb@1", "1g.10gb@2", used=("1g.10gb@1",)),
     ])
-    beat = datetime(2025, 1, 31, 12, 0, 5, tzinfo=timezone.utc)
+    beat = datetime(2025, 1, 31, 12, 0, 5, tzinfo=UTC)
     assert encode_status(layout, "p3", ["GPU 0: first", "second\nline"], beat) == {
         "dynpart.io/status-mode": "mig",
         "dynpart.io/status-plan": "p3",
@@ -271,7 +281,7 @@ def test_spec_round_trip(model_layout, plan_id):
        st.lists(st.text(min_size=1, max_size=30).filter(str.strip), max_size=3))
 def test_status_round_trip(model_layout, plan_id, errors):
     model, layout = model_layout
-    beat = datetime(2025, 6, 1, 8, 30, tzinfo=timezone.utc)
+    beat = datetime(2025, 6, 1, 8, 30, tzinfo=UTC)
     decoded = decode_status(encode_status(layout, plan_id, errors, beat), model, node="n")
     assert decoded.problems == []
     assert (decoded.plan_id, decoded.heartbeat) == (plan_id, beat)

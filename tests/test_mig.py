@@ -1,6 +1,7 @@
 import itertools
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dynpart.catalog import default_catalog
 from dynpart.mig import feasible_geometries, geometry_violations, maximal_geometries, place_counts

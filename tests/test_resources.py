@@ -1,8 +1,16 @@
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dynpart.errors import ResourceNameError
-from dynpart.resources import MigResource, MpsResource, WholeGpuResource, mig_resource_name, mps_resource_name, parse_resource
+from dynpart.resources import (
+    MigResource,
+    MpsResource,
+    WholeGpuResource,
+    mig_resource_name,
+    mps_resource_name,
+    parse_resource,
+)
 
 
 def test_names():

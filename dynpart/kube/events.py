@@ -26,7 +26,7 @@ async def post_event(core: client.CoreV1Api, obj: dict[str, Any], reason: str, m
     """Best effort: a failure to post an event is logged, never raised."""
     ref = _reference(obj)
     namespace = ref.get("namespace", "default")
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     body = {
         "metadata": {"name": f"{ref['name']}.{uuid.uuid4().hex[:12]}", "namespace": namespace},
         "involvedObject": ref, "reason": reason, "message": message[:1024],

@@ -12,7 +12,8 @@ import asyncio
 import datetime as dt
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
@@ -24,7 +25,7 @@ _FMT = "%Y-%m-%dT%H:%M:%S.%fZ"
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime(_FMT)
+    return dt.datetime.now(dt.UTC).strftime(_FMT)
 
 
 def _age_s(stamp: str | None) -> float:
@@ -32,8 +33,8 @@ def _age_s(stamp: str | None) -> float:
         return float("inf")
     for fmt in (_FMT, "%Y-%m-%dT%H:%M:%SZ"):
         try:
-            t = dt.datetime.strptime(stamp, fmt).replace(tzinfo=dt.timezone.utc)
-            return (dt.datetime.now(dt.timezone.utc) - t).total_seconds()
+            t = dt.datetime.strptime(stamp, fmt).replace(tzinfo=dt.UTC)
+            return (dt.datetime.now(dt.UTC) - t).total_seconds()
         except ValueError:
             continue
     return float("inf")

@@ -3,8 +3,8 @@ slices that match, first fit, in priority and arrival order)."""
 
 from __future__ import annotations
 
-from planner.problem import KIND_GPU, KIND_MIG, Problem, Request
-from planner.state import GpuState, MigState
+from dynpart.planner.problem import KIND_GPU, KIND_MIG, Problem, Request
+from dynpart.planner.state import GpuState, MigState
 
 
 def scheduler_order(problem: Problem) -> list[Request]:

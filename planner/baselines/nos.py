@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections import Counter
 
 from dynpart.mig import maximal_geometries, place_counts
-from planner.baselines.common import schedule, scheduler_order
-from planner.problem import KIND_MIG, KIND_MPS, Problem
-from planner.state import GpuState, MigState, MpsState, new_state
+from dynpart.planner.baselines.common import schedule, scheduler_order
+from dynpart.planner.problem import KIND_MIG, KIND_MPS, Problem
+from dynpart.planner.state import GpuState, MigState, MpsState, new_state
 
 
 def plan_nos(problem: Problem) -> tuple[list[GpuState], dict[int, tuple[int, list[int]]]]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dynpart.catalog import GpuModel
 from dynpart.errors import DynpartError
 from dynpart.mig import place_counts
-from planner.baselines.common import schedule
-from planner.problem import Problem
-from planner.state import GpuState, MigState, MpsState, new_state
+from dynpart.planner.baselines.common import schedule
+from dynpart.planner.problem import Problem
+from dynpart.planner.state import GpuState, MigState, MpsState, new_state
 
 
 def balanced_counts(model: GpuModel) -> dict[str, int]:

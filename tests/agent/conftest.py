@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
-from agent.kube import FakeConfigStore, FakeNodeApi
-from agent.loop import Agent
-from agent.nvml import FakeNvml
-from agent.podresources import FakePodResources
+from dynpart.agent.kube import FakeConfigStore, FakeNodeApi
+from dynpart.agent.loop import Agent
+from dynpart.agent.nvml import FakeNvml
+from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import encode_spec
 from dynpart.catalog import GpuModel, default_catalog
 from dynpart.snapshot import GpuLayout, MigInstance, MpsSlice, NodeLayout
@@ -19,7 +19,7 @@ from dynpart.snapshot import GpuLayout, MigInstance, MpsSlice, NodeLayout
 CATALOG = default_catalog()
 H100 = CATALOG.resolve("H100-80GB")
 A100 = CATALOG.resolve("A100-40GB")
-NOW = datetime(2025, 3, 1, 9, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2025, 3, 1, 9, 0, 0, tzinfo=UTC)
 
 
 def placements(*items: str) -> list[tuple[str, int]]:

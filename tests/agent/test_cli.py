@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from agent.nvml import FakeNvml, NvmlUnavailable
-from agent.nvml_probe import probe
+from dynpart.agent.nvml import FakeNvml, NvmlUnavailable
+from dynpart.agent.nvml_probe import probe
 from dynpart.cli import main
 
 from .conftest import CATALOG, H100
@@ -25,7 +25,7 @@ def test_probe_fake_gpus_ok(capsys):
 def test_probe_finds_catalog_mismatches():
     driver = FakeNvml(H100, 1)
     real = driver.possible_placements
-    driver.possible_placements = lambda i, pid: real(i, pid)[:-1] if pid == 9 else real(i, pid)  # type: ignore
+    driver.possible_placements = lambda i, pid: real(i, pid)[:-1] if pid == 9 else real(i, pid)  # type: ignore[method-assign]  # the test perturbs one placement
     driver.create_gpu_instance(0, 0, 0, 8)
     report = probe(driver, CATALOG)
     assert not report.ok
@@ -53,7 +53,7 @@ def test_run_needs_a_node(capsys, monkeypatch):
 
 
 def test_probe_without_a_driver_is_one_clean_line(capsys):
-    from agent.nvml_real import RealNvml
+    from dynpart.agent.nvml_real import RealNvml
 
     try:
         RealNvml().close()

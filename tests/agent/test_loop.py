@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
-from agent.podresources import PodResourcesError
+from dynpart.agent.podresources import PodResourcesError
 from dynpart.annotations import (
-    SPEC_MODE, SPEC_PLAN, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_MODE, STATUS_PLAN, annotation_patch,
+    SPEC_MODE,
+    SPEC_PLAN,
+    STATUS_ERROR,
+    STATUS_HEARTBEAT,
+    STATUS_MODE,
+    STATUS_PLAN,
+    annotation_patch,
 )
 
 from .conftest import Rig, make_rig, mig_spec

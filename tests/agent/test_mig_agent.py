@@ -9,13 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.mig_agent import MigAgent
-from agent.nvml import FakeNvml, SimulatedCrash
-from agent.podresources import FakePodResources
+from dynpart.agent.mig_agent import MigAgent
+from dynpart.agent.nvml import FakeNvml, SimulatedCrash
+from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import STATUS_ERROR, STATUS_PLAN, decode_status
 from dynpart.mig import MigRules, feasible_geometries, slot_mask
 
-from .conftest import A100, H100, NOW, Rig, make_rig, mig_spec, placements
+from .conftest import A100, H100, Rig, make_rig, mig_spec, placements
 
 DESTROYS = ("destroy_ci", "destroy_gi")
 

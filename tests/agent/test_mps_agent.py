@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import yaml
 
-from agent.kube import FakeNodeApi
-from agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, config_name, parse_config, render_config
+from dynpart.agent.kube import FakeNodeApi
+from dynpart.agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, config_name, parse_config, render_config
 from dynpart.annotations import SPEC_MODE, SPEC_PLAN, STATUS_ERROR, STATUS_PLAN, decode_status
 
 from .conftest import H100, Rig, make_rig, mps_spec

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from agent.podresources import (
-    LIST_METHOD, AssignedDevice, FakePodResources, KubeletPodResources, PodResourcesError, base_device_id, messages,
+from dynpart.agent.podresources import (
+    LIST_METHOD,
+    AssignedDevice,
+    FakePodResources,
+    KubeletPodResources,
+    PodResourcesError,
+    base_device_id,
+    messages,
     pods_by_device,
 )
 
@@ -33,8 +39,8 @@ def test_messages_decode_newer_kubelets():
 
 
 async def test_real_client_over_a_unix_socket(tmp_path):
-    grpc = pytest.importorskip("grpc")
-    import grpc.aio  # noqa: F401
+    pytest.importorskip("grpc")
+    import grpc.aio
 
     m = messages()
     response = m["ListPodResourcesResponse"](pod_resources=[

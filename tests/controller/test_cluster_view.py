@@ -5,9 +5,9 @@ import pytest
 from dynpart.annotations import encode_status
 from dynpart.catalog import default_catalog
 from dynpart.errors import DynpartError
+from dynpart.planner.batching import BatchWindow
+from dynpart.planner.cluster_view import build_snapshot, is_batch_candidate, parse_quantity, pending_pod
 from dynpart.snapshot import GpuLayout, MigInstance, NodeLayout
-from planner.batching import BatchWindow
-from planner.cluster_view import build_snapshot, is_batch_candidate, parse_quantity, pending_pod
 
 CAT = default_catalog()
 

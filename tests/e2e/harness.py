@@ -33,18 +33,19 @@ import traceback
 import urllib.request
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from agent.kube import KubeConfigStore, KubeNodeApi, connect
-from agent.loop import Agent
-from agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, parse_config
-from agent.nvml import FakeNvml, FakeOp
-from agent.podresources import FakePodResources
+from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect
+from dynpart.agent.loop import Agent
+from dynpart.agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, parse_config
+from dynpart.agent.nvml import FakeNvml, FakeOp
+from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import PARTITIONING_LABEL, SPEC_PLAN, STATUS_PLAN
 from dynpart.catalog import GpuModel, default_catalog
 from dynpart.kube.watching import Informer
@@ -64,7 +65,7 @@ ASSIGN_RETRY_S = 20.0  # a bound pod waits this long for its devices before it i
 
 
 def now_rfc3339() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def free_port() -> int:
@@ -146,7 +147,7 @@ class PlannerProcess:
         self.args = args or []
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "PlannerProcess":
+    def start(self) -> PlannerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DYNPART_") and k != "KUBECONFIG"}
         env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
         env["PYTHONUNBUFFERED"] = "1"
@@ -442,7 +443,7 @@ class Harness:
 
     # --- set-up and tear-down ---
 
-    async def start(self) -> "Harness":
+    async def start(self) -> Harness:
         self.api = await connect(str(self.kubeconfig))
         self.core = client.CoreV1Api(self.api)
         await ensure_namespace(self.core, SYSTEM_NAMESPACE)
@@ -665,7 +666,7 @@ class Harness:
                                      f"{', '.join(r.key for r in waiting[:10])}\n" + await self.describe(waiting))
             try:
                 await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def events_of(self, rec: PodRecord) -> list[Any]:

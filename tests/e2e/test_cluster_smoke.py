@@ -58,7 +58,7 @@ async def test_real_scheduler_binds_mig_pod(e2e_cluster):
                                 "metadata": {"name": node_name, "labels": {"dynpart.io/e2e": "true"}}})
         try:
             node = await core.read_node(node_name)
-            now = dt.datetime.now(dt.timezone.utc)
+            now = dt.datetime.now(dt.UTC)
             resources = {"cpu": "8", "memory": "32Gi", "pods": "110", MIG: "2"}
             node.status = client.V1NodeStatus(
                 capacity=resources, allocatable=resources,

@@ -11,12 +11,19 @@ import statistics
 
 import pytest
 
-from agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, render_config
-from agent.nvml import GpuDriverError, SimulatedCrash
+from dynpart.agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, render_config
+from dynpart.agent.nvml import GpuDriverError, SimulatedCrash
 from dynpart.annotations import SPEC_PLAN, STATUS_PLAN
 from dynpart.kube.patching import Conflict, patch_node_annotations
 from tests.e2e.harness import (
-    REPO_ROOT, Harness, PlannerProcess, SimNode, agent_metrics_port, ensure_system_namespace, scrape, wait_until,
+    REPO_ROOT,
+    Harness,
+    PlannerProcess,
+    SimNode,
+    agent_metrics_port,
+    ensure_system_namespace,
+    scrape,
+    wait_until,
 )
 
 pytestmark = pytest.mark.e2e

@@ -6,7 +6,7 @@ from collections import Counter
 
 from dynpart.catalog import default_catalog
 from dynpart.mig import geometry_violations
-from dynpart.resources import parse_resource, MigResource, MpsResource
+from dynpart.resources import MigResource, MpsResource, parse_resource
 from dynpart.snapshot import Plan, Snapshot, full_layout, gpu_capacity
 
 

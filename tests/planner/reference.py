@@ -11,8 +11,8 @@ from __future__ import annotations
 from ortools.sat.python import cp_model
 
 from dynpart.catalog import default_catalog
+from dynpart.planner.problem import KIND_GPU, KIND_MIG, compile_problem
 from dynpart.snapshot import Snapshot
-from planner.problem import KIND_GPU, KIND_MIG, compile_problem
 
 
 def reference_optimum(snapshot: Snapshot, time_limit_s: float = 20.0) -> tuple[int, bool]:

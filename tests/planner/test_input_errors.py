@@ -3,8 +3,8 @@
 import pytest
 
 from dynpart.errors import SnapshotError
+from dynpart.planner import plan
 from dynpart.snapshot import Gpu, MigInstance, MpsSlice, Node, PendingPod, Snapshot, parse_snapshot
-from planner import plan
 
 
 def _node(**kw):
@@ -89,7 +89,7 @@ def test_every_problem_is_listed():
 
 
 def test_priority_weights_are_strict_and_bounded():
-    from planner.problem import priority_weights
+    from dynpart.planner.problem import priority_weights
     w = priority_weights([0, 0, 5, 9])
     assert w[5] > 2 * w[0] and w[9] > w[5] + 2 * w[0]
     many = priority_weights(list(range(30)) * 2000)  # 30 levels of 2,000 pods: strict weights would overflow

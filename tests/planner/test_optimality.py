@@ -4,7 +4,7 @@ some of them."""
 
 import pytest
 
-from planner import PlanOptions, plan
+from dynpart.planner import PlanOptions, plan
 from tests.planner.check import check_plan
 from tests.planner.instances import small_instance
 from tests.planner.reference import reference_optimum

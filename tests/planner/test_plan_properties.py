@@ -1,9 +1,10 @@
 """Property tests: on random snapshots, every plan of every policy is valid for the driver's
 rules, keeps every used slice where it is, and respects CPU/memory; plans are deterministic."""
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from planner import PlanOptions, plan
+from dynpart.planner import PlanOptions, plan
 from tests.planner.check import check_plan
 from tests.planner.instances import small_instance
 

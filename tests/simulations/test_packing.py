@@ -7,14 +7,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from simulations import bridge
-from simulations.baselines import BestFit, Random, best_fit_scores
-from simulations.bench_packing import PackingJob, run_job, summarise
-from simulations.fragmentation import FragmentationModel
-from simulations.packing import run_packing
-from simulations.packing_dynpart import DynpartPacking
-from simulations.state import PackingState
-from simulations.workload import packing_workload, synthetic_cluster, synthetic_trace, tuned
+from dynpart.simulations import bridge
+from dynpart.simulations.baselines import BestFit, Random, best_fit_scores
+from dynpart.simulations.bench_packing import PackingJob, run_job, summarise
+from dynpart.simulations.fragmentation import FragmentationModel
+from dynpart.simulations.packing import run_packing
+from dynpart.simulations.packing_dynpart import DynpartPacking
+from dynpart.simulations.state import PackingState
+from dynpart.simulations.workload import packing_workload, synthetic_cluster, synthetic_trace, tuned
 
 from .conftest import cluster, pod
 
@@ -181,7 +181,7 @@ def test_packing_snapshot_is_valid_for_the_planner(catalog):
 
 
 def test_fgd_score_is_the_plugins_whole_point_score():
-    from simulations.packing_dynpart import fgd_score
+    from dynpart.simulations.packing_dynpart import fgd_score
     inc = np.array([0.0, 10.0, 39.0, 41.0, -500.0, 190.0, 1e9, -1e9])
     assert fgd_score(inc).tolist() == [50, 49, 49, 48, 62, 45, 0, 100]
 
@@ -221,7 +221,7 @@ def test_a_batch_is_placed_in_one_plan_each_pod_on_its_own_candidate():
 
 
 def test_free_at_end_accounts_for_all_unallocated_capacity():
-    from simulations.packing import free_at_end
+    from dynpart.simulations.packing import free_at_end
     st = _state()
     st.place(pod("x", milli=810), 1, (0,))
     st.place(pod("y", milli=100), 1, (0,))

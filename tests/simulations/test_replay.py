@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 from dynpart.mig import MigRules
-from simulations.errors import SimulationError
-from simulations.mapping import mig_profile_for, request_for, static_layout
-from simulations.replay import ReplayOptions, run_replay
-from simulations.replay_summary import percentile, summary
-from simulations.workload import synthetic_mig_cluster, synthetic_trace
+from dynpart.simulations.errors import SimulationError
+from dynpart.simulations.mapping import mig_profile_for, request_for, static_layout
+from dynpart.simulations.replay import ReplayOptions, run_replay
+from dynpart.simulations.replay_summary import percentile, summary
+from dynpart.simulations.workload import synthetic_mig_cluster, synthetic_trace
 
 from .conftest import cluster, pod
 
