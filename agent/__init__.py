@@ -1,8 +1,9 @@
 """The dynpart node agent: applies the planner's spec (node annotations) to the node's GPUs.
 
 Layers, imports flowing one way (docs/agent.md):
-- `nvml` (the GPU driver interface, its fake and `nvml_real`), `podresources` (which devices
-  pods hold), `kube` (the node and the device-plugin ConfigMap): I/O behind small interfaces;
+- `driver` (the GPU driver: `interface`, its `fake` and the real `nvml`), `podresources` (which
+  devices pods hold), `kube` (the node and the device-plugin ConfigMap): I/O behind small
+  interfaces; `nvml_probe`: `dynpart agent probe`;
 - `reconcile`: pure decisions (what to destroy, create, keep);
 - `mig_agent`, `mps_agent`: carry the decisions out for one reconcile pass;
 - `loop`: the async loop (watch the node, reconcile, report status); `cli`: `dynpart agent`.

@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _fake_driver(spec: str, catalog: Catalog) -> Any:
-    from dynpart.agent.nvml import FakeNvml
+    from dynpart.agent.driver.fake import FakeNvml
 
     model_name, _, count = spec.rpartition(":")
     if not model_name or not count.isdigit() or int(count) < 1:
@@ -66,7 +66,7 @@ def _fake_driver(spec: str, catalog: Catalog) -> Any:
 
 
 def _real_driver() -> Any:
-    from dynpart.agent.nvml_real import RealNvml
+    from dynpart.agent.driver.nvml import RealNvml
 
     return RealNvml()
 

@@ -21,7 +21,7 @@ from dynpart.agent import metrics
 from dynpart.agent.kube import ConfigStore, NodeApi, NodeView
 from dynpart.agent.mig_agent import MigAgent
 from dynpart.agent.mps_agent import MpsAgent
-from dynpart.agent.nvml import GpuDriver
+from dynpart.agent.driver.interface import GpuDriver
 from dynpart.agent.podresources import PodResources
 from dynpart.annotations import (
     PARTITIONING_LABEL,

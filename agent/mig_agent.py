@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 
 from dynpart.agent import metrics
-from dynpart.agent.nvml import IN_USE, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
+from dynpart.agent.driver.interface import IN_USE, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
 from dynpart.agent.podresources import PodResources, pods_by_device
 from dynpart.agent.reconcile import Destroy, Instance, MigGpuState, reconcile_mig
 from dynpart.catalog import GpuModel
@@ -163,11 +163,13 @@ class MigAgent:
                 if ex.code == IN_USE:
                     metrics.IN_USE_KEPT.inc()
                 not_destroyed.append(d)
-        for c in actions.complete:
+        for incomplete in actions.complete:
             try:
-                self.driver.create_compute_instance(c.gpu, c.gi_id, self.model.profile(c.profile).compute)
+                self.driver.create_compute_instance(incomplete.gpu, incomplete.gi_id,
+                                                    self.model.profile(incomplete.profile).compute)
             except GpuDriverError as ex:
-                errors.append(f"GPU {c.gpu}: creating the compute instance of {c.profile}@{c.start} failed: {ex}")
+                errors.append(f"GPU {incomplete.gpu}: creating the compute instance of "
+                              f"{incomplete.profile}@{incomplete.start} failed: {ex}")
         for c in actions.create:
             if c.gpu in skip:
                 continue

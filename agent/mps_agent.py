@@ -22,7 +22,7 @@ import yaml
 from dynpart.agent import metrics
 from dynpart.agent.kube import ConfigStore, NodeApi, NodeView
 from dynpart.agent.mig_agent import PassResult
-from dynpart.agent.nvml import GpuDriver
+from dynpart.agent.driver.interface import GpuDriver
 from dynpart.agent.podresources import PodResources, base_device_id
 from dynpart.agent.reconcile import reconcile_mps
 from dynpart.resources import WHOLE_GPU, MpsResource, is_slice_resource, mps_resource_name, parse_resource

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dynpart.agent.nvml import GpuDriver, GpuDriverError
+from dynpart.agent.driver.interface import GpuDriver, GpuDriverError
 from dynpart.catalog import Catalog
 from dynpart.errors import DynpartError
 

@@ -14,7 +14,7 @@ what then does not fit in the GPU's capacity is left out and reported.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from dynpart.catalog import GpuModel
@@ -99,7 +99,7 @@ def _users(inst: Instance) -> str:
     return ", ".join(inst.users)
 
 
-def reconcile_mig(desired: dict[int, Iterable[tuple[str, int]]], gpus: Iterable[MigGpuState],
+def reconcile_mig(desired: Mapping[int, Iterable[tuple[str, int]]], gpus: Iterable[MigGpuState],
                   model: GpuModel) -> MigActions:
     """Actions for every GPU of the node. `desired` maps a GPU index to its (profile, start)
     placements; a GPU it lacks is wanted empty. `desired` is assumed valid per GPU (decoded)."""
@@ -150,15 +150,15 @@ def _reconcile_gpu(gpu: MigGpuState, want: set[tuple[str, int]], rules: MigRules
             staying.append(inst)
             continue
         if key in want and key not in have:
-            have.add(key)  # type: ignore[arg-type]
-            kept.append(key)  # type: ignore[arg-type]
+            have.add(key)
+            kept.append(key)
             staying.append(inst)
             if not inst.complete:
                 out.complete.append(Complete(index, inst.gi_id, key[0], key[1]))
         elif inst.used:
             out.errors.append(f"GPU {index}: {inst.label} is in use ({_users(inst)}) but the spec does not have it; "
                               "kept until it is free")
-            kept.append(key)  # type: ignore[arg-type]
+            kept.append(key)
             staying.append(inst)
         else:
             out.destroy.append(Destroy(index, inst.gi_id, inst.label, inst.start, inst.size))
@@ -178,7 +178,7 @@ def _reconcile_gpu(gpu: MigGpuState, want: set[tuple[str, int]], rules: MigRules
         out.create.append(Create(index, profile, start))
 
 
-def reconcile_mps(desired: dict[int, Iterable[int]], used: dict[int, Counter[int]], gpus: Iterable[int],
+def reconcile_mps(desired: Mapping[int, Iterable[int]], used: Mapping[int, Counter[int]], gpus: Iterable[int],
                   capacity: int) -> tuple[dict[int, list[int]], list[str]]:
     """Slice sizes per GPU to configure, and the errors. Slices pods hold are always kept;
     the spec's other slices are added largest first while they fit in `capacity`."""

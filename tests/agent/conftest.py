@@ -10,7 +10,7 @@ import pytest
 
 from dynpart.agent.kube import FakeConfigStore, FakeNodeApi
 from dynpart.agent.loop import Agent
-from dynpart.agent.nvml import FakeNvml
+from dynpart.agent.driver.fake import FakeNvml
 from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import encode_spec
 from dynpart.catalog import GpuModel, default_catalog

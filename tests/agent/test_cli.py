@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dynpart.agent.nvml import FakeNvml, NvmlUnavailable
+from dynpart.agent.driver.fake import FakeNvml
+from dynpart.agent.driver.interface import NvmlUnavailable
 from dynpart.agent.nvml_probe import probe
 from dynpart.cli import main
 
@@ -53,7 +54,7 @@ def test_run_needs_a_node(capsys, monkeypatch):
 
 
 def test_probe_without_a_driver_is_one_clean_line(capsys):
-    from dynpart.agent.nvml_real import RealNvml
+    from dynpart.agent.driver.nvml import RealNvml
 
     try:
         RealNvml().close()

@@ -8,15 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynpart.agent.nvml import (
+from dynpart.agent.driver.fake import FakeNvml, SimulatedCrash
+from dynpart.agent.driver.interface import (
     IN_USE,
     INSUFFICIENT_RESOURCES,
     INVALID_ARGUMENT,
     NOT_FOUND,
     NOT_SUPPORTED,
-    FakeNvml,
     GpuDriverError,
-    SimulatedCrash,
 )
 from dynpart.mig import Placement, feasible_geometries, is_valid_geometry, maximal_geometries
 

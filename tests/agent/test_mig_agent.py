@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynpart.agent.mig_agent import MigAgent
-from dynpart.agent.nvml import FakeNvml, SimulatedCrash
+from dynpart.agent.driver.fake import FakeNvml, SimulatedCrash
 from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import STATUS_ERROR, STATUS_PLAN, decode_status
 from dynpart.mig import MigRules, feasible_geometries, slot_mask

@@ -44,7 +44,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect
 from dynpart.agent.loop import Agent
 from dynpart.agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, parse_config
-from dynpart.agent.nvml import FakeNvml, FakeOp
+from dynpart.agent.driver.fake import FakeNvml, FakeOp
 from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import PARTITIONING_LABEL, SPEC_PLAN, STATUS_PLAN
 from dynpart.catalog import GpuModel, default_catalog

@@ -12,7 +12,8 @@ import statistics
 import pytest
 
 from dynpart.agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, render_config
-from dynpart.agent.nvml import GpuDriverError, SimulatedCrash
+from dynpart.agent.driver.fake import SimulatedCrash
+from dynpart.agent.driver.interface import GpuDriverError
 from dynpart.annotations import SPEC_PLAN, STATUS_PLAN
 from dynpart.kube.patching import Conflict, patch_node_annotations
 from tests.e2e.harness import (

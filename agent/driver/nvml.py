@@ -1,4 +1,4 @@
-"""`RealNvml`: the GpuDriver on NVML through nvidia-ml-py (`import pynvml`).
+"""`RealNvml`: the GpuDriver on the host's NVML through nvidia-ml-py (`import pynvml`).
 
 Not exercised by CI (no GPU there): `dynpart agent probe` checks it read-only on a GPU host.
 Written against nvidia-ml-py 13.x; the calls are those of the facts file section 2. pynvml
@@ -12,7 +12,14 @@ import ctypes
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from dynpart.agent.nvml import DeviceInfo, GpuDriverError, GpuInstanceInfo, NvmlUnavailable, ProfileInfo
+from dynpart.agent.driver.interface import (
+    INVALID_ARGUMENT,
+    DeviceInfo,
+    GpuDriverError,
+    GpuInstanceInfo,
+    NvmlUnavailable,
+    ProfileInfo,
+)
 
 T = TypeVar("T")
 
@@ -24,6 +31,7 @@ _CI_PROFILE = {1: "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE", 2: "NVML_COMPUTE_INST
 
 
 def _load_pynvml() -> Any:
+    # Imported here, not at the top: the agent (and its tests) must import without a GPU.
     try:
         import pynvml
     except ImportError as e:  # pragma: no cover - the package is a dependency
@@ -188,7 +196,7 @@ class RealNvml:
         nv = self._nv
         name = _CI_PROFILE.get(slices)
         if name is None:
-            raise GpuDriverError("INVALID_ARGUMENT", f"no compute-instance profile with {slices} slices")
+            raise GpuDriverError(INVALID_ARGUMENT, f"no compute-instance profile with {slices} slices")
         gi = self._gi_handle(index, gi_id)
         info = self._call(nv.nvmlGpuInstanceGetComputeInstanceProfileInfo, gi, getattr(nv, name),
                           nv.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)

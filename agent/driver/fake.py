@@ -1,10 +1,5 @@
-"""What the agent needs from the GPU driver (`GpuDriver`), and `FakeNvml`, a fake that enforces
-the driver's MIG rules (facts file section 1) so that the agent can be tested without a GPU.
-
-The real implementation is `RealNvml` (module `agent.nvml_real`, on nvidia-ml-py), re-exported
-here. Identifiers follow NVML: a GPU by its index, a GPU instance (GI) by its id on that GPU,
-a profile by its GI profile id (the `id` column of the catalog), placements in memory slices.
-Calls are synchronous and short (NVML is a C library); the agent calls them inline.
+"""`FakeNvml`: an in-memory `GpuDriver` that enforces the driver's MIG rules (facts file
+section 1), so that the agent can be tested without a GPU; `FakeOp`, its log of mutating calls.
 """
 
 from __future__ import annotations
@@ -12,100 +7,21 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NoReturn, Protocol
+from typing import NoReturn
 
+from dynpart.agent.driver.interface import (
+    IN_USE,
+    INSUFFICIENT_RESOURCES,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    NOT_SUPPORTED,
+    DeviceInfo,
+    GpuDriverError,
+    GpuInstanceInfo,
+    ProfileInfo,
+)
 from dynpart.catalog import GpuModel, MigProfile
-from dynpart.errors import DynpartError
 from dynpart.mig import MigRules
-
-# Error codes (NVML_ERROR_* without the prefix) that the agent reacts to.
-IN_USE = "IN_USE"
-INSUFFICIENT_RESOURCES = "INSUFFICIENT_RESOURCES"
-INVALID_ARGUMENT = "INVALID_ARGUMENT"
-NOT_FOUND = "NOT_FOUND"
-NOT_SUPPORTED = "NOT_SUPPORTED"
-
-
-class GpuDriverError(DynpartError):
-    """An NVML call failed; `code` is the NVML error name without `NVML_ERROR_`."""
-
-    def __init__(self, code: str, message: str):
-        self.code = code
-        super().__init__(message)
-
-
-class NvmlUnavailable(GpuDriverError):
-    """No NVML on this host (no NVIDIA driver, or the binding is missing)."""
-
-    def __init__(self, message: str):
-        super().__init__("LIBRARY_NOT_FOUND", message)
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    index: int
-    name: str  # product name as NVML reports it, e.g. "NVIDIA H100 80GB HBM3"
-    uuid: str  # "GPU-..."
-    memory_mib: int
-    mig_capable: bool
-    mig_current: bool  # MIG mode now
-    mig_pending: bool  # MIG mode after the next GPU reset
-
-
-@dataclass(frozen=True)
-class GpuInstanceInfo:
-    gi_id: int
-    profile_id: int  # GI profile id (catalog `id`)
-    start: int  # placement, in memory slices
-    size: int
-    compute_instances: tuple[int, ...]  # compute-instance ids
-    uuid: str | None  # MIG device UUID ("MIG-..."), None while it has no compute instance
-
-
-@dataclass(frozen=True)
-class ProfileInfo:
-    profile_id: int
-    slices: int  # compute slices (NVML sliceCount)
-    instance_count: int  # most instances of the profile on the GPU
-    memory_mib: int
-    name: str = ""  # the driver's name for it, e.g. "MIG 1g.10gb" (empty if unknown)
-
-
-class GpuDriver(Protocol):
-    """The NVML operations the agent uses. Failures raise GpuDriverError."""
-
-    def devices(self) -> list[DeviceInfo]: ...
-
-    def set_mig_mode(self, index: int, enabled: bool) -> None: ...
-
-    def gpu_instances(self, index: int) -> list[GpuInstanceInfo]: ...
-
-    def create_gpu_instance(self, index: int, profile_id: int, start: int, size: int) -> int:
-        """Create a GI at an explicit placement; returns its id."""
-        ...
-
-    def create_compute_instance(self, index: int, gi_id: int, slices: int) -> int:
-        """Create the compute instance covering the whole GI (`slices` compute slices)."""
-        ...
-
-    def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None: ...
-
-    def destroy_gpu_instance(self, index: int, gi_id: int) -> None: ...
-
-    def processes(self, index: int, gi_id: int | None = None) -> list[int]:
-        """Pids computing on a GI's MIG device, or on the whole GPU (gi_id None)."""
-        ...
-
-    def profile_info(self, index: int, nvml_name: str) -> ProfileInfo | None:
-        """The driver's view of a NVML_GPU_INSTANCE_PROFILE_* profile; None if unsupported."""
-        ...
-
-    def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
-        """Every (start, size) the profile may be created at on an empty GPU."""
-        ...
-
-
-# --- the fake -------------------------------------------------------------------------------------
 
 
 class SimulatedCrash(BaseException):
@@ -351,11 +267,3 @@ class FakeNvml:
     def _fail(op: FakeOp, code: str, message: str) -> NoReturn:
         op.result = code
         raise GpuDriverError(code, message)
-
-
-def __getattr__(name: str):  # RealNvml lives in its own module (it imports pynvml lazily)
-    if name == "RealNvml":
-        from dynpart.agent.nvml_real import RealNvml
-
-        return RealNvml
-    raise AttributeError(name)

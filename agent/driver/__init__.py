@@ -1,0 +1,9 @@
+"""The GPU driver as the agent sees it, one module per role (as nos's `pkg/gpu/nvml`):
+
+- `interface`: `GpuDriver` (the NVML operations the agent uses), its data types, errors and
+  error codes; the rest of the agent imports only this;
+- `fake`: `FakeNvml`, an in-memory driver enforcing the MIG rules (tests, `--fake-gpus`);
+- `nvml`: `RealNvml`, the host's driver through nvidia-ml-py (imports `pynvml` only when built).
+
+Nothing is re-exported here: callers name the module they need, so no import goes in a circle.
+"""
