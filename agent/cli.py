@@ -7,10 +7,15 @@ import asyncio
 import json
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dynpart.catalog import Catalog, load_catalog
 from dynpart.errors import DynpartError
+
+if TYPE_CHECKING:
+    from dynpart.agent.driver.interface import GpuDriver
+    from dynpart.agent.podresources import PodResources
+    from dynpart.settings import AgentSettings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     probe.set_defaults(func=run_probe)
 
 
-def _fake_driver(spec: str, catalog: Catalog) -> Any:
+def _fake_driver(spec: str, catalog: Catalog) -> GpuDriver:
     from dynpart.agent.driver.fake import FakeNvml
 
     model_name, _, count = spec.rpartition(":")
@@ -65,13 +70,13 @@ def _fake_driver(spec: str, catalog: Catalog) -> Any:
     return FakeNvml(catalog.resolve(model_name, where="--fake-gpus"), int(count))
 
 
-def _real_driver() -> Any:
+def _real_driver() -> GpuDriver:
     from dynpart.agent.driver.nvml import RealNvml
 
     return RealNvml()
 
 
-def _driver(args: argparse.Namespace, catalog: Catalog) -> Any:
+def _driver(args: argparse.Namespace, catalog: Catalog) -> GpuDriver:
     return _fake_driver(args.fake_gpus, catalog) if args.fake_gpus else _real_driver()
 
 
@@ -110,14 +115,14 @@ def run_agent(args: argparse.Namespace) -> int:
     return asyncio.run(_run(args, settings))
 
 
-async def _run(args: argparse.Namespace, settings: Any) -> int:
+async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
     from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect
     from dynpart.agent.loop import Agent
     from dynpart.agent.podresources import FakePodResources, KubeletPodResources
 
     catalog = load_catalog(settings.catalog_files)
     driver = _fake_driver(settings.fake_gpus, catalog) if settings.fake_gpus else _real_driver()
-    pods: Any
+    pods: PodResources
     if settings.fake_gpus and not os.path.exists(settings.pod_resources_socket):
         pods = FakePodResources()
     else:
@@ -133,9 +138,9 @@ async def _run(args: argparse.Namespace, settings: Any) -> int:
         capacity = args.capacity_gb or settings.mps_capacity_gb
         configs = KubeConfigStore(api_client, settings.device_plugin_namespace, settings.device_plugin_configmap,
                                   mount, settle)
-        agent = Agent(settings.node_name, node_api=KubeNodeApi(api_client, settings.node_name), driver=driver,
-                      pods=pods, catalog=catalog, configs=configs, interval_s=settings.report_interval_s,
-                      capacity_gb=capacity)
+        agent = Agent(settings.node_name, node_api=KubeNodeApi(api_client, settings.node_name, settings.kube),
+                      driver=driver, pods=pods, catalog=catalog, configs=configs,
+                      interval_s=settings.report_interval_s, capacity_gb=capacity, kube=settings.kube)
         if args.once:
             report = await agent.reconcile_once()
             print(json.dumps(report.status, indent=2, sort_keys=True))

@@ -4,29 +4,29 @@
 - `ConfigStore`: the device-plugin ConfigMap, one key per config name, and whether a config
   has reached the device plugin's mounted volume yet.
 
-`KubeNodeApi` / `KubeConfigStore` use kubernetes-asyncio and the helpers of `dynpart.kube`
-(client, merge patches); `connect()` builds the client from a kubeconfig or in-cluster.
+`KubeNodeApi` / `KubeConfigStore` use kubernetes-asyncio through `dynpart.kube` (the client,
+merge patches, the informer that watches the node, Events); API failures are the classes of
+`dynpart.kube.errors`. `connect()` builds the client from a kubeconfig or in-cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from dynpart.errors import DynpartError
+from kubernetes_asyncio import client
 
-log = logging.getLogger("dynpart.agent.kube")
-
-MERGE_PATCH = "application/merge-patch+json"
-
-
-class KubeError(DynpartError):
-    """A Kubernetes API call failed."""
+from dynpart.kube.client import Obj, api_client, raw_api
+from dynpart.kube.conventions import AGENT_COMPONENT
+from dynpart.kube.errors import APINotFoundError, api_errors
+from dynpart.kube.events import post_event
+from dynpart.kube.patching import MERGE_PATCH, patch_node_annotations, patch_node_labels
+from dynpart.kube.watching import Informer
+from dynpart.settings import KubeSettings
 
 
 @dataclass(frozen=True)
@@ -161,74 +161,55 @@ class FakeConfigStore:
 # --- kubernetes-asyncio ---------------------------------------------------------------------------
 
 
-async def connect(kubeconfig: str | None = None) -> Any:
+async def connect(kubeconfig: str | None = None) -> client.ApiClient:
     """An ApiClient: from `kubeconfig` or $KUBECONFIG, else in-cluster (dynpart.kube.client)."""
-    from dynpart.kube.client import api_client
-
     return await api_client(kubeconfig)
-
-
-def _api_error(what: str, e: Exception) -> KubeError:
-    status = getattr(e, "status", None)
-    reason = getattr(e, "reason", None) or str(e)
-    return KubeError(f"{what}: {status} {reason}" if status else f"{what}: {reason}")
 
 
 class KubeNodeApi:
     """NodeApi on the real API server. Needs RBAC: get, list, watch, patch on nodes."""
 
-    def __init__(self, api_client: Any, name: str, watch_timeout_s: int = 300, retry_s: float = 5.0):
-        from kubernetes_asyncio import client
-
+    def __init__(self, api: client.ApiClient, name: str, settings: KubeSettings | None = None):
         self.name = name
-        self._client = api_client
-        self._v1 = client.CoreV1Api(api_client)
-        self.watch_timeout_s = watch_timeout_s
-        self.retry_s = retry_s
+        self._client = api
+        self._v1 = client.CoreV1Api(api)
+        self.settings = settings or KubeSettings()
 
     async def get(self) -> NodeView:
-        try:
+        with api_errors(f"read node {self.name}"):
             node = await self._v1.read_node(self.name)
-            return NodeView.from_dict(self._client.sanitize_for_serialization(node))
-        except Exception as e:
-            raise _api_error(f"read node {self.name}", e) from None
+        return NodeView.from_dict(self._client.sanitize_for_serialization(node))
 
     async def patch(self, *, annotations: dict[str, str | None] | None = None,
                     labels: dict[str, str | None] | None = None) -> NodeView:
-        from dynpart.kube.patching import patch_node_annotations, patch_node_labels
-
-        try:
-            if labels:
-                await patch_node_labels(self._v1, self.name, labels)
-            if annotations:
-                return NodeView.from_dict(await patch_node_annotations(self._v1, self.name, annotations))
-        except Exception as e:
-            raise _api_error(f"patch node {self.name}", e) from None
+        if labels:
+            await patch_node_labels(self._v1, self.name, labels)
+        if annotations:
+            return NodeView.from_dict(await patch_node_annotations(self._v1, self.name, annotations))
         return await self.get()
 
     async def event(self, reason: str, message: str, warning: bool = False) -> None:
-        from dynpart.kube.events import post_event
-
         await post_event(self._v1, {"kind": "Node", "metadata": {"name": self.name}}, reason, message,
-                         "dynpart-agent", warning)
+                         AGENT_COMPONENT, warning)
 
     async def watch(self) -> AsyncIterator[NodeView]:
-        from kubernetes_asyncio import watch
+        """The node as listed, then at each change: dynpart.kube's informer with a field selector
+        (it lists and watches again, backing off, whenever the watch ends or fails)."""
+        changes: asyncio.Queue[NodeView] = asyncio.Queue()
 
-        while True:
-            try:
-                yield await self.get()
-                w = watch.Watch()
-                async with w:
-                    async for event in w.stream(self._v1.list_node, field_selector=f"metadata.name={self.name}",
-                                                timeout_seconds=self.watch_timeout_s):
-                        if event.get("type") in ("ADDED", "MODIFIED"):
-                            yield NodeView.from_dict(event["raw_object"])
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the watch ends or breaks: relist, then watch again
-                log.warning("watch of node %s interrupted (%s); retrying in %.0f s", self.name, e, self.retry_s)
-                await asyncio.sleep(self.retry_s)
+        def on_change(kind: str, obj: Obj) -> None:
+            if kind != "DELETED":
+                changes.put_nowait(NodeView.from_dict(obj))
+
+        informer = Informer(self._v1.list_node, on_change, name=f"node {self.name}",
+                            field_selector=f"metadata.name={self.name}", settings=self.settings)
+        running = asyncio.create_task(informer.run(), name=f"informer of node {self.name}")
+        try:
+            while True:  # the informer ends only when cancelled (below)
+                yield await changes.get()
+        finally:
+            running.cancel()
+            await asyncio.wait([running])
 
 
 class KubeConfigStore:
@@ -237,11 +218,9 @@ class KubeConfigStore:
     there (the device plugin's volume is synced the same way); without a mount, `settle_s`
     seconds after the write. Needs RBAC: get, create, patch on that ConfigMap."""
 
-    def __init__(self, api_client: Any, namespace: str, name: str, mount_dir: str | None = None,
+    def __init__(self, api: client.ApiClient, namespace: str, name: str, mount_dir: str | None = None,
                  settle_s: float = 0.0):
-        from kubernetes_asyncio import client
-
-        self._v1 = client.CoreV1Api(api_client)
+        self._v1 = client.CoreV1Api(api)
         self.namespace = namespace
         self.name = name
         self.mount_dir = Path(mount_dir) if mount_dir else None
@@ -250,12 +229,11 @@ class KubeConfigStore:
 
     async def _read_all(self) -> dict[str, str] | None:
         try:
-            cm = await self._v1.read_namespaced_config_map(self.name, self.namespace)
-            return dict(cm.data or {})
-        except Exception as e:
-            if getattr(e, "status", None) == 404:
-                return None
-            raise _api_error(f"read configmap {self.namespace}/{self.name}", e) from None
+            with api_errors(f"read configmap {self.namespace}/{self.name}"):
+                cm = await self._v1.read_namespaced_config_map(self.name, self.namespace)
+        except APINotFoundError:
+            return None
+        return dict(cm.data or {})
 
     async def read(self, name: str) -> str | None:
         data = await self._read_all()
@@ -264,16 +242,14 @@ class KubeConfigStore:
     async def write(self, name: str, content: str) -> None:
         body = {"data": {name: content}}
         try:
-            await self._v1.patch_namespaced_config_map(self.name, self.namespace, body, _content_type=MERGE_PATCH)
-        except Exception as e:
-            if getattr(e, "status", None) != 404:
-                raise _api_error(f"patch configmap {self.namespace}/{self.name}", e) from None
-            try:
-                await self._v1.create_namespaced_config_map(
+            with api_errors(f"patch configmap {self.namespace}/{self.name}"):
+                await raw_api(self._v1).patch_namespaced_config_map(self.name, self.namespace, body,
+                                                                     _content_type=MERGE_PATCH)
+        except APINotFoundError:
+            with api_errors(f"create configmap {self.namespace}/{self.name}"):
+                await raw_api(self._v1).create_namespaced_config_map(
                     self.namespace, {"apiVersion": "v1", "kind": "ConfigMap",
                                      "metadata": {"name": self.name, "namespace": self.namespace}, **body})
-            except Exception as e2:
-                raise _api_error(f"create configmap {self.namespace}/{self.name}", e2) from None
         self._written[name] = time.monotonic()
 
     async def visible(self, name: str, content: str) -> bool:

@@ -18,26 +18,26 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from dynpart.agent import metrics
+from dynpart.agent.driver.interface import GpuDriver
 from dynpart.agent.kube import ConfigStore, NodeApi, NodeView
 from dynpart.agent.mig_agent import MigAgent
 from dynpart.agent.mps_agent import MpsAgent
-from dynpart.agent.driver.interface import GpuDriver
 from dynpart.agent.podresources import PodResources
-from dynpart.annotations import (
+from dynpart.annotations import annotation_patch, decode_spec, encode_status, format_heartbeat, is_plan_id
+from dynpart.catalog import Catalog, GpuModel
+from dynpart.errors import DynpartError
+from dynpart.kube.client import Obj
+from dynpart.kube.conventions import (
     PARTITIONING_LABEL,
     SPEC_PREFIX,
     STATUS_ERROR,
     STATUS_HEARTBEAT,
     STATUS_PLAN,
     STATUS_PREFIX,
-    annotation_patch,
-    decode_spec,
-    encode_status,
-    format_heartbeat,
-    is_plan_id,
 )
-from dynpart.catalog import Catalog, GpuModel
-from dynpart.errors import DynpartError
+from dynpart.kube.recording import EventRecorder
+from dynpart.kube.retrying import retrying
+from dynpart.settings import KubeSettings
 from dynpart.snapshot import Mode, NodeLayout
 
 log = logging.getLogger("dynpart.agent")
@@ -55,7 +55,7 @@ class PassReport:
 class Agent:
     def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver, pods: PodResources, catalog: Catalog,
                  configs: ConfigStore | None = None, interval_s: float = 10.0, capacity_gb: int | None = None,
-                 now: Callable[[], datetime] = lambda: datetime.now(UTC)):
+                 kube: KubeSettings | None = None, now: Callable[[], datetime] = lambda: datetime.now(UTC)):
         self.node = node
         self.node_api = node_api
         self.driver = driver
@@ -68,7 +68,9 @@ class Agent:
         self._model: GpuModel | None = None
         self._mig: MigAgent | None = None
         self._mps: MpsAgent | None = None
-        self._said: dict[str, str] = {}
+        self.kube = kube or KubeSettings()
+        # Events on the node, once per reason and message (a pass repeats every interval)
+        self._events = EventRecorder(self._post_event, self.kube)
 
     def model(self) -> GpuModel:
         if self._model is None:
@@ -86,8 +88,10 @@ class Agent:
         if spec_mode is not None:
             return spec_mode
         label = node.labels.get(PARTITIONING_LABEL)
-        if label in ("mig", "mps"):
-            return label  # type: ignore[return-value]
+        if label == "mig":
+            return "mig"
+        if label == "mps":
+            return "mps"
         return "mig" if any(d.mig_current for d in self.driver.devices()) else "mps"
 
     async def reconcile_once(self) -> PassReport:
@@ -133,8 +137,8 @@ class Agent:
         status = encode_status(NodeLayout(node=self.node, mode=mode, gpus=result.gpus),
                                _valid_or_none(ack), errors, self.now())
         await self._write(node, status)
-        for e in errors:
-            log.warning("node %s: %s", self.node, e)
+        for error in errors:
+            log.warning("node %s: %s", self.node, error)
         if spec.problems:
             await self._event("DynpartInvalidSpec", "ignored malformed annotations: " + "; ".join(spec.problems), True)
         if result.errors:
@@ -151,10 +155,10 @@ class Agent:
         return PassReport(mode, _valid_or_none(ack), errors, status)
 
     async def _event(self, reason: str, message: str, warning: bool = False) -> None:
-        """One Event per distinct message and reason (a pass repeats every interval)."""
-        if self._said.get(reason) != message:
-            self._said[reason] = message
-            await self.node_api.event(reason, message, warning)
+        await self._events.record({"kind": "Node", "metadata": {"name": self.node}}, reason, message, warning)
+
+    async def _post_event(self, _node: Obj, reason: str, message: str, warning: bool) -> None:
+        await self.node_api.event(reason, message, warning)
 
     async def _report_failure(self, node: NodeView, error: str) -> PassReport:
         status = {k: v for k, v in node.annotations.items() if k.startswith(STATUS_PREFIX)}
@@ -196,20 +200,19 @@ class Agent:
                 pass
 
     async def _watch(self, wake: asyncio.Event) -> None:
+        """Wake the loop when the node's spec annotations change. The node API's watch retries
+        API failures itself; anything else ends it and it is started again after a back-off (a
+        dead watch would leave the agent acting only every interval)."""
         last: dict[str, str] | None = None
-        while True:
-            try:
-                async for node in self.node_api.watch():
-                    spec = {k: v for k, v in node.annotations.items() if k.startswith(SPEC_PREFIX)}
-                    if spec != last:
-                        if last is not None:
-                            wake.set()
-                        last = spec
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("node %s: watch failed (%s); retrying", self.node, e)
-                await asyncio.sleep(min(self.interval_s, 5.0))
+        while True:  # a watch that ends without failing is started again at once
+            async for attempt in retrying(self.kube, f"watch of node {self.node}", retry_on=Exception, logger=log):
+                with attempt:
+                    async for node in self.node_api.watch():
+                        spec = {k: v for k, v in node.annotations.items() if k.startswith(SPEC_PREFIX)}
+                        if spec != last:
+                            if last is not None:
+                                wake.set()
+                            last = spec
 
 
 def _valid_or_none(plan_id: str | None) -> str | None:

@@ -20,16 +20,14 @@ from typing import Any
 import yaml
 
 from dynpart.agent import metrics
+from dynpart.agent.driver.interface import GpuDriver
 from dynpart.agent.kube import ConfigStore, NodeApi, NodeView
 from dynpart.agent.mig_agent import PassResult
-from dynpart.agent.driver.interface import GpuDriver
 from dynpart.agent.podresources import PodResources, base_device_id
 from dynpart.agent.reconcile import reconcile_mps
+from dynpart.kube.conventions import DEVICE_PLUGIN_CONFIG_LABEL, MPS_CONFIG_PREFIX
 from dynpart.resources import WHOLE_GPU, MpsResource, is_slice_resource, mps_resource_name, parse_resource
 from dynpart.snapshot import GpuLayout, MpsSlice
-
-DEVICE_PLUGIN_CONFIG_LABEL = "nvidia.com/device-plugin.config"
-CONFIG_PREFIX = "dynpart-mps-"
 
 
 def render_config(slices: dict[int, list[int]]) -> str:
@@ -49,7 +47,7 @@ def render_config(slices: dict[int, list[int]]) -> str:
 
 def config_name(content: str) -> str:
     """A valid label value and ConfigMap key naming exactly this content."""
-    return CONFIG_PREFIX + hashlib.sha256(content.encode()).hexdigest()[:16]
+    return MPS_CONFIG_PREFIX + hashlib.sha256(content.encode()).hexdigest()[:16]
 
 
 def parse_config(content: str | None) -> dict[int, list[int]] | None:

@@ -1,8 +1,9 @@
 """dynpart: shared types and rules (GPU catalog, MIG geometry, MPS slices, snapshots, plans).
 
-This package is the bottom layer: it does no I/O beyond loading catalog files, and imports
-nothing from `planner`, `agent` or `simulations` (the CLI in `dynpart.cli` is the one exception,
-and it imports lazily).
+This package is the bottom layer: it does no I/O beyond loading catalog files (and talking to
+the API server in `dynpart.kube`), and imports nothing from `dynpart.planner`, `dynpart.agent`
+or `dynpart.simulations`. The one exception is the CLI, `dynpart.cli`: the top layer, which
+imports every part and which nothing imports.
 """
 
 __version__ = "0.1.0"

@@ -27,25 +27,23 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Literal, TypeGuard
 
 from dynpart.catalog import GpuModel
+from dynpart.kube.conventions import (
+    PARTITIONING_LABEL,
+    PREFIX,
+    SPEC_MODE,
+    SPEC_PLAN,
+    SPEC_PREFIX,
+    STATUS_ERROR,
+    STATUS_HEARTBEAT,
+    STATUS_MODE,
+    STATUS_PLAN,
+    STATUS_PREFIX,
+)
 from dynpart.mig import MigRules
 from dynpart.snapshot import GpuLayout, MigInstance, Mode, MpsSlice, NodeLayout
-
-PREFIX = "dynpart.io/"
-SPEC_PREFIX = PREFIX + "spec-"
-STATUS_PREFIX = PREFIX + "status-"
-
-SPEC_PLAN = SPEC_PREFIX + "plan"
-SPEC_MODE = SPEC_PREFIX + "mode"
-STATUS_PLAN = STATUS_PREFIX + "plan"
-STATUS_MODE = STATUS_PREFIX + "mode"
-STATUS_ERROR = STATUS_PREFIX + "error"
-STATUS_HEARTBEAT = STATUS_PREFIX + "heartbeat"
-
-# Opt-in node label: the node's GPUs are partitioned by dynpart, in this mode.
-PARTITIONING_LABEL = PREFIX + "gpu-partitioning"
 
 MAX_GPU_INDEX = 255
 MAX_PLAN_ID = 128
@@ -74,7 +72,8 @@ def slice_token(profile: str) -> str:
     return token
 
 
-def mps_token(size: int) -> str:
+def mps_token(size: object) -> str:
+    """An MPS slice size as written in a key: 10 -> `10gb`; anything but a positive integer is refused."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"MPS slice size {size!r} must be a positive integer")
     return f"{size}gb"
@@ -125,12 +124,12 @@ def canonical_layout(layout: NodeLayout, keep_used: bool = False) -> NodeLayout:
 # --- encoding ---------------------------------------------------------------------------------
 
 
-def is_plan_id(value: Any) -> bool:
+def is_plan_id(value: object) -> TypeGuard[str]:
     """Whether `value` can be written as a plan id (1 to 128 printable ASCII, no spaces)."""
     return isinstance(value, str) and _PLAN_ID.fullmatch(value) is not None
 
 
-def _check_plan_id(plan_id: str) -> str:
+def _check_plan_id(plan_id: object) -> str:
     if not isinstance(plan_id, str) or not _PLAN_ID.fullmatch(plan_id):
         raise ValueError(
             f"plan id {plan_id!r} must be 1 to {MAX_PLAN_ID} printable ASCII characters without spaces"
@@ -204,7 +203,8 @@ def annotation_patch(old: Mapping[str, str] | None, new: Mapping[str, str],
     `new` lacks are removed (None). Other keys are left alone. Empty when nothing changes."""
     old = dict(old or {})
     patch: dict[str, str | None] = {k: v for k, v in new.items() if old.get(k) != v}
-    for k in old:
+    old_keys: list[object] = list(old)  # as read from the API: a malformed object's keys may not be strings
+    for k in old_keys:
         if isinstance(k, str) and k.startswith(prefix) and k not in new:
             patch[k] = None
     return patch
@@ -217,13 +217,13 @@ def annotation_patch(old: Mapping[str, str] | None, new: Mapping[str, str],
 class DecodedSpec:
     """What a node's spec annotations ask for. `layout` is None when the node has no spec (the
     agent then changes nothing); GPUs without keys are absent from it (meaning: no instances).
-    Unpacks as `layout, plan_id, problems`."""
+    Unpacks as `layout, plan_id, problems` (typed code reads the attributes)."""
 
     layout: NodeLayout | None
     plan_id: str | None
     problems: list[str] = field(default_factory=list)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[NodeLayout | str | list[str] | None]:
         return iter((self.layout, self.plan_id, self.problems))
 
 
@@ -238,16 +238,16 @@ class DecodedStatus:
     errors: list[str] = field(default_factory=list)
     heartbeat: datetime | None = None
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[NodeLayout | str | list[str] | None]:
         return iter((self.layout, self.plan_id, self.problems))
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _bad(key: Any, value: Any, why: str) -> str:
+def _bad(key: object, value: object, why: str) -> str:
     return f"annotation {_show(key)} = {_show(value)}: {why}; ignored"
 
 
@@ -269,7 +269,7 @@ class _Item:
         return "mig" if self.profile is not None else "mps"
 
 
-def _parse_slice_key(key: str, value: Any, name: str, with_state: bool,
+def _parse_slice_key(key: str, value: object, name: str, with_state: bool,
                      model: GpuModel, problems: list[str]) -> _Item | None:
     """`name` is the key without its `spec-`/`status-` prefix: `gpu-<i>-<slice>[-<state>]`."""
     parts = name.split("-")
@@ -284,7 +284,7 @@ def _parse_slice_key(key: str, value: Any, name: str, with_state: bool,
         if parts[3] not in ("free", "used"):
             problems.append(_bad(key, value, f"state {parts[3]!r} is neither 'free' nor 'used'"))
             return None
-        state = parts[3]  # type: ignore[assignment]
+        state = "used" if parts[3] == "used" else "free"
     if not _INT.fullmatch(index_text) or int(index_text) > MAX_GPU_INDEX:
         problems.append(_bad(key, value, f"GPU index {index_text!r} is not an integer in 0..{MAX_GPU_INDEX}"))
         return None
@@ -329,7 +329,7 @@ def _parse_slice_key(key: str, value: Any, name: str, with_state: bool,
     return None
 
 
-def _decode_slices(annotations: Mapping[Any, Any], model: GpuModel, prefix: str, mode_key: str,
+def _decode_slices(annotations: Mapping[str, object], model: GpuModel, prefix: str, mode_key: str,
                    node: str, capacity: int | None,
                    with_state: bool, problems: list[str]) -> NodeLayout | None:
     """The per-GPU layout carried by the slice keys under `prefix` (shared by spec and status)."""
@@ -341,7 +341,7 @@ def _decode_slices(annotations: Mapping[Any, Any], model: GpuModel, prefix: str,
         else:
             problems.append(_bad(mode_key, mode_value, "the mode must be 'mig' or 'mps'"))
     items: list[_Item] = []
-    for key in sorted((k for k in annotations if isinstance(k, str)), key=str):
+    for key in sorted(annotations):
         if not key.startswith(prefix) or key in _RESERVED:
             continue
         item = _parse_slice_key(key, annotations[key], key[len(prefix):], with_state, model, problems)
@@ -418,7 +418,7 @@ def _accept_mps(items: list[_Item], capacity: int, problems: list[str]) -> list[
     return sorted(out, key=lambda s: (-s.size, not s.used))
 
 
-def _decode_plan(annotations: Mapping[Any, Any], key: str, problems: list[str]) -> str | None:
+def _decode_plan(annotations: Mapping[str, object], key: str, problems: list[str]) -> str | None:
     value = annotations.get(key)
     if value is None:
         return None
@@ -429,7 +429,8 @@ def _decode_plan(annotations: Mapping[Any, Any], key: str, problems: list[str]) 
     return value
 
 
-def _ours(annotations: Any) -> dict[Any, Any]:
+def _ours(annotations: object) -> dict[str, object]:
+    """Our keys of a node's annotations as read from the API (any value: decoding never raises)."""
     if not isinstance(annotations, Mapping):
         return {}
     return {k: v for k, v in annotations.items() if isinstance(k, str) and k.startswith(PREFIX)}

@@ -12,14 +12,12 @@ from collections.abc import Iterable
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dynpart.errors import CatalogError, UnknownGpuModel
-
-MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+from dynpart.kube.conventions import MIG_RESOURCE_PREFIX
 
 
 class MigProfile(BaseModel):
@@ -119,8 +117,9 @@ class Catalog:
         self._cache: dict[str, GpuModel] = {}
 
     @classmethod
-    def from_documents(cls, documents: Iterable[tuple[str, Any]]) -> Catalog:
-        """Build from parsed YAML documents, each given with a name for error messages."""
+    def from_documents(cls, documents: Iterable[tuple[str, object]]) -> Catalog:
+        """Build from parsed YAML documents (any shape: checked here), each given with a name for
+        error messages."""
         models: list[GpuModel] = []
         for source, doc in documents:
             if not isinstance(doc, dict) or not isinstance(doc.get("models"), list):
@@ -168,7 +167,7 @@ class Catalog:
         return {p.name for m in self.models.values() for p in m.mig_profiles}
 
 
-def _read_yaml(path: Path | str, text: str) -> Any:
+def _read_yaml(path: Path | str, text: str) -> object:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:

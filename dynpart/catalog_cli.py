@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TypedDict
 
 from dynpart.catalog import load_catalog
 from dynpart.mig import maximal_geometries
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+class _ModelRow(TypedDict):
+    name: str
+    memory_gb: int
+    mig_profiles: list[str]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("catalog", help="list GPU models, MIG profiles and maximal geometries",
                        description="List the GPU catalog (shipped models plus --catalog files).")
     p.add_argument("model", nargs="?", help="a model name or nvidia.com/gpu.product value: show its profiles "
@@ -21,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     catalog = load_catalog(args.catalog)
     if args.model is None:
-        rows = [{"name": m.name, "memory_gb": m.memory_gb, "mig_profiles": [p.name for p in m.mig_profiles]}
+        rows: list[_ModelRow] = [{"name": m.name, "memory_gb": m.memory_gb, "mig_profiles": [p.name for p in m.mig_profiles]}
                 for m in catalog.models.values()]
         if args.json:
             print(json.dumps(rows, indent=2))

@@ -19,8 +19,8 @@ from dynpart.agent import cli as agent_cli
 from dynpart.errors import DynpartError
 from dynpart.planner import bench as planner_bench
 from dynpart.planner import controller_cli, explain
-from dynpart.simulations import cli as simulate_cli
-from dynpart.simulations import cli_bench as packing_bench_cli
+from dynpart.simulations.packing import cli as packing_bench_cli
+from dynpart.simulations.replay import cli as simulate_cli
 
 Register = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 

@@ -15,8 +15,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from dynpart.errors import ResourceNameError
+from dynpart.kube.conventions import MIG_RESOURCE_PREFIX, MPS_RESOURCE_PREFIX, WHOLE_GPU_RESOURCE
 
-WHOLE_GPU = "nvidia.com/gpu"
+WHOLE_GPU = WHOLE_GPU_RESOURCE
 _MIG = re.compile(r"^nvidia\.com/mig-(\d+g\.\d+gb)(\.me)?$")
 _MPS = re.compile(r"^nvidia\.com/gpu-(\d+)gb$")
 
@@ -64,8 +65,8 @@ def parse_resource(name: str) -> SliceResource:
 
 
 def mig_resource_name(profile: str) -> str:
-    return "nvidia.com/mig-" + profile.replace("+", ".")
+    return MIG_RESOURCE_PREFIX + profile.replace("+", ".")
 
 
 def mps_resource_name(size: int) -> str:
-    return f"nvidia.com/gpu-{size}gb"
+    return f"{MPS_RESOURCE_PREFIX}{size}gb"

@@ -1,20 +1,49 @@
 """Configuration: one pydantic settings model per component, from a YAML file, environment
-variables and command-line flags (flags win over the environment, which wins over the file).
-Validated at start-up; an invalid value is one clear line naming the setting and the value."""
+variables and command-line flags (flags win over the environment, which wins over the file),
+merged by pydantic-settings' own sources. Validated at start-up; an invalid value is one clear
+line naming the setting and the value."""
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from importlib.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from dynpart.errors import DynpartError
+from dynpart.kube.conventions import DEVICE_PLUGIN_CONFIGMAP, LEASE_NAME, SYSTEM_NAMESPACE
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+NESTED = "__"  # env_nested_delimiter: DYNPART_PLANNER_KUBE__BACKOFF_MAX_S sets kube.backoff_max_s
+
+
+class KubeSettings(BaseModel):
+    """How a component talks to the API server: the one place for the knobs of dynpart.kube
+    (back-off of watches and retried calls, Event de-duplication)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backoff_initial_s: float = Field(default=0.2, gt=0, description="first wait before listing again after a "
+                                     "watch ends or a call fails")
+    backoff_max_s: float = Field(default=10.0, gt=0, description="longest wait between two attempts")
+    backoff_multiplier: float = Field(default=2.0, ge=1, description="each failed attempt multiplies the wait by this")
+    watch_timeout_s: int = Field(default=300, gt=0, description="a watch is renewed (list, then watch) this often")
+    event_repeat_s: float = Field(default=3600.0, gt=0, description="the same Event (object, reason, message) is "
+                                  "posted again at most this often")
+    event_memory: int = Field(default=4096, ge=1, description="(object, reason) pairs the Event de-duplication "
+                              "remembers; the least recently recorded are forgotten first")
 
 
 class CommonSettings(BaseSettings):
@@ -24,10 +53,20 @@ class CommonSettings(BaseSettings):
     metrics_host: str = Field(default="0.0.0.0", description="address of the /metrics server")
     metrics_port: int = Field(default=9090, ge=0, le=65535, description="Prometheus /metrics port; 0 = off")
     catalog_files: list[str] = Field(default=[], description="extra GPU catalog files")
+    kube: KubeSettings = Field(default_factory=KubeSettings, description="Kubernetes API client")
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (init arguments) over the environment over the `--config` file over defaults."""
+        return init_settings, env_settings, ConfigFileSource(settings_cls, _config_file.get())
 
 
 class PlannerSettings(CommonSettings):
-    model_config = SettingsConfigDict(env_prefix="DYNPART_PLANNER_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="DYNPART_PLANNER_", env_nested_delimiter=NESTED, extra="forbid")
 
     batch_idle_s: float = Field(default=0.5, gt=0, description="close a batch after this long without a new pod")
     batch_timeout_s: float = Field(default=3.0, gt=0, description="close a batch at the latest this long after its first pod")
@@ -35,8 +74,8 @@ class PlannerSettings(CommonSettings):
     resync_s: float = Field(default=15.0, gt=0, description="re-plan still pending pods at least this often")
     plan_time_limit_s: float = Field(default=0.5, ge=0, description="exact-search budget per plan (deterministic s)")
     leader_election: bool = Field(default=True, description="only the holder of the lease plans")
-    lease_name: str = Field(default="dynpart-planner", description="coordination.k8s.io Lease name")
-    lease_namespace: str = Field(default="dynpart-system", description="namespace of the Lease")
+    lease_name: str = Field(default=LEASE_NAME, description="coordination.k8s.io Lease name")
+    lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="namespace of the Lease")
     lease_duration_s: int = Field(default=15, ge=2, description="a standby takes over after this long without renewal")
     lease_renew_s: float = Field(default=4.0, gt=0, description="how often the leader renews")
     lease_retry_s: float = Field(default=1.0, gt=0, description="how often a standby tries")
@@ -44,12 +83,12 @@ class PlannerSettings(CommonSettings):
 
 
 class AgentSettings(CommonSettings):
-    model_config = SettingsConfigDict(env_prefix="DYNPART_AGENT_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="DYNPART_AGENT_", env_nested_delimiter=NESTED, extra="forbid")
 
     node_name: str = Field(default="", description="the node this agent manages (downward API: spec.nodeName)")
     report_interval_s: float = Field(default=10.0, gt=0, description="status heartbeat period")
-    device_plugin_configmap: str = Field(default="dynpart-device-plugin-configs", description="ConfigMap of MPS device-plugin configs")
-    device_plugin_namespace: str = Field(default="dynpart-system", description="its namespace")
+    device_plugin_configmap: str = Field(default=DEVICE_PLUGIN_CONFIGMAP, description="ConfigMap of MPS device-plugin configs")
+    device_plugin_namespace: str = Field(default=SYSTEM_NAMESPACE, description="its namespace")
     fake_gpus: str | None = Field(default=None, description="MODEL:N — a fake NVML driver (tests, demos)")
     device_plugin_config_mount: str | None = Field(
         default=None, description="where the device-plugin ConfigMap is mounted: the node label is switched once "
@@ -61,28 +100,58 @@ class AgentSettings(CommonSettings):
     pod_resources_socket: str = Field(default="/var/lib/kubelet/pod-resources/kubelet.sock", description="kubelet PodResources API socket")
 
 
-S = TypeVar("S", bound=BaseSettings)
+# --- sources ----------------------------------------------------------------------------------
+
+# The `--config` file of the settings being loaded: settings_customise_sources is a classmethod,
+# so load_settings hands it the file this way (None: no file).
+_config_file: ContextVar[str | Path | None] = ContextVar("dynpart_config_file", default=None)
 
 
-def load_settings(cls: type[S], file: str | Path | None = None, flags: dict[str, Any] | None = None) -> S:
-    """Settings from `file` (YAML mapping), then the environment, then `flags` (None values ignored)."""
-    file_values: dict[str, Any] = {}
-    if file is not None:
+class ConfigFileSource(YamlConfigSettingsSource):
+    """The `--config` YAML file. Unlike pydantic-settings' own source, a file that cannot be read,
+    is not YAML or is not a mapping is an error naming the file, not silently no settings."""
+
+    def __init__(self, settings_cls: type[BaseSettings], file: str | Path | None):
+        self.shown = file
+        if file is not None:
+            try:
+                with open(file, "rb"):
+                    pass
+            except OSError as e:
+                raise DynpartError(f"config file {file}: {e.strerror}") from None
+        super().__init__(settings_cls, yaml_file=file)
+
+    def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
         try:
-            file_values = yaml.safe_load(Path(file).read_text()) or {}
-        except OSError as e:
-            raise DynpartError(f"config file {file}: {e.strerror}") from None
+            values: object = super()._read_file(file_path)
         except yaml.YAMLError as e:
-            raise DynpartError(f"config file {file}: not valid YAML: {e}") from None
-        if not isinstance(file_values, dict):
-            raise DynpartError(f"config file {file}: must be a mapping of setting: value")
+            raise DynpartError(f"config file {self.shown}: not valid YAML: {e}") from None
+        if not isinstance(values, dict):
+            raise DynpartError(f"config file {self.shown}: must be a mapping of setting: value")
+        return values
+
+
+@contextmanager
+def _reading(file: str | Path | None) -> Iterator[None]:
+    token = _config_file.set(file)
     try:
-        env_only = cls()  # environment and defaults
-        explicit_env = env_only.model_dump(exclude_unset=True)
-        merged = {**file_values, **explicit_env, **{k: v for k, v in (flags or {}).items() if v is not None}}
-        return cls.model_validate(merged)
+        yield
+    finally:
+        _config_file.reset(token)
+
+
+S = TypeVar("S", bound=CommonSettings)
+
+
+def load_settings(cls: type[S], file: str | Path | None = None, flags: Mapping[str, Any] | None = None) -> S:
+    """Settings from `file` (YAML mapping), then the environment, then `flags` (None values ignored)."""
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    try:
+        with _reading(file):
+            return cls(**given)
     except ValidationError as e:
         err = e.errors()[0]
-        field = ".".join(str(x) for x in err["loc"])
-        env = f" (environment variable {cls.model_config.get('env_prefix', '')}{field.upper()})"
+        loc = [str(x) for x in err["loc"]]
+        field = ".".join(loc)
+        env = f" (environment variable {cls.model_config.get('env_prefix', '')}{NESTED.join(loc).upper()})"
         raise DynpartError(f"setting {field} = {err.get('input')!r}: {err['msg']}{env if field else ''}") from None

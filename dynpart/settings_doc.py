@@ -3,19 +3,31 @@ documentation cannot drift from the code: `python -m dynpart.settings_doc > docs
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+from pydantic import BaseModel
 from pydantic_settings import BaseSettings
 
-from dynpart.settings import AgentSettings, PlannerSettings
+from dynpart.settings import NESTED, AgentSettings, PlannerSettings
+
+
+def _rows(model: type[BaseModel], prefix: str, path: tuple[str, ...] = ()) -> Iterator[str]:
+    for name, field in model.model_fields.items():
+        at = (*path, name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _rows(field.annotation, prefix, at)  # a group: one row per setting in it
+            continue
+        default = "(host name)" if at == ("identity",) else field.get_default(call_default_factory=True)
+        yield (f"| `{'.'.join(at)}` | `{prefix}{NESTED.join(at).upper()}` | `{default!r}` | "
+               f"{field.description or ''} |")
 
 
 def _table(cls: type[BaseSettings], command: str) -> str:
     prefix = cls.model_config.get("env_prefix", "")
     rows = [f"## `{command}`\n", f"Environment variables start with `{prefix}`. "
-            "Precedence: flags, then environment, then the `--config` YAML file, then defaults.\n",
-            "| setting | environment variable | default | meaning |", "|---|---|---|---|"]
-    for name, field in cls.model_fields.items():
-        default = "(host name)" if name == "identity" else field.get_default(call_default_factory=True)
-        rows.append(f"| `{name}` | `{prefix}{name.upper()}` | `{default!r}` | {field.description or ''} |")
+            "Precedence: flags, then environment, then the `--config` YAML file, then defaults. "
+            "A dotted setting is nested in the YAML file (`kube: {backoff_max_s: 30}`).\n",
+            "| setting | environment variable | default | meaning |", "|---|---|---|---|", *_rows(cls, prefix)]
     return "\n".join(rows) + "\n"
 
 

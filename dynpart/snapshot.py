@@ -7,7 +7,7 @@ unit a simulation picks (e.g. thousandths of a GPU).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -100,11 +100,44 @@ class NodeLayout(_Model):
         return any(g.changed for g in self.gpus)
 
 
+class PlacedSlice(_Model):
+    """One slice a placement gives a pod, on the GPU with index `gpu` of its node: a MIG
+    instance (`profile` at `start`), an MPS slice of `size` capacity units, or the whole GPU."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu: int
+    kind: Literal["mig", "mps", "whole"]
+    profile: str | None = None
+    start: int | None = None
+    size: int | None = None
+
+    @classmethod
+    def mig(cls, gpu: int, profile: str, start: int) -> PlacedSlice:
+        return cls.model_construct(gpu=gpu, kind="mig", profile=profile, start=start, size=None)
+
+    @classmethod
+    def mps(cls, gpu: int, size: int) -> PlacedSlice:
+        return cls.model_construct(gpu=gpu, kind="mps", profile=None, start=None, size=size)
+
+    @classmethod
+    def whole(cls, gpu: int) -> PlacedSlice:
+        return cls.model_construct(gpu=gpu, kind="whole", profile=None, start=None, size=None)
+
+    def __str__(self) -> str:
+        """As people read it: `1g.10gb@0`, `20` (MPS size) or `whole`."""
+        if self.kind == "mig":
+            return f"{self.profile}@{self.start}"
+        return "whole" if self.kind == "whole" else str(self.size)
+
+    def sort_key(self) -> tuple[int, str]:
+        return (self.gpu, str(self))
+
+
 class PodPlacement(_Model):
     pod: str
     node: str
-    # one entry per slice: (gpu index, MIG profile@start, MPS size, or "whole")
-    slices: list[tuple[int, str]]
+    slices: list[PlacedSlice]  # one entry per slice, by GPU index
 
 
 class UnplacedPod(_Model):
@@ -155,14 +188,14 @@ def full_layout(node: Node, planned: NodeLayout | None) -> NodeLayout:
 # --- validation -----------------------------------------------------------------------------
 
 
-def _loc(loc: tuple[Any, ...]) -> str:
+def _loc(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
 
-def parse_snapshot(data: Any) -> Snapshot:
+def parse_snapshot(data: object) -> Snapshot:
     """Validate raw data (e.g. parsed JSON/YAML) into a Snapshot; errors name field and value."""
     try:
         return Snapshot.model_validate(data)

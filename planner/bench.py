@@ -12,11 +12,11 @@ import statistics
 import time
 
 from dynpart.catalog import load_catalog
-from dynpart.planner.core import PlanOptions, plan
+from dynpart.planner.core import POLICIES, PlanOptions, plan
 from dynpart.planner.workload import random_snapshot
 
 
-def register(bench_sub: argparse._SubParsersAction) -> None:
+def register(bench_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = bench_sub.add_parser("planner", help="planning time and quality on seeded random clusters",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=100, help="nodes (default 100)")
@@ -24,7 +24,7 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu", default="H100-80GB", help="GPU model name or product label (default H100-80GB)")
     p.add_argument("--pending", type=int, default=200, help="pending pods (default 200)")
     p.add_argument("--mode", choices=["mig", "mps"], default="mig")
-    p.add_argument("--policy", choices=["dynpart", "nos", "static"], default="dynpart")
+    p.add_argument("--policy", choices=list(POLICIES), default="dynpart")
     p.add_argument("--utilization", type=float, default=0.9,
                    help="share of GPUs that already carry slices, mostly in use (default 0.9)")
     p.add_argument("--seed", type=int, default=1)

@@ -8,7 +8,8 @@ plan places at most that many, because the k smallest pods are the cheapest k to
 
 from __future__ import annotations
 
-from dynpart.planner.problem import KIND_MIG, KIND_MPS, Problem
+from dynpart.planner.problem import Problem
+from dynpart.planner.types import MigSliceRef, MpsSliceRef
 
 
 def _count_fitting(sizes: list[int], capacity: int) -> int:
@@ -36,13 +37,14 @@ def placed_upper_bound(problem: Problem) -> int:
     for r in problem.requests:
         if not r.candidates:
             continue
-        if r.kind == KIND_MIG:
+        ref = r.slice_ref
+        if isinstance(ref, MigSliceRef):
             # every model names its profiles by memory, so one profile has one shape everywhere
-            prof = problem.nodes[r.candidates[0]].model.profiles_by_name[r.profile]
+            prof = problem.nodes[r.candidates[0]].model.profiles_by_name[ref.profile]
             mem_sizes.append(r.count * prof.memory)
             compute_sizes.append(r.count * prof.compute)
-        elif r.kind == KIND_MPS:
-            mps_sizes.append(r.count * r.size)
+        elif isinstance(ref, MpsSliceRef):
+            mps_sizes.append(r.count * ref.size)
         else:
             gpu_sizes.append(r.count)
     mig = min(_count_fitting(mem_sizes, mig_mem), _count_fitting(compute_sizes, mig_compute))

@@ -9,17 +9,17 @@ object is left out; one bad object never stops the planning of the others.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynpart.annotations import PARTITIONING_LABEL, decode_status
+from dynpart.annotations import decode_status
 from dynpart.catalog import Catalog
 from dynpart.errors import DynpartError
-from dynpart.resources import MigResource, MpsResource, WholeGpuResource, is_slice_resource, parse_resource
+from dynpart.kube.conventions import GPU_COUNT_LABEL, GPU_PRODUCT_LABEL, PARTITIONING_LABEL
+from dynpart.resources import MigResource, WholeGpuResource, is_slice_resource, parse_resource
 from dynpart.snapshot import Gpu, MigInstance, MpsSlice, Node, PendingPod, Snapshot
 
-PRODUCT_LABEL = "nvidia.com/gpu.product"
-COUNT_LABEL = "nvidia.com/gpu.count"
 TERMINAL_PHASES = {"Succeeded", "Failed"}
 
 
@@ -42,22 +42,21 @@ def parse_quantity(value: Any) -> float:
         raise DynpartError(f"quantity {value!r} is not a Kubernetes quantity") from None
 
 
-def _container_requests(pod: dict[str, Any]) -> Counter[str]:
+def _container_requests(pod: dict[str, Any]) -> dict[str, float]:
     """Effective requests: sum over containers, at least the largest init container (the
     scheduler's rule). Extended resources count from limits when requests omit them."""
-    def of(c: dict[str, Any]) -> Counter[str]:
+    def of(c: dict[str, Any]) -> dict[str, float]:
         res = c.get("resources") or {}
-        out: Counter[str] = Counter()
-        for name, q in {**(res.get("limits") or {}), **(res.get("requests") or {})}.items():
-            out[name] = parse_quantity(q)
-        return out
+        return {name: parse_quantity(q) for name, q in {**(res.get("limits") or {}),
+                                                         **(res.get("requests") or {})}.items()}
     spec = pod.get("spec", {})
-    total: Counter[str] = Counter()
+    total: dict[str, float] = {}
     for c in spec.get("containers") or []:
-        total.update(of(c))
+        for name, q in of(c).items():
+            total[name] = total.get(name, 0) + q
     for c in spec.get("initContainers") or []:
         for name, q in of(c).items():
-            total[name] = max(total[name], q)
+            total[name] = max(total.get(name, 0), q)
     return total
 
 
@@ -90,7 +89,7 @@ def pending_pod(pod: dict[str, Any]) -> PendingPod:
     req = _container_requests(pod)
     spec = pod.get("spec", {})
     selector = dict(spec.get("nodeSelector") or {})
-    models = [selector.pop(PRODUCT_LABEL)] if PRODUCT_LABEL in selector else []
+    models = [selector.pop(GPU_PRODUCT_LABEL)] if GPU_PRODUCT_LABEL in selector else []
     return PendingPod(
         name=name, resource=resource, count=count,
         cpu_milli=int(round(req.get("cpu", 0) * 1000)), memory_mib=int(req.get("memory", 0) // 2**20),
@@ -117,21 +116,21 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     problems: list[str] = []
     if mode not in ("mig", "mps"):
         return NodeView(None, None, [f"node {name}: label {PARTITIONING_LABEL}={mode!r}: expected mig or mps"])
-    product = labels.get(PRODUCT_LABEL)
+    product = labels.get(GPU_PRODUCT_LABEL)
     if not product:
-        return NodeView(None, None, [f"node {name}: no {PRODUCT_LABEL} label (GPU feature discovery sets it)"])
+        return NodeView(None, None, [f"node {name}: no {GPU_PRODUCT_LABEL} label (GPU feature discovery sets it)"])
     try:
-        model = catalog.resolve(product, where=f"node {name} label {PRODUCT_LABEL}")
+        model = catalog.resolve(product, where=f"node {name} label {GPU_PRODUCT_LABEL}")
     except DynpartError as e:
         return NodeView(None, None, [str(e)])
     status = decode_status(md.get("annotations") or {}, model, node=name)
     problems.extend(status.problems)
     reported = {g.index: g for g in status.layout.gpus} if status.layout is not None else {}
     try:
-        count = int(labels.get(COUNT_LABEL, 0))
+        count = int(labels.get(GPU_COUNT_LABEL, 0))
     except ValueError:
         count = 0
-        problems.append(f"node {name}: label {COUNT_LABEL}={labels.get(COUNT_LABEL)!r} is not a number")
+        problems.append(f"node {name}: label {GPU_COUNT_LABEL}={labels.get(GPU_COUNT_LABEL)!r} is not a number")
     count = max([count, *(i + 1 for i in reported)])
     bound_slices: Counter[str] = Counter()
     cpu_used = mem_used = 0.0
@@ -173,17 +172,18 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str]) -> None:
             for g in [g for g in gpus if not g.whole_pod and not g.mps and not g.mig][: max(0, missing)]:
                 g.whole_pod = "(bound)"
             continue
+        matching: list[MigInstance] | list[MpsSlice]
         if isinstance(kind, MigResource):
             matching = [m for g in gpus for m in g.mig if m.profile == kind.profile]
         else:
-            matching = [s for g in gpus for s in g.mps if isinstance(kind, MpsResource) and s.size == kind.size]
+            matching = [s for g in gpus for s in g.mps if s.size == kind.size]
         missing = n - sum(1 for it in matching if it.used)
         for it in [it for it in matching if not it.used][: max(0, missing)]:
             it.used = True
 
 
 def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], catalog: Catalog,
-                   exclude_nodes: set[str] = frozenset(), exclude_pods: set[str] = frozenset(),  # type: ignore[assignment]
+                   exclude_nodes: AbstractSet[str] = frozenset(), exclude_pods: AbstractSet[str] = frozenset(),
                    ) -> tuple[Snapshot, dict[str, str | None], list[tuple[dict[str, Any], str]]]:
     """The snapshot of the labelled nodes and the batch candidates.
 

@@ -14,23 +14,24 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from kubernetes_asyncio import client
 
-from dynpart.annotations import (
+from dynpart.annotations import annotation_patch, encode_spec
+from dynpart.catalog import Catalog
+from dynpart.kube.client import Obj
+from dynpart.kube.conventions import (
     PARTITIONING_LABEL,
+    PLANNER_COMPONENT,
     SPEC_PLAN,
     STATUS_HEARTBEAT,
     STATUS_MODE,
     STATUS_PLAN,
     STATUS_PREFIX,
-    annotation_patch,
-    encode_spec,
 )
-from dynpart.catalog import Catalog
-from dynpart.kube.events import post_event
-from dynpart.kube.patching import Conflict, patch_node_annotations
+from dynpart.kube.errors import APIConflictError, APIError
+from dynpart.kube.patching import patch_node_annotations
+from dynpart.kube.recording import EventRecorder, posting_to
 from dynpart.kube.watching import Informer, object_key
 from dynpart.planner import metrics
 from dynpart.planner.batching import BatchWindow
@@ -40,7 +41,6 @@ from dynpart.settings import PlannerSettings
 from dynpart.snapshot import full_layout
 
 log = logging.getLogger("dynpart.planner")
-COMPONENT = "dynpart-planner"
 
 
 @dataclass
@@ -60,16 +60,17 @@ class PlannerController:
         self.in_flight: dict[str, InFlight] = {}
         self.wake = asyncio.Event()
         self.leading = asyncio.Event()
-        self._said: dict[str, str] = {}  # last event message per object, so events are not repeated
+        self.events = EventRecorder(posting_to(self.core, PLANNER_COMPONENT), settings.kube)
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._ids = itertools.count(1)
         self._last_round = 0.0
-        self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL)
-        self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods")
+        self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
+                              settings=settings.kube)
+        self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods", settings=settings.kube)
 
     # --- watches --------------------------------------------------------------------------
 
-    def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+    def _on_pod(self, kind: str, pod: Obj) -> None:
         key = pod_key(pod)
         if kind != "DELETED" and is_batch_candidate(pod):
             if key not in self.window.members:
@@ -78,7 +79,7 @@ class PlannerController:
         else:
             self.window.discard(key)
 
-    def _on_node(self, kind: str, node: dict[str, Any]) -> None:
+    def _on_node(self, kind: str, node: Obj) -> None:
         name = node["metadata"]["name"]
         flight = self.in_flight.get(name)
         ann = node["metadata"].get("annotations") or {}
@@ -205,7 +206,7 @@ class PlannerController:
             try:
                 await patch_node_annotations(self.core, layout.node, patch,
                                              node_obj["metadata"].get("resourceVersion"))
-            except Conflict as e:
+            except APIConflictError as e:
                 metrics.PLAN_ERRORS.labels("conflict").inc()
                 log.info("node changed while planning; will re-plan", extra={"fields": {"node": layout.node, "error": str(e)}})
                 not_written.add(layout.node)
@@ -213,7 +214,7 @@ class PlannerController:
                     self.window.add(key, time.monotonic())
                 self.wake.set()
                 continue
-            except Exception as e:
+            except APIError as e:
                 metrics.PLAN_ERRORS.labels("patch_failed").inc()
                 log.warning("could not write node plan", extra={"fields": {"node": layout.node, "error": str(e)}})
                 not_written.add(layout.node)
@@ -234,7 +235,7 @@ class PlannerController:
             if pl.node in awaiting or pl.node in not_written:
                 continue
             metrics.PODS_PLACED.inc()
-            slices = ", ".join(f"GPU {g} {s}" for g, s in pl.slices)
+            slices = ", ".join(f"GPU {s.gpu} {s}" for s in pl.slices)
             waiting = "after its agent applies the new layout" if pl.node in written else "on free slices"
             await self._event(pods_by_key.get(pl.pod), "SlicePlanned", f"dynpart plans this pod on node {pl.node} "
                               f"({slices}) {waiting}")
@@ -247,11 +248,6 @@ class PlannerController:
             await self._event(pods_by_key.get(u.pod), "Unplaceable",
                               f"dynpart cannot place this pod: {u.reason}{left_out}", warning=True)
 
-    async def _event(self, obj: dict[str, Any] | None, reason: str, message: str, warning: bool = False) -> None:
-        if obj is None:
-            return
-        key = f"{obj.get('kind', '')}/{object_key(obj)}/{reason}"
-        if self._said.get(key) == message:
-            return
-        self._said[key] = message
-        await post_event(self.core, obj, reason, message, COMPONENT, warning)
+    async def _event(self, obj: Obj | None, reason: str, message: str, warning: bool = False) -> None:
+        if obj is not None:
+            await self.events.record(obj, reason, message, warning)

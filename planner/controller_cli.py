@@ -7,14 +7,14 @@ import asyncio
 import logging
 import signal
 
-from dynpart.catalog import load_catalog
+from dynpart.catalog import Catalog, load_catalog
 from dynpart.logs import setup_logging
 from dynpart.settings import PlannerSettings, load_settings
 
 log = logging.getLogger("dynpart.planner")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("planner", help="the planner controller (runs in the cluster)",
                        description="The planner controller: plans GPU layouts for unschedulable pods.")
     psub = p.add_subparsers(dest="planner_command", metavar="ACTION")
@@ -32,7 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--lease-namespace")
     run.add_argument("--identity")
     run.set_defaults(func=run_planner)
-    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+    def usage(_args: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+    p.set_defaults(func=usage)
 
 
 def run_planner(args: argparse.Namespace) -> int:
@@ -48,7 +52,7 @@ def run_planner(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _main(settings: PlannerSettings, catalog) -> None:  # type: ignore[no-untyped-def]
+async def _main(settings: PlannerSettings, catalog: Catalog) -> None:
     from kubernetes_asyncio import client
     from prometheus_client import start_http_server
 
@@ -61,7 +65,7 @@ async def _main(settings: PlannerSettings, catalog) -> None:  # type: ignore[no-
         start_http_server(settings.metrics_port, settings.metrics_host)
     api = await api_client(settings.kubeconfig)
     controller = PlannerController(api, settings, catalog)
-    tasks = [asyncio.create_task(controller.run())]
+    tasks: list[asyncio.Task[None]] = [asyncio.create_task(controller.run())]
     if settings.leader_election:
         def on_change(leader: bool) -> None:
             metrics.LEADER.set(1 if leader else 0)
@@ -85,7 +89,7 @@ async def _main(settings: PlannerSettings, catalog) -> None:  # type: ignore[no-
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    for t in done:
-        if t is not waiter and t.exception():
-            raise t.exception()  # type: ignore[misc]
+    for t in tasks:
+        if t in done and (error := t.exception()) is not None:
+            raise error
     await api.close()

@@ -1,49 +1,32 @@
 """`plan(snapshot) -> Plan`: the one planning entry point, called by the controller and the
-simulator alike. Pure: no I/O, no clock-dependent results (time limits are deterministic)."""
+simulator alike. Pure: no I/O, no clock-dependent results (time limits are deterministic).
+
+It compiles the snapshot, hands it to the policy that `PlanOptions.policy` names (dynpart's own
+or a baseline, all behind `PlanningPolicy`) and turns the result into a `Plan`."""
 
 from __future__ import annotations
 
 import time
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from collections.abc import Callable
 
 from dynpart.catalog import Catalog, default_catalog
+from dynpart.planner.baselines.nos import NosPolicy
+from dynpart.planner.baselines.static import StaticPolicy
 from dynpart.planner.bound import placed_upper_bound
-from dynpart.planner.exact import objective, solve_exact
-from dynpart.planner.greedy import Greedy, request_order
+from dynpart.planner.dynpart_policy import DynpartPolicy
 from dynpart.planner.output import build_plan
-from dynpart.planner.problem import Problem, Request, compile_problem
-from dynpart.planner.state import GpuState, new_state
+from dynpart.planner.policy import PlanningPolicy, PlanOptions, PolicyName
+from dynpart.planner.problem import compile_problem
 from dynpart.snapshot import Plan, Snapshot
 
-Policy = Literal["dynpart", "nos", "static"]
+__all__ = ["POLICIES", "PlanOptions", "PolicyName", "plan"]
 
-
-class PlanOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    policy: Policy = "dynpart"
-    # Budget of the exact search, in CP-SAT deterministic seconds (about wall seconds on one core).
-    time_limit_s: float = Field(default=0.5, ge=0)
-    # Solve the whole instance exactly when it has at most this many GPUs and pods...
-    exact_max_gpus: int = Field(default=64, ge=0)
-    exact_max_pods: int = Field(default=120, ge=0)
-    # ...else improve the greedy plan window by window (large-neighbourhood search).
-    window_nodes: int = Field(default=3, ge=1)
-    window_pods: int = Field(default=40, ge=1)
-    # static policy: the fixed geometry, by GPU model name, as "profile@start,..." or profile counts
-    static_layout: dict[str, str] = {}
-
-
-def _better(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
-    return (a[0], -a[1], -a[2]) > (b[0], -b[1], -b[2])
-
-
-def _greedy_result(problem: Problem) -> tuple[list[GpuState], dict[int, tuple[int, list[int]]], list[int], list[int]]:
-    g = Greedy(problem).run(request_order(problem))
-    placed = {idx: (node, [gid for gid, _, _ in picks]) for idx, (node, picks) in g.placement.items()}
-    return g.states, placed, g.cpu, g.mem
+# the policies `PlanOptions.policy` can name, each built from the options
+POLICIES: dict[PolicyName, Callable[[PlanOptions], PlanningPolicy]] = {
+    "dynpart": DynpartPolicy,
+    "nos": NosPolicy,
+    "static": StaticPolicy,
+}
 
 
 def plan(snapshot: Snapshot, catalog: Catalog | None = None, options: PlanOptions | None = None) -> Plan:
@@ -51,102 +34,6 @@ def plan(snapshot: Snapshot, catalog: Catalog | None = None, options: PlanOption
     t0 = time.perf_counter()
     problem = compile_problem(snapshot, catalog or default_catalog())
     bound = placed_upper_bound(problem)
-    if opts.policy == "nos":
-        from dynpart.planner.baselines.nos import plan_nos
-        states, placed = plan_nos(problem)
-        return build_plan("nos", problem, states, placed, bound, "nos greedy", time.perf_counter() - t0)
-    if opts.policy == "static":
-        from dynpart.planner.baselines.static import plan_static
-        states, placed = plan_static(problem, opts.static_layout)
-        return build_plan("static", problem, states, placed, bound, "static", time.perf_counter() - t0)
-
-    states, placed, cpu, mem = _greedy_result(problem)
-    solver = "greedy"
-    open_reqs = [r for r in problem.requests if r.idx not in placed and r.candidates]
-    uniform = len({r.priority for r in problem.requests}) <= 1
-    if open_reqs and not (uniform and len(placed) >= bound) and opts.time_limit_s > 0:
-        if len(problem.gpus) <= opts.exact_max_gpus and len(problem.requests) <= opts.exact_max_pods:
-            base = [new_state(g) for g in problem.gpus]
-            res = solve_exact(problem, base, list(range(len(problem.nodes))), problem.requests, placed,
-                              opts.time_limit_s, [n.cpu_free for n in problem.nodes],
-                              [n.mem_free for n in problem.nodes])
-            greedy_obj = objective(states, {i: problem.requests[i].weight for i in placed})
-            if res is not None:
-                solver = ("cp-sat optimal" if res.optimal else
-                          "cp-sat optimal placement" if res.placed_optimal else "cp-sat feasible")
-                if _better(res.objective, greedy_obj) or res.optimal:
-                    states = [res.states[g.gid] for g in problem.gpus]
-                    placed = res.placed
-        else:
-            solver = _improve_by_windows(problem, states, placed, cpu, mem, open_reqs, opts, t0)
-    return build_plan("dynpart", problem, states, placed, bound, solver, time.perf_counter() - t0)
-
-
-def _improve_by_windows(problem: Problem, states: list[GpuState], placed: dict[int, tuple[int, list[int]]],
-                        cpu: list[int], mem: list[int], open_reqs: list[Request], opts: PlanOptions,
-                        t0: float) -> str:
-    """Large-neighbourhood search: for each pod left out, re-plan exactly a window of its
-    candidate nodes with the most reconfigurable room, together with the pods planned there.
-    States, placements and CPU/memory left are updated in place when a window improves."""
-    slack = []
-    for n in problem.nodes:
-        total = 0
-        for gid in n.gpus:
-            info = problem.gpus[gid]
-            if info.rules is not None:
-                total += info.model.memory_slices - sum(info.rules.memory[p] for p, _, _ in info.used_mig)
-            elif not info.whole_pod:
-                total += info.capacity - sum(s for s, _ in info.used_mps)
-        slack.append(total)
-    on_node: dict[int, set[int]] = {}
-    for idx, (node, _) in placed.items():
-        on_node.setdefault(node, set()).add(idx)
-    # the windows' budget is deterministic time; the wall clock only stops a runaway
-    budget = opts.time_limit_s
-    per_window = max(0.02, budget / 10)
-    improved = 0
-    for req in open_reqs:
-        if budget <= 0 or time.perf_counter() - t0 > 10 * opts.time_limit_s + 5:
-            break
-        if req.idx in placed:
-            continue
-        ranked = sorted((n for n in req.candidates
-                         if problem.nodes[n].cpu_free >= req.cpu and problem.nodes[n].mem_free >= req.mem),
-                        key=lambda n: (-slack[n], n))
-        window = sorted(ranked[: opts.window_nodes])
-        if not window:
-            continue
-        wset = set(window)
-        in_window = sorted({i for n in window for i in on_node.get(n, ())})
-        extra = [r.idx for r in open_reqs if r.idx not in placed and wset.intersection(r.candidates)]
-        pods = in_window + [i for i in extra if i not in in_window][: max(1, opts.window_pods - len(in_window))]
-        if req.idx not in pods:
-            pods.append(req.idx)
-        reqs = [problem.requests[i] for i in sorted(pods)]
-        gids = [g for n in window for g in problem.nodes[n].gpus]
-        base = list(states)
-        for g in gids:
-            base[g] = new_state(problem.gpus[g])
-        cpu_left = {n: problem.nodes[n].cpu_free for n in window}
-        mem_left = {n: problem.nodes[n].mem_free for n in window}
-        res = solve_exact(problem, base, window, reqs, placed, per_window, cpu_left, mem_left)
-        budget -= per_window
-        if res is None:
-            continue
-        before = objective([states[g] for g in gids], {i: problem.requests[i].weight for i in in_window})
-        if not _better(res.objective, before):
-            continue
-        improved += 1
-        for g in gids:
-            states[g] = res.states[g]
-        for i in in_window:
-            placed.pop(i, None)
-        for n in window:
-            on_node[n] = set()
-            cpu[n], mem[n] = cpu_left[n], mem_left[n]
-        for i, (node, used) in res.placed.items():
-            placed[i] = (node, used)
-            on_node[node].add(i)
-            cpu[node] -= problem.requests[i].cpu
-            mem[node] -= problem.requests[i].mem
-    return f"greedy + cp-sat windows ({improved} improved)"
+    policy = POLICIES[opts.policy](opts)
+    result = policy.place(problem)
+    return build_plan(problem, policy, result, bound, time.perf_counter() - t0)

@@ -16,35 +16,56 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import singledispatch
+from typing import Protocol, TypeAlias
 
 from ortools.sat.python import cp_model
 
-from dynpart.mig import feasible_geometries
-from dynpart.planner.problem import KIND_GPU, KIND_MIG, Problem, Request
-from dynpart.planner.state import GpuState, MigState, MpsPiece, MpsState, new_state
+from dynpart.mig import Placement, feasible_geometries
+from dynpart.planner.mig_state import MigState
+from dynpart.planner.mps_state import MpsState
+from dynpart.planner.problem import KIND_GPU, Problem, Request
+from dynpart.planner.state import GpuState, new_state
+from dynpart.planner.types import WHOLE_GPU, Assignment, MigSliceRef, MpsSliceRef, Placements, SliceRef, WholeGpuRef
+
+# IntVar is a LinearExpr; sum() of none is 0
+Expr: TypeAlias = "cp_model.LinearExpr | int"
 
 
 @dataclass
 class ExactResult:
     states: dict[int, GpuState]  # new states of the window's GPUs
-    placed: dict[int, tuple[int, list[int]]]  # request idx -> (node, gids)
+    placed: Placements
     optimal: bool  # both objective tiers proved
     placed_optimal: bool  # the most pods placed is proved
     objective: tuple[int, int, int]  # (placed weight, changes, occupied)
 
 
-def _res_key(req: Request) -> object:
-    return req.profile if req.kind == KIND_MIG else ("whole" if req.kind == KIND_GPU else req.size)
+# --- one GPU's part of the model, per mode ------------------------------------------------------
 
 
-def _mig_configs(st: MigState, demanded: set[str]) -> list[tuple[dict[str, int], int, frozenset]]:
+class _GpuModel(Protocol):
+    """A GPU's decision variables: how many slices of each demanded kind it offers, what its
+    reconfiguration costs, and the GPU state a solution stands for."""
+
+    @property
+    def offered(self) -> Mapping[SliceRef, Expr]: ...
+    @property
+    def cost(self) -> Expr: ...
+    def decode(self, solver: cp_model.CpSolver) -> GpuState: ...
+
+
+MigConfig = tuple[dict[str, int], int, frozenset[Placement]]
+
+
+def _mig_configs(st: MigState, demanded: set[str]) -> list[MigConfig]:
     """(offered counts over demanded profiles, cost, geometry) per useful configuration."""
     info = st.info
     names = st.rules.names
     fixed = [(names[p], s) for p, s, _ in info.used_mig]
     free = {(names[p], s) for p, s in info.free_mig}
     allowed = sorted(demanded | {n for n, _ in free})
-    best: dict[tuple, tuple[int, frozenset]] = {}
+    best: dict[tuple[int, ...], tuple[int, frozenset[Placement]]] = {}
     fixed_set = set(fixed)
     for geom in feasible_geometries(info.model, allowed, fixed):
         rest = [pl for pl in geom if pl not in fixed_set]
@@ -67,8 +88,85 @@ def _mig_configs(st: MigState, demanded: set[str]) -> list[tuple[dict[str, int],
     return kept
 
 
+class _MigModel:
+    """One configuration (geometry) per GPU, among those that keep its used instances."""
+
+    def __init__(self, st: MigState, m: cp_model.CpModel, g: int, demanded: set[SliceRef]):
+        self.info = st.info
+        self.configs = _mig_configs(st, {d.profile for d in demanded if isinstance(d, MigSliceRef)})
+        self.ys = [m.new_bool_var(f"y{g}_{c}") for c in range(len(self.configs))]
+        m.add_exactly_one(self.ys)
+        self.offered: dict[SliceRef, Expr] = {
+            d: sum((cfg[0].get(d.profile, 0) if isinstance(d, MigSliceRef) else 0) * y
+                   for cfg, y in zip(self.configs, self.ys))
+            for d in demanded
+        }
+        self.cost: Expr = sum(cfg[1] * y for cfg, y in zip(self.configs, self.ys))
+
+    def decode(self, solver: cp_model.CpSolver) -> GpuState:
+        st = MigState(self.info)
+        st.set_geometry(next(cfg for cfg, y in zip(self.configs, self.ys) if solver.value(y))[2])
+        return st
+
+
+class _MpsModel:
+    """Keep or drop each free slice, create whole numbers of slices of each demanded size within
+    the capacity, or give the whole GPU to one pod when nothing on it is used."""
+
+    def __init__(self, st: MpsState, m: cp_model.CpModel, g: int, demanded: set[SliceRef]):
+        self.info = st.info
+        free = [k for k, s in enumerate(st.slices) if not s.hard]
+        hard_total = sum(s.size for s in st.slices if s.hard)
+        self.keep = {k: m.new_bool_var(f"k{g}_{k}") for k in free}
+        sizes = sorted(d.size for d in demanded if isinstance(d, MpsSliceRef))
+        self.new = {s: m.new_int_var(0, st.cap // s, f"n{g}_{s}") for s in sizes}
+        whole = m.new_bool_var(f"w{g}") if any(isinstance(d, WholeGpuRef) for d in demanded) and hard_total == 0 \
+            and not any(s.hard for s in st.slices) else None
+        changed = m.new_bool_var(f"c{g}")
+        m.add(hard_total + sum(st.slices[k].size * v for k, v in self.keep.items())
+              + sum(s * v for s, v in self.new.items()) <= st.cap)
+        for v in self.keep.values():
+            m.add_implication(v.negated(), changed)
+        for s, v in self.new.items():
+            m.add(v <= (st.cap // s) * changed)
+        self.offered: dict[SliceRef, Expr] = {}
+        if whole is not None:
+            for v in self.keep.values():
+                m.add_implication(whole, v.negated())
+            for v in self.new.values():
+                m.add(v == 0).only_enforce_if(whole)
+            self.offered[WHOLE_GPU] = whole
+        for s in sizes:
+            self.offered[MpsSliceRef(s)] = self.new[s] + sum(v for k, v in self.keep.items() if st.slices[k].size == s)
+        self.cost: Expr = sum(1 - v for v in self.keep.values()) + changed
+
+    def decode(self, solver: cp_model.CpSolver) -> GpuState:
+        st = MpsState(self.info)
+        kept = {k for k, v in self.keep.items() if solver.value(v)}
+        st.replace_free_slices([size for size, v in self.new.items() for _ in range(solver.value(v))], keep=kept)
+        return st
+
+
+@singledispatch
+def _gpu_model(st: GpuState, m: cp_model.CpModel, g: int, demanded: set[SliceRef]) -> _GpuModel | None:
+    raise TypeError(f"no CP-SAT model for a {type(st).__name__}")
+
+
+@_gpu_model.register
+def _mig_model(st: MigState, m: cp_model.CpModel, g: int, demanded: set[SliceRef]) -> _GpuModel | None:
+    return _MigModel(st, m, g, demanded)
+
+
+@_gpu_model.register
+def _mps_model(st: MpsState, m: cp_model.CpModel, g: int, demanded: set[SliceRef]) -> _GpuModel | None:
+    return None if st.whole_pod is not None else _MpsModel(st, m, g, demanded)  # a whole GPU in use: nothing to decide
+
+
+# --- the window's model -------------------------------------------------------------------------
+
+
 def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: list[Request],
-                hint: dict[int, tuple[int, list[int]]] | None, time_limit_s: float,
+                hint: Placements | None, time_limit_s: float,
                 cpu_left: Sequence[int] | Mapping[int, int],
                 mem_left: Sequence[int] | Mapping[int, int]) -> ExactResult | None:
     """Plan `reqs` on `nodes` from the states in `base` (window GPUs must hold no planned pods).
@@ -79,93 +177,63 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
     # requests' candidate nodes inside the window
     cand = {r.idx: [n for n in r.candidates if n in node_set] for r in reqs}
     reqs = [r for r in reqs if cand[r.idx]]
-    demanded: dict[int, set] = {g: set() for g in gids}
+    demanded: dict[int, set[SliceRef]] = {g: set() for g in gids}
     for r in reqs:
         for n in cand[r.idx]:
             for g in problem.nodes[n].gpus:
-                demanded[g].add(_res_key(r))
+                demanded[g].add(r.slice_ref)
 
-    offered: dict[tuple[int, object], cp_model.LinearExprT] = {}
-    cost_terms: list = []
+    offered: dict[tuple[int, SliceRef], Expr] = {}
+    cost_terms: list[Expr] = []
     occ: dict[int, cp_model.IntVar] = {}
-    decode: dict[int, object] = {}
+    models: dict[int, _GpuModel] = {}
     for g in gids:
         st = base[g]
-        dem = demanded[g]
-        if not dem:
+        if not demanded[g]:
             continue
-        if isinstance(st, MigState):
-            configs = _mig_configs(st, {d for d in dem if isinstance(d, str)})
-            ys = [m.NewBoolVar(f"y{g}_{c}") for c in range(len(configs))]
-            m.AddExactlyOne(ys)
-            for d in dem:
-                offered[(g, d)] = sum(cfg[0].get(d, 0) * y for cfg, y in zip(configs, ys))
-            cost_terms.append(sum(cfg[1] * y for cfg, y in zip(configs, ys)))
-            decode[g] = (configs, ys)
-        else:
-            assert isinstance(st, MpsState)
-            if st.whole_pod is not None:
-                continue
-            free = [k for k, s in enumerate(st.slices) if not s.hard]
-            hard_total = sum(s.size for s in st.slices if s.hard)
-            keep = {k: m.NewBoolVar(f"k{g}_{k}") for k in free}
-            sizes = sorted(d for d in dem if isinstance(d, int))
-            new = {s: m.NewIntVar(0, st.cap // s, f"n{g}_{s}") for s in sizes}
-            whole = m.NewBoolVar(f"w{g}") if "whole" in dem and hard_total == 0 and not any(
-                s.hard for s in st.slices) else None
-            changed = m.NewBoolVar(f"c{g}")
-            m.Add(hard_total + sum(st.slices[k].size * v for k, v in keep.items())
-                  + sum(s * v for s, v in new.items()) <= st.cap)
-            for v in keep.values():
-                m.AddImplication(v.Not(), changed)
-            for s, v in new.items():
-                m.Add(v <= (st.cap // s) * changed)
-            if whole is not None:
-                for v in keep.values():
-                    m.AddImplication(whole, v.Not())
-                for v in new.values():
-                    m.Add(v == 0).OnlyEnforceIf(whole)
-                offered[(g, "whole")] = whole
-            for s in sizes:
-                offered[(g, s)] = new[s] + sum(v for k, v in keep.items() if st.slices[k].size == s)
-            cost_terms.append(sum(1 - v for v in keep.values()) + changed)
-            decode[g] = (keep, new, whole, changed)
-        occ[g] = m.NewBoolVar(f"o{g}")
+        gpu_model = _gpu_model(st, m, g, demanded[g])
+        if gpu_model is None:
+            continue
+        models[g] = gpu_model
+        for ref, expr in gpu_model.offered.items():
+            offered[(g, ref)] = expr
+        cost_terms.append(gpu_model.cost)
+        occ[g] = m.new_bool_var(f"o{g}")
         if st.has_pod():
-            m.Add(occ[g] == 1)
+            m.add(occ[g] == 1)
 
     x: dict[tuple[int, int], cp_model.IntVar] = {}
     a: dict[tuple[int, int], cp_model.IntVar] = {}
-    use: dict[tuple[int, object], list] = {}
+    use: dict[tuple[int, SliceRef], list[cp_model.IntVar]] = {}
     for r in reqs:
         xs = []
         for n in cand[r.idx]:
-            v = m.NewBoolVar(f"x{r.idx}_{n}")
+            v = m.new_bool_var(f"x{r.idx}_{n}")
             x[(r.idx, n)] = v
             xs.append(v)
             parts = []
             for g in problem.nodes[n].gpus:
-                key = (g, _res_key(r))
+                key = (g, r.slice_ref)
                 if key not in offered:
                     continue
                 hi = 1 if r.kind == KIND_GPU else r.count
-                av = m.NewIntVar(0, hi, f"a{r.idx}_{g}")
+                av = m.new_int_var(0, hi, f"a{r.idx}_{g}")
                 a[(r.idx, g)] = av
                 parts.append(av)
                 use.setdefault(key, []).append(av)
-                m.Add(av <= hi * occ[g])
+                m.add(av <= hi * occ[g])
             if parts:
-                m.Add(sum(parts) == r.count * v)
+                m.add(sum(parts) == r.count * v)
             else:
-                m.Add(v == 0)
-        m.AddAtMostOne(xs)
+                m.add(v == 0)
+        m.add_at_most_one(xs)
     for key, terms in use.items():
-        m.Add(sum(terms) <= offered[key])
+        m.add(sum(terms) <= offered[key])
     for n in nodes:
         here = [(r, x[(r.idx, n)]) for r in reqs if (r.idx, n) in x]
         if here:
-            m.Add(sum(r.cpu * v for r, v in here) <= cpu_left[n])
-            m.Add(sum(r.mem * v for r, v in here) <= mem_left[n])
+            m.add(sum(r.cpu * v for r, v in here) <= cpu_left[n])
+            m.add(sum(r.mem * v for r, v in here) <= mem_left[n])
 
     placed_expr = sum(r.weight * x[(r.idx, n)] for r in reqs for n in cand[r.idx])
     cost_expr = sum(cost_terms) if cost_terms else 0
@@ -175,25 +243,25 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
         for r in reqs:
             h = hint.get(r.idx)
             for n in cand[r.idx]:
-                m.AddHint(x[(r.idx, n)], 1 if h is not None and h[0] == n else 0)
+                m.add_hint(x[(r.idx, n)], 1 if h is not None and h.node == n else 0)
 
     # Lexicographic: first the most (priority-weighted) pods, then, with that fixed, the fewest
     # changes and then the fewest occupied GPUs. Two solves prove optimality far sooner than
     # one big weighted objective.
-    m.Maximize(placed_expr)
+    m.maximize(placed_expr)
     solver = _solver(time_limit_s * 0.6)
-    status1 = solver.Solve(m)
+    status1 = solver.solve(m)
     if status1 not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    best_placed = round(solver.ObjectiveValue())
-    m.ClearHints()
-    for i in range(len(m.Proto().variables)):
-        v = m.GetIntVarFromProtoIndex(i)
-        m.AddHint(v, solver.Value(v))
-    m.Add(placed_expr >= best_placed)
-    m.Minimize((len(occ) + 1) * cost_expr + occ_expr)
+    best_placed = round(solver.objective_value)
+    m.clear_hints()  # type: ignore[no-untyped-call]  # ortools does not annotate clear_hints
+    for i in range(len(m.proto.variables)):
+        var = m.get_int_var_from_proto_index(i)
+        m.add_hint(var, solver.value(var))
+    m.add(placed_expr >= best_placed)
+    m.minimize((len(occ) + 1) * cost_expr + occ_expr)
     solver2 = _solver(time_limit_s * 0.4)
-    status2 = solver2.Solve(m)
+    status2 = solver2.solve(m)
     if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         solver = solver2
     optimal = status1 == cp_model.OPTIMAL and status2 == cp_model.OPTIMAL
@@ -201,36 +269,21 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
 
     # --- decode into GPU states -------------------------------------------------------------
     new_states: dict[int, GpuState] = {g: new_state(problem.gpus[g]) for g in gids}
-    for g, dec in decode.items():
-        st = new_states[g]
-        if isinstance(st, MigState):
-            configs, ys = dec  # type: ignore[misc]
-            chosen = next(c for c, y in zip(configs, ys) if solver.Value(y))
-            st.set_geometry(chosen[2])
-        else:
-            assert isinstance(st, MpsState)
-            keep, new, whole, _ = dec  # type: ignore[misc]
-            slices = [s for k, s in enumerate(st.slices) if s.hard or solver.Value(keep[k])]
-            st.destroyed = len(st.slices) - len(slices)
-            for size, v in new.items():
-                for _ in range(solver.Value(v)):
-                    slices.append(MpsPiece(size, False, None, False))
-                    st.created += 1
-            st.slices = slices
-            st.changed = bool(st.destroyed or st.created)
-    placed: dict[int, tuple[int, list[int]]] = {}
+    for g, gpu_model in models.items():
+        new_states[g] = gpu_model.decode(solver)
+    placed: Placements = {}
     for r in sorted(reqs, key=lambda r: r.idx):
-        node = next((n for n in cand[r.idx] if solver.Value(x[(r.idx, n)])), None)
+        node = next((n for n in cand[r.idx] if solver.value(x[(r.idx, n)])), None)
         if node is None:
             continue
         used_gids = []
         for g in problem.nodes[node].gpus:
-            av = a.get((r.idx, g))
-            k = solver.Value(av) if av is not None else 0
+            taken = a.get((r.idx, g))
+            k = solver.value(taken) if taken is not None else 0
             if k:
                 used_gids.append(g)
                 _assign(new_states[g], r, k)
-        placed[r.idx] = (node, used_gids)
+        placed[r.idx] = Assignment(node, tuple(used_gids))
     obj = objective(list(new_states.values()), {i: problem.requests[i].weight for i in placed})
     return ExactResult(new_states, placed, optimal, placed_optimal, obj)
 
@@ -251,21 +304,10 @@ def _solver(budget_s: float) -> cp_model.CpSolver:
 
 def _assign(st: GpuState, r: Request, k: int) -> None:
     """Give k free slices of r's resource on this GPU to pod r (any will do: they are equal)."""
-    if isinstance(st, MigState):
-        p = st.rules.index[r.profile]  # type: ignore[index]
-        for inst in st.insts:
-            if k and inst.p == p and not inst.hard:
-                inst.pod = r.name
-                k -= 1
-    elif r.kind == KIND_GPU:
-        st.whole_pod = r.name
-        k = 0
-    else:
-        for s in st.slices:
-            if k and s.size == r.size and not s.hard:
-                s.pod = r.name
-                k -= 1
-    assert k == 0, f"solution gave {r.name} a slice that is not there"
+    slots = st.free_slots(r.slice_ref)[:k]
+    assert len(slots) == k, f"solution gave {r.name} a slice that is not there"
+    for slot in slots:
+        st.bind(slot, r.slice_ref, r.name)
 
 
 def objective(states: list[GpuState], placed_weights: dict[int, int]) -> tuple[int, int, int]:

@@ -6,17 +6,20 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
 
-from dynpart.catalog import load_catalog
+from dynpart.catalog import Catalog, load_catalog
 from dynpart.errors import DynpartError
-from dynpart.planner.core import PlanOptions, plan
+from dynpart.planner.core import POLICIES, PlanOptions, plan
 from dynpart.snapshot import Plan, Snapshot, parse_snapshot
 
+if TYPE_CHECKING:  # the Kubernetes client is imported only for a live cluster
+    from dynpart.kube.client import Obj
 
-def register(sub: argparse._SubParsersAction) -> None:
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("explain", help="why a pod waits, or where the planner would put it",
                        description="Plan once and explain the decision for one pod (or all pending pods). "
                        "Give --snapshot FILE (YAML/JSON snapshot, see docs/planner.md) or use the live cluster "
@@ -24,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("pod", nargs="?", help="namespace/name of a pending pod (default: every pending pod)")
     p.add_argument("--snapshot", help="snapshot file instead of the live cluster")
     p.add_argument("--kubeconfig")
-    p.add_argument("--policy", choices=["dynpart", "nos", "static"], default="dynpart")
+    p.add_argument("--policy", choices=list(POLICIES), default="dynpart")
     p.add_argument("--json", action="store_true", help="print the plan's decision as JSON")
     p.set_defaults(func=run)
 
@@ -35,13 +38,14 @@ def _load_snapshot_file(path: str) -> Snapshot:
     except OSError as e:
         raise DynpartError(f"snapshot file {path}: {e.strerror}") from None
     try:
-        data: Any = yaml.safe_load(text)
+        data: object = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise DynpartError(f"snapshot file {path}: not valid YAML/JSON: {e}") from None
     return parse_snapshot(data)
 
 
-async def _live_snapshot(kubeconfig: str | None, catalog):  # type: ignore[no-untyped-def]
+async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
+                         ) -> tuple[Snapshot, list[tuple[Obj, str]], dict[str, Obj]]:
     from kubernetes_asyncio import client
 
     from dynpart.annotations import PARTITIONING_LABEL
@@ -62,9 +66,9 @@ async def _live_snapshot(kubeconfig: str | None, catalog):  # type: ignore[no-un
 def describe(result: Plan, pod: str) -> str:
     for pl in result.placements:
         if pl.pod == pod:
-            where = ", ".join(f"GPU {g}: {s}" for g, s in pl.slices)
+            where = ", ".join(f"GPU {s.gpu}: {s}" for s in pl.slices)
             layout = result.layout_of(pl.node)
-            mine = {g for g, _ in pl.slices}
+            mine = {s.gpu for s in pl.slices}
             changes = [g for g in (layout.gpus if layout else []) if g.changed and g.index in mine]
             how = (f"creating {sum(g.created for g in changes)} and destroying {sum(g.destroyed for g in changes)} "
                    f"free slice(s) on GPU(s) {', '.join(str(g.index) for g in changes)}" if changes
@@ -80,6 +84,8 @@ def describe(result: Plan, pod: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import asyncio
     catalog = load_catalog(args.catalog)
+    problems: list[tuple[Obj, str]]
+    live: dict[str, Obj]  # the live cluster's pods by namespace/name
     if args.snapshot:
         snapshot, problems, live = _load_snapshot_file(args.snapshot), [], {}
     else:

@@ -10,13 +10,20 @@ which keeps 2,000 pods on 8,000 GPUs well under a second.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Hashable
 from itertools import count as counter
 
-from dynpart.planner.problem import KIND_GPU, KIND_MIG, Problem, Request
-from dynpart.planner.state import GpuState, apply_option, new_state, option_for
+from dynpart.planner.problem import KIND_GPU, Problem, Request
+from dynpart.planner.state import GpuState, new_state
+from dynpart.planner.types import Assignment, Cost, Option, Placements, SliceRef
 
 # how many nodes a multi-slice pod tries before giving up
 _MULTI_SLICE_NODE_TRIES = 64
+
+# (cost of the bucket's GPUs for the heap's request kind, insertion order, bucket key)
+_HeapEntry = tuple[Cost, int, Hashable]
+# one slice of a placed pod: the GPU and how it hosts the slice
+_Pick = tuple[int, Option]
 
 
 def request_order(problem: Problem) -> list[Request]:
@@ -34,33 +41,36 @@ class Greedy:
         self.states: list[GpuState] = states if states is not None else [new_state(g) for g in problem.gpus]
         self.cpu = [n.cpu_free for n in problem.nodes]
         self.mem = [n.mem_free for n in problem.nodes]
-        self.placement: dict[int, tuple[int, list[tuple[int, int, tuple[int, ...]]]]] = {}
-        self._buckets: dict[tuple, dict[int, None]] = {}
-        self._key_of: list[tuple] = []
-        self._heaps: dict[tuple[str, object], list] = {}
+        self.placement: dict[int, tuple[int, list[_Pick]]] = {}
+        self._buckets: dict[Hashable, dict[int, None]] = {}
+        self._key_of: list[Hashable] = []
+        self._heaps: dict[SliceRef, list[_HeapEntry]] = {}
         self._seq = counter()
         for st in self.states:
             k = st.key()
             self._key_of.append(k)
             self._buckets.setdefault(k, {})[st.info.gid] = None
 
+    def placements(self) -> Placements:
+        return {idx: Assignment(node, tuple(gid for gid, _ in picks)) for idx, (node, picks) in self.placement.items()}
+
     # --- buckets and heaps -----------------------------------------------------------------
 
-    def _heap(self, sig: tuple[str, object]) -> list:
-        heap = self._heaps.get(sig)
+    def _heap(self, ask: SliceRef) -> list[_HeapEntry]:
+        heap = self._heaps.get(ask)
         if heap is None:
             heap = []
             for key, members in self._buckets.items():
                 if members:
-                    self._push(heap, sig, key, next(iter(members)))
+                    self._push(heap, ask, key, next(iter(members)))
             heapq.heapify(heap)
-            self._heaps[sig] = heap
+            self._heaps[ask] = heap
         return heap
 
-    def _push(self, heap: list, sig: tuple[str, object], key: tuple, gid: int) -> None:
-        opt = option_for(self.states[gid], sig[0], sig[1])
+    def _push(self, heap: list[_HeapEntry], ask: SliceRef, key: Hashable, gid: int) -> None:
+        opt = self.states[gid].option(ask)
         if opt is not None:
-            heapq.heappush(heap, (opt[0], next(self._seq), key))
+            heapq.heappush(heap, (opt.cost, next(self._seq), key))
 
     def _moved(self, gid: int) -> None:
         old = self._key_of[gid]
@@ -71,8 +81,8 @@ class Greedy:
         was_empty = not members
         members[gid] = None
         if was_empty:
-            for sig, heap in self._heaps.items():
-                self._push(heap, sig, new, gid)
+            for ask, heap in self._heaps.items():
+                self._push(heap, ask, new, gid)
 
     # --- placing ---------------------------------------------------------------------------
 
@@ -82,11 +92,10 @@ class Greedy:
     def place(self, req: Request) -> bool:
         if not req.candidates:
             return False
-        what = req.profile if req.kind == KIND_MIG else req.size
-        sig = (req.kind, what)
-        heap = self._heap(sig)
+        ask = req.slice_ref
+        heap = self._heap(ask)
         cands = set(req.candidates)
-        skipped: list = []
+        skipped: list[_HeapEntry] = []
         tried_nodes: set[int] = set()
         done = False
         while heap and not done:
@@ -100,9 +109,9 @@ class Greedy:
                 if node in tried_nodes or not self._fits_node(req, node, cands):
                     continue
                 if req.count == 1:
-                    opt = option_for(self.states[gid], req.kind, what)
+                    opt = self.states[gid].option(ask)
                     assert opt is not None
-                    self._commit(req, node, [(gid, opt[1], opt[2])])
+                    self._commit(req, node, [(gid, opt)])
                     done = True
                     break
                 tried_nodes.add(node)
@@ -121,28 +130,27 @@ class Greedy:
             heapq.heappush(heap, e)
         return done
 
-    def _fill_node(self, req: Request, node: int) -> list[tuple[int, int, tuple[int, ...]]] | None:
+    def _fill_node(self, req: Request, node: int) -> list[_Pick] | None:
         """Pick `req.count` slices on one node, cheapest first, on scratch copies."""
-        what = req.profile if req.kind == KIND_MIG else req.size
+        ask = req.slice_ref
         scratch = {g: self.states[g].clone() for g in self.problem.nodes[node].gpus}
-        picks = []
+        picks: list[_Pick] = []
         for _ in range(req.count):
-            best = None
+            best: _Pick | None = None
             for gid, st in scratch.items():
-                opt = option_for(st, req.kind, what)
-                if opt is not None and (best is None or opt[0] < best[1][0]):
+                opt = st.option(ask)
+                if opt is not None and (best is None or opt.cost < best[1].cost):
                     best = (gid, opt)
             if best is None:
                 return None
-            gid, (cost, start, destroy) = best
-            apply_option(scratch[gid], req.kind, what, start, destroy, req.name)
-            picks.append((gid, start, destroy))
+            gid, opt = best
+            scratch[gid].apply(ask, opt, req.name)
+            picks.append(best)
         return picks
 
-    def _commit(self, req: Request, node: int, picks: list[tuple[int, int, tuple[int, ...]]]) -> None:
-        what = req.profile if req.kind == KIND_MIG else req.size
-        for gid, start, destroy in picks:
-            apply_option(self.states[gid], req.kind, what, start, destroy, req.name)
+    def _commit(self, req: Request, node: int, picks: list[_Pick]) -> None:
+        for gid, opt in picks:
+            self.states[gid].apply(req.slice_ref, opt, req.name)
             self._moved(gid)
         self.cpu[node] -= req.cpu
         self.mem[node] -= req.mem
@@ -152,7 +160,3 @@ class Greedy:
         for req in order if order is not None else request_order(self.problem):
             self.place(req)
         return self
-
-
-def greedy(problem: Problem) -> Greedy:
-    return Greedy(problem).run()

@@ -6,14 +6,16 @@ pydantic models, because the planner must stay fast on thousands of GPUs.
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.mig import MigRules
+from dynpart.planner.types import WHOLE_GPU, MigSliceRef, MpsSliceRef, SliceRef
 from dynpart.resources import MigResource, MpsResource, WholeGpuResource, parse_resource
-from dynpart.snapshot import Snapshot, gpu_capacity, validate_snapshot
+from dynpart.snapshot import Mode, Snapshot, gpu_capacity, validate_snapshot
 
 KIND_MIG, KIND_MPS, KIND_GPU = "mig", "mps", "gpu"
 
@@ -43,7 +45,7 @@ class GpuInfo:
 class NodeInfo:
     idx: int
     name: str
-    mode: str
+    mode: Mode
     model: GpuModel
     cpu_free: int
     mem_free: int
@@ -59,6 +61,7 @@ class Request:
     name: str
     resource: str
     kind: str  # mig | mps | gpu
+    slice_ref: SliceRef  # what it asks of each GPU it lands on
     profile: str | None
     size: int  # MPS size; MIG: memory slices of the profile on the first candidate model
     count: int
@@ -68,10 +71,6 @@ class Request:
     weight: int = 1
     candidates: list[int] = field(default_factory=list)  # node indices
     no_candidate_reason: str | None = None
-
-    @property
-    def signature(self) -> tuple[str, object]:
-        return (self.kind, self.profile if self.kind == KIND_MIG else self.size)
 
 
 @dataclass
@@ -139,36 +138,37 @@ def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
     mem_free = np.array([n.mem_free for n in nodes], dtype=np.int64)
     # the filters that do not depend on CPU/memory give the same answer for every pod with the
     # same request, selector and accepted models: evaluate them once per such signature
-    static: dict[tuple, tuple[np.ndarray, list[tuple[int, str]]]] = {}
+    static: dict[tuple[object, ...], tuple[np.ndarray, list[tuple[int, str]]]] = {}
     requests: list[Request] = []
     for pi, pod in enumerate(snapshot.pending):
         res = parse_resource(pod.resource)
+        ref: SliceRef
         if isinstance(res, MigResource):
-            kind, profile, size = KIND_MIG, res.profile, 0
+            kind, ref, profile, size = KIND_MIG, MigSliceRef(res.profile), res.profile, 0
         elif isinstance(res, MpsResource):
-            kind, profile, size = KIND_MPS, None, res.size
+            kind, ref, profile, size = KIND_MPS, MpsSliceRef(res.size), None, res.size
         else:
             assert isinstance(res, WholeGpuResource)
-            kind, profile, size = KIND_GPU, None, 0
-        req = Request(pi, pod.name, pod.resource, kind, profile, size, pod.count, pod.cpu_milli,
+            kind, ref, profile, size = KIND_GPU, WHOLE_GPU, None, 0
+        req = Request(pi, pod.name, pod.resource, kind, ref, profile, size, pod.count, pod.cpu_milli,
                       pod.memory_mib, pod.priority, weights[pod.priority])
         accepted = frozenset(catalog.resolve(m).name for m in pod.gpu_models)
         sig = (kind, profile, size, pod.count, tuple(sorted(pod.node_selector.items())), accepted)
         hit = static.get(sig)
         if hit is None:
             ok, reasons = [], []
-            for node in nodes:
-                why = _node_rejects(node, gpus, req, pod.node_selector, accepted)
+            for candidate in nodes:
+                why = _node_rejects(candidate, gpus, req, pod.node_selector, accepted)
                 if why is None:
-                    ok.append(node.idx)
+                    ok.append(candidate.idx)
                 else:
                     reasons.append(why)
             hit = static[sig] = (np.array(ok, dtype=np.int64), reasons)
         ok_nodes, reasons = hit
         fits = ok_nodes[(cpu_free[ok_nodes] >= req.cpu) & (mem_free[ok_nodes] >= req.mem)] if len(ok_nodes) else ok_nodes
         req.candidates = fits.tolist()
-        if kind == KIND_MIG and req.candidates:
-            req.size = nodes[req.candidates[0]].model.profiles_by_name[profile].memory
+        if isinstance(ref, MigSliceRef) and req.candidates:
+            req.size = nodes[req.candidates[0]].model.profiles_by_name[ref.profile].memory
         if not req.candidates:
             if len(ok_nodes):
                 req.no_candidate_reason = (f"not enough free CPU/memory on any matching node "
@@ -180,7 +180,7 @@ def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
 
 
 def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: dict[str, str],
-                  accepted: set[str]) -> tuple[int, str] | None:
+                  accepted: Set[str]) -> tuple[int, str] | None:
     """Why this node can never host the pod (whatever the layout), or None if it may.
     The number is how far the node got through the filters (for the summary)."""
     wanted_mode = "mig" if req.kind == KIND_MIG else "mps"

@@ -59,7 +59,7 @@ def random_snapshot(seed: int, nodes: int, gpus_per_node: int, gpu: str, pending
                         break
                 gpus.append(Gpu(index=i, mps=slices))
         out_nodes.append(Node(
-            name=f"node-{n:04d}", mode=mode, gpu_model=model.name,  # type: ignore[arg-type]
+            name=f"node-{n:04d}", mode=mode, gpu_model=model.name,
             cpu_milli_free=rng.randrange(16_000, 96_001, 1000), memory_mib_free=rng.randrange(64, 513) * 1024,
             labels={"topology.kubernetes.io/zone": f"zone-{n % 3}"}, gpus=gpus,
         ))

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
 from dynpart.resources import WHOLE_GPU, mps_resource_name
-from dynpart.simulations.traces import TracePod
-from dynpart.snapshot import Gpu, MpsSlice, Node, PendingPod, Plan, Snapshot
+from dynpart.simulations.inputs.traces import TracePod
+from dynpart.snapshot import Gpu, Mode, MpsSlice, Node, PendingPod, Plan, Snapshot
 
 # Memory of the openb GPU models (GB). G1/G2/G3 are undisclosed; their value only matters as
 # the default MPS capacity, which packing snapshots override (capacity 1000 = GPU milli).
@@ -59,7 +59,7 @@ def mps_gpu(index: int, capacity: int, holders: dict[str, int], whole: bool) -> 
                                mps=[MpsSlice.model_construct(size=m, used=True, pod=p) for p, m in holders.items()])
 
 
-def node(name: str, mode: str, model: str, cpu_free: int, mem_free: int, gpus: list[Gpu],
+def node(name: str, mode: Mode, model: str, cpu_free: int, mem_free: int, gpus: list[Gpu],
          labels: dict[str, str] | None = None) -> Node:
     return Node.model_construct(name=name, mode=mode, gpu_model=model, cpu_milli_free=int(cpu_free),
                                 memory_mib_free=int(mem_free), labels=labels or {}, gpus=gpus)

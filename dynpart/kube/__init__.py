@@ -1,3 +1,6 @@
-"""Thin Kubernetes client helpers, one verb per module (kopf's layout): connecting, watching,
-patching, posting events, holding a lease. Objects travel as plain dicts, as the API serves
-them, so the pure code above never depends on the client's model classes."""
+"""The one Kubernetes layer of dynpart, one concern per module (kopf's layout): `client`
+(connecting, reading raw answers), `errors` (an HTTP status becomes a class, once), `retrying`
+(back-off through tenacity), `watching` (the informer), `patching`, `events` (the bare POST) and
+`recording` (which Events to post), `leases` (leader election), `conventions` (the well-known
+names). Objects travel as plain dicts, as the API serves them, so the pure code above never
+depends on the client's model classes; the knobs are `dynpart.settings.KubeSettings`."""

@@ -1,18 +1,22 @@
-"""Posting Kubernetes Events (core/v1, so `kubectl describe` shows them on the object)."""
+"""Posting Kubernetes Events (core/v1, so `kubectl describe` shows them on the object). The bare
+POST; `dynpart.kube.recording.EventRecorder` decides which Events are worth posting."""
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
 import uuid
-from typing import Any
 
 from kubernetes_asyncio import client
+
+from dynpart.kube.client import Obj, raw_api
+from dynpart.kube.errors import APIError, api_errors
 
 log = logging.getLogger(__name__)
 
 
-def _reference(obj: dict[str, Any]) -> dict[str, Any]:
+def object_reference(obj: Obj) -> Obj:
+    """The involvedObject of an Event about `obj` (a listed object has no `kind`: told by its spec)."""
     md = obj.get("metadata", {})
     kind = obj.get("kind") or ("Pod" if "containers" in (obj.get("spec") or {}) else "Node")
     ref = {"kind": kind, "apiVersion": "v1", "name": md.get("name"), "uid": md.get("uid")}
@@ -21,10 +25,10 @@ def _reference(obj: dict[str, Any]) -> dict[str, Any]:
     return ref
 
 
-async def post_event(core: client.CoreV1Api, obj: dict[str, Any], reason: str, message: str,
+async def post_event(core: client.CoreV1Api, obj: Obj, reason: str, message: str,
                      component: str, warning: bool = False) -> None:
     """Best effort: a failure to post an event is logged, never raised."""
-    ref = _reference(obj)
+    ref = object_reference(obj)
     namespace = ref.get("namespace", "default")
     now = dt.datetime.now(dt.UTC)
     body = {
@@ -35,6 +39,7 @@ async def post_event(core: client.CoreV1Api, obj: dict[str, Any], reason: str, m
         "reportingComponent": component,
     }
     try:
-        await core.create_namespaced_event(namespace, body)
-    except Exception as e:
+        with api_errors(f"post event {reason} on {ref['name']}"):
+            await raw_api(core).create_namespaced_event(namespace, body)
+    except APIError as e:
         log.warning("could not post event %s on %s: %s", reason, ref["name"], e)

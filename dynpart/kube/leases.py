@@ -3,6 +3,7 @@
 The holder renews the lease every `renew_s`; another replica takes it over once
 `renewTime + leaseDurationSeconds` has passed without a renewal. Every write carries the
 resourceVersion it read, so two replicas can never both win (the loser gets 409 Conflict).
+A standby tries every `retry_s` rather than backing off: it must notice an expired lease in time.
 A leader that cannot renew within its lease steps down before anyone else may take over.
 On a clean stop the lease is released so that a standby takes over at once."""
 
@@ -13,12 +14,11 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
-from dynpart.kube.client import read_json
+from dynpart.kube.client import Obj, raw_api, read_json
+from dynpart.kube.errors import APIConflictError, APIError, APINotFoundError, api_errors
 
 log = logging.getLogger(__name__)
 _FMT = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -59,24 +59,26 @@ class LeaderElector:
             if self.on_change:
                 self.on_change(leader)
 
+    async def _read(self) -> Obj:
+        what = f"read lease {self.namespace}/{self.name}"
+        with api_errors(what):
+            resp = await self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False)
+        return await read_json(resp, what)
+
     async def _try(self) -> bool:
         try:
-            resp = await self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False)
-            lease: dict[str, Any] = await read_json(resp)
-        except ApiException as e:
-            if e.status != 404:
-                raise
+            lease = await self._read()
+        except APINotFoundError:
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                     "metadata": {"name": self.name, "namespace": self.namespace},
                     "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": self.lease_s,
                              "acquireTime": _now(), "renewTime": _now(), "leaseTransitions": 0}}
             try:
-                await self.api.create_namespaced_lease(self.namespace, body)
+                with api_errors(f"create lease {self.namespace}/{self.name}"):
+                    await raw_api(self.api).create_namespaced_lease(self.namespace, body)
                 return True
-            except ApiException as e2:
-                if e2.status == 409:
-                    return False
-                raise
+            except APIConflictError:
+                return False
         spec = lease.get("spec") or {}
         holder = spec.get("holderIdentity")
         duration = spec.get("leaseDurationSeconds") or self.lease_s
@@ -89,22 +91,25 @@ class LeaderElector:
             return False
         lease["spec"] = spec
         try:
-            await self.api.replace_namespaced_lease(self.name, self.namespace, lease)
+            await self._replace(lease)
             return True
-        except ApiException as e:
-            if e.status == 409:
-                return False
-            raise
+        except APIConflictError:
+            return False
+
+    async def _replace(self, lease: Obj) -> None:
+        with api_errors(f"update lease {self.namespace}/{self.name}"):
+            await raw_api(self.api).replace_namespaced_lease(self.name, self.namespace, lease)
 
     async def run(self) -> None:
         try:
             while True:
                 try:
                     won = await self._try()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:
+                except APIError as e:
                     log.warning("lease %s/%s: %s", self.namespace, self.name, e)
+                    won = False
+                except Exception:  # keep electing (a malformed Lease, say): this replica must go on stepping down
+                    log.exception("lease %s/%s", self.namespace, self.name)
                     won = False
                 now = time.monotonic()
                 if won:
@@ -121,10 +126,11 @@ class LeaderElector:
 
     async def _release(self) -> None:
         try:
-            lease = await self.api.read_namespaced_lease(self.name, self.namespace)
-            if lease.spec.holder_identity == self.identity:
-                lease.spec.holder_identity = None
-                lease.spec.renew_time = None
-                await self.api.replace_namespaced_lease(self.name, self.namespace, lease)
-        except Exception as e:
+            lease = await self._read()
+            spec = lease.get("spec") or {}
+            if spec.get("holderIdentity") == self.identity:
+                spec.update(holderIdentity=None, renewTime=None)
+                lease["spec"] = spec
+                await self._replace(lease)
+        except APIError as e:
             log.warning("could not release lease %s/%s: %s", self.namespace, self.name, e)

@@ -1,35 +1,31 @@
-"""Patching node annotations: a JSON merge patch that carries the resourceVersion the change was
-computed from, so a concurrent writer's change is never overwritten (the API server answers
-409 Conflict and the caller re-reads)."""
+"""Patching node metadata with JSON merge patches. An annotation patch carries the
+resourceVersion the change was computed from, so a concurrent writer's change is never
+overwritten: the API server answers 409 and this raises `APIConflictError` (the caller re-reads)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
-from dynpart.kube.client import read_json
+from dynpart.kube.client import Obj, raw_api, read_json
+from dynpart.kube.errors import api_errors
 
-
-class Conflict(Exception):
-    """The object changed since it was read."""
-
+MERGE_PATCH = "application/merge-patch+json"
 
 async def patch_node_annotations(core: client.CoreV1Api, name: str, annotations: dict[str, str | None],
-                                 resource_version: str | None = None) -> dict[str, Any]:
+                                 resource_version: str | None = None) -> Obj:
+    """The node as patched. A None value removes the key."""
     metadata: dict[str, Any] = {"annotations": annotations}
     if resource_version:
         metadata["resourceVersion"] = resource_version
-    try:
-        resp = await core.patch_node(name, {"metadata": metadata}, _content_type="application/merge-patch+json",
-                                     _preload_content=False)
-        return await read_json(resp)
-    except ApiException as e:
-        if e.status == 409:
-            raise Conflict(f"node {name} changed since resourceVersion {resource_version}") from None
-        raise
+    what = f"patch node {name}" + (f" at resourceVersion {resource_version}" if resource_version else "")
+    with api_errors(what):
+        resp = await raw_api(core).patch_node(name, {"metadata": metadata}, _content_type=MERGE_PATCH,
+                                              _preload_content=False)
+    return await read_json(resp, what)
 
 
 async def patch_node_labels(core: client.CoreV1Api, name: str, labels: dict[str, str | None]) -> None:
-    await core.patch_node(name, {"metadata": {"labels": labels}}, _content_type="application/merge-patch+json")
+    with api_errors(f"patch node {name} labels"):
+        await raw_api(core).patch_node(name, {"metadata": {"labels": labels}}, _content_type=MERGE_PATCH)

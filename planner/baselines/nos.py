@@ -15,42 +15,87 @@ After each node the pods that now fit are bound, as the scheduler would.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
+from functools import singledispatch
 
 from dynpart.mig import maximal_geometries, place_counts
 from dynpart.planner.baselines.common import schedule, scheduler_order
-from dynpart.planner.problem import KIND_MIG, KIND_MPS, Problem
-from dynpart.planner.state import GpuState, MigState, MpsState, new_state
+from dynpart.planner.mig_state import MigState
+from dynpart.planner.mps_state import MpsState
+from dynpart.planner.policy import PlanOptions, PolicyName, PolicyResult
+from dynpart.planner.problem import Problem, Request
+from dynpart.planner.state import GpuState, new_state
+from dynpart.planner.types import MigSliceRef, MpsSliceRef, Placements
 
 
-def plan_nos(problem: Problem) -> tuple[list[GpuState], dict[int, tuple[int, list[int]]]]:
+class NosPolicy:
+    def __init__(self, options: PlanOptions):
+        pass  # nos has no knobs
+
+    @property
+    def name(self) -> PolicyName:
+        return "nos"
+
+    def place(self, problem: Problem) -> PolicyResult:
+        states, placed = plan_nos(problem)
+        return PolicyResult(states, placed, "nos greedy")
+
+    def unplaced_reason(self, problem: Problem, req: Request) -> str:
+        return (f"nos's greedy supplied no free {req.resource} on its {len(req.candidates)} candidate node(s) "
+                "(geometries without placements, nodes in name order)")
+
+
+@dataclass
+class _Lacking:
+    """What the pods still waiting for a node ask for: MIG profiles (counted), MPS sizes (in
+    scheduling order)."""
+
+    mig: Counter[str] = field(default_factory=Counter)
+    mps: list[int] = field(default_factory=list)
+
+
+def plan_nos(problem: Problem) -> tuple[list[GpuState], Placements]:
     states = [new_state(g) for g in problem.gpus]
     cpu = [n.cpu_free for n in problem.nodes]
     mem = [n.mem_free for n in problem.nodes]
-    placed: dict[int, tuple[int, list[int]]] = {}
+    placed: Placements = {}
     schedule(problem, states, cpu, mem, placed)  # pods that fit the current layout
     for node in sorted(range(len(problem.nodes)), key=lambda n: problem.nodes[n].name):
-        lacking_mig: Counter[str] = Counter()
-        lacking_mps: list[int] = []
+        lacking = _Lacking()
         for r in scheduler_order(problem):
             if r.idx in placed or node not in r.candidates:
                 continue
-            if r.kind == KIND_MIG:
-                lacking_mig[r.profile] += r.count  # type: ignore[index]
-            elif r.kind == KIND_MPS:
-                lacking_mps.extend([r.size] * r.count)
-        if not lacking_mig and not lacking_mps:
+            if isinstance(r.slice_ref, MigSliceRef):
+                lacking.mig[r.slice_ref.profile] += r.count
+            elif isinstance(r.slice_ref, MpsSliceRef):
+                lacking.mps.extend([r.slice_ref.size] * r.count)
+        if not lacking.mig and not lacking.mps:
             continue
         for gid in problem.nodes[node].gpus:
-            st = states[gid]
-            if isinstance(st, MigState) and lacking_mig:
-                _nos_mig_gpu(st, lacking_mig)
-            elif isinstance(st, MpsState) and lacking_mps:
-                _nos_mps_gpu(st, lacking_mps)
+            _supply(states[gid], lacking)
         schedule(problem, states, cpu, mem, placed, nodes=[node])
     return states, placed
 
 
-def _nos_mig_gpu(st: MigState, lacking: Counter[str]) -> None:
+@singledispatch
+def _supply(st: GpuState, lacking: _Lacking) -> None:
+    """Re-lay one GPU for what is lacking, nos's way for the GPU's mode."""
+    raise TypeError(f"nos cannot lay out a {type(st).__name__}")
+
+
+@_supply.register
+def _nos_mig_gpu(st: MigState, lacking: _Lacking) -> None:
+    if lacking.mig:
+        _nos_mig_counts(st, lacking.mig)
+
+
+@_supply.register
+def _nos_mps_gpu(st: MpsState, lacking: _Lacking) -> None:
+    if lacking.mps:
+        _nos_mps_sizes(st, lacking.mps)
+
+
+def _nos_mig_counts(st: MigState, lacking: Counter[str]) -> None:
     names = st.rules.names
     used = Counter(names[i.p] for i in st.insts if i.hard)
     free_now = Counter(names[i.p] for i in st.insts if not i.hard)
@@ -69,15 +114,15 @@ def _nos_mig_gpu(st: MigState, lacking: Counter[str]) -> None:
             lacking[p] -= min(free_now[p], lacking[p])
         return
     fixed = [(names[i.p], i.start) for i in st.insts if i.hard]
-    geometry = place_counts(st.rules.model, dict(best), fixed)
-    if geometry is None:
+    placed = place_counts(st.rules.model, dict(best), fixed)
+    if placed is None:
         return  # the agent could not realise it: nos leaves the GPU as it was
-    st.set_geometry(geometry)
+    st.set_geometry(placed)
     for p in list(lacking):
         lacking[p] -= min(best[p], lacking[p])
 
 
-def _nos_mps_gpu(st: MpsState, lacking: list[int]) -> None:
+def _nos_mps_sizes(st: MpsState, lacking: list[int]) -> None:
     if st.whole_pod is not None:
         return
     room = st.cap - sum(s.size for s in st.slices if s.hard)

@@ -7,12 +7,35 @@ The default is mig-parted's `all-balanced`: 2 x 1g + 1 x 2g + 1 x 3g on 7-slice 
 
 from __future__ import annotations
 
+from functools import singledispatch
+
 from dynpart.catalog import GpuModel
 from dynpart.errors import DynpartError
 from dynpart.mig import place_counts
 from dynpart.planner.baselines.common import schedule
-from dynpart.planner.problem import Problem
-from dynpart.planner.state import GpuState, MigState, MpsState, new_state
+from dynpart.planner.mig_state import MigState
+from dynpart.planner.mps_state import MpsState
+from dynpart.planner.policy import PlanOptions, PolicyName, PolicyResult
+from dynpart.planner.problem import Problem, Request
+from dynpart.planner.state import GpuState, new_state
+from dynpart.planner.types import Placements
+
+
+class StaticPolicy:
+    def __init__(self, options: PlanOptions):
+        self.layout = options.static_layout
+
+    @property
+    def name(self) -> PolicyName:
+        return "static"
+
+    def place(self, problem: Problem) -> PolicyResult:
+        states, placed = plan_static(problem, self.layout)
+        return PolicyResult(states, placed, "static")
+
+    def unplaced_reason(self, problem: Problem, req: Request) -> str:
+        return (f"the static layout has no free {req.resource} on its {len(req.candidates)} candidate node(s) "
+                "and never changes")
 
 
 def balanced_counts(model: GpuModel) -> dict[str, int]:
@@ -39,21 +62,38 @@ def parse_counts(model: GpuModel, text: str) -> dict[str, int]:
     return counts
 
 
-def plan_static(problem: Problem, layout: dict[str, str]) -> tuple[list[GpuState], dict[int, tuple[int, list[int]]]]:
+def plan_static(problem: Problem, layout: dict[str, str]) -> tuple[list[GpuState], Placements]:
     states = [new_state(g) for g in problem.gpus]
     for st in states:
-        model = st.info.model
-        if isinstance(st, MigState) and not st.insts:
-            counts = parse_counts(model, layout[model.name]) if model.name in layout else balanced_counts(model)
-            geometry = place_counts(model, counts)
-            if geometry is None:
-                raise DynpartError(f"static layout for {model.name}: {counts} has no valid MIG placement")
-            st.set_geometry(geometry)
-        elif isinstance(st, MpsState) and not st.slices and st.whole_pod is None:
-            parts = int(layout.get("mps", "4"))
-            st.replace_free_slices([st.cap // parts] * parts)
+        _lay_out(st, layout)
     cpu = [n.cpu_free for n in problem.nodes]
     mem = [n.mem_free for n in problem.nodes]
-    placed: dict[int, tuple[int, list[int]]] = {}
+    placed: Placements = {}
     schedule(problem, states, cpu, mem, placed)
     return states, placed
+
+
+@singledispatch
+def _lay_out(st: GpuState, layout: dict[str, str]) -> None:
+    """Give an unpartitioned GPU the configured layout of its mode (partitioned ones keep theirs)."""
+    raise TypeError(f"no static layout for a {type(st).__name__}")
+
+
+@_lay_out.register
+def _lay_out_mig(st: MigState, layout: dict[str, str]) -> None:
+    if st.insts:
+        return
+    model = st.info.model
+    counts = parse_counts(model, layout[model.name]) if model.name in layout else balanced_counts(model)
+    geometry = place_counts(model, counts)
+    if geometry is None:
+        raise DynpartError(f"static layout for {model.name}: {counts} has no valid MIG placement")
+    st.set_geometry(geometry)
+
+
+@_lay_out.register
+def _lay_out_mps(st: MpsState, layout: dict[str, str]) -> None:
+    if st.slices or st.whole_pod is not None:
+        return
+    parts = int(layout.get("mps", "4"))
+    st.replace_free_slices([st.cap // parts] * parts)

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from dynpart.agent.driver.fake import FakeNvml
 from dynpart.agent.kube import FakeConfigStore, FakeNodeApi
 from dynpart.agent.loop import Agent
-from dynpart.agent.driver.fake import FakeNvml
 from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import encode_spec
 from dynpart.catalog import GpuModel, default_catalog

@@ -10,13 +10,15 @@ import uuid
 import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from dynpart.agent.driver.fake import FakeNvml
 from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect
 from dynpart.agent.loop import Agent
-from dynpart.agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, parse_config
-from dynpart.agent.driver.fake import FakeNvml
+from dynpart.agent.mps_agent import parse_config
 from dynpart.agent.podresources import FakePodResources
-from dynpart.annotations import PARTITIONING_LABEL, STATUS_PLAN, annotation_patch
+from dynpart.annotations import annotation_patch
+from dynpart.kube.conventions import DEVICE_PLUGIN_CONFIG_LABEL, PARTITIONING_LABEL, STATUS_PLAN
 from dynpart.kube.patching import patch_node_annotations
+from dynpart.settings import KubeSettings
 
 from .conftest import CATALOG, H100, mig_spec, mps_spec
 
@@ -39,7 +41,8 @@ async def test_agent_against_a_real_apiserver(e2e_cluster):
         # --- MIG: the loop wakes on the spec, applies it, acknowledges it
         name = await _node(core, "mig")
         driver = FakeNvml(H100, 2)
-        agent = Agent(name, node_api=KubeNodeApi(api, name, retry_s=0.2), driver=driver, pods=FakePodResources(),
+        fast = KubeSettings(backoff_initial_s=0.2, backoff_max_s=0.2)
+        agent = Agent(name, node_api=KubeNodeApi(api, name, fast), driver=driver, pods=FakePodResources(),
                       catalog=CATALOG, interval_s=30)
         stop = asyncio.Event()
         task = asyncio.create_task(agent.run(stop))

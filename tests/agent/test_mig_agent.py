@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynpart.agent.mig_agent import MigAgent
 from dynpart.agent.driver.fake import FakeNvml, SimulatedCrash
+from dynpart.agent.mig_agent import MigAgent
 from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import STATUS_ERROR, STATUS_PLAN, decode_status
 from dynpart.mig import MigRules, feasible_geometries, slot_mask

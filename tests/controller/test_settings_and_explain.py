@@ -47,3 +47,27 @@ def test_configuration_reference_is_current():
 
     from dynpart.settings_doc import render
     assert Path("docs/configuration.md").read_text() == render(), "run: python -m dynpart.settings_doc > docs/configuration.md"
+
+
+def test_kube_settings_nest_in_file_and_environment(tmp_path, monkeypatch):
+    f = tmp_path / "planner.yaml"
+    f.write_text("kube: {backoff_max_s: 30, event_repeat_s: 600}\n")
+    monkeypatch.setenv("DYNPART_PLANNER_KUBE__EVENT_REPEAT_S", "120")
+    s = load_settings(PlannerSettings, f)
+    assert (s.kube.backoff_initial_s, s.kube.backoff_max_s, s.kube.event_repeat_s) == (0.2, 30, 120)
+    f.write_text("kube: {backoff_max_s: 0}\n")
+    with pytest.raises(DynpartError, match=r"setting kube.backoff_max_s = 0: Input should be greater than 0 "
+                                           r"\(environment variable DYNPART_PLANNER_KUBE__BACKOFF_MAX_S\)"):
+        load_settings(PlannerSettings, f)
+
+
+def test_config_file_problems_name_the_file(tmp_path):
+    with pytest.raises(DynpartError, match=r"config file .*nope.yaml: No such file or directory"):
+        load_settings(PlannerSettings, tmp_path / "nope.yaml")
+    f = tmp_path / "planner.yaml"
+    f.write_text("- batch_idle_s\n")
+    with pytest.raises(DynpartError, match=r"config file .*planner.yaml: must be a mapping of setting: value"):
+        load_settings(PlannerSettings, f)
+    f.write_text("batch_idle_s: [\n")
+    with pytest.raises(DynpartError, match=r"config file .*planner.yaml: not valid YAML"):
+        load_settings(PlannerSettings, f)

@@ -41,27 +41,34 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from dynpart.agent.driver.fake import FakeNvml, FakeOp
 from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect
 from dynpart.agent.loop import Agent
-from dynpart.agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, parse_config
-from dynpart.agent.driver.fake import FakeNvml, FakeOp
+from dynpart.agent.mps_agent import parse_config
 from dynpart.agent.podresources import FakePodResources
-from dynpart.annotations import PARTITIONING_LABEL, SPEC_PLAN, STATUS_PLAN
 from dynpart.catalog import GpuModel, default_catalog
+from dynpart.kube.conventions import (
+    DEVICE_PLUGIN_CONFIG_LABEL,
+    GPU_COUNT_LABEL,
+    GPU_PRODUCT_LABEL,
+    PARTITIONING_LABEL,
+    SPEC_PLAN,
+    STATUS_PLAN,
+)
 from dynpart.kube.watching import Informer
 from dynpart.resources import WHOLE_GPU, MigResource, MpsResource, mig_resource_name, mps_resource_name, parse_resource
+from dynpart.settings import KubeSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CATALOG = default_catalog()
 SYSTEM_NAMESPACE = "dynpart-system"
 CONFIGMAP = "dynpart-device-plugin-configs"
 HARNESS_LABEL = "dynpart-e2e/harness"
-PRODUCT_LABEL = "nvidia.com/gpu.product"
-COUNT_LABEL = "nvidia.com/gpu.count"
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 REFRESH_S = 0.1  # how often the simulated device plugins re-read the GPUs
 ASSIGN_RETRY_S = 20.0  # a bound pod waits this long for its devices before it is marked Failed
+FAST = KubeSettings(backoff_initial_s=0.2, backoff_max_s=0.2)  # the agents' node watches come back at once
 
 
 def now_rfc3339() -> str:
@@ -376,7 +383,7 @@ class SimNode:
 
     def node_object(self) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.name, "labels": {
-            PARTITIONING_LABEL: self.mode, PRODUCT_LABEL: self.product, COUNT_LABEL: str(self.count),
+            PARTITIONING_LABEL: self.mode, GPU_PRODUCT_LABEL: self.product, GPU_COUNT_LABEL: str(self.count),
             "kubernetes.io/hostname": self.name, HARNESS_LABEL: "node"}}}
 
     def status_patch(self, slices: dict[str, int]) -> dict[str, Any]:
@@ -518,7 +525,7 @@ class Harness:
         """An agent for the node; with `wait`, once it has reported the node's GPUs (its first status)."""
         agent_metrics_port()
         api = await connect(str(self.kubeconfig))
-        agent = Agent(node.name, node_api=KubeNodeApi(api, node.name, retry_s=0.2), driver=node.driver,
+        agent = Agent(node.name, node_api=KubeNodeApi(api, node.name, FAST), driver=node.driver,
                       pods=node.pod_resources, catalog=CATALOG,
                       configs=KubeConfigStore(api, SYSTEM_NAMESPACE, CONFIGMAP, mount_dir=None, settle_s=0),
                       interval_s=self.agent_interval_s)

@@ -11,11 +11,12 @@ import statistics
 
 import pytest
 
-from dynpart.agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, render_config
 from dynpart.agent.driver.fake import SimulatedCrash
 from dynpart.agent.driver.interface import GpuDriverError
-from dynpart.annotations import SPEC_PLAN, STATUS_PLAN
-from dynpart.kube.patching import Conflict, patch_node_annotations
+from dynpart.agent.mps_agent import render_config
+from dynpart.kube.conventions import DEVICE_PLUGIN_CONFIG_LABEL, SPEC_PLAN, STATUS_PLAN
+from dynpart.kube.errors import APIConflictError
+from dynpart.kube.patching import patch_node_annotations
 from tests.e2e.harness import (
     REPO_ROOT,
     Harness,
@@ -225,7 +226,7 @@ async def test_a_stale_plan_write_is_refused(harness: Harness):
     node = await h.add_node("stale", H100, "mig", 1)
     rv = (await h.core.read_node(node.name)).metadata.resource_version
     await patch_node_annotations(h.core, node.name, {"dynpart.io/spec-plan": "p1"}, rv)
-    with pytest.raises(Conflict):
+    with pytest.raises(APIConflictError):
         await patch_node_annotations(h.core, node.name, {"dynpart.io/spec-plan": "p2"}, rv)
     assert (await h.core.read_node(node.name)).metadata.annotations[SPEC_PLAN] == "p1"
 

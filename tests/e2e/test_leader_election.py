@@ -10,7 +10,7 @@ import time
 import pytest
 from kubernetes_asyncio import client
 
-from dynpart.annotations import SPEC_PLAN, STATUS_PLAN
+from dynpart.kube.conventions import SPEC_PLAN, STATUS_PLAN
 from tests.e2e import harness as _h
 
 pytestmark = pytest.mark.e2e

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dynpart.catalog import default_catalog
-from dynpart.simulations.cluster_spec import ClusterSpec, NodeSpec
-from dynpart.simulations.traces import TracePod
+from dynpart.simulations.inputs.cluster_spec import ClusterSpec, NodeSpec
+from dynpart.simulations.inputs.traces import TracePod
 
 OPENB = Path(__file__).resolve().parents[3] / "shared" / "traces" / "openb"
 

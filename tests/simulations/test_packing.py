@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 from dynpart.simulations import bridge
-from dynpart.simulations.baselines import BestFit, Random, best_fit_scores
-from dynpart.simulations.bench_packing import PackingJob, run_job, summarise
-from dynpart.simulations.fragmentation import FragmentationModel
-from dynpart.simulations.packing import run_packing
-from dynpart.simulations.packing_dynpart import DynpartPacking
-from dynpart.simulations.state import PackingState
-from dynpart.simulations.workload import packing_workload, synthetic_cluster, synthetic_trace, tuned
+from dynpart.simulations.inputs.synthetic import synthetic_cluster, synthetic_trace
+from dynpart.simulations.packing.dynpart_packing import DynpartPacking
+from dynpart.simulations.packing.experiment import PackingJob, run_job, summarise
+from dynpart.simulations.packing.fragmentation import FragmentationModel
+from dynpart.simulations.packing.occupancy import PackingState
+from dynpart.simulations.packing.protocol import run_packing
+from dynpart.simulations.packing.reference_schedulers import BestFit, Random, best_fit_scores
+from dynpart.simulations.packing.tuning import packing_workload, tuned
 
 from .conftest import cluster, pod
 
@@ -181,7 +182,7 @@ def test_packing_snapshot_is_valid_for_the_planner(catalog):
 
 
 def test_fgd_score_is_the_plugins_whole_point_score():
-    from dynpart.simulations.packing_dynpart import fgd_score
+    from dynpart.simulations.packing.dynpart_packing import fgd_score
     inc = np.array([0.0, 10.0, 39.0, 41.0, -500.0, 190.0, 1e9, -1e9])
     assert fgd_score(inc).tolist() == [50, 49, 49, 48, 62, 45, 0, 100]
 
@@ -221,7 +222,7 @@ def test_a_batch_is_placed_in_one_plan_each_pod_on_its_own_candidate():
 
 
 def test_free_at_end_accounts_for_all_unallocated_capacity():
-    from dynpart.simulations.packing import free_at_end
+    from dynpart.simulations.packing.protocol import free_at_end
     st = _state()
     st.place(pod("x", milli=810), 1, (0,))
     st.place(pod("y", milli=100), 1, (0,))

@@ -10,10 +10,10 @@ import pytest
 
 from dynpart.mig import MigRules
 from dynpart.simulations.errors import SimulationError
-from dynpart.simulations.mapping import mig_profile_for, request_for, static_layout
-from dynpart.simulations.replay import ReplayOptions, run_replay
-from dynpart.simulations.replay_summary import percentile, summary
-from dynpart.simulations.workload import synthetic_mig_cluster, synthetic_trace
+from dynpart.simulations.inputs.synthetic import synthetic_mig_cluster, synthetic_trace
+from dynpart.simulations.replay.engine import ReplayOptions, run_replay
+from dynpart.simulations.replay.mapping import mig_profile_for, request_for, static_layout
+from dynpart.simulations.replay.summary import percentile, summary
 
 from .conftest import cluster, pod
 
@@ -24,8 +24,8 @@ def _holds(result):
     for r in result.runs:
         if r.start is None or not r.slices:
             continue
-        for gi, what in r.slices:
-            out[(r.node, gi)].append((r.assigned, r.start + r.duration, what, r.pod.name))
+        for placed in r.slices:
+            out[(r.node, placed.gpu)].append((r.assigned, r.start + r.duration, str(placed), r.pod.name))
     return out
 
 

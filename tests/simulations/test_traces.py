@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from dynpart.simulations.cluster_spec import parse_cluster, parse_memory_mib, read_cluster
 from dynpart.simulations.errors import SimulationError, TraceError
-from dynpart.simulations.inputs import parse_seeds
-from dynpart.simulations.traces import parse_nodes, parse_pods, read_nodes, read_pods
+from dynpart.simulations.inputs.cluster_spec import parse_cluster, parse_memory_mib, read_cluster
+from dynpart.simulations.inputs.command_line import parse_seeds
+from dynpart.simulations.inputs.traces import parse_nodes, parse_pods, read_nodes, read_pods
 
 HEADER = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
 

@@ -3,7 +3,7 @@
 For each batch of arrivals the simulator shell
 1. finds, for each GPU pod, the nodes where it fits now (the protocol's fit rule, vectorised
    over the whole cluster) and ranks them by how much the placement would raise the node's
-   expected GPU fragmentation (`simulations.fragmentation`, after the FGD paper's measure).
+   expected GPU fragmentation (`packing.fragmentation`, after the FGD paper's measure).
    The change is scored as the paper's scheduler plugin scores it, in whole points
    (trunc(100 sigmoid(-change / 1000))), and equal scores keep the cluster's node order, so
    nodes within ~40 milli of the best are filled first-fit. Measured on openb (default trace,
@@ -40,9 +40,9 @@ import numpy as np
 from dynpart.catalog import Catalog, default_catalog
 from dynpart.planner.core import PlanOptions, plan
 from dynpart.simulations import bridge
-from dynpart.simulations.fragmentation import FragmentationModel
-from dynpart.simulations.state import PackingState
-from dynpart.simulations.traces import MILLI, TracePod
+from dynpart.simulations.inputs.traces import MILLI, TracePod
+from dynpart.simulations.packing.fragmentation import FragmentationModel
+from dynpart.simulations.packing.occupancy import PackingState
 from dynpart.snapshot import Node
 
 MAX_BATCH = 32
@@ -181,9 +181,9 @@ class DynpartPacking:
         for pl in result.placements:
             pod = by_name[pl.pod]
             want = "whole" if not pod.is_share else str(pod.gpu_milli)
-            if len(pl.slices) != pod.num_gpu or any(what != want for _, what in pl.slices):
+            if len(pl.slices) != pod.num_gpu or any(str(s) != want for s in pl.slices):
                 raise AssertionError(f"plan gave {pod.name} slices {pl.slices}, expected {pod.num_gpu} x {want}")
-            state.place(pod, state.index[pl.node], tuple(sorted(g for g, _ in pl.slices)))
+            state.place(pod, state.index[pl.node], tuple(sorted(s.gpu for s in pl.slices)))
             out[pod.name] = True
         self._refresh_frag(state, [state.index[pl.node] for pl in result.placements])
         return out

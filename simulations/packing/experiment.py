@@ -3,20 +3,19 @@ seeds (in parallel processes) and summarise as the published tables do."""
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from dynpart.catalog import Catalog
-from dynpart.simulations.baselines import BestFit, Random
-from dynpart.simulations.cluster_spec import ClusterSpec
 from dynpart.simulations.errors import SimulationError
-from dynpart.simulations.fragmentation import FragmentationModel
-from dynpart.simulations.packing import PackingPolicy, PackingResult, run_packing
-from dynpart.simulations.packing_dynpart import DEFAULT_CANDIDATES, MAX_BATCH, DynpartPacking
-from dynpart.simulations.traces import TracePod
+from dynpart.simulations.inputs.cluster_spec import ClusterSpec
+from dynpart.simulations.inputs.traces import TracePod
+from dynpart.simulations.packing.dynpart_packing import DEFAULT_CANDIDATES, MAX_BATCH, DynpartPacking
+from dynpart.simulations.packing.fragmentation import FragmentationModel
+from dynpart.simulations.packing.protocol import PackingPolicy, PackingResult, run_packing
+from dynpart.simulations.packing.reference_schedulers import BestFit, Random
 
 POLICIES = ("dynpart", "best-fit", "random")
 
@@ -88,10 +87,6 @@ def run_jobs(jobs: list[PackingJob], pods: Sequence[TracePod], cluster: ClusterS
     return [results[i] for i in range(len(jobs))]
 
 
-def default_jobs() -> int:
-    return os.cpu_count() or 1
-
-
 def validate(policy: str, batch: int, ratio: float, candidates: int) -> None:
     if policy not in POLICIES:
         raise SimulationError(f"--policy {policy!r}: expected one of {', '.join(POLICIES)}")
@@ -140,7 +135,7 @@ def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: flo
 
 
 def _mean_free_at_end(results: list[PackingResult]) -> dict[str, float]:
-    """Free capacity at the end by where it is (see `packing.free_at_end`), mean over the seeds;
+    """Free capacity at the end by where it is (see `protocol.free_at_end`), mean over the seeds;
     the places under 0.05 % left out."""
     keys = {k for r in results for k in r.extra.get("free_at_end", {})}
     mean = {k: statistics.fmean(r.extra.get("free_at_end", {}).get(k, 0.0) for r in results) for k in keys}

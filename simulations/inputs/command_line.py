@@ -3,15 +3,16 @@ the cluster and the seeds, with what was read reported (rows used and ignored)."
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from dynpart.catalog import Catalog
-from dynpart.simulations.cluster_spec import ClusterSpec, from_node_list, read_cluster
 from dynpart.simulations.errors import SimulationError
-from dynpart.simulations.traces import PodTrace, read_nodes, read_pods
-from dynpart.simulations.workload import synthetic_cluster, synthetic_trace
+from dynpart.simulations.inputs.cluster_spec import ClusterSpec, from_node_list, read_cluster
+from dynpart.simulations.inputs.synthetic import synthetic_cluster, synthetic_trace
+from dynpart.simulations.inputs.traces import PodTrace, read_nodes, read_pods
 
 
 @dataclass
@@ -47,13 +48,18 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def default_jobs() -> int:
+    """The default of --jobs: one process per CPU."""
+    return os.cpu_count() or 1
+
+
 def load(trace: str | None, nodes: str | None, cluster: str | None, catalog: Catalog, *,
          default_cluster: str | ClusterSpec | None,
          node_mode: str = "mps", synthetic_pods: int = 300, synthetic_seed: int = 0) -> Inputs:
     if nodes and cluster:
         raise SimulationError("give either --nodes (an openb node list) or --cluster (YAML or NxGxMODEL), not both")
     synthetic = trace is None
-    pods = synthetic_trace(synthetic_pods, synthetic_seed) if synthetic else read_pods(trace)
+    pods = read_pods(trace) if trace is not None else synthetic_trace(synthetic_pods, synthetic_seed)
     if nodes:
         spec = from_node_list(read_nodes(nodes), node_mode)
     elif cluster:

@@ -1,46 +1,12 @@
-"""Workloads: the packing protocol's tuned and shuffled pod list, and the built-in synthetic
-trace and cluster used when no trace is given."""
+"""The built-in synthetic workload: a seeded pod trace and the clusters it runs on when no trace or
+cluster is given (`dynpart bench packing` and `dynpart simulate` without --trace)."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
-
 import numpy as np
 
-from dynpart.simulations.cluster_spec import ClusterSpec, NodeSpec
-from dynpart.simulations.traces import MILLI, PodTrace, TracePod
-
-
-def tuned(pods: Sequence[TracePod], capacity_milli: int, ratio: float, rng: np.random.Generator) -> list[TracePod]:
-    """All pods, then pods drawn uniformly with replacement from the same list and appended
-    while the total requested GPU milli stays <= ratio x capacity (the first draw that would
-    exceed it ends the list). Copies get unique names `<name>#<k>`."""
-    out = list(pods)
-    total = sum(p.gpu_demand for p in pods)
-    limit = ratio * capacity_milli
-    k = 0
-    while True:
-        p = pods[int(rng.integers(len(pods)))]
-        if total + p.gpu_demand > limit:
-            break
-        k += 1
-        out.append(dataclasses.replace(p, name=f"{p.name}#{k}"))
-        total += p.gpu_demand
-        if k > 50 * len(pods) + 1000 and not p.gpu_demand:
-            break  # a list of CPU-only pods never reaches a GPU demand target
-    return out
-
-
-def packing_workload(pods: Sequence[TracePod], capacity_milli: int, ratio: float, seed: int) -> list[TracePod]:
-    """The paper's protocol: tune to `ratio` of the GPU capacity, then shuffle, both seeded."""
-    rng = np.random.default_rng(seed)
-    out = tuned(pods, capacity_milli, ratio, rng)
-    order = rng.permutation(len(out))
-    return [out[i] for i in order]
-
-
-# --- the built-in synthetic workload ----------------------------------------------------------
+from dynpart.simulations.inputs.cluster_spec import ClusterSpec, NodeSpec
+from dynpart.simulations.inputs.traces import MILLI, PodTrace, TracePod
 
 # (gpus per node, model, cpu cores, memory GiB, node count) -- a small cluster shaped like openb
 _SYNTH_NODES = [(8, "G2", 96, 384, 24), (2, "T4", 104, 512, 16), (2, "P100", 16, 120, 8),
@@ -50,7 +16,7 @@ _SHARES = [(1000, 39), (810, 11), (470, 8), (320, 3), (650, 3), (230, 2), (460, 
 
 
 def synthetic_cluster() -> ClusterSpec:
-    nodes = []
+    nodes: list[NodeSpec] = []
     for gpus, model, cores, gib, count in _SYNTH_NODES:
         for _ in range(count):
             prefix = model.lower() if model else "cpu"

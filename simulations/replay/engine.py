@@ -18,6 +18,8 @@ applies the plan:
 CPU-only pods do not go through the planner (it plans GPU resources): they are placed at each
 planning tick, first come first served, on the node with the least CPU left that fits.
 Static layouts are applied at time 0 without delay and never change.
+The cluster state is the planner's own models (`replay.cluster`): the snapshot given to `plan()`
+is that state, not a copy built from another model.
 """
 
 from __future__ import annotations
@@ -27,16 +29,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dynpart.catalog import Catalog, GpuModel
-from dynpart.errors import DynpartError
+from dynpart.catalog import Catalog
 from dynpart.planner.core import PlanOptions, plan
-from dynpart.resources import WHOLE_GPU, mig_resource_name, mps_resource_name
 from dynpart.simulations import bridge
-from dynpart.simulations.cluster_spec import ClusterSpec
 from dynpart.simulations.errors import SimulationError
-from dynpart.simulations.mapping import RULES, held_share, request_for
-from dynpart.simulations.traces import TracePod
-from dynpart.snapshot import Gpu, MigInstance, MpsSlice, Plan, Snapshot
+from dynpart.simulations.inputs.cluster_spec import ClusterSpec
+from dynpart.simulations.inputs.traces import TracePod
+from dynpart.simulations.replay.cluster import ReplayCluster
+from dynpart.simulations.replay.mapping import RULES, request_for
+from dynpart.snapshot import PendingPod, PlacedSlice, Plan, Snapshot
 
 REPLAY_POLICIES = ("dynpart", "nos", "static")
 FAIRNESS = ("rank", "age", "none")
@@ -90,23 +91,12 @@ class PodRun:
     assigned: float | None = None  # when it was given its slices (it holds them from then on)
     start: float | None = None  # when its slices were ready and it started
     node: int | None = None
-    slices: list[tuple[int, str]] = field(default_factory=list)  # (gpu, slice key) held
+    slices: list[PlacedSlice] = field(default_factory=list)  # the slices it holds
     failed: str | None = None  # why it can never run on this cluster
 
     @property
     def wait(self) -> float | None:
         return None if self.start is None else self.start - self.arrival
-
-
-class SimGpu:
-    __slots__ = ("index", "mig", "mps", "whole", "busy_until")
-
-    def __init__(self, index: int):
-        self.index = index
-        self.mig: list[list] = []  # [profile, start, holder pod or None, ready_at]
-        self.mps: list[list] = []  # [size, holder pod or None, ready_at]
-        self.whole: str | None = None
-        self.busy_until = 0.0
 
 
 @dataclass
@@ -128,92 +118,14 @@ class ReplayResult:
     ignored_rows: dict[str, int] = field(default_factory=dict)  # counts of rows read but not fully applied
 
 
-class _Cluster:
-    """Per node: CPU/memory free and GPUs; one GPU model and one mode."""
-
-    def __init__(self, spec: ClusterSpec, catalog: Catalog, mode: str | None):
-        gpu_nodes = [n for n in spec.nodes if n.gpus]
-        models = {n.model for n in gpu_nodes}
-        if len(models) != 1:
-            raise SimulationError(f"{spec.source}: replay needs GPU nodes of one model; found "
-                                  f"{', '.join(sorted(models)) or 'none'}")
-        try:
-            self.model: GpuModel = catalog.resolve(models.pop(), where=f"{spec.source}: gpu_model")
-        except DynpartError as e:
-            raise SimulationError(str(e)) from None
-        self.mode = mode or gpu_nodes[0].mode
-        if self.mode == "mig" and not self.model.supports_mig:
-            raise SimulationError(f"{spec.source}: {self.model.name} does not support MIG; use --mode mps")
-        self.names = [n.name for n in spec.nodes]
-        self.index = {n: i for i, n in enumerate(self.names)}
-        self.cpu = [n.cpu_milli for n in spec.nodes]
-        self.mem = [n.memory_mib for n in spec.nodes]
-        self.cpu_cap = list(self.cpu)
-        self.mem_cap = list(self.mem)
-        self.gpus = [[SimGpu(i) for i in range(n.gpus)] for n in spec.nodes]
-        self.capacity = self.model.memory_gb  # MPS capacity unit: GB
-        self.gpu_count = sum(len(g) for g in self.gpus)
-
-    def snapshot(self, pending: list[PendingTuple]) -> Snapshot:
-        nodes = []
-        for i, gpus in enumerate(self.gpus):
-            if not gpus:
-                continue  # the planner only needs GPU nodes
-            out = []
-            for g in gpus:
-                if self.mode == "mig":
-                    out.append(Gpu.model_construct(index=g.index, mps=[], whole_pod=None, capacity=None, mig=[
-                        MigInstance.model_construct(profile=p, start=s, used=h is not None, pod=h) for p, s, h, _ in g.mig]))
-                else:
-                    out.append(Gpu.model_construct(index=g.index, mig=[], whole_pod=g.whole, capacity=None, mps=[
-                        MpsSlice.model_construct(size=s, used=h is not None, pod=h) for s, h, _ in g.mps]))
-            nodes.append(bridge.node(self.names[i], self.mode, self.model.name, self.cpu[i], self.mem[i], out))
-        return bridge.snapshot(nodes, [bridge.pending_pod(r.pod, r.resource, r.count, prio) for r, prio in pending])
-
-    def offered_resources(self) -> set[str]:
-        """Resource names the current layouts offer (a whole GPU: on a GPU without slices)."""
-        out: set[str] = set()
-        for gpus in self.gpus:
-            for g in gpus:
-                if self.mode == "mig":
-                    out.update(mig_resource_name(p) for p, _, _, _ in g.mig)
-                elif g.mps:
-                    out.update(mps_resource_name(s) for s, _, _ in g.mps)
-                else:
-                    out.add(WHOLE_GPU)
-        return out
-
-    def allocation(self) -> float:
-        held = 0.0
-        for gpus in self.gpus:
-            for g in gpus:
-                if self.mode == "mig":
-                    held += sum(held_share(self.model, "mig", p, 0) for p, _, h, _ in g.mig if h is not None)
-                elif g.whole is not None:
-                    held += 1.0
-                else:
-                    held += sum(s for s, h, _ in g.mps if h is not None) / self.capacity
-        return 100.0 * held / self.gpu_count if self.gpu_count else 0.0
-
-
 PendingTuple = tuple[PodRun, int]
-
-
-def _never_fits(run: PodRun, cl: _Cluster) -> str | None:
-    pod = run.pod
-    hosts = [i for i in range(len(cl.names)) if cl.cpu_cap[i] >= pod.cpu_milli and cl.mem_cap[i] >= pod.memory_mib
-             and (pod.num_gpu == 0 or len(cl.gpus[i]) >= pod.num_gpu)]
-    if not hosts:
-        return (f"no node has {pod.cpu_milli}m CPU, {pod.memory_mib} MiB"
-                + (f" and {pod.num_gpu} GPUs" if pod.num_gpu else ""))
-    return None
 
 
 def run_replay(pods: Sequence[TracePod], spec: ClusterSpec, catalog: Catalog, opts: ReplayOptions,
                progress: Callable[[float, float], None] | None = None) -> ReplayResult:
     opts.check()
     t_wall = time.perf_counter()
-    cl = _Cluster(spec, catalog, opts.mode)
+    cl = ReplayCluster(spec, catalog, opts.mode)
     origin = min((p.creation_time or 0 for p in pods), default=0)
     runs: list[PodRun] = []
     ignored = {"gpu_spec_not_applied": 0}
@@ -227,9 +139,9 @@ def run_replay(pods: Sequence[TracePod], spec: ClusterSpec, catalog: Catalog, op
                            res, count))
     runs.sort(key=lambda r: (r.arrival, r.pod.line))
     for r in runs:
-        r.failed = _never_fits(r, cl)
+        r.failed = cl.never_fits(r.pod)
 
-    plan_opts = PlanOptions(policy=opts.policy, time_limit_s=opts.time_limit_s,  # type: ignore[arg-type]
+    plan_opts = PlanOptions(policy=opts.policy, time_limit_s=opts.time_limit_s,
                             static_layout=dict(opts.static_layout))
     by_name = {r.pod.name: r for r in runs}
     seq = 0
@@ -290,10 +202,10 @@ def run_replay(pods: Sequence[TracePod], spec: ClusterSpec, catalog: Catalog, op
                     prios = [_priority(r, k, len(batch), now, opts) for k, r in enumerate(batch)]
                     result = _plan(cl, list(zip(batch, prios)), catalog, plan_opts, stats)
                     placed = _apply(cl, result, now, opts, by_name, stats, touched)
-                    for r in placed:
+                    for r, start in placed:
                         del waiting_gpu[r.pod.name]
                         assigned_not_started += 1
-                        push(r.start, "start", r.pod.name)  # type: ignore[arg-type]
+                        push(start, "start", r.pod.name)
                     # pods beyond this plan's batch get their turn in the next window
                     dirty = bool(placed) and len(waiting_gpu) > len(batch) - len(placed)
         if (waiting_gpu or waiting_cpu) and dirty and tick_at is None:
@@ -324,9 +236,9 @@ def _priority(r: PodRun, position: int, n: int, now: float, opts: ReplayOptions)
     return 0
 
 
-def _plan(cl: _Cluster, pending: list[PendingTuple], catalog: Catalog, opts: PlanOptions,
+def _plan(cl: ReplayCluster, pending: list[PendingTuple], catalog: Catalog, opts: PlanOptions,
           stats: dict) -> tuple[Snapshot, Plan]:
-    snap = cl.snapshot(pending)
+    snap = cl.snapshot([_pending_pod(r, prio) for r, prio in pending])
     t0 = time.perf_counter()
     result = plan(snap, catalog, opts)
     stats["plan_s"] += time.perf_counter() - t0
@@ -334,10 +246,16 @@ def _plan(cl: _Cluster, pending: list[PendingTuple], catalog: Catalog, opts: Pla
     return snap, result
 
 
-def _apply(cl: _Cluster, planned: tuple[Snapshot, Plan], now: float, opts: ReplayOptions,
-           by_name: dict[str, PodRun], stats: dict, touched: set, initial: bool = False) -> list[PodRun]:
+def _pending_pod(r: PodRun, priority: int) -> PendingPod:
+    assert r.resource is not None  # only GPU pods are given to the planner
+    return bridge.pending_pod(r.pod, r.resource, r.count, priority)
+
+
+def _apply(cl: ReplayCluster, planned: tuple[Snapshot, Plan], now: float, opts: ReplayOptions,
+           by_name: dict[str, PodRun], stats: dict, touched: set,
+           initial: bool = False) -> list[tuple[PodRun, float]]:
     """Apply a plan: new layouts (with their delays), then the placements. Returns the pods
-    given slices, with their start times set."""
+    given slices (their start times set), with those start times."""
     snap, result = planned
     bad = bridge.disrupted_slices(snap, result)
     if bad:
@@ -348,17 +266,7 @@ def _apply(cl: _Cluster, planned: tuple[Snapshot, Plan], now: float, opts: Repla
     for lay in result.layouts:
         ni = cl.index[lay.node]
         for gl in lay.gpus:
-            g = cl.gpus[ni][gl.index]
-            if cl.mode == "mig":
-                old = {(p, s): (h, ready) for p, s, h, ready in g.mig}
-                new_keys = [(m.profile, m.start) for m in gl.mig]
-                created = sum(1 for k in new_keys if k not in old)
-                destroyed = len(set(old) - set(new_keys))
-            else:
-                old_sizes = [s for s, _, _ in g.mps]
-                new_sizes = [s.size for s in gl.mps]
-                kept = _multiset_common(old_sizes, new_sizes)
-                created, destroyed = len(new_sizes) - kept, len(old_sizes) - kept
+            created, destroyed = cl.changes(ni, gl)
             if not (created or destroyed):
                 continue
             if initial:
@@ -368,106 +276,46 @@ def _apply(cl: _Cluster, planned: tuple[Snapshot, Plan], now: float, opts: Repla
                 stats["mig_ops"] += created + destroyed
                 touched.add((ni, gl.index))
                 delay = delay_per_op * (created + destroyed) if cl.mode == "mig" else opts.mps_switch_delay_s
-                g.busy_until = max(now, g.busy_until) + delay
-                ready = g.busy_until
-            if cl.mode == "mig":
-                g.mig = [[p, s, old[(p, s)][0], old[(p, s)][1]] if (p, s) in old else [p, s, None, ready]
-                         for p, s in sorted(new_keys, key=lambda k: k[1])]
-            else:
-                held = [x for x in g.mps if x[1] is not None]
-                free = [x for x in g.mps if x[1] is None]
-                sizes = [s.size for s in gl.mps if not s.used]  # free or planned slices of the new layout
-                new_free = []
-                for size in sizes:
-                    same = next((x for x in free if x[0] == size), None)
-                    if same is not None:
-                        free.remove(same)
-                        new_free.append(same)
-                    else:
-                        new_free.append([size, None, ready])
-                g.mps = held + new_free
-    out: list[PodRun] = []
+                clock = cl.clocks[ni][gl.index]
+                clock.busy_until = max(now, clock.busy_until) + delay
+                ready = clock.busy_until
+            cl.set_layout(ni, gl, ready)
+    out: list[tuple[PodRun, float]] = []
     for pl in result.placements:
         r = by_name[pl.pod]
         ni = cl.index[pl.node]
         start = now
-        for gi, what in pl.slices:
-            g = cl.gpus[ni][gi]
-            start = max(start, _take(cl, g, what, r.pod.name, now))
-            r.slices.append((gi, what))
+        for placed in pl.slices:
+            start = max(start, cl.take(ni, placed, r.pod.name, now))
+            r.slices.append(placed)
         r.node = ni
         r.assigned = now
         r.start = start
-        cl.cpu[ni] -= r.pod.cpu_milli
-        cl.mem[ni] -= r.pod.memory_mib
-        if cl.cpu[ni] < 0 or cl.mem[ni] < 0:
+        cl.reserve(ni, r.pod)
+        node = cl.nodes[ni]
+        if node.cpu_milli_free < 0 or node.memory_mib_free < 0:
             raise AssertionError(f"plan overcommitted CPU/memory of {pl.node} with {pl.pod}")
-        out.append(r)
+        out.append((r, start))
     return out
 
 
-def _multiset_common(a: list[int], b: list[int]) -> int:
-    left = list(b)
-    n = 0
-    for x in a:
-        if x in left:
-            left.remove(x)
-            n += 1
-    return n
-
-
-def _take(cl: _Cluster, g: SimGpu, what: str, pod: str, now: float) -> float:
-    """Give a free slice to the pod; returns when it is ready. Never a slice a pod holds."""
-    if what == "whole":
-        if g.whole is not None or g.mps:
-            raise AssertionError(f"GPU {g.index} is not free for {pod} (whole GPU)")
-        g.whole = pod
-        g.busy_until = max(g.busy_until, now)
-        return g.busy_until
-    if cl.mode == "mig":
-        profile, _, start = what.partition("@")
-        for inst in g.mig:
-            if inst[0] == profile and inst[1] == int(start):
-                if inst[2] is not None:
-                    raise AssertionError(f"{pod} planned on {what} of GPU {g.index}, held by {inst[2]}")
-                inst[2] = pod
-                return inst[3]
-        raise AssertionError(f"{pod} planned on {what} of GPU {g.index}, which the layout lacks")
-    size = int(what)
-    for sl in g.mps:
-        if sl[0] == size and sl[1] is None:
-            sl[1] = pod
-            return sl[2]
-    raise AssertionError(f"{pod} planned on a free {size} GB slice of GPU {g.index}, which the layout lacks")
-
-
-def _release(cl: _Cluster, r: PodRun) -> None:
+def _release(cl: ReplayCluster, r: PodRun) -> None:
     assert r.node is not None
-    cl.cpu[r.node] += r.pod.cpu_milli
-    cl.mem[r.node] += r.pod.memory_mib
-    for gi, what in r.slices:
-        g = cl.gpus[r.node][gi]
-        if what == "whole":
-            g.whole = None
-        elif cl.mode == "mig":
-            for inst in g.mig:
-                if inst[2] == r.pod.name:
-                    inst[2] = None
-        else:
-            for sl in g.mps:
-                if sl[1] == r.pod.name:
-                    sl[1] = None
+    cl.unreserve(r.node, r.pod)
+    cl.release(r.node, r.slices, r.pod.name)
 
 
-def _place_cpu_pods(cl: _Cluster, waiting: dict[str, PodRun], now: float) -> list[PodRun]:
+def _place_cpu_pods(cl: ReplayCluster, waiting: dict[str, PodRun], now: float) -> list[PodRun]:
+    """First come first served, on the node with the least CPU left that fits."""
     started = []
+    nodes = cl.nodes
     for name, r in list(waiting.items()):
-        fits = [i for i in range(len(cl.names)) if cl.cpu[i] >= r.pod.cpu_milli and cl.mem[i] >= r.pod.memory_mib]
+        fits = [i for i, n in enumerate(nodes)
+                if n.cpu_milli_free >= r.pod.cpu_milli and n.memory_mib_free >= r.pod.memory_mib]
         if not fits:
             continue
-        best = min(fits, key=lambda i: (cl.cpu[i] - r.pod.cpu_milli, i))
-        cl.cpu[best] -= r.pod.cpu_milli
-        cl.mem[best] -= r.pod.memory_mib
+        best = min(fits, key=lambda i: (nodes[i].cpu_milli_free - r.pod.cpu_milli, i))
+        cl.reserve(best, r.pod)
         r.node, r.assigned, r.start = best, now, now
         del waiting[name]
         started.append(r)

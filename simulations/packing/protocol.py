@@ -16,11 +16,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dynpart.simulations.cluster_spec import ClusterSpec
 from dynpart.simulations.errors import SimulationError
-from dynpart.simulations.state import Counts, PackingState
-from dynpart.simulations.traces import TracePod
-from dynpart.simulations.workload import packing_workload
+from dynpart.simulations.inputs.cluster_spec import ClusterSpec
+from dynpart.simulations.inputs.traces import TracePod
+from dynpart.simulations.packing.occupancy import PackingState
+from dynpart.simulations.packing.tuning import packing_workload
+
+
+@dataclass
+class Counts:
+    placed: int = 0
+    failed: int = 0
+    failed_gpu_milli: int = 0
+    by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [placed, failed]
+
+    def add(self, pod: TracePod, ok: bool) -> None:
+        kind = "cpu" if pod.num_gpu == 0 else ("share" if pod.is_share else f"{pod.num_gpu}gpu")
+        row = self.by_kind.setdefault(kind, [0, 0])
+        if ok:
+            self.placed += 1
+            row[0] += 1
+        else:
+            self.failed += 1
+            self.failed_gpu_milli += pod.gpu_demand
+            row[1] += 1
 
 
 class PackingPolicy(Protocol):

@@ -20,14 +20,14 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
 from dynpart.catalog import Catalog, load_catalog
-from dynpart.simulations import inputs, plots, report
-from dynpart.simulations.bench_packing import default_jobs
 from dynpart.simulations.errors import SimulationError
-from dynpart.simulations.mapping import RULES, static_layout
-from dynpart.simulations.progress import Progress
-from dynpart.simulations.replay import REPLAY_POLICIES, ReplayOptions, ReplayResult, run_replay
-from dynpart.simulations.replay_summary import gpu_waits, summary
-from dynpart.simulations.workload import synthetic_mig_cluster
+from dynpart.simulations.inputs import command_line
+from dynpart.simulations.inputs.synthetic import synthetic_mig_cluster
+from dynpart.simulations.replay.engine import REPLAY_POLICIES, ReplayOptions, ReplayResult, run_replay
+from dynpart.simulations.replay.mapping import RULES, static_layout
+from dynpart.simulations.replay.summary import gpu_waits, summary
+from dynpart.simulations.reporting import plots, report
+from dynpart.simulations.reporting.progress import Progress
 
 DEFAULT_CLUSTER = "8x8xH100-80GB"
 SYNTHETIC_PODS = 200
@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"seconds per priority level with --fairness age (default {d.aging_s:g})")
     p.add_argument("--time-limit", type=float, default=d.time_limit_s,
                    help=f"planner exact-search budget per plan, deterministic seconds (default {d.time_limit_s:g})")
-    p.add_argument("--jobs", type=int, default=default_jobs(), help="policies run in parallel processes "
+    p.add_argument("--jobs", type=int, default=command_line.default_jobs(), help="policies run in parallel processes "
                    "(default: CPU count)")
     p.add_argument("--out", metavar="DIR", help="write summary.json, steps.csv, pods.csv and PNG plots there")
     p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise SimulationError(f"--policy {args.policy!r}: expected some of {', '.join(REPLAY_POLICIES)}")
     if args.jobs < 1:
         raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
-    data = inputs.load(args.trace, None, args.cluster, catalog,
+    data = command_line.load(args.trace, None, args.cluster, catalog,
                        default_cluster=DEFAULT_CLUSTER if args.trace else synthetic_mig_cluster(),
                        synthetic_pods=SYNTHETIC_PODS)
     if not data.trace.has_times:
@@ -174,8 +174,9 @@ def _write(out, results: list[ReplayResult], doc: dict, title: str) -> None:
                        None if x.start is None else round(x.start, 1),
                        None if x.start is None else round(x.start - x.arrival, 1), x.failed or "")
                       for r in results for x in r.runs])
-    hours = {r.policy: {"t": [t / 3600 for t, *_ in r.timeline], "pending": [w for _, w, _, _ in r.timeline],
-                        "allocation_pct": [a for *_, a in r.timeline]} for r in results}
+    hours: dict[str, dict[str, list[float]]] = {
+        r.policy: {"t": [t / 3600 for t, *_ in r.timeline], "pending": [w for _, w, _, _ in r.timeline],
+                   "allocation_pct": [a for *_, a in r.timeline]} for r in results}
     plots.replay_timelines(hours, out / "timeline.png", f"replay: {title}", "hours")
     plots.pending_cdf({r.policy: gpu_waits(r)[0] for r in results}, out / "pending_cdf.png",
                       f"pending time of GPU pods: {title}")

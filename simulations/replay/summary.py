@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from dynpart.simulations.replay import ReplayResult
+from dynpart.simulations.replay.engine import ReplayResult
 
 
 def percentile(values: list[float], q: float) -> float | None:

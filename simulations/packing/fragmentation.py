@@ -7,7 +7,7 @@ otherwise the free milli of the GPUs too small for it (for a sharing pod: GPUs w
 than it asks; for a whole-GPU pod: the partly used GPUs). The node's expected fragmentation
 weighs each kind by its share of the pods, as the paper does (`weighting="demand"` weighs by
 GPU demand instead: a kind asking for a whole GPU counts 1000 times one asking for 1 milli;
-measured worse on openb once scores are quantised, see `simulations.packing_dynpart`). Unlike
+measured worse on openb once scores are quantised, see `packing.dynpart_packing`). Unlike
 the paper, memory counts too (a kind whose memory does not fit cannot run there).
 Placing a pod where it raises the expected fragmentation least keeps the most of the cluster
 usable for the pods still to come.
@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from dynpart.simulations.traces import MILLI, TracePod
+from dynpart.simulations.inputs.traces import MILLI, TracePod
 
 
 class FragmentationModel:

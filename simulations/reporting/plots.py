@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def packing_curves(curves: dict[str, Sequence[tuple[float, float]]], path: Path, title: str,
+def packing_curves(curves: Mapping[str, Sequence[tuple[float, float]]], path: Path, title: str,
                    published: dict[str, tuple[float, float]] | None = None) -> None:
     """Allocation vs arrived demand, one line per policy (mean over seeds)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -37,7 +37,7 @@ def packing_curves(curves: dict[str, Sequence[tuple[float, float]]], path: Path,
     plt.close(fig)
 
 
-def replay_timelines(series: dict[str, dict[str, list[float]]], path: Path, title: str, time_unit: str) -> None:
+def replay_timelines(series: Mapping[str, Mapping[str, Sequence[float]]], path: Path, title: str, time_unit: str) -> None:
     """GPU allocation and pending pods over time, one line per policy (two panels)."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     for label, s in series.items():

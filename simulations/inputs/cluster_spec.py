@@ -26,7 +26,7 @@ import yaml
 from dynpart.catalog import Catalog
 from dynpart.errors import DynpartError
 from dynpart.simulations.errors import TraceError
-from dynpart.simulations.traces import NodeList
+from dynpart.simulations.inputs.traces import NodeList
 
 DEFAULT_CPU_MILLI = 112_000
 DEFAULT_MEMORY_MIB = 1 << 20  # 1 TiB

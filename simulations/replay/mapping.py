@@ -18,7 +18,7 @@ import math
 from dynpart.catalog import GpuModel
 from dynpart.resources import WHOLE_GPU, mig_resource_name, mps_resource_name
 from dynpart.simulations.errors import SimulationError
-from dynpart.simulations.traces import MILLI, TracePod
+from dynpart.simulations.inputs.traces import MILLI, TracePod
 
 RULES = ("compute", "memory")
 
@@ -99,8 +99,8 @@ def static_layout(name: str, model: GpuModel, mode: str) -> dict[str, str]:
         count = max(k for k in range(1, prof.max + 1) if place_counts(model, {prof.name: k}) is not None)
         return {model.name: f"{prof.name}:{count}"}
     for part in name.split(","):
-        prof, _, n = part.strip().partition(":")
-        if prof not in model.profiles_by_name or (n and not n.isdigit()):
+        profile, _, n = part.strip().partition(":")
+        if profile not in model.profiles_by_name or (n and not n.isdigit()):
             raise SimulationError(f"--static-geometry {name!r}: expected all-balanced, all-<profile> or "
                                   f"profile:count,... with profiles of {model.name}")
     if place_counts(model, {p.split(":")[0].strip(): int(p.split(":")[1] or 1) if ":" in p else 1

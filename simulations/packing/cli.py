@@ -15,11 +15,12 @@ import sys
 import time
 
 from dynpart.catalog import load_catalog
-from dynpart.simulations import bench_packing as bp
-from dynpart.simulations import inputs, plots, report
 from dynpart.simulations.errors import SimulationError
-from dynpart.simulations.packing_dynpart import DEFAULT_CANDIDATES, MAX_BATCH
-from dynpart.simulations.progress import Progress
+from dynpart.simulations.inputs import command_line
+from dynpart.simulations.packing import experiment as bp
+from dynpart.simulations.packing.dynpart_packing import DEFAULT_CANDIDATES, MAX_BATCH
+from dynpart.simulations.reporting import plots, report
+from dynpart.simulations.reporting.progress import Progress
 
 
 def register(bench_sub: argparse._SubParsersAction) -> None:
@@ -38,7 +39,7 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tune", type=float, default=1.3, help="workload size as a ratio of GPU capacity (default 1.3)")
     p.add_argument("--time-limit", type=float, default=0.05,
                    help="dynpart: planner exact-search budget per plan, deterministic seconds (default 0.05)")
-    p.add_argument("--jobs", type=int, default=bp.default_jobs(), help="parallel processes (default: CPU count)")
+    p.add_argument("--jobs", type=int, default=command_line.default_jobs(), help="parallel processes (default: CPU count)")
     p.add_argument("--out", metavar="DIR", help="write summary.json, steps.csv and allocation.png there")
     p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
     p.set_defaults(func=run)
@@ -46,7 +47,7 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     catalog = load_catalog(args.catalog)
-    seeds = inputs.parse_seeds(args.seeds)
+    seeds = command_line.parse_seeds(args.seeds)
     policies = [s.strip() for s in args.policy.split(",") if s.strip()]
     for pol in policies:
         bp.validate(pol, args.batch if pol == "dynpart" else 1, args.tune, args.candidates)
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         bp.validate(policies[0], args.batch, args.tune, args.candidates)  # baselines place one pod at a time
     if args.jobs < 1:
         raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
-    data = inputs.load(args.trace, args.nodes, args.cluster, catalog, default_cluster=None)
+    data = command_line.load(args.trace, args.nodes, args.cluster, catalog, default_cluster=None)
     if not args.json:
         print(data.describe(), file=sys.stderr)
     summaries, curves = [], {}
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summary_table(summaries: list[dict]) -> str:
-    rows = []
+    rows: list[tuple[object, ...]] = []
     for s in summaries:
         failed = sum(p["failed"] for p in s["per_seed"])
         rows.append((s["policy"], s["batch"], len(s["seeds"]), f"{s['alloc_at_100']:.2f}%", f"{s['alloc_at_130']:.2f}%",

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dynpart.simulations.state import PackingState
-from dynpart.simulations.traces import TracePod
+from dynpart.simulations.inputs.traces import TracePod
+from dynpart.simulations.packing.occupancy import PackingState
 
 MAX_SPEC_CPU = 128_000.0
 MAX_SPEC_GPU = 8_000.0

@@ -9,13 +9,13 @@ a few vector operations per pod.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from dynpart.simulations.cluster_spec import ClusterSpec
 from dynpart.simulations.errors import SimulationError
-from dynpart.simulations.traces import MILLI, TracePod
+from dynpart.simulations.inputs.cluster_spec import ClusterSpec
+from dynpart.simulations.inputs.traces import MILLI, TracePod
 
 
 @dataclass
@@ -147,21 +147,3 @@ class PackingState:
     def allocation_ratio(self) -> float:
         return self.allocated / self.total_gpu if self.total_gpu else 0.0
 
-
-@dataclass
-class Counts:
-    placed: int = 0
-    failed: int = 0
-    failed_gpu_milli: int = 0
-    by_kind: dict[str, list[int]] = field(default_factory=dict)  # kind -> [placed, failed]
-
-    def add(self, pod: TracePod, ok: bool) -> None:
-        kind = "cpu" if pod.num_gpu == 0 else ("share" if pod.is_share else f"{pod.num_gpu}gpu")
-        row = self.by_kind.setdefault(kind, [0, 0])
-        if ok:
-            self.placed += 1
-            row[0] += 1
-        else:
-            self.failed += 1
-            self.failed_gpu_milli += pod.gpu_demand
-            row[1] += 1

@@ -1,0 +1,43 @@
+"""The well-known names dynpart reads and writes on Kubernetes objects, in one place (kopf's
+`configs/conventions.py`): our annotation and label keys, the NVIDIA labels and resource names we
+rely on, the device-plugin config names, and the components that post Events. Plain strings, no
+imports: the pure modules (annotations, resources, the planner's cluster view) use them too."""
+
+from __future__ import annotations
+
+# --- ours: the node-annotation protocol (docs/protocol.md) -----------------------------------
+PREFIX = "dynpart.io/"
+SPEC_PREFIX = PREFIX + "spec-"
+STATUS_PREFIX = PREFIX + "status-"
+
+SPEC_PLAN = SPEC_PREFIX + "plan"
+SPEC_MODE = SPEC_PREFIX + "mode"
+STATUS_PLAN = STATUS_PREFIX + "plan"
+STATUS_MODE = STATUS_PREFIX + "mode"
+STATUS_ERROR = STATUS_PREFIX + "error"
+STATUS_HEARTBEAT = STATUS_PREFIX + "heartbeat"
+
+# Opt-in node label: the node's GPUs are partitioned by dynpart, in this mode (mig or mps).
+PARTITIONING_LABEL = PREFIX + "gpu-partitioning"
+
+# --- NVIDIA's: set by GPU feature discovery, read by the device plugin ------------------------
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GPU_COUNT_LABEL = "nvidia.com/gpu.count"
+# Names the device-plugin config (a key of its ConfigMap) the plugin on this node uses.
+DEVICE_PLUGIN_CONFIG_LABEL = "nvidia.com/device-plugin.config"
+# The configs the agent writes into that ConfigMap: this prefix and a hash of the content.
+MPS_CONFIG_PREFIX = "dynpart-mps-"
+DEVICE_PLUGIN_CONFIGMAP = "dynpart-device-plugin-configs"
+
+# Extended resources the device plugin publishes (dynpart/resources.py parses them).
+WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+MPS_RESOURCE_PREFIX = "nvidia.com/gpu-"
+
+# --- components: the `source` of the Events each one posts ------------------------------------
+PLANNER_COMPONENT = "dynpart-planner"
+AGENT_COMPONENT = "dynpart-agent"
+
+# --- where dynpart's own objects live (the Helm chart's defaults) ------------------------------
+SYSTEM_NAMESPACE = "dynpart-system"
+LEASE_NAME = "dynpart-planner"  # the planner's leader-election Lease, in SYSTEM_NAMESPACE

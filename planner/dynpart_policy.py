@@ -1,0 +1,133 @@
+"""dynpart's own policy: the greedy plan, then the exact search (CP-SAT) on the whole instance
+when it is small, or window by window (large-neighbourhood search) when it is not."""
+
+from __future__ import annotations
+
+import time
+
+from dynpart.planner.bound import placed_upper_bound
+from dynpart.planner.exact import objective, solve_exact
+from dynpart.planner.greedy import Greedy, request_order
+from dynpart.planner.policy import PlanOptions, PolicyName, PolicyResult
+from dynpart.planner.problem import Problem, Request
+from dynpart.planner.state import GpuState, new_state
+from dynpart.planner.types import Placements
+
+
+def _better(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
+    return (a[0], -a[1], -a[2]) > (b[0], -b[1], -b[2])
+
+
+class DynpartPolicy:
+    def __init__(self, options: PlanOptions):
+        self.options = options
+
+    @property
+    def name(self) -> PolicyName:
+        return "dynpart"
+
+    def place(self, problem: Problem) -> PolicyResult:
+        t0 = time.perf_counter()
+        opts = self.options
+        greedy = Greedy(problem).run(request_order(problem))
+        states, placed, cpu, mem = greedy.states, greedy.placements(), greedy.cpu, greedy.mem
+        solver = "greedy"
+        open_reqs = [r for r in problem.requests if r.idx not in placed and r.candidates]
+        uniform = len({r.priority for r in problem.requests}) <= 1
+        if open_reqs and not (uniform and len(placed) >= placed_upper_bound(problem)) and opts.time_limit_s > 0:
+            if len(problem.gpus) <= opts.exact_max_gpus and len(problem.requests) <= opts.exact_max_pods:
+                base = [new_state(g) for g in problem.gpus]
+                res = solve_exact(problem, base, list(range(len(problem.nodes))), problem.requests, placed,
+                                  opts.time_limit_s, [n.cpu_free for n in problem.nodes],
+                                  [n.mem_free for n in problem.nodes])
+                greedy_obj = objective(states, {i: problem.requests[i].weight for i in placed})
+                if res is not None:
+                    solver = ("cp-sat optimal" if res.optimal else
+                              "cp-sat optimal placement" if res.placed_optimal else "cp-sat feasible")
+                    if _better(res.objective, greedy_obj) or res.optimal:
+                        states = [res.states[g.gid] for g in problem.gpus]
+                        placed = res.placed
+            else:
+                solver = _improve_by_windows(problem, states, placed, cpu, mem, open_reqs, opts, t0)
+        return PolicyResult(states, placed, solver)
+
+    def unplaced_reason(self, problem: Problem, req: Request) -> str:
+        # would it fit on an otherwise untouched cluster (only used slices fixed)?
+        for n in req.candidates:
+            free = sum(1 for g in problem.nodes[n].gpus
+                       if new_state(problem.gpus[g]).option(req.slice_ref) is not None)
+            if free >= min(req.count, 1):
+                return (f"no room left for {req.count} x {req.resource} on its {len(req.candidates)} candidate "
+                        "node(s): the space went to pods of higher priority or to other pending pods")
+        return (f"no room for {req.resource} on its {len(req.candidates)} candidate node(s) without "
+                "moving or destroying slices in use")
+
+
+def _improve_by_windows(problem: Problem, states: list[GpuState], placed: Placements,
+                        cpu: list[int], mem: list[int], open_reqs: list[Request], opts: PlanOptions,
+                        t0: float) -> str:
+    """Large-neighbourhood search: for each pod left out, re-plan exactly a window of its
+    candidate nodes with the most reconfigurable room, together with the pods planned there.
+    States, placements and CPU/memory left are updated in place when a window improves."""
+    slack = []
+    for node in problem.nodes:
+        total = 0
+        for gid in node.gpus:
+            info = problem.gpus[gid]
+            if info.rules is not None:
+                total += info.model.memory_slices - sum(info.rules.memory[p] for p, _, _ in info.used_mig)
+            elif not info.whole_pod:
+                total += info.capacity - sum(s for s, _ in info.used_mps)
+        slack.append(total)
+    on_node: dict[int, set[int]] = {}
+    for idx, where in placed.items():
+        on_node.setdefault(where.node, set()).add(idx)
+    # the windows' budget is deterministic time; the wall clock only stops a runaway
+    budget = opts.time_limit_s
+    per_window = max(0.02, budget / 10)
+    improved = 0
+    for req in open_reqs:
+        if budget <= 0 or time.perf_counter() - t0 > 10 * opts.time_limit_s + 5:
+            break
+        if req.idx in placed:
+            continue
+        ranked = sorted((n for n in req.candidates
+                         if problem.nodes[n].cpu_free >= req.cpu and problem.nodes[n].mem_free >= req.mem),
+                        key=lambda n: (-slack[n], n))
+        window = sorted(ranked[: opts.window_nodes])
+        if not window:
+            continue
+        wset = set(window)
+        in_window = sorted({i for n in window for i in on_node.get(n, ())})
+        extra = [r.idx for r in open_reqs if r.idx not in placed and wset.intersection(r.candidates)]
+        pods = in_window + [i for i in extra if i not in in_window][: max(1, opts.window_pods - len(in_window))]
+        if req.idx not in pods:
+            pods.append(req.idx)
+        reqs = [problem.requests[i] for i in sorted(pods)]
+        gids = [g for n in window for g in problem.nodes[n].gpus]
+        base = list(states)
+        for g in gids:
+            base[g] = new_state(problem.gpus[g])
+        cpu_left = {n: problem.nodes[n].cpu_free for n in window}
+        mem_left = {n: problem.nodes[n].mem_free for n in window}
+        res = solve_exact(problem, base, window, reqs, placed, per_window, cpu_left, mem_left)
+        budget -= per_window
+        if res is None:
+            continue
+        before = objective([states[g] for g in gids], {i: problem.requests[i].weight for i in in_window})
+        if not _better(res.objective, before):
+            continue
+        improved += 1
+        for g in gids:
+            states[g] = res.states[g]
+        for i in in_window:
+            placed.pop(i, None)
+        for n in window:
+            on_node[n] = set()
+            cpu[n], mem[n] = cpu_left[n], mem_left[n]
+        for i, where in res.placed.items():
+            placed[i] = where
+            on_node[where.node].add(i)
+            cpu[where.node] -= problem.requests[i].cpu
+            mem[where.node] -= problem.requests[i].mem
+    return f"greedy + cp-sat windows ({improved} improved)"

@@ -1,0 +1,54 @@
+"""The policy interface: what `plan()` asks of a planning policy (dynpart's own, and the nos and
+static baselines it is compared with), and the options that choose and tune one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dynpart.planner.problem import Problem, Request
+from dynpart.planner.state import GpuState
+from dynpart.planner.types import Placements
+
+PolicyName = Literal["dynpart", "nos", "static"]
+
+
+class PlanOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: PolicyName = "dynpart"
+    # Budget of the exact search, in CP-SAT deterministic seconds (about wall seconds on one core).
+    time_limit_s: float = Field(default=0.5, ge=0)
+    # Solve the whole instance exactly when it has at most this many GPUs and pods...
+    exact_max_gpus: int = Field(default=64, ge=0)
+    exact_max_pods: int = Field(default=120, ge=0)
+    # ...else improve the greedy plan window by window (large-neighbourhood search).
+    window_nodes: int = Field(default=3, ge=1)
+    window_pods: int = Field(default=40, ge=1)
+    # static policy: the fixed geometry, by GPU model name, as "profile@start,..." or profile counts
+    static_layout: dict[str, str] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyResult:
+    states: list[GpuState]  # every GPU's planned layout, by GPU id
+    placements: Placements
+    solver: str  # how the plan was found, for the plan's stats
+
+
+class PlanningPolicy(Protocol):
+    """A way to plan: built from `PlanOptions`, it places pending pods on a compiled problem."""
+
+    @property
+    def name(self) -> PolicyName: ...
+
+    def place(self, problem: Problem) -> PolicyResult:
+        """Lay out the GPUs and place the pending pods (pure: no I/O, deterministic)."""
+        ...
+
+    def unplaced_reason(self, problem: Problem, req: Request) -> str:
+        """Why this policy left out `req`, which has candidate nodes (the reason for a pod
+        without any is the problem's, not the policy's)."""
+        ...
