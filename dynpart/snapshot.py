@@ -7,6 +7,7 @@ unit a simulation picks (e.g. thousandths of a GPU).
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -217,75 +218,114 @@ def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuMode
     models: dict[str, GpuModel] = {}
     seen_nodes: set[str] = set()
     for i, node in enumerate(snapshot.nodes):
-        where = f"nodes[{i}] ({node.name})"
         if node.name in seen_nodes:
-            problems.append(f"{where}.name = {node.name!r}: duplicate node name")
+            problems.append(f"nodes[{i}] ({node.name}).name = {node.name!r}: duplicate node name")
         seen_nodes.add(node.name)
-        try:
-            model = catalog.resolve(node.gpu_model, where=f"{where}.gpu_model")
-        except DynpartError as e:
-            problems.append(str(e))
-            continue
-        models[node.name] = model
-        if node.mode == "mig" and not model.supports_mig:
-            problems.append(f"{where}.mode = 'mig': GPU model {model.name} does not support MIG")
-        indices: set[int] = set()
-        for j, gpu in enumerate(node.gpus):
-            gwhere = f"{where}.gpus[{j}]"
-            if gpu.index in indices:
-                problems.append(f"{gwhere}.index = {gpu.index}: duplicate GPU index")
-            indices.add(gpu.index)
-            if node.mode == "mig":
-                if gpu.mps:
-                    problems.append(f"{gwhere}.mps: MPS slices on a node in mig mode")
-                if model.supports_mig:
-                    bad = MigRules.of(model).violations([(m.profile, m.start) for m in gpu.mig])
-                    problems.extend(f"{gwhere}.mig: {b}" for b in bad)
-            else:
-                if gpu.mig:
-                    problems.append(f"{gwhere}.mig: MIG instances on a node in mps mode")
-                cap = gpu_capacity(gpu, model)
-                for k, s in enumerate(gpu.mps):
-                    if s.size > cap:
-                        problems.append(
-                            f"{gwhere}.mps[{k}].size = {s.size}: slice bigger than the GPU (capacity {cap})"
-                        )
-                total = sum(s.size for s in gpu.mps)
-                if total > cap:
-                    problems.append(f"{gwhere}.mps: slices add up to {total}, more than the GPU's capacity {cap}")
-                if gpu.whole_pod and gpu.mps:
-                    problems.append(f"{gwhere}.whole_pod = {gpu.whole_pod!r}: a whole GPU cannot also hold MPS slices")
-            if node.mode == "mig" and gpu.whole_pod:
-                problems.append(f"{gwhere}.whole_pod: whole GPUs are only modelled on mps nodes (use a 7g profile)")
+        model, found = node_problems(i, node, catalog)
+        problems.extend(found)
+        if model is not None:
+            models[node.name] = model
     known_profiles = catalog.mig_profile_names()
     seen_pods: set[str] = set()
     for i, pod in enumerate(snapshot.pending):
-        where = f"pending[{i}] ({pod.name})"
         if pod.name in seen_pods:
-            problems.append(f"{where}.name = {pod.name!r}: duplicate pod name")
+            problems.append(f"pending[{i}] ({pod.name}).name = {pod.name!r}: duplicate pod name")
         seen_pods.add(pod.name)
-        try:
-            res = parse_resource(pod.resource)
-        except ResourceNameError as e:
-            problems.append(f"{where}.resource: {e}")
-            continue
-        if isinstance(res, MigResource) and res.profile not in known_profiles:
-            problems.append(
-                f"{where}.resource = {pod.resource!r}: MIG profile {res.profile!r} is not offered by any GPU "
-                "model in the catalog"
-            )
-        for m in pod.gpu_models:
-            try:
-                catalog.resolve(m, where=f"{where}.gpu_models")
-            except DynpartError as e:
-                problems.append(str(e))
+        problems.extend(pod_problems(i, pod, catalog, known_profiles))
     if problems:
         raise SnapshotError(problems)
     return models
 
 
+def node_problems(i: int, node: Node, catalog: Catalog) -> tuple[GpuModel | None, list[str]]:
+    """What is wrong with one node on its own (the node is `nodes[i]`), and its model if known."""
+    where = f"nodes[{i}] ({node.name})"
+    problems: list[str] = []
+    try:
+        model = catalog.resolve(node.gpu_model, where=f"{where}.gpu_model")
+    except DynpartError as e:
+        return None, [str(e)]
+    if node.mode == "mig" and not model.supports_mig:
+        problems.append(f"{where}.mode = 'mig': GPU model {model.name} does not support MIG")
+    indices: set[int] = set()
+    for j, gpu in enumerate(node.gpus):
+        gwhere = f"{where}.gpus[{j}]"
+        if gpu.index in indices:
+            problems.append(f"{gwhere}.index = {gpu.index}: duplicate GPU index")
+        indices.add(gpu.index)
+        if node.mode == "mig":
+            if gpu.mps:
+                problems.append(f"{gwhere}.mps: MPS slices on a node in mig mode")
+            if model.supports_mig:
+                bad = MigRules.of(model).violations([(m.profile, m.start) for m in gpu.mig])
+                problems.extend(f"{gwhere}.mig: {b}" for b in bad)
+        else:
+            if gpu.mig:
+                problems.append(f"{gwhere}.mig: MIG instances on a node in mps mode")
+            cap = gpu_capacity(gpu, model)
+            for k, s in enumerate(gpu.mps):
+                if s.size > cap:
+                    problems.append(
+                        f"{gwhere}.mps[{k}].size = {s.size}: slice bigger than the GPU (capacity {cap})"
+                    )
+            total = sum(s.size for s in gpu.mps)
+            if total > cap:
+                problems.append(f"{gwhere}.mps: slices add up to {total}, more than the GPU's capacity {cap}")
+            if gpu.whole_pod and gpu.mps:
+                problems.append(f"{gwhere}.whole_pod = {gpu.whole_pod!r}: a whole GPU cannot also hold MPS slices")
+        if node.mode == "mig" and gpu.whole_pod:
+            problems.append(f"{gwhere}.whole_pod: whole GPUs are only modelled on mps nodes (use a 7g profile)")
+    return model, problems
+
+
+def pod_problems(i: int, pod: PendingPod, catalog: Catalog, known_profiles: AbstractSet[str]) -> list[str]:
+    """What is wrong with one pending pod on its own (the pod is `pending[i]`)."""
+    where = f"pending[{i}] ({pod.name})"
+    problems: list[str] = []
+    try:
+        res = parse_resource(pod.resource)
+    except ResourceNameError as e:
+        return [f"{where}.resource: {e}"]
+    if isinstance(res, MigResource) and res.profile not in known_profiles:
+        problems.append(
+            f"{where}.resource = {pod.resource!r}: MIG profile {res.profile!r} is not offered by any GPU "
+            "model in the catalog"
+        )
+    for m in pod.gpu_models:
+        try:
+            catalog.resolve(m, where=f"{where}.gpu_models")
+        except DynpartError as e:
+            problems.append(str(e))
+    return problems
+
+
+def split_invalid(snapshot: Snapshot, catalog: Catalog) -> tuple[Snapshot, list[tuple[str, str]]]:
+    """The snapshot without the nodes and pods that cannot be planned, and for each one left out
+    (its name, what is wrong): one bad object never stops the planning of the others. Duplicate
+    names are left to `validate_snapshot` (objects read from the API have unique names)."""
+    problems: list[tuple[str, str]] = []
+    nodes: list[Node] = []
+    for i, node in enumerate(snapshot.nodes):
+        _, found = node_problems(i, node, catalog)
+        if found:
+            problems.append((node.name, "; ".join(found)))
+        else:
+            nodes.append(node)
+    known_profiles = catalog.mig_profile_names()
+    pending: list[PendingPod] = []
+    for i, pod in enumerate(snapshot.pending):
+        found = pod_problems(i, pod, catalog, known_profiles)
+        if found:
+            problems.append((pod.name, "; ".join(found)))
+        else:
+            pending.append(pod)
+    if not problems:
+        return snapshot, []
+    return Snapshot(nodes=nodes, pending=pending), problems
+
+
 __all__ = [
     "Gpu", "GpuLayout", "MigInstance", "MpsSlice", "Node", "NodeLayout", "PendingPod",
-    "Plan", "PlanStats", "PodPlacement", "Snapshot", "UnplacedPod", "full_layout", "gpu_capacity", "parse_snapshot",
-    "validate_snapshot",
+    "Plan", "PlanStats", "PodPlacement", "Snapshot", "UnplacedPod", "full_layout", "gpu_capacity", "node_problems",
+    "parse_snapshot", "PlacedSlice", "pod_problems", "split_invalid", "validate_snapshot",
 ]

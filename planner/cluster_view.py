@@ -8,24 +8,39 @@ object is left out; one bad object never stops the planning of the others.
 
 from __future__ import annotations
 
+import math
+import re
 from collections import Counter
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynpart.annotations import decode_status
+from pydantic import ValidationError
+
+from dynpart.annotations import annotation_patch, decode_status, encode_spec
 from dynpart.catalog import Catalog
 from dynpart.errors import DynpartError
 from dynpart.kube.conventions import GPU_COUNT_LABEL, GPU_PRODUCT_LABEL, PARTITIONING_LABEL
 from dynpart.resources import MigResource, WholeGpuResource, is_slice_resource, parse_resource
-from dynpart.snapshot import Gpu, MigInstance, MpsSlice, Node, PendingPod, Snapshot
+from dynpart.snapshot import (
+    Gpu,
+    MigInstance,
+    MpsSlice,
+    Node,
+    NodeLayout,
+    PendingPod,
+    Plan,
+    Snapshot,
+    full_layout,
+    split_invalid,
+)
 
 TERMINAL_PHASES = {"Succeeded", "Failed"}
 
 
 def pod_key(pod: dict[str, Any]) -> str:
-    md = pod.get("metadata", {})
-    return f"{md.get('namespace', 'default')}/{md.get('name', '')}"
+    return f"{_field(pod, 'metadata', 'namespace') or 'default'}/{_field(pod, 'metadata', 'name') or ''}"
 
 
 def parse_quantity(value: Any) -> float:
@@ -61,7 +76,9 @@ def _container_requests(pod: dict[str, Any]) -> dict[str, float]:
 
 
 def slice_requests(pod: dict[str, Any]) -> dict[str, int]:
-    return {k: int(v) for k, v in _container_requests(pod).items() if is_slice_resource(k) and v > 0}
+    """Slice resources the pod asks for, by count (a fraction counts up: the API server admits
+    only whole counts of extended resources; `pending_pod` refuses one that is not)."""
+    return {k: math.ceil(v) for k, v in _container_requests(pod).items() if is_slice_resource(k) and v > 0}
 
 
 def is_batch_candidate(pod: dict[str, Any]) -> bool:
@@ -87,14 +104,24 @@ def pending_pod(pod: dict[str, Any]) -> PendingPod:
     resource, count = next(iter(wanted.items()))
     parse_resource(resource)
     req = _container_requests(pod)
+    if req[resource] != count:
+        raise DynpartError(f"pod {name}: {resource} = {req[resource]:g}: a slice count must be a whole number")
     spec = pod.get("spec", {})
-    selector = dict(spec.get("nodeSelector") or {})
+    selector = spec.get("nodeSelector") or {}
+    if not isinstance(selector, dict):
+        raise DynpartError(f"pod {name}: spec.nodeSelector = {selector!r}: not a mapping")
+    selector = dict(selector)
     models = [selector.pop(GPU_PRODUCT_LABEL)] if GPU_PRODUCT_LABEL in selector else []
-    return PendingPod(
-        name=name, resource=resource, count=count,
-        cpu_milli=int(round(req.get("cpu", 0) * 1000)), memory_mib=int(req.get("memory", 0) // 2**20),
-        priority=int(spec.get("priority") or 0), node_selector=selector, gpu_models=models,
-    )
+    try:
+        return PendingPod(
+            name=name, resource=resource, count=count,
+            cpu_milli=int(round(req.get("cpu", 0) * 1000)), memory_mib=int(req.get("memory", 0) // 2**20),
+            priority=spec.get("priority") or 0, node_selector=selector, gpu_models=models,
+        )
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"])
+        raise DynpartError(f"pod {name}: {field} = {err.get('input')!r}: {err['msg']}") from None
 
 
 @dataclass
@@ -151,7 +178,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         else:
             gpus.append(Gpu(index=i, mps=[MpsSlice(size=s.size, used=s.used) for s in (g.mps if g else [])],
                             whole_pod=g.whole_pod if g else None))
-    _protect_bound_slices(gpus, bound_slices)
+    gpus = _protect_bound_slices(gpus, bound_slices, mode)
     alloc = (node.get("status") or {}).get("allocatable") or {}
     try:
         cpu_free = max(0, int(round((parse_quantity(alloc.get("cpu", 0)) - cpu_used) * 1000)))
@@ -163,14 +190,23 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     return NodeView(view, status.plan_id, problems)
 
 
-def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str]) -> None:
-    """Mark free slices as used until each resource has at least as many used as pods bound."""
+def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str) -> list[Gpu]:
+    """Mark free slices as used until each resource has at least as many used as pods bound.
+    Returns the GPUs left to plan: on a MIG node, a GPU that a whole-GPU pod holds (one the node
+    serves uncarved) is not the planner's to carve, so it is left out of the node's GPUs."""
     for res, n in bound.items():
-        kind = parse_resource(res)
+        try:
+            kind = parse_resource(res)
+        except DynpartError:
+            continue  # pending_pod() reports such a pod; a bound one holds nothing dynpart carves
         if isinstance(kind, WholeGpuResource):
             missing = n - sum(1 for g in gpus if g.whole_pod)
-            for g in [g for g in gpus if not g.whole_pod and not g.mps and not g.mig][: max(0, missing)]:
-                g.whole_pod = "(bound)"
+            held = [g for g in gpus if not g.whole_pod and not g.mps and not g.mig][: max(0, missing)]
+            if mode == "mig":
+                gpus = [g for g in gpus if all(g is not h for h in held)]
+            else:
+                for g in held:
+                    g.whole_pod = "(bound)"
             continue
         matching: list[MigInstance] | list[MpsSlice]
         if isinstance(kind, MigResource):
@@ -180,6 +216,7 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str]) -> None:
         missing = n - sum(1 for it in matching if it.used)
         for it in [it for it in matching if not it.used][: max(0, missing)]:
             it.used = True
+    return gpus
 
 
 def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], catalog: Catalog,
@@ -193,26 +230,72 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
     for pod in pods:
-        n = pod.get("spec", {}).get("nodeName")
-        if n:
+        n = _field(pod, "spec", "nodeName")
+        if isinstance(n, str) and n:
             by_node.setdefault(n, []).append(pod)
     views: list[Node] = []
     acks: dict[str, str | None] = {}
-    for node in sorted(nodes, key=lambda n: n.get("metadata", {}).get("name", "")):
-        name = node.get("metadata", {}).get("name", "")
-        if PARTITIONING_LABEL not in (node.get("metadata", {}).get("labels") or {}) or name in exclude_nodes:
+    for node in sorted(nodes, key=lambda n: str(_field(n, "metadata", "name") or "")):
+        name = str(_field(node, "metadata", "name") or "")
+        labels = _field(node, "metadata", "labels")
+        if not isinstance(labels, dict) or PARTITIONING_LABEL not in labels or name in exclude_nodes:
             continue
-        view = node_view(node, by_node.get(name, []), catalog)
+        try:
+            view = node_view(node, by_node.get(name, []), catalog)
+        except DynpartError as e:
+            problems.append((node, f"node {name} left out of planning: {e}"))
+            continue
+        except (AttributeError, TypeError, ValueError, KeyError) as e:  # a field of the wrong type
+            problems.append((node, f"node {name} left out of planning: cannot read it ({type(e).__name__}: {e})"))
+            continue
         problems.extend((node, p) for p in view.problems)
         acks[name] = view.status_plan
         if view.node is not None:
             views.append(view.node)
     pending: list[PendingPod] = []
-    for pod in sorted(pods, key=lambda p: (p.get("metadata", {}).get("creationTimestamp") or "", pod_key(p))):
-        if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods:
-            continue
+    candidates: dict[str, dict[str, Any]] = {}
+    for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
         try:
+            if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods:
+                continue
             pending.append(pending_pod(pod))
+            candidates[pod_key(pod)] = pod
         except DynpartError as e:
             problems.append((pod, str(e)))
-    return Snapshot(nodes=views, pending=pending), acks, problems
+        except (AttributeError, TypeError, ValueError, KeyError) as e:  # a field of the wrong type
+            problems.append((pod, f"pod {pod_key(pod)} left out of planning: cannot read it ({type(e).__name__}: {e})"))
+    # each node and pod checked on its own against the catalog and the MIG/MPS rules: one that
+    # cannot be planned (an unknown MIG profile, a GPU product the catalog lacks) is left out with
+    # its problem, and the round goes on for the others
+    snapshot, invalid = split_invalid(Snapshot(nodes=views, pending=pending), catalog)
+    node_objs = {n.get("metadata", {}).get("name", ""): n for n in nodes}
+    for name, message in invalid:
+        obj = candidates.get(name) or node_objs.get(name) or {"metadata": {"name": name}}
+        # "pending[3] (ns/p).resource = ..." -> "resource = ...": the position in the snapshot means
+        # nothing to a user; the object's name leads the message
+        message = re.sub(r"(^|; )(pending|nodes)\[\d+\] \([^)]*\)\.?", r"\1", message)
+        problems.append((obj, f"{'pod' if name in candidates else 'node'} {name} left out of planning: {message}"))
+    return snapshot, acks, problems
+
+
+def planned_patches(snapshot: Snapshot, result: Plan, nodes: Mapping[str, dict[str, Any]],
+                    plan_id: str) -> list[tuple[NodeLayout, dict[str, str | None]]]:
+    """The annotation patch the controller writes on each node whose layout the plan changes:
+    the node's whole desired layout (planned GPUs, the others as they are) under `plan_id`, as a
+    merge patch against the annotations the node has (`nodes`: the objects by name)."""
+    snap_nodes = {n.name: n for n in snapshot.nodes}
+    out = []
+    for layout in result.changed_nodes():
+        spec = encode_spec(full_layout(snap_nodes[layout.node], layout), plan_id)
+        current = nodes[layout.node].get("metadata", {}).get("annotations")
+        out.append((layout, annotation_patch(current, spec)))
+    return out
+
+
+def _field(obj: object, *path: str) -> object:
+    """obj[path[0]][path[1]]..., or None where a level is missing or not a mapping."""
+    for key in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(key)
+    return obj

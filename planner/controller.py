@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from kubernetes_asyncio import client
 
-from dynpart.annotations import annotation_patch, encode_spec
 from dynpart.catalog import Catalog
+from dynpart.errors import DynpartError
 from dynpart.kube.client import Obj
 from dynpart.kube.conventions import (
     PARTITIONING_LABEL,
@@ -35,10 +35,9 @@ from dynpart.kube.recording import EventRecorder, posting_to
 from dynpart.kube.watching import Informer, object_key
 from dynpart.planner import metrics
 from dynpart.planner.batching import BatchWindow
-from dynpart.planner.cluster_view import build_snapshot, is_batch_candidate, pod_key
+from dynpart.planner.cluster_view import build_snapshot, is_batch_candidate, planned_patches, pod_key
 from dynpart.planner.core import PlanOptions, plan
 from dynpart.settings import PlannerSettings
-from dynpart.snapshot import full_layout
 
 log = logging.getLogger("dynpart.planner")
 
@@ -182,7 +181,14 @@ class PlannerController:
             return
         options = PlanOptions(time_limit_s=self.settings.plan_time_limit_s)
         started = time.perf_counter()
-        result = await asyncio.to_thread(plan, snapshot, self.catalog, options)
+        try:
+            result = await asyncio.to_thread(plan, snapshot, self.catalog, options)
+        except DynpartError as e:
+            # build_snapshot leaves out every object that fails validation on its own, so this is a
+            # problem between objects (say two nodes of one name): skip the round, never crash-loop
+            metrics.PLAN_ERRORS.labels("invalid_snapshot").inc()
+            log.error("planning round skipped: %s", e)
+            return
         metrics.PLAN_SECONDS.observe(time.perf_counter() - started)
         metrics.PLANS.inc()
         plan_id = f"{int(time.time() * 1000):x}-{next(self._ids)}"
@@ -192,17 +198,13 @@ class PlannerController:
                                               "seconds": round(time.perf_counter() - started, 4)}})
         pods_by_key = {pod_key(p): p for p in pods}
         nodes_by_name = {n["metadata"]["name"]: n for n in nodes}
-        snap_nodes = {n.name: n for n in snapshot.nodes}
         placed_on: dict[str, set[str]] = {}
         for pl in result.placements:
             placed_on.setdefault(pl.node, set()).add(pl.pod)
         written: set[str] = set()
         not_written: set[str] = set()
-        for layout in result.changed_nodes():
+        for layout, patch in planned_patches(snapshot, result, nodes_by_name, plan_id):
             node_obj = nodes_by_name[layout.node]
-            full = full_layout(snap_nodes[layout.node], layout)
-            spec = encode_spec(full, plan_id)
-            patch = annotation_patch(node_obj["metadata"].get("annotations"), spec)
             try:
                 await patch_node_annotations(self.core, layout.node, patch,
                                              node_obj["metadata"].get("resourceVersion"))

@@ -262,3 +262,32 @@ def test_the_checks_can_fail():
     mps.labels = {DEVICE_PLUGIN_CONFIG_LABEL: "c2"}  # a config without the 10 GB slice the pod holds
     mps.check_mps_config(configs)
     assert len(mps.destroy_violations()) == 1
+
+
+async def test_pods_dynpart_cannot_read_do_not_stop_the_others(harness: Harness, planner: PlannerProcess):
+    """Issue 11: a pod asking for a MIG profile no GPU offers, and one selecting a GPU product the
+    catalog lacks, used to make plan() raise and both planner replicas crash-loop. Each now gets a
+    DynpartInvalid Event naming the field and value, and the pods next to them run."""
+    h = harness
+    await h.add_node("h100-bad-input", H100, "mig", 2)
+    await h.add_node("mps-bad-input", H100, "mps", 1)
+    for node in h.nodes.values():
+        await h.start_agent(node)
+    unknown_profile = await h.create_pod("unknown-profile", "nvidia.com/mig-5g.20gb")
+    body = h.pod_body("unknown-product", "nvidia.com/mig-1g.10gb")
+    body["spec"]["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-Nope-99GB"}
+    unknown_product = h.pods[f"{h.namespace}/unknown-product"] = type(unknown_profile)(
+        f"{h.namespace}/unknown-product", "nvidia.com/mig-1g.10gb", unknown_profile.created_at)
+    await h.core.create_namespaced_pod(h.namespace, body)
+    normal = await h.create_pods([("ok-1g", "nvidia.com/mig-1g.10gb"), ("ok-3g", "nvidia.com/mig-3g.40gb"),
+                                  ("ok-2g", "nvidia.com/mig-2g.20gb"), ("ok-mps", "nvidia.com/gpu-20gb")])
+    await h.wait_running(normal, timeout=90)
+
+    async def invalid(rec):
+        return [e for e in await h.events_of(rec) if e.reason == "DynpartInvalid"]
+    profile_events = await wait_until(lambda: invalid(unknown_profile), 30, "a DynpartInvalid event", interval=0.2)
+    product_events = await wait_until(lambda: invalid(unknown_product), 30, "a DynpartInvalid event", interval=0.2)
+    assert "'nvidia.com/mig-5g.20gb'" in profile_events[0].message, profile_events[0].message
+    assert "'NVIDIA-Nope-99GB'" in product_events[0].message, product_events[0].message
+    assert planner.alive and unknown_profile.running_at is None and unknown_product.running_at is None
+    assert h.destroy_violations() == []
