@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from dynpart.annotations import annotation_patch, decode_status, encode_spec
 from dynpart.catalog import Catalog
 from dynpart.errors import DynpartError
-from dynpart.kube.conventions import GPU_COUNT_LABEL, GPU_PRODUCT_LABEL, PARTITIONING_LABEL
+from dynpart.kube.conventions import GPU_COUNT_LABEL, GPU_PRODUCT_LABEL, PARTITIONING_LABEL, STATUS_PREFIX
 from dynpart.resources import MigResource, WholeGpuResource, is_slice_resource, parse_resource
 from dynpart.snapshot import (
     Gpu,
@@ -37,6 +37,9 @@ from dynpart.snapshot import (
 )
 
 TERMINAL_PHASES = {"Succeeded", "Failed"}
+# An agent's status for 8 GPUs of any layout is a few KiB; beyond this the node is left out with
+# an Event instead of being decoded on the planner's event loop (a hostile or broken writer).
+MAX_STATUS_BYTES = 64 * 1024
 
 
 def pod_key(pod: dict[str, Any]) -> str:
@@ -150,7 +153,12 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         model = catalog.resolve(product, where=f"node {name} label {GPU_PRODUCT_LABEL}")
     except DynpartError as e:
         return NodeView(None, None, [str(e)])
-    status = decode_status(md.get("annotations") or {}, model, node=name)
+    annotations = md.get("annotations") or {}
+    size = sum(len(k) + len(str(v)) for k, v in annotations.items() if str(k).startswith(STATUS_PREFIX))
+    if size > MAX_STATUS_BYTES:
+        return NodeView(None, None, [f"node {name}: its {STATUS_PREFIX}* annotations take {size} bytes, more than "
+                                     f"the {MAX_STATUS_BYTES} an agent writes; the node is left out until they shrink"])
+    status = decode_status(annotations, model, node=name)
     problems.extend(status.problems)
     reported = {g.index: g for g in status.layout.gpus} if status.layout is not None else {}
     try:
@@ -299,3 +307,32 @@ def _field(obj: object, *path: str) -> object:
             return None
         obj = obj.get(key)
     return obj
+
+
+def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
+    """The part of a pod the planner reads (this module, and Events: kind, name, namespace, uid):
+    what the controller's pod cache keeps. Managed fields, env, volumes, images and the like are
+    dropped; a cluster's pod cache then costs a small fraction of the objects' size."""
+    def part(key: str) -> dict[str, Any]:
+        value = pod.get(key)
+        return value if isinstance(value, dict) else {}
+
+    md, spec, status = part("metadata"), part("spec"), part("status")
+
+    def containers(key: str) -> Any:
+        items = spec.get(key)
+        if not isinstance(items, list):
+            return items  # ill-typed: kept, so the round reports it as it would on the full object
+        return [{"name": c.get("name"), "resources": c.get("resources")} if isinstance(c, dict) else c for c in items]
+
+    conditions = status.get("conditions")
+    return {
+        "kind": "Pod",
+        "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp",
+                                         "deletionTimestamp") if k in md},
+        "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority") if k in spec},
+                 **{k: containers(k) for k in ("containers", "initContainers") if k in spec}},
+        "status": {**{k: status[k] for k in ("phase", "nominatedNodeName") if k in status},
+                   "conditions": [c for c in conditions if isinstance(c, dict) and c.get("type") == "PodScheduled"]
+                   if isinstance(conditions, list) else conditions},
+    }

@@ -35,7 +35,7 @@ from dynpart.kube.recording import EventRecorder, posting_to
 from dynpart.kube.watching import Informer, object_key
 from dynpart.planner import metrics
 from dynpart.planner.batching import BatchWindow
-from dynpart.planner.cluster_view import build_snapshot, is_batch_candidate, planned_patches, pod_key
+from dynpart.planner.cluster_view import build_snapshot, is_batch_candidate, planned_patches, pod_for_planning, pod_key
 from dynpart.planner.core import PlanOptions, plan
 from dynpart.settings import PlannerSettings
 
@@ -65,7 +65,8 @@ class PlannerController:
         self._last_round = 0.0
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
                               settings=settings.kube)
-        self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods", settings=settings.kube)
+        self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods", settings=settings.kube,
+                             transform=pod_for_planning)
 
     # --- watches --------------------------------------------------------------------------
 

@@ -36,8 +36,10 @@ class Informer:
 
     def __init__(self, list_fn: Callable[..., Awaitable[Any]], on_change: Callable[[str, Obj], None],
                  *, name: str, label_selector: str | None = None, field_selector: str | None = None,
-                 settings: KubeSettings | None = None):
+                 settings: KubeSettings | None = None, transform: Callable[[Obj], Obj] | None = None):
         self.list_fn = list_fn
+        # what the cache keeps of each object (the planner keeps only what planning reads)
+        self.transform = transform or (lambda obj: obj)
         self.on_change = on_change
         self.name = name
         self.kwargs = {k: v for k, v in (("label_selector", label_selector), ("field_selector", field_selector)) if v}
@@ -50,7 +52,7 @@ class Informer:
         with api_errors(what):
             resp = await self.list_fn(_preload_content=False, **self.kwargs)
         body = await read_json(resp, what)
-        fresh = {object_key(o): o for o in body.get("items", [])}
+        fresh = {object_key(o): self.transform(o) for o in body.get("items", [])}
         for key in set(self.cache) - set(fresh):
             self.on_change("DELETED", self.cache.pop(key))
         for key, obj in fresh.items():
@@ -70,6 +72,7 @@ class Informer:
                     kind, obj = event["type"], event["raw_object"]
                     if kind == "BOOKMARK":
                         continue
+                    obj = self.transform(obj)
                     key = object_key(obj)
                     if kind == "DELETED":
                         self.cache.pop(key, None)

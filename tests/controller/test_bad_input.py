@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from dynpart.annotations import decode_spec
 from dynpart.catalog import default_catalog
-from dynpart.planner.cluster_view import build_snapshot, planned_patches
+from dynpart.planner.cluster_view import MAX_STATUS_BYTES, build_snapshot, planned_patches, pod_for_planning
 from dynpart.planner.core import plan
 from dynpart.snapshot import validate_snapshot
 from tests.controller.test_cluster_view import node, pod
@@ -80,6 +80,28 @@ def test_a_node_with_an_unknown_product_is_left_out_and_the_others_planned():
     _, result, _, problems = run_round(nodes, GOOD)
     assert {p.pod for p in result.placements} == {"ml/good-1g", "ml/good-mps"}
     assert any("NVIDIA-Quantum-X" in m for m in _left_out(problems, "n0"))
+
+
+def test_an_oversized_status_annotation_leaves_its_node_out_without_decoding_it():
+    huge = node("n0", annotations={"dynpart.io/status-mode": "mig",
+                                   **{f"dynpart.io/status-gpu-{i % 8}-x{i}": "1" * 200 for i in range(1300)}})
+    _, result, _, problems = run_round([huge, *NODES], GOOD)
+    (message,) = _left_out(problems, "n0")
+    assert f"more than the {MAX_STATUS_BYTES}" in message
+    assert {p.pod for p in result.placements} == {"ml/good-1g", "ml/good-mps"}
+
+
+def test_the_pod_cache_keeps_what_planning_reads_and_drops_the_rest():
+    full = pod("p", {"nvidia.com/mig-1g.10gb": "1", "cpu": "1"}, nodeSelector={"pool": "a"}, priority=3)
+    full["metadata"]["managedFields"] = [{"manager": "kubectl", "fieldsV1": {"f:spec": {"f:containers": {}}}}] * 20
+    full["spec"]["containers"][0].update(image="registry/x:1", env=[{"name": f"E{i}", "value": "v" * 50}
+                                                                      for i in range(50)])
+    full["spec"]["volumes"] = [{"name": f"v{i}", "emptyDir": {}} for i in range(20)]
+    kept = pod_for_planning(full)
+    assert len(str(kept)) * 10 < len(str(full))
+    assert kept["spec"]["containers"] == [{"name": "c", "resources": full["spec"]["containers"][0]["resources"]}]
+    assert kept["spec"]["nodeSelector"] == {"pool": "a"} and kept["spec"]["priority"] == 3
+    assert build_snapshot(NODES, [kept], CAT)[0] == build_snapshot(NODES, [full], CAT)[0]
 
 
 # --- generated and mutated cluster states ---------------------------------------------------
@@ -165,6 +187,10 @@ def test_no_generated_cluster_state_stops_planning(state):
     assert (nodes, pods) == before, "the round changed the cached objects"
     for obj, message in problems:
         assert isinstance(message, str) and message, obj
+    # the controller's pod cache keeps only pod_for_planning(pod): the round must not change
+    trimmed, _, trimmed_problems = build_snapshot(nodes, [pod_for_planning(p) for p in pods], CAT)
+    assert trimmed == snapshot
+    assert [m for _, m in trimmed_problems] == [m for _, m in problems]
     by_name = {n.name: n for n in snapshot.nodes}
     for layout, patch in patches:
         model = CAT.resolve(by_name[layout.node].gpu_model)
