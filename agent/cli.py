@@ -131,7 +131,7 @@ async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
         from prometheus_client import start_http_server
 
         start_http_server(settings.metrics_port, settings.metrics_host)
-    api_client = await connect(settings.kubeconfig)
+    api_client = await connect(settings.kubeconfig, settings.kube)
     try:
         mount = args.config_mount or settings.device_plugin_config_mount
         settle = args.config_settle_s if args.config_settle_s is not None else settings.config_settle_s

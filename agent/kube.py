@@ -161,9 +161,9 @@ class FakeConfigStore:
 # --- kubernetes-asyncio ---------------------------------------------------------------------------
 
 
-async def connect(kubeconfig: str | None = None) -> client.ApiClient:
+async def connect(kubeconfig: str | None = None, settings: KubeSettings | None = None) -> client.ApiClient:
     """An ApiClient: from `kubeconfig` or $KUBECONFIG, else in-cluster (dynpart.kube.client)."""
-    return await api_client(kubeconfig)
+    return await api_client(kubeconfig, settings)
 
 
 class KubeNodeApi:

@@ -40,6 +40,10 @@ class KubeSettings(BaseModel):
     backoff_max_s: float = Field(default=10.0, gt=0, description="longest wait between two attempts")
     backoff_multiplier: float = Field(default=2.0, ge=1, description="each failed attempt multiplies the wait by this")
     watch_timeout_s: int = Field(default=300, gt=0, description="a watch is renewed (list, then watch) this often")
+    request_timeout_s: float = Field(default=30.0, gt=0, description="every API call but a watch gives up after "
+                                     "this long (the client's default is to wait for ever)")
+    watch_idle_timeout_s: float = Field(default=60.0, gt=0, description="a watch that receives nothing for this long "
+                                        "past its renewal time is dropped and listed again")
     event_repeat_s: float = Field(default=3600.0, gt=0, description="the same Event (object, reason, message) is "
                                   "posted again at most this often")
     event_memory: int = Field(default=4096, ge=1, description="(object, reason) pairs the Event de-duplication "

@@ -63,7 +63,7 @@ async def _main(settings: PlannerSettings, catalog: Catalog) -> None:
 
     if settings.metrics_port:
         start_http_server(settings.metrics_port, settings.metrics_host)
-    api = await api_client(settings.kubeconfig)
+    api = await api_client(settings.kubeconfig, settings.kube)
     controller = PlannerController(api, settings, catalog)
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(controller.run())]
     if settings.leader_election:

@@ -9,25 +9,61 @@ from typing import Any, cast
 
 import aiohttp
 from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client import rest
 
 from dynpart.errors import DynpartError
 from dynpart.kube.errors import APIError, api_errors, status_error
+from dynpart.settings import KubeSettings
 
 Obj = dict[str, Any]  # a Kubernetes object as the API serves it (JSON)
 
 
-async def api_client(kubeconfig: str | None = None) -> client.ApiClient:
+async def api_client(kubeconfig: str | None = None, settings: KubeSettings | None = None) -> client.ApiClient:
+    """A client whose every call has a time bound (`request_timeout`): kubernetes-asyncio's
+    default is to wait for ever, so a hung call would hold a lease renewal or a watch for good."""
     path = kubeconfig or os.environ.get("KUBECONFIG")
     try:
         if path:
             cfg = client.Configuration()
             await config.load_kube_config(config_file=path, client_configuration=cfg)
-            return client.ApiClient(configuration=cfg)
-        config.load_incluster_config()  # type: ignore[no-untyped-call]  # kubernetes-asyncio leaves it unannotated
-        return client.ApiClient()
+            api = client.ApiClient(configuration=cfg)
+        else:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]  # kubernetes-asyncio leaves it unannotated
+            api = client.ApiClient()
     except (config.ConfigException, OSError) as e:
         where = f"kubeconfig {path}" if path else "the in-cluster service account (no --kubeconfig, no $KUBECONFIG)"
         raise DynpartError(f"cannot connect to Kubernetes with {where}: {e}") from None
+    await api.rest_client.close()  # replaced by one that bounds every call
+    api.rest_client = _BoundedRestClient(api.configuration, settings or KubeSettings())
+    return api
+
+
+def request_timeout(query_params: object, settings: KubeSettings) -> aiohttp.ClientTimeout:
+    """The time bound of one call: a whole call `request_timeout_s`; a watch (a stream the server
+    ends after its `timeoutSeconds`) is dropped when nothing arrives for `watch_idle_timeout_s`
+    past the renewal time, so a half-open connection cannot leave a cache stale for ever."""
+    params = dict(query_params) if isinstance(query_params, list | tuple) else {}
+    if params.get("watch") in (True, "true", "True"):
+        connect = settings.request_timeout_s
+        return aiohttp.ClientTimeout(connect=connect, sock_connect=connect,
+                                     sock_read=settings.watch_timeout_s + settings.watch_idle_timeout_s)
+    return aiohttp.ClientTimeout(total=settings.request_timeout_s)
+
+
+class _BoundedRestClient(rest.RESTClientObject):
+    """kubernetes-asyncio's REST client with a default time bound on every call."""
+
+    def __init__(self, configuration: client.Configuration, settings: KubeSettings):
+        super().__init__(configuration)
+        self._settings = settings
+
+    async def request(self, method: str, url: str, query_params: Any = None, headers: Any = None, body: Any = None,
+                      post_params: Any = None, _preload_content: bool = True, _request_timeout: Any = None) -> Any:
+        if _request_timeout is None:
+            _request_timeout = request_timeout(query_params, self._settings)
+        return await super().request(method, url, query_params=query_params, headers=headers, body=body,
+                                     post_params=post_params, _preload_content=_preload_content,
+                                     _request_timeout=_request_timeout)
 
 
 def raw_api(api: object) -> Any:
