@@ -127,10 +127,11 @@ async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
         pods = FakePodResources()
     else:
         pods = KubeletPodResources(settings.pod_resources_socket)
-    if settings.metrics_port and not args.once:
-        from prometheus_client import start_http_server
+    from dynpart.probing import Liveness, serve
 
-        start_http_server(settings.metrics_port, settings.metrics_host)
+    liveness = Liveness()
+    if settings.metrics_port and not args.once:
+        serve(settings.metrics_host, settings.metrics_port, liveness)  # /metrics and /healthz
     api_client = await connect(settings.kubeconfig, settings.kube)
     try:
         mount = args.config_mount or settings.device_plugin_config_mount
@@ -140,7 +141,8 @@ async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
                                   mount, settle)
         agent = Agent(settings.node_name, node_api=KubeNodeApi(api_client, settings.node_name, settings.kube),
                       driver=driver, pods=pods, catalog=catalog, configs=configs,
-                      interval_s=settings.report_interval_s, capacity_gb=capacity, kube=settings.kube)
+                      interval_s=settings.report_interval_s, capacity_gb=capacity, kube=settings.kube,
+                      liveness=liveness)
         if args.once:
             report = await agent.reconcile_once()
             print(json.dumps(report.status, indent=2, sort_keys=True))

@@ -37,6 +37,7 @@ from dynpart.kube.conventions import (
 )
 from dynpart.kube.recording import EventRecorder
 from dynpart.kube.retrying import retrying
+from dynpart.probing import Liveness
 from dynpart.settings import KubeSettings
 from dynpart.snapshot import Mode, NodeLayout
 
@@ -55,8 +56,10 @@ class PassReport:
 class Agent:
     def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver, pods: PodResources, catalog: Catalog,
                  configs: ConfigStore | None = None, interval_s: float = 10.0, capacity_gb: int | None = None,
-                 kube: KubeSettings | None = None, now: Callable[[], datetime] = lambda: datetime.now(UTC)):
+                 kube: KubeSettings | None = None, now: Callable[[], datetime] = lambda: datetime.now(UTC),
+                 liveness: Liveness | None = None):
         self.node = node
+        self.liveness = liveness or Liveness()
         self.node_api = node_api
         self.driver = driver
         self.pods = pods
@@ -177,8 +180,11 @@ class Agent:
         stop = stop or asyncio.Event()
         wake = asyncio.Event()
         watcher = asyncio.create_task(self._watch(wake), name=f"watch node {self.node}")
+        # a pass runs at least every interval; a few missed ones (a slow driver) are not yet stuck
+        self.liveness.expect("reconcile loop", 6 * self.interval_s + 60)
         try:
             while not stop.is_set():
+                self.liveness.beat("reconcile loop")
                 wake.clear()
                 try:
                     await self.reconcile_once()

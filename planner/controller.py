@@ -37,6 +37,7 @@ from dynpart.planner import metrics
 from dynpart.planner.batching import BatchWindow
 from dynpart.planner.cluster_view import build_snapshot, is_batch_candidate, planned_patches, pod_for_planning, pod_key
 from dynpart.planner.core import PlanOptions, plan
+from dynpart.probing import Liveness
 from dynpart.settings import PlannerSettings
 
 log = logging.getLogger("dynpart.planner")
@@ -51,8 +52,10 @@ class InFlight:
 
 
 class PlannerController:
-    def __init__(self, api: client.ApiClient, settings: PlannerSettings, catalog: Catalog):
+    def __init__(self, api: client.ApiClient, settings: PlannerSettings, catalog: Catalog,
+                 liveness: Liveness | None = None):
         self.core = client.CoreV1Api(api)
+        self.liveness = liveness or Liveness()
         self.settings = settings
         self.catalog = catalog
         self.window = BatchWindow(settings.batch_idle_s, settings.batch_timeout_s)
@@ -64,9 +67,9 @@ class PlannerController:
         self._ids = itertools.count(1)
         self._last_round = 0.0
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
-                              settings=settings.kube)
+                              settings=settings.kube, on_beat=lambda: self.liveness.beat("watch nodes"))
         self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods", settings=settings.kube,
-                             transform=pod_for_planning)
+                             transform=pod_for_planning, on_beat=lambda: self.liveness.beat("watch pods"))
 
     # --- watches --------------------------------------------------------------------------
 
@@ -107,6 +110,11 @@ class PlannerController:
     # --- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
+        # a watch lists again at least every watch_timeout_s; the loop turns at least every resync_s
+        kube = self.settings.kube
+        for watch in ("watch nodes", "watch pods"):
+            self.liveness.expect(watch, kube.watch_timeout_s + kube.watch_idle_timeout_s + kube.backoff_max_s)
+        self.liveness.expect("planning loop", max(60.0, 4 * self.settings.resync_s))
         tasks = [asyncio.create_task(self.nodes.run()), asyncio.create_task(self.pods.run())]
         try:
             await self.nodes.synced.wait()
@@ -119,6 +127,7 @@ class PlannerController:
                 t.cancel()
 
     async def _step(self) -> None:
+        self.liveness.beat("planning loop")
         now = time.monotonic()
         # a standby keeps its batch (it plans it on taking over) but waits for a wake-up, not for the batch
         wait = self.window.wait_s(now) if self.leading.is_set() else None

@@ -54,17 +54,18 @@ def run_planner(args: argparse.Namespace) -> int:
 
 async def _main(settings: PlannerSettings, catalog: Catalog) -> None:
     from kubernetes_asyncio import client
-    from prometheus_client import start_http_server
 
     from dynpart.kube.client import api_client
     from dynpart.kube.leases import LeaderElector
     from dynpart.planner import metrics
     from dynpart.planner.controller import PlannerController
+    from dynpart.probing import Liveness, serve
 
+    liveness = Liveness()
     if settings.metrics_port:
-        start_http_server(settings.metrics_port, settings.metrics_host)
+        serve(settings.metrics_host, settings.metrics_port, liveness)  # /metrics and /healthz
     api = await api_client(settings.kubeconfig, settings.kube)
-    controller = PlannerController(api, settings, catalog)
+    controller = PlannerController(api, settings, catalog, liveness)
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(controller.run())]
     if settings.leader_election:
         def on_change(leader: bool) -> None:

@@ -99,7 +99,7 @@ def test_planner_deployment(default):
     assert c["args"] == ["planner", "run", "--config", "/etc/dynpart/planner.yaml"]
     env = {e["name"]: e for e in c["env"]}
     assert env["DYNPART_PLANNER_IDENTITY"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-    assert c["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
     assert c["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
     # not privileged, not root, nothing to escalate to

@@ -36,8 +36,11 @@ class Informer:
 
     def __init__(self, list_fn: Callable[..., Awaitable[Any]], on_change: Callable[[str, Obj], None],
                  *, name: str, label_selector: str | None = None, field_selector: str | None = None,
-                 settings: KubeSettings | None = None, transform: Callable[[Obj], Obj] | None = None):
+                 settings: KubeSettings | None = None, transform: Callable[[Obj], Obj] | None = None,
+                 on_beat: Callable[[], None] | None = None):
         self.list_fn = list_fn
+        # called on every list and watch event, bookmarks included: liveness of the watch
+        self.on_beat = on_beat or (lambda: None)
         # what the cache keeps of each object (the planner keeps only what planning reads)
         self.transform = transform or (lambda obj: obj)
         self.on_change = on_change
@@ -52,6 +55,7 @@ class Informer:
         with api_errors(what):
             resp = await self.list_fn(_preload_content=False, **self.kwargs)
         body = await read_json(resp, what)
+        self.on_beat()
         fresh = {object_key(o): self.transform(o) for o in body.get("items", [])}
         for key in set(self.cache) - set(fresh):
             self.on_change("DELETED", self.cache.pop(key))
@@ -70,6 +74,7 @@ class Informer:
                                             timeout_seconds=self.settings.watch_timeout_s,
                                             allow_watch_bookmarks=True, **self.kwargs):
                     kind, obj = event["type"], event["raw_object"]
+                    self.on_beat()
                     if kind == "BOOKMARK":
                         continue
                     obj = self.transform(obj)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+import urllib.request
 
 import pytest
 
@@ -135,6 +136,10 @@ async def test_sixty_pods_reach_running(harness: Harness, planner: PlannerProces
                  "dynpart_leader", "dynpart_plan_ack_seconds_count", "dynpart_plans_total",
                  'dynpart_slices_destroyed_total{mode="mig"}'):
         assert p.get(name, 0) > 0, f"planner metric {name} = {p.get(name)}"
+    # liveness: the real planner's planning loop and both watches are beating
+    healthz = await asyncio.to_thread(lambda: urllib.request.urlopen(
+        f"http://127.0.0.1:{planner.metrics_port}/healthz", timeout=5).read())
+    assert healthz == b"ok\n"
     a = await asyncio.to_thread(scrape, agent_metrics_port())
     for name in ('dynpart_agent_passes_total{result="ok"}', "dynpart_agent_pass_seconds_count",
                  "dynpart_agent_plan_acks_total", "dynpart_agent_mig_instances_created_total",
