@@ -319,7 +319,7 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
 
     md, spec, status = part("metadata"), part("spec"), part("status")
 
-    def containers(key: str) -> Any:
+    def containers(key: str) -> object:
         items = spec.get(key)
         if not isinstance(items, list):
             return items  # ill-typed: kept, so the round reports it as it would on the full object

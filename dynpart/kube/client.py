@@ -42,7 +42,8 @@ def request_timeout(query_params: object, settings: KubeSettings) -> aiohttp.Cli
     """The time bound of one call: a whole call `request_timeout_s`; a watch (a stream the server
     ends after its `timeoutSeconds`) is dropped when nothing arrives for `watch_idle_timeout_s`
     past the renewal time, so a half-open connection cannot leave a cache stale for ever."""
-    params = dict(query_params) if isinstance(query_params, list | tuple) else {}
+    # the client passes a list of pairs (its stubs say a dict): read both
+    params = dict(query_params) if isinstance(query_params, list | tuple | dict) else {}
     if params.get("watch") in (True, "true", "True"):
         connect = settings.request_timeout_s
         return aiohttp.ClientTimeout(connect=connect, sock_connect=connect,
@@ -57,8 +58,10 @@ class _BoundedRestClient(rest.RESTClientObject):
         super().__init__(configuration)
         self._settings = settings
 
-    async def request(self, method: str, url: str, query_params: Any = None, headers: Any = None, body: Any = None,
-                      post_params: Any = None, _preload_content: bool = True, _request_timeout: Any = None) -> Any:
+    async def request(self, method: str, url: str, query_params: dict[str, Any] | None = None,
+                      headers: dict[str, Any] | None = None, body: object = None,
+                      post_params: dict[str, Any] | None = None, _preload_content: bool = True,
+                      _request_timeout: float | tuple[float] | aiohttp.ClientTimeout | None = None) -> object:
         if _request_timeout is None:
             _request_timeout = request_timeout(query_params, self._settings)
         return await super().request(method, url, query_params=query_params, headers=headers, body=body,
