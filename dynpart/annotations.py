@@ -13,8 +13,10 @@ the handshake and examples are in docs/protocol.md; in short:
     dynpart.io/spec-gpu-0-10gb: "2"  (MPS)         dynpart.io/status-heartbeat: "2025-01-31T12:00:00Z"
 
 A MIG value is `<count>@<start>,<start>...` (the placements, in memory slices); an MPS value is
-a count of slices of that size. `+me` is written `.me` in keys (annotation names allow
-`[A-Za-z0-9._-]` only).
+a count of slices of that size. A profile is written in keys as NVIDIA's device plugin writes it
+in resource names, `+` as `.` (annotation names allow `[A-Za-z0-9._-]` only): `1g.10gb.me`,
+`1g.24gb.me.all`, `1g.24gb.gfx`, and `1g.24gb-me` unchanged. That last `-` is part of the
+profile: a key splits as `gpu-<index>-<profile>[-free|-used]`, where `<profile>` may end in `-me`.
 
 Decoding is strict and total: a malformed key or value, or an instance that breaks the GPU's
 MIG rules, is reported as a sentence in `problems` and ignored; decoding never raises.
@@ -43,6 +45,7 @@ from dynpart.kube.conventions import (
     STATUS_PREFIX,
 )
 from dynpart.mig import MigRules
+from dynpart.resources import mig_profile_suffix
 from dynpart.snapshot import GpuLayout, MigInstance, Mode, MpsSlice, NodeLayout
 
 MAX_GPU_INDEX = 255
@@ -52,7 +55,8 @@ MAX_ERROR_CHARS = 4096
 _PLAN_ID = re.compile(rf"[!-~]{{1,{MAX_PLAN_ID}}}", re.ASCII)  # printable ASCII, no space
 _INT = re.compile(r"0|[1-9][0-9]{0,5}", re.ASCII)  # canonical, short: int() never sees 4300 digits
 _POSITIVE = re.compile(r"[1-9][0-9]{0,5}", re.ASCII)
-_MIG_SLICE = re.compile(r"([1-9][0-9]?g\.[1-9][0-9]{0,3}gb)(\.me)?", re.ASCII)
+_MIG_SLICE = re.compile(r"([1-9][0-9]?g\.[1-9][0-9]{0,3}gb)(\.me|\.me\.all|\.gfx|-me)?", re.ASCII)
+_NO_ME = "me"  # the key piece after the `-` of a `-me` profile
 _MPS_SLICE = re.compile(r"([1-9][0-9]{0,5})gb", re.ASCII)
 _MIG_VALUE = re.compile(r"([^@]*)@(.*)", re.ASCII | re.DOTALL)
 _HEARTBEAT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
@@ -65,7 +69,8 @@ _RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, STATUS_PLAN, STATUS_MODE, STATUS_ER
 
 
 def slice_token(profile: str) -> str:
-    """A MIG profile as written in a key: `1g.10gb+me` -> `1g.10gb.me`."""
+    """A MIG profile as written in a key: `1g.10gb+me` -> `1g.10gb.me`, `1g.24gb+me.all` ->
+    `1g.24gb.me.all`, `1g.24gb+gfx` -> `1g.24gb.gfx`, `1g.24gb-me` unchanged."""
     token = profile.replace("+", ".")
     if not _MIG_SLICE.fullmatch(token):
         raise ValueError(f"MIG profile {profile!r} cannot be written in an annotation key")
@@ -271,9 +276,12 @@ class _Item:
 
 def _parse_slice_key(key: str, value: object, name: str, with_state: bool,
                      model: GpuModel, problems: list[str]) -> _Item | None:
-    """`name` is the key without its `spec-`/`status-` prefix: `gpu-<i>-<slice>[-<state>]`."""
+    """`name` is the key without its `spec-`/`status-` prefix: `gpu-<i>-<slice>[-<state>]`;
+    `<slice>` may itself contain one `-`, that of a `-me` profile (`gpu-0-1g.24gb-me-free`)."""
     parts = name.split("-")
     want = 4 if with_state else 3
+    if len(parts) == want + 1 and parts[3] == _NO_ME:
+        parts = [*parts[:2], f"{parts[2]}-{_NO_ME}", *parts[4:]]
     if len(parts) != want or parts[0] != "gpu":
         shape = "gpu-<index>-<profile or size>" + ("-free|used" if with_state else "")
         problems.append(_bad(key, value, f"unknown key; expected {SPEC_PREFIX if not with_state else STATUS_PREFIX}{shape}"))
@@ -293,7 +301,7 @@ def _parse_slice_key(key: str, value: object, name: str, with_state: bool,
         problems.append(_bad(key, value, "the value is not a string"))
         return None
     if m := _MIG_SLICE.fullmatch(token):
-        profile = m.group(1) + ("+me" if m.group(2) else "")
+        profile = m.group(1) + mig_profile_suffix(m.group(2) or "")
         if profile not in model.profiles_by_name:
             known = ", ".join(p.replace("+", ".") for p in model.profiles_by_name) or "none"
             problems.append(_bad(key, value, f"{model.name} has no MIG profile {profile!r} (profiles: {known})"))

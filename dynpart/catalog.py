@@ -19,13 +19,28 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dynpart.errors import CatalogError, UnknownGpuModel
 from dynpart.kube.conventions import MIG_RESOURCE_PREFIX
 
+# Suffixes a MIG profile name may carry after `<N>g.<M>gb`, as the driver names them: `+me` with
+# media extensions, `+me.all` with all media engines, `-me` without media engines, `+gfx` with
+# graphics (the last three on RTX PRO 5000/6000 Blackwell; facts file section 1, "Other GPUs
+# users run").
+MIG_PROFILE_VARIANTS: tuple[str, ...] = ("+me", "+me.all", "-me", "+gfx")
+# Profiles that take media engines: at most one of them per GPU (`dynpart.mig.MigRules`). `+me.all`
+# takes all of them, so it is counted with `+me` (a conservative reading: never a plan the driver refuses).
+MEDIA_VARIANTS: frozenset[str] = frozenset({"+me", "+me.all"})
+MIG_PROFILE_PATTERN = r"\d+g\.\d+gb(?:" + "|".join(re.escape(v) for v in MIG_PROFILE_VARIANTS) + ")?"
+
+
+def profile_variant(name: str) -> str:
+    """The suffix of a MIG profile name after `<N>g.<M>gb` (`""` for a plain profile)."""
+    return name[name.index("gb") + 2:] if "gb" in name else ""
+
 
 class MigProfile(BaseModel):
     """One GPU-instance profile of one GPU model, with its placement rules."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    name: str = Field(pattern=r"^\d+g\.\d+gb(\+me)?$")
+    name: str = Field(pattern=rf"^{MIG_PROFILE_PATTERN}$")
     gi_profile_id: int = Field(alias="id", ge=0)
     nvml: str = Field(pattern=r"^NVML_GPU_INSTANCE_PROFILE_\w+$")
     compute: int = Field(ge=1)
@@ -34,12 +49,19 @@ class MigProfile(BaseModel):
     starts: tuple[int, ...] = Field(min_length=1)
 
     @property
+    def variant(self) -> str:
+        """`""`, `+me`, `+me.all`, `-me` or `+gfx` (see MIG_PROFILE_VARIANTS)."""
+        return profile_variant(self.name)
+
+    @property
     def media_extensions(self) -> bool:
-        return self.name.endswith("+me")
+        """Takes media engines (`+me`, `+me.all`): at most one such instance per GPU."""
+        return self.variant in MEDIA_VARIANTS
 
     @property
     def resource_name(self) -> str:
-        """Kubernetes extended resource (device plugin, mixed strategy): `+` is written `.`."""
+        """Kubernetes extended resource (device plugin, mixed strategy): `+` is written `.`
+        (`1g.24gb+me.all` -> `nvidia.com/mig-1g.24gb.me.all`; `-me` stays `-me`)."""
         return MIG_RESOURCE_PREFIX + self.name.replace("+", ".")
 
 

@@ -1,7 +1,9 @@
 """Kubernetes resource names of GPU slices, parsed and written in one place.
 
-- MIG (device plugin, mixed strategy): `nvidia.com/mig-<profile>`, `+me` written `.me`,
-  e.g. `nvidia.com/mig-1g.10gb`, `nvidia.com/mig-1g.10gb.me`.
+- MIG (device plugin, mixed strategy): `nvidia.com/mig-<profile>`, `+` written `.`, as NVIDIA's
+  device plugin (v0.20) names them: `nvidia.com/mig-1g.10gb`, `nvidia.com/mig-1g.10gb.me`,
+  and for the RTX PRO Blackwell variants `nvidia.com/mig-1g.24gb.me.all` (`+me.all`),
+  `nvidia.com/mig-1g.24gb.gfx` (`+gfx`), `nvidia.com/mig-1g.24gb-me` (`-me`, unchanged).
 - MPS slices (nebuly device-plugin fork, as nos uses): `nvidia.com/gpu-<N>gb`; N is in the
   GPU's capacity unit (GB on a real cluster, any unit a simulation picks).
 - A whole GPU: `nvidia.com/gpu`.
@@ -18,7 +20,7 @@ from dynpart.errors import ResourceNameError
 from dynpart.kube.conventions import MIG_RESOURCE_PREFIX, MPS_RESOURCE_PREFIX, WHOLE_GPU_RESOURCE
 
 WHOLE_GPU = WHOLE_GPU_RESOURCE
-_MIG = re.compile(r"^nvidia\.com/mig-(\d+g\.\d+gb)(\.me)?$")
+_MIG = re.compile(r"^nvidia\.com/mig-(\d+g\.\d+gb)(\.me|\.me\.all|\.gfx|-me)?$")
 _MPS = re.compile(r"^nvidia\.com/gpu-(\d+)gb$")
 
 
@@ -51,7 +53,7 @@ def parse_resource(name: str) -> SliceResource:
         return WholeGpuResource()
     m = _MIG.match(name)
     if m:
-        return MigResource(profile=m.group(1) + ("+me" if m.group(2) else ""))
+        return MigResource(profile=m.group(1) + mig_profile_suffix(m.group(2) or ""))
     m = _MPS.match(name)
     if m:
         size = int(m.group(1))
@@ -62,6 +64,12 @@ def parse_resource(name: str) -> SliceResource:
         f"resource {name!r} is not a GPU slice resource; expected nvidia.com/mig-<profile> "
         "(e.g. nvidia.com/mig-1g.10gb), nvidia.com/gpu-<N>gb (e.g. nvidia.com/gpu-10gb) or nvidia.com/gpu"
     )
+
+
+def mig_profile_suffix(written: str) -> str:
+    """A profile suffix as written in a resource name or annotation key, back as the driver
+    names it: `.me` -> `+me`, `.me.all` -> `+me.all`, `.gfx` -> `+gfx`, `-me` -> `-me`."""
+    return "+" + written[1:] if written.startswith(".") else written
 
 
 def mig_resource_name(profile: str) -> str:

@@ -22,14 +22,34 @@ from dynpart.annotations import (
     encode_spec,
     encode_status,
 )
-from dynpart.catalog import default_catalog
+from dynpart.catalog import GpuModel, MigProfile, default_catalog
 from dynpart.mig import MigRules, feasible_geometries
 from dynpart.snapshot import GpuLayout, MigInstance, MpsSlice, NodeLayout
 
 CATALOG = default_catalog()
 H100 = CATALOG.resolve("H100-80GB")
 A30 = CATALOG.resolve("A30-24GB")
-MIG_MODELS = [m for m in CATALOG.models.values() if m.supports_mig]
+
+
+
+def _profile(name: str, gi: int, nvml: str, compute: int, memory: int, max_count: int, starts: list[int]) -> MigProfile:
+    return MigProfile(name=name, id=gi, nvml=nvml, compute=compute, memory=memory, max=max_count, starts=tuple(starts))
+
+
+# Not catalog data: a model carrying every RTX PRO Blackwell name variant (`-me`, `+me.all`,
+# `+gfx`) so that the codec is tested on them. The 1g.24gb GI ids are the facts file's; the other
+# rows, the counts and the starts are made up for the test.
+RTX_LIKE = GpuModel(name="RTX-LIKE-96GB", memory_gb=96, memory_slices=4, compute_slices=4, mig_profiles=(
+    _profile("1g.24gb", 14, "NVML_GPU_INSTANCE_PROFILE_1_SLICE", 1, 1, 4, [0, 1, 2, 3]),
+    _profile("1g.24gb+me", 21, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1", 1, 1, 1, [0, 1, 2, 3]),
+    _profile("1g.24gb+gfx", 47, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX", 1, 1, 4, [0, 1, 2, 3]),
+    _profile("1g.24gb+me.all", 65, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME", 1, 1, 1, [0, 1, 2, 3]),
+    _profile("1g.24gb-me", 67, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME", 1, 1, 4, [0, 1, 2, 3]),
+    _profile("2g.48gb-me", 68, "NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME", 2, 2, 2, [0, 2]),
+    _profile("2g.48gb+gfx", 48, "NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX", 2, 2, 2, [0, 2]),
+    _profile("4g.96gb", 0, "NVML_GPU_INSTANCE_PROFILE_4_SLICE", 4, 4, 1, [0]),
+))
+MIG_MODELS = [m for m in CATALOG.models.values() if m.supports_mig] + [RTX_LIKE]
 
 
 def mig(index: int, *placements: str, used: tuple[str, ...] = ()) -> GpuLayout:
@@ -88,12 +108,79 @@ def test_status_format():
     assert not status.problems
 
 
+def test_variant_profiles_format():
+    """`-me`, `+me.all` and `+gfx` profiles are written as the device plugin names them; the `-`
+    of `-me` stays inside the profile when a key is read back."""
+    layout = NodeLayout(node="n1", mode="mig", gpus=[
+        mig(0, "1g.24gb-me@0", "1g.24gb+me.all@1", "1g.24gb+gfx@2", "1g.24gb-me@3", used=("1g.24gb-me@3",)),
+        mig(1, "2g.48gb-me@0", "2g.48gb+gfx@2"),
+    ])
+    spec = encode_spec(layout, "p")
+    assert spec == {
+        SPEC_PLAN: "p", SPEC_MODE: "mig",
+        "dynpart.io/spec-gpu-0-1g.24gb-me": "2@0,3",
+        "dynpart.io/spec-gpu-0-1g.24gb.me.all": "1@1",
+        "dynpart.io/spec-gpu-0-1g.24gb.gfx": "1@2",
+        "dynpart.io/spec-gpu-1-2g.48gb-me": "1@0",
+        "dynpart.io/spec-gpu-1-2g.48gb.gfx": "1@2",
+    }
+    status = encode_status(layout, "p")
+    assert status["dynpart.io/status-gpu-0-1g.24gb-me-free"] == "1@0"
+    assert status["dynpart.io/status-gpu-0-1g.24gb-me-used"] == "1@3"
+    assert status["dynpart.io/status-gpu-0-1g.24gb.me.all-free"] == "1@1"
+    decoded = decode_spec(spec, RTX_LIKE, node="n1")
+    assert not decoded.problems and decoded.layout == canonical_layout(layout)
+    decoded_status = decode_status(status, RTX_LIKE, node="n1")
+    assert not decoded_status.problems and decoded_status.layout == canonical_layout(layout, keep_used=True)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("dynpart.io/spec-gpu-0-1g.24gb-me-free", "1@0", "unknown key"),  # a state in a spec key
+    ("dynpart.io/spec-gpu-0-1g.24gb-me-me", "1@0", "unknown key"),
+    ("dynpart.io/spec-gpu-0-1g.24gb-gfx", "1@0", "unknown key"),
+    ("dynpart.io/spec-gpu-0-1g.24gb.gfx-me", "1@0", "neither a MIG profile"),
+    ("dynpart.io/spec-gpu-0-1g.24gb.me.all.gfx", "1@0", "neither a MIG profile"),
+    ("dynpart.io/spec-gpu-0-1g.24gb+gfx", "1@0", "neither a MIG profile"),
+    ("dynpart.io/spec-gpu-0-10gb-me", "1", "neither a MIG profile"),
+    ("dynpart.io/spec-gpu-0-me", "1@0", "neither a MIG profile"),
+    ("dynpart.io/spec-gpu-0-1g.24gb-me", "1@4", "cannot start at memory slice 4"),
+    ("dynpart.io/spec-gpu-0-1g.24gb.me.all", "2@0,1", "exceeds its max count 1"),
+    ("dynpart.io/status-gpu-0-1g.24gb-me", "1@0", "state 'me' is neither"),  # a status key without state
+    ("dynpart.io/status-gpu-0-1g.24gb-me-busy", "1@0", "state 'busy' is neither"),
+    ("dynpart.io/status-gpu-0-1g.24gb-me-free-used", "1@0", "unknown key"),
+    ("dynpart.io/status-gpu-x-1g.24gb-me-free", "1@0", "GPU index 'x'"),
+])
+def test_malformed_variant_keys_are_reported(key, value, message):
+    decode = decode_status if key.startswith(STATUS_PREFIX) else decode_spec
+    decoded = decode({key: value}, RTX_LIKE)
+    text = " | ".join(decoded.problems)
+    assert message in text and repr(key) in text, decoded.problems
+    assert decoded.layout is None or all(not g.mig for g in decoded.layout.gpus) or "max count" in message
+
+
+def test_variant_profile_unknown_to_the_model():
+    d = decode_spec({SPEC_MODE: "mig", "dynpart.io/spec-gpu-0-1g.10gb-me": "1@0"}, H100)
+    assert any("has no MIG profile '1g.10gb-me'" in p for p in d.problems)
+    d = decode_spec({SPEC_MODE: "mig", "dynpart.io/spec-gpu-0-1g.24gb.gfx": "1@0"}, H100)
+    assert any("has no MIG profile '1g.24gb+gfx'" in p for p in d.problems)
+
+
+def test_me_all_counts_as_media_extensions():
+    """`+me.all` takes every media engine: never next to a `+me` instance on one GPU."""
+    d = decode_spec({SPEC_MODE: "mig", "dynpart.io/spec-gpu-0-1g.24gb.me": "1@0",
+                     "dynpart.io/spec-gpu-0-1g.24gb.me.all": "1@1"}, RTX_LIKE)
+    assert len(d.problems) == 1 and "media-extension" in d.problems[0]
+
+
 def test_keys_are_valid_annotation_keys():
-    layout = NodeLayout(node="n", mode="mig", gpus=[mig(15, "1g.10gb+me@0")])
+    layout = NodeLayout(node="n", mode="mig", gpus=[mig(15, "1g.10gb+me@0"),
+                                                    mig(255, "1g.24gb+me.all@0", "1g.24gb-me@1", "1g.24gb+gfx@2")])
     import re
     name = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-    for key in [*encode_spec(layout, "p"), *encode_status(
-            NodeLayout(node="n", mode="mig", gpus=[mig(15, "1g.10gb+me@0", used=("1g.10gb+me@0",))]), "p")]:
+    used = NodeLayout(node="n", mode="mig", gpus=[
+        mig(15, "1g.10gb+me@0", used=("1g.10gb+me@0",)),
+        mig(255, "1g.24gb+me.all@0", "1g.24gb-me@1", used=("1g.24gb-me@1", "1g.24gb+me.all@0"))])
+    for key in [*encode_spec(layout, "p"), *encode_status(used, "p")]:
         prefix, _, rest = key.partition("/")
         assert prefix == "dynpart.io" and len(rest) <= 63 and name.fullmatch(rest), key
 
@@ -233,8 +320,8 @@ def test_long_error_list_truncated():
 
 
 @st.composite
-def mig_layouts(draw, with_used: bool):
-    model = draw(st.sampled_from(MIG_MODELS))
+def mig_layouts(draw, with_used: bool, only: GpuModel | None = None):
+    model = only if only is not None else draw(st.sampled_from(MIG_MODELS))
     indices = draw(st.lists(st.integers(0, 15), unique=True, max_size=4))
     geometries = feasible_geometries(model)
     gpus = []
@@ -248,7 +335,7 @@ def mig_layouts(draw, with_used: bool):
 
 @st.composite
 def mps_layouts(draw, with_used: bool):
-    model = draw(st.sampled_from(list(CATALOG.models.values())))
+    model = draw(st.sampled_from([*CATALOG.models.values(), RTX_LIKE]))
     indices = draw(st.lists(st.integers(0, 15), unique=True, max_size=4))
     gpus = []
     for i in indices:
@@ -264,6 +351,24 @@ def mps_layouts(draw, with_used: bool):
 
 
 plan_ids = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=128)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mig_layouts(False, RTX_LIKE), plan_ids)
+def test_spec_round_trip_variant_profiles(model_layout, plan_id):
+    model, layout = model_layout
+    decoded = decode_spec(encode_spec(layout, plan_id), model, node="n")
+    assert decoded.problems == [] and decoded.plan_id == plan_id
+    assert decoded.layout == canonical_layout(layout)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mig_layouts(True, RTX_LIKE))
+def test_status_round_trip_variant_profiles(model_layout):
+    model, layout = model_layout
+    decoded = decode_status(encode_status(layout, "p"), model, node="n")
+    assert decoded.problems == []
+    assert decoded.layout == canonical_layout(layout, keep_used=True)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -290,7 +395,8 @@ def test_status_round_trip(model_layout, plan_id, errors):
 
 
 _PARTS = st.sampled_from(["gpu", "0", "1", "7", "01", "-1", "1g.10gb", "1g.10gb.me", "3g.40gb", "7g.80gb",
-                          "10gb", "0gb", "free", "used", "x", "", "+", "1g.5gb", "2g.12gb.me"])
+                          "10gb", "0gb", "free", "used", "x", "", "+", "1g.5gb", "2g.12gb.me", "me", "1g.24gb",
+                          "1g.24gb.me.all", "1g.24gb.gfx", "1g.24gb-me", "all", "gfx"])
 _KEYS = st.one_of(
     st.text(max_size=40),
     st.builds(lambda p, parts: p + "-".join(parts),
@@ -301,7 +407,11 @@ _KEYS = st.one_of(
     st.builds(lambda i, t: f"dynpart.io/spec-gpu-{i}-{t}", st.sampled_from(["0", "1", "3"]),
               st.sampled_from(["1g.10gb", "1g.10gb.me", "1g.20gb", "3g.40gb", "2g.12gb", "1g.5gb", "10gb", "40gb"])),
     st.builds(lambda i, t, u: f"dynpart.io/status-gpu-{i}-{t}-{u}", st.sampled_from(["0", "2"]),
-              st.sampled_from(["1g.10gb", "2g.20gb", "3g.40gb", "4g.20gb", "20gb"]), st.sampled_from(["free", "used"])),
+              st.sampled_from(["1g.10gb", "2g.20gb", "3g.40gb", "4g.20gb", "20gb", "1g.24gb-me", "1g.24gb.gfx",
+                               "1g.24gb.me.all", "2g.48gb-me"]), st.sampled_from(["free", "used"])),
+    st.builds(lambda i, t: f"dynpart.io/spec-gpu-{i}-{t}", st.sampled_from(["0", "1"]),
+              st.sampled_from(["1g.24gb", "1g.24gb-me", "1g.24gb.me", "1g.24gb.me.all", "1g.24gb.gfx", "2g.48gb-me",
+                               "2g.48gb.gfx", "4g.96gb", "1g.24gb-me-free", "1g.24gb-me-me"])),
 )
 _VALUES = st.one_of(
     st.text(max_size=30),
@@ -315,7 +425,7 @@ _VALUES = st.one_of(
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.dictionaries(_KEYS, _VALUES, max_size=12), st.sampled_from(MIG_MODELS + [CATALOG.resolve("A30-24GB")]))
+@given(st.dictionaries(_KEYS, _VALUES, max_size=12), st.sampled_from(MIG_MODELS + [CATALOG.resolve("A30-24GB"), RTX_LIKE]))
 def test_garbage_never_raises(annotations, model):
     for decode in (decode_spec, decode_status):
         decoded = decode(annotations, model)
@@ -348,22 +458,38 @@ _MIG_VALUES = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.dictionaries(_MIG_KEYS, _MIG_VALUES, max_size=8))
-def test_near_valid_mig_specs(annotations):
+def _check_near_valid(annotations, model):
     """Keys and values close to valid ones: what is accepted is a valid geometry, every rejected
     key is named in a problem, and the accepted part survives a round trip."""
-    decoded = decode_spec({SPEC_MODE: "mig", **annotations}, H100)
+    decoded = decode_spec({SPEC_MODE: "mig", **annotations}, model)
     assert decoded.layout is not None
     for gpu in decoded.layout.gpus:
-        assert not MigRules.of(H100).violations([(m.profile, m.start) for m in gpu.mig])
+        assert not MigRules.of(model).violations([(m.profile, m.start) for m in gpu.mig])
     got = {(g.index, m.profile, m.start) for g in decoded.layout.gpus for m in g.mig}
     for key, value in annotations.items():
         if any(repr(key) in p for p in decoded.problems):
             continue
         # a key nobody complained about was taken whole
-        alone = decode_spec({SPEC_MODE: "mig", key: value}, H100)
+        alone = decode_spec({SPEC_MODE: "mig", key: value}, model)
         assert not alone.problems
         assert {(g.index, m.profile, m.start) for g in alone.layout.gpus for m in g.mig} <= got
     accepted = encode_spec(decoded.layout, "p")
-    assert decode_spec(accepted, H100).layout == decoded.layout
+    assert decode_spec(accepted, model).layout == decoded.layout
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_MIG_KEYS, _MIG_VALUES, max_size=8))
+def test_near_valid_mig_specs(annotations):
+    _check_near_valid(annotations, H100)
+
+
+_VARIANT_KEYS = st.builds(lambda i, t: f"dynpart.io/spec-gpu-{i}-{t}", st.sampled_from(["0", "1", "01", "x"]),
+                          st.sampled_from(["1g.24gb", "1g.24gb.me", "1g.24gb.me.all", "1g.24gb.gfx", "1g.24gb-me",
+                                           "2g.48gb-me", "2g.48gb.gfx", "4g.96gb", "1g.24gb-me-free", "1g.24gb-gfx",
+                                           "1g.24gb.gfx-me", "1g.24gb+gfx", "1g.10gb-me"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_VARIANT_KEYS, _MIG_VALUES, max_size=8))
+def test_near_valid_variant_specs(annotations):
+    _check_near_valid(annotations, RTX_LIKE)

@@ -7,6 +7,7 @@ from dynpart.resources import (
     MigResource,
     MpsResource,
     WholeGpuResource,
+    is_slice_resource,
     mig_resource_name,
     mps_resource_name,
     parse_resource,
@@ -21,11 +22,42 @@ def test_names():
     assert mig_resource_name("1g.10gb+me") == "nvidia.com/mig-1g.10gb.me"
 
 
+@pytest.mark.parametrize("name,profile", [
+    # RTX PRO 5000/6000 Blackwell variants, named as NVIDIA's device plugin v0.20 serves them
+    ("nvidia.com/mig-1g.24gb-me", "1g.24gb-me"),
+    ("nvidia.com/mig-1g.24gb.me.all", "1g.24gb+me.all"),
+    ("nvidia.com/mig-1g.24gb.gfx", "1g.24gb+gfx"),
+    ("nvidia.com/mig-1g.24gb.me", "1g.24gb+me"),
+    ("nvidia.com/mig-4g.96gb.gfx", "4g.96gb+gfx"),
+])
+def test_variant_names(name, profile):
+    assert parse_resource(name) == MigResource(profile=profile)
+    assert mig_resource_name(profile) == name
+    assert is_slice_resource(name)
+
+
 @pytest.mark.parametrize("bad", ["nvidia.com/mig-", "nvidia.com/gpu-0gb", "nvidia.com/gpu-10", "cpu", "amd.com/gpu",
-                                 "nvidia.com/mig-1g.10gb+me"])
+                                 "nvidia.com/mig-1g.10gb+me", "nvidia.com/mig-1g.24gb+gfx", "nvidia.com/mig-1g.24gb+me.all",
+                                 "nvidia.com/mig-1g.24gb.me.me", "nvidia.com/mig-1g.24gb-gfx", "nvidia.com/mig-1g.24gb-me.all",
+                                 "nvidia.com/mig-1g.24gb.gfx.me", "nvidia.com/mig-1g.24gb.all"])
 def test_bad_names_say_what_is_expected(bad):
     with pytest.raises(ResourceNameError, match="nvidia.com/mig-<profile>|at least 1"):
         parse_resource(bad)
+
+
+def test_every_catalog_profile_round_trips():
+    from dynpart.catalog import default_catalog
+    for model in default_catalog().models.values():
+        for p in model.mig_profiles:
+            assert parse_resource(p.resource_name) == MigResource(profile=p.name)
+
+
+@given(st.integers(1, 99), st.integers(1, 9999), st.sampled_from(["", "+me", "+me.all", "-me", "+gfx"]))
+def test_mig_roundtrip(compute, memory, variant):
+    profile = f"{compute}g.{memory}gb{variant}"
+    name = mig_resource_name(profile)
+    assert parse_resource(name) == MigResource(profile=profile)
+    assert "+" not in name
 
 
 @given(st.integers(min_value=1, max_value=10**6))
