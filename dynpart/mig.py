@@ -82,7 +82,7 @@ class MigRules:
             if n > self.max_count[p]:
                 problems.append(f"{n} x {name} exceeds its max count {self.max_count[p]}")
         if media > 1:
-            problems.append(f"{media} media-extension (+me) instances; at most one per GPU")
+            problems.append(f"{media} media-extension (+me, +me.all) instances; at most one per GPU")
         if compute > self.model.compute_slices:
             problems.append(
                 f"instances use {compute} compute slices; {self.model.name} has {self.model.compute_slices}"
