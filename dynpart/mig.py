@@ -52,13 +52,19 @@ class MigRules:
         return slot_mask(start, self.memory[p])
 
     def violations(self, placements: Iterable[tuple[str, int]]) -> list[str]:
-        """Every rule a geometry breaks, as readable sentences (empty when valid)."""
+        """Every rule a geometry breaks, as readable sentences (empty when valid). Answers are
+        cached per geometry: a cluster's GPUs share a few layouts, and every planning round
+        validates each of them."""
+        return list(self._violations(tuple(sorted(placements, key=lambda x: (x[1], x[0])))))
+
+    @lru_cache(maxsize=8192)  # noqa: B019 - MigRules instances live for the process (one per model)
+    def _violations(self, placements: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
         problems: list[str] = []
         occupied = 0
         counts: Counter[str] = Counter()
         compute = 0
         media = 0
-        for name, start in sorted(placements, key=lambda x: (x[1], x[0])):
+        for name, start in placements:
             p = self.index.get(name)
             if p is None:
                 problems.append(
@@ -87,7 +93,7 @@ class MigRules:
             problems.append(
                 f"instances use {compute} compute slices; {self.model.name} has {self.model.compute_slices}"
             )
-        return problems
+        return tuple(problems)
 
     def can_add(self, p: int, start: int, occupied: int, counts: tuple[int, ...] | list[int],
                 compute_used: int, media_used: int) -> bool:

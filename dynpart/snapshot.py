@@ -247,6 +247,7 @@ def node_problems(i: int, node: Node, catalog: Catalog) -> tuple[GpuModel | None
         return None, [str(e)]
     if node.mode == "mig" and not model.supports_mig:
         problems.append(f"{where}.mode = 'mig': GPU model {model.name} does not support MIG")
+    rules = MigRules.of(model) if node.mode == "mig" and model.supports_mig else None
     indices: set[int] = set()
     for j, gpu in enumerate(node.gpus):
         gwhere = f"{where}.gpus[{j}]"
@@ -256,8 +257,8 @@ def node_problems(i: int, node: Node, catalog: Catalog) -> tuple[GpuModel | None
         if node.mode == "mig":
             if gpu.mps:
                 problems.append(f"{gwhere}.mps: MPS slices on a node in mig mode")
-            if model.supports_mig:
-                bad = MigRules.of(model).violations([(m.profile, m.start) for m in gpu.mig])
+            if rules is not None:
+                bad = rules.violations([(m.profile, m.start) for m in gpu.mig])
                 problems.extend(f"{gwhere}.mig: {b}" for b in bad)
         else:
             if gpu.mig:
