@@ -221,7 +221,7 @@ def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuMode
         if node.name in seen_nodes:
             problems.append(f"nodes[{i}] ({node.name}).name = {node.name!r}: duplicate node name")
         seen_nodes.add(node.name)
-        model, found = node_problems(i, node, catalog)
+        model, found = node_problems(f"nodes[{i}] ({node.name}).", node, catalog)
         problems.extend(found)
         if model is not None:
             models[node.name] = model
@@ -231,26 +231,26 @@ def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuMode
         if pod.name in seen_pods:
             problems.append(f"pending[{i}] ({pod.name}).name = {pod.name!r}: duplicate pod name")
         seen_pods.add(pod.name)
-        problems.extend(pod_problems(i, pod, catalog, known_profiles))
+        problems.extend(pod_problems(f"pending[{i}] ({pod.name}).", pod, catalog, known_profiles))
     if problems:
         raise SnapshotError(problems)
     return models
 
 
-def node_problems(i: int, node: Node, catalog: Catalog) -> tuple[GpuModel | None, list[str]]:
-    """What is wrong with one node on its own (the node is `nodes[i]`), and its model if known."""
-    where = f"nodes[{i}] ({node.name})"
+def node_problems(where: str, node: Node, catalog: Catalog) -> tuple[GpuModel | None, list[str]]:
+    """What is wrong with one node on its own, and its model if known. Each problem names the
+    field after `where`, the node's place in what is being checked ("nodes[3] (n1)." or "")."""
     problems: list[str] = []
     try:
-        model = catalog.resolve(node.gpu_model, where=f"{where}.gpu_model")
+        model = catalog.resolve(node.gpu_model, where=f"{where}gpu_model")
     except DynpartError as e:
         return None, [str(e)]
     if node.mode == "mig" and not model.supports_mig:
-        problems.append(f"{where}.mode = 'mig': GPU model {model.name} does not support MIG")
+        problems.append(f"{where}mode = 'mig': GPU model {model.name} does not support MIG")
     rules = MigRules.of(model) if node.mode == "mig" and model.supports_mig else None
     indices: set[int] = set()
     for j, gpu in enumerate(node.gpus):
-        gwhere = f"{where}.gpus[{j}]"
+        gwhere = f"{where}gpus[{j}]"
         if gpu.index in indices:
             problems.append(f"{gwhere}.index = {gpu.index}: duplicate GPU index")
         indices.add(gpu.index)
@@ -279,22 +279,21 @@ def node_problems(i: int, node: Node, catalog: Catalog) -> tuple[GpuModel | None
     return model, problems
 
 
-def pod_problems(i: int, pod: PendingPod, catalog: Catalog, known_profiles: AbstractSet[str]) -> list[str]:
-    """What is wrong with one pending pod on its own (the pod is `pending[i]`)."""
-    where = f"pending[{i}] ({pod.name})"
+def pod_problems(where: str, pod: PendingPod, catalog: Catalog, known_profiles: AbstractSet[str]) -> list[str]:
+    """What is wrong with one pending pod on its own; `where` as for `node_problems`."""
     problems: list[str] = []
     try:
         res = parse_resource(pod.resource)
     except ResourceNameError as e:
-        return [f"{where}.resource: {e}"]
+        return [f"{where}resource: {e}"]
     if isinstance(res, MigResource) and res.profile not in known_profiles:
         problems.append(
-            f"{where}.resource = {pod.resource!r}: MIG profile {res.profile!r} is not offered by any GPU "
+            f"{where}resource = {pod.resource!r}: MIG profile {res.profile!r} is not offered by any GPU "
             "model in the catalog"
         )
     for m in pod.gpu_models:
         try:
-            catalog.resolve(m, where=f"{where}.gpu_models")
+            catalog.resolve(m, where=f"{where}gpu_models")
         except DynpartError as e:
             problems.append(str(e))
     return problems
@@ -306,16 +305,16 @@ def split_invalid(snapshot: Snapshot, catalog: Catalog) -> tuple[Snapshot, list[
     names are left to `validate_snapshot` (objects read from the API have unique names)."""
     problems: list[tuple[str, str]] = []
     nodes: list[Node] = []
-    for i, node in enumerate(snapshot.nodes):
-        _, found = node_problems(i, node, catalog)
+    for node in snapshot.nodes:
+        _, found = node_problems("", node, catalog)
         if found:
             problems.append((node.name, "; ".join(found)))
         else:
             nodes.append(node)
     known_profiles = catalog.mig_profile_names()
     pending: list[PendingPod] = []
-    for i, pod in enumerate(snapshot.pending):
-        found = pod_problems(i, pod, catalog, known_profiles)
+    for pod in snapshot.pending:
+        found = pod_problems("", pod, catalog, known_profiles)
         if found:
             problems.append((pod.name, "; ".join(found)))
         else:

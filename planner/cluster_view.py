@@ -9,7 +9,6 @@ object is left out; one bad object never stops the planning of the others.
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
@@ -279,9 +278,6 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     node_objs = {n.get("metadata", {}).get("name", ""): n for n in nodes}
     for name, message in invalid:
         obj = candidates.get(name) or node_objs.get(name) or {"metadata": {"name": name}}
-        # "pending[3] (ns/p).resource = ..." -> "resource = ...": the position in the snapshot means
-        # nothing to a user; the object's name leads the message
-        message = re.sub(r"(^|; )(pending|nodes)\[\d+\] \([^)]*\)\.?", r"\1", message)
         problems.append((obj, f"{'pod' if name in candidates else 'node'} {name} left out of planning: {message}"))
     return snapshot, acks, problems
 
