@@ -12,7 +12,7 @@ from functools import cache
 
 from dynpart.mig import MigRules
 from dynpart.planner.problem import GpuInfo
-from dynpart.planner.types import Cost, CreateSlice, MigSliceRef, Option, ReuseSlice, SliceRef
+from dynpart.planner.types import Cost, CreateSlice, MigSliceRef, Option, ReuseSlice, SliceRef, drop_free
 from dynpart.snapshot import GpuLayout, MigInstance, PlacedSlice
 
 
@@ -141,13 +141,9 @@ class MigState:
             self.insts[option.index].pod = pod
             return
         assert isinstance(option, CreateSlice) and isinstance(ask, MigSliceRef), "not a MIG option"
-        for k in sorted(option.destroy, reverse=True):
-            assert not self.insts[k].hard, "never destroy a used slice"
-            if self.insts[k].existing:
-                self.destroyed += 1
-            else:
-                self.created -= 1
-            del self.insts[k]
+        destroyed, undone = drop_free(self.insts, option.destroy)
+        self.destroyed += destroyed
+        self.created -= undone
         self.insts.append(MigInst(self.rules.index[ask.profile], option.start, False, pod, False))
         self.insts.sort(key=lambda i: i.start)
         self.created += 1

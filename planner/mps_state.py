@@ -7,7 +7,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from dynpart.planner.problem import GpuInfo
-from dynpart.planner.types import CreateSlice, MpsSliceRef, Option, ReuseSlice, SliceRef, TakeWholeGpu, WholeGpuRef
+from dynpart.planner.types import CreateSlice, MpsSliceRef, Option, ReuseSlice, SliceRef, TakeWholeGpu, WholeGpuRef, drop_free
 from dynpart.snapshot import GpuLayout, MpsSlice, PlacedSlice
 
 
@@ -92,13 +92,9 @@ class MpsState:
         if isinstance(option, ReuseSlice):
             self.slices[option.index].pod = pod
             return
-        for k in sorted(option.destroy, reverse=True):
-            assert not self.slices[k].hard, "never destroy a used slice"
-            if self.slices[k].existing:
-                self.destroyed += 1
-            else:
-                self.created -= 1
-            del self.slices[k]
+        destroyed, undone = drop_free(self.slices, option.destroy)
+        self.destroyed += destroyed
+        self.created -= undone
         if option.destroy:
             self.changed = True
         if isinstance(option, TakeWholeGpu):

@@ -7,7 +7,9 @@ clusters; treat them as immutable values.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 # --- what a pod asks of one GPU ----------------------------------------------------------------
 
@@ -90,3 +92,33 @@ class Assignment:
 
 # request index -> where it is placed; pods left out are absent
 Placements = dict[int, Assignment]
+
+
+# --- slices on one GPU ---------------------------------------------------------------------------
+
+
+class Slice(Protocol):
+    """A MIG instance or an MPS slice while planning: `existing` now (else created by the plan),
+    `hard` when a pod holds it or is planned onto it."""
+
+    existing: bool
+
+    @property
+    def hard(self) -> bool: ...
+
+
+S = TypeVar("S", bound=Slice)
+
+
+def drop_free(slices: list[S], indices: Iterable[int]) -> tuple[int, int]:
+    """Remove the free slices at `indices`: (slices that existed, now destroyed; slices the plan
+    had created, now not created after all)."""
+    destroyed = undone = 0
+    for k in sorted(indices, reverse=True):
+        assert not slices[k].hard, "never destroy a used slice"
+        if slices[k].existing:
+            destroyed += 1
+        else:
+            undone += 1
+        del slices[k]
+    return destroyed, undone
