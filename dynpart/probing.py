@@ -47,7 +47,7 @@ class Liveness:
 
 
 class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+    def log_message(self, format: str, *args: object) -> None:
         pass  # probes every few seconds would flood the log
 
 
