@@ -86,7 +86,8 @@ def run_probe(args: argparse.Namespace) -> int:
     catalog = load_catalog(args.catalog)
     report = probe(_driver(args, catalog), catalog)
     if args.json:
-        print(json.dumps({"ok": report.ok, "mismatches": report.mismatches, "gpus": report.gpus}, indent=2))
+        print(json.dumps({"ok": report.ok, "mismatches": report.mismatches, "gpus": report.gpus,
+                          "capability": report.capability}, indent=2))
     else:
         print("\n".join(report.lines))
         for m in report.mismatches:

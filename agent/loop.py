@@ -18,18 +18,21 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from dynpart.agent import metrics
+from dynpart.agent.capability_reader import mig_state, read_capability
 from dynpart.agent.driver.interface import GpuDriver
 from dynpart.agent.kube import ConfigStore, NodeApi, NodeView
 from dynpart.agent.mig_agent import MigAgent
 from dynpart.agent.mps_agent import MpsAgent
 from dynpart.agent.podresources import PodResources
 from dynpart.annotations import annotation_patch, decode_spec, encode_status, format_heartbeat, is_plan_id
+from dynpart.capability import encode_capability, node_model
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
 from dynpart.kube.client import Obj
 from dynpart.kube.conventions import (
     PARTITIONING_LABEL,
     SPEC_PREFIX,
+    STATUS_CAPABILITY,
     STATUS_ERROR,
     STATUS_HEARTBEAT,
     STATUS_PLAN,
@@ -69,6 +72,9 @@ class Agent:
         self.capacity_gb = capacity_gb
         self.now = now
         self._model: GpuModel | None = None
+        self._mig_states: tuple[str, ...] = ()
+        self._capability: str | None = None  # the encoded report, written with every status
+        self._disagreements: list[str] = []
         self._mig: MigAgent | None = None
         self._mps: MpsAgent | None = None
         self.kube = kube or KubeSettings()
@@ -76,15 +82,23 @@ class Agent:
         self._events = EventRecorder(self._post_event, self.kube)
 
     def model(self) -> GpuModel:
-        if self._model is None:
-            devices = self.driver.devices()
-            if not devices:
-                raise DynpartError(f"node {self.node}: the driver reports no GPU")
-            names = {d.name for d in devices}
-            if len(names) > 1:
-                raise DynpartError(f"node {self.node}: GPUs of different models ({', '.join(sorted(names))}) "
-                                   "are not supported on one node")
-            self._model = self.catalog.resolve(devices[0].name, where=f"GPU 0 of node {self.node}")
+        """The model this node is planned with: what the driver describes (read again when a
+        GPU's MIG mode changes: NVML lists profiles only in MIG mode), narrowed by the catalog,
+        as the planner derives it from the same report (`dynpart.capability.node_model`)."""
+        states = tuple(mig_state(d) for d in self.driver.devices())
+        if self._model is None or states != self._mig_states:
+            try:
+                capability, unread = read_capability(self.driver, self.catalog)
+                choice = node_model(capability, self.catalog)
+            except DynpartError as e:
+                raise DynpartError(f"node {self.node}: {e}") from None
+            if choice.model != self._model:
+                self._mig = self._mps = None  # built for the old model
+                for note in [*unread, *choice.disagreements]:
+                    log.warning("node %s: %s", self.node, note)
+            self._model, self._mig_states = choice.model, states
+            self._capability = encode_capability(capability)
+            self._disagreements = [*unread, *choice.disagreements]
         return self._model
 
     def _mode(self, node: NodeView, spec_mode: Mode | None) -> Mode:
@@ -113,7 +127,8 @@ class Agent:
         node = await self.node_api.get()
         try:
             model = self.model()
-            capacity = self.capacity_gb or model.memory_gb
+            # never more than the memory NVML reports (the model's memory_gb is derived from it)
+            capacity = min(self.capacity_gb or model.memory_gb, model.memory_gb)
             spec = decode_spec(node.annotations, model, node=self.node, capacity=capacity)
             layout = spec.layout
             mode = self._mode(node, layout.mode if layout else None)
@@ -139,7 +154,12 @@ class Agent:
         ack = spec.plan_id if result.applied and layout is not None else node.annotations.get(STATUS_PLAN)
         status = encode_status(NodeLayout(node=self.node, mode=mode, gpus=result.gpus),
                                _valid_or_none(ack), errors, self.now())
+        if self._capability is not None:
+            status[STATUS_CAPABILITY] = self._capability
         await self._write(node, status)
+        if self._disagreements:
+            await self._event("CatalogDisagreement", "the driver and the catalog differ (the driver's values are "
+                              "used): " + "; ".join(self._disagreements), True)
         for error in errors:
             log.warning("node %s: %s", self.node, error)
         if spec.problems:

@@ -38,6 +38,7 @@ from dynpart.kube.conventions import (
     SPEC_MODE,
     SPEC_PLAN,
     SPEC_PREFIX,
+    STATUS_CAPABILITY,
     STATUS_ERROR,
     STATUS_HEARTBEAT,
     STATUS_MODE,
@@ -62,7 +63,7 @@ _MIG_VALUE = re.compile(r"([^@]*)@(.*)", re.ASCII | re.DOTALL)
 _HEARTBEAT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 SliceState = Literal["free", "used"]
-_RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, STATUS_PLAN, STATUS_MODE, STATUS_ERROR, STATUS_HEARTBEAT})
+_RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, STATUS_PLAN, STATUS_MODE, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_CAPABILITY})
 
 
 # --- keys -------------------------------------------------------------------------------------
@@ -482,7 +483,7 @@ def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, nod
 
 
 __all__ = [
-    "DecodedSpec", "DecodedStatus", "PARTITIONING_LABEL", "PREFIX", "SPEC_MODE", "SPEC_PLAN", "SPEC_PREFIX",
+    "DecodedSpec", "DecodedStatus", "PARTITIONING_LABEL", "PREFIX", "SPEC_MODE", "SPEC_PLAN", "SPEC_PREFIX", "STATUS_CAPABILITY",
     "STATUS_ERROR", "STATUS_HEARTBEAT", "STATUS_MODE", "STATUS_PLAN", "STATUS_PREFIX", "annotation_patch",
     "canonical_layout", "decode_spec", "decode_status", "encode_spec", "encode_status", "format_heartbeat",
     "is_plan_id",

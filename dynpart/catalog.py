@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
@@ -74,6 +73,14 @@ class GpuModel(BaseModel):
     memory_slices: int = Field(default=0, ge=0)
     compute_slices: int = Field(default=0, ge=0)
     mig_profiles: tuple[MigProfile, ...] = ()
+    # NVML reports wrong max instance counts for this model (A30: mig-parted hard-codes its
+    # profiles for that reason): the catalog's `max` wins over the driver's, and a difference is
+    # not a disagreement.
+    nvml_counts_unreliable: bool = False
+    # Set on a model built from a node agent's capability report (`dynpart.capability`) that
+    # differs from the catalog: the catalog model (or, for a GPU the catalog lacks, the product)
+    # it describes. Pods selecting that model accept it.
+    family: str | None = None
 
     @model_validator(mode="after")
     def _check_profiles(self) -> GpuModel:
@@ -101,12 +108,24 @@ class GpuModel(BaseModel):
         return self
 
     @property
+    def family_name(self) -> str:
+        """The name a pod's GPU-model selector matches: the catalog model this one describes."""
+        return self.family or self.name
+
+    @property
     def supports_mig(self) -> bool:
         return bool(self.mig_profiles)
 
-    @cached_property
+    @property
     def profiles_by_name(self) -> dict[str, MigProfile]:
-        return {p.name: p for p in self.mig_profiles}
+        # cached beside the fields, checked against the profiles it was built from: model_copy()
+        # copies the instance dict, so a cached_property would outlive an update of mig_profiles
+        cached = self.__dict__.get("_profiles_by_name")
+        if cached is None or cached[0] is not self.mig_profiles:
+            cached = (self.mig_profiles, {p.name: p for p in self.mig_profiles})
+            self.__dict__["_profiles_by_name"] = cached
+        by_name: dict[str, MigProfile] = cached[1]
+        return by_name
 
     def profile(self, name: str) -> MigProfile:
         try:

@@ -18,9 +18,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from dynpart.annotations import annotation_patch, decode_status, encode_spec
-from dynpart.catalog import Catalog
+from dynpart.capability import CapabilityError, decode_capability, model_catalog, node_model
+from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
-from dynpart.kube.conventions import GPU_COUNT_LABEL, GPU_PRODUCT_LABEL, PARTITIONING_LABEL, STATUS_PREFIX
+from dynpart.kube.conventions import (
+    GPU_COUNT_LABEL,
+    GPU_PRODUCT_LABEL,
+    PARTITIONING_LABEL,
+    STATUS_CAPABILITY,
+    STATUS_PREFIX,
+)
 from dynpart.resources import MigResource, WholeGpuResource, is_slice_resource, parse_resource
 from dynpart.snapshot import (
     Gpu,
@@ -131,6 +138,47 @@ class NodeView:
     node: Node | None
     status_plan: str | None
     problems: list[str] = field(default_factory=list)
+    model: GpuModel | None = None  # the model the node is planned with
+    disagreements: tuple[str, ...] = ()  # between its agent's capability report and the catalog
+
+
+@dataclass
+class ClusterView:
+    """What one planning round sees: the snapshot; the plan id each node's agent acknowledged;
+    the objects left out, each with its problem; the catalog plan() must resolve the nodes'
+    models in (the given one, plus models built from agents' capability reports); and per node,
+    how its agent's report differs from the catalog."""
+
+    snapshot: Snapshot
+    acks: dict[str, str | None]
+    problems: list[tuple[dict[str, Any], str]]
+    catalog: Catalog
+    disagreements: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def node_gpu_model(name: str, labels: Mapping[str, Any], annotations: Mapping[str, Any],
+                   catalog: Catalog) -> tuple[GpuModel | None, tuple[str, ...], list[str]]:
+    """(model, disagreements, problems) of a node: from its agent's capability report when there
+    is one (the driver's profiles, placements and memory, narrowed by the catalog), else from
+    the catalog by the `nvidia.com/gpu.product` label (until the agent reports)."""
+    problems: list[str] = []
+    report = annotations.get(STATUS_CAPABILITY)
+    if report is not None:
+        try:
+            if not isinstance(report, str):
+                raise CapabilityError("the value is not a string")
+            choice = node_model(decode_capability(report), catalog)
+            return choice.model, choice.disagreements, problems
+        except CapabilityError as e:
+            problems.append(f"node {name}: annotation {STATUS_CAPABILITY}: {e}; the node is planned from the catalog")
+    product = labels.get(GPU_PRODUCT_LABEL)
+    if not product:
+        return None, (), [*problems, f"node {name}: no {GPU_PRODUCT_LABEL} label (GPU feature discovery sets it) "
+                                     "and no capability report from its agent"]
+    try:
+        return catalog.resolve(product, where=f"node {name} label {GPU_PRODUCT_LABEL}"), (), problems
+    except DynpartError as e:
+        return None, (), [*problems, str(e)]
 
 
 def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: Catalog) -> NodeView:
@@ -142,21 +190,16 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     name = md.get("name", "")
     labels = md.get("labels") or {}
     mode = labels.get(PARTITIONING_LABEL)
-    problems: list[str] = []
     if mode not in ("mig", "mps"):
         return NodeView(None, None, [f"node {name}: label {PARTITIONING_LABEL}={mode!r}: expected mig or mps"])
-    product = labels.get(GPU_PRODUCT_LABEL)
-    if not product:
-        return NodeView(None, None, [f"node {name}: no {GPU_PRODUCT_LABEL} label (GPU feature discovery sets it)"])
-    try:
-        model = catalog.resolve(product, where=f"node {name} label {GPU_PRODUCT_LABEL}")
-    except DynpartError as e:
-        return NodeView(None, None, [str(e)])
     annotations = md.get("annotations") or {}
     size = sum(len(k) + len(str(v)) for k, v in annotations.items() if str(k).startswith(STATUS_PREFIX))
     if size > MAX_STATUS_BYTES:
         return NodeView(None, None, [f"node {name}: its {STATUS_PREFIX}* annotations take {size} bytes, more than "
                                      f"the {MAX_STATUS_BYTES} an agent writes; the node is left out until they shrink"])
+    model, disagreements, problems = node_gpu_model(name, labels, annotations, catalog)
+    if model is None:
+        return NodeView(None, None, problems)
     status = decode_status(annotations, model, node=name)
     problems.extend(status.problems)
     reported = {g.index: g for g in status.layout.gpus} if status.layout is not None else {}
@@ -194,7 +237,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         return NodeView(None, status.plan_id, [f"node {name}: allocatable: {e}"])
     view = Node(name=name, mode=mode, gpu_model=model.name, cpu_milli_free=cpu_free, memory_mib_free=mem_free,
                 labels=dict(labels), gpus=gpus)
-    return NodeView(view, status.plan_id, problems)
+    return NodeView(view, status.plan_id, problems, model, disagreements)
 
 
 def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str) -> list[Gpu]:
@@ -228,10 +271,8 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str) -> li
 
 def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], catalog: Catalog,
                    exclude_nodes: AbstractSet[str] = frozenset(), exclude_pods: AbstractSet[str] = frozenset(),
-                   ) -> tuple[Snapshot, dict[str, str | None], list[tuple[dict[str, Any], str]]]:
-    """The snapshot of the labelled nodes and the batch candidates.
-
-    Returns (snapshot, status plan id per node, problems as (object, message)). Nodes in
+                   ) -> ClusterView:
+    """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round."""
     problems: list[tuple[dict[str, Any], str]] = []
@@ -242,6 +283,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             by_node.setdefault(n, []).append(pod)
     views: list[Node] = []
     acks: dict[str, str | None] = {}
+    models: list[GpuModel] = []
+    disagreements: dict[str, tuple[str, ...]] = {}
     for node in sorted(nodes, key=lambda n: str(_field(n, "metadata", "name") or "")):
         name = str(_field(node, "metadata", "name") or "")
         labels = _field(node, "metadata", "labels")
@@ -257,8 +300,11 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             continue
         problems.extend((node, p) for p in view.problems)
         acks[name] = view.status_plan
-        if view.node is not None:
+        if view.node is not None and view.model is not None:
             views.append(view.node)
+            models.append(view.model)
+            if view.disagreements:
+                disagreements[name] = view.disagreements
     pending: list[PendingPod] = []
     candidates: dict[str, dict[str, Any]] = {}
     for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
@@ -274,12 +320,13 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     # each node and pod checked on its own against the catalog and the MIG/MPS rules: one that
     # cannot be planned (an unknown MIG profile, a GPU product the catalog lacks) is left out with
     # its problem, and the round goes on for the others
+    catalog = model_catalog(catalog, models)
     snapshot, invalid = split_invalid(Snapshot(nodes=views, pending=pending), catalog)
     node_objs = {n.get("metadata", {}).get("name", ""): n for n in nodes}
     for name, message in invalid:
         obj = candidates.get(name) or node_objs.get(name) or {"metadata": {"name": name}}
         problems.append((obj, f"{'pod' if name in candidates else 'node'} {name} left out of planning: {message}"))
-    return snapshot, acks, problems
+    return ClusterView(snapshot, acks, problems, catalog, disagreements)
 
 
 def planned_patches(snapshot: Snapshot, result: Plan, nodes: Mapping[str, dict[str, Any]],

@@ -178,11 +178,13 @@ class PlannerController:
         pods = list(self.pods.cache.values())
         awaiting = self._awaiting_from_annotations()
         held_pods = set().union(*(f.pods for f in self.in_flight.values())) if self.in_flight else set()
-        snapshot, _, problems = build_snapshot(nodes, pods, self.catalog, awaiting, held_pods)
-        for obj, message in problems:
+        view = build_snapshot(nodes, pods, self.catalog, awaiting, held_pods)
+        snapshot = view.snapshot
+        for obj, message in view.problems:
             metrics.PLAN_ERRORS.labels("bad_object").inc()
             log.warning(message)
             await self._event(obj, "DynpartInvalid", message, warning=True)
+        await self._report_disagreements(view.disagreements)
         by_resource = Counter(p.resource for p in snapshot.pending)
         metrics.PENDING_PODS.clear()
         for res, n in by_resource.items():
@@ -192,7 +194,7 @@ class PlannerController:
         options = PlanOptions(time_limit_s=self.settings.plan_time_limit_s)
         started = time.perf_counter()
         try:
-            result = await asyncio.to_thread(plan, snapshot, self.catalog, options)
+            result = await asyncio.to_thread(plan, snapshot, view.catalog, options)
         except DynpartError as e:
             # build_snapshot leaves out every object that fails validation on its own, so this is a
             # problem between objects (say two nodes of one name): skip the round, never crash-loop
@@ -259,6 +261,17 @@ class PlannerController:
             log.info("pod not placed", extra={"fields": {"pod": u.pod, "reason": u.reason + left_out}})
             await self._event(pods_by_key.get(u.pod), "Unplaceable",
                               f"dynpart cannot place this pod: {u.reason}{left_out}", warning=True)
+
+    async def _report_disagreements(self, by_node: dict[str, tuple[str, ...]]) -> None:
+        """How agents' capability reports differ from the catalog: a gauge per node and an Event
+        on the node (posted again only when the message changes or after event_repeat_s). The
+        driver's values are planned with; nothing is refused."""
+        metrics.CATALOG_DISAGREEMENTS.clear()
+        for name, notes in by_node.items():
+            metrics.CATALOG_DISAGREEMENTS.labels(name).set(len(notes))
+            await self._event(self.nodes.cache.get(name) or {"kind": "Node", "metadata": {"name": name}},
+                              "CatalogDisagreement", "the GPU driver and the catalog differ (the driver's values are "
+                              "planned with): " + "; ".join(notes), warning=True)
 
     async def _event(self, obj: Obj | None, reason: str, message: str, warning: bool = False) -> None:
         if obj is not None:

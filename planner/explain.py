@@ -45,7 +45,7 @@ def _load_snapshot_file(path: str) -> Snapshot:
 
 
 async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
-                         ) -> tuple[Snapshot, list[tuple[Obj, str]], dict[str, Obj]]:
+                         ) -> tuple[Snapshot, Catalog, list[tuple[Obj, str]], dict[str, Obj]]:
     from kubernetes_asyncio import client
 
     from dynpart.annotations import PARTITIONING_LABEL
@@ -59,8 +59,8 @@ async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
         pods = await read_json(await core.list_pod_for_all_namespaces(_preload_content=False))
     finally:
         await api.close()
-    snapshot, _, problems = build_snapshot(nodes["items"], pods["items"], catalog)
-    return snapshot, problems, {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in pods["items"]}
+    view = build_snapshot(nodes["items"], pods["items"], catalog)
+    return view.snapshot, view.catalog, view.problems, {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in pods["items"]}
 
 
 def describe(result: Plan, pod: str) -> str:
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if args.snapshot:
         snapshot, problems, live = _load_snapshot_file(args.snapshot), [], {}
     else:
-        snapshot, problems, live = asyncio.run(_live_snapshot(args.kubeconfig, catalog))
+        snapshot, catalog, problems, live = asyncio.run(_live_snapshot(args.kubeconfig, catalog))
         if args.pod and args.pod not in {p.name for p in snapshot.pending}:
             pod = live.get(args.pod)
             if pod is None:

@@ -152,7 +152,7 @@ def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
             kind, ref, profile, size = KIND_GPU, WHOLE_GPU, None, 0
         req = Request(pi, pod.name, pod.resource, kind, ref, profile, size, pod.count, pod.cpu_milli,
                       pod.memory_mib, pod.priority, weights[pod.priority])
-        accepted = frozenset(catalog.resolve(m).name for m in pod.gpu_models)
+        accepted = frozenset(catalog.resolve(m).family_name for m in pod.gpu_models)
         sig = (kind, profile, size, pod.count, tuple(sorted(pod.node_selector.items())), accepted)
         hit = static.get(sig)
         if hit is None:
@@ -189,7 +189,7 @@ def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: d
     for k, v in selector.items():
         if node.labels.get(k) != v:
             return 1, f"no {wanted_mode} node matches nodeSelector {k}={v}"
-    if accepted and node.model.name not in accepted:
+    if accepted and node.model.family_name not in accepted:
         return 2, f"no {wanted_mode} node has an accepted GPU model ({', '.join(sorted(accepted))})"
     if req.kind == KIND_MIG and req.profile not in node.model.profiles_by_name:
         return 3, f"MIG profile {req.profile} is not offered by the GPU models of the mig nodes"

@@ -22,9 +22,10 @@ from dynpart.annotations import (
     encode_spec,
     encode_status,
 )
-from dynpart.catalog import GpuModel, MigProfile, default_catalog
+from dynpart.catalog import GpuModel, default_catalog
 from dynpart.mig import MigRules, feasible_geometries
 from dynpart.snapshot import GpuLayout, MigInstance, MpsSlice, NodeLayout
+from tests.gpus import RTX_PRO_6000
 
 CATALOG = default_catalog()
 H100 = CATALOG.resolve("H100-80GB")
@@ -32,23 +33,9 @@ A30 = CATALOG.resolve("A30-24GB")
 
 
 
-def _profile(name: str, gi: int, nvml: str, compute: int, memory: int, max_count: int, starts: list[int]) -> MigProfile:
-    return MigProfile(name=name, id=gi, nvml=nvml, compute=compute, memory=memory, max=max_count, starts=tuple(starts))
-
-
 # Not catalog data: a model carrying every RTX PRO Blackwell name variant (`-me`, `+me.all`,
-# `+gfx`) so that the codec is tested on them. The 1g.24gb GI ids are the facts file's; the other
-# rows, the counts and the starts are made up for the test.
-RTX_LIKE = GpuModel(name="RTX-LIKE-96GB", memory_gb=96, memory_slices=4, compute_slices=4, mig_profiles=(
-    _profile("1g.24gb", 14, "NVML_GPU_INSTANCE_PROFILE_1_SLICE", 1, 1, 4, [0, 1, 2, 3]),
-    _profile("1g.24gb+me", 21, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1", 1, 1, 1, [0, 1, 2, 3]),
-    _profile("1g.24gb+gfx", 47, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_GFX", 1, 1, 4, [0, 1, 2, 3]),
-    _profile("1g.24gb+me.all", 65, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_ALL_ME", 1, 1, 1, [0, 1, 2, 3]),
-    _profile("1g.24gb-me", 67, "NVML_GPU_INSTANCE_PROFILE_1_SLICE_NO_ME", 1, 1, 4, [0, 1, 2, 3]),
-    _profile("2g.48gb-me", 68, "NVML_GPU_INSTANCE_PROFILE_2_SLICE_NO_ME", 2, 2, 2, [0, 2]),
-    _profile("2g.48gb+gfx", 48, "NVML_GPU_INSTANCE_PROFILE_2_SLICE_GFX", 2, 2, 2, [0, 2]),
-    _profile("4g.96gb", 0, "NVML_GPU_INSTANCE_PROFILE_4_SLICE", 4, 4, 1, [0]),
-))
+# `+gfx`) so that the codec is tested on them (tests/gpus.py says which figures are assumed).
+RTX_LIKE = RTX_PRO_6000
 MIG_MODELS = [m for m in CATALOG.models.values() if m.supports_mig] + [RTX_LIKE]
 
 

@@ -72,12 +72,16 @@ class FakeNvml:
     before each mutating call with the FakeOp about to be tried), `reset(i)`, `reboot()`."""
 
     def __init__(self, model: GpuModel, count: int = 1, *, mig_enabled: bool = True,
-                 mig_persists: bool | None = None, mode_needs_reset: bool = False, name: str | None = None):
+                 mig_persists: bool | None = None, mode_needs_reset: bool = False, name: str | None = None,
+                 memory_mib: int | None = None):
         if not model.supports_mig and mig_enabled:
             mig_enabled = False
         self.model = model
         self.rules = MigRules.of(model)
         self.name = name or f"NVIDIA {model.name}"
+        # what NVML reports as total memory: below the nominal size on real GPUs (81,559 MiB on
+        # an H100-80GB); the nominal size unless a test gives the real figure
+        self.memory_mib = memory_mib if memory_mib is not None else model.memory_gb * 1024
         # Ampere keeps MIG mode across a reboot; Hopper and later lose it (facts file section 1).
         self.mig_persists = model.name.startswith("A") if mig_persists is None else mig_persists
         # A MIG mode change that stays pending until `reset()` (as when the driver cannot reset
@@ -139,7 +143,7 @@ class FakeNvml:
     # --- GpuDriver ---
 
     def devices(self) -> list[DeviceInfo]:
-        return [DeviceInfo(g.index, self.name, g.uuid, self.model.memory_gb * 1024, self.model.supports_mig,
+        return [DeviceInfo(g.index, self.name, g.uuid, self.memory_mib, self.model.supports_mig,
                            g.mig_current, g.mig_pending) for g in self._gpus]
 
     def set_mig_mode(self, index: int, enabled: bool) -> None:
@@ -224,13 +228,16 @@ class FakeNvml:
         return sorted(self._gi(gpu, gi_id).pids)
 
     def profile_info(self, index: int, nvml_name: str) -> ProfileInfo | None:
-        self._gpu(index)
-        for p in self.model.mig_profiles:
-            if p.nvml == nvml_name:
-                return ProfileInfo(p.gi_profile_id, p.compute, p.max,
-                                   self.model.memory_gb * 1024 * p.memory // max(1, self.model.memory_slices),
-                                   f"MIG {p.name}")
-        return None
+        return next((p for p in self.gpu_instance_profiles(index) if f"NVML_GPU_INSTANCE_PROFILE_{p.nvml}" == nvml_name),
+                    None)
+
+    def gpu_instance_profiles(self, index: int) -> list[ProfileInfo]:
+        if not self._gpu(index).mig_current:  # as NVML: no GPU-instance profile outside MIG mode
+            return []
+        return [ProfileInfo(p.gi_profile_id, p.compute, p.max,
+                            self.memory_mib * p.memory // max(1, self.model.memory_slices),
+                            f"MIG {p.name}", p.nvml.removeprefix("NVML_GPU_INSTANCE_PROFILE_"))
+                for p in self.model.mig_profiles]
 
     def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
         self._gpu(index)

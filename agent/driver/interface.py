@@ -65,6 +65,7 @@ class ProfileInfo:
     instance_count: int  # most instances of the profile on the GPU
     memory_mib: int
     name: str = ""  # the driver's name for it, e.g. "MIG 1g.10gb" (empty if unknown)
+    nvml: str = ""  # the NVML_GPU_INSTANCE_PROFILE_* constant it was read with (empty if unknown)
 
 
 class GpuDriver(Protocol):
@@ -94,6 +95,11 @@ class GpuDriver(Protocol):
 
     def profile_info(self, index: int, nvml_name: str) -> ProfileInfo | None:
         """The driver's view of a NVML_GPU_INSTANCE_PROFILE_* profile; None if unsupported."""
+        ...
+
+    def gpu_instance_profiles(self, index: int) -> list[ProfileInfo]:
+        """Every GPU-instance profile the driver offers on GPU `index`, read with each
+        NVML_GPU_INSTANCE_PROFILE_* constant; empty while MIG mode is off (NVML lists none then)."""
         ...
 
     def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:

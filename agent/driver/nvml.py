@@ -226,11 +226,27 @@ class RealNvml:
         if not isinstance(enum, int):
             return None
         info = self._profile_info_raw(self._handle(index), enum)
-        if info is None:
-            return None
+        return None if info is None else self._profile(info, nvml_name.removeprefix("NVML_GPU_INSTANCE_PROFILE_"))
+
+    def gpu_instance_profiles(self, index: int) -> list[ProfileInfo]:
+        nv = self._nv
+        names = {getattr(nv, n): n.removeprefix("NVML_GPU_INSTANCE_PROFILE_") for n in dir(nv)
+                 if n.startswith("NVML_GPU_INSTANCE_PROFILE_") and n != "NVML_GPU_INSTANCE_PROFILE_COUNT"
+                 and isinstance(getattr(nv, n), int)}
+        h = self._handle(index)
+        out = []
+        for enum in range(nv.NVML_GPU_INSTANCE_PROFILE_COUNT):
+            info = self._profile_info_raw(h, enum)
+            if info is not None:
+                out.append(self._profile(info, names.get(enum, "")))
+        return out
+
+    @staticmethod
+    def _profile(info: Any, nvml: str) -> ProfileInfo:
         name = getattr(info, "name", b"")  # the V2 struct only
         name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-        return ProfileInfo(int(info.id), int(info.sliceCount), int(info.instanceCount), int(info.memorySizeMB), name)
+        return ProfileInfo(int(info.id), int(info.sliceCount), int(info.instanceCount), int(info.memorySizeMB), name,
+                           nvml)
 
     def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
         nv = self._nv

@@ -16,6 +16,8 @@ STATUS_PLAN = STATUS_PREFIX + "plan"
 STATUS_MODE = STATUS_PREFIX + "mode"
 STATUS_ERROR = STATUS_PREFIX + "error"
 STATUS_HEARTBEAT = STATUS_PREFIX + "heartbeat"
+# What the node's GPUs can do, as NVML says (dynpart/capability.py): the planner plans from it.
+STATUS_CAPABILITY = STATUS_PREFIX + "capability"
 
 # Opt-in node label: the node's GPUs are partitioned by dynpart, in this mode (mig or mps).
 PARTITIONING_LABEL = PREFIX + "gpu-partitioning"

@@ -9,6 +9,7 @@ import pytest
 from dynpart.agent.driver.fake import FakeNvml
 from dynpart.agent.driver.interface import NvmlUnavailable
 from dynpart.agent.nvml_probe import probe
+from dynpart.capability import decode_capability, node_model
 from dynpart.cli import main
 
 from .conftest import CATALOG, H100
@@ -18,9 +19,26 @@ def test_probe_fake_gpus_ok(capsys):
     assert main(["agent", "probe", "--fake-gpus", "H100-80GB:2"]) == 0
     out = capsys.readouterr().out
     assert "GPU 1: NVIDIA H100-80GB" in out and "3g.40gb      id  9" in out and "catalog matches the driver" in out
+    assert "planned as H100-80GB, the catalog's" in out
     assert main(["agent", "probe", "--fake-gpus", "A30-24GB:1", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] and doc["gpus"][0]["model"] == "A30-24GB"
+    assert decode_capability(doc["capability"]).kinds[0].product == "NVIDIA A30-24GB"
+
+
+def test_probe_and_agent_ignore_a30_instance_counts():
+    """NVML reports wrong max counts on A30 (facts file section 1): not a mismatch, the catalog's count
+    is planned with; a wrong GI profile id still is a mismatch."""
+    a30 = CATALOG.resolve("A30-24GB")
+    wrong = a30.model_copy(update={"mig_profiles": tuple(p.model_copy(update={"max": p.max + 3}) for p in a30.mig_profiles)})
+    driver = FakeNvml(wrong, 1, name="NVIDIA A30")
+    report = probe(driver, CATALOG)
+    assert report.ok, report.mismatches
+    assert node_model(decode_capability(report.capability), CATALOG).model is a30
+    bad_id = a30.model_copy(update={"mig_profiles": (a30.mig_profiles[0].model_copy(update={"gi_profile_id": 99}),
+                                                     *a30.mig_profiles[1:])})
+    report = probe(FakeNvml(bad_id, 1, name="NVIDIA A30"), CATALOG)
+    assert report.mismatches == ["1g.6gb: the driver reports GI profile id 99 (catalog 14); the driver's values are used"]
 
 
 def test_probe_finds_catalog_mismatches():
@@ -30,13 +48,16 @@ def test_probe_finds_catalog_mismatches():
     driver.create_gpu_instance(0, 0, 0, 8)
     report = probe(driver, CATALOG)
     assert not report.ok
-    assert report.mismatches == ["GPU 0 3g.40gb: starts [0] (catalog [0, 4])"]
+    assert report.mismatches == ["3g.40gb: the driver reports starts [0] (catalog [0, 4]); the driver's values are used"]
     assert any("instance GI 1: 7g.80gb@0" in line for line in report.lines)
 
 
 def test_probe_mig_off_and_unknown_model():
     report = probe(FakeNvml(H100, 1, mig_enabled=False, name="NVIDIA Mystery"), CATALOG)
-    assert not report.ok and "unknown GPU model 'NVIDIA Mystery'" in report.mismatches[0]
+    assert not report.ok and "the catalog does not know this GPU" in report.mismatches[0]
+    report = probe(FakeNvml(H100, 1, mig_enabled=True, name="NVIDIA Mystery"), CATALOG)
+    assert report.ok and any(line.startswith("planned as Mystery~") and "not in the catalog" in line
+                             for line in report.lines), report.lines
 
 
 def test_bad_arguments(capsys):

@@ -4,17 +4,20 @@ waking up on a spec change."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from dynpart.agent.podresources import PodResourcesError
 from dynpart.annotations import (
     SPEC_MODE,
     SPEC_PLAN,
+    STATUS_CAPABILITY,
     STATUS_ERROR,
     STATUS_HEARTBEAT,
     STATUS_MODE,
     STATUS_PLAN,
     annotation_patch,
 )
+from dynpart.capability import decode_capability
 
 from .conftest import Rig, make_rig, mig_spec
 
@@ -78,11 +81,27 @@ async def test_unsafe_observation_changes_nothing(rig: Rig):
     assert STATUS_PLAN not in ann and "UNAVAILABLE" in ann[STATUS_ERROR]
 
 
-async def test_unknown_gpu_model_is_reported(rig: Rig):
+async def test_a_gpu_the_catalog_lacks_is_described_by_the_driver(rig: Rig):
+    """The catalog does not know the product: the agent plans with, and reports, what NVML says."""
     rig.driver.name = "NVIDIA Mystery 9000"
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@4"]}, plan="p1"))
+    report = await agent.reconcile_once()
+    assert report.errors == [] and rig.driver.layout(0) == [("3g.40gb", 4)]
+    model = agent.model()
+    assert model.family_name == "Mystery-9000" and model.name.startswith("Mystery-9000~")
+    cap = decode_capability(rig.node_api.annotations[STATUS_CAPABILITY])
+    assert cap.kinds[0].product == "NVIDIA Mystery 9000" and len(cap.gpus) == 2
+    assert {p.name for p in cap.kinds[0].profiles} == set(model.profiles_by_name)
+
+
+async def test_mixed_gpus_on_one_node_are_reported_and_nothing_changes(rig: Rig):
+    real = rig.driver.devices
+    rig.driver.devices = lambda: [d if d.index == 0 else dataclasses.replace(d, name="NVIDIA Other")  # type: ignore[method-assign]  # one GPU of another product
+                                  for d in real()]
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p1"))
     report = await rig.agent().reconcile_once()
-    assert "unknown GPU model 'NVIDIA Mystery 9000'" in report.errors[0]
-    assert rig.driver.ops == []
+    assert "GPUs are of 2 kinds" in report.errors[0] and rig.driver.ops == []
 
 
 async def test_status_not_rewritten_when_unchanged(rig: Rig):

@@ -33,11 +33,12 @@ EXAMPLES = int(os.environ.get("DYNPART_PROPERTY_EXAMPLES", "1000"))
 
 def run_round(nodes: list[dict[str, Any]], pods: list[dict[str, Any]]):
     """What the controller does with one round's cache, without the API calls."""
-    snapshot, _, problems = build_snapshot(nodes, pods, CAT)
-    validate_snapshot(snapshot, CAT)  # what is left is valid as a whole
-    result = plan(snapshot, CAT)
+    view = build_snapshot(nodes, pods, CAT)
+    snapshot, problems = view.snapshot, view.problems
+    validate_snapshot(snapshot, view.catalog)  # what is left is valid as a whole
+    result = plan(snapshot, view.catalog)
     patches = planned_patches(snapshot, result, {n["metadata"]["name"]: n for n in nodes}, "p1")
-    return snapshot, result, patches, problems
+    return snapshot, result, patches, problems, view.catalog
 
 
 GOOD = [pod("good-1g", {"nvidia.com/mig-1g.10gb": "1"}), pod("good-mps", {"nvidia.com/gpu-10gb": "1"})]
@@ -49,7 +50,7 @@ def _left_out(problems, name):
 
 
 def test_unknown_mig_profile_is_left_out_with_its_reason():
-    _, result, patches, problems = run_round(NODES, [pod("bad", {"nvidia.com/mig-5g.20gb": "1"}), *GOOD])
+    _, result, patches, problems, _ = run_round(NODES, [pod("bad", {"nvidia.com/mig-5g.20gb": "1"}), *GOOD])
     assert {p.pod for p in result.placements} == {"ml/good-1g", "ml/good-mps"}
     (message,) = _left_out(problems, "bad")
     assert "resource = 'nvidia.com/mig-5g.20gb'" in message and "not offered" in message
@@ -58,7 +59,7 @@ def test_unknown_mig_profile_is_left_out_with_its_reason():
 
 def test_unknown_gpu_product_in_a_selector_is_left_out_with_its_reason():
     bad = pod("bad", {"nvidia.com/mig-1g.10gb": "1"}, nodeSelector={"nvidia.com/gpu.product": "NVIDIA-Nope"})
-    _, result, _, problems = run_round(NODES, [bad, *GOOD])
+    _, result, _, problems, _ = run_round(NODES, [bad, *GOOD])
     assert {p.pod for p in result.placements} == {"ml/good-1g", "ml/good-mps"}
     (message,) = _left_out(problems, "bad")
     assert "gpu_models" in message and "'NVIDIA-Nope'" in message
@@ -66,7 +67,7 @@ def test_unknown_gpu_product_in_a_selector_is_left_out_with_its_reason():
 
 def test_whole_gpu_pod_on_an_uncarved_gpu_of_a_mig_node_keeps_that_gpu_out_of_planning():
     running = pod("whole", {"nvidia.com/gpu": "1"}, phase="Running", node="n1", unschedulable=False)
-    snapshot, result, patches, problems = run_round(NODES, [running, *GOOD])
+    snapshot, result, patches, problems, _ = run_round(NODES, [running, *GOOD])
     assert problems == []
     (n1,) = [n for n in snapshot.nodes if n.name == "n1"]
     assert [g.index for g in n1.gpus] == [1]  # GPU 0 serves the whole-GPU pod: not dynpart's to carve
@@ -77,7 +78,7 @@ def test_whole_gpu_pod_on_an_uncarved_gpu_of_a_mig_node_keeps_that_gpu_out_of_pl
 
 def test_a_node_with_an_unknown_product_is_left_out_and_the_others_planned():
     nodes = [node("n0", product="NVIDIA-Quantum-X"), *NODES]
-    _, result, _, problems = run_round(nodes, GOOD)
+    _, result, _, problems, _ = run_round(nodes, GOOD)
     assert {p.pod for p in result.placements} == {"ml/good-1g", "ml/good-mps"}
     assert any("NVIDIA-Quantum-X" in m for m in _left_out(problems, "n0"))
 
@@ -85,7 +86,7 @@ def test_a_node_with_an_unknown_product_is_left_out_and_the_others_planned():
 def test_an_oversized_status_annotation_leaves_its_node_out_without_decoding_it():
     huge = node("n0", annotations={"dynpart.io/status-mode": "mig",
                                    **{f"dynpart.io/status-gpu-{i % 8}-x{i}": "1" * 200 for i in range(1300)}})
-    _, result, _, problems = run_round([huge, *NODES], GOOD)
+    _, result, _, problems, _ = run_round([huge, *NODES], GOOD)
     (message,) = _left_out(problems, "n0")
     assert f"more than the {MAX_STATUS_BYTES}" in message
     assert {p.pod for p in result.placements} == {"ml/good-1g", "ml/good-mps"}
@@ -101,7 +102,7 @@ def test_the_pod_cache_keeps_what_planning_reads_and_drops_the_rest():
     assert len(str(kept)) * 10 < len(str(full))
     assert kept["spec"]["containers"] == [{"name": "c", "resources": full["spec"]["containers"][0]["resources"]}]
     assert kept["spec"]["nodeSelector"] == {"pool": "a"} and kept["spec"]["priority"] == 3
-    assert build_snapshot(NODES, [kept], CAT)[0] == build_snapshot(NODES, [full], CAT)[0]
+    assert build_snapshot(NODES, [kept], CAT).snapshot == build_snapshot(NODES, [full], CAT).snapshot
 
 
 # --- generated and mutated cluster states ---------------------------------------------------
@@ -181,19 +182,19 @@ def test_no_generated_cluster_state_stops_planning(state):
     nodes, pods = state
     before = copy.deepcopy((nodes, pods))
     try:
-        snapshot, result, patches, problems = run_round(nodes, pods)
+        snapshot, result, patches, problems, catalog = run_round(nodes, pods)
     except Exception as e:  # pragma: no cover - the property: nothing escapes
         raise AssertionError(f"{type(e).__name__} escaped the planning round: {e}") from e
     assert (nodes, pods) == before, "the round changed the cached objects"
     for obj, message in problems:
         assert isinstance(message, str) and message, obj
     # the controller's pod cache keeps only pod_for_planning(pod): the round must not change
-    trimmed, _, trimmed_problems = build_snapshot(nodes, [pod_for_planning(p) for p in pods], CAT)
-    assert trimmed == snapshot
-    assert [m for _, m in trimmed_problems] == [m for _, m in problems]
+    trimmed = build_snapshot(nodes, [pod_for_planning(p) for p in pods], CAT)
+    assert trimmed.snapshot == snapshot
+    assert [m for _, m in trimmed.problems] == [m for _, m in problems]
     by_name = {n.name: n for n in snapshot.nodes}
     for layout, patch in patches:
-        model = CAT.resolve(by_name[layout.node].gpu_model)
+        model = catalog.resolve(by_name[layout.node].gpu_model)
         written = {k: v for k, v in patch.items() if v is not None}
         decoded = decode_spec(written, model, node=layout.node)
         assert decoded.problems == [] and decoded.plan_id == "p1", decoded.problems

@@ -67,7 +67,8 @@ def test_snapshot_from_objects_marks_slices_of_bound_pods_used():
             pod("just-bound", {"nvidia.com/mig-1g.10gb": "1", "cpu": "1"}, node="n1", unschedulable=False),
             pod("wants", {"nvidia.com/mig-3g.40gb": "1"}),
             pod("two-kinds", {"nvidia.com/mig-3g.40gb": "1", "nvidia.com/gpu-10gb": "1"})]
-    snap, acks, problems = build_snapshot(nodes, pods, CAT)
+    view = build_snapshot(nodes, pods, CAT)
+    snap, acks, problems = view.snapshot, view.acks, view.problems
     assert [n.name for n in snap.nodes] == ["n1", "n3"]
     n1 = snap.nodes[0]
     assert len(n1.gpus) == 2 and n1.cpu_milli_free == 13000
@@ -80,8 +81,8 @@ def test_snapshot_from_objects_marks_slices_of_bound_pods_used():
 
 
 def test_excluded_nodes_and_pods():
-    snap, _, _ = build_snapshot([node("n1"), node("n2")], [pod("a", {"nvidia.com/mig-1g.10gb": "1"})], CAT,
-                                exclude_nodes={"n1"}, exclude_pods={"ml/a"})
+    snap = build_snapshot([node("n1"), node("n2")], [pod("a", {"nvidia.com/mig-1g.10gb": "1"})], CAT,
+                          exclude_nodes={"n1"}, exclude_pods={"ml/a"}).snapshot
     assert [n.name for n in snap.nodes] == ["n2"] and snap.pending == []
 
 

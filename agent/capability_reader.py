@@ -1,0 +1,78 @@
+"""The node's GPUs as the driver describes them: product, memory, MIG mode and, per GPU-instance
+profile, its id, compute and memory slices, max count and possible placements. Read-only NVML
+calls; the result is the capability report (`dynpart.capability`) the agent writes on its node
+and plans its own node with, and what `dynpart agent probe` prints."""
+
+from __future__ import annotations
+
+import re
+
+from dynpart.agent.driver.interface import DeviceInfo, GpuDriver, GpuDriverError
+from dynpart.capability import GpuKind, GpuReport, MigState, NodeCapability, ProfileCapability
+from dynpart.catalog import MIG_PROFILE_PATTERN, Catalog
+from dynpart.errors import DynpartError
+
+_DRIVER_NAME = re.compile(rf"(?:MIG )?({MIG_PROFILE_PATTERN})")
+
+
+def mig_state(d: DeviceInfo) -> MigState:
+    if not d.mig_capable:
+        return "unsupported"
+    if d.mig_current == d.mig_pending:
+        return "on" if d.mig_current else "off"
+    return "off-pending" if d.mig_current else "on-pending"
+
+
+def read_profiles(driver: GpuDriver, index: int, catalog: Catalog, product: str,
+                  problems: list[str]) -> list[ProfileCapability]:
+    """The profiles the driver offers on GPU `index` (in MIG mode), with their placements. A
+    profile without a usable name (drivers before the V2 profile info give none) takes the
+    catalog's name for its id; one that cannot be named or placed is left out with a problem."""
+    try:
+        known = {p.gi_profile_id: p.name for p in catalog.resolve(product).mig_profiles}
+    except DynpartError:
+        known = {}
+    out: list[ProfileCapability] = []
+    for info in driver.gpu_instance_profiles(index):
+        m = _DRIVER_NAME.fullmatch(info.name.strip())
+        name = m.group(1) if m else known.get(info.profile_id)
+        if name is None:
+            problems.append(f"GPU {index}: GI profile id {info.profile_id} ({info.name or 'no name'}): the driver gives "
+                            "no profile name dynpart reads, and the catalog has none for this id; not planned")
+            continue
+        try:
+            placements = driver.possible_placements(index, info.profile_id)
+        except GpuDriverError as e:
+            problems.append(f"GPU {index}: {name}: possible placements: {e}; not planned")
+            continue
+        sizes = {size for _, size in placements}
+        if len(sizes) != 1:
+            problems.append(f"GPU {index}: {name}: placements of sizes {sorted(sizes)}; not planned")
+            continue
+        out.append(ProfileCapability(name=name, id=info.profile_id, nvml=info.nvml or "UNKNOWN", compute=info.slices,
+                                     memory=sizes.pop(), max=info.instance_count,
+                                     starts=tuple(sorted({s for s, _ in placements}))))
+    return sorted(out, key=lambda p: (p.memory, p.compute, p.name))
+
+
+def read_capability(driver: GpuDriver, catalog: Catalog) -> tuple[NodeCapability, list[str]]:
+    """The node's capability report, and what could not be read (sentences). GPUs in MIG mode
+    are asked for their profiles; a GPU with MIG mode off shares the profiles read on another GPU
+    of the same product and memory (NVML lists none outside MIG mode)."""
+    problems: list[str] = []
+    devices = driver.devices()
+    if not devices:
+        raise DynpartError("the driver reports no GPU")
+    read: dict[tuple[str, int], tuple[ProfileCapability, ...]] = {}
+    for d in devices:
+        if d.mig_current and (d.name, d.memory_mib) not in read:
+            read[(d.name, d.memory_mib)] = tuple(read_profiles(driver, d.index, catalog, d.name, problems))
+    kinds: dict[GpuKind, int] = {}
+    gpus: list[GpuReport] = []
+    for d in sorted(devices, key=lambda d: d.index):
+        profiles = read.get((d.name, d.memory_mib), ())
+        kind = GpuKind(product=d.name[:96], memory_mib=d.memory_mib,
+                       memory_slices=max((s + p.memory for p in profiles for s in p.starts), default=0),
+                       compute_slices=max((p.compute for p in profiles), default=0), profiles=profiles)
+        gpus.append(GpuReport(kind=kinds.setdefault(kind, len(kinds)), mig=mig_state(d)))
+    return NodeCapability(kinds=tuple(kinds), gpus=tuple(gpus)), problems
