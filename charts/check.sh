@@ -59,6 +59,9 @@ bad_values=(
     "--set image.pullPolicy=Sometimes"
     "--set metrics.serviceMonitor.interval=soon"
     "--set devicePlugin.namespace=Not_A_Namespace"
+    "--set-string admissionPolicy.enabled=yes"
+    "--set metrics.host="
+    "--set networkPolicy.metricsFrom[0].namespace=monitoring"
 )
 for args in "${bad_values[@]}"; do
     # shellcheck disable=SC2086
@@ -75,6 +78,13 @@ for args in "--set catalog.extra=not-a-catalog" "--set catalog.extra=models:"; d
     fi
     echo "helm template refused as expected: $args ($(grep -o 'catalog.extra[^(]*' "$out/bad.log" | head -n1))"
 done
+# The node-write ValidatingAdmissionPolicy needs admissionregistration.k8s.io/v1 (Kubernetes 1.30).
+if "$helm" template dynpart "$chart" --kube-version 1.29.0 >"$out/bad.log" 2>&1; then
+    fail "helm template accepted admissionPolicy.enabled on Kubernetes 1.29"
+fi
+grep -q "admissionPolicy.enabled needs Kubernetes >= 1.30" "$out/bad.log" || { cat "$out/bad.log"; fail "unexpected error on Kubernetes 1.29"; }
+"$helm" template dynpart "$chart" --kube-version 1.29.0 --set admissionPolicy.enabled=false >/dev/null
+echo "helm template refused as expected: admissionPolicy.enabled on Kubernetes 1.29 (renders with admissionPolicy.enabled=false)"
 
 step "helm template | kubeconform -strict (Kubernetes $kube_version schemas)"
 "$helm" template dynpart "$chart" --namespace "$ns" --kube-version "$kube_version" >"$out/default.yaml"

@@ -102,8 +102,9 @@ def test_planner_deployment(default):
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
     assert c["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
-    # not privileged, not root, nothing to escalate to
+    # not privileged, not root, nothing to escalate to, the runtime's seccomp profile
     assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     sc = c["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
     assert sc["readOnlyRootFilesystem"] is True and sc["capabilities"] == {"drop": ["ALL"]}
@@ -121,6 +122,7 @@ def test_planner_config_is_valid_planner_settings(default, full, tmp_path, monke
         s = load_settings(PlannerSettings, tmp_path / "planner.yaml")
         assert s.lease_namespace == NAMESPACE and s.leader_election and s.identity == "dynpart-planner-abc"
         assert s.catalog_files == catalog
+        assert s.metrics_host == ("0.0.0.0" if objs is default else "::")
     # values reach the settings
     assert (s.batch_idle_s, s.batch_timeout_s, s.ack_timeout_s, s.plan_time_limit_s) == (1, 5.5, 120, 2)
     assert (s.log_level, s.log_json, s.metrics_port, s.lease_name) == ("DEBUG", False, 9100, "dynpart-planner-test")
@@ -139,10 +141,32 @@ def test_agent_daemonset(default):
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
     assert env["NVIDIA_DRIVER_CAPABILITIES"]["value"] == "compute,utility"
     assert c["securityContext"]["privileged"] is True  # MIG: CAP_SYS_ADMIN on the GPUs (agent.privileged)
+    # (no effect on a privileged container, which runtimes run unconfined; it applies with privileged: false)
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
     assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"]]
     assert vols["device-plugin-config"]["configMap"] == {"name": "dynpart-device-plugin-configs", "optional": True}
+
+
+def test_agent_token_is_pod_bound_and_projected(default, full):
+    """The agent's API credential is a projected ServiceAccount token (bound to its pod, so it
+    names the pod's node, which the node-write policy checks), mounted where in-cluster clients
+    look for it, with the CA and namespace beside it: what the ServiceAccount admission plugin
+    would mount, made explicit (automount off)."""
+    for objs in (default, full):
+        pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        vols = {v["name"]: v for v in pod["volumes"]}
+        sources = vols["kube-api-access"]["projected"]["sources"]
+        assert sources == [
+            {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},  # the API server's audience
+            {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+            {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+        ]
+        (c,) = pod["containers"]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "kube-api-access")
+        assert mount == {"name": "kube-api-access", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
 
 
 def _agent_settings(objs: list[dict[str, Any]], tmp_path: Path, monkeypatch) -> tuple[Any, Any]:
@@ -169,7 +193,7 @@ def _agent_settings(objs: list[dict[str, Any]], tmp_path: Path, monkeypatch) -> 
 
 def test_agent_command_line_and_settings(default, full, tmp_path, monkeypatch):
     ns, s = _agent_settings(default, tmp_path, monkeypatch)
-    assert s.node_name == "gpu-node-1" and s.report_interval_s == 10
+    assert s.node_name == "gpu-node-1" and s.report_interval_s == 10 and s.metrics_host == "0.0.0.0"
     assert (s.device_plugin_namespace, s.device_plugin_configmap) == (NAMESPACE, "dynpart-device-plugin-configs")
     assert s.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
     assert ns.config_mount == "/etc/dynpart/device-plugin" and s.catalog_files == []
@@ -178,15 +202,17 @@ def test_agent_command_line_and_settings(default, full, tmp_path, monkeypatch):
     assert ns.config_mount is None and ns.config_settle_s == 30  # another namespace: not mountable
     assert s.catalog_files == ["/etc/dynpart/catalog/extra.yaml"]
     assert (s.report_interval_s, s.log_level, s.log_json, s.metrics_port) == (5, "DEBUG", False, 9100)
+    assert s.metrics_host == "::"
 
 
 def test_planner_rbac_is_minimal(default):
+    """What the planner calls: informers (list+watch) on pods and nodes, a merge patch of a
+    node's annotations, a POST of a core/v1 Event, and its Lease (read, replace, create)."""
     cr = find(default, "ClusterRole", "dynpart-planner")
     assert rules(cr) == {
-        ("", "pods", ()): {"get", "list", "watch"},
-        ("", "nodes", ()): {"get", "list", "watch", "patch"},
-        ("", "events", ()): {"create", "patch"},
-        ("events.k8s.io", "events", ()): {"create", "patch"},
+        ("", "pods", ()): {"list", "watch"},
+        ("", "nodes", ()): {"list", "watch", "patch"},
+        ("", "events", ()): {"create"},
     }
     role = find(default, "Role", "dynpart-planner-leader-election")
     assert role["metadata"]["namespace"] == NAMESPACE
@@ -199,9 +225,11 @@ def test_planner_rbac_is_minimal(default):
 
 
 def test_agent_rbac_is_minimal(default, full):
+    """What the agent calls: its node (read, an informer with a name field selector, merge patches),
+    a POST of a core/v1 Event, and the device-plugin ConfigMap (read, merge patch, create on first
+    use). The pods on its GPUs come from the kubelet's PodResources socket, not the API."""
     assert rules(find(default, "ClusterRole", "dynpart-agent")) == {
         ("", "nodes", ()): {"get", "list", "watch", "patch"},
-        ("", "pods", ()): {"get", "list", "watch"},
         ("", "events", ()): {"create"},
     }
     for objs, ns, cm in ((default, NAMESPACE, "dynpart-device-plugin-configs"),
@@ -209,7 +237,7 @@ def test_agent_rbac_is_minimal(default, full):
         role = find(objs, "Role", "dynpart-agent-device-plugin-config")
         assert role["metadata"]["namespace"] == ns
         assert find(objs, "RoleBinding", "dynpart-agent-device-plugin-config")["metadata"]["namespace"] == ns
-        assert rules(role) == {("", "configmaps", (cm,)): {"get", "list", "watch", "update", "patch"},
+        assert rules(role) == {("", "configmaps", (cm,)): {"get", "patch"},
                                ("", "configmaps", ()): {"create"}}
 
 
@@ -232,6 +260,86 @@ def test_one_service_account_each_and_bindings_point_to_them(default):
     for b in (o for o in default if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
         assert (b["roleRef"]["kind"], b["roleRef"]["name"]) in kinds
         assert all(s["name"] in sas for s in b["subjects"])
+
+
+def _policy_pair(objs: list[dict[str, Any]], component: str, fullname: str = "dynpart") -> tuple[dict[str, Any], dict[str, Any]]:
+    name = f"{fullname}-{component}-node-writes"
+    return find(objs, "ValidatingAdmissionPolicy", name), find(objs, "ValidatingAdmissionPolicyBinding", name)
+
+
+def test_node_write_policies(default):
+    """One ValidatingAdmissionPolicy + binding per component, matched by its ServiceAccount's user
+    name only, on Node writes (tests/e2e/test_least_privilege.py runs them on a real API server)."""
+    for component, prefix in (("agent", "dynpart.io/status-"), ("planner", "dynpart.io/spec-")):
+        policy, binding = _policy_pair(default, component)
+        assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+        assert binding["spec"] == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+        spec = policy["spec"]
+        assert spec["failurePolicy"] == "Fail"
+        assert spec["matchConstraints"]["resourceRules"] == [{
+            "apiGroups": [""], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE", "DELETE"],
+            "resources": ["nodes", "nodes/status"]}]
+        sa = f"system:serviceaccount:{NAMESPACE}:dynpart-{component}"
+        assert [c["expression"] for c in spec["matchConditions"]] == [f'request.userInfo.username == "{sa}"']
+        assert sa.rsplit(":", 1)[1] in {o["metadata"]["name"] for o in default if o["kind"] == "ServiceAccount"}
+        variables = {v["name"]: v["expression"] for v in spec["variables"]}
+        assert f'!k.startsWith("{prefix}")' in variables["foreignAnnotations"]
+        checks = [v["expression"] for v in spec["validations"]]
+        assert all(v["reason"] == "Forbidden" for v in spec["validations"])
+        assert "request.operation != 'UPDATE' || object.spec == oldObject.spec" in checks
+        assert "request.operation != 'UPDATE' || object.status == oldObject.status" in checks
+        own_node = [c for c in checks if "authentication.kubernetes.io/node-name" in c]
+        if component == "agent":
+            assert '.filter(k, !(k in ["nvidia.com/device-plugin.config"]))' in variables["foreignLabels"]
+            assert len(own_node) == 1 and "== [request.name]" in own_node[0]
+        else:
+            assert ".filter(k, !(k in [" not in variables["foreignLabels"]  # no label is the planner's
+            assert not own_node
+
+
+def test_node_write_policies_follow_the_release():
+    """Names (cluster-scoped: one pair per release) and the user names matched follow the release."""
+    objs = render(release="gpu", namespace="infra")
+    for component in ("agent", "planner"):
+        policy, _ = _policy_pair(objs, component, "gpu-dynpart")
+        user = f"system:serviceaccount:infra:gpu-dynpart-{component}"
+        assert policy["spec"]["matchConditions"][0]["expression"] == f'request.userInfo.username == "{user}"'
+
+
+def test_node_write_policies_can_be_turned_off():
+    objs = render("--set", "admissionPolicy.enabled=false")
+    assert not [o for o in objs if o["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert find(objs, "DaemonSet") and find(objs, "ClusterRole", "dynpart-agent")  # the rest is unchanged
+
+
+def test_node_write_policies_need_kubernetes_1_30():
+    _require_tools()
+    old = subprocess.run([str(HELM), "template", "x", str(CHART), "--kube-version", "1.29.4"],
+                         capture_output=True, text=True, timeout=60)
+    assert old.returncode != 0 and "admissionPolicy.enabled needs Kubernetes >= 1.30" in old.stderr
+    assert "set admissionPolicy.enabled=false" in old.stderr
+    assert render("--kube-version", "1.29.4", "--set", "admissionPolicy.enabled=false")
+    assert _policy_pair(render("--kube-version", "v1.30.0-eks-1234"), "agent")  # vendors' version suffixes
+
+
+def test_network_policy(default, full):
+    assert not [o for o in default if o["kind"] == "NetworkPolicy"]
+    np = find(full, "NetworkPolicy", "dynpart-metrics")
+    spec = np["spec"]
+    assert spec["policyTypes"] == ["Ingress"]  # egress (the API server) is not restricted
+    values = yaml.safe_load(FULL_VALUES.read_text())
+    assert spec["ingress"] == [{"ports": [{"port": 9100, "protocol": "TCP"}], "from": values["networkPolicy"]["metricsFrom"]}]
+    # it selects both components' pods, and nothing else
+    sel = spec["podSelector"]
+    for kind in ("Deployment", "DaemonSet"):
+        pod_labels = find(full, kind)["spec"]["template"]["metadata"]["labels"]
+        assert sel["matchLabels"].items() <= pod_labels.items()
+        (expr,) = sel["matchExpressions"]
+        assert expr["operator"] == "In" and pod_labels[expr["key"]] in expr["values"]
+    assert set(sel["matchExpressions"][0]["values"]) == {"planner", "agent"}
+    # no peer: no ingress at all (a rule without `from` would admit every source)
+    closed = find(render("--set", "networkPolicy.enabled=true", "--set", "networkPolicy.metricsFrom=null"), "NetworkPolicy")
+    assert closed["spec"]["ingress"] == []
 
 
 def test_service_monitor_only_when_enabled(default, full):
