@@ -117,7 +117,7 @@ def run_agent(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
-    from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect
+    from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect, lease_term_reader
     from dynpart.agent.loop import Agent
     from dynpart.agent.podresources import FakePodResources, KubeletPodResources
 
@@ -143,7 +143,8 @@ async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
         agent = Agent(settings.node_name, node_api=KubeNodeApi(api_client, settings.node_name, settings.kube),
                       driver=driver, pods=pods, catalog=catalog, configs=configs,
                       interval_s=settings.report_interval_s, capacity_gb=capacity, kube=settings.kube,
-                      liveness=liveness)
+                      liveness=liveness, leader_term=lease_term_reader(api_client, settings.planner_lease_name,
+                                                                       settings.planner_lease_namespace))
         if args.once:
             report = await agent.reconcile_once()
             print(json.dumps(report.status, indent=2, sort_keys=True))

@@ -12,21 +12,24 @@ merge patches, the informer that watches the node, Events); API failures are the
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from kubernetes_asyncio import client
 
-from dynpart.kube.client import Obj, api_client, raw_api
+from dynpart.kube.client import Obj, api_client, raw_api, read_json
 from dynpart.kube.conventions import AGENT_COMPONENT
-from dynpart.kube.errors import APINotFoundError, api_errors
+from dynpart.kube.errors import APIError, APINotFoundError, api_errors
 from dynpart.kube.events import post_event
 from dynpart.kube.patching import MERGE_PATCH, patch_node_annotations, patch_node_labels
 from dynpart.kube.watching import Informer
 from dynpart.settings import KubeSettings
+
+log = logging.getLogger("dynpart.agent")
 
 
 @dataclass(frozen=True)
@@ -262,3 +265,26 @@ class KubeConfigStore:
             return False
         written = self._written.get(name)
         return written is None or time.monotonic() - written >= self.settle_s
+
+
+def lease_term_reader(api: client.ApiClient, name: str, namespace: str) -> Callable[[], Awaitable[int | None]]:
+    """Reads the planner's Lease for its current leader term (`leaseTransitions`): the agent
+    ignores a spec written under an older term (a deposed leader's late write). None when the
+    Lease cannot be read (no leader election, or no RBAC for it): then nothing is fenced."""
+    coordination = client.CoordinationV1Api(api)
+    warned = False
+
+    async def read() -> int | None:
+        nonlocal warned
+        try:
+            with api_errors(f"read lease {namespace}/{name}"):
+                resp = await coordination.read_namespaced_lease(name, namespace, _preload_content=False)
+            lease = await read_json(resp, f"lease {namespace}/{name}")
+        except APIError as e:
+            if not warned:
+                log.warning("cannot read the planner's lease, specs are not fenced by leader term: %s", e)
+                warned = True
+            return None
+        term = (lease.get("spec") or {}).get("leaseTransitions")
+        return term if isinstance(term, int) else 0
+    return read

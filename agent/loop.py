@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -24,7 +24,7 @@ from dynpart.agent.kube import ConfigStore, NodeApi, NodeView
 from dynpart.agent.mig_agent import MigAgent
 from dynpart.agent.mps_agent import MpsAgent
 from dynpart.agent.podresources import PodResources
-from dynpart.annotations import annotation_patch, decode_spec, encode_status, format_heartbeat, is_plan_id
+from dynpart.annotations import DecodedSpec, annotation_patch, decode_spec, encode_status, format_heartbeat, is_plan_id
 from dynpart.capability import encode_capability, node_model
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
@@ -60,9 +60,11 @@ class Agent:
     def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver, pods: PodResources, catalog: Catalog,
                  configs: ConfigStore | None = None, interval_s: float = 10.0, capacity_gb: int | None = None,
                  kube: KubeSettings | None = None, now: Callable[[], datetime] = lambda: datetime.now(UTC),
-                 liveness: Liveness | None = None):
+                 liveness: Liveness | None = None, leader_term: Callable[[], Awaitable[int | None]] | None = None):
         self.node = node
         self.liveness = liveness or Liveness()
+        # the planner's current leader term (agent.kube.lease_term_reader); None: no fencing
+        self.leader_term = leader_term
         self.node_api = node_api
         self.driver = driver
         self.pods = pods
@@ -131,6 +133,9 @@ class Agent:
             capacity = min(self.capacity_gb or model.memory_gb, model.memory_gb)
             spec = decode_spec(node.annotations, model, node=self.node, capacity=capacity)
             layout = spec.layout
+            fenced = await self._fenced(spec, node)
+            if fenced:
+                layout = None  # a deposed planner's plan: observe and report, change nothing
             mode = self._mode(node, layout.mode if layout else None)
             if mode == "mig":
                 if self._mig is None:
@@ -150,7 +155,7 @@ class Agent:
             # Not safe to act or to describe the GPUs: keep the last status, report the error.
             log.error("node %s: %s", self.node, e)
             return await self._report_failure(node, str(e))
-        errors = [*spec.problems, *result.errors]
+        errors = [*spec.problems, *fenced, *result.errors]
         ack = spec.plan_id if result.applied and layout is not None else node.annotations.get(STATUS_PLAN)
         status = encode_status(NodeLayout(node=self.node, mode=mode, gpus=result.gpus),
                                _valid_or_none(ack), errors, self.now())
@@ -176,6 +181,18 @@ class Agent:
                         if x.used == (state == "used")) if m == mode else 0
                 metrics.SLICES.labels(m, state).set(n)
         return PassReport(mode, _valid_or_none(ack), errors, status)
+
+    async def _fenced(self, spec: DecodedSpec, node: NodeView) -> list[str]:
+        """Why the spec must not be applied because a deposed planner wrote it (empty: apply it).
+        Asked only for a plan not yet acknowledged, right before acting on it."""
+        if (self.leader_term is None or spec.layout is None or spec.term is None
+                or spec.plan_id == node.annotations.get(STATUS_PLAN)):
+            return []
+        current = await self.leader_term()
+        if current is None or spec.term >= current:
+            return []
+        return [f"plan {spec.plan_id} was written by a deposed planner (term {spec.term}; the planner's lease is at "
+                f"term {current}): ignored"]
 
     async def _event(self, reason: str, message: str, warning: bool = False) -> None:
         await self._events.record({"kind": "Node", "metadata": {"name": self.node}}, reason, message, warning)

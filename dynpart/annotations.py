@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal, TypeGuard
@@ -37,7 +37,9 @@ from dynpart.kube.conventions import (
     PREFIX,
     SPEC_MODE,
     SPEC_PLAN,
+    SPEC_PODS,
     SPEC_PREFIX,
+    SPEC_TERM,
     STATUS_CAPABILITY,
     STATUS_ERROR,
     STATUS_HEARTBEAT,
@@ -52,6 +54,9 @@ from dynpart.snapshot import GpuLayout, MigInstance, Mode, MpsSlice, NodeLayout
 MAX_GPU_INDEX = 255
 MAX_PLAN_ID = 128
 MAX_ERROR_CHARS = 4096
+MAX_TERM = 999_999  # _INT's six digits
+MAX_PODS_CHARS = 32 * 1024
+_POD_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?/[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", re.ASCII)
 
 _PLAN_ID = re.compile(rf"[!-~]{{1,{MAX_PLAN_ID}}}", re.ASCII)  # printable ASCII, no space
 _INT = re.compile(r"0|[1-9][0-9]{0,5}", re.ASCII)  # canonical, short: int() never sees 4300 digits
@@ -63,7 +68,8 @@ _MIG_VALUE = re.compile(r"([^@]*)@(.*)", re.ASCII | re.DOTALL)
 _HEARTBEAT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 SliceState = Literal["free", "used"]
-_RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, STATUS_PLAN, STATUS_MODE, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_CAPABILITY})
+_RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, SPEC_TERM, SPEC_PODS,
+                       STATUS_PLAN, STATUS_MODE, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_CAPABILITY})
 
 
 # --- keys -------------------------------------------------------------------------------------
@@ -163,11 +169,23 @@ def _slice_values(gpu: GpuLayout, mode: Mode, with_state: bool) -> dict[tuple[st
     return out
 
 
-def encode_spec(layout: NodeLayout, plan_id: str) -> dict[str, str]:
+def encode_spec(layout: NodeLayout, plan_id: str, *, term: int | None = None,
+                pods: Iterable[str] = ()) -> dict[str, str]:
     """The `dynpart.io/spec-*` annotations of a planned node layout (every instance or slice of
-    the layout, used or free, with its placement). Raises ValueError on a layout that cannot be
-    written (the planner's bug, not the user's): it is never given to a node half-written."""
+    the layout, used or free, with its placement), the writer's leader `term` and the `pods` the
+    plan puts on the node. Raises ValueError on a layout that cannot be written (the planner's
+    bug, not the user's): it is never given to a node half-written."""
     out = {SPEC_PLAN: _check_plan_id(plan_id), SPEC_MODE: layout.mode}
+    if term is not None:
+        if not 0 <= term <= MAX_TERM:
+            raise ValueError(f"leader term {term} is outside 0..{MAX_TERM}")
+        out[SPEC_TERM] = str(term)
+    names = sorted(set(pods))
+    if names:
+        bad = [p for p in names if not _POD_NAME.fullmatch(p)]
+        if bad:
+            raise ValueError(f"pod name {bad[0]!r} is not namespace/name")
+        out[SPEC_PODS] = ",".join(names)
     for gpu in layout.gpus:
         for (token, _), value in _slice_values(gpu, layout.mode, with_state=False).items():
             out[spec_key(gpu.index, token)] = value
@@ -228,6 +246,8 @@ class DecodedSpec:
     layout: NodeLayout | None
     plan_id: str | None
     problems: list[str] = field(default_factory=list)
+    term: int | None = None  # the writer's leader term (None: not written, e.g. no leader election)
+    pods: tuple[str, ...] = ()  # the pods the plan puts on the node
 
     def __iter__(self) -> Iterator[NodeLayout | str | list[str] | None]:
         return iter((self.layout, self.plan_id, self.problems))
@@ -453,7 +473,29 @@ def decode_spec(annotations: Mapping[str, str] | None, model: GpuModel, *, node:
     ours = _ours(annotations)
     plan_id = _decode_plan(ours, SPEC_PLAN, problems)
     layout = _decode_slices(ours, model, SPEC_PREFIX, SPEC_MODE, node, capacity, False, problems)
-    return DecodedSpec(layout, plan_id, problems)
+    return DecodedSpec(layout, plan_id, problems, *decode_fencing(ours, problems))
+
+
+def decode_fencing(annotations: Mapping[str, object], problems: list[str]) -> tuple[int | None, tuple[str, ...]]:
+    """The spec's leader term and planned pods (see encode_spec); malformed values are reported
+    and read as absent."""
+    term: int | None = None
+    raw = annotations.get(SPEC_TERM)
+    if raw is not None:
+        if isinstance(raw, str) and _INT.fullmatch(raw) and int(raw) <= MAX_TERM:
+            term = int(raw)
+        else:
+            problems.append(_bad(SPEC_TERM, raw, f"a leader term is an integer in 0..{MAX_TERM}"))
+    pods: tuple[str, ...] = ()
+    raw = annotations.get(SPEC_PODS)
+    if raw is not None:
+        names = raw.split(",") if isinstance(raw, str) and len(raw) <= MAX_PODS_CHARS else None
+        if names is None or not all(_POD_NAME.fullmatch(n) for n in names):
+            problems.append(_bad(SPEC_PODS, raw, f"planned pods are namespace/name, comma separated, at most "
+                                                 f"{MAX_PODS_CHARS} characters"))
+        else:
+            pods = tuple(names)
+    return term, pods
 
 
 def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, node: str = "",
@@ -483,8 +525,8 @@ def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, nod
 
 
 __all__ = [
-    "DecodedSpec", "DecodedStatus", "PARTITIONING_LABEL", "PREFIX", "SPEC_MODE", "SPEC_PLAN", "SPEC_PREFIX", "STATUS_CAPABILITY",
-    "STATUS_ERROR", "STATUS_HEARTBEAT", "STATUS_MODE", "STATUS_PLAN", "STATUS_PREFIX", "annotation_patch",
-    "canonical_layout", "decode_spec", "decode_status", "encode_spec", "encode_status", "format_heartbeat",
-    "is_plan_id",
+    "DecodedSpec", "DecodedStatus", "PARTITIONING_LABEL", "PREFIX", "SPEC_MODE", "SPEC_PLAN", "SPEC_PODS",
+    "SPEC_PREFIX", "SPEC_TERM", "STATUS_CAPABILITY", "STATUS_ERROR", "STATUS_HEARTBEAT", "STATUS_MODE",
+    "STATUS_PLAN", "STATUS_PREFIX", "annotation_patch", "canonical_layout", "decode_fencing", "decode_spec",
+    "decode_status", "encode_spec", "encode_status", "format_heartbeat", "is_plan_id",
 ]

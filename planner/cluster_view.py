@@ -330,17 +330,35 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
 
 
 def planned_patches(snapshot: Snapshot, result: Plan, nodes: Mapping[str, dict[str, Any]],
-                    plan_id: str) -> list[tuple[NodeLayout, dict[str, str | None]]]:
+                    plan_id: str, term: int | None = None) -> list[tuple[NodeLayout, dict[str, str | None]]]:
     """The annotation patch the controller writes on each node whose layout the plan changes:
-    the node's whole desired layout (planned GPUs, the others as they are) under `plan_id`, as a
-    merge patch against the annotations the node has (`nodes`: the objects by name)."""
+    the node's whole desired layout (planned GPUs, the others as they are) under `plan_id` and the
+    leader's `term`, with the pods the plan puts there, as a merge patch against the annotations
+    the node has (`nodes`: the objects by name)."""
     snap_nodes = {n.name: n for n in snapshot.nodes}
+    pods: dict[str, list[str]] = {}
+    for pl in result.placements:
+        pods.setdefault(pl.node, []).append(pl.pod)
     out = []
     for layout in result.changed_nodes():
-        spec = encode_spec(full_layout(snap_nodes[layout.node], layout), plan_id)
+        spec = encode_spec(full_layout(snap_nodes[layout.node], layout), plan_id, term=term,
+                           pods=pods.get(layout.node, ()))
         current = nodes[layout.node].get("metadata", {}).get("annotations")
         out.append((layout, annotation_patch(current, spec)))
     return out
+
+
+def revoking_patch(node: dict[str, Any], catalog: Catalog, plan_id: str,
+                   term: int | None = None) -> dict[str, str | None] | None:
+    """The patch that replaces a node's unacknowledged plan with its layout as its agent last
+    reported it (nothing to create or destroy, no pods): written when an agent does not
+    acknowledge in time, so that the old plan can never be applied after its pods went elsewhere.
+    None when the node cannot be read (its agent never reported: there is nothing to keep)."""
+    view = build_snapshot([node], [], catalog)
+    if not view.snapshot.nodes:
+        return None
+    spec = encode_spec(full_layout(view.snapshot.nodes[0], None), plan_id, term=term)
+    return annotation_patch(_field(node, "metadata", "annotations"), spec)  # type: ignore[arg-type]  # a mapping or None, as read
 
 
 def _field(obj: object, *path: str) -> object:

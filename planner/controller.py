@@ -14,9 +14,11 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kubernetes_asyncio import client
 
+from dynpart.annotations import decode_fencing
 from dynpart.catalog import Catalog
 from dynpart.errors import DynpartError
 from dynpart.kube.client import Obj
@@ -24,6 +26,7 @@ from dynpart.kube.conventions import (
     PARTITIONING_LABEL,
     PLANNER_COMPONENT,
     SPEC_PLAN,
+    SPEC_TERM,
     STATUS_HEARTBEAT,
     STATUS_MODE,
     STATUS_PLAN,
@@ -35,7 +38,14 @@ from dynpart.kube.recording import EventRecorder, posting_to
 from dynpart.kube.watching import Informer, object_key
 from dynpart.planner import metrics
 from dynpart.planner.batching import BatchWindow
-from dynpart.planner.cluster_view import build_snapshot, is_batch_candidate, planned_patches, pod_for_planning, pod_key
+from dynpart.planner.cluster_view import (
+    build_snapshot,
+    is_batch_candidate,
+    planned_patches,
+    pod_for_planning,
+    pod_key,
+    revoking_patch,
+)
 from dynpart.planner.core import PlanOptions, plan
 from dynpart.probing import Liveness
 from dynpart.settings import PlannerSettings
@@ -49,12 +59,31 @@ class InFlight:
     plan_id: str
     sent_at: float
     pods: set[str] = field(default_factory=set)
+    revoking: bool = False  # the plan replaces an unacknowledged one by the node's reported layout
+
+
+class Leadership(Protocol):
+    """What the controller asks the leader election before each write (dynpart.kube.leases)."""
+
+    term: int
+
+    def can_write(self) -> bool: ...
+
+
+class Unelected:
+    """The only replica (leader election off): always leads, writes no term."""
+
+    term: int | None = None
+
+    def can_write(self) -> bool:
+        return True
 
 
 class PlannerController:
     def __init__(self, api: client.ApiClient, settings: PlannerSettings, catalog: Catalog,
-                 liveness: Liveness | None = None):
+                 liveness: Liveness | None = None, leadership: Leadership | Unelected | None = None):
         self.core = client.CoreV1Api(api)
+        self.leadership = leadership or Unelected()
         self.liveness = liveness or Liveness()
         self.settings = settings
         self.catalog = catalog
@@ -64,6 +93,7 @@ class PlannerController:
         self.leading = asyncio.Event()
         self.events = EventRecorder(posting_to(self.core, PLANNER_COMPONENT), settings.kube)
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
+        self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
         self._ids = itertools.count(1)
         self._last_round = 0.0
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
@@ -140,7 +170,7 @@ class PlannerController:
         if not self.leading.is_set():
             return
         now = time.monotonic()
-        self._expire_acks(now)
+        await self._expire_acks(now)
         resync = now - self._last_round >= self.settings.resync_s
         if self.window.ready(now) or (resync and self._candidates()):
             self.window.close()
@@ -150,33 +180,91 @@ class PlannerController:
     def _candidates(self) -> list[str]:
         return [object_key(p) for p in self.pods.cache.values() if is_batch_candidate(p)]
 
-    def _expire_acks(self, now: float) -> None:
+    async def _expire_acks(self, now: float) -> None:
+        """A plan its agent has not acknowledged in time is revoked (replaced by the node's
+        reported layout, no pods): only then are its pods planned elsewhere, and the old plan can
+        never be applied after they went. A revocation that is not acknowledged either stays in
+        flight: the node is left out until its agent answers, and nothing is written again."""
         for name, flight in list(self.in_flight.items()):
-            if now - flight.sent_at > self.settings.ack_timeout_s:
+            if now - flight.sent_at <= self.settings.ack_timeout_s or flight.revoking:
+                continue
+            metrics.PLAN_ERRORS.labels("ack_timeout").inc()
+            log.warning("no acknowledgement from the node's agent", extra={"fields": {
+                "node": name, "plan": flight.plan_id, "waited_s": self.settings.ack_timeout_s}})
+            node = self.nodes.cache.get(name)
+            if node is None:  # the node is gone: so is its plan
                 del self.in_flight[name]
-                metrics.PLAN_ERRORS.labels("ack_timeout").inc()
-                log.warning("no acknowledgement from the node's agent", extra={"fields": {
-                    "node": name, "plan": flight.plan_id, "waited_s": self.settings.ack_timeout_s}})
+                continue
+            if not self.leadership.can_write():
+                return
+            plan_id = self._new_plan_id()
+            patch = revoking_patch(node, self.catalog, plan_id, self.leadership.term)
+            if patch is None:
+                del self.in_flight[name]
+                continue
+            try:
+                await patch_node_annotations(self.core, name, patch, node["metadata"].get("resourceVersion"))
+            except APIError as e:  # a conflict included: the node changed, its next state decides
+                log.info("could not revoke the plan; will try again", extra={"fields": {"node": name, "error": str(e)}})
+                continue
+            self.in_flight[name] = InFlight(plan_id, now, set(), revoking=True)
+            for key in flight.pods:  # planned again, elsewhere or here
+                self.window.add(key, now)
+            self.wake.set()
+            await self._event(node, "PlanRevoked", f"plan {flight.plan_id} was not acknowledged within "
+                              f"{self.settings.ack_timeout_s:g} s: replaced by plan {plan_id}, the node's layout as its "
+                              f"agent last reported it; its {len(flight.pods)} pod(s) are planned again", warning=True)
 
     def _awaiting_from_annotations(self) -> set[str]:
         """Nodes not to plan this round: those whose written plan is not acknowledged (also
-        after a restart or a new leader), and those whose agent has not reported yet: what is
-        on their GPUs is unknown, so planning them could only guess."""
+        after a restart or a new leader: the spec names the pods it planned there, which are held
+        back), and those whose agent has not reported yet: what is on their GPUs is unknown, so
+        planning them could only guess. An unacknowledged spec of an earlier leader (an older term,
+        which agents refuse to apply) is adopted: its term is rewritten to this leader's, so that
+        its agent applies it and its pods stay where they were planned."""
         out = set(self.in_flight)
         for node in self.nodes.cache.values():
             ann = node["metadata"].get("annotations") or {}
             name = node["metadata"]["name"]
             if STATUS_MODE not in ann:
                 out.add(name)
-            elif ann.get(SPEC_PLAN) and ann.get(SPEC_PLAN) != ann.get(STATUS_PLAN) and name not in self.in_flight:
-                self.in_flight[name] = InFlight(ann[SPEC_PLAN], time.monotonic())
+            elif ann.get(SPEC_PLAN) and ann.get(SPEC_PLAN) != ann.get(STATUS_PLAN):
+                term, pods = decode_fencing(ann, [])
+                if name not in self.in_flight:
+                    self.in_flight[name] = InFlight(ann[SPEC_PLAN], time.monotonic(), set(pods))
+                mine = self.leadership.term
+                if mine is not None and (term is None or term < mine):
+                    self._to_adopt.add(name)
                 out.add(name)
         return out
+
+    async def _adopt(self) -> None:
+        """Rewrite the term of the earlier leaders' unacknowledged specs (nothing else: the plan id,
+        layout and pods stay). The write carries the node's resourceVersion: a spec that changed
+        meanwhile is read again and adopted on the next round."""
+        for name in sorted(self._to_adopt):
+            node = self.nodes.cache.get(name)
+            if node is None or not self.leadership.can_write():
+                continue
+            try:
+                await patch_node_annotations(self.core, name, {SPEC_TERM: str(self.leadership.term)},
+                                             node["metadata"].get("resourceVersion"))
+            except APIError as e:
+                log.info("could not adopt the node's plan; will try again", extra={"fields": {"node": name, "error": str(e)}})
+                continue
+            self._to_adopt.discard(name)
+            log.info("adopted an earlier leader's plan", extra={"fields": {
+                "node": name, "plan": (node["metadata"].get("annotations") or {}).get(SPEC_PLAN),
+                "term": self.leadership.term}})
+
+    def _new_plan_id(self) -> str:
+        return f"{int(time.time() * 1000):x}-{next(self._ids)}"
 
     async def plan_round(self) -> None:
         nodes = list(self.nodes.cache.values())
         pods = list(self.pods.cache.values())
         awaiting = self._awaiting_from_annotations()
+        await self._adopt()
         held_pods = set().union(*(f.pods for f in self.in_flight.values())) if self.in_flight else set()
         view = build_snapshot(nodes, pods, self.catalog, awaiting, held_pods)
         snapshot = view.snapshot
@@ -203,7 +291,7 @@ class PlannerController:
             return
         metrics.PLAN_SECONDS.observe(time.perf_counter() - started)
         metrics.PLANS.inc()
-        plan_id = f"{int(time.time() * 1000):x}-{next(self._ids)}"
+        plan_id = self._new_plan_id()
         log.info("planned", extra={"fields": {"plan": plan_id, "pending": result.stats.pending,
                                               "placed": result.stats.placed, "solver": result.stats.solver,
                                               "gpus_touched": result.stats.gpus_touched,
@@ -215,8 +303,15 @@ class PlannerController:
             placed_on.setdefault(pl.node, set()).add(pl.pod)
         written: set[str] = set()
         not_written: set[str] = set()
-        for layout, patch in planned_patches(snapshot, result, nodes_by_name, plan_id):
+        for layout, patch in planned_patches(snapshot, result, nodes_by_name, plan_id, self.leadership.term):
             node_obj = nodes_by_name[layout.node]
+            if not self.leadership.can_write():
+                # no proof of leadership any more (a renewal overdue): another replica may lead
+                # now; it recovers what was written from the annotations and plans the rest
+                metrics.PLAN_ERRORS.labels("not_leader").inc()
+                log.warning("stopped writing: this replica cannot prove it still leads",
+                            extra={"fields": {"plan": plan_id, "written": sorted(written)}})
+                return
             try:
                 await patch_node_annotations(self.core, layout.node, patch,
                                              node_obj["metadata"].get("resourceVersion"))
@@ -245,6 +340,8 @@ class PlannerController:
             log.info("node layout written", extra={"fields": {"node": layout.node, "plan": plan_id,
                                                               "created": created, "destroyed": destroyed}})
             await self._event(node_obj, "LayoutPlanned", message)
+        if not self.leadership.can_write():
+            return
         for pl in result.placements:
             if pl.node in awaiting or pl.node in not_written:
                 continue

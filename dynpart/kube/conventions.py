@@ -12,6 +12,11 @@ STATUS_PREFIX = PREFIX + "status-"
 
 SPEC_PLAN = SPEC_PREFIX + "plan"
 SPEC_MODE = SPEC_PREFIX + "mode"
+# The planner's leader term (its Lease's leaseTransitions) when it wrote the spec: an agent ignores
+# a spec from a deposed leader. And the pods the plan put on the node (namespace/name, comma
+# separated), so that any new leader knows what is in flight and never plans them twice.
+SPEC_TERM = SPEC_PREFIX + "term"
+SPEC_PODS = SPEC_PREFIX + "pods"
 STATUS_PLAN = STATUS_PREFIX + "plan"
 STATUS_MODE = STATUS_PREFIX + "mode"
 STATUS_ERROR = STATUS_PREFIX + "error"

@@ -4,8 +4,13 @@ The holder renews the lease every `renew_s`; another replica takes it over once
 `renewTime + leaseDurationSeconds` has passed without a renewal. Every write carries the
 resourceVersion it read, so two replicas can never both win (the loser gets 409 Conflict).
 A standby tries every `retry_s` rather than backing off: it must notice an expired lease in time.
-A leader that cannot renew within its lease steps down before anyone else may take over.
-On a clean stop the lease is released so that a standby takes over at once."""
+A leader that cannot renew within its lease steps down before anyone else may take over:
+every attempt has a deadline, and `can_write()` says whether the leader can still prove it leads
+(its last successful renewal *started* less than two thirds of the lease ago); writers check it
+before each write. `term` is the lease's `leaseTransitions` when this replica took it: a number
+that grows with every change of leader, written with each plan so that agents can ignore a plan
+from a deposed leader (fencing). On a clean stop the lease is released so that a standby takes
+over at once."""
 
 from __future__ import annotations
 
@@ -49,7 +54,18 @@ class LeaderElector:
         self.on_change = on_change
         self.is_leader = False
         self.leading = asyncio.Event()
-        self._renewed_at = 0.0
+        self.term = 0
+        self._valid_until = 0.0  # monotonic time until which this replica can prove it leads
+        self._term_read = 0
+
+    @property
+    def margin_s(self) -> float:
+        """How long a renewal proves leadership: well within the lease, so that a leader stops
+        writing before another replica may take over (clock rates and request latency aside)."""
+        return self.lease_s * 2 / 3
+
+    def can_write(self) -> bool:
+        return self.is_leader and time.monotonic() < self._valid_until
 
     def _set(self, leader: bool) -> None:
         if leader != self.is_leader:
@@ -76,6 +92,7 @@ class LeaderElector:
             try:
                 with api_errors(f"create lease {self.namespace}/{self.name}"):
                     await raw_api(self.api).create_namespaced_lease(self.namespace, body)
+                self._term_read = 0
                 return True
             except APIConflictError:
                 return False
@@ -92,6 +109,7 @@ class LeaderElector:
         lease["spec"] = spec
         try:
             await self._replace(lease)
+            self._term_read = int(spec.get("leaseTransitions") or 0)
             return True
         except APIConflictError:
             return False
@@ -103,19 +121,27 @@ class LeaderElector:
     async def run(self) -> None:
         try:
             while True:
+                started = time.monotonic()
+                # a leader's attempt must end while it can still prove it leads; a hung request
+                # must not keep it leading past the point where a standby may take over
+                deadline = max(0.05, self._valid_until - started) if self.is_leader else self.margin_s
                 try:
-                    won = await self._try()
+                    won = await asyncio.wait_for(self._try(), timeout=deadline)
+                except TimeoutError:
+                    log.warning("lease %s/%s: no answer within %.1f s", self.namespace, self.name, deadline)
+                    won = False
                 except APIError as e:
                     log.warning("lease %s/%s: %s", self.namespace, self.name, e)
                     won = False
                 except Exception:  # keep electing (a malformed Lease, say): this replica must go on stepping down
                     log.exception("lease %s/%s", self.namespace, self.name)
                     won = False
-                now = time.monotonic()
                 if won:
-                    self._renewed_at = now
+                    # the server may have applied the renewal at any time after the request left
+                    self._valid_until = started + self.margin_s
+                    self.term = self._term_read
                     self._set(True)
-                elif not self.is_leader or now - self._renewed_at > self.lease_s * 2 / 3:
+                elif not self.can_write():
                     # step down well before another replica may take the lease over
                     self._set(False)
                 await asyncio.sleep(self.renew_s if self.is_leader else self.retry_s)

@@ -171,3 +171,23 @@ async def test_events_on_the_node_once_per_message(rig: Rig):
     assert reasons.count("DynpartInvalidSpec") == 1 and reasons.count("LayoutApplied") == 1
     invalid = next(e for e in events if e[0] == "DynpartInvalidSpec")
     assert "'dynpart.io/spec-gpu-0-1g.20gb' = '1@5'" in invalid[1] and invalid[2] is True
+
+
+async def test_a_spec_from_a_deposed_planner_is_ignored(rig: Rig):
+    """Fencing: the planner's lease is at term 2; a plan written under term 1 arrives late."""
+    lease_term = 2
+
+    async def current_term() -> int:
+        return lease_term
+
+    agent = rig.agent(leader_term=current_term)
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="old"), "dynpart.io/spec-term": "1"})
+    report = await agent.reconcile_once()
+    assert rig.driver.ops == [] and STATUS_PLAN not in rig.node_api.annotations
+    assert "written by a deposed planner (term 1; the planner's lease is at term 2)" in report.errors[0]
+    old = {k: v for k, v in rig.node_api.annotations.items() if k.startswith("dynpart.io/spec-")}
+    rig.node_api.set_annotations(annotation_patch(old, {**mig_spec({0: ["3g.40gb@4"]}, plan="new"),
+                                                        "dynpart.io/spec-term": "2"}))
+    report = await agent.reconcile_once()
+    assert report.errors == [] and rig.node_api.annotations[STATUS_PLAN] == "new"
+    assert rig.driver.layout(0) == [("3g.40gb", 4)]

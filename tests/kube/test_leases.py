@@ -1,0 +1,101 @@
+"""Leader election time bounds: a leader whose renewal hangs stops being able to write before a
+standby may take the lease over; its term is the lease's leaseTransitions."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from typing import Any
+
+from dynpart.kube.leases import LeaderElector
+from tests.kube.fakes import FakeResponse
+
+
+class FakeLeases:
+    """One Lease in memory, with optimistic concurrency; `hang` makes every call wait for ever."""
+
+    def __init__(self) -> None:
+        self.lease: dict[str, Any] | None = None
+        self.version = 0
+        self.hang = False
+
+    async def _maybe_hang(self) -> None:
+        while self.hang:
+            await asyncio.sleep(0.01)
+
+    async def read_namespaced_lease(self, name: str, namespace: str, _preload_content: bool = True) -> FakeResponse:
+        await self._maybe_hang()
+        if self.lease is None:
+            return FakeResponse(404, {"kind": "Status", "code": 404}, reason="Not Found")
+        return FakeResponse(200, copy.deepcopy(self.lease))
+
+    async def create_namespaced_lease(self, namespace: str, body: dict[str, Any]) -> None:
+        await self._maybe_hang()
+        self.version += 1
+        self.lease = {**body, "metadata": {**body["metadata"], "resourceVersion": str(self.version)}}
+
+    async def replace_namespaced_lease(self, name: str, namespace: str, body: dict[str, Any]) -> None:
+        await self._maybe_hang()
+        from dynpart.kube.errors import APIConflictError
+        assert self.lease is not None
+        if body["metadata"].get("resourceVersion") != self.lease["metadata"]["resourceVersion"]:
+            raise APIConflictError("conflict")
+        self.version += 1
+        self.lease = {**body, "metadata": {**body["metadata"], "resourceVersion": str(self.version)}}
+
+
+def elector(api: FakeLeases, identity: str) -> LeaderElector:
+    return LeaderElector(api, "dynpart-planner", "dynpart-system", identity,  # type: ignore[arg-type]  # a fake API
+                         lease_s=3, renew_s=0.2, retry_s=0.1)
+
+
+async def test_a_hung_renewal_stops_writes_before_the_lease_may_be_taken_over():
+    api = FakeLeases()
+    a = elector(api, "a")
+    task = asyncio.create_task(a.run())
+    try:
+        for _ in range(100):
+            if a.can_write():
+                break
+            await asyncio.sleep(0.02)
+        assert a.can_write() and a.term == 0
+        api.hang = True  # the API server stops answering this replica
+        hung_at = time.monotonic()
+        while a.can_write():
+            await asyncio.sleep(0.01)
+        stopped_after = time.monotonic() - hung_at
+        # it stops writing within two thirds of the lease, before anyone may take over (3 s)
+        assert stopped_after <= a.margin_s + 0.1, stopped_after
+        for _ in range(100):
+            if not a.is_leader:
+                break
+            await asyncio.sleep(0.01)
+        assert not a.is_leader, "a leader that cannot renew steps down"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_new_leader_has_a_higher_term():
+    api = FakeLeases()
+    a, b = elector(api, "a"), elector(api, "b")
+    ta = asyncio.create_task(a.run())
+    for _ in range(100):
+        if a.can_write():
+            break
+        await asyncio.sleep(0.02)
+    tb = asyncio.create_task(b.run())
+    try:
+        api_lease_before = copy.deepcopy(api.lease)
+        ta.cancel()  # a stops and releases the lease
+        await asyncio.gather(ta, return_exceptions=True)
+        for _ in range(200):
+            if b.can_write():
+                break
+            await asyncio.sleep(0.02)
+        assert b.can_write() and not a.can_write()
+        assert b.term == a.term + 1 == api_lease_before["spec"]["leaseTransitions"] + 1
+    finally:
+        tb.cancel()
+        await asyncio.gather(tb, return_exceptions=True)
