@@ -156,29 +156,43 @@ class ClusterView:
     disagreements: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
+@dataclass
+class NodeGpus:
+    """What a node's GPUs are: the model it is planned with, how the driver and the catalog differ,
+    what could not be read, and (from the capability report) the GPUs not in MIG mode: the only
+    ones that can serve a whole-GPU pod on a MIG node (None: not reported)."""
+
+    model: GpuModel | None
+    disagreements: tuple[str, ...] = ()
+    problems: list[str] = field(default_factory=list)
+    not_mig: frozenset[int] | None = None
+
+
 def node_gpu_model(name: str, labels: Mapping[str, Any], annotations: Mapping[str, Any],
-                   catalog: Catalog) -> tuple[GpuModel | None, tuple[str, ...], list[str]]:
-    """(model, disagreements, problems) of a node: from its agent's capability report when there
-    is one (the driver's profiles, placements and memory, narrowed by the catalog), else from
-    the catalog by the `nvidia.com/gpu.product` label (until the agent reports)."""
+                   catalog: Catalog) -> NodeGpus:
+    """A node's GPUs: from its agent's capability report when there is one (the driver's profiles,
+    placements and memory, narrowed by the catalog), else from the catalog by the
+    `nvidia.com/gpu.product` label (until the agent reports)."""
     problems: list[str] = []
     report = annotations.get(STATUS_CAPABILITY)
     if report is not None:
         try:
             if not isinstance(report, str):
                 raise CapabilityError("the value is not a string")
-            choice = node_model(decode_capability(report), catalog)
-            return choice.model, choice.disagreements, problems
+            cap = decode_capability(report)
+            choice = node_model(cap, catalog)
+            not_mig = frozenset(i for i, g in enumerate(cap.gpus) if g.mig in ("off", "on-pending", "unsupported"))
+            return NodeGpus(choice.model, choice.disagreements, problems, not_mig)
         except CapabilityError as e:
             problems.append(f"node {name}: annotation {STATUS_CAPABILITY}: {e}; the node is planned from the catalog")
     product = labels.get(GPU_PRODUCT_LABEL)
     if not product:
-        return None, (), [*problems, f"node {name}: no {GPU_PRODUCT_LABEL} label (GPU feature discovery sets it) "
-                                     "and no capability report from its agent"]
+        return NodeGpus(None, (), [*problems, f"node {name}: no {GPU_PRODUCT_LABEL} label (GPU feature discovery "
+                                              "sets it) and no capability report from its agent"])
     try:
-        return catalog.resolve(product, where=f"node {name} label {GPU_PRODUCT_LABEL}"), (), problems
+        return NodeGpus(catalog.resolve(product, where=f"node {name} label {GPU_PRODUCT_LABEL}"), (), problems)
     except DynpartError as e:
-        return None, (), [*problems, str(e)]
+        return NodeGpus(None, (), [*problems, str(e)])
 
 
 def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: Catalog) -> NodeView:
@@ -197,7 +211,8 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     if size > MAX_STATUS_BYTES:
         return NodeView(None, None, [f"node {name}: its {STATUS_PREFIX}* annotations take {size} bytes, more than "
                                      f"the {MAX_STATUS_BYTES} an agent writes; the node is left out until they shrink"])
-    model, disagreements, problems = node_gpu_model(name, labels, annotations, catalog)
+    described = node_gpu_model(name, labels, annotations, catalog)
+    model, disagreements, problems = described.model, described.disagreements, described.problems
     if model is None:
         return NodeView(None, None, problems)
     status = decode_status(annotations, model, node=name)
@@ -228,7 +243,12 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         else:
             gpus.append(Gpu(index=i, mps=[MpsSlice(size=s.size, used=s.used) for s in (g.mps if g else [])],
                             whole_pod=g.whole_pod if g else None))
-    gpus = _protect_bound_slices(gpus, bound_slices, mode)
+    kept = _protect_bound_slices(gpus, bound_slices, mode, described.not_mig)
+    held_whole = sorted({g.index for g in gpus} - {g.index for g in kept})
+    if held_whole:
+        problems.append(f"node {name}: GPU(s) {', '.join(map(str, held_whole))} serve a pod whole (nvidia.com/gpu, MIG "
+                        "mode off); left out of MIG planning while the pod runs")
+    gpus = kept
     alloc = (node.get("status") or {}).get("allocatable") or {}
     try:
         cpu_free = max(0, int(round((parse_quantity(alloc.get("cpu", 0)) - cpu_used) * 1000)))
@@ -240,10 +260,13 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     return NodeView(view, status.plan_id, problems, model, disagreements)
 
 
-def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str) -> list[Gpu]:
+def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
+                          not_mig: frozenset[int] | None = None) -> list[Gpu]:
     """Mark free slices as used until each resource has at least as many used as pods bound.
     Returns the GPUs left to plan: on a MIG node, a GPU that a whole-GPU pod holds (one the node
-    serves uncarved) is not the planner's to carve, so it is left out of the node's GPUs."""
+    serves uncarved) is not the planner's to carve, so it is left out of the node's GPUs. Which
+    GPUs those are: the ones the agent reports out of MIG mode (`not_mig`; the device plugin
+    serves no other whole), else, without a report, the first ones without instances."""
     for res, n in bound.items():
         try:
             kind = parse_resource(res)
@@ -251,7 +274,10 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str) -> li
             continue  # pending_pod() reports such a pod; a bound one holds nothing dynpart carves
         if isinstance(kind, WholeGpuResource):
             missing = n - sum(1 for g in gpus if g.whole_pod)
-            held = [g for g in gpus if not g.whole_pod and not g.mps and not g.mig][: max(0, missing)]
+            free = [g for g in gpus if not g.whole_pod and not g.mps and not g.mig]
+            if mode == "mig" and not_mig is not None:
+                free = [g for g in free if g.index in not_mig]
+            held = free[: max(0, missing)]
             if mode == "mig":
                 gpus = [g for g in gpus if all(g is not h for h in held)]
             else:

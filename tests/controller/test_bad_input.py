@@ -68,7 +68,8 @@ def test_unknown_gpu_product_in_a_selector_is_left_out_with_its_reason():
 def test_whole_gpu_pod_on_an_uncarved_gpu_of_a_mig_node_keeps_that_gpu_out_of_planning():
     running = pod("whole", {"nvidia.com/gpu": "1"}, phase="Running", node="n1", unschedulable=False)
     snapshot, result, patches, problems, _ = run_round(NODES, [running, *GOOD])
-    assert problems == []
+    assert [m for _, m in problems] == ["node n1: GPU(s) 0 serve a pod whole (nvidia.com/gpu, MIG mode off); left "
+                                        "out of MIG planning while the pod runs"]
     (n1,) = [n for n in snapshot.nodes if n.name == "n1"]
     assert [g.index for g in n1.gpus] == [1]  # GPU 0 serves the whole-GPU pod: not dynpart's to carve
     assert {p.pod for p in result.placements} == {"ml/good-1g", "ml/good-mps"}

@@ -96,3 +96,20 @@ def test_batch_window_closes_on_idle_or_timeout():
     w.add("d", 2.7)
     assert not w.ready(2.9) and w.ready(3.0)
     assert w.close() == {"a", "b", "c", "d"} and not w.ready(10)
+
+
+def test_a_whole_gpu_pod_holds_the_gpu_its_agent_reports_out_of_mig_mode():
+    """The device plugin serves a GPU whole only out of MIG mode: the capability report says which."""
+    from dynpart.annotations import STATUS_CAPABILITY
+    from dynpart.capability import GpuReport, encode_capability
+    from tests.test_capability import kind_of, node_of
+
+    h100 = CAT.resolve("H100-80GB")
+    cap = node_of(kind_of(h100, "NVIDIA H100 80GB HBM3"), gpus=2)
+    cap = cap.model_copy(update={"gpus": (GpuReport(kind=0, mig="on"), GpuReport(kind=0, mig="off"))})
+    status = encode_status(NodeLayout(node="n1", mode="mig", gpus=[]), "p0")
+    n1 = node("n1", annotations={**status, STATUS_CAPABILITY: encode_capability(cap)})
+    whole = pod("w", {"nvidia.com/gpu": "1"}, phase="Running", node="n1", unschedulable=False)
+    view = build_snapshot([n1], [whole], CAT)
+    assert [g.index for g in view.snapshot.nodes[0].gpus] == [0]
+    assert any("GPU(s) 1 serve a pod whole" in m for _, m in view.problems)

@@ -270,14 +270,19 @@ def test_the_checks_can_fail():
 
 
 async def test_pods_dynpart_cannot_read_do_not_stop_the_others(harness: Harness, planner: PlannerProcess):
-    """Issue 11: a pod asking for a MIG profile no GPU offers, and one selecting a GPU product the
-    catalog lacks, used to make plan() raise and both planner replicas crash-loop. Each now gets a
-    DynpartInvalid Event naming the field and value, and the pods next to them run."""
+    """Issue 11: a pod asking for a MIG profile no GPU offers, one selecting a GPU product the
+    catalog lacks, and a whole-GPU pod running on an uncarved GPU of a MIG node used to make plan()
+    raise and both planner replicas crash-loop. Each now gets a DynpartInvalid Event naming what is
+    wrong, and the pods next to them run."""
     h = harness
     await h.add_node("h100-bad-input", H100, "mig", 2)
     await h.add_node("mps-bad-input", H100, "mps", 1)
+    # the third: a MIG node whose GPU 1 is not in MIG mode and serves a whole-GPU pod
+    whole_node = await h.add_node("h100-whole", H100, "mig", 2, prepare=lambda n: n.driver.set_mig_mode(1, False))
     for node in h.nodes.values():
         await h.start_agent(node)
+    whole = await h.create_pod("whole-gpu", "nvidia.com/gpu", node=whole_node)
+    await h.wait_running([whole], timeout=60)
     unknown_profile = await h.create_pod("unknown-profile", "nvidia.com/mig-5g.20gb")
     body = h.pod_body("unknown-product", "nvidia.com/mig-1g.10gb")
     body["spec"]["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-Nope-99GB"}
@@ -286,7 +291,15 @@ async def test_pods_dynpart_cannot_read_do_not_stop_the_others(harness: Harness,
     await h.core.create_namespaced_pod(h.namespace, body)
     normal = await h.create_pods([("ok-1g", "nvidia.com/mig-1g.10gb"), ("ok-3g", "nvidia.com/mig-3g.40gb"),
                                   ("ok-2g", "nvidia.com/mig-2g.20gb"), ("ok-mps", "nvidia.com/gpu-20gb")])
-    await h.wait_running(normal, timeout=90)
+    beside_whole = await h.create_pod("ok-beside-whole", "nvidia.com/mig-7g.80gb", node=whole_node)
+    await h.wait_running([*normal, beside_whole], timeout=90)
+    assert whole_node.driver.layout(0) == [("7g.80gb", 0)] and whole_node.driver.layout(1) == []
+    assert whole.running_at is not None and whole.node == whole_node.name
+
+    async def node_events():
+        events = await h.core.list_event_for_all_namespaces(field_selector=f"involvedObject.name={whole_node.name}")
+        return [e for e in events.items if e.reason == "DynpartInvalid" and "serve a pod whole" in e.message]
+    await wait_until(node_events, 30, "an Event on the node whose GPU serves a pod whole", interval=0.2)
 
     async def invalid(rec):
         return [e for e in await h.events_of(rec) if e.reason == "DynpartInvalid"]
