@@ -155,6 +155,10 @@ class Agent:
             # Not safe to act or to describe the GPUs: keep the last status, report the error.
             log.error("node %s: %s", self.node, e)
             return await self._report_failure(node, str(e))
+        try:
+            self.model()  # a MIG mode changed by this pass changes what the driver lists: report it now
+        except DynpartError as e:
+            log.warning("node %s: %s", self.node, e)
         errors = [*spec.problems, *fenced, *result.errors]
         ack = spec.plan_id if result.applied and layout is not None else node.annotations.get(STATUS_PLAN)
         status = encode_status(NodeLayout(node=self.node, mode=mode, gpus=result.gpus),

@@ -111,6 +111,7 @@ class MigAgent:
         """One pass. `desired` None: no spec, observe only."""
         observed = await self.observe()
         errors: list[str] = []
+        applied = desired is not None
         if desired is not None:
             problems = self._check_catalog(observed)
             errors.extend(problems)
@@ -119,7 +120,15 @@ class MigAgent:
             else:
                 errors.extend(await self._act(desired, observed))
                 observed = await self.observe()
-        return PassResult([self._layout(s) for s in observed.states], errors, applied=desired is not None)
+            # a GPU the spec wants carved whose MIG mode waits for a GPU reset cannot hold the plan
+            # whatever the agent does: the plan is not acknowledged (the planner revokes it after
+            # its ack time-out and leaves that GPU out, as the capability report says why)
+            pending = [s.index for s in observed.states if s.mig_pending and desired.get(s.index)]
+            if pending:
+                applied = False
+                errors.append(f"plan not applied: MIG mode of GPU(s) {', '.join(map(str, pending))} is pending "
+                              "until the GPU is reset (nvidia-smi -r, or a reboot)")
+        return PassResult([self._layout(s) for s in observed.states], errors, applied=applied)
 
     async def _act(self, desired: dict[int, list[tuple[str, int]]], observed: _Observed) -> list[str]:
         actions = reconcile_mig(desired, observed.states, self.model)

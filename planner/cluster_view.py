@@ -166,6 +166,7 @@ class NodeGpus:
     disagreements: tuple[str, ...] = ()
     problems: list[str] = field(default_factory=list)
     not_mig: frozenset[int] | None = None
+    reset_pending: frozenset[int] = frozenset()  # GPUs whose MIG mode waits for a GPU reset
 
 
 def node_gpu_model(name: str, labels: Mapping[str, Any], annotations: Mapping[str, Any],
@@ -182,7 +183,8 @@ def node_gpu_model(name: str, labels: Mapping[str, Any], annotations: Mapping[st
             cap = decode_capability(report)
             choice = node_model(cap, catalog)
             not_mig = frozenset(i for i, g in enumerate(cap.gpus) if g.mig in ("off", "on-pending", "unsupported"))
-            return NodeGpus(choice.model, choice.disagreements, problems, not_mig)
+            pending = frozenset(i for i, g in enumerate(cap.gpus) if g.mig in ("on-pending", "off-pending"))
+            return NodeGpus(choice.model, choice.disagreements, problems, not_mig, pending)
         except CapabilityError as e:
             problems.append(f"node {name}: annotation {STATUS_CAPABILITY}: {e}; the node is planned from the catalog")
     product = labels.get(GPU_PRODUCT_LABEL)
@@ -249,6 +251,11 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         problems.append(f"node {name}: GPU(s) {', '.join(map(str, held_whole))} serve a pod whole (nvidia.com/gpu, MIG "
                         "mode off); left out of MIG planning while the pod runs")
     gpus = kept
+    if mode == "mig" and described.reset_pending:
+        # its agent could not hold a plan there (docs/protocol.md): not planned until a reset
+        gpus = [g for g in gpus if g.index not in described.reset_pending]
+        problems.append(f"node {name}: MIG mode of GPU(s) {', '.join(map(str, sorted(described.reset_pending)))} "
+                        "changes only at the next GPU reset; left out of planning until then")
     alloc = (node.get("status") or {}).get("allocatable") or {}
     try:
         cpu_free = max(0, int(round((parse_quantity(alloc.get("cpu", 0)) - cpu_used) * 1000)))

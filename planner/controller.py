@@ -27,6 +27,7 @@ from dynpart.kube.conventions import (
     PLANNER_COMPONENT,
     SPEC_PLAN,
     SPEC_TERM,
+    STATUS_ERROR,
     STATUS_HEARTBEAT,
     STATUS_MODE,
     STATUS_PLAN,
@@ -208,8 +209,13 @@ class PlannerController:
                 log.info("could not revoke the plan; will try again", extra={"fields": {"node": name, "error": str(e)}})
                 continue
             self.in_flight[name] = InFlight(plan_id, now, set(), revoking=True)
+            why = (node["metadata"].get("annotations") or {}).get(STATUS_ERROR) or "its agent did not answer"
             for key in flight.pods:  # planned again, elsewhere or here
                 self.window.add(key, now)
+                await self._event(self.pods.cache.get(key), "PlanNotApplied",
+                                  f"dynpart planned this pod on node {name} (plan {flight.plan_id}), but the node's agent "
+                                  f"did not apply that plan within {self.settings.ack_timeout_s:g} s "
+                                  f"({' '.join(why.split())[:300]}); it is planned again", warning=True)
             self.wake.set()
             await self._event(node, "PlanRevoked", f"plan {flight.plan_id} was not acknowledged within "
                               f"{self.settings.ack_timeout_s:g} s: replaced by plan {plan_id}, the node's layout as its "

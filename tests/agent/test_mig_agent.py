@@ -13,6 +13,7 @@ from dynpart.agent.driver.fake import FakeNvml, SimulatedCrash
 from dynpart.agent.mig_agent import MigAgent
 from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import STATUS_ERROR, STATUS_PLAN, decode_status
+from dynpart.capability import decode_capability
 from dynpart.mig import MigRules, feasible_geometries, slot_mask
 
 from .conftest import A100, H100, Rig, make_rig, mig_spec, placements
@@ -142,11 +143,14 @@ async def test_mig_mode_pending_reset():
     rig.node_api.set_annotations(mig_spec({0: ["7g.40gb@0"]}))
     report = await rig.agent().reconcile_once()
     assert any("pending until the GPU is reset" in e for e in report.errors)
+    # the node cannot hold the plan: not acknowledged, and the capability report says why
+    assert report.plan_id is None and "dynpart.io/status-plan" not in rig.node_api.annotations
+    assert decode_capability(rig.node_api.annotations["dynpart.io/status-capability"]).gpus[0].mig == "on-pending"
     report = await rig.agent().reconcile_once()  # no second attempt, the same advice
     assert [o.op for o in rig.driver.ops] == ["set_mig_mode"]
     rig.driver.reset(0)
     report = await rig.agent().reconcile_once()
-    assert report.errors == [] and rig.driver.layout(0) == [("7g.40gb", 0)]
+    assert report.errors == [] and rig.driver.layout(0) == [("7g.40gb", 0)] and report.plan_id == "p1"
 
 
 async def test_catalog_mismatch_suspends_changes(rig: Rig):

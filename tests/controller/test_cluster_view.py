@@ -113,3 +113,16 @@ def test_a_whole_gpu_pod_holds_the_gpu_its_agent_reports_out_of_mig_mode():
     view = build_snapshot([n1], [whole], CAT)
     assert [g.index for g in view.snapshot.nodes[0].gpus] == [0]
     assert any("GPU(s) 1 serve a pod whole" in m for _, m in view.problems)
+
+
+def test_a_gpu_whose_mig_mode_waits_for_a_reset_is_left_out():
+    from dynpart.annotations import STATUS_CAPABILITY
+    from dynpart.capability import GpuReport, encode_capability
+    from tests.test_capability import kind_of, node_of
+
+    cap = node_of(kind_of(CAT.resolve("H100-80GB"), "NVIDIA H100 80GB HBM3"), gpus=2)
+    cap = cap.model_copy(update={"gpus": (GpuReport(kind=0, mig="on"), GpuReport(kind=0, mig="on-pending"))})
+    status = encode_status(NodeLayout(node="n1", mode="mig", gpus=[]), "p0")
+    view = build_snapshot([node("n1", annotations={**status, STATUS_CAPABILITY: encode_capability(cap)})], [], CAT)
+    assert [g.index for g in view.snapshot.nodes[0].gpus] == [0]
+    assert any("GPU(s) 1 changes only at the next GPU reset" in m for _, m in view.problems)
