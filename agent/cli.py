@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -119,6 +120,7 @@ def run_agent(args: argparse.Namespace) -> int:
 async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
     from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect, lease_term_reader
     from dynpart.agent.loop import Agent
+    from dynpart.agent.node_lock import node_lock
     from dynpart.agent.podresources import FakePodResources, KubeletPodResources
 
     catalog = load_catalog(settings.catalog_files)
@@ -146,14 +148,19 @@ async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
                       liveness=liveness, leader_term=lease_term_reader(api_client, settings.planner_lease_name,
                                                                        settings.planner_lease_namespace))
         if args.once:
-            report = await agent.reconcile_once()
+            async with node_lock(settings.node_lock_file) if settings.node_lock_file else contextlib.nullcontext():
+                report = await agent.reconcile_once()
             print(json.dumps(report.status, indent=2, sort_keys=True))
             return 0 if not report.errors else 1
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await agent.run(stop)
+        if settings.node_lock_file:
+            async with node_lock(settings.node_lock_file):
+                await agent.run(stop)
+        else:
+            await agent.run(stop)
         return 0
     finally:
         await api_client.close()

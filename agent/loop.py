@@ -136,6 +136,14 @@ class Agent:
             fenced = await self._fenced(spec, node)
             if fenced:
                 layout = None  # a deposed planner's plan: observe and report, change nothing
+            elif layout is not None and (spec.problems or spec.plan_id is None):
+                # a spec with a malformed or missing part is refused whole: applying the rest
+                # would empty what the bad part describes (its free slices destroyed)
+                layout = None
+                if spec.plan_id is None:
+                    spec.problems.append("the spec has no valid plan id")
+                spec.problems.append(f"spec {spec.plan_id or '(no plan id)'} refused: nothing applied until it is "
+                                     "well-formed")
             mode = self._mode(node, layout.mode if layout else None)
             if mode == "mig":
                 if self._mig is None:

@@ -102,6 +102,8 @@ class AgentSettings(CommonSettings):
     mps_capacity_gb: int | None = Field(default=None, gt=0, description="MPS capacity of one GPU in GB "
                                         "(default: the model's memory)")
     pod_resources_socket: str = Field(default="/var/lib/kubelet/pod-resources/kubelet.sock", description="kubelet PodResources API socket")
+    node_lock_file: str = Field(default="/var/lib/dynpart/agent.lock", description="a file on the node's "
+                                "filesystem: one agent at a time acts on the node's GPUs (empty: no lock)")
     planner_lease_name: str = Field(default=LEASE_NAME, description="the planner's leader-election Lease: a spec "
                                     "written under an older term than the Lease's is ignored (fencing)")
     planner_lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="its namespace")

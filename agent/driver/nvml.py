@@ -23,6 +23,10 @@ from dynpart.agent.driver.interface import (
 
 T = TypeVar("T")
 
+# NVML errors after which its state is useless until nvmlShutdown/nvmlInit (nvml.h): the driver
+# was reloaded or lost a GPU, or NVML was shut down under us
+_REINIT = frozenset({"UNINITIALIZED", "GPU_IS_LOST", "DRIVER_NOT_LOADED", "LIB_RM_VERSION_MISMATCH", "RESET_REQUIRED"})
+
 # compute slices of a full-GI compute instance -> NVML_COMPUTE_INSTANCE_PROFILE_* name
 _CI_PROFILE = {1: "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE", 2: "NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE",
                3: "NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE", 4: "NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE",
@@ -51,6 +55,7 @@ class RealNvml:
         except OSError as e:  # a broken libnvidia-ml
             raise NvmlUnavailable(f"NVML not available: cannot load libnvidia-ml ({e})") from None
         self._nv = nv
+        self._stale = False
         self._codes = {getattr(nv, n): n[len("NVML_ERROR_"):] for n in dir(nv)
                        if n.startswith("NVML_ERROR_") and isinstance(getattr(nv, n), int)}
 
@@ -63,11 +68,30 @@ class RealNvml:
     # --- plumbing ---
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._stale:
+            self._reinit()
         try:
             return fn(*args)
         except self._nv.NVMLError as e:
             code = self._codes.get(getattr(e, "value", None), "UNKNOWN")
+            if code in _REINIT:
+                self._stale = True  # the next call starts NVML again instead of failing for ever
             raise GpuDriverError(code, f"{fn.__name__}: {e}") from None
+
+    def _reinit(self) -> None:
+        """nvmlShutdown + nvmlInit after a driver error that leaves NVML's handles useless (the
+        driver reloaded, a GPU reset or lost): handles are looked up again on every call."""
+        nv = self._nv
+        try:
+            nv.nvmlShutdown()
+        except nv.NVMLError:
+            pass
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as e:
+            raise GpuDriverError(self._codes.get(getattr(e, "value", None), "UNKNOWN"),
+                                 f"NVML could not be started again: {e}") from None
+        self._stale = False
 
     def _handle(self, index: int) -> Any:
         return self._call(self._nv.nvmlDeviceGetHandleByIndex, index)

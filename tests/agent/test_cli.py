@@ -87,3 +87,24 @@ def test_probe_without_a_driver_is_one_clean_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("dynpart: error: NVML not available: no NVIDIA driver on this host (pynvml:")
     assert "Traceback" not in err
+
+
+async def test_two_agents_on_one_node_do_not_both_act(tmp_path):
+    """The second agent waits on the node lock until the first one stops."""
+    import asyncio
+
+    from dynpart.agent.node_lock import node_lock
+
+    path = tmp_path / "state" / "agent.lock"
+    order: list[str] = []
+
+    async def agent(name: str, hold_s: float) -> None:
+        async with node_lock(path, retry_s=0.05):
+            order.append(f"{name} in")
+            await asyncio.sleep(hold_s)
+            order.append(f"{name} out")
+
+    first = asyncio.create_task(agent("a", 0.3))
+    await asyncio.sleep(0.05)
+    await asyncio.gather(first, agent("b", 0.0))
+    assert order == ["a in", "a out", "b in", "b out"]

@@ -52,14 +52,16 @@ async def test_malformed_spec_is_reported_not_raised(rig: Rig):
         "dynpart.io/spec-gpu-9-7g.80gb": "1@0",          # no such GPU on the node
         "dynpart.io/spec-gpu-1-9g.99gb": "1@0",          # unknown profile
     })
+    rig.carve(0, "1g.10gb@0")  # a free instance the malformed spec does not mention
     report = await rig.agent().reconcile_once()
-    assert rig.driver.layout(0) == [("3g.40gb", 4)] and rig.driver.layout(1) == []
+    # refused whole: applying the rest would have destroyed GPU 0's free 1g.10gb and carved 3g.40gb
+    assert rig.driver.ops == [] and rig.driver.layout(0) == [("1g.10gb", 0)]
     errors = rig.node_api.annotations[STATUS_ERROR].split("\n")
     assert len(errors) == 5 and errors == report.errors
     for needle in ("'dynpart.io/spec-gpu-0-1g.20gb' = '1@5'", "GPU index 'x'", "count 'two'",
-                   "the spec has GPU 9 but this node has GPUs 0, 1", "no MIG profile '9g.99gb'"):
+                   "no MIG profile '9g.99gb'", "spec p1 refused: nothing applied until it is well-formed"):
         assert any(needle in e for e in errors), needle
-    assert rig.node_api.annotations[STATUS_PLAN] == "p1"
+    assert STATUS_PLAN not in rig.node_api.annotations
 
 
 async def test_unsafe_observation_changes_nothing(rig: Rig):
@@ -168,7 +170,7 @@ async def test_events_on_the_node_once_per_message(rig: Rig):
     await agent.reconcile_once()  # the next pass says nothing new
     events = [e for kind, e in rig.node_api.events if kind == "event"]
     reasons = [r for r, _, _ in events]
-    assert reasons.count("DynpartInvalidSpec") == 1 and reasons.count("LayoutApplied") == 1
+    assert reasons.count("DynpartInvalidSpec") == 1 and reasons.count("LayoutApplied") == 0
     invalid = next(e for e in events if e[0] == "DynpartInvalidSpec")
     assert "'dynpart.io/spec-gpu-0-1g.20gb' = '1@5'" in invalid[1] and invalid[2] is True
 
