@@ -145,7 +145,8 @@ def test_agent_daemonset(default):
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
-    assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"]]
+    assert vols["state"]["hostPath"] == {"path": "/var/lib/dynpart", "type": "DirectoryOrCreate"}  # the node lock
+    assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"], vols["state"]]
     assert vols["device-plugin-config"]["configMap"] == {"name": "dynpart-device-plugin-configs", "optional": True}
 
 
