@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import itertools
 import json
 import os
@@ -58,6 +59,7 @@ from dynpart.kube.conventions import (
 from dynpart.kube.watching import Informer
 from dynpart.resources import WHOLE_GPU, MigResource, MpsResource, mig_resource_name, mps_resource_name, parse_resource
 from dynpart.settings import KubeSettings
+from tests.e2e.apicount import RequestCounter
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CATALOG = default_catalog()
@@ -66,7 +68,8 @@ CONFIGMAP = "dynpart-device-plugin-configs"
 HARNESS_LABEL = "dynpart-e2e/harness"
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
-REFRESH_S = 0.1  # how often the simulated device plugins re-read the GPUs
+REFRESH_S = 0.1  # how often the simulated device plugins re-read the GPUs that changed
+FULL_SWEEP_S = 2.0  # how often they re-read every node's GPUs
 ASSIGN_RETRY_S = 20.0  # a bound pod waits this long for its devices before it is marked Failed
 FAST = KubeSettings(backoff_initial_s=0.2, backoff_max_s=0.2)  # the agents' node watches come back at once
 
@@ -145,8 +148,10 @@ class PlannerProcess:
     """`dynpart planner run` in a subprocess, logging to `log_path`."""
 
     def __init__(self, kubeconfig: Path, log_path: Path, identity: str, env: dict[str, str] | None = None,
-                 args: list[str] | None = None):
+                 args: list[str] | None = None, count_requests: bool = False):
         self.kubeconfig = kubeconfig
+        # through tests/e2e/apicount.py: its API requests counted on its /metrics (e2e_api_requests_total)
+        self.count_requests = count_requests
         self.log_path = log_path
         self.identity = identity
         self.metrics_port = free_port()
@@ -159,7 +164,8 @@ class PlannerProcess:
         env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env)
-        argv = [sys.executable, "-m", "dynpart.cli", "planner", "run", "--kubeconfig", str(self.kubeconfig),
+        entry = "tests.e2e.apicount" if self.count_requests else "dynpart.cli"
+        argv = [sys.executable, "-m", entry, "planner", "run", "--kubeconfig", str(self.kubeconfig),
                 "--metrics-port", str(self.metrics_port), "--lease-namespace", SYSTEM_NAMESPACE,
                 "--identity", self.identity, *self.args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +208,19 @@ class PlannerProcess:
     async def _describe(self) -> str:
         return f"--- planner {self.identity} log ({self.log_path}) ---\n{self.log_tail()}"
 
+    def peak_rss_mib(self) -> float:
+        """The process's peak resident set size so far (VmHWM in /proc/<pid>/status), in MiB."""
+        assert self.alive, f"planner {self.identity} is not running"
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        kib = int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M).group(1))
+        return kib / 1024
+
+    def api_requests(self) -> Counter[tuple[str, str]]:
+        """(verb, resource) -> requests sent so far (needs `count_requests`)."""
+        metrics = scrape(self.metrics_port)
+        rx = re.compile(r'^e2e_api_requests_total\{resource="([^"]*)",verb="([^"]*)"\}$')
+        return Counter({(m.group(2), m.group(1)): int(v) for k, v in metrics.items() if (m := rx.match(k))})
+
     def kill(self) -> None:
         """kill -9: no clean stop, the lease is not released."""
         if self.alive:
@@ -243,6 +262,12 @@ class Holding:
 _pids = itertools.count(20_000)
 
 
+@functools.lru_cache(maxsize=1024)
+def _parsed_config(content: str | None) -> dict[int, list[int]] | None:
+    """`parse_config`, once per content (the plugins read the same configs again and again)."""
+    return parse_config(content)
+
+
 class SimNode:
     """One GPU node: the fake driver and kubelet state, and what its device plugin publishes."""
 
@@ -256,6 +281,15 @@ class SimNode:
         self.cpu, self.memory = cpu, memory
         self.driver = FakeNvml(self.model, gpus, mig_enabled=mode == "mig")
         self.driver.before_op = self._before_op
+        for control in ("reset", "reboot"):  # test controls that change the GPUs without a driver op
+            setattr(self.driver, control, self._changing(getattr(self.driver, control)))
+        # What the device plugin could publish changes with `version` (a driver op, a reset, a new
+        # config label); the harness's refresh loop re-reads only the nodes whose version moved.
+        self.version = 0
+        self.refreshed = -1  # the version last read (and published, if it changed what is advertised)
+        self.dirty_since: float | None = time.monotonic()  # first change not yet read
+        self.publishes: list[tuple[float, dict[str, int]]] = []  # (when, what) each status patch advertised
+        self.publish_lags: list[tuple[float, float]] = []  # (when, lag): first change of the GPUs -> its patch
         self.pod_resources = FakePodResources()
         self.holdings: dict[str, list[Holding]] = {}  # pod -> its devices
         self.labels: dict[str, str] = {}  # as last seen by the harness's node watch
@@ -267,7 +301,22 @@ class SimNode:
 
     # --- the fake driver's log ---
 
+    def changed(self) -> None:
+        """What the device plugin publishes may have changed: read it again."""
+        self.version += 1
+        if self.dirty_since is None:
+            self.dirty_since = time.monotonic()
+
+    def _changing(self, control: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kw: Any) -> Any:
+            self.changed()
+            return control(*args, **kw)
+        return call
+
     def _before_op(self, op: FakeOp) -> None:
+        # a driver call runs to its end before the event loop can run the refresh loop: marking
+        # the node before the call is as good as after it
+        self.changed()
         if op.op not in ("destroy_ci", "destroy_gi"):
             return
         holder = next((pod for pod, hs in self.holdings.items()
@@ -305,7 +354,7 @@ class SimNode:
         name = self.labels.get(DEVICE_PLUGIN_CONFIG_LABEL)
         if not name:
             return {}
-        return parse_config(configs.get(name))
+        return _parsed_config(configs.get(name))
 
     def devices(self, configs: dict[str, str]) -> dict[str, list[tuple[str, int, int | None]]] | None:
         """resource -> every device the plugin advertises (device id, GPU index, GI id); None while
@@ -419,7 +468,10 @@ class PodRecord:
     key: str
     resource: str
     created_at: float
+    accepted_at: float | None = None  # when the create call returned (the API server has the pod)
     node: str | None = None
+    unschedulable_at: float | None = None  # when the pod watch first saw the scheduler mark it Unschedulable
+    bound_at: float | None = None  # when the harness's pod watch saw the scheduler's binding
     running_at: float | None = None
     failed: str | None = None
     waited_for_devices: bool = False  # bound before its node had the devices free (a race the kubelet would fail)
@@ -447,11 +499,14 @@ class Harness:
         self._tasks: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
         self._deleted: set[str] = set()
+        self.agent_requests = RequestCounter()  # what the agents sent to the API server (tests/e2e/apicount.py)
+        self.own_requests = RequestCounter()  # what the harness sent (the simulated kubelets and device plugins)
 
     # --- set-up and tear-down ---
 
     async def start(self) -> Harness:
         self.api = await connect(str(self.kubeconfig))
+        self.own_requests.install(self.api)
         self.core = client.CoreV1Api(self.api)
         await ensure_namespace(self.core, SYSTEM_NAMESPACE)
         await ensure_namespace(self.core, self.namespace)
@@ -511,13 +566,15 @@ class Harness:
             prepare(node)
         await self.core.create_node(node.node_object())
         now = now_rfc3339()
+        version = node.version
         slices = node.allocatable(self.configs) or {}
         body = node.status_patch(slices)
         body["status"]["conditions"] = [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                                          "message": "simulated by the dynpart e2e harness",
                                          "lastHeartbeatTime": now, "lastTransitionTime": now}]
         await self.core.patch_node_status(node.name, body, _content_type=MERGE)
-        node.published = slices
+        node.published, node.refreshed, node.dirty_since = slices, version, None
+        node.publishes.append((time.monotonic(), slices))
         self.nodes[node.name] = node  # from now on its device plugin and kubelet run
         return node
 
@@ -525,6 +582,7 @@ class Harness:
         """An agent for the node; with `wait`, once it has reported the node's GPUs (its first status)."""
         agent_metrics_port()
         api = await connect(str(self.kubeconfig))
+        self.agent_requests.install(api)
         agent = Agent(node.name, node_api=KubeNodeApi(api, node.name, FAST), driver=node.driver,
                       pods=node.pod_resources, catalog=CATALOG,
                       configs=KubeConfigStore(api, SYSTEM_NAMESPACE, CONFIGMAP, mount_dir=None, settle_s=0),
@@ -542,7 +600,10 @@ class Harness:
         node = self.nodes.get(md["name"])
         if node is None or kind == "DELETED":
             return
-        node.labels = dict(md.get("labels") or {})
+        labels = dict(md.get("labels") or {})
+        if labels.get(DEVICE_PLUGIN_CONFIG_LABEL) != node.labels.get(DEVICE_PLUGIN_CONFIG_LABEL):
+            node.changed()  # MPS: the device plugin reads its new config
+        node.labels = labels
         ann = {k: v for k, v in (md.get("annotations") or {}).items()
                if k.startswith("dynpart.io/") and k != "dynpart.io/status-heartbeat"}
         hist = self.history.setdefault(node.name, [])
@@ -550,9 +611,20 @@ class Harness:
             hist.append(ann)
 
     async def _refresh_loop(self) -> None:
-        """The device plugins: publish each node's devices when they change."""
+        """The device plugins: every REFRESH_S, publish the devices of each node whose GPUs (or MPS
+        config) changed, the nodes' status patches sent concurrently as independent plugins and
+        kubelets would; every FULL_SWEEP_S, every node is read again (a safety net: every change
+        the harness knows of marks its node)."""
+        last_sweep = 0.0
         while True:
+            now = time.monotonic()
+            sweep = now - last_sweep >= FULL_SWEEP_S
+            if sweep:
+                last_sweep = now
+            changed = []
             for node in list(self.nodes.values()):
+                if not sweep and node.version == node.refreshed:
+                    continue
                 name = node.labels.get(DEVICE_PLUGIN_CONFIG_LABEL)
                 if node.mode == "mps" and name and name not in self.configs:
                     cm = await self.core.read_namespaced_config_map(CONFIGMAP, SYSTEM_NAMESPACE)
@@ -560,12 +632,30 @@ class Harness:
                 if node.mode == "mps" and name != node.checked_config:
                     node.check_mps_config(self.configs)
                     node.checked_config = name
+                version = node.version
                 slices = node.allocatable(self.configs)
-                if slices is None or slices == node.published:
+                if slices is None:
+                    continue  # its config cannot be read yet: again at the next turn
+                if slices == node.published:
+                    node.refreshed, node.dirty_since = version, None
                     continue
-                await self.core.patch_node_status(node.name, node.status_patch(slices), _content_type=MERGE)
-                node.published = slices
+                changed.append(self._publish(node, version, slices))
+            if changed:  # all of them finish before a failure (the first) ends the loop
+                for result in await asyncio.gather(*changed, return_exceptions=True):
+                    if isinstance(result, BaseException):
+                        raise result
             await asyncio.sleep(REFRESH_S)
+
+    async def _publish(self, node: SimNode, version: int, slices: dict[str, int]) -> None:
+        await self.core.patch_node_status(node.name, node.status_patch(slices), _content_type=MERGE)
+        now = time.monotonic()
+        node.published = slices
+        node.publishes.append((now, slices))
+        if node.dirty_since is not None:
+            node.publish_lags.append((now, now - node.dirty_since))
+        node.refreshed = version
+        if version == node.version:
+            node.dirty_since = None
 
     # --- pods ---
 
@@ -587,6 +677,7 @@ class Harness:
         rec = PodRecord(key, resource, time.monotonic())
         self.pods[key] = rec
         await self.core.create_namespaced_pod(self.namespace, self.pod_body(name, resource, count, node))
+        rec.accepted_at = time.monotonic()
         return rec
 
     async def create_pods(self, specs: list[tuple[str, str]]) -> list[PodRecord]:
@@ -609,9 +700,14 @@ class Harness:
                 self.nodes[rec.node].release(key)
             self._changed.set()
             return
+        if rec.unschedulable_at is None and any(
+                c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable"
+                for c in (pod.get("status") or {}).get("conditions") or []):
+            rec.unschedulable_at = time.monotonic()
         node = (pod.get("spec") or {}).get("nodeName")
         if node and rec.node is None and node in self.nodes:
             rec.node = node
+            rec.bound_at = time.monotonic()
             self._spawn(self._admit(rec, pod))
 
     async def _admit(self, rec: PodRecord, pod: dict[str, Any]) -> None:
