@@ -1,0 +1,175 @@
+"""Which devices each resource advertises, from the agent's view of the GPUs (pure: no I/O).
+
+A GPU is advertised one way only:
+- MIG mode on: each MIG device (one with a compute instance, so a `MIG-...` UUID) under
+  `nvidia.com/mig-<profile>` (`+` written `.`), device id = the MIG UUID;
+- MPS slices planned on it: each slice under `nvidia.com/gpu-<N>gb`, device id
+  `<GPU UUID>::<n>` (n = the slice's position on the GPU, as the device-plugin fork numbers replicas);
+- otherwise: the whole GPU under `nvidia.com/gpu`, device id = the GPU UUID.
+
+Withdrawn device ids (a slice the agent is about to destroy) are left out. `check_exclusive`
+is the invariant the plugin manager enforces on every update: no GPU is advertised both whole
+and sliced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dynpart.errors import DynpartError
+from dynpart.resources import WHOLE_GPU, mig_resource_name, mps_resource_name, parse_resource
+
+Kind = Literal["gpu", "mig", "mps"]
+
+
+class DeviceListError(DynpartError):
+    """A device list the plugin must not advertise (e.g. a GPU both whole and sliced)."""
+
+
+@dataclass(frozen=True)
+class PluginDevice:
+    """One device as a plugin advertises it and as Allocate needs it."""
+
+    id: str  # GPU UUID, MIG UUID, or `<GPU UUID>::<n>` for an MPS slice
+    kind: Kind
+    gpu_uuid: str
+    gpu_index: int
+    size_gb: int = 0  # MPS: the slice's memory; MIG/whole: informational
+    gpu_memory_gb: int = 0
+    healthy: bool = True
+    numa_node: int | None = None
+
+
+@dataclass(frozen=True)
+class MigDeviceView:
+    profile: str  # driver name, e.g. "1g.10gb" or "1g.10gb+me"
+    uuid: str | None  # None while the GI has no compute instance: not advertised
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """The agent's view of one GPU after a pass."""
+
+    index: int
+    uuid: str
+    memory_gb: int
+    mig_enabled: bool = False
+    mig: tuple[MigDeviceView, ...] = ()
+    mps: tuple[int, ...] = ()  # MPS slice sizes in GB, in the order the plan lists them
+    healthy: bool = True
+    numa_node: int | None = None
+
+
+@dataclass
+class Advertised:
+    """Devices by resource name, in a stable order."""
+
+    by_resource: dict[str, list[PluginDevice]] = field(default_factory=dict)
+
+    def add(self, resource: str, device: PluginDevice) -> None:
+        self.by_resource.setdefault(resource, []).append(device)
+
+
+def mps_device_id(gpu_uuid: str, n: int) -> str:
+    return f"{gpu_uuid}::{n}"
+
+
+def advertise(gpus: Iterable[GpuView], withdrawn: Iterable[str] = ()) -> dict[str, list[PluginDevice]]:
+    """Resource name -> the devices to advertise for it. Resources with no device are absent."""
+    gone = set(withdrawn)
+    out = Advertised()
+    for g in sorted(gpus, key=lambda g: g.index):
+
+        def device(device_id: str, kind: Kind, size_gb: int, g: GpuView = g) -> PluginDevice:
+            return PluginDevice(id=device_id, kind=kind, gpu_uuid=g.uuid, gpu_index=g.index, size_gb=size_gb,
+                                gpu_memory_gb=g.memory_gb, healthy=g.healthy, numa_node=g.numa_node)
+
+        if g.mig_enabled:
+            for m in g.mig:
+                if m.uuid and m.uuid not in gone:
+                    out.add(mig_resource_name(m.profile), device(m.uuid, "mig", 0))
+        elif g.mps:
+            for n, size in enumerate(g.mps):
+                device_id = mps_device_id(g.uuid, n)
+                if device_id not in gone:
+                    out.add(mps_resource_name(size), device(device_id, "mps", size))
+        elif g.uuid not in gone:
+            out.add(WHOLE_GPU, device(g.uuid, "gpu", g.memory_gb))
+    return out.by_resource
+
+
+def check_exclusive(devices_by_resource: Mapping[str, Iterable[PluginDevice]]) -> None:
+    """Raise DeviceListError if a GPU is advertised both whole and sliced, if a device id appears
+    twice, or if a device sits under a resource of another kind."""
+    whole: dict[str, str] = {}
+    sliced: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for resource, devices in devices_by_resource.items():
+        for d in devices:
+            if d.id in seen:
+                raise DeviceListError(f"device {d.id} is advertised twice ({seen[d.id]} and {resource})")
+            seen[d.id] = resource
+            expected = resource_kind(resource)
+            if d.kind != expected:
+                raise DeviceListError(f"device {d.id} is a {d.kind} device but sits under {resource} ({expected})")
+            (whole if d.kind == "gpu" else sliced)[d.gpu_uuid] = resource
+    both = sorted(set(whole) & set(sliced))
+    if both:
+        raise DeviceListError("GPU(s) advertised both whole and sliced: " +
+                              ", ".join(f"{u} ({whole[u]} and {sliced[u]})" for u in both))
+
+
+def resource_kind(resource: str) -> Kind:
+    return parse_resource(resource).kind
+
+
+# --- what Allocate hands a container ------------------------------------------------------------
+
+MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+
+
+@dataclass(frozen=True)
+class MountSpec:
+    host_path: str
+    container_path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class ContainerAllocation:
+    envs: dict[str, str]
+    mounts: tuple[MountSpec, ...] = ()
+
+
+def _unique(items: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(items))
+
+
+def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_PIPE_DIRECTORY,
+                         mps_pipe_container: str = MPS_PIPE_DIRECTORY) -> ContainerAllocation:
+    """The env vars and mounts for a container given `devices` (all of one resource, as the kubelet
+    asks per resource): NVIDIA_VISIBLE_DEVICES names the MIG or GPU UUIDs (the NVIDIA container
+    runtime does the rest). MPS slices also get their memory limit per GPU
+    (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<GPU UUID>=<N>G`, slices on one GPU summed), a thread share
+    proportional to the memory share (the largest over the GPUs), and the MPS pipe directory."""
+    if not devices:
+        return ContainerAllocation(envs={})
+    if any(d.kind == "mig" for d in devices):
+        return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(d.id for d in devices)})
+    gpus = _unique(d.gpu_uuid for d in devices)
+    envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpus)}
+    if all(d.kind == "gpu" for d in devices):
+        return ContainerAllocation(envs=envs)
+    per_gpu: dict[str, int] = {}
+    share = 0
+    for d in devices:
+        per_gpu[d.gpu_uuid] = per_gpu.get(d.gpu_uuid, 0) + d.size_gb
+    for d in devices:
+        total = per_gpu[d.gpu_uuid]
+        share = max(share, min(100, max(1, round(100 * total / d.gpu_memory_gb))) if d.gpu_memory_gb else 100)
+    envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{u}={per_gpu[u]}G" for u in gpus)
+    envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
+    envs["CUDA_MPS_PIPE_DIRECTORY"] = mps_pipe_container
+    return ContainerAllocation(envs=envs, mounts=(MountSpec(mps_pipe_host, mps_pipe_container),))

@@ -1,0 +1,174 @@
+"""A small kubelet double for device plugins, speaking the real v1beta1 gRPC protocol on real unix
+sockets: it serves `Registration` on `<dir>/kubelet.sock`; on `Register` it connects to the
+plugin's socket, calls GetDevicePluginOptions and consumes ListAndWatch (every list received is
+kept, with its time); tests call `allocate()` and `preferred()` as the kubelet would.
+`restart()` does what a kubelet restart does to the plugin dir: the Registration socket goes
+away, every socket in the dir is removed, and kubelet.sock comes back.
+
+Reusable by an e2e kubelet model: `allocatable()` is what the kubelet would put in
+`status.allocatable` (healthy devices per resource).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from dynpart.agent.deviceplugin import protocol
+
+
+@dataclass
+class PluginSeen:
+    """What the kubelet knows of one registered resource."""
+
+    resource: str
+    endpoint: str
+    registered_at: list[float] = field(default_factory=list)  # time.monotonic() of each Register
+    options: Any = None
+    lists: list[list[tuple[str, str]]] = field(default_factory=list)  # every ListAndWatch message: (id, health)
+    channel: Any = None
+    stub: Any = None
+    stream_task: asyncio.Task[None] | None = None
+    stream_error: str | None = None
+
+    @property
+    def devices(self) -> list[tuple[str, str]]:
+        return self.lists[-1] if self.lists else []
+
+    @property
+    def ids(self) -> list[str]:
+        return [i for i, _ in self.devices]
+
+
+class KubeletDouble:
+    def __init__(self, plugin_dir: str):
+        self.plugin_dir = plugin_dir
+        self.socket = os.path.join(plugin_dir, protocol.KUBELET_SOCKET_NAME)
+        self.plugins: dict[str, PluginSeen] = {}
+        self.events: list[tuple[float, str, list[str]]] = []  # (time, resource, healthy ids) per message, in order
+        self.register_requests: list[Any] = []
+        self._server: Any = None
+        self._changed = asyncio.Condition()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        os.makedirs(self.plugin_dir, exist_ok=True)
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((protocol.registration_handler(self._register),))
+        server.add_insecure_port(f"unix://{self.socket}")
+        await server.start()
+        self._server = server
+
+    async def stop(self) -> None:
+        for p in self.plugins.values():
+            await self._disconnect(p)
+        if self._server is not None:
+            await self._server.stop(0)
+            self._server = None
+        if os.path.exists(self.socket):
+            os.unlink(self.socket)
+
+    async def restart(self) -> float:
+        """Stop, wipe the sockets in the plugin dir, start again; returns when kubelet.sock is back
+        (time.monotonic())."""
+        await self.stop()
+        for name in os.listdir(self.plugin_dir):
+            if name.endswith(".sock"):
+                os.unlink(os.path.join(self.plugin_dir, name))
+        await self.start()
+        return time.monotonic()
+
+    async def __aenter__(self) -> KubeletDouble:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # --- Registration -------------------------------------------------------------------------
+
+    async def _register(self, request: Any, context: Any) -> Any:
+        self.register_requests.append(request)
+        if request.version != protocol.VERSION:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version!r}")
+        p = self.plugins.get(request.resource_name)
+        if p is None:
+            p = self.plugins[request.resource_name] = PluginSeen(request.resource_name, request.endpoint)
+        else:
+            await self._disconnect(p)
+            p.endpoint = request.endpoint
+        p.registered_at.append(time.monotonic())
+        p.stream_task = asyncio.create_task(self._connect(p))  # as the kubelet: after answering
+        async with self._changed:
+            self._changed.notify_all()
+        return protocol.messages()["Empty"]()
+
+    async def _disconnect(self, p: PluginSeen) -> None:
+        if p.stream_task is not None:
+            p.stream_task.cancel()
+            try:
+                await p.stream_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            p.stream_task = None
+        if p.channel is not None:
+            await p.channel.close()
+            p.channel = None
+
+    async def _connect(self, p: PluginSeen) -> None:
+        p.channel = grpc.aio.insecure_channel(f"unix://{os.path.join(self.plugin_dir, p.endpoint)}")
+        p.stub = protocol.DevicePluginStub(p.channel)
+        p.stream_error = None
+        try:
+            p.options = await p.stub.GetDevicePluginOptions(protocol.messages()["Empty"](), timeout=5)
+            async for response in p.stub.ListAndWatch(protocol.messages()["Empty"]()):
+                devices = [(d.ID, d.health) for d in response.devices]
+                async with self._changed:
+                    p.lists.append(devices)
+                    self.events.append((time.monotonic(), p.resource, [i for i, h in devices if h == protocol.HEALTHY]))
+                    self._changed.notify_all()
+        except grpc.aio.AioRpcError as e:
+            p.stream_error = f"{e.code().name}: {e.details()}"
+        async with self._changed:
+            self._changed.notify_all()
+
+    # --- what tests ask -----------------------------------------------------------------------
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(predicate), timeout_s)
+
+    async def wait_registered(self, resource: str, times: int = 1, timeout_s: float = 5.0) -> PluginSeen:
+        await self.wait_for(lambda: resource in self.plugins and len(self.plugins[resource].registered_at) >= times
+                            and bool(self.plugins[resource].lists), timeout_s)
+        return self.plugins[resource]
+
+    async def wait_devices(self, resource: str, ids: list[str], timeout_s: float = 5.0) -> PluginSeen:
+        await self.wait_for(lambda: resource in self.plugins and self.plugins[resource].ids == ids, timeout_s)
+        return self.plugins[resource]
+
+    def allocatable(self) -> dict[str, int]:
+        """Healthy devices per resource on open streams (what status.allocatable would show)."""
+        return {r: sum(1 for _, h in p.devices if h == protocol.HEALTHY) for r, p in self.plugins.items()
+                if p.stream_task is not None and not p.stream_task.done()}
+
+    async def allocate(self, resource: str, *containers: list[str]) -> Any:
+        msgs = protocol.messages()
+        request = msgs["AllocateRequest"](container_requests=[msgs["ContainerAllocateRequest"](devices_ids=ids)
+                                                              for ids in containers])
+        return await self.plugins[resource].stub.Allocate(request, timeout=5)
+
+    async def preferred(self, resource: str, available: list[str], must_include: list[str], size: int) -> list[str]:
+        msgs = protocol.messages()
+        request = msgs["PreferredAllocationRequest"](container_requests=[msgs["ContainerPreferredAllocationRequest"](
+            available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size)])
+        response = await self.plugins[resource].stub.GetPreferredAllocation(request, timeout=5)
+        return list(response.container_responses[0].deviceIDs)

@@ -1,0 +1,263 @@
+"""The device plugin (kubelet API v1beta1) against a kubelet double that speaks the real gRPC
+protocol on real unix sockets (tests/agent/kubelet_double.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+
+import grpc
+import grpc.aio
+import pytest
+
+from dynpart.agent.deviceplugin import protocol
+from dynpart.agent.deviceplugin.devices import (
+    DeviceListError,
+    GpuView,
+    MigDeviceView,
+    PluginDevice,
+    advertise,
+    check_exclusive,
+    container_allocation,
+)
+from dynpart.agent.deviceplugin.server import DevicePluginManager, socket_name
+from tests.agent.kubelet_double import KubeletDouble
+
+MIG_GPU = GpuView(index=0, uuid="GPU-0", memory_gb=80, mig_enabled=True, mig=(
+    MigDeviceView("1g.10gb", "MIG-a"), MigDeviceView("1g.10gb", "MIG-b"), MigDeviceView("3g.40gb", "MIG-c"),
+    MigDeviceView("1g.10gb+me", "MIG-d"), MigDeviceView("2g.20gb", None)))
+MPS_GPU = GpuView(index=1, uuid="GPU-1", memory_gb=80, mps=(10, 10, 20))
+WHOLE_GPU = GpuView(index=2, uuid="GPU-2", memory_gb=80)
+GPUS = [MIG_GPU, MPS_GPU, WHOLE_GPU]
+RESOURCES = {"nvidia.com/mig-1g.10gb": ["MIG-a", "MIG-b"], "nvidia.com/mig-3g.40gb": ["MIG-c"],
+             "nvidia.com/mig-1g.10gb.me": ["MIG-d"], "nvidia.com/gpu-10gb": ["GPU-1::0", "GPU-1::1"],
+             "nvidia.com/gpu-20gb": ["GPU-1::2"], "nvidia.com/gpu": ["GPU-2"]}
+
+
+@pytest.fixture
+def plugin_dir():
+    # short: a unix socket path must fit in 108 bytes (pytest's tmp_path may not)
+    d = tempfile.mkdtemp(prefix="dp-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+async def kubelet(plugin_dir):
+    async with KubeletDouble(plugin_dir) as k:
+        yield k
+
+
+@pytest.fixture
+async def plugins(plugin_dir):
+    async with DevicePluginManager(plugin_dir, poll_s=0.05, register_timeout_s=2) as m:
+        yield m
+
+
+# --- pure parts ---------------------------------------------------------------------------------
+
+
+def test_messages_round_trip():
+    m = protocol.messages()
+    r = m["ContainerAllocateResponse"](envs={"A": "1"}, annotations={"b": "2"},
+                                       mounts=[m["Mount"](host_path="/h", container_path="/c", read_only=True)])
+    back = m["ContainerAllocateResponse"].FromString(r.SerializeToString())
+    assert dict(back.envs) == {"A": "1"} and dict(back.annotations) == {"b": "2"} and back.mounts[0].read_only
+    req = m["RegisterRequest"](version="v1beta1", endpoint="x.sock", resource_name="nvidia.com/gpu",
+                               options=m["DevicePluginOptions"](get_preferred_allocation_available=True))
+    # field numbers as in api.proto: version=1, endpoint=2, resource_name=3, options=4 (its field 2)
+    assert req.SerializeToString() == b"\n\x07v1beta1\x12\x06x.sock\x1a\x0envidia.com/gpu\"\x02\x10\x01"
+
+
+def test_advertise_by_resource():
+    by = advertise(GPUS)
+    assert {r: [d.id for d in ds] for r, ds in by.items()} == RESOURCES
+    assert by["nvidia.com/gpu-20gb"][0].size_gb == 20 and by["nvidia.com/gpu-20gb"][0].gpu_uuid == "GPU-1"
+    withdrawn = advertise(GPUS, withdrawn={"MIG-b", "GPU-1::2", "GPU-2"})
+    assert [d.id for d in withdrawn["nvidia.com/mig-1g.10gb"]] == ["MIG-a"]
+    assert "nvidia.com/gpu-20gb" not in withdrawn and "nvidia.com/gpu" not in withdrawn
+
+
+def test_whole_and_sliced_never_both_in_a_list():
+    check_exclusive(advertise(GPUS))
+    for gpus in ([MIG_GPU, WHOLE_GPU], [MPS_GPU], [GpuView(index=3, uuid="GPU-3", memory_gb=40, mig_enabled=True)]):
+        by = advertise(gpus)
+        check_exclusive(by)
+        whole = {d.gpu_uuid for d in by.get("nvidia.com/gpu", [])}
+        sliced = {d.gpu_uuid for r, ds in by.items() if r != "nvidia.com/gpu" for d in ds}
+        assert not whole & sliced
+    bad = dict(advertise(GPUS))
+    bad["nvidia.com/gpu"] = [PluginDevice(id="GPU-1", kind="gpu", gpu_uuid="GPU-1", gpu_index=1)]
+    with pytest.raises(DeviceListError, match="both whole and sliced: GPU-1 "):
+        check_exclusive(bad)
+    with pytest.raises(DeviceListError, match="twice"):
+        check_exclusive({"nvidia.com/mig-1g.10gb": advertise([MIG_GPU])["nvidia.com/mig-1g.10gb"] * 2})
+    with pytest.raises(DeviceListError, match="sits under"):
+        check_exclusive({"nvidia.com/gpu": advertise([MIG_GPU])["nvidia.com/mig-3g.40gb"]})
+
+
+def test_container_allocation_mps_sums_per_gpu():
+    by = advertise([MPS_GPU, GpuView(index=4, uuid="GPU-4", memory_gb=40, mps=(10,))])
+    a = container_allocation(by["nvidia.com/gpu-10gb"], "/run/mps", "/mps")
+    assert a.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-1,GPU-4", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "GPU-1=20G,GPU-4=10G",
+                      "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PIPE_DIRECTORY": "/mps"}
+    assert [(m.host_path, m.container_path) for m in a.mounts] == [("/run/mps", "/mps")]
+
+
+# --- over gRPC ----------------------------------------------------------------------------------
+
+
+async def test_registers_every_resource(kubelet, plugins, plugin_dir):
+    await plugins.update(advertise(GPUS))
+    for resource, ids in RESOURCES.items():
+        seen = await kubelet.wait_registered(resource)
+        assert seen.ids == ids and all(h == "Healthy" for _, h in seen.devices)
+        assert seen.endpoint == socket_name(resource) and os.path.exists(os.path.join(plugin_dir, seen.endpoint))
+        assert seen.options.get_preferred_allocation_available and not seen.options.pre_start_required
+    assert {r.resource_name for r in kubelet.register_requests} == set(RESOURCES)
+    assert all(r.version == "v1beta1" and r.options.get_preferred_allocation_available for r in kubelet.register_requests)
+    assert socket_name("nvidia.com/mig-1g.10gb") == "dynpart-nvidia.com_mig-1g.10gb.sock"
+    assert kubelet.allocatable() == {r: len(ids) for r, ids in RESOURCES.items()}
+
+
+async def test_list_and_watch_follows_updates(kubelet, plugins, plugin_dir):
+    await plugins.update(advertise(GPUS))
+    for r in RESOURCES:
+        await kubelet.wait_registered(r)
+    # MPS re-planned: 4 x 10 GB on GPU 1 (the 20 GB slice goes away), MIG-b destroyed
+    mig = GpuView(index=0, uuid="GPU-0", memory_gb=80, mig_enabled=True, mig=MIG_GPU.mig[:1] + MIG_GPU.mig[2:])
+    await plugins.update(advertise([mig, GpuView(index=1, uuid="GPU-1", memory_gb=80, mps=(10, 10, 10, 10)), WHOLE_GPU]))
+    seen = await kubelet.wait_devices("nvidia.com/gpu-10gb", ["GPU-1::0", "GPU-1::1", "GPU-1::2", "GPU-1::3"])
+    assert seen.lists[0] == [("GPU-1::0", "Healthy"), ("GPU-1::1", "Healthy")]  # the full list at start
+    await kubelet.wait_devices("nvidia.com/mig-1g.10gb", ["MIG-a"])
+    gone = kubelet.plugins["nvidia.com/gpu-20gb"]
+    await kubelet.wait_for(lambda: gone.stream_task is not None and gone.stream_task.done())
+    assert gone.lists[-1] == []  # emptied before its server stopped
+    assert not os.path.exists(os.path.join(plugin_dir, socket_name("nvidia.com/gpu-20gb")))
+    assert "nvidia.com/gpu-20gb" not in kubelet.allocatable()
+    # an unchanged update sends nothing
+    before = {r: len(p.lists) for r, p in kubelet.plugins.items()}
+    await plugins.update(plugins.advertised())
+    await asyncio.sleep(0.2)
+    assert {r: len(p.lists) for r, p in kubelet.plugins.items()} == before
+
+
+async def test_allocate_mig_whole_and_mps(kubelet, plugins):
+    await plugins.update(advertise(GPUS))
+    for r in ("nvidia.com/mig-1g.10gb", "nvidia.com/gpu-10gb", "nvidia.com/gpu"):
+        await kubelet.wait_registered(r)
+    mig = await kubelet.allocate("nvidia.com/mig-1g.10gb", ["MIG-a"], ["MIG-b"])
+    assert [dict(c.envs) for c in mig.container_responses] == [{"NVIDIA_VISIBLE_DEVICES": "MIG-a"},
+                                                               {"NVIDIA_VISIBLE_DEVICES": "MIG-b"}]
+    whole = await kubelet.allocate("nvidia.com/gpu", ["GPU-2"])
+    assert dict(whole.container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": "GPU-2"}
+    mps = (await kubelet.allocate("nvidia.com/gpu-10gb", ["GPU-1::1"])).container_responses[0]
+    assert dict(mps.envs) == {"NVIDIA_VISIBLE_DEVICES": "GPU-1", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "GPU-1=10G",
+                              "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "12", "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps"}
+    assert [(m.host_path, m.container_path) for m in mps.mounts] == [("/tmp/nvidia-mps", "/tmp/nvidia-mps")]
+    pre = await kubelet.plugins["nvidia.com/gpu"].stub.PreStartContainer(protocol.messages()["PreStartContainerRequest"](
+        devices_ids=["GPU-2"]), timeout=5)
+    assert pre.ListFields() == []
+
+
+async def test_allocate_refuses_unknown_and_withdrawn_ids(kubelet, plugins):
+    await plugins.update(advertise(GPUS))
+    await kubelet.wait_registered("nvidia.com/mig-1g.10gb")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await kubelet.allocate("nvidia.com/mig-1g.10gb", ["MIG-a"], ["MIG-zz"])
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "unknown device id(s) MIG-zz" in e.value.details() and "nvidia.com/mig-1g.10gb" in e.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # a device of another resource is unknown here
+        await kubelet.allocate("nvidia.com/mig-1g.10gb", ["MIG-c"])
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    # withdrawn before the agent destroys it: no longer advertised, and refused
+    await plugins.withdraw("MIG-b")
+    await kubelet.wait_devices("nvidia.com/mig-1g.10gb", ["MIG-a"])
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await kubelet.allocate("nvidia.com/mig-1g.10gb", ["MIG-b"])
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "withdrawn" in e.value.details()
+    # the next pass still lists it (not destroyed yet): it stays withdrawn; readmit brings it back
+    await plugins.update(advertise(GPUS))
+    assert [d.id for d in plugins.advertised()["nvidia.com/mig-1g.10gb"]] == ["MIG-a"]
+    await plugins.readmit("MIG-b")
+    await kubelet.wait_devices("nvidia.com/mig-1g.10gb", ["MIG-a", "MIG-b"])
+
+
+async def test_preferred_allocation(kubelet, plugin_dir):
+    hints = {"nvidia.com/gpu-10gb": ["GPU-1::1"]}
+    async with DevicePluginManager(plugin_dir, poll_s=0.05, preferred=lambda r, avail, must, n: hints.get(r)) as plugins:
+        await plugins.update(advertise([MPS_GPU, GpuView(index=5, uuid="GPU-5", memory_gb=80, mps=(10, 10))]))
+        await kubelet.wait_registered("nvidia.com/gpu-10gb")
+        avail = ["GPU-5::1", "GPU-1::1", "GPU-1::0", "GPU-5::0"]
+        assert await kubelet.preferred("nvidia.com/gpu-10gb", avail, [], 1) == ["GPU-1::1"]  # the plan's slice
+        assert await kubelet.preferred("nvidia.com/gpu-10gb", avail, ["GPU-5::0"], 2) == ["GPU-5::0", "GPU-1::1"]
+        hints.clear()  # no hint: the available ones, in advertised order
+        assert await kubelet.preferred("nvidia.com/gpu-10gb", avail, [], 3) == ["GPU-1::0", "GPU-1::1", "GPU-5::0"]
+
+
+async def test_kubelet_restart_registers_again_within_2s(kubelet, plugins, plugin_dir):
+    await plugins.update(advertise(GPUS))
+    for r in RESOURCES:
+        await kubelet.wait_registered(r)
+    back_at = await kubelet.restart()  # kubelet.sock re-created, plugin sockets removed
+    for r in RESOURCES:
+        await kubelet.wait_registered(r, times=2, timeout_s=2)
+    took = max(kubelet.plugins[r].registered_at[-1] for r in RESOURCES) - back_at
+    print(f"re-registration of {len(RESOURCES)} resources took {took * 1000:.0f} ms after kubelet.sock came back")
+    assert took < 2.0
+    for r, ids in RESOURCES.items():  # served again, full list on the new stream
+        assert os.path.exists(os.path.join(plugin_dir, socket_name(r)))
+        await kubelet.wait_devices(r, ids)
+    assert (await kubelet.allocate("nvidia.com/mig-3g.40gb", ["MIG-c"])).container_responses[0].envs[
+        "NVIDIA_VISIBLE_DEVICES"] == "MIG-c"
+    # a second restart, this time only kubelet.sock re-created (plugin sockets left in place)
+    await kubelet.stop()
+    await kubelet.start()
+    start = time.monotonic()
+    await kubelet.wait_registered("nvidia.com/gpu", times=3, timeout_s=2)
+    assert time.monotonic() - start < 2.0
+
+
+async def test_registers_when_the_kubelet_comes_up_later(plugin_dir, plugins):
+    await plugins.update(advertise([WHOLE_GPU]))
+    await asyncio.sleep(0.2)  # no kubelet.sock yet: serving, not registered
+    assert plugins.servers["nvidia.com/gpu"].registrations == 0
+    async with KubeletDouble(plugin_dir) as kubelet:
+        seen = await kubelet.wait_registered("nvidia.com/gpu", timeout_s=2)
+        assert seen.ids == ["GPU-2"]
+
+
+async def test_never_advertised_whole_and_sliced_across_resources(kubelet, plugins):
+    sliced = {"GPU-0": {"MIG-a", "MIG-b", "MIG-c", "MIG-d"}}
+
+    def gpu_of(device_id: str) -> str:
+        return next((g for g, ids in sliced.items() if device_id in ids), device_id.split("::", 1)[0])
+
+    await plugins.update(advertise(GPUS))
+    await kubelet.wait_registered("nvidia.com/gpu")
+    # a bad list is refused whole: nothing changes
+    bad = dict(advertise(GPUS))
+    bad["nvidia.com/gpu"] = [*bad["nvidia.com/gpu"], PluginDevice(id="GPU-1", kind="gpu", gpu_uuid="GPU-1", gpu_index=1)]
+    with pytest.raises(DeviceListError):
+        await plugins.update(bad)
+    assert [d.id for d in plugins.advertised()["nvidia.com/gpu"]] == ["GPU-2"]
+    # GPU 2: whole -> MPS slices -> whole; GPU 1: MPS -> whole; GPU 0: MIG -> whole
+    steps = [[MIG_GPU, MPS_GPU, GpuView(index=2, uuid="GPU-2", memory_gb=80, mps=(40, 40))],
+             [MIG_GPU, GpuView(index=1, uuid="GPU-1", memory_gb=80), GpuView(index=2, uuid="GPU-2", memory_gb=80, mps=(40, 40))],
+             [GpuView(index=0, uuid="GPU-0", memory_gb=80), GpuView(index=1, uuid="GPU-1", memory_gb=80), WHOLE_GPU]]
+    for gpus in steps:
+        await plugins.update(advertise(gpus))
+        check_exclusive(plugins.advertised())
+    await kubelet.wait_devices("nvidia.com/gpu", ["GPU-0", "GPU-1", "GPU-2"])
+    await asyncio.sleep(0.2)
+    # replay what the kubelet received, in order: at no moment is a GPU both whole and sliced
+    current: dict[str, list[str]] = {}
+    for _, resource, ids in kubelet.events:
+        current[resource] = ids
+        whole = set(current.get("nvidia.com/gpu", []))
+        parts = {gpu_of(i) for r, v in current.items() if r != "nvidia.com/gpu" for i in v}
+        assert not whole & parts, f"after {resource} -> {ids}: {sorted(whole & parts)} whole and sliced"
+    assert len(kubelet.events) >= 10
