@@ -23,7 +23,7 @@ from kubernetes_asyncio import client
 
 from dynpart.kube.client import Obj, api_client, raw_api, read_json
 from dynpart.kube.conventions import AGENT_COMPONENT
-from dynpart.kube.errors import APIError, APINotFoundError, api_errors
+from dynpart.kube.errors import APIConflictError, APIError, APINotFoundError, api_errors
 from dynpart.kube.events import post_event
 from dynpart.kube.patching import MERGE_PATCH, patch_node_annotations, patch_node_labels
 from dynpart.kube.watching import Informer
@@ -249,10 +249,15 @@ class KubeConfigStore:
                 await raw_api(self._v1).patch_namespaced_config_map(self.name, self.namespace, body,
                                                                      _content_type=MERGE_PATCH)
         except APINotFoundError:
-            with api_errors(f"create configmap {self.namespace}/{self.name}"):
-                await raw_api(self._v1).create_namespaced_config_map(
-                    self.namespace, {"apiVersion": "v1", "kind": "ConfigMap",
-                                     "metadata": {"name": self.name, "namespace": self.namespace}, **body})
+            try:
+                with api_errors(f"create configmap {self.namespace}/{self.name}"):
+                    await raw_api(self._v1).create_namespaced_config_map(
+                        self.namespace, {"apiVersion": "v1", "kind": "ConfigMap",
+                                         "metadata": {"name": self.name, "namespace": self.namespace}, **body})
+            except APIConflictError:  # another node's agent created it first: add our key to it
+                with api_errors(f"patch configmap {self.namespace}/{self.name}"):
+                    await raw_api(self._v1).patch_namespaced_config_map(self.name, self.namespace, body,
+                                                                         _content_type=MERGE_PATCH)
         self._written[name] = time.monotonic()
 
     async def visible(self, name: str, content: str) -> bool:

@@ -304,14 +304,19 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
 
 def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], catalog: Catalog,
                    exclude_nodes: AbstractSet[str] = frozenset(), exclude_pods: AbstractSet[str] = frozenset(),
-                   ) -> ClusterView:
+                   reserved: Mapping[str, str] | None = None) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
-    nodes) are left out of this round."""
+    nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
+    applied, not bound yet) is counted on its node as if bound, so the slice made for it is
+    neither destroyed nor planned for another pod, and it is not planned again."""
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
+    reserved = reserved or {}
     for pod in pods:
         n = _field(pod, "spec", "nodeName")
+        if not (isinstance(n, str) and n):
+            n = reserved.get(pod_key(pod))
         if isinstance(n, str) and n:
             by_node.setdefault(n, []).append(pod)
     views: list[Node] = []
@@ -342,7 +347,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     candidates: dict[str, dict[str, Any]] = {}
     for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
         try:
-            if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods:
+            if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods or pod_key(pod) in reserved:
                 continue
             pending.append(pending_pod(pod))
             candidates[pod_key(pod)] = pod

@@ -35,7 +35,7 @@ from dynpart.kube.conventions import (
 )
 from dynpart.kube.errors import APIConflictError, APIError
 from dynpart.kube.patching import patch_node_annotations
-from dynpart.kube.recording import EventRecorder, posting_to
+from dynpart.kube.recording import EventRecorder, QueuedPoster, posting_to
 from dynpart.kube.watching import Informer, object_key
 from dynpart.planner import metrics
 from dynpart.planner.batching import BatchWindow
@@ -92,9 +92,11 @@ class PlannerController:
         self.in_flight: dict[str, InFlight] = {}
         self.wake = asyncio.Event()
         self.leading = asyncio.Event()
-        self.events = EventRecorder(posting_to(self.core, PLANNER_COMPONENT), settings.kube)
+        # posted in the background: a round placing hundreds of pods must not wait for the API server
+        self.events = EventRecorder(QueuedPoster(posting_to(self.core, PLANNER_COMPONENT)), settings.kube)
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
+        self.reserved: dict[str, tuple[str, float]] = {}  # pod -> (node, until): planned, applied, not bound
         self._ids = itertools.count(1)
         self._last_round = 0.0
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
@@ -119,6 +121,9 @@ class PlannerController:
         ann = node["metadata"].get("annotations") or {}
         if flight is not None and ann.get(STATUS_PLAN) == flight.plan_id:
             del self.in_flight[name]
+            until = time.monotonic() + self.settings.reservation_s
+            for key in flight.pods:  # their slices exist now: theirs until the scheduler binds them
+                self.reserved[key] = (name, until)
             metrics.PLAN_ACKS.inc()
             metrics.PLAN_ACK_SECONDS.observe(time.monotonic() - flight.sent_at)
             log.info("plan acknowledged", extra={"fields": {"node": name, "plan": flight.plan_id,
@@ -263,6 +268,19 @@ class PlannerController:
                 "node": name, "plan": (node["metadata"].get("annotations") or {}).get(SPEC_PLAN),
                 "term": self.leadership.term}})
 
+    def _reservations(self) -> dict[str, str]:
+        """The reservations still standing: pod -> node. One ends when its pod is bound (or gone)
+        or after reservation_s; the pod is then planned like any other if it still waits."""
+        now = time.monotonic()
+        out: dict[str, str] = {}
+        for key, (node, until) in list(self.reserved.items()):
+            pod = self.pods.cache.get(key)
+            if pod is None or (pod.get("spec") or {}).get("nodeName") or now > until:
+                del self.reserved[key]
+            else:
+                out[key] = node
+        return out
+
     def _new_plan_id(self) -> str:
         return f"{int(time.time() * 1000):x}-{next(self._ids)}"
 
@@ -272,7 +290,7 @@ class PlannerController:
         awaiting = self._awaiting_from_annotations()
         await self._adopt()
         held_pods = set().union(*(f.pods for f in self.in_flight.values())) if self.in_flight else set()
-        view = build_snapshot(nodes, pods, self.catalog, awaiting, held_pods)
+        view = build_snapshot(nodes, pods, self.catalog, awaiting, held_pods, self._reservations())
         snapshot = view.snapshot
         for obj, message in view.problems:
             metrics.PLAN_ERRORS.labels("bad_object").inc()

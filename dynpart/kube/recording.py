@@ -9,6 +9,8 @@ memory is bounded however many objects come and go."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -20,6 +22,8 @@ from dynpart.kube.client import Obj
 from dynpart.kube.events import object_reference, post_event
 from dynpart.settings import KubeSettings
 
+log = logging.getLogger(__name__)
+
 # post(obj, reason, message, warning): the bare posting, e.g. `posting_to(core, component)`.
 PostEvent = Callable[[Obj, str, str, bool], Awaitable[None]]
 
@@ -29,6 +33,44 @@ def posting_to(core: client.CoreV1Api, component: str) -> PostEvent:
     async def post(obj: Obj, reason: str, message: str, warning: bool) -> None:
         await post_event(core, obj, reason, message, component, warning)
     return post
+
+
+class QueuedPoster:
+    """Posts Events from a bounded queue with a few concurrent workers (client-go's recorder
+    does the same): a controller never waits for the API server to take an Event, so a round
+    that places hundreds of pods does not stall planning. When the queue is full the Event is
+    dropped (counted in `dropped`): Events are advice, the plan is what matters."""
+
+    def __init__(self, post: PostEvent, workers: int = 4, maxsize: int = 10_000):
+        self._post = post
+        self._workers = workers
+        self._queue: asyncio.Queue[tuple[Obj, str, str, bool]] = asyncio.Queue(maxsize)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.dropped = 0
+
+    async def __call__(self, obj: Obj, reason: str, message: str, warning: bool) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._work(), name=f"events-{i}") for i in range(self._workers)]
+        try:
+            self._queue.put_nowait((obj, reason, message, warning))
+        except asyncio.QueueFull:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("event queue full: %d Events dropped so far", self.dropped)
+
+    async def _work(self) -> None:
+        while True:
+            item = await self._queue.get()
+            try:
+                await self._post(*item)
+            except Exception as e:  # an Event that cannot be posted is logged, never fatal
+                log.warning("could not post Event %s: %s", item[1], e)
+            finally:
+                self._queue.task_done()
+
+    async def drain(self) -> None:
+        """Wait until every queued Event is posted (tests, shutdown)."""
+        await self._queue.join()
 
 
 @dataclass(frozen=True)

@@ -121,3 +121,22 @@ async def test_a_leader_that_cannot_prove_it_leads_writes_nothing(make):
     c.leadership = Lead(term=3)
     await c.plan_round()
     assert [n for n, _ in c.written] == ["n1"] and c.written[0][1][SPEC_TERM] == "3"
+
+
+def test_a_reserved_pod_keeps_the_slice_made_for_it_until_it_is_bound():
+    """After its node acknowledged the plan, a pod waits for the scheduler: the free slice made for
+    it is counted as its (not destroyed, not given away) and the pod is not planned again."""
+    free = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
+        MigInstance(profile="3g.40gb", start=0)])]), "p1")
+    n1 = node("n1", annotations=free)
+    waiting = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+    other = pod("b", {"nvidia.com/mig-7g.80gb": "1"}, nodeSelector={"kubernetes.io/hostname": "n1"})
+    n1["metadata"]["labels"]["kubernetes.io/hostname"] = "n1"
+    view = build_snapshot([n1], [waiting, other], CAT, reserved={"ml/a": "n1"})
+    assert [p.name for p in view.snapshot.pending] == ["ml/b"]
+    assert view.snapshot.nodes[0].gpus[0].mig[0].used, "the slice made for ml/a is protected"
+    result = plan(view.snapshot, view.catalog)
+    assert all(g.destroyed == 0 for layout in result.layouts for g in layout.gpus if g.index == 0)
+    # without the reservation, ml/a would be planned again and the 7g pod would take GPU 0 or 1
+    again = build_snapshot([n1], [waiting, other], CAT)
+    assert sorted(p.name for p in again.snapshot.pending) == ["ml/a", "ml/b"]

@@ -73,3 +73,27 @@ async def test_memory_is_bounded_least_recently_recorded_forgotten_first():
     for i in range(1000):
         await rec.record(pod(f"p{i}"), "R", "m")
     assert len(rec) == 3
+
+
+async def test_queued_posting_never_makes_the_caller_wait():
+    import asyncio
+
+    from dynpart.kube.recording import QueuedPoster
+
+    gate = asyncio.Event()
+    posted: list[str] = []
+
+    async def slow_post(obj, reason, message, warning):
+        await gate.wait()  # the API server is slow
+        posted.append(message)
+
+    poster = QueuedPoster(slow_post, workers=2, maxsize=3)
+    for i in range(5):
+        await asyncio.wait_for(poster({"kind": "Pod", "metadata": {"name": f"p{i}"}}, "R", f"m{i}", False), 0.1)
+    await asyncio.sleep(0)  # the workers take the first two; three wait in the queue
+    assert posted == [] and poster.dropped == 0
+    await poster({"kind": "Pod", "metadata": {"name": "p5"}}, "R", "m5", False)
+    assert poster.dropped == 1  # the queue was full: dropped, not waited for
+    gate.set()
+    await poster.drain()
+    assert sorted(posted) == ["m0", "m1", "m2", "m3", "m4"]
