@@ -1,5 +1,6 @@
-"""The built-in synthetic workload: a seeded pod trace and the clusters it runs on when no trace or
-cluster is given (`dynpart bench packing` and `dynpart simulate` without --trace)."""
+"""The synthetic openb-like trace: a seeded pod list and the clusters it runs on when no trace or
+cluster is given to `dynpart bench packing` (and small clusters for the replay tests).
+`dynpart simulate` without --trace replays the built-in workload of `workloads` instead."""
 
 from __future__ import annotations
 
@@ -52,6 +53,6 @@ def synthetic_trace(n_pods: int = 900, seed: int = 0, span_s: int = 6 * 3600) ->
 
 
 def synthetic_mig_cluster(nodes: int = 2) -> ClusterSpec:
-    """The replay demo cluster: `nodes` x 8 H100-80GB in MIG mode, 224 CPUs and 2 TiB each."""
+    """A small replay cluster: `nodes` x 8 H100-80GB in MIG mode, 224 CPUs and 2 TiB each."""
     return ClusterSpec("<synthetic MIG cluster>", tuple(
         NodeSpec(f"synth-h100-{i:02d}", 224_000, 2 << 20, 8, "H100-80GB", "mig") for i in range(nodes)))

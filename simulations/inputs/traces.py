@@ -36,6 +36,9 @@ class TracePod:
     creation_time: int | None = None
     deletion_time: int | None = None
     line: int = 0
+    # the slice asked for by name, when the workload names it (generated workloads): a MIG profile
+    # such as "2g.20gb" or an MPS size such as "20gb"; empty: derived from gpu_milli (traces)
+    slice_name: str = ""
 
     @property
     def gpu_demand(self) -> int:

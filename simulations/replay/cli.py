@@ -1,13 +1,22 @@
-"""`dynpart simulate`: replay a pod trace over time on a MIG or MPS cluster.
+"""`dynpart simulate`: replay pods over time on a MIG or MPS cluster, dynpart against nos and
+the best static layout.
 
-Pods arrive at their trace creation time (optionally compressed, for more load) and leave
-after their recorded duration; waiting pods are planned every --window seconds by the same
-`plan()` the controller calls, with the chosen policy (dynpart, nos, static), and start once
-their slices exist (a MIG instance created or destroyed costs --mig-delay seconds, an MPS
-configuration change --mps-delay). Prints pending-time percentiles, placements,
-reconfigurations and the used slices disrupted (always 0 for a correct planner) per policy.
-Without --trace it replays a small built-in synthetic workload so that a first run shows a
-result at once.
+Pods arrive at their creation time (a trace's optionally compressed, for more load) and leave
+after their run time; waiting pods are planned every --window seconds by the same `plan()` the
+controller calls, with each policy (dynpart, nos, static), and start once their slices exist (a
+MIG instance created or destroyed costs --mig-delay seconds, an MPS configuration change
+--mps-delay). Prints pending-time mean and percentiles, placements, reconfigurations and the
+used slices disrupted (always 0 for a correct planner) per policy, and how much shorter
+dynpart's waits are.
+
+Without --trace it replays the built-in workload: a seeded inference-and-training fleet on a
+small H100 cluster, a MIG part (pods asking for 1g.10gb ... 7g.80gb) and an MPS part (pods
+asking for 10/20/40 GB), Poisson arrivals, log-normal run times. Give your own parameters with
+--workload key=value,... or --workload FILE.yaml.
+
+The static policy is the best standard layout for the workload: every layout of mig-parted's
+standard set (all-balanced, all-<profile>; MPS: mps-1/2/4/8) is replayed and the one with the
+lowest mean pending time is reported, named; --static-geometry forces one.
 """
 
 from __future__ import annotations
@@ -16,40 +25,76 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import replace
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from typing import Any
 
-from dynpart.catalog import Catalog, load_catalog
+from dynpart.catalog import Catalog, GpuModel, load_catalog
+from dynpart.errors import DynpartError
 from dynpart.simulations.errors import SimulationError
-from dynpart.simulations.inputs import command_line
-from dynpart.simulations.inputs.synthetic import synthetic_mig_cluster
+from dynpart.simulations.inputs import command_line, workloads
+from dynpart.simulations.inputs.cluster_spec import ClusterSpec
+from dynpart.simulations.inputs.traces import PodTrace
 from dynpart.simulations.replay.engine import REPLAY_POLICIES, ReplayOptions, ReplayResult, run_replay
-from dynpart.simulations.replay.mapping import RULES, static_layout
-from dynpart.simulations.replay.summary import gpu_waits, summary
+from dynpart.simulations.replay.mapping import RULES, static_candidates, static_fits, static_layout
+from dynpart.simulations.replay.summary import best_static, change_pct, gpu_waits, summary
 from dynpart.simulations.reporting import plots, report
 from dynpart.simulations.reporting.progress import Progress
 
 DEFAULT_CLUSTER = "8x8xH100-80GB"
-SYNTHETIC_PODS = 200
+_COST = {"nos": 0, "dynpart": 1, "static": 2}  # slowest first, to keep the processes busy
+
+
+@dataclass
+class Part:
+    """What one replay is run on: a trace, or one part of the built-in workload."""
+
+    name: str  # "trace", or the workload part ("mig", "mps")
+    trace: PodTrace
+    cluster: ClusterSpec
+    model: GpuModel
+    mode: str
+    statics: list[str]  # static geometries to replay (several: the best is reported)
+    forced: bool  # --static-geometry chose the one static layout
+    offered_load: float | None = None
+    note: str = ""
+
+    @property
+    def title(self) -> str:
+        return "trace" if self.name == "trace" else f"{self.name.upper()} part"
+
+
+@dataclass
+class Job:
+    part: int
+    opts: ReplayOptions
+    geometry: str | None  # static layout name
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     d = ReplayOptions()
-    p = sub.add_parser("simulate", help="replay a pod trace over time on a MIG/MPS cluster (dynpart, nos, static)",
+    p = sub.add_parser("simulate", help="replay pods over time on a MIG/MPS cluster: dynpart, nos, best static layout",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", metavar="CSV", help="openb pod list with creation/deletion times "
-                   "(default: a built-in synthetic workload)")
+                   "(default: the built-in workload)")
+    p.add_argument("--workload", metavar="K=V,...|YAML",
+                   help="the built-in workload's parameters, e.g. seed=7,pods=2000,rate=5,mix=1g.10gb:50,7g.80gb:5 "
+                        "(a piece without '=' continues the previous value), or a YAML file of them. Keys: "
+                        + workloads.keys_help())
     p.add_argument("--cluster", metavar="YAML|NxGxMODEL",
-                   help=f"cluster file or inline spec (default {DEFAULT_CLUSTER}; without --trace, 2 nodes x 8 "
-                        "H100-80GB with 224 CPUs)")
-    p.add_argument("--mode", choices=["mig", "mps"], help="override the cluster's partitioning mode")
+                   help=f"with --trace: cluster file or inline spec (default {DEFAULT_CLUSTER}); the built-in "
+                        "workload sets its own (--workload nodes=...,mps_nodes=...,gpus_per_node=...,gpu_model=...)")
+    p.add_argument("--mode", choices=["mig", "mps"], help="with --trace: override the cluster's partitioning mode; "
+                   "with the built-in workload: replay only that part")
     p.add_argument("--policy", default=",".join(REPLAY_POLICIES),
                    help="dynpart, nos, static, or several separated by commas (default: all three)")
-    p.add_argument("--static-geometry", default="all-balanced", metavar="NAME",
-                   help="static policy: all-balanced, all-<profile> (e.g. all-7g, all-1g.10gb), "
-                        "profile:count,... or, in mps mode, mps-N (default all-balanced)")
+    p.add_argument("--static-geometry", metavar="NAME",
+                   help="force the static layout: all-balanced, all-<profile> (e.g. all-7g, all-1g.10gb), "
+                        "profile:count,... or, in mps mode, mps-N (default: the best of the standard layouts "
+                        "for the workload, by mean pending time; with the built-in workload it applies to the "
+                        "part of its mode)")
     p.add_argument("--mapping", choices=RULES, default=d.mapping,
-                   help="gpu_milli to MIG profile: smallest profile with at least that compute (default) or "
+                   help="trace gpu_milli to MIG profile: smallest profile with at least that compute (default) or "
                         "memory share")
     p.add_argument("--compress", type=float, default=d.compress,
                    help="divide arrival times by this (durations kept): more load on the same cluster (default 1)")
@@ -67,7 +112,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"seconds per priority level with --fairness age (default {d.aging_s:g})")
     p.add_argument("--time-limit", type=float, default=d.time_limit_s,
                    help=f"planner exact-search budget per plan, deterministic seconds (default {d.time_limit_s:g})")
-    p.add_argument("--jobs", type=int, default=command_line.default_jobs(), help="policies run in parallel processes "
+    p.add_argument("--jobs", type=int, default=command_line.default_jobs(), help="replays run in parallel processes "
                    "(default: CPU count)")
     p.add_argument("--out", metavar="DIR", help="write summary.json, steps.csv, pods.csv and PNG plots there")
     p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
@@ -79,6 +124,55 @@ def _one(args: tuple) -> ReplayResult:
     return run_replay(pods, spec, catalog, opts)
 
 
+def _statics(forced: str | None, model: GpuModel, mode: str) -> list[str]:
+    names = [forced] if forced else static_candidates(model, mode)
+    for n in names:
+        static_layout(n, model, mode)  # a bad name is an error before anything runs
+    return names
+
+
+def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tuple[list[Part], Any]:
+    """The parts to replay, and the workload's parameters (None for a trace)."""
+    forced = args.static_geometry
+    if args.trace:
+        if args.workload:
+            raise SimulationError("give either --trace or --workload (the built-in workload's parameters), not both")
+        data = command_line.load(args.trace, None, args.cluster, catalog, default_cluster=DEFAULT_CLUSTER)
+        if not data.trace.has_times:
+            raise SimulationError(f"{data.trace.path}: no creation_time/deletion_time columns; replay needs them "
+                                  "(the multigpu files have only 5 columns: use them with `dynpart bench packing`)")
+        gpu_nodes = [n for n in data.cluster.nodes if n.gpus]
+        if not gpu_nodes:
+            raise SimulationError(f"{data.cluster.source}: the cluster has no GPU nodes")
+        try:
+            model = catalog.resolve(gpu_nodes[0].model, where=f"{data.cluster.source}: gpu_model")
+        except DynpartError as e:
+            raise SimulationError(str(e)) from None
+        mode = args.mode or gpu_nodes[0].mode
+        statics = _statics(forced, model, mode) if want_static else []
+        return [Part("trace", data.trace, data.cluster, model, mode, statics, bool(forced),
+                     note=data.describe())], None
+    if args.cluster:
+        raise SimulationError("--cluster goes with --trace; the built-in workload sets its own cluster "
+                              "(--workload nodes=N,mps_nodes=M,gpus_per_node=G,gpu_model=MODEL)")
+    spec = workloads.read_workload(args.workload)
+    generated = [w for w in workloads.generate(spec, catalog) if args.mode in (None, w.name)]
+    if not generated:
+        raise SimulationError(f"--mode {args.mode}: the workload has no {args.mode.upper()} part "
+                              f"({'pods' if args.mode == 'mig' else 'mps_pods'}=0)")
+    if forced and want_static and not any(static_fits(forced, w.name) for w in generated):
+        raise SimulationError(f"--static-geometry {forced}: not a layout of the "
+                              f"{'/'.join(w.name.upper() for w in generated)} part(s) replayed")
+    model = catalog.resolve(spec.gpu_model)
+    parts = []
+    for w in generated:
+        mine = forced if forced and static_fits(forced, w.name) else None
+        statics = _statics(mine, model, w.name) if want_static else []
+        parts.append(Part(w.name, w.trace, w.cluster, model, w.name, statics, bool(mine), w.offered_load,
+                          w.describe()))
+    return parts, spec
+
+
 def run(args: argparse.Namespace) -> int:
     catalog: Catalog = load_catalog(args.catalog)
     policies = [s.strip() for s in args.policy.split(",") if s.strip()]
@@ -87,96 +181,205 @@ def run(args: argparse.Namespace) -> int:
         raise SimulationError(f"--policy {args.policy!r}: expected some of {', '.join(REPLAY_POLICIES)}")
     if args.jobs < 1:
         raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
-    data = command_line.load(args.trace, None, args.cluster, catalog,
-                       default_cluster=DEFAULT_CLUSTER if args.trace else synthetic_mig_cluster(),
-                       synthetic_pods=SYNTHETIC_PODS)
-    if not data.trace.has_times:
-        raise SimulationError(f"{data.trace.path}: no creation_time/deletion_time columns; replay needs them "
-                              "(the multigpu files have only 5 columns: use them with `dynpart bench packing`)")
-    base = ReplayOptions(mode=args.mode, mapping=args.mapping, compress=args.compress, window_s=args.window,
-                         mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay, plan_pods=args.plan_pods,
-                         time_limit_s=args.time_limit, aging_s=args.aging, fairness=args.fairness)
+    base = ReplayOptions(mode=args.mode if args.trace else None, mapping=args.mapping, compress=args.compress,
+                         window_s=args.window, mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay,
+                         plan_pods=args.plan_pods, time_limit_s=args.time_limit, aging_s=args.aging,
+                         fairness=args.fairness)
     base.check()
-    gpu_nodes = [n for n in data.cluster.nodes if n.gpus]
-    if not gpu_nodes:
-        raise SimulationError(f"{data.cluster.source}: the cluster has no GPU nodes")
-    model = catalog.resolve(gpu_nodes[0].model, where=f"{data.cluster.source}: gpu_model")
-    mode = args.mode or gpu_nodes[0].mode
-    layout = tuple(static_layout(args.static_geometry, model, mode).items()) if "static" in policies else ()
-    jobs = [replace(base, policy=p, static_layout=layout if p == "static" else ()) for p in policies]
+    parts, spec = _parts(args, catalog, "static" in policies)
+    jobs: list[Job] = []
+    for k, part in enumerate(parts):
+        for p in policies:
+            if p == "static":
+                jobs.extend(Job(k, replace(base, policy=p, static_layout=tuple(static_layout(g, part.model,
+                                                                                           part.mode).items())), g)
+                            for g in part.statics)
+            else:
+                jobs.append(Job(k, replace(base, policy=p), None))
     if not args.json:
-        print(data.describe(), file=sys.stderr)
+        for part in parts:
+            print(part.note, file=sys.stderr)
+        statics = sum(len(p.statics) for p in parts if not p.forced)
+        if statics:
+            print(f"static: replaying {statics} standard layouts to report the best", file=sys.stderr)
     t0 = time.perf_counter()
-    results: list[ReplayResult]
-    if args.jobs > 1 and len(jobs) > 1:
-        prog = Progress("simulate", len(jobs))
-        with ProcessPoolExecutor(max_workers=min(args.jobs, len(jobs))) as pool:
-            futures = [pool.submit(_one, (data.trace.pods, data.cluster, catalog, j)) for j in jobs]
-            results = []
-            for f in futures:
-                results.append(f.result())
-                prog.update(len(results), f"{results[-1].policy} done ({results[-1].wall_s:.0f}s)")
-        prog.close()
-    else:
-        results = []
-        for j in jobs:
-            bar = Progress(f"simulate {j.policy}", 1)
-
-            def tick(done: float, total: float, _b: Progress = bar) -> None:
-                _b.total = max(1, int(total))
-                _b.update(int(done))
-
-            results.append(run_replay(data.trace.pods, data.cluster, catalog, j, tick))
-            bar.close()
+    results = _run_jobs(jobs, parts, catalog, args.jobs)
     wall = time.perf_counter() - t0
-    summaries = [summary(r) for r in results]
-    for s, r in zip(summaries, results):
-        if r.policy == "static":
-            s["static_geometry"] = args.static_geometry
-    doc = {
-        "trace": data.trace.path, "cluster": data.cluster.source, "cluster_description": data.cluster.describe(),
-        "mode": results[0].mode, "mapping": args.mapping, "compress": args.compress, "window_s": args.window,
+    docs = [_part_doc(k, part, jobs, results) for k, part in enumerate(parts)]
+    doc: dict[str, Any] = {
+        "workload": None if spec is None else spec.model_dump(),
+        "workload_inline": None if spec is None else spec.inline(),
+        "trace": args.trace, "mapping": args.mapping, "compress": args.compress, "window_s": args.window,
         "mig_op_delay_s": args.mig_delay, "mps_switch_delay_s": args.mps_delay, "plan_pods": args.plan_pods,
         "fairness": args.fairness, "aging_s": args.aging, "time_limit_s": args.time_limit,
-        "trace_rows": {"read": data.trace.rows, "used": len(data.trace.pods), "ignored": 0},
-        "policies": summaries, "wall_s": round(wall, 2),
+        "static_geometry": args.static_geometry,
+        "static_choice_rule": "unless --static-geometry forces one for the part's mode: the standard layout with "
+                              "the lowest mean pending time (then p95, then pods never placed)",
+        "parts": [d for d, _ in docs], "wall_s": round(wall, 2),
     }
     if args.out:
-        _write(report.out_dir(args.out), results, doc, data.trace_name or "synthetic workload")
+        title = "built-in workload" if spec is not None else parts[0].trace.path.rsplit("/", 1)[-1]
+        _write(report.out_dir(args.out), parts, docs, doc, title)
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(_table(summaries))
+        print(_table(doc["parts"]))
+        comparison = _comparison(doc["parts"])
+        if comparison:
+            print()
+            print(comparison)
+        for line in _static_lines(doc["parts"]):
+            print(line)
         if args.out:
-            print(f"wrote {args.out}/summary.json, steps.csv, pods.csv, timeline.png, pending_cdf.png")
+            print(f"wrote {args.out}/summary.json, steps.csv, pods.csv, pending_bars.png, pending_cdf.png, timeline.png")
     return 0
 
 
-def _table(summaries: list[dict]) -> str:
+def _run_jobs(jobs: list[Job], parts: list[Part], catalog: Catalog, n_proc: int) -> list[ReplayResult]:
+    if n_proc > 1 and len(jobs) > 1:
+        order = sorted(range(len(jobs)), key=lambda i: (_COST[jobs[i].opts.policy], i))
+        out: dict[int, ReplayResult] = {}
+        prog = Progress("simulate", len(jobs))
+        with ProcessPoolExecutor(max_workers=min(n_proc, len(jobs))) as pool:
+            futures = {pool.submit(_one, (parts[jobs[i].part].trace.pods, parts[jobs[i].part].cluster, catalog,
+                                          jobs[i].opts)): i for i in order}
+            for f in as_completed(futures):
+                i = futures[f]
+                out[i] = f.result()
+                prog.update(len(out), f"{parts[jobs[i].part].name} {_label(jobs[i])} done ({out[i].wall_s:.0f}s)")
+        prog.close()
+        return [out[i] for i in range(len(jobs))]
+    results = []
+    for j in jobs:
+        bar = Progress(f"simulate {parts[j.part].name} {_label(j)}", 1)
+
+        def tick(done: float, total: float, _b: Progress = bar) -> None:
+            _b.total = max(1, int(total))
+            _b.update(int(done))
+
+        results.append(run_replay(parts[j.part].trace.pods, parts[j.part].cluster, catalog, j.opts, tick))
+        bar.close()
+    return results
+
+
+def _label(j: Job) -> str:
+    return j.opts.policy if j.geometry is None else f"static ({j.geometry})"
+
+
+def _part_doc(k: int, part: Part, jobs: list[Job], results: list[ReplayResult]) -> tuple[dict, list[ReplayResult]]:
+    """The part's summary and the runs it shows (every policy; of the static layouts, the best)."""
+    mine = [(j, r) for j, r in zip(jobs, results) if j.part == k]
+    # pods never placed wait until the end of the part's longest run, the same for every policy
+    horizon = max(r.end_time for _, r in mine)
+    statics = [(j.geometry or "", summary(r, horizon), r) for j, r in mine if j.geometry is not None]
+    best = best_static([(g, s) for g, s, _ in statics]) if statics else None
+    shown: list[ReplayResult] = []
+    summaries: list[dict] = []
+    static_done = False
+    for j, r in mine:
+        if j.geometry is not None:
+            if static_done or best is None:
+                continue
+            static_done = True
+            g, s, r = statics[best]
+            s["static_geometry"] = g
+            s["static_choice"] = "forced" if part.forced else f"best of {len(statics)} standard layouts"
+        else:
+            s = summary(r, horizon)
+        summaries.append(s)
+        shown.append(r)
+    doc: dict[str, Any] = {
+        "part": part.name, "trace": part.trace.path, "cluster": part.cluster.source,
+        "cluster_description": part.cluster.describe(), "mode": part.mode,
+        "offered_load_pct": None if part.offered_load is None else round(100 * part.offered_load, 1),
+        "never_placed_wait_until_s": round(horizon, 1),
+        "trace_rows": {"read": part.trace.rows, "used": len(part.trace.pods), "ignored": 0},
+        "policies": summaries,
+    }
+    if best is not None:
+        doc["best_static"] = statics[best][0]
+        doc["static_candidates"] = [
+            {"geometry": g, "mean_pending_s": s["pending_s"]["mean"], "p95_pending_s": s["pending_s"]["p95"],
+             "placed": s["placed"], "never_placed": s["never_placed"], "allocation_mean_pct": s["allocation_mean_pct"]}
+            for g, s, _ in statics]
+    ours = next((s for s in summaries if s["policy"] == "dynpart"), None)
+    if ours is not None:
+        doc["dynpart_vs"] = {
+            _name(s): {"mean_pending_change_pct": change_pct(ours["pending_s"]["mean"], s["pending_s"]["mean"]),
+                       "p95_pending_change_pct": change_pct(ours["pending_s"]["p95"], s["pending_s"]["p95"])}
+            for s in summaries if s is not ours}
+    return doc, shown
+
+
+def _name(s: dict) -> str:
+    return s["policy"] + (f" ({s['static_geometry']})" if "static_geometry" in s else "")
+
+
+def _table(parts: list[dict]) -> str:
+    several = len(parts) > 1
     rows = []
-    for s in summaries:
-        ps = s["pending_s"]
-        rows.append((s["policy"] + (f" ({s['static_geometry']})" if "static_geometry" in s else ""),
-                     s["gpu_pods"], s["placed"], s["never_placed"], s["failed"], ps["p50"], ps["p95"], ps["p99"],
-                     s["reconfigurations"], s["gpus_touched"], s["used_slices_disrupted"],
-                     f"{s['allocation_mean_pct']:.1f}%", f"{s['wall_s']:.1f}"))
-    return report.table(["policy", "GPU pods", "placed", "never", "failed", "p50 s", "p95 s", "p99 s",
-                         "reconfigs", "GPUs touched", "disrupted", "alloc mean", "wall s"], rows)
+    for part in parts:
+        for s in part["policies"]:
+            ps = s["pending_s"]
+            rows.append(([part["part"].upper()] if several else []) + [
+                _name(s), s["gpu_pods"], s["placed"], s["never_placed"], ps["mean"], ps["p50"], ps["p95"], ps["p99"],
+                s["reconfigurations"], s["used_slices_disrupted"], f"{s['allocation_mean_pct']:.1f}%", f"{s['wall_s']:.1f}"])
+    return report.table((["part"] if several else []) + [
+        "policy", "GPU pods", "placed", "never", "mean s", "p50 s", "p95 s", "p99 s", "reconfigs", "disrupted",
+        "alloc mean", "wall s"], rows)
 
 
-def _write(out, results: list[ReplayResult], doc: dict, title: str) -> None:
+def _comparison(parts: list[dict]) -> str:
+    """How much shorter dynpart's waits are than each other policy's (negative: shorter)."""
+    rows = []
+    for part in parts:
+        for other, c in part.get("dynpart_vs", {}).items():
+            rows.append(([part["part"].upper()] if len(parts) > 1 else []) + [
+                other, _pct(c["mean_pending_change_pct"]), _pct(c["p95_pending_change_pct"])])
+    if not rows:
+        return ""
+    return report.table((["part"] if len(parts) > 1 else []) + ["dynpart against", "mean pending", "p95 pending"], rows)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.1f}%"
+
+
+def _static_lines(parts: list[dict]) -> list[str]:
+    out = []
+    for part in parts:
+        cands = part.get("static_candidates", [])
+        if len(cands) > 1:
+            tried = ", ".join(f"{c['geometry']} {c['mean_pending_s']:.0f} s" for c in
+                              sorted(cands, key=lambda c: c["mean_pending_s"]))
+            where = f" ({part['part'].upper()} part)" if len(parts) > 1 else ""
+            out.append(f"best static layout{where}: {part['best_static']}; mean pending of the {len(cands)} "
+                       f"tried: {tried}")
+    return out
+
+
+def _write(out, parts: list[Part], docs: list[tuple[dict, list[ReplayResult]]], doc: dict, title: str) -> None:
     report.write_json(out / "summary.json", doc)
-    report.write_csv(out / "steps.csv", ["policy", "t_s", "waiting_gpu_pods", "running_pods", "allocation_pct"],
-                     [(r.policy, round(t, 1), w, n, round(a, 3)) for r in results for t, w, n, a in r.timeline])
-    report.write_csv(out / "pods.csv", ["policy", "pod", "resource", "count", "arrival_s", "start_s", "pending_s",
-                                        "failed"],
-                     [(r.policy, x.pod.name, x.resource or "cpu-only", x.count, round(x.arrival, 1),
+    shown = [(part, s, r) for part, (d, rs) in zip(parts, docs) for s, r in zip(d["policies"], rs)]
+    report.write_csv(out / "steps.csv", ["part", "policy", "t_s", "waiting_gpu_pods", "running_pods", "allocation_pct"],
+                     [(part.name, _name(s), round(t, 1), w, n, round(a, 3))
+                      for part, s, r in shown for t, w, n, a in r.timeline])
+    report.write_csv(out / "pods.csv", ["part", "policy", "pod", "resource", "count", "arrival_s", "start_s",
+                                        "pending_s", "failed"],
+                     [(part.name, _name(s), x.pod.name, x.resource or "cpu-only", x.count, round(x.arrival, 1),
                        None if x.start is None else round(x.start, 1),
                        None if x.start is None else round(x.start - x.arrival, 1), x.failed or "")
-                      for r in results for x in r.runs])
-    hours: dict[str, dict[str, list[float]]] = {
-        r.policy: {"t": [t / 3600 for t, *_ in r.timeline], "pending": [w for _, w, _, _ in r.timeline],
-                   "allocation_pct": [a for *_, a in r.timeline]} for r in results}
-    plots.replay_timelines(hours, out / "timeline.png", f"replay: {title}", "hours")
-    plots.pending_cdf({r.policy: gpu_waits(r)[0] for r in results}, out / "pending_cdf.png",
-                      f"pending time of GPU pods: {title}")
+                      for part, s, r in shown for x in r.runs])
+    timelines: dict[str, dict[str, dict[str, list[float]]]] = {}
+    waits: dict[str, dict[str, list[float]]] = {}
+    bars: dict[str, dict[str, tuple[float, float]]] = {}
+    for part, s, r in shown:
+        timelines.setdefault(part.title, {})[_name(s)] = {
+            "t": [t / 3600 for t, *_ in r.timeline], "pending": [w for _, w, _, _ in r.timeline],
+            "allocation_pct": [a for *_, a in r.timeline]}
+        waits.setdefault(part.title, {})[_name(s)] = gpu_waits(r, s["never_placed_wait_until_s"])[0]
+        ps = s["pending_s"]
+        bars.setdefault(part.title, {})[_name(s)] = (ps["mean"] or 0.0, ps["p95"] or 0.0)
+    plots.pending_bars(bars, out / "pending_bars.png", f"pending time of GPU pods: {title}")
+    plots.pending_cdf(waits, out / "pending_cdf.png", f"pending time of GPU pods: {title}")
+    plots.replay_timelines(timelines, out / "timeline.png", f"replay: {title}", "hours")

@@ -9,6 +9,10 @@ memory share (memory slices / the GPU's memory slices). A pod asking for whole G
 MPS (capacity in GB, the model's memory): a sharing pod gets the smallest slice in whole GB
 with at least its share of the memory, `nvidia.com/gpu-<N>gb`; whole-GPU pods get
 `nvidia.com/gpu` x num_gpu. (The packing benchmark uses its own unit, GPU milli.)
+
+A pod that names its slice (`TracePod.slice_name`, the built-in workload's pods) gets that
+slice: a MIG profile of the model in MIG mode, `<N>gb` in MPS mode; `gpu_milli` is then only
+informative.
 """
 
 from __future__ import annotations
@@ -52,12 +56,28 @@ def request_for(pod: TracePod, model: GpuModel, mode: str, rule: str = "compute"
     """(resource, count) of a GPU pod on this model in this mode."""
     if pod.num_gpu == 0:
         raise ValueError("CPU-only pods have no GPU request")
+    if pod.slice_name:
+        return _named(pod, model, mode), pod.num_gpu
     if mode == "mig":
         profile = full_profile(model) if not pod.is_share else mig_profile_for(model, pod.gpu_milli, rule)
         return mig_resource_name(profile), pod.num_gpu
     if not pod.is_share:
         return WHOLE_GPU, pod.num_gpu
     return mps_resource_name(max(1, math.ceil(pod.gpu_milli * model.memory_gb / MILLI - 1e-9))), 1
+
+
+def _named(pod: TracePod, model: GpuModel, mode: str) -> str:
+    name = pod.slice_name
+    size = name[:-2] if name.endswith("gb") and name[:-2].isdigit() else None
+    if mode == "mig":
+        if name not in model.profiles_by_name:
+            raise SimulationError(f"pod {pod.name} asks for {name!r}, not a MIG profile of {model.name} "
+                                  f"({', '.join(p.name for p in model.mig_profiles)})")
+        return mig_resource_name(name)
+    if size is None or not 1 <= int(size) <= model.memory_gb:
+        raise SimulationError(f"pod {pod.name} asks for {name!r}: an MPS cluster of {model.name} serves "
+                              f"<N>gb slices, N in 1..{model.memory_gb}")
+    return mps_resource_name(int(size))
 
 
 def held_share(model: GpuModel, mode: str, what: str, capacity: int) -> float:
@@ -68,6 +88,26 @@ def held_share(model: GpuModel, mode: str, what: str, capacity: int) -> float:
         profile = what.split("@")[0]
         return model.profiles_by_name[profile].memory / model.memory_slices
     return int(what) / capacity
+
+
+MPS_STATIC = (1, 2, 4, 8)  # mps-N layouts tried for the best static layout
+
+
+def static_candidates(model: GpuModel, mode: str) -> list[str]:
+    """The standard static layouts the static policy can apply to this model, as
+    `--static-geometry` names: mig-parted's all-balanced and all-<profile> for every profile
+    (not `+me`: mig-parted's all-1g.10gb.me holds one such instance only), or in MPS mode
+    every GPU in N equal slices."""
+    if mode == "mps":
+        return [f"mps-{n}" for n in MPS_STATIC if model.memory_gb // n >= 1]
+    return ["all-balanced"] + [f"all-{p.name}" for p in model.mig_profiles if not p.media_extensions]
+
+
+def static_fits(name: str, mode: str) -> bool:
+    """Whether a --static-geometry name is a layout of that mode (all-balanced: both)."""
+    if name == "all-balanced":
+        return True
+    return name.startswith("mps-") == (mode == "mps")
 
 
 def static_layout(name: str, model: GpuModel, mode: str) -> dict[str, str]:

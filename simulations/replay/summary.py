@@ -15,23 +15,26 @@ def percentile(values: list[float], q: float) -> float | None:
     return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
 
 
-def gpu_waits(r: ReplayResult) -> tuple[list[float], int]:
+def gpu_waits(r: ReplayResult, horizon: float | None = None) -> tuple[list[float], int]:
     """Pending time of every GPU pod that could run on the cluster; a pod never placed counts
-    as waiting until the end of the simulation. Returns (waits, pods never placed)."""
+    as waiting until the end of the simulation, or until `horizon` if later (give runs compared
+    with each other the same horizon: a run that places fewer pods may end sooner). Returns
+    (waits, pods never placed)."""
+    end = r.end_time if horizon is None else max(r.end_time, horizon)
     waits, never = [], 0
     for run in r.runs:
         if run.resource is None or run.failed:
             continue
         if run.start is None:
             never += 1
-            waits.append(max(0.0, r.end_time - run.arrival))
+            waits.append(max(0.0, end - run.arrival))
         else:
             waits.append(run.start - run.arrival)
     return waits, never
 
 
-def summary(r: ReplayResult) -> dict:
-    waits, never = gpu_waits(r)
+def summary(r: ReplayResult, horizon: float | None = None) -> dict:
+    waits, never = gpu_waits(r, horizon)
     gpu_runs = [x for x in r.runs if x.resource is not None]
     cpu_runs = [x for x in r.runs if x.resource is None]
     cpu_waits = [x.start - x.arrival for x in cpu_runs if x.start is not None]
@@ -63,9 +66,32 @@ def summary(r: ReplayResult) -> dict:
         "plan_calls": r.plan_calls,
         "plan_s": round(r.plan_s, 2),
         "simulated_s": round(r.end_time, 1),
+        "never_placed_wait_until_s": round(r.end_time if horizon is None else max(r.end_time, horizon), 1),
         "wall_s": round(r.wall_s, 2),
         "notes": r.ignored_rows,
     }
+
+
+def static_key(s: dict) -> tuple[float, float, int]:
+    """How static layouts are ranked (lower is better): mean pending time of the GPU pods (a pod
+    never placed waits until the end), then p95, then pods never placed."""
+    ps = s["pending_s"]
+    inf = float("inf")
+    return (inf if ps["mean"] is None else ps["mean"], inf if ps["p95"] is None else ps["p95"], s["never_placed"])
+
+
+def best_static(candidates: list[tuple[str, dict]]) -> int:
+    """Index of the best (geometry, summary) by `static_key`; the first of equals."""
+    if not candidates:
+        raise ValueError("no static layout to choose from")
+    return min(range(len(candidates)), key=lambda i: (static_key(candidates[i][1]), i))
+
+
+def change_pct(ours: float | None, theirs: float | None) -> float | None:
+    """(ours - theirs) / theirs in %: negative when ours is lower; None when undefined."""
+    if ours is None or theirs is None or theirs <= 0:
+        return None
+    return round(100.0 * (ours - theirs) / theirs, 1)
 
 
 def rnd(v: float | None) -> float | None:

@@ -37,43 +37,81 @@ def packing_curves(curves: Mapping[str, Sequence[tuple[float, float]]], path: Pa
     plt.close(fig)
 
 
-def replay_timelines(series: Mapping[str, Mapping[str, Sequence[float]]], path: Path, title: str, time_unit: str) -> None:
-    """GPU allocation and pending pods over time, one line per policy (two panels)."""
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for label, s in series.items():
-        top.step(s["t"], s["allocation_pct"], where="post", label=label, linewidth=1.0)
-        bottom.step(s["t"], s["pending"], where="post", label=label, linewidth=1.0)
-    top.set_ylabel("GPU allocation (%)")
-    top.set_ylim(0, 100)
-    bottom.set_ylabel("pending pods (symlog)")
-    bottom.set_yscale("symlog", linthresh=10)
-    bottom.set_ylim(bottom=0)
-    bottom.set_xlabel(f"time ({time_unit})")
-    for ax in (top, bottom):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
-    top.set_title(title, fontsize=10)
+def _color(label: str) -> str:
+    """The same colour for a policy in every plot (dynpart, nos, static)."""
+    return {"dynpart": "C0", "nos": "C1", "static": "C2"}.get(label.split(" ")[0], "C7")
+
+
+def replay_timelines(panels: Mapping[str, Mapping[str, Mapping[str, Sequence[float]]]], path: Path, title: str,
+                     time_unit: str) -> None:
+    """GPU allocation (top) and pending pods (bottom) over time, one line per policy, one column
+    per part (panels: part title -> policy label -> series t, allocation_pct, pending)."""
+    cols = max(1, len(panels))
+    fig, axes = plt.subplots(2, cols, figsize=(6.5 * cols, 6), sharex="col", squeeze=False)
+    for c, (part, series) in enumerate(panels.items()):
+        top, bottom = axes[0][c], axes[1][c]
+        for label, s in series.items():
+            top.step(s["t"], s["allocation_pct"], where="post", label=label, linewidth=1.0, color=_color(label))
+            bottom.step(s["t"], s["pending"], where="post", label=label, linewidth=1.0, color=_color(label))
+        top.set_ylabel("GPU allocation (%)")
+        top.set_ylim(0, 100)
+        bottom.set_ylabel("pending pods (symlog)")
+        bottom.set_yscale("symlog", linthresh=10)
+        bottom.set_ylim(bottom=0)
+        bottom.set_xlabel(f"time ({time_unit})")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8, loc="upper left")
+        top.set_title(f"{title}: {part}" if len(panels) > 1 else title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def pending_cdf(waits: dict[str, list[float]], path: Path, title: str) -> None:
-    """CDF of the pending time per policy (log x axis; zero waits at the left edge)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, values in waits.items():
-        if not values:
-            continue
-        xs = sorted(max(v, 0.1) for v in values)
-        ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        ax.step(xs, ys, where="post", label=label, linewidth=1.4)
-    ax.set_xscale("log")
-    ax.set_xlabel("pending time (s, simulated; 0 drawn at 0.1)")
-    ax.set_ylabel("fraction of pods")
-    ax.set_ylim(0, 1.01)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.set_title(title, fontsize=10)
+def pending_cdf(panels: Mapping[str, Mapping[str, Sequence[float]]], path: Path, title: str) -> None:
+    """CDF of the pending time per policy (log x axis; zero waits at the left edge), one panel
+    per part (panels: part title -> policy label -> waits)."""
+    cols = max(1, len(panels))
+    fig, axes = plt.subplots(1, cols, figsize=(6.5 * cols, 4.5), squeeze=False)
+    for ax, (part, waits) in zip(axes[0], panels.items()):
+        for label, values in waits.items():
+            if not values:
+                continue
+            xs = sorted(max(v, 0.1) for v in values)
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, ys, where="post", label=label, linewidth=1.4, color=_color(label))
+        ax.set_xscale("log")
+        ax.set_xlabel("pending time (s, simulated; 0 drawn at 0.1)")
+        ax.set_ylabel("fraction of pods")
+        ax.set_ylim(0, 1.01)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, loc="lower right")
+        ax.set_title(f"{title}: {part}" if len(panels) > 1 else title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def pending_bars(panels: Mapping[str, Mapping[str, tuple[float, float]]], path: Path, title: str) -> None:
+    """Mean and p95 pending time per policy, side by side, one panel per part (panels: part
+    title -> policy label -> (mean, p95) in s); log y axis, values written on the bars."""
+    cols = max(1, len(panels))
+    fig, axes = plt.subplots(1, cols, figsize=(6.5 * cols, 4.5), squeeze=False)
+    for ax, (part, values) in zip(axes[0], panels.items()):
+        labels = list(values)
+        for k, (stat, offset, hatch) in enumerate((("mean", -0.2, ""), ("p95", 0.2, "//"))):
+            heights = [max(values[lb][k], 0.1) for lb in labels]
+            bars = ax.bar([i + offset for i in range(len(labels))], heights, width=0.4, label=stat, hatch=hatch,
+                          color=[_color(lb) for lb in labels], edgecolor="black", linewidth=0.5)
+            for b, v in zip(bars, (values[lb][k] for lb in labels)):
+                ax.annotate(f"{v:,.0f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                            fontsize=7, xytext=(0, 2), textcoords="offset points")
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("pending time (s, simulated; log)")
+        ax.grid(alpha=0.3, axis="y", which="both")
+        ax.legend(fontsize=8, loc="upper left", title="plain: mean, hatched: p95", title_fontsize=7)
+        ax.set_title(f"{title}: {part}" if len(panels) > 1 else title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -32,16 +32,32 @@ def test_bench_packing_single_policy_table(capsys):
 
 def test_simulate_json_and_files(capsys, tmp_path):
     out = tmp_path / "sim"
-    assert main(["simulate", "--policy", "dynpart,static", "--static-geometry", "all-7g", "--jobs", "1",
-                 "--json", "--out", str(out)]) == 0
+    assert main(["simulate", "--workload", "pods=100,mps_pods=0", "--policy", "dynpart,static",
+                 "--static-geometry", "all-7g", "--jobs", "1", "--json", "--out", str(out)]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [p["policy"] for p in doc["policies"]] == ["dynpart", "static"]
-    for p in doc["policies"]:
+    (part,) = doc["parts"]
+    assert [p["policy"] for p in part["policies"]] == ["dynpart", "static"]
+    for p in part["policies"]:
         assert p["used_slices_disrupted"] == 0
-        assert {"p50", "p95", "p99"} <= set(p["pending_s"])
-    assert doc["policies"][1]["reconfigurations"] == 0
+        assert {"mean", "p50", "p95", "p99"} <= set(p["pending_s"])
+    assert part["policies"][1]["reconfigurations"] == 0
+    assert part["policies"][1]["static_geometry"] == "all-7g" and part["policies"][1]["static_choice"] == "forced"
     assert {p.name for p in out.iterdir()} == {"summary.json", "steps.csv", "pods.csv", "timeline.png",
-                                               "pending_cdf.png"}
+                                               "pending_cdf.png", "pending_bars.png"}
+
+
+def test_simulate_trace_picks_the_best_static_layout(capsys, tmp_path):
+    trace = tmp_path / "pods.csv"
+    trace.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,"
+                     "deletion_time,scheduled_time\n"
+                     + "".join(f"p{i},1000,1024,1,{1000 if i % 3 == 0 else 100},,LS,Running,{10 * i},{10 * i + 300},\n"
+                               for i in range(30)))
+    assert main(["simulate", "--trace", str(trace), "--cluster", "1x2xH100-80GB", "--policy", "static",
+                 "--jobs", "1", "--json"]) == 0
+    (part,) = json.loads(capsys.readouterr().out)["parts"]
+    assert part["part"] == "trace" and len(part["static_candidates"]) == 7
+    best = min(part["static_candidates"], key=lambda c: (c["mean_pending_s"], c["p95_pending_s"]))
+    assert part["best_static"] == best["geometry"]
 
 
 def test_user_mistakes_are_one_line_errors(capsys, tmp_path):
