@@ -39,6 +39,7 @@ from dynpart.kube.conventions import (
     SPEC_PLAN,
     SPEC_PODS,
     SPEC_PREFIX,
+    SPEC_REVOKES,
     SPEC_TERM,
     STATUS_CAPABILITY,
     STATUS_ERROR,
@@ -68,7 +69,7 @@ _MIG_VALUE = re.compile(r"([^@]*)@(.*)", re.ASCII | re.DOTALL)
 _HEARTBEAT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 SliceState = Literal["free", "used"]
-_RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, SPEC_TERM, SPEC_PODS,
+_RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, SPEC_TERM, SPEC_PODS, SPEC_REVOKES,
                        STATUS_PLAN, STATUS_MODE, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_CAPABILITY})
 
 

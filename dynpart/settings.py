@@ -75,7 +75,7 @@ class PlannerSettings(CommonSettings):
     batch_idle_s: float = Field(default=0.5, gt=0, description="close a batch after this long without a new pod")
     batch_timeout_s: float = Field(default=3.0, gt=0, description="close a batch at the latest this long after its first pod")
     ack_timeout_s: float = Field(default=60.0, gt=0, description="give up waiting for an agent's acknowledgement")
-    reservation_s: float = Field(default=30.0, ge=0, description="after a node acknowledges a plan, how long the "
+    reservation_s: float = Field(default=15.0, ge=0, description="after a node acknowledges a plan, how long the "
                                  "slices made for its pods stay theirs while the scheduler binds them (longer "
                                  "than the scheduler's 10 s maximum back-off)")
     resync_s: float = Field(default=15.0, gt=0, description="re-plan still pending pods at least this often")

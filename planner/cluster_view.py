@@ -25,6 +25,8 @@ from dynpart.kube.conventions import (
     GPU_COUNT_LABEL,
     GPU_PRODUCT_LABEL,
     PARTITIONING_LABEL,
+    SPEC_PLAN,
+    SPEC_REVOKES,
     STATUS_CAPABILITY,
     STATUS_PREFIX,
 )
@@ -370,16 +372,17 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
 def planned_patches(snapshot: Snapshot, result: Plan, nodes: Mapping[str, dict[str, Any]],
                     plan_id: str, term: int | None = None) -> list[tuple[NodeLayout, dict[str, str | None]]]:
     """The annotation patch the controller writes on each node whose layout the plan changes:
-    the node's whole desired layout (planned GPUs, the others as they are) under `plan_id` and the
-    leader's `term`, with the pods the plan puts there, as a merge patch against the annotations
-    the node has (`nodes`: the objects by name)."""
+    the node's whole desired layout (planned GPUs, the others as they are) under a plan id of its
+    own (`<plan_id>.<k>` for the k-th node written: an id names one node's layout, never two) and
+    the leader's `term`, with the pods the plan puts there, as a merge patch against the
+    annotations the node has (`nodes`: the objects by name)."""
     snap_nodes = {n.name: n for n in snapshot.nodes}
     pods: dict[str, list[str]] = {}
     for pl in result.placements:
         pods.setdefault(pl.node, []).append(pl.pod)
     out = []
-    for layout in result.changed_nodes():
-        spec = encode_spec(full_layout(snap_nodes[layout.node], layout), plan_id, term=term,
+    for k, layout in enumerate(result.changed_nodes()):
+        spec = encode_spec(full_layout(snap_nodes[layout.node], layout), f"{plan_id}.{k}", term=term,
                            pods=pods.get(layout.node, ()))
         current = nodes[layout.node].get("metadata", {}).get("annotations")
         out.append((layout, annotation_patch(current, spec)))
@@ -396,7 +399,11 @@ def revoking_patch(node: dict[str, Any], catalog: Catalog, plan_id: str,
     if not view.snapshot.nodes:
         return None
     spec = encode_spec(full_layout(view.snapshot.nodes[0], None), plan_id, term=term)
-    return annotation_patch(_field(node, "metadata", "annotations"), spec)  # type: ignore[arg-type]  # a mapping or None, as read
+    current = _field(node, "metadata", "annotations")
+    old = current.get(SPEC_PLAN) if isinstance(current, dict) else None
+    if isinstance(old, str):
+        spec[SPEC_REVOKES] = old
+    return annotation_patch(current, spec)  # type: ignore[arg-type]  # a mapping or None, as read
 
 
 def _field(obj: object, *path: str) -> object:

@@ -26,6 +26,7 @@ from dynpart.kube.conventions import (
     PARTITIONING_LABEL,
     PLANNER_COMPONENT,
     SPEC_PLAN,
+    SPEC_PODS,
     SPEC_TERM,
     STATUS_ERROR,
     STATUS_HEARTBEAT,
@@ -97,6 +98,7 @@ class PlannerController:
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
         self.reserved: dict[str, tuple[str, float]] = {}  # pod -> (node, until): planned, applied, not bound
+        self._reserved_for: dict[str, str] = {}  # pod -> the plan id it was last reserved for (once per plan)
         self._ids = itertools.count(1)
         self._last_round = 0.0
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
@@ -124,6 +126,7 @@ class PlannerController:
             until = time.monotonic() + self.settings.reservation_s
             for key in flight.pods:  # their slices exist now: theirs until the scheduler binds them
                 self.reserved[key] = (name, until)
+                self._reserved_for[key] = flight.plan_id
             metrics.PLAN_ACKS.inc()
             metrics.PLAN_ACK_SECONDS.observe(time.monotonic() - flight.sent_at)
             log.info("plan acknowledged", extra={"fields": {"node": name, "plan": flight.plan_id,
@@ -270,15 +273,32 @@ class PlannerController:
 
     def _reservations(self) -> dict[str, str]:
         """The reservations still standing: pod -> node. One ends when its pod is bound (or gone)
-        or after reservation_s; the pod is then planned like any other if it still waits."""
+        or after reservation_s; the pod is then planned like any other if it still waits. Pods
+        named by an acknowledged spec that this replica never saw acknowledged (it restarted, or
+        took over as leader) are reserved too, once per plan: what is in flight lives in the
+        cluster, not in one process."""
         now = time.monotonic()
+        for node in self.nodes.cache.values():
+            ann = node["metadata"].get("annotations") or {}
+            plan_id = ann.get(SPEC_PLAN)
+            if not plan_id or plan_id != ann.get(STATUS_PLAN) or SPEC_PODS not in ann:
+                continue
+            for key in decode_fencing(ann, [])[1]:
+                pod = self.pods.cache.get(key)
+                if key in self.reserved or self._reserved_for.get(key) == plan_id or pod is None:
+                    continue
+                if not (pod.get("spec") or {}).get("nodeName"):
+                    self.reserved[key] = (node["metadata"]["name"], now + self.settings.reservation_s)
+                    self._reserved_for[key] = plan_id
         out: dict[str, str] = {}
-        for key, (node, until) in list(self.reserved.items()):
+        for key, (name, until) in list(self.reserved.items()):
             pod = self.pods.cache.get(key)
             if pod is None or (pod.get("spec") or {}).get("nodeName") or now > until:
                 del self.reserved[key]
             else:
-                out[key] = node
+                out[key] = name
+        for key in [k for k in self._reserved_for if k not in self.pods.cache]:
+            del self._reserved_for[key]
         return out
 
     def _new_plan_id(self) -> str:
@@ -328,6 +348,7 @@ class PlannerController:
         written: set[str] = set()
         not_written: set[str] = set()
         for layout, patch in planned_patches(snapshot, result, nodes_by_name, plan_id, self.leadership.term):
+            node_plan = str(patch[SPEC_PLAN])  # `<plan_id>.<k>`: one id per node written
             node_obj = nodes_by_name[layout.node]
             if not self.leadership.can_write():
                 # no proof of leadership any more (a renewal overdue): another replica may lead
@@ -353,15 +374,15 @@ class PlannerController:
                 not_written.add(layout.node)
                 continue
             written.add(layout.node)
-            self.in_flight[layout.node] = InFlight(plan_id, time.monotonic(), placed_on.get(layout.node, set()))
+            self.in_flight[layout.node] = InFlight(node_plan, time.monotonic(), placed_on.get(layout.node, set()))
             metrics.NODE_PLANS.inc()
             created = sum(g.created for g in layout.gpus)
             destroyed = sum(g.destroyed for g in layout.gpus)
             metrics.SLICES_CREATED.labels(layout.mode).inc(created)
             metrics.SLICES_DESTROYED.labels(layout.mode).inc(destroyed)
-            message = (f"plan {plan_id}: {created} slice(s) to create, {destroyed} free slice(s) to destroy on "
+            message = (f"plan {node_plan}: {created} slice(s) to create, {destroyed} free slice(s) to destroy on "
                        f"GPU(s) {', '.join(str(g.index) for g in layout.gpus if g.changed)}")
-            log.info("node layout written", extra={"fields": {"node": layout.node, "plan": plan_id,
+            log.info("node layout written", extra={"fields": {"node": layout.node, "plan": node_plan,
                                                               "created": created, "destroyed": destroyed}})
             await self._event(node_obj, "LayoutPlanned", message)
         if not self.leadership.can_write():

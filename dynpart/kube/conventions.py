@@ -17,6 +17,9 @@ SPEC_MODE = SPEC_PREFIX + "mode"
 # separated), so that any new leader knows what is in flight and never plans them twice.
 SPEC_TERM = SPEC_PREFIX + "term"
 SPEC_PODS = SPEC_PREFIX + "pods"
+# On a revocation (a plan not acknowledged in time replaced by the node's reported layout): the
+# plan id it replaces, so that a reader sees why a spec was written over an unacknowledged one.
+SPEC_REVOKES = SPEC_PREFIX + "revokes"
 STATUS_PLAN = STATUS_PREFIX + "plan"
 STATUS_MODE = STATUS_PREFIX + "mode"
 STATUS_ERROR = STATUS_PREFIX + "error"

@@ -198,5 +198,5 @@ def test_no_generated_cluster_state_stops_planning(state):
         model = catalog.resolve(by_name[layout.node].gpu_model)
         written = {k: v for k, v in patch.items() if v is not None}
         decoded = decode_spec(written, model, node=layout.node)
-        assert decoded.problems == [] and decoded.plan_id == "p1", decoded.problems
+        assert decoded.problems == [] and (decoded.plan_id or "").startswith("p1."), decoded.problems
         assert {g.index for g in decoded.layout.gpus} <= {g.index for g in by_name[layout.node].gpus}

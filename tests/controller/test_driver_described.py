@@ -96,7 +96,7 @@ async def test_never_plans_a_placement_the_driver_refuses(model: GpuModel, seed:
             assert rules.violations([(m.profile, m.start) for m in g.mig]) == [], (model.name, g)
     refused = [op for op in rig.driver.ops if op.result != "ok"]
     assert refused == [] and report.errors == [], (refused, report.errors)
-    assert rig.api.annotations[STATUS_PLAN] == "p1"
+    assert rig.api.annotations[STATUS_PLAN] == "p1.0"
     assert sum(len(rig.driver.layout(i)) for i in range(2)) >= result.stats.placed
 
 

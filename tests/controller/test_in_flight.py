@@ -105,7 +105,7 @@ async def test_an_unacknowledged_plan_is_revoked_before_its_pods_are_planned_aga
     new = decode_spec({**spec, **{k: v for k, v in patch.items() if v is not None}}
                       | {k: None for k, v in patch.items() if v is None}, H100)  # type: ignore[dict-item]  # None removes
     assert name == "n1" and patch[SPEC_PODS] is None and patch["dynpart.io/spec-gpu-0-1g.10gb"] == "1@0"
-    assert new.pods == () and new.term == 3
+    assert new.pods == () and new.term == 3 and patch["dynpart.io/spec-revokes"] == "p1"
     assert c.in_flight["n1"].revoking and c.in_flight["n1"].pods == set()
     assert "ml/a" in c.window.members and [r for r, _ in c.posted] == ["PlanNotApplied", "PlanRevoked"]
     assert "did not apply that plan within 1 s" in c.posted[0][1]
@@ -140,3 +140,14 @@ def test_a_reserved_pod_keeps_the_slice_made_for_it_until_it_is_bound():
     # without the reservation, ml/a would be planned again and the 7g pod would take GPU 0 or 1
     again = build_snapshot([n1], [waiting, other], CAT)
     assert sorted(p.name for p in again.snapshot.pending) == ["ml/a", "ml/b"]
+
+
+async def test_a_new_leader_reserves_the_pods_of_acknowledged_plans_not_yet_bound(make):
+    """It never saw the acknowledgement: the spec's pods tell it which pods the slices are for."""
+    spec = {"dynpart.io/spec-plan": "p0", SPEC_PODS: "ml/a,ml/gone,ml/bound"}
+    c = make([reported("n1", spec, status_plan="p0")], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    c.pods.cache["ml/bound"] = pod("bound", {"nvidia.com/mig-1g.10gb": "1"}, node="n1", phase="Running")
+    assert c._reservations() == {"ml/a": "n1"}
+    c.reserved["ml/a"] = ("n1", 0.0)  # expired
+    assert c._reservations() == {}, "once per plan: an expired reservation is not renewed"

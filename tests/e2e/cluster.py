@@ -37,6 +37,7 @@ From Python::
     cluster = start_cluster(workdir)      # -> Cluster, ready to use
     cluster.kubeconfig, cluster.server    # admin kubeconfig path, https URL
     cluster.stop()                        # also: `with start_cluster(d) as c:`
+    cluster.restart("etcd")               # same command line: ports, flags, data (fault tests)
 
 Environment: ``E2E_CACHE`` (default ``<repo>/.cache/e2e``), ``E2E_ETCD`` (an
 etcd binary to use instead of ``$E2E_CACHE/bin/etcd`` or ``etcd`` on PATH).
@@ -302,6 +303,10 @@ class Cluster:
     etcd_data_dir: Path
     _procs: dict[str, subprocess.Popen] = dataclasses.field(default_factory=dict, repr=False)
     _stopped: bool = dataclasses.field(default=False, repr=False)
+    # each component's command line, kept for restart(): same ports, flags and data dir
+    _argv: dict[str, list[str]] = dataclasses.field(default_factory=dict, repr=False)
+    _tie_to_parent: bool = dataclasses.field(default=False, repr=False)  # children get SIGTERM if we die
+    _detachable: bool = dataclasses.field(default=False, repr=False)
 
     def ssl_context(self) -> ssl.SSLContext:
         """TLS context that trusts the cluster CA and presents the admin client cert."""
@@ -338,6 +343,107 @@ class Cluster:
                 _terminate_pid(self.pids[name])
         shutil.rmtree(self.etcd_data_dir, ignore_errors=True)
         (self.workdir / STATE_FILE).unlink(missing_ok=True)
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        """Start one component (its output appended to its log) and remember its command line."""
+        log = self.logs[name]
+        # PDEATHSIG fires when the *thread* that forked exits: only tie from the main thread (a
+        # restart run in a worker thread leaves it to stop() and the atexit hook)
+        tie = self._tie_to_parent and threading.current_thread() is threading.main_thread()
+        with open(log, "ab") as out:
+            out.write(f"$ {' '.join(argv)}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
+                env=_child_env(), start_new_session=True,
+                preexec_fn=_die_with_parent if tie else None,
+            )
+        self._procs[name] = proc
+        self._argv[name] = list(argv)
+        self.pids[name] = proc.pid
+        return proc
+
+    # --- restarts (the fault tests): same command line, so same ports, flags and etcd data ---
+
+    def kill(self, name: str, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        """Stop one component this process started (SIGKILL after `timeout` if `sig` is not enough);
+        `start(name)` brings it back. etcd's data dir is kept."""
+        proc = self._procs.get(name)
+        if proc is None:
+            raise ClusterError(name, "not started by this process: cannot be restarted from here")
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def start(self, name: str, extra_args: list[str] | None = None, timeout: float = 60.0) -> float:
+        """Start a stopped component again with its command line, plus `extra_args` for this run
+        only (a repeated flag's last value wins; the next start goes back to the original line);
+        return once it is ready (etcd healthy, the API server's /readyz, the scheduler's /readyz):
+        the seconds that took."""
+        proc = self._procs.get(name)
+        if name not in self._argv:
+            raise ClusterError(name, "not started by this process: cannot be restarted from here")
+        if proc is not None and proc.poll() is None:
+            raise ClusterError(name, "is still running")
+        started = time.monotonic()
+        base = self._argv[name]
+        proc = self._spawn(name, base + list(extra_args or []))
+        self._argv[name] = base
+        _wait_until(name, proc, self.logs[name], timeout, self._ready_probe(name), "readiness after a restart")
+        self.save_state(supervisor_pid=None if self._detachable else os.getpid())
+        return time.monotonic() - started
+
+    def restart(self, name: str, sig: int = signal.SIGTERM, down_s: float = 0.0,
+                extra_args: list[str] | None = None, timeout: float = 60.0) -> float:
+        """kill(name, sig), `down_s` seconds down, start(name): the seconds from the signal to ready."""
+        began = time.monotonic()
+        self.kill(name, sig)
+        if down_s > 0:
+            time.sleep(down_s)
+        self.start(name, extra_args, timeout)
+        return time.monotonic() - began
+
+    def revive(self, timeout: float = 60.0) -> list[str]:
+        """Start again every component that exited (a kube-scheduler exits when it loses its lease
+        during a long API outage; a kubelet would restart it): the names started."""
+        out = []
+        for name in COMPONENTS:
+            proc = self._procs.get(name)
+            if proc is not None and proc.poll() is not None and not self._stopped:
+                self.start(name, timeout=timeout)
+                out.append(name)
+        return out
+
+    def running(self, name: str) -> bool:
+        proc = self._procs.get(name)
+        return proc is not None and proc.poll() is None
+
+    def _ready_probe(self, name: str):
+        if name == "etcd":
+            def etcd_healthy():
+                status, body = _https_get(self.etcd_url + "/health", None, 2)
+                return True if status == 200 and json.loads(body).get("health") == "true" else f"{status} {body[:200]!r}"
+            return etcd_healthy
+        if name == "kube-apiserver":
+            ctx = self.ssl_context()
+
+            def apiserver_ready():
+                status, body = _https_get(self.server + "/readyz", ctx, 5)
+                return True if status == 200 else f"HTTP {status}: {body[-300:].decode(errors='replace')}"
+            return apiserver_ready
+        port = next(a.split("=", 1)[1] for a in self._argv[name] if a.startswith("--secure-port="))
+        insecure = ssl.create_default_context()
+        insecure.check_hostname = False
+        insecure.verify_mode = ssl.CERT_NONE  # self-signed serving cert generated by the scheduler
+
+        def scheduler_ready():
+            status, body = _https_get(f"https://127.0.0.1:{port}/readyz", insecure, 5)
+            return True if status == 200 else f"HTTP {status}: {body[-300:].decode(errors='replace')}"
+        return scheduler_ready
 
     def __enter__(self) -> Cluster:
         return self
@@ -440,21 +546,9 @@ def start_cluster(workdir: str | os.PathLike | None = None, *, timeout: float = 
     )
     # Only tie the children's life to ours from the main thread: PDEATHSIG fires
     # when the *thread* that forked them exits.
-    die_with_parent = not detachable and threading.current_thread() is threading.main_thread()
-
-    def spawn(name: str, argv: list[str]) -> subprocess.Popen:
-        log = cluster.logs[name]
-        with open(log, "ab") as out:
-            out.write(f"$ {' '.join(argv)}\n".encode())
-            out.flush()
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=workdir,
-                env=_child_env(), start_new_session=True,
-                preexec_fn=_die_with_parent if die_with_parent else None,
-            )
-        cluster._procs[name] = proc
-        cluster.pids[name] = proc.pid
-        return proc
+    cluster._tie_to_parent = not detachable and threading.current_thread() is threading.main_thread()
+    cluster._detachable = detachable
+    spawn = cluster._spawn
 
     def start_with_retries(name: str, start) -> None:
         for attempt in range(3):

@@ -793,7 +793,9 @@ class Harness:
             for ann in hist:
                 spec, status = ann.get(SPEC_PLAN), ann.get(STATUS_PLAN)
                 if spec != prev_spec:
-                    if prev_spec is not None and prev_status != prev_spec:
+                    # a revocation (dynpart.io/spec-revokes) replaces an unacknowledged plan by design
+                    revokes = ann.get("dynpart.io/spec-revokes") == prev_spec
+                    if prev_spec is not None and prev_status != prev_spec and not revokes:
                         out.append(f"{node}: spec-plan {prev_spec} -> {spec} while status-plan was {prev_status}")
                     if spec in seen_ids:
                         out.append(f"{node}: plan id {spec} written twice")
