@@ -34,7 +34,7 @@ import traceback
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -862,3 +862,16 @@ def ensure_system_namespace(kubeconfig: Path) -> None:
         finally:
             await api.close()
     asyncio.run(main())
+
+
+def module_planner(e2e_cluster: Any, tmp_path_factory: Any, identity: str,
+                   env: dict[str, str] | None = None) -> Iterator[PlannerProcess]:
+    """The body of a module-scoped planner fixture: one real planner subprocess (leader election
+    on), stopped after the module."""
+    ensure_system_namespace(e2e_cluster.kubeconfig)
+    proc = PlannerProcess(e2e_cluster.kubeconfig, tmp_path_factory.mktemp("planner") / f"{identity}.log", identity,
+                          env=env).start()
+    try:
+        yield proc
+    finally:
+        proc.stop()

@@ -24,7 +24,7 @@ from tests.e2e.harness import (
     PlannerProcess,
     SimNode,
     agent_metrics_port,
-    ensure_system_namespace,
+    module_planner,
     scrape,
     wait_until,
 )
@@ -39,13 +39,7 @@ REACTION_FILE = REPO_ROOT / ".cache" / "e2e" / "reaction.json"
 @pytest.fixture(scope="module")
 def planner(e2e_cluster, tmp_path_factory):
     """One planner for the module (default settings, leader election on)."""
-    ensure_system_namespace(e2e_cluster.kubeconfig)
-    proc = PlannerProcess(e2e_cluster.kubeconfig, tmp_path_factory.mktemp("planner") / "planner-a.log",
-                          "planner-a").start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from module_planner(e2e_cluster, tmp_path_factory, "planner-a")
 
 
 @pytest.fixture

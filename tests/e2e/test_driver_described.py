@@ -14,7 +14,7 @@ import pytest
 from dynpart.agent.driver.fake import FakeNvml
 from dynpart.catalog import default_catalog
 from dynpart.kube.conventions import STATUS_CAPABILITY
-from tests.e2e.harness import Harness, PlannerProcess, SimNode, ensure_system_namespace, wait_until
+from tests.e2e.harness import Harness, PlannerProcess, SimNode, module_planner, wait_until
 from tests.gpus import RTX_PRO_6000, RTX_PRO_6000_MEMORY_MIB, RTX_PRO_6000_NVML_NAME
 
 pytestmark = pytest.mark.e2e
@@ -38,13 +38,7 @@ def driver_of(model, name: str, memory_mib: int | None = None):
 
 @pytest.fixture(scope="module")
 def planner(e2e_cluster, tmp_path_factory):
-    ensure_system_namespace(e2e_cluster.kubeconfig)
-    proc = PlannerProcess(e2e_cluster.kubeconfig, tmp_path_factory.mktemp("planner") / "planner-driver.log",
-                          "planner-driver").start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from module_planner(e2e_cluster, tmp_path_factory, "planner-driver")
 
 
 async def test_nodes_are_planned_from_their_agents_reports(e2e_cluster, planner: PlannerProcess):

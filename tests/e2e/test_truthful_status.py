@@ -12,7 +12,7 @@ import pytest
 
 from dynpart.agent.driver.fake import FakeNvml
 from dynpart.kube.conventions import SPEC_PLAN, STATUS_PLAN
-from tests.e2e.harness import Harness, PlannerProcess, SimNode, ensure_system_namespace, wait_until
+from tests.e2e.harness import Harness, PlannerProcess, SimNode, module_planner, wait_until
 
 pytestmark = pytest.mark.e2e
 ACK_TIMEOUT_S = 4.0
@@ -25,13 +25,8 @@ def needs_reset(node: SimNode) -> None:
 
 @pytest.fixture(scope="module")
 def planner(e2e_cluster, tmp_path_factory):
-    ensure_system_namespace(e2e_cluster.kubeconfig)
-    proc = PlannerProcess(e2e_cluster.kubeconfig, tmp_path_factory.mktemp("planner") / "planner-truthful.log",
-                          "planner-truthful", env={"DYNPART_PLANNER_ACK_TIMEOUT_S": str(ACK_TIMEOUT_S)}).start()
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from module_planner(e2e_cluster, tmp_path_factory, "planner-truthful",
+                              env={"DYNPART_PLANNER_ACK_TIMEOUT_S": str(ACK_TIMEOUT_S)})
 
 
 async def test_a_plan_that_needs_a_gpu_reset_is_not_acknowledged(e2e_cluster, planner: PlannerProcess):
