@@ -159,13 +159,16 @@ class PlannerProcess:
         self.args = args or []
         self.proc: subprocess.Popen | None = None
 
+    def entry(self) -> str:
+        """The module run as the planner: `dynpart.cli`, or a wrapper that observes it."""
+        return "tests.e2e.apicount" if self.count_requests else "dynpart.cli"
+
     def start(self) -> PlannerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("DYNPART_") and k != "KUBECONFIG"}
         env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self.env)
-        entry = "tests.e2e.apicount" if self.count_requests else "dynpart.cli"
-        argv = [sys.executable, "-m", entry, "planner", "run", "--kubeconfig", str(self.kubeconfig),
+        argv = [sys.executable, "-m", self.entry(), "planner", "run", "--kubeconfig", str(self.kubeconfig),
                 "--metrics-port", str(self.metrics_port), "--lease-namespace", SYSTEM_NAMESPACE,
                 "--identity", self.identity, *self.args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -60,8 +60,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -275,21 +273,8 @@ class FaultHarness(Harness):
 class ProbedPlanner(PlannerProcess):
     """The planner subprocess through tests/e2e/faultprobe.py (same program, two probes logging)."""
 
-    def start(self) -> ProbedPlanner:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DYNPART_") and k != "KUBECONFIG"}
-        env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
-        env["PYTHONUNBUFFERED"] = "1"
-        env.update(self.env)
-        argv = [sys.executable, "-m", "tests.e2e.faultprobe", "planner", "run", "--kubeconfig", str(self.kubeconfig),
-                "--metrics-port", str(self.metrics_port), "--lease-namespace", SYSTEM_NAMESPACE,
-                "--identity", self.identity, *self.args]
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
-            out.write(f"$ {' '.join(argv)}\n".encode())
-            out.flush()
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         cwd=REPO_ROOT, env=env, start_new_session=True)
-        return self
+    def entry(self) -> str:
+        return "tests.e2e.faultprobe"
 
     def probes(self, kind: str) -> list[dict[str, Any]]:
         prefix = f"e2e-probe {kind} "
