@@ -47,7 +47,6 @@ from dynpart.planner.cluster_view import (
     pod_for_planning,
     pod_key,
     revoking_patch,
-    slice_requests,
 )
 from dynpart.planner.core import PlanOptions, plan
 from dynpart.probing import Liveness
@@ -298,45 +297,9 @@ class PlannerController:
                 del self.reserved[key]
             else:
                 out[key] = name
-        self._release_taken(out, now)
         for key in [k for k in self._reserved_for if k not in self.pods.cache]:
             del self._reserved_for[key]
         return out
-
-    def _release_taken(self, reserved: dict[str, str], now: float) -> None:
-        """End at once the reservations whose slices the scheduler gave to other pods (in a burst
-        of identical requests it binds any of them to a new slice): when a node has fewer free
-        slices of a resource, as the scheduler counts them (allocatable minus the requests of the
-        pods bound there), than pods reserved there for it, the extra pods are planned again now
-        instead of after reservation_s. Only after a grace period, in which the device plugin
-        publishes the new slices."""
-        grace = min(3.0, self.settings.reservation_s)
-        want: dict[tuple[str, str], list[str]] = {}
-        for key, name in reserved.items():
-            _, until = self.reserved[key]
-            if now - (until - self.settings.reservation_s) < grace:
-                continue
-            for res in slice_requests(self.pods.cache[key]):
-                want.setdefault((name, res), []).append(key)
-        if not want:
-            return
-        bound: Counter[tuple[str, str]] = Counter()
-        for pod in self.pods.cache.values():
-            on = (pod.get("spec") or {}).get("nodeName")
-            if isinstance(on, str) and on and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
-                for res, n in slice_requests(pod).items():
-                    bound[(on, res)] += n
-        for (name, res), keys in want.items():
-            node = self.nodes.cache.get(name) or {}
-            try:
-                allocatable = int(((node.get("status") or {}).get("allocatable") or {}).get(res, 0))
-            except (TypeError, ValueError):
-                continue
-            free = max(0, allocatable - bound[(name, res)])
-            for key in sorted(keys)[free:]:
-                del self.reserved[key]
-                reserved.pop(key, None)
-                self.window.add(key, now)
 
     def _new_plan_id(self) -> str:
         return f"{int(time.time() * 1000):x}-{next(self._ids)}"

@@ -151,23 +151,3 @@ async def test_a_new_leader_reserves_the_pods_of_acknowledged_plans_not_yet_boun
     assert c._reservations() == {"ml/a": "n1"}
     c.reserved["ml/a"] = ("n1", 0.0)  # expired
     assert c._reservations() == {}, "once per plan: an expired reservation is not renewed"
-
-
-async def test_a_reservation_whose_slice_another_pod_took_ends_at_once(make):
-    """The scheduler gave the one free 1g.10gb on n1 to ml/x: ml/a's reservation ends now, after the
-    grace period, instead of after reservation_s."""
-    import time as _time
-
-    n1 = reported("n1")
-    n1["status"]["allocatable"]["nvidia.com/mig-1g.10gb"] = "1"
-    c = make([n1], Lead(term=3))
-    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
-    c.pods.cache["ml/x"] = pod("x", {"nvidia.com/mig-1g.10gb": "1"}, node="n1", phase="Running")
-    start = _time.monotonic()
-    c.reserved["ml/a"] = ("n1", start + c.settings.reservation_s)  # just made: within the grace period
-    assert c._reservations() == {"ml/a": "n1"}
-    c.reserved["ml/a"] = ("n1", start + c.settings.reservation_s - 5)  # reserved 5 s ago
-    assert c._reservations() == {} and "ml/a" in c.window.members
-    del c.pods.cache["ml/x"]  # the slice is free again: the reservation would hold
-    c.reserved["ml/a"] = ("n1", start + c.settings.reservation_s - 5)
-    assert c._reservations() == {"ml/a": "n1"}
