@@ -32,9 +32,8 @@ def _in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
-@pytest.fixture(scope="session")
-def e2e_cluster(tmp_path_factory):
-    """The running cluster (cluster.py's ``Cluster``): ``.kubeconfig``, ``.server``, ..."""
+def skip_without_binaries() -> None:
+    """Skip an e2e test whose control-plane binaries are not built; in CI, fail it instead."""
     problem = None
     try:
         cluster_mod.find_binaries()
@@ -44,6 +43,13 @@ def e2e_cluster(tmp_path_factory):
         if _in_ci():
             pytest.fail(f"CI=true but {problem}", pytrace=False)
         pytest.skip("e2e binaries not built: run bash tests/e2e/build.sh")
+
+
+@pytest.fixture(scope="session")
+def e2e_cluster(tmp_path_factory):
+    """The running cluster (cluster.py's ``Cluster``): ``.kubeconfig``, ``.server``, ..."""
+    skip_without_binaries()
+    problem = None
     try:
         cluster = cluster_mod.start_cluster(tmp_path_factory.mktemp("e2e-cluster"))
     except cluster_mod.ClusterError as e:

@@ -80,6 +80,7 @@ from dynpart.kube import watching
 from dynpart.kube.conventions import SPEC_PLAN, SPEC_PODS, SPEC_TERM, STATUS_PLAN
 from dynpart.kube.errors import APIGoneError
 from dynpart.settings import PlannerSettings
+from tests.conftest import skip_without_binaries
 from tests.e2e import cluster as cluster_mod
 from tests.e2e.harness import (
     HARNESS_LABEL,
@@ -203,15 +204,7 @@ class ControlPlane:
 
 @pytest.fixture(scope="module")
 def control_plane(tmp_path_factory):
-    problem = None
-    try:
-        cluster_mod.find_binaries()
-    except cluster_mod.BinariesMissing as e:
-        problem = str(e)
-    if problem is not None:
-        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI=true but {problem}", pytrace=False)
-        pytest.skip("e2e binaries not built: run bash tests/e2e/build.sh")
+    skip_without_binaries()
     cluster = cluster_mod.start_cluster(tmp_path_factory.mktemp("faults-cluster"))
     try:
         yield ControlPlane(cluster)
