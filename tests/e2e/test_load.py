@@ -18,7 +18,15 @@ Where the time goes is in the file too: created -> marked Unschedulable by the k
 bound -> Running per pod, the simulated device plugins' lag, the test process's event-loop lag
 (the harness and the agents share it), the planner's rounds, CPU seconds per process.
 
-Opt-in (1-2.5 min on 2 cores, and it loads the whole machine): `DYNPART_LOAD=1` or `-m load`."""
+The control experiment, `test_thousand_pods_precarved`: the same nodes, agents and burst, but
+no planner: before the burst, the layout dynpart's `plan()` makes for the whole burst at once is
+written to the nodes' specs and applied by the agents, so every pod has its slice waiting and the
+figures are those of the control plane and the simulated kubelets alone (API server, etcd,
+kube-scheduler, harness, on this machine). Written to `.cache/e2e/load-precarved.json`, same keys.
+Its p95 is a floor for the dynamic run: no planner can make pods run sooner than pods whose slices
+already exist. Run both in one session to compare them under the same load (`-m load`).
+
+Opt-in (1-2.5 min each on 2 cores, and it loads the whole machine): `DYNPART_LOAD=1` or `-m load`."""
 
 from __future__ import annotations
 
@@ -37,14 +45,17 @@ from pathlib import Path
 import pytest
 
 from dynpart.catalog import default_catalog
+from dynpart.kube.conventions import SPEC_PLAN, STATUS_PLAN
+from dynpart.planner.cluster_view import planned_patches
 from dynpart.planner.core import plan
 from dynpart.resources import MigResource, MpsResource, parse_resource
-from dynpart.snapshot import Gpu, Node, PendingPod, Snapshot
-from tests.e2e.harness import REPO_ROOT, Harness, PlannerProcess, PodRecord, percentile
+from dynpart.snapshot import Gpu, Node, PendingPod, Plan, Snapshot
+from tests.e2e.harness import REPO_ROOT, Harness, PlannerProcess, PodRecord, percentile, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.load]
 
 LOAD_FILE = REPO_ROOT / ".cache" / "e2e" / "load.json"
+PRECARVED_FILE = LOAD_FILE.with_name("load-precarved.json")
 PLANNER_LOG = LOAD_FILE.with_name("load-planner.log")  # kept for a look at the planner's rounds
 AGENTS_LOG = LOAD_FILE.with_name("load-agents.log")  # the agents' INFO lines
 H100 = "NVIDIA-H100-80GB-HBM3"
@@ -100,12 +111,47 @@ def offline_plan() -> dict[str, float]:
     """The whole burst planned at once on the empty cluster by dynpart's own `plan()` (no API
     server): that it places every pod shows the mix fits; its figures say how much of the
     cluster a packing needs and what one plan of the burst costs."""
-    nodes = [Node(name=f"{prefix}-{i}", mode=mode, gpu_model=model, gpus=[Gpu(index=g) for g in range(GPUS)])
-             for prefix, model, mode, n in NODES for i in range(n)]
-    result = plan(Snapshot(nodes=nodes, pending=[PendingPod(name=f"load/{name}", resource=res)
-                                                 for name, res in _workload()]))
+    _, result = _plan_burst([f"{prefix}-{i:02d}" for prefix, *_, n in NODES for i in range(n)], "load")
     return {"placed": result.stats.placed, "gpus_occupied": result.stats.gpus_occupied,
             "plan_s": round(result.stats.solve_s, 3)}
+
+
+def _plan_burst(names: list[str], namespace: str) -> tuple[Snapshot, Plan]:
+    """`plan()` of the whole burst on empty nodes named `names` (in NODES order)."""
+    kinds = [(model, mode) for _, model, mode, n in NODES for _ in range(n)]
+    nodes = [Node(name=name, mode=mode, gpu_model=model, gpus=[Gpu(index=g) for g in range(GPUS)])
+             for name, (model, mode) in zip(names, kinds, strict=True)]
+    snapshot = Snapshot(nodes=nodes, pending=[PendingPod(name=f"{namespace}/{name}", resource=res)
+                                              for name, res in _workload()])
+    return snapshot, plan(snapshot)
+
+
+async def _precarve(h: Harness, nodes: list) -> None:
+    """Write the burst's plan to the nodes' specs as the planner would (a plan id per node, its
+    pods) and wait until every agent acknowledged it and every node's device plugin published it."""
+    snapshot, result = _plan_burst([n.name for n in nodes], h.namespace)
+    assert result.stats.placed == len(_workload()), result.stats
+    # the controller's own patches (planner.cluster_view.planned_patches), as its first round would write them
+    empty = {n.name: {"metadata": {"name": n.name, "annotations": {}}} for n in nodes}
+    want: dict[str, str] = {}
+    for layout, patch in planned_patches(snapshot, result, empty, "precarve"):
+        await h.core.patch_node(layout.node, {"metadata": {"annotations": patch}},
+                                _content_type="application/merge-patch+json")
+        want[layout.node] = str(patch[SPEC_PLAN])
+    resource_of = {f"{h.namespace}/{name}": res for name, res in _workload()}
+    expected: dict[str, Counter[str]] = {name: Counter() for name in want}
+    for pl in result.placements:
+        expected[pl.node][resource_of[pl.pod]] += 1
+
+    def done() -> bool:
+        for name, plan_id in want.items():
+            if not any(a.get(STATUS_PLAN) == plan_id for a in h.history.get(name, [])):
+                return False
+            published = h.nodes[name].published or {}
+            if any(published.get(res, 0) < n for res, n in expected[name].items()):
+                return False
+        return True
+    await wait_until(done, 120, "every node's pre-carved layout applied and published")
 
 
 def _workload() -> list[tuple[str, str]]:
@@ -220,13 +266,30 @@ def _stats(values: list[float]) -> dict[str, float]:
 
 
 async def test_thousand_pods_on_a_hundred_nodes(load_enabled, e2e_cluster):
+    summary = await _burst(e2e_cluster, precarved=False)
+    assert summary["p95_s"] <= P95_TARGET_S, f"p95 {summary['p95_s']} s > {P95_TARGET_S} s"
+    assert summary["planner_peak_rss_mib"] <= RSS_TARGET_MIB, summary["planner_peak_rss_mib"]
+
+
+async def test_thousand_pods_precarved(load_enabled, e2e_cluster):
+    """The control experiment (module docstring): every pod's slice exists before the burst."""
+    summary = await _burst(e2e_cluster, precarved=True)
+    loaded = json.loads(LOAD_FILE.read_text()) if LOAD_FILE.exists() else {}
+    print(f"pre-carved: median {summary['median_s']} s, p95 {summary['p95_s']} s; "
+          f"dynamic (last {LOAD_FILE.name}): median {loaded.get('median_s')} s, p95 {loaded.get('p95_s')} s")
+
+
+async def _burst(e2e_cluster, precarved: bool) -> dict:
+    """Set up the nodes and agents (and the planner, or the pre-carved layout), create the burst,
+    write the figures; asserts what both variants must hold (all Running, no violation)."""
     assert sum(MIX.values()) == 1000 and sum(n for *_, n in NODES) == 100
     used = capacity_used()
     offline = offline_plan()
     assert offline["placed"] == 1000, offline  # the mix fits the cluster
     PLANNER_LOG.parent.mkdir(parents=True, exist_ok=True)
     PLANNER_LOG.unlink(missing_ok=True)
-    planner = PlannerProcess(e2e_cluster.kubeconfig, PLANNER_LOG, "planner-load", count_requests=True)
+    planner = None if precarved else PlannerProcess(e2e_cluster.kubeconfig, PLANNER_LOG, "planner-load",
+                                                    count_requests=True)
     agents_log = logging.FileHandler(AGENTS_LOG, mode="w")
     agents_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     agent_logger = logging.getLogger("dynpart.agent")
@@ -234,12 +297,14 @@ async def test_thousand_pods_on_a_hundred_nodes(load_enabled, e2e_cluster):
     level, propagate = agent_logger.level, agent_logger.propagate
     agent_logger.setLevel(logging.INFO)
     agent_logger.propagate = False  # thousands of lines: in the file, not in pytest's report
-    h = Harness(e2e_cluster.kubeconfig, planners=[planner], agent_interval_s=10.0)  # the agents' default interval
+    h = Harness(e2e_cluster.kubeconfig, planners=[planner] if planner else [],
+                agent_interval_s=10.0)  # the agents' default interval
     try:
         await h.start()  # creates dynpart-system, where the planner's Lease lives
-        planner.start()
-        await planner.wait_log(r"acquired leadership", timeout=60)
-        await planner.wait_log(r"caches synced", timeout=60)
+        if planner is not None:
+            planner.start()
+            await planner.wait_log(r"acquired leadership", timeout=60)
+            await planner.wait_log(r"caches synced", timeout=60)
         t0 = time.monotonic()
         sem = asyncio.Semaphore(20)
 
@@ -252,11 +317,14 @@ async def test_thousand_pods_on_a_hundred_nodes(load_enabled, e2e_cluster):
             async with sem:
                 await h.start_agent(node)
         await asyncio.gather(*(start(n) for n in nodes))
+        if precarved:
+            await _precarve(h, nodes)
         setup_s = time.monotonic() - t0
         print(f"\n{len(nodes)} nodes and agents up in {setup_s:.1f} s")
 
-        pids = {"harness and agents (pytest)": os.getpid(), "planner": planner.proc.pid, **e2e_cluster.pids}
-        before = (planner.api_requests(), Counter(h.agent_requests.counts), Counter(h.own_requests.counts),
+        pids = {"harness and agents (pytest)": os.getpid(), **({"planner": planner.proc.pid} if planner else {}),
+                **e2e_cluster.pids}
+        before = (planner.api_requests() if planner else Counter(), Counter(h.agent_requests.counts), Counter(h.own_requests.counts),
                   await asyncio.to_thread(_apiserver_requests, e2e_cluster), _cpu_s(pids))
         lags: list[float] = []
         lag_task = asyncio.create_task(_loop_lag(lags))
@@ -268,17 +336,18 @@ async def test_thousand_pods_on_a_hundred_nodes(load_enabled, e2e_cluster):
         await _wait_settled(h, recs, RUN_TIMEOUT_S)
         done_s = time.monotonic() - t1
         lag_task.cancel()
-        after = (planner.api_requests(), Counter(h.agent_requests.counts), Counter(h.own_requests.counts),
+        after = (planner.api_requests() if planner else Counter(), Counter(h.agent_requests.counts), Counter(h.own_requests.counts),
                  await asyncio.to_thread(_apiserver_requests, e2e_cluster), _cpu_s(pids))
-        rss = planner.peak_rss_mib()
+        rss = planner.peak_rss_mib() if planner else 0.0
         planner_req, agent_req, harness_req = (after[i] - before[i] for i in range(3))
         cpu = {name: round(after[4][name] - before[4].get(name, 0.0), 1) for name in after[4]}
 
         running = [r for r in recs if r.running_at is not None]
         times = [r.reaction_s for r in running]
-        rounds = _rounds(planner.log(), wall1)
+        rounds = _rounds(planner.log(), wall1) if planner else []
         dynpart_req = planner_req.total() + agent_req.total()
         summary = {
+            "variant": "pre-carved, no planner" if precarved else "dynamic",
             "nodes": len(nodes), "gpus": sum(n.count for n in nodes), "pods": len(recs), "running": len(running),
             **{k: _stats(times).get(k) for k in ("median_s", "p95_s")},
             "planner_peak_rss_mib": round(rss, 1),
@@ -319,22 +388,24 @@ async def test_thousand_pods_on_a_hundred_nodes(load_enabled, e2e_cluster):
                 "harness": harness_req.total(), "apiserver_all_clients": after[3] - before[3],
             },
         }
-        LOAD_FILE.parent.mkdir(parents=True, exist_ok=True)
-        LOAD_FILE.write_text(json.dumps(summary, indent=2) + "\n")
+        out = PRECARVED_FILE if precarved else LOAD_FILE
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=2) + "\n")
         print(json.dumps({k: v for k, v in summary.items() if k not in ("planner_rounds", "node_mix", "pod_mix")},
                          indent=1))
 
         assert not h.errors, h.errors
         assert summary["running"] == len(recs), f"{len(recs) - len(running)} pods not Running: {summary['failed']}"
-        assert summary["p95_s"] <= P95_TARGET_S, f"p95 {summary['p95_s']} s > {P95_TARGET_S} s"
-        assert summary["planner_peak_rss_mib"] <= RSS_TARGET_MIB, summary["planner_peak_rss_mib"]
         assert h.destroy_violations() == []
         assert h.handshake_violations() == []
+        return summary
     finally:
-        planner.stop()
+        if planner is not None:
+            planner.stop()
         await h.close()
         agent_logger.removeHandler(agents_log)
         agent_logger.setLevel(level)
         agent_logger.propagate = propagate
         agents_log.close()
-        print(f"--- planner log tail ({planner.log_path}) ---\n{planner.log_tail(40)}")
+        if planner is not None:
+            print(f"--- planner log tail ({planner.log_path}) ---\n{planner.log_tail(40)}")
