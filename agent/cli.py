@@ -8,13 +8,14 @@ import contextlib
 import json
 import os
 import signal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dynpart.catalog import Catalog, load_catalog
 from dynpart.errors import DynpartError
 
 if TYPE_CHECKING:
     from dynpart.agent.driver.interface import GpuDriver
+    from dynpart.agent.loop import Agent
     from dynpart.agent.podresources import PodResources
     from dynpart.settings import AgentSettings
 
@@ -27,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     run = cmds.add_parser("run", help="run the agent loop for one node",
                           description="Watch this node's dynpart.io/spec-* annotations, apply them to the GPUs "
-                                      "(MIG through NVML, MPS through the device-plugin config) and report "
+                                      "(MIG through NVML, MPS slices served by the agent's own device plugin, or "
+                                      "through NVIDIA's device plugin with --device-plugin nvidia) and report "
                                       "dynpart.io/status-* annotations. Settings come from --config, then "
                                       "DYNPART_AGENT_* environment variables, then these flags "
                                       "(docs/configuration.md).")
@@ -48,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--config-settle-s", type=float, metavar="S",
                      help="without --config-mount: seconds between writing a config and using it (default 60)")
     run.add_argument("--capacity-gb", type=int, help="MPS capacity of one GPU in GB (default: the model's memory)")
+    run.add_argument("--device-plugin", choices=["builtin", "nvidia"],
+                     help="builtin: the agent advertises the slices itself (default); nvidia: NVIDIA's device plugin")
+    run.add_argument("--device-plugin-dir", metavar="DIR", help="the kubelet's device-plugin directory")
     run.add_argument("--metrics-port", type=int)
     run.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     run.add_argument("--log-json", action="store_true", default=None)
@@ -98,7 +103,8 @@ def run_probe(args: argparse.Namespace) -> int:
 
 
 _SETTINGS = ("kubeconfig", "node_name", "report_interval_s", "pod_resources_socket", "device_plugin_configmap",
-             "device_plugin_namespace", "fake_gpus", "metrics_port", "log_level", "log_json")
+             "device_plugin_namespace", "fake_gpus", "metrics_port", "log_level", "log_json", "device_plugin",
+             "device_plugin_dir")
 
 
 def run_agent(args: argparse.Namespace) -> int:
@@ -118,8 +124,7 @@ def run_agent(args: argparse.Namespace) -> int:
 
 
 async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
-    from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect, lease_term_reader
-    from dynpart.agent.loop import Agent
+    from dynpart.agent.kube import connect
     from dynpart.agent.node_lock import node_lock
     from dynpart.agent.podresources import FakePodResources, KubeletPodResources
 
@@ -137,30 +142,56 @@ async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
         serve(settings.metrics_host, settings.metrics_port, liveness)  # /metrics and /healthz
     api_client = await connect(settings.kubeconfig, settings.kube)
     try:
-        mount = args.config_mount or settings.device_plugin_config_mount
-        settle = args.config_settle_s if args.config_settle_s is not None else settings.config_settle_s
-        capacity = args.capacity_gb or settings.mps_capacity_gb
-        configs = KubeConfigStore(api_client, settings.device_plugin_namespace, settings.device_plugin_configmap,
-                                  mount, settle)
-        agent = Agent(settings.node_name, node_api=KubeNodeApi(api_client, settings.node_name, settings.kube),
-                      driver=driver, pods=pods, catalog=catalog, configs=configs,
-                      interval_s=settings.report_interval_s, capacity_gb=capacity, kube=settings.kube,
-                      liveness=liveness, leader_term=lease_term_reader(api_client, settings.planner_lease_name,
-                                                                       settings.planner_lease_namespace))
-        if args.once:
-            async with node_lock(settings.node_lock_file) if settings.node_lock_file else contextlib.nullcontext():
+        async with contextlib.AsyncExitStack() as stack:
+            if settings.node_lock_file:  # before the device plugin serves: one agent per node
+                await stack.enter_async_context(node_lock(settings.node_lock_file))
+            agent = await _agent(args, settings, api_client, driver, pods, catalog, liveness, stack)
+            if args.once:
                 report = await agent.reconcile_once()
-            print(json.dumps(report.status, indent=2, sort_keys=True))
-            return 0 if not report.errors else 1
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        if settings.node_lock_file:
-            async with node_lock(settings.node_lock_file):
-                await agent.run(stop)
-        else:
+                print(json.dumps(report.status, indent=2, sort_keys=True))
+                return 0 if not report.errors else 1
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
             await agent.run(stop)
-        return 0
+            return 0
     finally:
         await api_client.close()
+
+
+async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: Any, driver: GpuDriver,
+                 pods: PodResources, catalog: Catalog, liveness: Any, stack: contextlib.AsyncExitStack) -> Agent:
+    """The agent and, by `device_plugin`, its own device plugin (served until `stack` closes) or the
+    restarts of NVIDIA's."""
+    from dynpart.agent.deviceplugin.server import DevicePluginManager, MpsSettings
+    from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, KubePluginPods, lease_term_reader
+    from dynpart.agent.loop import Agent
+    from dynpart.agent.mps_daemon import ProcessMpsDaemon
+    from dynpart.agent.nodepods import KubeNodePods
+    from dynpart.agent.podresources import FakePodResources
+
+    mount = args.config_mount or settings.device_plugin_config_mount
+    settle = args.config_settle_s if args.config_settle_s is not None else settings.config_settle_s
+    capacity = args.capacity_gb or settings.mps_capacity_gb
+    configs = KubeConfigStore(api_client, settings.device_plugin_namespace, settings.device_plugin_configmap,
+                              mount, settle)
+    extra: dict[str, Any] = {"node_pods": KubeNodePods(api_client, settings.node_name, settings.kube)}
+    if settings.device_plugin == "builtin":
+        plugins = DevicePluginManager(settings.device_plugin_dir,
+                                      mps=MpsSettings(pipe_dir_host=settings.mps_pipe_dir))
+        await stack.enter_async_context(plugins)
+        daemon = ProcessMpsDaemon()
+        stack.push_async_callback(daemon.stop)
+        if isinstance(pods, FakePodResources):  # --fake-gpus without a kubelet: it "holds" all advertised
+            pods.on_allocatable = lambda: {r: [d.id for d in ds] for r, ds in plugins.advertised().items()}
+        extra |= {"plugins": plugins, "mps_daemon": daemon, "mps_log_dir": settings.mps_log_dir,
+                  "publish_allocatable": settings.publish_allocatable, "withdraw_settle_s": settings.withdraw_settle_s}
+    else:
+        extra["plugin_pods"] = KubePluginPods(api_client, settings.node_name, settings.nvidia_plugin_namespace,
+                                              settings.nvidia_plugin_selector)
+    return Agent(settings.node_name, node_api=KubeNodeApi(api_client, settings.node_name, settings.kube),
+                 driver=driver, pods=pods, catalog=catalog, configs=configs,
+                 interval_s=settings.report_interval_s, capacity_gb=capacity, kube=settings.kube,
+                 liveness=liveness, leader_term=lease_term_reader(api_client, settings.planner_lease_name,
+                                                                  settings.planner_lease_namespace), **extra)

@@ -1,8 +1,11 @@
 """The agent's Kubernetes I/O behind two small interfaces, with in-memory fakes:
 
-- `NodeApi`: read, watch and merge-patch the agent's own Node (annotations and labels);
+- `NodeApi`: read, watch and merge-patch the agent's own Node (annotations and labels), and
+  the GPU resource counts of its status (`patch_status`, publishing new slices early);
 - `ConfigStore`: the device-plugin ConfigMap, one key per config name, and whether a config
-  has reached the device plugin's mounted volume yet.
+  has reached the device plugin's mounted volume yet;
+- `PluginPods`: NVIDIA's device-plugin pod on this node, deleted so that its DaemonSet starts it
+  again and it lists the new MIG devices (it enumerates them only when it starts).
 
 `KubeNodeApi` / `KubeConfigStore` use kubernetes-asyncio through `dynpart.kube` (the client,
 merge patches, the informer that watches the node, Events); API failures are the classes of
@@ -38,12 +41,17 @@ class NodeView:
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
     resource_version: str = ""
+    allocatable: dict[str, str] = field(default_factory=dict)  # status.allocatable
+    capacity: dict[str, str] = field(default_factory=dict)  # status.capacity
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> NodeView:
         meta = obj.get("metadata") or {}
+        status = obj.get("status") or {}
         return cls(meta.get("name", ""), dict(meta.get("labels") or {}), dict(meta.get("annotations") or {}),
-                   str(meta.get("resourceVersion") or meta.get("resource_version") or ""))
+                   str(meta.get("resourceVersion") or meta.get("resource_version") or ""),
+                   {k: str(v) for k, v in (status.get("allocatable") or {}).items()},
+                   {k: str(v) for k, v in (status.get("capacity") or {}).items()})
 
 
 class NodeApi(Protocol):
@@ -60,6 +68,11 @@ class NodeApi(Protocol):
 
     async def event(self, reason: str, message: str, warning: bool = False) -> None:
         """A Kubernetes Event on the node (best effort: never raises)."""
+        ...
+
+    async def patch_status(self, counts: dict[str, int]) -> None:
+        """Merge-patch these resources' counts into status.capacity and status.allocatable
+        (nodes/status). Only GPU resources the agent's own device plugin serves."""
         ...
 
 
@@ -85,12 +98,21 @@ class FakeNodeApi:
         self.name = name
         self.labels = dict(labels or {})
         self.annotations = dict(annotations or {})
+        self.allocatable: dict[str, str] = {}
+        self.capacity: dict[str, str] = {}
         self.events: list[tuple[str, Any]] = events if events is not None else []
         self._version = 1
         self._watchers: list[asyncio.Queue[NodeView]] = []
 
     def view(self) -> NodeView:
-        return NodeView(self.name, dict(self.labels), dict(self.annotations), str(self._version))
+        return NodeView(self.name, dict(self.labels), dict(self.annotations), str(self._version), dict(self.allocatable),
+                        dict(self.capacity))
+
+    def set_allocatable(self, counts: dict[str, int]) -> None:
+        """What the kubelet (its node-status write) does."""
+        for r, n in counts.items():
+            self.allocatable[r] = self.capacity[r] = str(n)
+        self._changed()
 
     def set_annotations(self, patch: dict[str, str | None]) -> None:
         """What another writer (the planner) does."""
@@ -113,6 +135,12 @@ class FakeNodeApi:
 
     async def event(self, reason: str, message: str, warning: bool = False) -> None:
         self.events.append(("event", (reason, message, warning)))
+
+    async def patch_status(self, counts: dict[str, int]) -> None:
+        self.events.append(("status", dict(counts)))
+        for r, n in counts.items():
+            self.allocatable[r] = self.capacity[r] = str(n)
+        self._changed()
 
     async def watch(self) -> AsyncIterator[NodeView]:
         queue: asyncio.Queue[NodeView] = asyncio.Queue()
@@ -195,6 +223,14 @@ class KubeNodeApi:
         await post_event(self._v1, {"kind": "Node", "metadata": {"name": self.name}}, reason, message,
                          AGENT_COMPONENT, warning)
 
+    async def patch_status(self, counts: dict[str, int]) -> None:
+        """RBAC: patch nodes/status; the node-write policy allows only these resource keys, and only
+        on the agent's own node."""
+        values = {r: str(n) for r, n in counts.items()}
+        body = {"status": {"capacity": values, "allocatable": values}}
+        with api_errors(f"patch node {self.name} status"):
+            await raw_api(self._v1).patch_node_status(self.name, body, _content_type=MERGE_PATCH)
+
     async def watch(self) -> AsyncIterator[NodeView]:
         """The node as listed, then at each change: dynpart.kube's informer with a field selector
         (it lists and watches again, backing off, whenever the watch ends or fails)."""
@@ -270,6 +306,51 @@ class KubeConfigStore:
             return False
         written = self._written.get(name)
         return written is None or time.monotonic() - written >= self.settle_s
+
+
+class PluginPods(Protocol):
+    async def restart(self) -> list[str]:
+        """Delete NVIDIA's device-plugin pod(s) on this node (its DaemonSet starts a new one);
+        returns their names (none found: empty)."""
+        ...
+
+
+class FakePluginPods:
+    """Counts restarts; `on_restart` is what the new plugin does (e.g. publish the node's MIG devices)."""
+
+    def __init__(self, on_restart: Callable[[], None] | None = None):
+        self.restarts = 0
+        self.on_restart = on_restart
+
+    async def restart(self) -> list[str]:
+        self.restarts += 1
+        if self.on_restart is not None:
+            self.on_restart()
+        return [f"nvidia-device-plugin-{self.restarts}"]
+
+
+class KubePluginPods:
+    """NVIDIA's device-plugin pods on one node: namespace, label selector and
+    `fieldSelector=spec.nodeName=<node>`. RBAC: list and delete pods in that namespace (the
+    node-write policy narrows delete to pods on the agent's own node carrying the label)."""
+
+    def __init__(self, api: client.ApiClient, node: str, namespace: str, selector: str):
+        self._v1 = client.CoreV1Api(api)
+        self.node, self.namespace, self.selector = node, namespace, selector
+
+    async def restart(self) -> list[str]:
+        with api_errors(f"list pods {self.selector} in {self.namespace} on node {self.node}"):
+            resp = await self._v1.list_namespaced_pod(self.namespace, label_selector=self.selector,
+                                                      field_selector=f"spec.nodeName={self.node}", _preload_content=False)
+            pods = await read_json(resp, f"device-plugin pods on node {self.node}")
+        names = [str((p.get("metadata") or {}).get("name")) for p in pods.get("items") or []]
+        for name in names:
+            try:
+                with api_errors(f"delete pod {self.namespace}/{name}"):
+                    await self._v1.delete_namespaced_pod(name, self.namespace, _preload_content=False)
+            except APINotFoundError:
+                pass  # already going
+        return names
 
 
 def lease_term_reader(api: client.ApiClient, name: str, namespace: str) -> Callable[[], Awaitable[int | None]]:

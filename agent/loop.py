@@ -6,6 +6,15 @@ status is the outcome of its last plan.
 A pass is idempotent and starts from what the driver reports, so an agent restarted in the
 middle of a pass converges on its first pass. A pass that cannot observe the node safely (no
 driver, no PodResources) changes nothing and reports the error, keeping the last status.
+
+With the built-in device plugin (`plugins`, docs/agent.md "Device plugin") every pass ends by
+advertising what the driver holds (a `GpuView` per GPU), a slice is withdrawn and re-checked
+before it is destroyed, MPS slices are served by the plugin (no ConfigMap), and a plan is
+acknowledged only once the GPUs hold it, the lists are written and the kubelet reports the
+devices (PodResources GetAllocatableResources); new counts can be published to the node's
+status before the kubelet's own write (`publish_allocatable`). With NVIDIA's plugin
+(`plugin_pods`) a MIG change restarts its pod on the node and the plan is acknowledged once the
+node's allocatable shows the new MIG devices.
 """
 
 from __future__ import annotations
@@ -14,15 +23,21 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from dynpart.agent import metrics
 from dynpart.agent.capability_reader import mig_state, read_capability
+from dynpart.agent.deviceplugin.devices import DeviceListError, GpuView, MigDeviceView, PluginDevice, advertise
+from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.driver.interface import GpuDriver
-from dynpart.agent.kube import ConfigStore, NodeApi, NodeView
-from dynpart.agent.mig_agent import MigAgent
+from dynpart.agent.guard import SliceGuard
+from dynpart.agent.kube import ConfigStore, NodeApi, NodeView, PluginPods
+from dynpart.agent.mig_agent import MigAgent, PassResult
 from dynpart.agent.mps_agent import MpsAgent
+from dynpart.agent.mps_daemon import MpsDaemon
+from dynpart.agent.mps_plugin import MpsPluginAgent
+from dynpart.agent.nodepods import NodePods
 from dynpart.agent.podresources import PodResources
 from dynpart.annotations import DecodedSpec, annotation_patch, decode_spec, encode_status, format_heartbeat, is_plan_id
 from dynpart.capability import encode_capability, node_model
@@ -30,6 +45,7 @@ from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
 from dynpart.kube.client import Obj
 from dynpart.kube.conventions import (
+    MIG_RESOURCE_PREFIX,
     PARTITIONING_LABEL,
     SPEC_PREFIX,
     STATUS_CAPABILITY,
@@ -41,8 +57,9 @@ from dynpart.kube.conventions import (
 from dynpart.kube.recording import EventRecorder
 from dynpart.kube.retrying import retrying
 from dynpart.probing import Liveness
+from dynpart.resources import is_slice_resource, mig_resource_name
 from dynpart.settings import KubeSettings
-from dynpart.snapshot import Mode, NodeLayout
+from dynpart.snapshot import GpuLayout, Mode, NodeLayout
 
 log = logging.getLogger("dynpart.agent")
 
@@ -54,14 +71,33 @@ class PassReport:
     errors: list[str] = field(default_factory=list)
     status: dict[str, str] = field(default_factory=dict)  # the status annotations written
     failed: bool = False  # the pass could not observe or act (nothing was changed)
+    waiting: list[str] = field(default_factory=list)  # why the plan is applied but not acknowledged yet
 
 
 class Agent:
     def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver, pods: PodResources, catalog: Catalog,
                  configs: ConfigStore | None = None, interval_s: float = 10.0, capacity_gb: int | None = None,
                  kube: KubeSettings | None = None, now: Callable[[], datetime] = lambda: datetime.now(UTC),
-                 liveness: Liveness | None = None, leader_term: Callable[[], Awaitable[int | None]] | None = None):
+                 liveness: Liveness | None = None, leader_term: Callable[[], Awaitable[int | None]] | None = None,
+                 plugins: DevicePluginManager | None = None, node_pods: NodePods | None = None,
+                 mps_daemon: MpsDaemon | None = None, mps_log_dir: str = "/var/log/nvidia-mps",
+                 publish_allocatable: bool = True, plugin_pods: PluginPods | None = None,
+                 withdraw_settle_s: float = 0.5, retry_s: float = 0.5):
         self.node = node
+        # the built-in device plugin (started and closed by the caller); None: NVIDIA's plugin
+        self.plugins = plugins
+        self.node_pods = node_pods  # pods bound to the node: what they need is never destroyed
+        self.mps_daemon = mps_daemon
+        self.mps_log_dir = mps_log_dir
+        self.publish_allocatable = publish_allocatable
+        self.plugin_pods = plugin_pods  # NVIDIA's plugin pod on this node, restarted after a MIG change
+        self.retry_s = retry_s  # a plan applied but not yet acknowledged is looked at again this soon
+        self.guard = SliceGuard(pods, node_pods, plugins, settle_s=withdraw_settle_s,
+                                on_withdrawn=self._publish if plugins is not None and publish_allocatable else None)
+        self._mps_plugin: MpsPluginAgent | None = None
+        self._capacity: int = 0
+        self._restarted_for: dict[str, int] | None = None  # the MIG counts NVIDIA's plugin was restarted for
+        self._waiting = False
         self.liveness = liveness or Liveness()
         # the planner's current leader term (agent.kube.lease_term_reader); None: no fencing
         self.leader_term = leader_term
@@ -96,6 +132,9 @@ class Agent:
                 raise DynpartError(f"node {self.node}: {e}") from None
             if choice.model != self._model:
                 self._mig = self._mps = None  # built for the old model
+                if self._mps_plugin is not None:
+                    self._mps_plugin.capacity_gb = min(self.capacity_gb or choice.model.memory_gb,
+                                                       choice.model.memory_gb)
                 for note in [*unread, *choice.disagreements]:
                     log.warning("node %s: %s", self.node, note)
             self._model, self._mig_states = choice.model, states
@@ -131,6 +170,7 @@ class Agent:
             model = self.model()
             # never more than the memory NVML reports (the model's memory_gb is derived from it)
             capacity = min(self.capacity_gb or model.memory_gb, model.memory_gb)
+            self._capacity = capacity
             spec = decode_spec(node.annotations, model, node=self.node, capacity=capacity)
             layout = spec.layout
             fenced = await self._fenced(spec, node)
@@ -147,10 +187,17 @@ class Agent:
             mode = self._mode(node, layout.mode if layout else None)
             if mode == "mig":
                 if self._mig is None:
-                    self._mig = MigAgent(self.driver, self.pods, model)
+                    self._mig = MigAgent(self.driver, self.pods, model, guard=self.guard)
                 desired_mig = None if layout is None else {g.index: [(m.profile, m.start) for m in g.mig]
                                                            for g in layout.gpus}
                 result = await self._mig.apply(desired_mig)
+            elif self.plugins is not None:
+                if self._mps_plugin is None:
+                    self._mps_plugin = MpsPluginAgent(self.driver, self.pods, capacity, guard=self.guard,
+                                                      daemon=self.mps_daemon, pipe_dir=self.plugins.mps.pipe_dir_host,
+                                                      log_dir=self.mps_log_dir)
+                desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
+                result = await self._mps_plugin.apply(desired_mps)
             else:
                 if self.configs is None:
                     raise DynpartError("this node is in MPS mode but the agent has no device-plugin ConfigMap "
@@ -168,7 +215,18 @@ class Agent:
         except DynpartError as e:
             log.warning("node %s: %s", self.node, e)
         errors = [*spec.problems, *fenced, *result.errors]
-        ack = spec.plan_id if result.applied and layout is not None else node.annotations.get(STATUS_PLAN)
+        waiting: list[str] = []
+        try:
+            waiting = await self._serve(mode, result, layout, node)
+        except DynpartError as e:  # the node is as the pass left it; say why nothing is acknowledged
+            log.error("node %s: serving the devices: %s", self.node, e)
+            errors.append(f"serving the devices: {e}")
+            waiting = ["the devices could not be served (see the error above)"] if layout is not None else []
+        applied = result.applied and layout is not None and not waiting
+        if result.applied and layout is not None and waiting:
+            errors += [f"plan {spec.plan_id} is not acknowledged yet: {w}" for w in waiting]
+        self._waiting = bool(waiting)
+        ack = spec.plan_id if applied else node.annotations.get(STATUS_PLAN)
         status = encode_status(NodeLayout(node=self.node, mode=mode, gpus=result.gpus),
                                _valid_or_none(ack), errors, self.now())
         if self._capability is not None:
@@ -183,6 +241,9 @@ class Agent:
             await self._event("DynpartInvalidSpec", "ignored malformed annotations: " + "; ".join(spec.problems), True)
         if result.errors:
             await self._event("ApplyFailed", "; ".join(result.errors), True)
+        if self._mps_plugin is not None and self._mps_plugin.daemon_error:
+            await self._event("MpsDaemonFailed", f"the MPS control daemon cannot run: {self._mps_plugin.daemon_error}; "
+                              "the MPS slices are not allocatable", True)
         if ack is not None and ack != node.annotations.get(STATUS_PLAN):
             metrics.PLAN_ACKS.inc()
             log.info("node %s: plan %s applied", self.node, ack)
@@ -192,7 +253,82 @@ class Agent:
                 n = sum(1 for g in result.gpus for x in (g.mig if m == "mig" else g.mps)
                         if x.used == (state == "used")) if m == mode else 0
                 metrics.SLICES.labels(m, state).set(n)
-        return PassReport(mode, _valid_or_none(ack), errors, status)
+        return PassReport(mode, _valid_or_none(ack), errors, status, waiting=waiting)
+
+    # --- what the kubelet sees -------------------------------------------------------------------
+
+    def views(self) -> list[GpuView]:
+        """What to advertise, from what the driver reports: MIG devices (those with a compute
+        instance) of GPUs in MIG mode, the MPS slices the agent applied, else the whole GPU."""
+        by_id = {p.gi_profile_id: p.name for p in (self._model.mig_profiles if self._model else ())}
+        out = []
+        for d in self.driver.devices():
+            problem = self.driver.health(d.index)
+            if problem:
+                log.warning("node %s: GPU %d is unhealthy: %s", self.node, d.index, problem)
+            view = GpuView(index=d.index, uuid=d.uuid, memory_gb=self._capacity or d.memory_mib // 1024,
+                           mig_enabled=d.mig_current, healthy=problem is None)
+            if d.mig_current:
+                view = replace(view, mig=tuple(MigDeviceView(by_id[gi.profile_id], gi.uuid)
+                                               for gi in self.driver.gpu_instances(d.index) if gi.profile_id in by_id))
+            elif self._mps_plugin is not None and self._mps_plugin.live.get(d.index):
+                sizes, numbers = self._mps_plugin.view(d.index)
+                view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.healthy)
+            out.append(view)
+        return out
+
+    async def _serve(self, mode: Mode, result: PassResult, layout: NodeLayout | None, node: NodeView) -> list[str]:
+        """Advertise (built-in plugin) or restart NVIDIA's plugin; return what an acknowledgement of
+        the plan still waits for (empty: nothing, or no plan)."""
+        waiting: list[str] = []
+        truthful = self.plugins is not None or self.plugin_pods is not None
+        if truthful and layout is not None and result.applied:
+            missing = _not_held(mode, layout, result.gpus)
+            if missing:
+                waiting.append("the GPUs do not hold it: " + "; ".join(missing))
+        if self.plugins is not None:
+            try:
+                await self.plugins.update(advertise(self.views()))
+            except DeviceListError as e:
+                return [*waiting, f"the device plugin refused the device lists: {e}"]
+            if not await self.plugins.written():
+                waiting.append("the device plugin's lists are not written to the kubelet yet")
+            held = await self.pods.allocatable()
+            absent = _not_allocatable(self.plugins.advertised(), held)
+            if absent:
+                waiting.append("the kubelet does not report these devices yet: " + "; ".join(absent))
+            if self._mps_plugin is not None and self._mps_plugin.daemon_error and mode == "mps":
+                waiting.append(f"the MPS control daemon is not running ({self._mps_plugin.daemon_error})")
+            if self.publish_allocatable:
+                await self._publish(held)
+        elif self.plugin_pods is not None and mode == "mig":
+            counts = _mig_counts(result.gpus)
+            if self._restarted_for is None and _node_mig_counts(node) == counts:
+                self._restarted_for = counts  # NVIDIA's plugin already lists this layout
+            if counts != self._restarted_for:
+                names = await self.plugin_pods.restart()
+                self._restarted_for = counts
+                log.info("node %s: MIG devices changed; restarted NVIDIA's device plugin (%s)", self.node,
+                         ", ".join(names) or "no pod found")
+            if _node_mig_counts(node) != counts:
+                waiting.append("NVIDIA's device plugin has not published the MIG devices yet (node allocatable "
+                               f"{_fmt(_node_mig_counts(node))}, applied {_fmt(counts)})")
+        return waiting if layout is not None and result.applied else []
+
+    async def _publish(self, held: dict[str, list[str]] | None = None) -> None:
+        """Set the node's capacity/allocatable of the resources the plugin serves to the healthy
+        devices the kubelet's device manager already holds (never more): the scheduler sees new
+        slices before the kubelet's next status write, and withdrawn ones leave at once."""
+        if self.plugins is None:
+            return
+        if held is None:
+            held = await self.pods.allocatable()
+        node = await self.node_api.get()
+        counts = _publishable(self.plugins.advertised(), held, node.allocatable)
+        patch = {r: n for r, n in counts.items() if node.allocatable.get(r, "0") != str(n)}  # absent: 0
+        if patch:
+            await self.node_api.patch_status(patch)
+            log.info("node %s: published %s", self.node, _fmt(patch))
 
     async def _fenced(self, spec: DecodedSpec, node: NodeView) -> list[str]:
         """Why the spec must not be applied because a deposed planner wrote it (empty: apply it).
@@ -242,8 +378,10 @@ class Agent:
                 except Exception:  # keep the agent alive; the next pass starts from the real state
                     log.exception("node %s: pass failed", self.node)
                 waits = [asyncio.create_task(wake.wait()), asyncio.create_task(stop.wait())]
+                # an applied plan waiting for the kubelet or a device plugin is looked at again soon
+                timeout = min(self.retry_s, self.interval_s) if self._waiting else self.interval_s
                 try:
-                    await asyncio.wait(waits, timeout=self.interval_s, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     for t in waits:
                         t.cancel()
@@ -264,6 +402,10 @@ class Agent:
                 with attempt:
                     async for node in self.node_api.watch():
                         spec = {k: v for k, v in node.annotations.items() if k.startswith(SPEC_PREFIX)}
+                        # while a plan waits for a device plugin, a change of the node's GPU
+                        # resources may be what it waits for
+                        if self._waiting:
+                            spec |= {"\0" + k: v for k, v in node.allocatable.items() if is_slice_resource(k)}
                         if spec != last:
                             if last is not None:
                                 wake.set()
@@ -272,3 +414,70 @@ class Agent:
 
 def _valid_or_none(plan_id: str | None) -> str | None:
     return plan_id if is_plan_id(plan_id) else None
+
+
+def _not_held(mode: Mode, layout: NodeLayout, gpus: list[GpuLayout]) -> list[str]:
+    """Per GPU, how what the driver holds differs from the plan (empty: it holds the plan)."""
+    want = {g.index: g for g in layout.gpus}
+    out = []
+    for g in gpus:
+        w = want.get(g.index)
+        if mode == "mig":
+            have = sorted(f"{m.profile}@{m.start}" for m in g.mig)
+            need = sorted(f"{m.profile}@{m.start}" for m in (w.mig if w else []))
+        else:  # sizes, largest first (a slice's number is the agent's business, not the plan's)
+            have = [f"{s}gb" for s in sorted((s.size for s in g.mps), reverse=True)]
+            need = [f"{s}gb" for s in sorted((s.size for s in (w.mps if w else [])), reverse=True)]
+        if have != need:
+            out.append(f"GPU {g.index} has {' '.join(have) or 'nothing'}, the plan {' '.join(need) or 'nothing'}")
+    for index in sorted(set(want) - {g.index for g in gpus}):
+        out.append(f"GPU {index} is not on this node")
+    return out
+
+
+def _not_allocatable(advertised: dict[str, list[PluginDevice]], held: dict[str, list[str]]) -> list[str]:
+    out = []
+    for resource, devices in sorted(advertised.items()):
+        have = set(held.get(resource, ()))
+        missing = [d.id for d in devices if d.healthy and d.id not in have]
+        if missing:
+            out.append(f"{resource} {', '.join(missing)}")
+    return out
+
+
+def _publishable(advertised: dict[str, list[PluginDevice]], held: dict[str, list[str]],
+                 node_allocatable: dict[str, str]) -> dict[str, int]:
+    """Resource -> healthy devices both advertised and held by the kubelet's device manager, for
+    every resource the plugin serves and every GPU slice resource the node lists (0 when the
+    plugin serves it no more)."""
+    out = {r: 0 for r in node_allocatable if is_slice_resource(r)}
+    for resource, devices in advertised.items():
+        have = set(held.get(resource, ()))
+        out[resource] = sum(1 for d in devices if d.healthy and d.id in have)
+    return out
+
+
+def _mig_counts(gpus: list[GpuLayout]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for g in gpus:
+        for m in g.mig:
+            r = mig_resource_name(m.profile)
+            out[r] = out.get(r, 0) + 1
+    return out
+
+
+def _node_mig_counts(node: NodeView) -> dict[str, int]:
+    out = {}
+    for r, v in node.allocatable.items():
+        if r.startswith(MIG_RESOURCE_PREFIX):
+            try:
+                n = int(v)
+            except ValueError:
+                continue
+            if n:
+                out[r] = n
+    return out
+
+
+def _fmt(counts: dict[str, int]) -> str:
+    return ", ".join(f"{r}={n}" for r, n in sorted(counts.items())) or "none"

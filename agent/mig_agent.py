@@ -1,6 +1,9 @@
 """One MIG pass on a node: observe the GPUs, decide (`reconcile_mig`), act through the driver,
 observe again. Safety rules carried out here:
 
+- with a `SliceGuard`: free devices that pods bound to the node and not yet admitted need are
+  kept, and a device is withdrawn from the built-in device plugin and re-checked before it goes
+  (a whole GPU before MIG mode is enabled on it too);
 - whether an instance is in use is asked again (NVML processes and a fresh PodResources list)
   right before it is destroyed; the driver's own IN_USE refusal is the last guard;
 - MIG mode is enabled only on a GPU the spec wants partitioned, after checking it is idle;
@@ -16,10 +19,12 @@ from dataclasses import dataclass, field
 
 from dynpart.agent import metrics
 from dynpart.agent.driver.interface import IN_USE, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
+from dynpart.agent.guard import SliceGuard
 from dynpart.agent.podresources import PodResources, pods_by_device
 from dynpart.agent.reconcile import Destroy, Instance, MigGpuState, reconcile_mig
 from dynpart.catalog import GpuModel
 from dynpart.mig import slot_mask
+from dynpart.resources import WHOLE_GPU, mig_resource_name
 from dynpart.snapshot import GpuLayout, MigInstance
 
 log = logging.getLogger("dynpart.agent.mig")
@@ -57,8 +62,9 @@ def profile_problems(driver: GpuDriver, model: GpuModel, index: int) -> list[str
 
 
 class MigAgent:
-    def __init__(self, driver: GpuDriver, pods: PodResources, model: GpuModel):
+    def __init__(self, driver: GpuDriver, pods: PodResources, model: GpuModel, guard: SliceGuard | None = None):
         self.driver = driver
+        self.guard = guard  # withdraw before destroy, keep what bound pods need (agent/guard.py)
         self.pods = pods
         self.model = model
         self._by_id = {p.gi_profile_id: p for p in model.mig_profiles}
@@ -135,10 +141,22 @@ class MigAgent:
         errors = list(actions.errors)
         devices = {d.index: d for d in observed.devices}
         skip: set[int] = set()
+        enable = []
         for e in actions.enable:
             users = await self._gpu_users(devices[e.gpu])
             if users:
                 errors.append(f"GPU {e.gpu}: MIG mode not enabled, the GPU is in use ({', '.join(users)})")
+                skip.add(e.gpu)
+                continue
+            enable.append(e)
+        # a whole GPU that becomes MIG stops being a `nvidia.com/gpu` device: guarded as a destroy
+        whole_free = [devices[s.index].uuid for s in observed.states if not s.mig_enabled and not s.users]
+        gone, errs = await self._guard({devices[e.gpu].uuid: WHOLE_GPU for e in enable}, {WHOLE_GPU: whole_free},
+                                       {devices[e.gpu].uuid: f"GPU {e.gpu}" for e in enable}, "MIG mode was enabled")
+        errors += errs
+        for e in enable:
+            uuid = devices[e.gpu].uuid
+            if uuid not in gone:
                 skip.add(e.gpu)
                 continue
             try:
@@ -146,20 +164,37 @@ class MigAgent:
             except GpuDriverError as ex:
                 errors.append(f"GPU {e.gpu}: enabling MIG mode failed: {ex}")
                 skip.add(e.gpu)
+                await self._restore(uuid)
                 continue
             now = {d.index: d for d in self.driver.devices()}[e.gpu]
             if not now.mig_current:
                 errors.append(f"GPU {e.gpu}: MIG mode is enabled but pending until the GPU is reset")
                 skip.add(e.gpu)
         not_destroyed: list[Destroy] = []
+        instances = {(s.index, i.gi_id): i for s in observed.states for i in s.instances}
+        free: dict[str, list[str]] = {}
+        for (gpu, gi_id), inst in instances.items():
+            mig_uuid = observed.raw[(gpu, gi_id)].uuid
+            if inst.profile is not None and inst.complete and not inst.used and mig_uuid:
+                free.setdefault(mig_resource_name(inst.profile), []).append(mig_uuid)
+        advertised = {observed.raw[(d.gpu, d.gi_id)].uuid: d for d in actions.destroy}
+        candidates = {uuid: mig_resource_name(instances[(d.gpu, d.gi_id)].profile or "")
+                      for uuid, d in advertised.items() if uuid and instances[(d.gpu, d.gi_id)].profile}
+        gone, errs = await self._guard(candidates, free, {u: f"GPU {d.gpu}: {d.label}" for u, d in advertised.items() if u},
+                                       "it was to be destroyed")
+        errors += errs
         for d in actions.destroy:
             gi = observed.raw[(d.gpu, d.gi_id)]
+            if gi.uuid and gi.uuid in candidates and gi.uuid not in gone:
+                not_destroyed.append(d)
+                continue
             users = await self._instance_users(d.gpu, gi)
             if users:
                 errors.append(f"GPU {d.gpu}: {d.label} was taken ({', '.join(users)}) just before it was to be "
                               "destroyed; kept")
                 metrics.IN_USE_KEPT.inc()
                 not_destroyed.append(d)
+                await self._restore(gi.uuid)
                 continue
             try:
                 for ci in gi.compute_instances:
@@ -172,6 +207,7 @@ class MigAgent:
                 if ex.code == IN_USE:
                     metrics.IN_USE_KEPT.inc()
                 not_destroyed.append(d)
+                await self._restore(gi.uuid)
         for incomplete in actions.complete:
             try:
                 self.driver.create_compute_instance(incomplete.gpu, incomplete.gi_id,
@@ -200,6 +236,27 @@ class MigAgent:
             except GpuDriverError as ex:  # the next pass completes the GI (or removes it)
                 errors.append(f"GPU {c.gpu}: creating the compute instance of {c.profile}@{c.start} failed: {ex}")
         return errors
+
+    async def _guard(self, candidates: dict[str, str], free: dict[str, list[str]], labels: dict[str, str],
+                     when: str) -> tuple[set[str], list[str]]:
+        """The devices among `candidates` (id -> resource) that may go, and the error lines for
+        the others: kept for bound pods not yet admitted, or taken while withdrawn. Without a
+        guard, all may go (the in-use checks that follow still apply)."""
+        if self.guard is None or not candidates:
+            return set(candidates), []
+        errors = []
+        kept = await self.guard.keep(candidates, free)
+        for device, why in kept.items():
+            errors.append(f"{labels[device]} {why}; the plan's change of that GPU waits until they are admitted")
+        released = await self.guard.release(i for i in candidates if i not in kept)
+        for device, users in released.in_use.items():
+            errors.append(f"{labels[device]} was taken ({', '.join(users)}) just before {when}; kept")
+            metrics.IN_USE_KEPT.inc()
+        return set(released.destroyable), errors
+
+    async def _restore(self, device_id: str | None) -> None:
+        if self.guard is not None and device_id:
+            await self.guard.restore([device_id])
 
     def _layout(self, state: MigGpuState) -> GpuLayout:
         return GpuLayout(index=state.index, mig=[

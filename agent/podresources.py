@@ -1,6 +1,8 @@
-"""Which devices the kubelet has assigned to pods: the kubelet PodResources API (`List`).
+"""Which devices the kubelet has assigned to pods, and which it holds: the kubelet PodResources API
+(`List`, `GetAllocatableResources`).
 
-`KubeletPodResources` calls `/v1.PodResourcesLister/List` over gRPC on the kubelet's unix socket
+`KubeletPodResources` calls `/v1.PodResourcesLister/List` and `.../GetAllocatableResources` over
+gRPC on the kubelet's unix socket
 (grpcio, imported lazily). The protobuf messages are built at run time from a descriptor
 (the fields dynpart reads of `k8s.io/kubelet/pkg/apis/podresources/v1/api.proto`; newer fields
 are skipped as unknown), so there is no generated code to keep in step with a protobuf version.
@@ -22,10 +24,14 @@ from dynpart.errors import DynpartError
 
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST_METHOD = "/v1.PodResourcesLister/List"
+ALLOCATABLE_METHOD = "/v1.PodResourcesLister/GetAllocatableResources"
 
 
 class PodResourcesError(DynpartError):
     """The kubelet PodResources API could not be read."""
+
+
+DeviceIds = list[str]  # (named: `list` is a method of the classes below)
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,11 @@ class AssignedDevice:
 
 class PodResources(Protocol):
     async def list(self) -> list[AssignedDevice]: ...
+
+    async def allocatable(self) -> dict[str, DeviceIds]:
+        """Resource name -> the device ids the kubelet's device manager holds for it (recent
+        kubelets list the healthy ones only, older ones every device a plugin sent)."""
+        ...
 
 
 def base_device_id(device_id: str) -> str:
@@ -63,6 +74,9 @@ class FakePodResources:
         self._assigned: list[AssignedDevice] = []
         self.calls = 0
         self.on_list: Callable[[int], None] | None = None
+        # what GetAllocatableResources answers: set by the test (or `on_allocatable`, asked each call)
+        self.devices: dict[str, DeviceIds] = {}
+        self.on_allocatable: Callable[[], dict[str, DeviceIds]] | None = None
 
     def assign(self, pod: str, resource: str, *device_ids: str, container: str = "main") -> None:
         self._assigned.extend(AssignedDevice(pod, container, resource, d) for d in device_ids)
@@ -76,6 +90,14 @@ class FakePodResources:
             self.on_list(self.calls)
         return list(self._assigned)
 
+    def set_allocatable(self, resource: str, *device_ids: str) -> None:
+        self.devices[resource] = list(device_ids)
+
+    async def allocatable(self) -> dict[str, DeviceIds]:
+        if self.on_allocatable is not None:
+            return {r: list(ids) for r, ids in self.on_allocatable().items()}
+        return {r: list(ids) for r, ids in self.devices.items()}
+
 
 # --- the real client ---------------------------------------------------------------------------
 
@@ -83,7 +105,8 @@ class FakePodResources:
 @lru_cache(maxsize=1)
 def messages() -> dict[str, Any]:
     """The message classes by short name: ListPodResourcesRequest, ListPodResourcesResponse,
-    PodResources, ContainerResources, ContainerDevices."""
+    PodResources, ContainerResources, ContainerDevices, AllocatableResourcesRequest,
+    AllocatableResourcesResponse."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
     F = descriptor_pb2.FieldDescriptorProto
@@ -106,6 +129,8 @@ def messages() -> dict[str, Any]:
             ("devices", 2, F.TYPE_MESSAGE, rep, ".v1.ContainerDevices"))
     message("ContainerDevices", ("resource_name", 1, F.TYPE_STRING, opt, ""),
             ("device_ids", 2, F.TYPE_STRING, rep, ""))
+    message("AllocatableResourcesRequest")
+    message("AllocatableResourcesResponse", ("devices", 1, F.TYPE_MESSAGE, rep, ".v1.ContainerDevices"))
     pool = descriptor_pool.DescriptorPool()  # private: no clash with another registration of v1.*
     classes = message_factory.GetMessages([fdp], pool=pool)
     return {full.split(".", 1)[1]: cls for full, cls in classes.items()}
@@ -129,19 +154,29 @@ class KubeletPodResources:
         self.timeout_s = timeout_s
 
     async def list(self) -> list[AssignedDevice]:
+        return flatten(await self._call(LIST_METHOD, "ListPodResourcesRequest", "ListPodResourcesResponse"))
+
+    async def allocatable(self) -> dict[str, DeviceIds]:
+        response = await self._call(ALLOCATABLE_METHOD, "AllocatableResourcesRequest", "AllocatableResourcesResponse")
+        out: dict[str, DeviceIds] = {}
+        for d in response.devices:
+            out.setdefault(d.resource_name, []).extend(d.device_ids)
+        return out
+
+    async def _call(self, method: str, request: str, response: str) -> Any:
         try:
             import grpc
             import grpc.aio
         except ImportError as e:
             raise PodResourcesError(f"the grpcio package is needed to read the kubelet PodResources API ({e})") from None
         msgs = messages()
-        request_cls, response_cls = msgs["ListPodResourcesRequest"], msgs["ListPodResourcesResponse"]
+        request_cls, response_cls = msgs[request], msgs[response]
         try:
             async with grpc.aio.insecure_channel(f"unix://{self.socket}") as channel:
-                call = channel.unary_unary(LIST_METHOD, request_serializer=lambda m: m.SerializeToString(),
+                call = channel.unary_unary(method, request_serializer=lambda m: m.SerializeToString(),
                                            response_deserializer=response_cls.FromString)
-                response = await call(request_cls(), timeout=self.timeout_s)
+                return await call(request_cls(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             raise PodResourcesError(
-                f"kubelet PodResources API at {self.socket}: {e.code().name}: {e.details()}") from None
-        return flatten(response)
+                f"kubelet PodResources API at {self.socket} ({method.rsplit('/', 1)[1]}): {e.code().name}: "
+                f"{e.details()}") from None

@@ -110,6 +110,25 @@ class AgentSettings(CommonSettings):
     planner_lease_name: str = Field(default=LEASE_NAME, description="the planner's leader-election Lease: a spec "
                                     "written under an older term than the Lease's is ignored (fencing)")
     planner_lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="its namespace")
+    device_plugin: Literal["builtin", "nvidia"] = Field(
+        default="builtin", description="who advertises the slices to the kubelet: `builtin`, the agent's own device "
+        "plugin (MIG, MPS and whole GPUs; NVIDIA's plugin must be off on the node), or `nvidia`, NVIDIA's device "
+        "plugin (MIG: restarted after each change; MPS: the device-plugin ConfigMap)")
+    device_plugin_dir: str = Field(default="/var/lib/kubelet/device-plugins", description="builtin: the kubelet's "
+                                   "device-plugin directory (kubelet.sock and the plugins' sockets)")
+    mps_pipe_dir: str = Field(default="/var/lib/dynpart/mps", description="builtin: host directory of the MPS control "
+                              "daemon's pipes, mounted into MPS pods (the same path inside the agent)")
+    mps_log_dir: str = Field(default="/var/lib/dynpart/mps-log", description="builtin: the MPS control daemon's logs")
+    publish_allocatable: bool = Field(default=True, description="builtin: write the node's status.allocatable of the "
+                                      "slice resources as soon as the kubelet holds the devices (never more than it "
+                                      "holds), instead of waiting for the kubelet's next node-status write")
+    withdraw_settle_s: float = Field(default=0.5, ge=0, description="builtin: after a slice is withdrawn from the "
+                                     "device plugin, wait this long for an admission already under way before "
+                                     "checking it is still free and destroying it")
+    nvidia_plugin_namespace: str = Field(default="gpu-operator", description="nvidia: namespace of NVIDIA's "
+                                         "device-plugin pods (restarted on this node after a MIG change)")
+    nvidia_plugin_selector: str = Field(default="app=nvidia-device-plugin-daemonset",
+                                        description="nvidia: label selector of those pods")
 
 
 # --- sources ----------------------------------------------------------------------------------

@@ -146,8 +146,37 @@ def test_agent_daemonset(default):
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
     assert vols["state"]["hostPath"] == {"path": "/var/lib/dynpart", "type": "DirectoryOrCreate"}  # the node lock
-    assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"], vols["state"]]
+    # the built-in device plugin (devicePlugin.mode=builtin, the default): its sockets beside the kubelet's
+    assert vols["device-plugins"]["hostPath"] == {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}
+    assert {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"} in c["volumeMounts"]
+    assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"], vols["state"], vols["device-plugins"]]
+    assert pod["hostIPC"] is True  # the MPS control daemon and its clients share memory
     assert vols["device-plugin-config"]["configMap"] == {"name": "dynpart-device-plugin-configs", "optional": True}
+
+
+def test_agent_with_nvidias_device_plugin():
+    """devicePlugin.mode=nvidia: no device-plugin socket dir, no hostIPC, no nodes/status; a Role to
+    restart NVIDIA's plugin pod in its namespace, narrowed by the pod-deletion policy."""
+    objs = render("--set", "devicePlugin.mode=nvidia", "--set", "devicePlugin.nvidia.namespace=gpu-op",
+                  "--set", "devicePlugin.nvidia.selector=app=nvidia-device-plugin-daemonset")
+    pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
+    assert "device-plugins" not in {v["name"] for v in pod["volumes"]} and "hostIPC" not in pod
+    assert ("", "nodes/status", ()) not in rules(find(objs, "ClusterRole", "dynpart-agent"))
+    role = find(objs, "Role", "dynpart-agent-nvidia-plugin-restart")
+    assert role["metadata"]["namespace"] == "gpu-op" and rules(role) == {("", "pods", ()): {"list", "delete"}}
+    policy = find(objs, "ValidatingAdmissionPolicy", "dynpart-agent-pod-deletes")
+    assert policy["spec"]["matchConstraints"]["resourceRules"][0]["operations"] == ["DELETE"]
+    checks = [v["expression"] for v in policy["spec"]["validations"]]
+    assert "request.userInfo.extra['authentication.kubernetes.io/node-name'] == [oldObject.spec.nodeName]" in checks[0]
+    assert checks[1] == ('("app" in oldObject.metadata.?labels.orValue({}) && '
+                         'oldObject.metadata.labels["app"] == "nvidia-device-plugin-daemonset")')
+    find(objs, "ValidatingAdmissionPolicyBinding", "dynpart-agent-pod-deletes")
+    agent_policy, _ = _policy_pair(objs, "agent")  # no status writes to allow
+    assert "request.operation != 'UPDATE' || object.status == oldObject.status" in [
+        v["expression"] for v in agent_policy["spec"]["validations"]]
+    proc = subprocess.run([str(HELM), "template", "x", str(CHART), "--set", "devicePlugin.mode=nvidia",
+                           "--set-string", "devicePlugin.nvidia.selector=app!=x"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "/devicePlugin/nvidia/selector" in proc.stderr  # not what the policy can check
 
 
 def test_agent_token_is_pod_bound_and_projected(default, full):
@@ -198,6 +227,8 @@ def test_agent_command_line_and_settings(default, full, tmp_path, monkeypatch):
     assert (s.device_plugin_namespace, s.device_plugin_configmap) == (NAMESPACE, "dynpart-device-plugin-configs")
     assert s.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
     assert ns.config_mount == "/etc/dynpart/device-plugin" and s.catalog_files == []
+    assert (s.device_plugin, s.device_plugin_dir, s.publish_allocatable) == ("builtin", "/var/lib/kubelet/device-plugins", True)
+    assert (s.nvidia_plugin_namespace, s.nvidia_plugin_selector) == ("gpu-operator", "app=nvidia-device-plugin-daemonset")
     ns, s = _agent_settings(full, tmp_path, monkeypatch)
     assert (s.device_plugin_namespace, s.device_plugin_configmap) == ("gpu-operator", "nvidia-device-plugin-configs")
     assert ns.config_mount is None and ns.config_settle_s == 30  # another namespace: not mountable
@@ -226,13 +257,18 @@ def test_planner_rbac_is_minimal(default):
 
 
 def test_agent_rbac_is_minimal(default, full):
-    """What the agent calls: its node (read, an informer with a name field selector, merge patches),
-    a POST of a core/v1 Event, and the device-plugin ConfigMap (read, merge patch, create on first
-    use). The pods on its GPUs come from the kubelet's PodResources socket, not the API."""
+    """What the agent calls: its node (read, an informer with a name field selector, merge patches,
+    and its status's slice-resource counts), a POST of a core/v1 Event, a list of the pods bound to
+    its node (the bound-but-not-admitted race), and the device-plugin ConfigMap (read, merge patch,
+    create on first use). The pods on its GPUs come from the kubelet's PodResources socket."""
     assert rules(find(default, "ClusterRole", "dynpart-agent")) == {
         ("", "nodes", ()): {"get", "list", "watch", "patch"},
+        ("", "nodes/status", ()): {"patch"},
+        ("", "pods", ()): {"list"},
         ("", "events", ()): {"create"},
     }
+    no_publish = render("--set", "devicePlugin.publishAllocatable=false")
+    assert ("", "nodes/status", ()) not in rules(find(no_publish, "ClusterRole", "dynpart-agent"))
     for objs, ns, cm in ((default, NAMESPACE, "dynpart-device-plugin-configs"),
                          (full, "gpu-operator", "nvidia-device-plugin-configs")):
         role = find(objs, "Role", "dynpart-agent-device-plugin-config")
@@ -243,6 +279,7 @@ def test_agent_rbac_is_minimal(default, full):
 
 
 def test_no_wildcards_secrets_or_deletes(default, full):
+    """(devicePlugin.mode=nvidia adds `delete pods` in NVIDIA's namespace: test_agent_with_nvidias_device_plugin.)"""
     for objs in (default, full):
         for role in (o for o in objs if o["kind"] in ("Role", "ClusterRole")):
             for rule in role["rules"]:
@@ -288,7 +325,14 @@ def test_node_write_policies(default):
         checks = [v["expression"] for v in spec["validations"]]
         assert all(v["reason"] == "Forbidden" for v in spec["validations"])
         assert "request.operation != 'UPDATE' || object.spec == oldObject.spec" in checks
-        assert "request.operation != 'UPDATE' || object.status == oldObject.status" in checks
+        if component == "planner":
+            assert "request.operation != 'UPDATE' || object.status == oldObject.status" in checks
+        else:  # the slice resources' counts, through nodes/status only
+            (status,) = [c for c in checks if "object.status == oldObject.status" in c]
+            assert status == ("request.operation != 'UPDATE' || object.status == oldObject.status || "
+                              "(request.subResource == 'status' && variables.foreignStatus.size() == 0 && "
+                              "variables.otherStatusSame)")
+            assert "!k.matches('^nvidia[.]com/(gpu|gpu-[0-9]+gb|mig-" in variables["foreignStatus"]
         own_node = [c for c in checks if "authentication.kubernetes.io/node-name" in c]
         if component == "agent":
             assert '.filter(k, !(k in ["nvidia.com/device-plugin.config"]))' in variables["foreignLabels"]

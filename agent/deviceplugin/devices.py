@@ -4,7 +4,8 @@ A GPU is advertised one way only:
 - MIG mode on: each MIG device (one with a compute instance, so a `MIG-...` UUID) under
   `nvidia.com/mig-<profile>` (`+` written `.`), device id = the MIG UUID;
 - MPS slices planned on it: each slice under `nvidia.com/gpu-<N>gb`, device id
-  `<GPU UUID>::<n>` (n = the slice's position on the GPU, as the device-plugin fork numbers replicas);
+  `<GPU UUID>::<n>` (n = the slice's number: its position on the GPU, as the device-plugin fork
+  numbers replicas, unless the view gives the numbers);
 - otherwise: the whole GPU under `nvidia.com/gpu`, device id = the GPU UUID.
 
 Withdrawn device ids (a slice the agent is about to destroy) are left out. `check_exclusive`
@@ -58,6 +59,9 @@ class GpuView:
     mig_enabled: bool = False
     mig: tuple[MigDeviceView, ...] = ()
     mps: tuple[int, ...] = ()  # MPS slice sizes in GB, in the order the plan lists them
+    # the slices' numbers (device id `<GPU UUID>::<n>`), one per size; empty: 0, 1, 2, ... The
+    # agent keeps a slice's number for as long as the slice exists (the kubelet knows it by it)
+    mps_ids: tuple[int, ...] = ()
     healthy: bool = True
     numa_node: int | None = None
 
@@ -91,7 +95,9 @@ def advertise(gpus: Iterable[GpuView], withdrawn: Iterable[str] = ()) -> dict[st
                 if m.uuid and m.uuid not in gone:
                     out.add(mig_resource_name(m.profile), device(m.uuid, "mig", 0))
         elif g.mps:
-            for n, size in enumerate(g.mps):
+            if g.mps_ids and len(g.mps_ids) != len(g.mps):
+                raise DeviceListError(f"GPU {g.uuid}: {len(g.mps)} MPS slice sizes but {len(g.mps_ids)} slice numbers")
+            for n, size in zip(g.mps_ids or range(len(g.mps)), g.mps, strict=True):
                 device_id = mps_device_id(g.uuid, n)
                 if device_id not in gone:
                     out.add(mps_resource_name(size), device(device_id, "mps", size))

@@ -66,14 +66,20 @@ class PluginServer:
 
     def __init__(self, resource: str, plugin_dir: str, devices: Iterable[PluginDevice] = (), *,
                  preferred: PreferredHook | None = None, mps: MpsSettings | None = None,
-                 withdrawn: set[str] | None = None):
+                 withdrawn: set[str] | None = None, sealed: set[str] | None = None,
+                 allocated: dict[str, float] | None = None):
         self.resource = resource
         self.plugin_dir = plugin_dir
         self.endpoint = socket_name(resource)
         self.socket_path = os.path.join(plugin_dir, self.endpoint)
         self.preferred = preferred
         self.mps = mps or MpsSettings()
+        # withdrawn: no longer listed, still served by Allocate (the kubelet may have picked it just
+        # before it read the new list; the agent then keeps it). sealed: about to be destroyed, refused.
         self.withdrawn = withdrawn if withdrawn is not None else set()
+        self.sealed = sealed if sealed is not None else set()
+        self.allocated = allocated if allocated is not None else {}  # device id -> time.monotonic() of its last Allocate
+        self._known: dict[str, PluginDevice] = {d.id: d for d in devices}  # listed or withdrawn, until destroyed
         self._devices: list[PluginDevice] = list(devices)
         self._version = 0
         self._streams: dict[int, int] = {}  # stream id -> version last written
@@ -100,6 +106,7 @@ class PluginServer:
     async def set_devices(self, devices: Iterable[PluginDevice]) -> bool:
         """Replace the advertised list; True (and a ListAndWatch message) if it changed."""
         new = list(devices)
+        self._known = {i: d for i, d in self._known.items() if i in self.withdrawn} | {d.id: d for d in new}
         if new == self._devices:
             return False
         async with self._cond:
@@ -228,19 +235,25 @@ class PluginServer:
         import grpc
 
         msgs = protocol.messages()
-        by_id = {d.id: d for d in self._devices}
+        # a withdrawn (not yet sealed) device is still served: the kubelet chose it before it read
+        # the list without it, and refusing would fail the pod's admission (UnexpectedAdmissionError)
+        by_id = {i: d for i, d in self._known.items() if i not in self.sealed}
         responses = []
         for r in request.container_requests:
             ids = list(r.devices_ids)
-            withdrawn = [i for i in ids if i not in by_id and i in self.withdrawn]
-            if withdrawn:
+            sealed = [i for i in ids if i in self.sealed]
+            if sealed:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"{self.resource}: device(s) {', '.join(withdrawn)} withdrawn (about to be re-partitioned)")
+                                    f"{self.resource}: device(s) {', '.join(sealed)} withdrawn and being destroyed "
+                                    "(re-partitioned)")
             unknown = [i for i in ids if i not in by_id]
             if unknown or not ids:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"{self.resource}: unknown device id(s) {', '.join(unknown) or '(none requested)'}; "
                                     f"this plugin advertises {', '.join(by_id) or 'nothing'}")
+            now = time.monotonic()
+            for i in ids:
+                self.allocated[i] = now
             a = container_allocation([by_id[i] for i in ids], self.mps.pipe_dir_host, self.mps.pipe_dir_container)
             responses.append(msgs["ContainerAllocateResponse"](
                 envs=a.envs, mounts=[msgs["Mount"](host_path=m.host_path, container_path=m.container_path,
@@ -264,6 +277,8 @@ class DevicePluginManager:
         self.register_timeout_s = register_timeout_s
         self.servers: dict[str, PluginServer] = {}
         self.withdrawn: set[str] = set()
+        self.sealed: set[str] = set()  # withdrawn and about to be destroyed: Allocate refuses them
+        self.allocated: dict[str, float] = {}  # device id -> time.monotonic() of its last Allocate (any resource)
         self._wanted: dict[str, list[PluginDevice]] = {}
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
@@ -305,6 +320,7 @@ class DevicePluginManager:
         present = {d.id for ds in wanted.values() for d in ds}
         async with self._lock:
             self.withdrawn &= present  # a withdrawn device that is gone has been destroyed
+            self.sealed &= present
             self._wanted = wanted
             await self._apply()
 
@@ -316,9 +332,30 @@ class DevicePluginManager:
             await self._apply()
 
     async def readmit(self, *device_ids: str) -> None:
+        """Advertise withdrawn devices again (they were not destroyed after all)."""
         async with self._lock:
             self.withdrawn -= set(device_ids)
+            self.sealed -= set(device_ids)
             await self._apply()
+
+    async def written(self, timeout_s: float = 1.0) -> bool:
+        """Whether every open ListAndWatch stream has written its current list (waiting up to
+        `timeout_s`)."""
+        results = [await s.wait_written(timeout_s) for s in list(self.servers.values())]
+        return all(results)
+
+    def seal(self, *device_ids: str) -> None:
+        """From now on Allocate refuses these (withdrawn) devices: the agent is destroying them.
+        Until sealed, a withdrawn device is still served (the kubelet may have chosen it just
+        before it read the list without it): the agent checks `last_allocated` before sealing."""
+        missing = [i for i in device_ids if i not in self.withdrawn]
+        if missing:
+            raise ValueError(f"seal: device(s) {', '.join(missing)} were not withdrawn first")
+        self.sealed |= set(device_ids)
+
+    def last_allocated(self, device_id: str) -> float | None:
+        """time.monotonic() of the last Allocate that named this device (None: never)."""
+        return self.allocated.get(device_id)
 
     async def _apply(self) -> None:
         target = {r: [d for d in ds if d.id not in self.withdrawn] for r, ds in self._wanted.items()}
@@ -335,7 +372,7 @@ class DevicePluginManager:
             server = self.servers.get(resource)
             if server is None:
                 server = PluginServer(resource, self.plugin_dir, devices, preferred=self.preferred, mps=self.mps,
-                                      withdrawn=self.withdrawn)
+                                      withdrawn=self.withdrawn, sealed=self.sealed, allocated=self.allocated)
                 self.servers[resource] = server
                 await server.start()
                 await self._register(server)

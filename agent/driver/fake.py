@@ -93,6 +93,7 @@ class FakeNvml:
         self.ops: list[FakeOp] = []
         self.before_op: Callable[[FakeOp], None] | None = None
         self._crash_in: int | None = None
+        self.unhealthy: dict[int, str] = {}  # GPU index -> why (test control)
 
     # --- test controls ---
 
@@ -115,6 +116,10 @@ class FakeNvml:
         gpu.pids.discard(pid)
         for gi in gpu.gis.values():
             gi.pids.discard(pid)
+
+    def health(self, index: int) -> str | None:
+        self._gpu(index)
+        return self.unhealthy.get(index)
 
     def reset(self, index: int) -> None:
         """A GPU reset: instances lost, a pending MIG mode applied."""

@@ -105,3 +105,8 @@ class GpuDriver(Protocol):
     def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
         """Every (start, size) the profile may be created at on an empty GPU."""
         ...
+
+    def health(self, index: int) -> str | None:
+        """Why GPU `index` must not be given to pods (None: healthy). Its devices (whole, MIG,
+        MPS slices) are then advertised Unhealthy."""
+        ...

@@ -280,3 +280,18 @@ class RealNvml:
         arr = (nv.c_nvmlGpuInstancePlacement_t * max(1, count.value))()
         self._call(nv.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, arr, ctypes.byref(count))
         return [(int(p.start), int(p.size)) for p in arr[: count.value]]
+
+    def health(self, index: int) -> str | None:
+        """Unhealthy when NVML cannot read the GPU any more (lost, fallen off the bus) or pages wait
+        for retirement (a reset is needed). Not read: XID events, as NVIDIA's plugin watches them."""
+        nv = self._nv
+        try:
+            h = nv.nvmlDeviceGetHandleByIndex(index)
+            nv.nvmlDeviceGetUUID(h)
+        except nv.NVMLError as e:
+            return f"NVML cannot read it: {e}"
+        try:
+            pending = nv.nvmlDeviceGetRetiredPagesPendingStatus(h)
+        except nv.NVMLError:
+            return None  # not supported on this GPU: nothing to say
+        return "memory pages wait for retirement: the GPU needs a reset" if pending else None

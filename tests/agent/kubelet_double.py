@@ -5,6 +5,12 @@ kept, with its time); tests call `allocate()` and `preferred()` as the kubelet w
 `restart()` does what a kubelet restart does to the plugin dir: the Registration socket goes
 away, every socket in the dir is removed, and kubelet.sock comes back.
 
+Admission as the kubelet does it: `admit(pod, resource, n)` picks n free healthy devices
+(GetPreferredAllocation when the plugin offers it), calls Allocate, and records the assignment;
+no free healthy device: `AdmissionError` (the kubelet's UnexpectedAdmissionError). The
+assignments and the devices it holds are served by the PodResources API (`List`,
+`GetAllocatableResources`) on `pod_resources_socket`, so the agent's real client reads them.
+
 Reusable by an e2e kubelet model: `allocatable()` is what the kubelet would put in
 `status.allocatable` (healthy devices per resource).
 """
@@ -21,7 +27,20 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from dynpart.agent import podresources
 from dynpart.agent.deviceplugin import protocol
+
+
+class AdmissionError(Exception):
+    """What the kubelet reports as UnexpectedAdmissionError: no free healthy device."""
+
+
+@dataclass
+class Assignment:
+    pod: str
+    container: str
+    resource: str
+    ids: list[str]
 
 
 @dataclass
@@ -48,13 +67,19 @@ class PluginSeen:
 
 
 class KubeletDouble:
-    def __init__(self, plugin_dir: str):
+    def __init__(self, plugin_dir: str, pod_resources_socket: str | None = None):
         self.plugin_dir = plugin_dir
         self.socket = os.path.join(plugin_dir, protocol.KUBELET_SOCKET_NAME)
+        # outside the plugin dir (a kubelet restart wipes that dir's sockets)
+        self.pod_resources_socket = pod_resources_socket or plugin_dir.rstrip("/") + "-podresources.sock"
+        self.assignments: list[Assignment] = []  # the kubelet's checkpoint: kept across restarts
+        self.admission_errors: list[str] = []
+        self.refuse_registration = False  # Register answers UNAVAILABLE (a kubelet not ready yet)
         self.plugins: dict[str, PluginSeen] = {}
         self.events: list[tuple[float, str, list[str]]] = []  # (time, resource, healthy ids) per message, in order
         self.register_requests: list[Any] = []
         self._server: Any = None
+        self._pr_server: Any = None
         self._changed = asyncio.Condition()
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -66,6 +91,13 @@ class KubeletDouble:
         server.add_insecure_port(f"unix://{self.socket}")
         await server.start()
         self._server = server
+        if os.path.exists(self.pod_resources_socket):
+            os.unlink(self.pod_resources_socket)
+        pr = grpc.aio.server()
+        pr.add_generic_rpc_handlers((self._pod_resources_handler(),))
+        pr.add_insecure_port(f"unix://{self.pod_resources_socket}")
+        await pr.start()
+        self._pr_server = pr
 
     async def stop(self) -> None:
         for p in self.plugins.values():
@@ -73,8 +105,12 @@ class KubeletDouble:
         if self._server is not None:
             await self._server.stop(0)
             self._server = None
-        if os.path.exists(self.socket):
-            os.unlink(self.socket)
+        if self._pr_server is not None:
+            await self._pr_server.stop(0)
+            self._pr_server = None
+        for path in (self.socket, self.pod_resources_socket):
+            if os.path.exists(path):
+                os.unlink(path)
 
     async def restart(self) -> float:
         """Stop, wipe the sockets in the plugin dir, start again; returns when kubelet.sock is back
@@ -97,6 +133,8 @@ class KubeletDouble:
 
     async def _register(self, request: Any, context: Any) -> Any:
         self.register_requests.append(request)
+        if self.refuse_registration:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the kubelet's device manager is not ready")
         if request.version != protocol.VERSION:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version!r}")
         p = self.plugins.get(request.resource_name)
@@ -155,6 +193,11 @@ class KubeletDouble:
         await self.wait_for(lambda: resource in self.plugins and self.plugins[resource].ids == ids, timeout_s)
         return self.plugins[resource]
 
+    async def wait_for_devices(self, resource: str, devices: list[tuple[str, str]], timeout_s: float = 5.0) -> PluginSeen:
+        """Until the plugin's last list is exactly these (id, health) pairs."""
+        await self.wait_for(lambda: resource in self.plugins and self.plugins[resource].devices == devices, timeout_s)
+        return self.plugins[resource]
+
     def allocatable(self) -> dict[str, int]:
         """Healthy devices per resource on open streams (what status.allocatable would show)."""
         return {r: sum(1 for _, h in p.devices if h == protocol.HEALTHY) for r, p in self.plugins.items()
@@ -172,3 +215,76 @@ class KubeletDouble:
             available_deviceIDs=available, must_include_deviceIDs=must_include, allocation_size=size)])
         response = await self.plugins[resource].stub.GetPreferredAllocation(request, timeout=5)
         return list(response.container_responses[0].deviceIDs)
+
+    # --- admission and PodResources ---------------------------------------------------------------
+
+    def held(self) -> dict[str, list[str]]:
+        """What GetAllocatableResources answers: the healthy devices of each resource whose plugin
+        stream is open (a recent kubelet's answer)."""
+        return {r: [i for i, h in p.devices if h == protocol.HEALTHY] for r, p in self.plugins.items()
+                if p.stream_task is not None and not p.stream_task.done()}
+
+    def free(self, resource: str) -> list[str]:
+        taken = {i for a in self.assignments if a.resource == resource for i in a.ids}
+        return [i for i in self.held().get(resource, []) if i not in taken]
+
+    async def choose(self, resource: str, n: int = 1) -> list[str]:
+        """The device-manager's pick for a container (GetPreferredAllocation if offered)."""
+        free = self.free(resource)
+        if len(free) < n:
+            message = (f"UnexpectedAdmissionError: requested {n} {resource}, {len(free)} free healthy "
+                       f"({', '.join(free) or 'none'})")
+            self.admission_errors.append(message)
+            raise AdmissionError(message)
+        p = self.plugins[resource]
+        if p.options is not None and p.options.get_preferred_allocation_available:
+            return await self.preferred(resource, free, [], n)
+        return free[:n]
+
+    async def admit(self, pod: str, resource: str, n: int = 1, container: str = "main") -> Any:
+        """Admit a pod's container: choose, Allocate, record (the Allocate response is returned).
+        A refused Allocate is an admission error too."""
+        ids = await self.choose(resource, n)
+        return await self.complete_admission(pod, resource, ids, container)
+
+    async def complete_admission(self, pod: str, resource: str, ids: list[str], container: str = "main") -> Any:
+        """The second half of `admit` (a test can do something between the pick and Allocate)."""
+        try:
+            response = await self.allocate(resource, ids)
+        except grpc.aio.AioRpcError as e:
+            message = f"UnexpectedAdmissionError: Allocate {resource} {ids}: {e.code().name}: {e.details()}"
+            self.admission_errors.append(message)
+            raise AdmissionError(message) from None
+        self.assignments.append(Assignment(pod, container, resource, list(ids)))
+        return response
+
+    def release(self, pod: str) -> None:
+        self.assignments = [a for a in self.assignments if a.pod != pod]
+
+    def _pod_resources_handler(self) -> Any:
+        msgs = podresources.messages()
+
+        async def list_pods(request: Any, context: Any) -> Any:
+            by_pod: dict[str, dict[str, list[Assignment]]] = {}
+            for a in self.assignments:
+                by_pod.setdefault(a.pod, {}).setdefault(a.container, []).append(a)
+            pods = []
+            for pod, containers in by_pod.items():
+                namespace, name = pod.split("/", 1)
+                pods.append(msgs["PodResources"](name=name, namespace=namespace, containers=[
+                    msgs["ContainerResources"](name=c, devices=[msgs["ContainerDevices"](resource_name=a.resource,
+                                                                                         device_ids=a.ids) for a in assigned])
+                    for c, assigned in containers.items()]))
+            return msgs["ListPodResourcesResponse"](pod_resources=pods)
+
+        async def allocatable(request: Any, context: Any) -> Any:
+            return msgs["AllocatableResourcesResponse"](devices=[
+                msgs["ContainerDevices"](resource_name=r, device_ids=ids) for r, ids in self.held().items()])
+
+        def method(fn: Any, request: str) -> Any:
+            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=msgs[request].FromString,
+                                                       response_serializer=lambda m: m.SerializeToString())
+
+        return grpc.method_handlers_generic_handler("v1.PodResourcesLister", {
+            "List": method(list_pods, "ListPodResourcesRequest"),
+            "GetAllocatableResources": method(allocatable, "AllocatableResourcesRequest")})

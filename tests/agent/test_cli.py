@@ -108,3 +108,52 @@ async def test_two_agents_on_one_node_do_not_both_act(tmp_path):
     await asyncio.sleep(0.05)
     await asyncio.gather(first, agent("b", 0.0))
     assert order == ["a in", "a out", "b in", "b out"]
+
+
+def test_device_plugin_setting_is_checked():
+    from dynpart.errors import DynpartError
+    from dynpart.settings import AgentSettings, load_settings
+
+    with pytest.raises(DynpartError, match=r"setting device_plugin = 'nebuly': .*'builtin' or 'nvidia'.*DYNPART_AGENT_DEVICE_PLUGIN"):
+        load_settings(AgentSettings, flags={"device_plugin": "nebuly"})
+
+
+async def test_the_agent_is_built_for_its_device_plugin(tmp_path):
+    """builtin: a served plugin manager, the MPS daemon, the bound-pod source; nvidia: the restarts of
+    NVIDIA's plugin pod instead."""
+    import argparse
+    import contextlib
+
+    from kubernetes_asyncio import client
+
+    from dynpart.agent.cli import _agent
+    from dynpart.agent.kube import KubePluginPods
+    from dynpart.agent.mps_daemon import ProcessMpsDaemon
+    from dynpart.agent.nodepods import KubeNodePods
+    from dynpart.agent.podresources import FakePodResources
+    from dynpart.catalog import default_catalog
+    from dynpart.settings import AgentSettings, load_settings
+
+    args = argparse.Namespace(config_mount=None, config_settle_s=None, capacity_gb=None)
+    catalog = default_catalog()
+    api = client.ApiClient()
+    try:
+        for mode in ("builtin", "nvidia"):
+            settings = load_settings(AgentSettings, flags={"node_name": "n1", "device_plugin": mode,
+                                                           "device_plugin_dir": str(tmp_path / "dp")})
+            pods = FakePodResources()
+            async with contextlib.AsyncExitStack() as stack:
+                agent = await _agent(args, settings, api, FakeNvml(catalog.resolve("H100-80GB"), 1), pods, catalog,
+                                     None, stack)
+                assert isinstance(agent.node_pods, KubeNodePods) and agent.node_pods.node == "n1"
+                if mode == "builtin":
+                    assert agent.plugins is not None and agent.plugins.plugin_dir == str(tmp_path / "dp")
+                    assert agent.plugins.mps.pipe_dir_host == "/var/lib/dynpart/mps"
+                    assert isinstance(agent.mps_daemon, ProcessMpsDaemon) and agent.plugin_pods is None
+                    assert pods.on_allocatable is not None  # fake GPUs without a kubelet
+                else:
+                    assert agent.plugins is None and isinstance(agent.plugin_pods, KubePluginPods)
+                    assert (agent.plugin_pods.namespace, agent.plugin_pods.selector) == (
+                        "gpu-operator", "app=nvidia-device-plugin-daemonset")
+    finally:
+        await api.close()

@@ -163,7 +163,7 @@ async def test_allocate_mig_whole_and_mps(kubelet, plugins):
     assert pre.ListFields() == []
 
 
-async def test_allocate_refuses_unknown_and_withdrawn_ids(kubelet, plugins):
+async def test_allocate_refuses_unknown_and_sealed_ids(kubelet, plugins):
     await plugins.update(advertise(GPUS))
     await kubelet.wait_registered("nvidia.com/mig-1g.10gb")
     with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -173,17 +173,35 @@ async def test_allocate_refuses_unknown_and_withdrawn_ids(kubelet, plugins):
     with pytest.raises(grpc.aio.AioRpcError) as e:  # a device of another resource is unknown here
         await kubelet.allocate("nvidia.com/mig-1g.10gb", ["MIG-c"])
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
-    # withdrawn before the agent destroys it: no longer advertised, and refused
+    # withdrawn before the agent destroys it: no longer advertised, but still served (the kubelet
+    # may have chosen it just before it read the new list) and the call recorded for the agent
     await plugins.withdraw("MIG-b")
     await kubelet.wait_devices("nvidia.com/mig-1g.10gb", ["MIG-a"])
+    assert plugins.last_allocated("MIG-b") is None
+    late = await kubelet.allocate("nvidia.com/mig-1g.10gb", ["MIG-b"])
+    assert dict(late.container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": "MIG-b"}
+    assert plugins.last_allocated("MIG-b") is not None
+    # sealed (the agent is destroying it): refused
+    plugins.seal("MIG-b")
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await kubelet.allocate("nvidia.com/mig-1g.10gb", ["MIG-b"])
-    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "withdrawn" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "being destroyed" in e.value.details()
+    with pytest.raises(ValueError, match="not withdrawn first"):
+        plugins.seal("MIG-a")
     # the next pass still lists it (not destroyed yet): it stays withdrawn; readmit brings it back
     await plugins.update(advertise(GPUS))
     assert [d.id for d in plugins.advertised()["nvidia.com/mig-1g.10gb"]] == ["MIG-a"]
     await plugins.readmit("MIG-b")
     await kubelet.wait_devices("nvidia.com/mig-1g.10gb", ["MIG-a", "MIG-b"])
+    assert (await kubelet.allocate("nvidia.com/mig-1g.10gb", ["MIG-b"])).container_responses
+    # destroyed (gone from the driver's list): unknown
+    await plugins.withdraw("MIG-b")
+    plugins.seal("MIG-b")
+    await plugins.update(advertise([GpuView(index=0, uuid="GPU-0", memory_gb=80, mig_enabled=True, mig=MIG_GPU.mig[:1])]))
+    assert not plugins.withdrawn and not plugins.sealed
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await kubelet.allocate("nvidia.com/mig-1g.10gb", ["MIG-b"])
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_preferred_allocation(kubelet, plugin_dir):

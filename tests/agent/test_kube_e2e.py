@@ -97,3 +97,57 @@ async def _has(coro, key):
 async def _ack(coro, plan):
     ann = await coro
     return ann if ann.get(STATUS_PLAN) == plan else None
+
+
+async def test_bound_pods_status_counts_and_plugin_restart_on_a_real_apiserver(e2e_cluster):
+    """KubeNodePods (its field selectors), KubeNodeApi.patch_status and KubePluginPods.restart
+    against the real kube-apiserver (as an admin: RBAC and policies are test_least_privilege's)."""
+    from kubernetes_asyncio import client
+
+    from dynpart.agent.kube import KubePluginPods
+    from dynpart.agent.nodepods import BoundPod, KubeNodePods
+
+    api = await connect(str(e2e_cluster.kubeconfig))
+    core = client.CoreV1Api(api)
+    ns = f"agent-e2e-{uuid.uuid4().hex[:6]}"
+    nodes: list[str] = []
+    try:
+        name = await _node(core, "mig")
+        other = await _node(core, "mig")
+        nodes += [name, other]
+        await core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+
+        def pod(pod_name: str, node: str, labels: dict[str, str] | None = None, gpus: int = 1) -> dict:
+            res = {"nvidia.com/mig-1g.10gb": str(gpus)} if gpus else {}
+            return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod_name, "namespace": ns, "labels": labels or {}},
+                    "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x",
+                                                                "resources": {"requests": res, "limits": res}}]}}
+
+        for p in (pod("w", name, gpus=2), pod("elsewhere", other), pod("cpu-only", name, gpus=0),
+                  pod("plugin", name, {"app": "nvidia-device-plugin-daemonset"}, gpus=0),
+                  pod("plugin-other", other, {"app": "nvidia-device-plugin-daemonset"}, gpus=0)):
+            await core.create_namespaced_pod(ns, p)
+        assert await KubeNodePods(api, name).bound() == [BoundPod(f"{ns}/w", {"nvidia.com/mig-1g.10gb": 2}, "Pending")]
+        await core.patch_namespaced_pod_status("w", ns, {"status": {"phase": "Succeeded"}})
+        assert await KubeNodePods(api, name).bound() == []  # finished: left out by the field selector
+
+        node_api = KubeNodeApi(api, name)
+        await node_api.patch_status({"nvidia.com/mig-1g.10gb": 3})
+        view = await node_api.get()
+        assert view.allocatable["nvidia.com/mig-1g.10gb"] == "3" and view.capacity["nvidia.com/mig-1g.10gb"] == "3"
+
+        assert await KubePluginPods(api, name, ns, "app=nvidia-device-plugin-daemonset").restart() == ["plugin"]
+        left = {p.metadata.name for p in (await core.list_namespaced_pod(ns)).items
+                if p.metadata.deletion_timestamp is None}
+        assert "plugin" not in left and "plugin-other" in left
+    finally:
+        for obj in nodes:
+            try:
+                await core.delete_node(obj)
+            except ApiException:
+                pass
+        try:
+            await core.delete_namespace(ns)
+        except ApiException:
+            pass
+        await api.close()

@@ -125,8 +125,14 @@ AGENT_ACCESS = [
     ("create", "", "configmaps", "{ns}", None, True),
     ("update", "", "configmaps", "{ns}", "dynpart-device-plugin-configs", False),  # merge patches only
     ("watch", "", "configmaps", "{ns}", "dynpart-device-plugin-configs", False),
-    ("list", "", "pods", None, None, False),  # its GPUs' pods come from the kubelet's PodResources socket
-    ("patch", "", "nodes/status", None, "gpu-node-1", False),
+    # the pods bound to its node (a node field selector; RBAC cannot narrow a list to one node)
+    ("list", "", "pods", None, None, True),
+    ("get", "", "pods", "team-a", "p", False),
+    ("watch", "", "pods", None, None, False),
+    ("delete", "", "pods", "team-a", "p", False),  # devicePlugin.mode=nvidia only, in NVIDIA's namespace
+    # its slices' counts (the node-write policy narrows it to those keys on its own node)
+    ("patch", "", "nodes/status", None, "gpu-node-1", True),
+    ("update", "", "nodes/status", None, "gpu-node-1", False),
     ("get", "", "configmaps", "{ns}", "kube-root-ca.crt", False),
     ("patch", "", "configmaps", "kube-system", "dynpart-device-plugin-configs", False),
     ("delete", "", "configmaps", "{ns}", "dynpart-device-plugin-configs", False),

@@ -91,6 +91,7 @@ class Case:
     node: str
     body: Callable[[], dict[str, Any]]
     refusal: str | None = None
+    subresource: str = ""  # "/status": through nodes/status
 
 
 NEW = "<new>"  # in a patch below: a fresh value (nonce)
@@ -119,6 +120,21 @@ def cordon() -> dict[str, Any]:
     return {"spec": {"unschedulable": True}}
 
 
+_count = itertools.count(1)
+
+
+def counts(*resources: str) -> Callable[[], dict[str, Any]]:
+    """A status merge patch setting these resources' capacity and allocatable to a new count."""
+    def body() -> dict[str, Any]:
+        n = str(next(_count))
+        return {"status": {"capacity": {r: n for r in resources}, "allocatable": {r: n for r in resources}}}
+    return body
+
+
+def condition() -> dict[str, Any]:
+    return {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": nonce()}]}}
+
+
 def finalizer() -> dict[str, Any]:
     return {"metadata": {"finalizers": [f"example.com/{nonce()}"]}}
 
@@ -128,6 +144,8 @@ AGENT_ANNOTATIONS = "the dynpart agent may change no node annotation but dynpart
 AGENT_LABELS = "the dynpart agent may change no node label but nvidia.com/device-plugin.config; refused: "
 PLANNER_ANNOTATIONS = "the dynpart planner may change no node annotation but dynpart.io/spec-*; refused: "
 PLANNER_LABELS = "the dynpart planner may change no node label; refused: "
+AGENT_STATUS = ("the dynpart agent may change no node status but the capacity and allocatable of GPU slice resources "
+                "(nvidia.com/gpu, nvidia.com/gpu-<N>gb, nvidia.com/mig-*), through nodes/status; refused: ")
 
 ALLOWED = [
     Case("agent: its node's status-plan", "agent", "A", annotations({"dynpart.io/status-plan": NEW})),
@@ -140,6 +158,10 @@ ALLOWED = [
     Case("planner: spec-plan on node A", "planner", "A", annotations({"dynpart.io/spec-plan": NEW})),
     Case("planner: spec-* on node B", "planner", "B", annotations({"dynpart.io/spec-plan": NEW, "dynpart.io/spec-mode": "mig"})),
     Case("planner: remove a spec-* key", "planner", "B", annotations({"dynpart.io/spec-gpu-0-1g.10gb": None})),
+    # the built-in device plugin publishes its slices' counts early (devicePlugin.publishAllocatable)
+    Case("agent: its node's slice counts", "agent", "A",
+         counts("nvidia.com/mig-1g.10gb", "nvidia.com/mig-1g.10gb.me", "nvidia.com/gpu-20gb", "nvidia.com/gpu"),
+         subresource="/status"),
 ]
 REFUSED = [
     Case("agent: another node's status-plan", "agent", "B", annotations({"dynpart.io/status-plan": NEW}), OWN_NODE),
@@ -163,6 +185,12 @@ REFUSED = [
     Case("planner: the partitioning label", "planner", "B", labels({"dynpart.io/gpu-partitioning": NEW}),
          PLANNER_LABELS + "dynpart.io/gpu-partitioning"),
     Case("planner: a taint", "planner", "A", taint, "the dynpart planner may not change a node's spec"),
+    Case("agent: another node's slice counts", "agent", "B", counts("nvidia.com/mig-1g.10gb"), OWN_NODE, "/status"),
+    Case("agent: a foreign resource's count", "agent", "A", counts("nvidia.com/mig-1g.10gb", "example.com/x"),
+         AGENT_STATUS + "example.com/x", "/status"),
+    Case("agent: the node's cpu", "agent", "A", counts("cpu"), AGENT_STATUS + "cpu", "/status"),
+    Case("agent: a status condition", "agent", "A", condition,
+         AGENT_STATUS + "a status field other than capacity and allocatable", "/status"),
     # last: a removal is a change only once (the policy-less run below removes it)
     Case("agent: remove a foreign annotation", "agent", "A", annotations({"foo/bar": None}), AGENT_ANNOTATIONS + "foo/bar"),
 ]
@@ -183,7 +211,7 @@ class Setup:
     objects: list[dict[str, Any]]
 
     def run(self, case: Case) -> tuple[int, Any]:
-        return self.callers[case.who].patch_node(self.nodes[case.node], case.body())
+        return self.callers[case.who].patch_node(self.nodes[case.node], case.body(), case.subresource)
 
 
 def _node(name: str) -> dict[str, Any]:
@@ -324,11 +352,14 @@ def test_refused_by_the_policy(setup, case):
         assert message.endswith(f"(user extra {NODE_NAME_EXTRA}: {setup.nodes['A']}), not node {setup.nodes['B']}")
 
 
-def test_the_status_subresource_is_refused(setup):
-    """The agent never writes a node's status: RBAC grants no nodes/status (and the policy, which
-    also matches nodes/status, would refuse a status change)."""
-    status, message = setup.callers["agent"].patch_node(setup.nodes["A"], {"status": {"capacity": {"example.com/x": "1"}}}, "/status")
-    assert status == 403 and 'cannot patch resource "nodes/status"' in message, (status, message)
+def test_status_only_through_the_subresource(setup):
+    """A status change in a patch of the node itself is dropped by the API server (the main
+    resource ignores status); through nodes/status the agent may change only the slice counts."""
+    node = setup.nodes["A"]
+    status, body = setup.callers["agent"].patch_node(node, counts("nvidia.com/mig-7g.80gb")())
+    assert status == 200 and "nvidia.com/mig-7g.80gb" not in (body.get("status") or {}).get("capacity", {}), body
+    status, body = setup.callers["agent"].patch_node(node, counts("nvidia.com/mig-7g.80gb")(), "/status")
+    assert status == 200 and "nvidia.com/mig-7g.80gb" in body["status"]["allocatable"], body
 
 
 def test_other_users_are_not_affected(setup):

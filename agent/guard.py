@@ -1,0 +1,109 @@
+"""The last-moment checks before a slice (a MIG instance, an MPS slice, or a whole GPU about to be
+carved) stops existing: `SliceGuard`, shared by the MIG and MPS passes.
+
+1. Keep what bound pods need: pods the scheduler bound to this node that the kubelet has not
+   admitted yet hold no device in PodResources, but will ask for one; for each resource the
+   guard keeps that many free advertised devices (`keep`, from `NodePods`).
+2. Withdraw (built-in plugin only): the device leaves ListAndWatch and `release` returns once
+   the new lists are written to the kubelet's streams, then waits `settle_s` (an admission that
+   chose the device just before the kubelet read the new list still calls Allocate, which the
+   plugin serves and records).
+3. Re-check: a fresh PodResources list and the plugin's record of Allocate calls; a device found
+   in use is advertised again (readmitted) and kept, the others are sealed (Allocate refuses them)
+   and may be destroyed.
+
+Without the built-in plugin (NVIDIA's), only 1 applies: nothing can be withdrawn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from dynpart.agent.deviceplugin.server import DevicePluginManager
+from dynpart.agent.nodepods import Need, NodePods, to_keep, waiting_for
+from dynpart.agent.podresources import PodResources
+
+
+@dataclass
+class Released:
+    destroyable: list[str] = field(default_factory=list)  # withdrawn, re-checked unused, sealed
+    in_use: dict[str, list[str]] = field(default_factory=dict)  # device id -> who took it (readmitted)
+
+
+class SliceGuard:
+    def __init__(self, pods: PodResources, node_pods: NodePods | None = None, plugins: DevicePluginManager | None = None,
+                 *, settle_s: float = 0.5, on_withdrawn: Callable[[], Awaitable[None]] | None = None):
+        self.pods = pods
+        self.node_pods = node_pods
+        self.plugins = plugins
+        self.settle_s = settle_s
+        self.on_withdrawn = on_withdrawn  # e.g. publish the lower allocatable at once
+
+    async def needs(self) -> dict[str, Need]:
+        """What pods bound here and not yet admitted need, per resource (nothing without NodePods)."""
+        if self.node_pods is None:
+            return {}
+        bound = await self.node_pods.bound()
+        return waiting_for(bound, await self.pods.list()) if bound else {}
+
+    def advertised(self) -> set[str] | None:
+        """Ids the built-in plugin lists now (None: not the built-in plugin; every device counts)."""
+        if self.plugins is None:
+            return None
+        return {d.id for ds in self.plugins.advertised().values() for d in ds}
+
+    async def keep(self, candidates: Mapping[str, str], free: Mapping[str, Iterable[str]]) -> dict[str, str]:
+        """Device id -> why it stays, among `candidates` (id -> resource, free devices to be
+        removed); `free`: resource -> free devices (candidates included). Only advertised devices
+        count as free when the built-in plugin serves them."""
+        if not candidates:
+            return {}
+        needs = await self.needs()
+        if not needs:
+            return {}
+        listed = self.advertised()
+        if listed is not None:
+            free = {r: [i for i in ids if i in listed] for r, ids in free.items()}
+        return to_keep(candidates, free, needs)
+
+    async def release(self, ids: Iterable[str]) -> Released:
+        """Withdraw, wait, re-check: see the module doc. Without the built-in plugin every id is
+        returned destroyable (the caller's own in-use checks still apply)."""
+        ids = list(dict.fromkeys(ids))
+        if not ids:
+            return Released()
+        if self.plugins is None:
+            return Released(destroyable=ids)
+        since = time.monotonic()
+        await self.plugins.withdraw(*ids)
+        if self.on_withdrawn is not None:
+            await self.on_withdrawn()
+        if self.settle_s > 0:
+            await asyncio.sleep(self.settle_s)
+        holders: dict[str, list[str]] = {}
+        for a in await self.pods.list():
+            holders.setdefault(a.device_id, []).append(f"pod {a.pod}")
+        out = Released()
+        for i in ids:
+            users = list(dict.fromkeys(holders.get(i, [])))
+            last = self.plugins.last_allocated(i)
+            if last is not None and last >= since - self.settle_s:
+                users.append("a kubelet Allocate call")
+            if users:
+                out.in_use[i] = users
+            else:
+                out.destroyable.append(i)
+        if out.in_use:
+            await self.plugins.readmit(*out.in_use)
+        if out.destroyable:
+            self.plugins.seal(*out.destroyable)
+        return out
+
+    async def restore(self, ids: Iterable[str]) -> None:
+        """Advertise again what could not be destroyed after all (e.g. the driver said IN_USE)."""
+        ids = list(ids)
+        if ids and self.plugins is not None:
+            await self.plugins.readmit(*ids)

@@ -1,0 +1,153 @@
+"""The MPS control daemon of the node's MPS GPUs, run and supervised by the agent (built-in device
+plugin): MPS slices are advertised only while it runs, since a client without it gets no limits.
+
+- `MpsDaemon`: `ensure(gpu_uuids, pipe_dir, log_dir)` (start it, or restart it if it died or its
+  GPUs changed; raises MpsDaemonError if it cannot run), `alive()`, `stop()`;
+- `ProcessMpsDaemon`: `nvidia-cuda-mps-control -d` with CUDA_VISIBLE_DEVICES (the GPU UUIDs),
+  CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY, as NVIDIA's mps-control-daemon does: `-d`
+  forks a daemon and returns, so whether it runs is asked through its control pipe
+  (`get_default_active_thread_percentage`), and it is stopped with `quit`;
+- `FakeMpsDaemon`: the tests' double (`fail_with`, `die()`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
+from dynpart.errors import DynpartError
+
+log = logging.getLogger("dynpart.agent.mps")
+
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
+
+class MpsDaemonError(DynpartError):
+    """The MPS control daemon cannot be started or does not answer."""
+
+
+class MpsDaemon(Protocol):
+    async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
+        """Make it run for exactly these GPUs (restarted if it died or its GPUs differ); nothing
+        to do for no GPU. Raises MpsDaemonError when it cannot run."""
+        ...
+
+    async def alive(self) -> bool: ...
+
+    async def stop(self) -> None: ...
+
+
+class FakeMpsDaemon:
+    """In memory. `fail_with` makes `ensure` fail with that message; `die()` kills it (the next
+    `ensure` restarts it); `starts` records each start's GPUs."""
+
+    def __init__(self) -> None:
+        self.gpus: tuple[str, ...] = ()
+        self.dirs: tuple[str, str] | None = None
+        self.running = False
+        self.fail_with: str | None = None
+        self.starts: list[tuple[str, ...]] = []
+
+    def die(self) -> None:
+        self.running = False
+
+    async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
+        wanted = tuple(sorted(gpu_uuids))
+        if self.running and wanted == self.gpus and self.dirs == (pipe_dir, log_dir):
+            return
+        self.running = False
+        if not wanted:
+            return
+        if self.fail_with is not None:
+            raise MpsDaemonError(self.fail_with)
+        self.gpus, self.dirs, self.running = wanted, (pipe_dir, log_dir), True
+        self.starts.append(wanted)
+
+    async def alive(self) -> bool:
+        return self.running
+
+    async def stop(self) -> None:
+        self.running = False
+
+
+class ProcessMpsDaemon:
+    """`nvidia-cuda-mps-control` on the node (the agent's container has the driver's binaries
+    through the NVIDIA container runtime). `binary` is replaceable for tests."""
+
+    def __init__(self, binary: str = MPS_CONTROL, timeout_s: float = 10.0):
+        self.binary = binary
+        self.timeout_s = timeout_s
+        self.gpus: tuple[str, ...] = ()
+        self.dirs: tuple[str, str] | None = None
+        self.restarts = 0
+
+    def _env(self) -> dict[str, str]:
+        assert self.dirs is not None
+        pipe, logs = self.dirs
+        return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(self.gpus), "CUDA_MPS_PIPE_DIRECTORY": pipe,
+                "CUDA_MPS_LOG_DIRECTORY": logs}
+
+    async def _run(self, *args: str, stdin: str | None = None) -> tuple[int, str]:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                self.binary, *args, env=self._env(), stdin=asyncio.subprocess.PIPE if stdin is not None else None,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        except OSError as e:
+            raise MpsDaemonError(f"{self.binary}: {e.strerror or e}") from None
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin is not None else None),
+                                            self.timeout_s)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise MpsDaemonError(f"{self.binary} {' '.join(args)}: no answer in {self.timeout_s:.0f}s") from None
+        return proc.returncode or 0, out.decode(errors="replace").strip()
+
+    async def alive(self) -> bool:
+        if self.dirs is None:
+            return False
+        try:
+            code, _ = await self._run(stdin="get_default_active_thread_percentage\n")
+        except MpsDaemonError:
+            return False
+        return code == 0
+
+    async def stop(self) -> None:
+        if self.dirs is not None and await self.alive():
+            try:
+                await self._run(stdin="quit\n")
+            except MpsDaemonError as e:
+                log.warning("stopping the MPS control daemon: %s", e)
+
+    async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
+        wanted = tuple(sorted(gpu_uuids))
+        same = wanted == self.gpus and self.dirs == (pipe_dir, log_dir)
+        if same and await self.alive():
+            return
+        if self.dirs is not None and not same:
+            # its GPUs are fixed when it starts (CUDA_VISIBLE_DEVICES): a change needs a restart
+            await self.stop()
+        elif self.dirs is not None:
+            log.warning("the MPS control daemon for %s is not running; starting it again", ", ".join(self.gpus))
+            self.restarts += 1
+        self.gpus, self.dirs = wanted, (pipe_dir, log_dir)
+        if not wanted:
+            return
+        for d in (pipe_dir, log_dir):
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as e:
+                raise MpsDaemonError(f"MPS directory {d}: {e.strerror}") from None
+        code, out = await self._run("-d")
+        if code != 0:
+            raise MpsDaemonError(f"{self.binary} -d exited with {code}: {out or 'no output'}")
+        for _ in range(20):  # it forks; its control pipe appears shortly after
+            if await self.alive():
+                log.info("MPS control daemon running for %s (pipes in %s)", ", ".join(wanted), pipe_dir)
+                return
+            await asyncio.sleep(0.1)
+        raise MpsDaemonError(f"{self.binary} -d started but does not answer on its control pipe in {pipe_dir} "
+                             f"(see {log_dir}/control.log)")

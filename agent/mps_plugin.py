@@ -1,0 +1,190 @@
+"""One MPS pass with the agent's own device plugin: the slices the agent applies are what it
+advertises (`nvidia.com/gpu-<N>gb`, device id `<GPU UUID>::<n>`); no ConfigMap, no node label.
+
+- A slice keeps its number n for as long as it exists (the kubelet and PodResources know it by
+  its id); a removed slice's number is not reused in the same pass (`assign_slices`).
+- Slices pods hold (PodResources) are kept whatever the spec says; slices pods bound to the node
+  and not yet admitted need are kept too; the others the spec drops are withdrawn, re-checked and
+  only then dropped (`SliceGuard`). After an agent restart the slices pods hold are found again
+  from PodResources; the spec (still on the node) gives the rest.
+- A GPU a pod holds whole is not shared until it is free; GPUs in MIG mode get no MPS slices.
+- The MPS control daemon (`MpsDaemon`) runs for the node's non-MIG GPUs while any GPU has
+  slices; when it cannot run, the slices are listed Unhealthy (the kubelet gives them to no
+  pod) and the error says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping
+
+from dynpart.agent.deviceplugin.devices import mps_device_id
+from dynpart.agent.driver.interface import DeviceInfo, GpuDriver
+from dynpart.agent.guard import Released, SliceGuard
+from dynpart.agent.mig_agent import PassResult
+from dynpart.agent.mps_daemon import MpsDaemon, MpsDaemonError
+from dynpart.agent.podresources import PodResources
+from dynpart.agent.reconcile import reconcile_mps
+from dynpart.resources import WHOLE_GPU, MpsResource, is_slice_resource, mps_resource_name, parse_resource
+from dynpart.snapshot import GpuLayout, MpsSlice
+
+log = logging.getLogger("dynpart.agent.mps")
+
+Slices = dict[int, int]  # slice number -> size (GB)
+
+
+def assign_slices(sizes: list[int], fixed: Mapping[int, int], previous: Mapping[int, int]) -> Slices:
+    """Numbers for one GPU's slices: `fixed` ones (held or kept) keep theirs; the other `sizes`
+    (which include the fixed ones' sizes) reuse a previous number of the same size where they
+    can, else take the lowest number not used now nor in `previous` (a number just freed is not
+    given to a slice of another size in the same pass: the kubelet may still list it)."""
+    out = dict(fixed)
+    remaining = Counter(sizes) - Counter(fixed.values())
+    for n, size in sorted(previous.items()):
+        if n not in out and remaining[size] > 0:
+            out[n] = size
+            remaining[size] -= 1
+    taken = set(out) | set(previous)
+    n = 0
+    for size in sorted(remaining.elements(), reverse=True):
+        while n in taken:
+            n += 1
+        out[n] = size
+        taken.add(n)
+    return dict(sorted(out.items()))
+
+
+class MpsPluginAgent:
+    def __init__(self, driver: GpuDriver, pods: PodResources, capacity_gb: int, *, guard: SliceGuard | None = None,
+                 daemon: MpsDaemon | None = None, pipe_dir: str = "/tmp/nvidia-mps", log_dir: str = "/var/log/nvidia-mps"):
+        self.driver = driver
+        self.pods = pods
+        self.capacity_gb = capacity_gb
+        self.guard = guard
+        self.daemon = daemon
+        self.pipe_dir = pipe_dir
+        self.log_dir = log_dir
+        self.live: dict[int, Slices] = {}  # GPU index -> its slices, as advertised
+        self.daemon_error: str | None = None
+
+    def view(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(sizes, numbers) of GPU `index`'s slices, for its GpuView."""
+        slices = self.live.get(index, {})
+        return tuple(slices.values()), tuple(slices)
+
+    @property
+    def healthy(self) -> bool:
+        return self.daemon_error is None
+
+    async def apply(self, desired: dict[int, list[int]] | None) -> PassResult:
+        devices = self.driver.devices()
+        index_of = {d.uuid: d.index for d in devices}
+        assigned = await self.pods.list()
+        used: dict[int, Slices] = {}
+        whole: dict[int, list[str]] = {}
+        held_ids: set[str] = set()
+        for a in assigned:
+            if not is_slice_resource(a.resource):
+                continue
+            base, _, n = a.device_id.partition("::")
+            gpu = index_of.get(base)
+            if gpu is None:
+                continue  # a MIG device: not an MPS slice
+            res = parse_resource(a.resource)
+            if isinstance(res, MpsResource) and n.isdigit():
+                used.setdefault(gpu, {})[int(n)] = res.size
+                held_ids.add(a.device_id)
+            elif a.resource == WHOLE_GPU:
+                whole.setdefault(gpu, []).append(a.pod)
+        for gpu, slices in used.items():  # held slices are live, whatever the agent remembers
+            self.live[gpu] = {**{n: s for n, s in self.live.get(gpu, {}).items() if n not in slices}, **slices}
+        errors: list[str] = []
+        applied = desired is not None
+        if desired is not None:
+            errors += await self._apply(desired, devices, used, whole, held_ids)
+        for d in devices:
+            if d.mig_current and d.index not in used:
+                self.live.pop(d.index, None)
+        errors += await self._daemon([d.uuid for d in devices if not d.mig_current])
+        gpus = []
+        for d in devices:
+            held = used.get(d.index, {})
+            listed = sorted(self.live.get(d.index, {}).items(), key=lambda x: (-x[1], x[0]))
+            gpus.append(GpuLayout(index=d.index, mps=[MpsSlice(size=s, used=n in held) for n, s in listed]))
+        return PassResult(gpus, errors, applied)
+
+    async def _apply(self, desired: dict[int, list[int]], devices: list[DeviceInfo], used: dict[int, Slices],
+                     whole: dict[int, list[str]], held_ids: set[str]) -> list[str]:
+        errors: list[str] = []
+        uuid = {d.index: d.uuid for d in devices}
+        shareable = [d.index for d in devices if not d.mig_current and d.index not in whole]
+        for d in devices:
+            if d.mig_current and desired.get(d.index):
+                errors.append(f"GPU {d.index} is in MIG mode: MPS slices cannot be configured on it")
+            if d.index in whole and desired.get(d.index):
+                errors.append(f"GPU {d.index} is held whole by {', '.join(whole[d.index])}; "
+                              "its slices are configured once it is free")
+        wanted = {i: s for i, s in desired.items() if i in shareable or i not in uuid}
+
+        def plan(fixed: dict[int, Slices]) -> tuple[dict[int, Slices], list[str]]:
+            sizes, problems = reconcile_mps(wanted, {g: Counter(f.values()) for g, f in fixed.items()}, shareable,
+                                            self.capacity_gb)
+            new = {g: assign_slices(sizes.get(g, []), fixed.get(g, {}), self.live.get(g, {})) for g in shareable}
+            for g, f in fixed.items():  # held slices on a GPU not shareable now stay listed
+                if g not in new:
+                    new[g] = dict(f)
+            return new, problems
+
+        def removed(new: dict[int, Slices]) -> dict[str, str]:
+            return {mps_device_id(uuid[g], n): mps_resource_name(s) for g, slices in self.live.items() if g in uuid
+                    for n, s in slices.items() if new.get(g, {}).get(n) != s}
+
+        free: dict[str, list[str]] = {}
+        for g, slices in self.live.items():
+            for n, s in slices.items():
+                if g in uuid and mps_device_id(uuid[g], n) not in held_ids:
+                    free.setdefault(mps_resource_name(s), []).append(mps_device_id(uuid[g], n))
+        fixed = {g: dict(s) for g, s in used.items()}
+        kept: dict[str, str] = {}
+        while True:  # keeping a slice can push another out: until nothing new is kept (each round keeps more)
+            new, problems = plan(fixed)
+            gone = removed(new)
+            more = {i: why for i, why in (await self.guard.keep(gone, free)).items() if i not in kept} if self.guard else {}
+            if not more:
+                break
+            kept |= more
+            for i in more:
+                g = next(g for g, u in uuid.items() if i.startswith(u + "::"))
+                n = int(i.rsplit("::", 1)[1])
+                fixed.setdefault(g, {})[n] = self.live[g][n]
+        errors += problems
+        errors += [f"MPS slice {i} {why}; the plan's change of that GPU waits until they are admitted"
+                   for i, why in kept.items()]
+        released = await self.guard.release(gone) if self.guard else Released(destroyable=list(gone))
+        if released.in_use:
+            for i, users in released.in_use.items():
+                errors.append(f"MPS slice {i} was taken ({', '.join(users)}) just before it was to be removed; kept")
+            # everything not released stays: recompute around it
+            dropped = set(released.destroyable)
+            fixed = {g: {n: s for n, s in slices.items() if mps_device_id(uuid[g], n) not in dropped}
+                     for g, slices in self.live.items() if g in uuid}
+            for g, slices in used.items():
+                fixed.setdefault(g, {}).update(slices)
+            new, _ = plan(fixed)
+        for i in released.destroyable:
+            log.info("MPS slice %s removed", i)
+        self.live = {g: s for g, s in new.items() if s}
+        return errors
+
+    async def _daemon(self, gpus: list[str]) -> list[str]:
+        if self.daemon is None or not any(self.live.values()):
+            self.daemon_error = None
+            return []
+        try:
+            await self.daemon.ensure(gpus, self.pipe_dir, self.log_dir)
+        except MpsDaemonError as e:
+            self.daemon_error = str(e)
+            return [f"MPS control daemon: {e}; the MPS slices are listed Unhealthy (not allocatable) until it runs"]
+        self.daemon_error = None
+        return []

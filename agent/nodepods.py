@@ -1,0 +1,170 @@
+"""The pods bound to this node, from the API server: what closes the bound-but-not-admitted race.
+
+The scheduler binds a pod to the node (spec.nodeName) before the kubelet admits it; until then the
+pod holds no device in PodResources, so a slice that looks free may be the one it is about to get.
+Before destroying a slice the agent keeps, for each resource R, as many free advertised R devices
+as the pods bound here and not yet admitted for R need (HAMi's device plugin reads the node's pods
+the same way). Pure parts: `requests_of` (what a pod spec asks for), `waiting_for` (what the
+unadmitted pods need), `to_keep` (which destroy candidates stay).
+
+- `NodePods`: `bound()`, the node's non-terminal pods with the GPU resources they request;
+- `KubeNodePods`: a list with `fieldSelector=spec.nodeName=<node>` (needs RBAC `list pods`);
+- `FakeNodePods`: set by the test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kubernetes_asyncio import client
+
+from dynpart.agent.podresources import AssignedDevice
+from dynpart.kube.client import read_json
+from dynpart.kube.errors import api_errors
+from dynpart.resources import is_slice_resource
+from dynpart.settings import KubeSettings
+
+TERMINAL_PHASES = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class BoundPod:
+    key: str  # namespace/name
+    requests: dict[str, int]  # GPU resource name -> devices the pod needs at admission
+    phase: str = "Pending"
+
+
+class NodePods(Protocol):
+    async def bound(self) -> list[BoundPod]:
+        """The pods bound to this node that are not finished, with the GPU resources they request."""
+        ...
+
+
+def _quantity(value: Any, where: str) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        # extended resources are whole numbers (the API server refuses others): this is not one
+        raise ValueError(f"{where}: {value!r} is not a whole number of devices") from None
+
+
+def _container_requests(c: Mapping[str, Any], where: str) -> dict[str, int]:
+    res = c.get("resources") or {}
+    # an extended resource's request equals its limit; a pod may give either
+    merged = {**(res.get("limits") or {}), **(res.get("requests") or {})}
+    return {r: _quantity(v, f"{where} {r}") for r, v in merged.items() if is_slice_resource(r)}
+
+
+def requests_of(pod: Mapping[str, Any]) -> dict[str, int]:
+    """The GPU devices a pod needs at admission, as the kubelet counts them: the containers' sum
+    (restartable init containers, i.e. sidecars, included), or the largest plain init container
+    if that is more."""
+    meta = pod.get("metadata") or {}
+    where = f"pod {meta.get('namespace')}/{meta.get('name')}"
+    spec = pod.get("spec") or {}
+    total: dict[str, int] = {}
+    init_max: dict[str, int] = {}
+    for c in spec.get("initContainers") or []:
+        req = _container_requests(c, where)
+        if c.get("restartPolicy") == "Always":
+            for r, n in req.items():
+                total[r] = total.get(r, 0) + n
+        else:
+            for r, n in req.items():
+                init_max[r] = max(init_max.get(r, 0), n)
+    for c in spec.get("containers") or []:
+        for r, n in _container_requests(c, where).items():
+            total[r] = total.get(r, 0) + n
+    out = {r: max(total.get(r, 0), init_max.get(r, 0)) for r in set(total) | set(init_max)}
+    return {r: n for r, n in out.items() if n > 0}
+
+
+@dataclass(frozen=True)
+class Need:
+    count: int
+    pods: tuple[str, ...]
+
+
+def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -> dict[str, Need]:
+    """Resource -> devices that pods bound here need and the kubelet has not given them yet (a pod
+    holding no device of that resource in PodResources has not been admitted for it)."""
+    holding: set[tuple[str, str]] = {(a.pod, a.resource) for a in assigned}
+    count: dict[str, int] = {}
+    pods: dict[str, list[str]] = {}
+    for p in bound:
+        if p.phase in TERMINAL_PHASES:
+            continue
+        for resource, n in sorted(p.requests.items()):
+            if (p.key, resource) in holding:
+                continue
+            count[resource] = count.get(resource, 0) + n
+            pods.setdefault(resource, []).append(p.key)
+    return {r: Need(count[r], tuple(pods[r])) for r in sorted(count)}
+
+
+def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], needs: Mapping[str, Need]) -> dict[str, str]:
+    """Which of the `candidates` (device id -> resource, free devices the agent wants gone, in the
+    order it would remove them) must stay: for each resource, the pods waiting for it must still
+    find that many free advertised devices (`free`: resource -> free advertised ids, candidates
+    included). Returns device id -> why it is kept."""
+    kept: dict[str, str] = {}
+    for resource, need in needs.items():
+        mine = [i for i, r in candidates.items() if r == resource]
+        if not mine:
+            continue
+        others = len(set(free.get(resource, ())) - set(mine))
+        n = max(0, min(len(mine), need.count - others))
+        pods = ", ".join(need.pods)
+        for device in mine[len(mine) - n:]:  # the last ones: the earlier destroys go ahead
+            kept[device] = (f"kept for pod(s) {pods} bound to this node and not yet admitted (they need "
+                            f"{need.count} {resource}, {others} other free)")
+    return kept
+
+
+class FakeNodePods:
+    """Bound pods set by the test; `calls` counts the reads."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, BoundPod] = {}
+        self.calls = 0
+
+    def bind(self, key: str, requests: dict[str, int], phase: str = "Pending") -> None:
+        self.pods[key] = BoundPod(key, dict(requests), phase)
+
+    def remove(self, key: str) -> None:
+        self.pods.pop(key, None)
+
+    async def bound(self) -> list[BoundPod]:
+        self.calls += 1
+        return [p for p in self.pods.values() if p.phase not in TERMINAL_PHASES]
+
+
+@dataclass
+class KubeNodePods:
+    """The node's pods from the API server: one list per call with `fieldSelector=spec.nodeName=<node>`
+    and the terminal phases left out (RBAC: list pods; the client's request timeout applies)."""
+
+    api: client.ApiClient
+    node: str
+    settings: KubeSettings = field(default_factory=KubeSettings)
+
+    async def bound(self) -> list[BoundPod]:
+        v1 = client.CoreV1Api(self.api)
+        selector = f"spec.nodeName={self.node}," + ",".join(f"status.phase!={p}" for p in TERMINAL_PHASES)
+        with api_errors(f"list pods on node {self.node}"):
+            resp = await v1.list_pod_for_all_namespaces(field_selector=selector, _preload_content=False,
+                                                        _request_timeout=self.settings.request_timeout_s)
+            body = await read_json(resp, f"pods on node {self.node}")
+        out = []
+        for pod in body.get("items") or []:
+            meta = pod.get("metadata") or {}
+            phase = (pod.get("status") or {}).get("phase") or "Pending"
+            try:
+                requests = requests_of(pod)
+            except ValueError:
+                continue  # the API server validates quantities; a pod it let through is not ours to judge
+            if requests and phase not in TERMINAL_PHASES:
+                out.append(BoundPod(f"{meta.get('namespace')}/{meta.get('name')}", requests, phase))
+        return out

@@ -1,0 +1,135 @@
+"""Bound pods (what a pod requests, what unadmitted pods need, which slices stay), the slice
+numbering of MPS slices, and the MPS control daemon's supervision with a stand-in binary."""
+
+from __future__ import annotations
+
+import os
+import stat
+import textwrap
+
+import pytest
+
+from dynpart.agent.mps_daemon import MpsDaemonError, ProcessMpsDaemon
+from dynpart.agent.mps_plugin import assign_slices
+from dynpart.agent.nodepods import BoundPod, FakeNodePods, Need, requests_of, to_keep, waiting_for
+from dynpart.agent.podresources import AssignedDevice
+
+MIG = "nvidia.com/mig-1g.10gb"
+
+
+def pod(containers, init=(), name="p"):
+    return {"metadata": {"namespace": "ns", "name": name},
+            "spec": {"containers": list(containers), "initContainers": list(init)}}
+
+
+def c(requests=None, limits=None, restart=None):
+    out = {"name": "c", "resources": {"requests": requests or {}, "limits": limits or {}}}
+    if restart:
+        out["restartPolicy"] = restart
+    return out
+
+
+def test_requests_of_counts_as_the_kubelet_does():
+    assert requests_of(pod([c({MIG: "1", "cpu": "2"}), c(limits={MIG: 2})])) == {MIG: 3}  # limits alone count
+    assert requests_of(pod([c({MIG: "1"})], init=[c({MIG: "4"})])) == {MIG: 4}  # an init container needs more
+    assert requests_of(pod([c({MIG: "1"})], init=[c({MIG: "1"}, restart="Always")])) == {MIG: 2}  # a sidecar adds
+    assert requests_of(pod([c({"cpu": "1", "example.com/x": "1"})])) == {}
+    with pytest.raises(ValueError, match=r"pod ns/p nvidia.com/mig-1g.10gb: '1.5' is not a whole number"):
+        requests_of(pod([c({MIG: "1.5"})]))
+
+
+def test_waiting_for_counts_pods_not_yet_admitted():
+    bound = [BoundPod("ns/a", {MIG: 1}), BoundPod("ns/b", {MIG: 2, "nvidia.com/gpu-10gb": 1}),
+             BoundPod("ns/c", {MIG: 1}, phase="Succeeded")]
+    admitted = [AssignedDevice("ns/b", "main", "nvidia.com/gpu-10gb", "GPU-1::0")]
+    assert waiting_for(bound, admitted) == {MIG: Need(3, ("ns/a", "ns/b"))}
+    admitted.append(AssignedDevice("ns/a", "main", MIG, "MIG-1"))
+    assert waiting_for(bound, admitted) == {MIG: Need(2, ("ns/b",))}
+
+
+def test_to_keep_keeps_only_what_is_short():
+    free = {MIG: ["MIG-1", "MIG-2", "MIG-3"]}
+    needs = {MIG: Need(2, ("ns/a",))}
+    # destroying MIG-1 and MIG-2 would leave 1 free for 2 needed: the last candidate stays
+    kept = to_keep({"MIG-1": MIG, "MIG-2": MIG}, free, needs)
+    assert list(kept) == ["MIG-2"] and "ns/a" in kept["MIG-2"] and "need 2 nvidia.com/mig-1g.10gb, 1 other free" in kept["MIG-2"]
+    assert to_keep({"MIG-1": MIG}, free, needs) == {}  # two others stay free
+    assert list(to_keep({"MIG-1": MIG, "MIG-2": MIG, "MIG-3": MIG}, free, needs)) == ["MIG-2", "MIG-3"]
+    assert to_keep({"MIG-1": MIG}, free, {"nvidia.com/gpu": Need(1, ("ns/x",))}) == {}
+
+
+async def test_fake_node_pods():
+    pods = FakeNodePods()
+    pods.bind("ns/a", {MIG: 1})
+    pods.bind("ns/done", {MIG: 1}, phase="Failed")
+    assert await pods.bound() == [BoundPod("ns/a", {MIG: 1})]
+
+
+def test_assign_slices_keeps_numbers():
+    # held slice 1 (10 GB) keeps its number; the 20 GB slice keeps 0; new ones take fresh numbers
+    assert assign_slices([20, 10, 10], {1: 10}, {0: 20, 1: 10, 2: 10}) == {0: 20, 1: 10, 2: 10}
+    assert assign_slices([40, 20, 10], {1: 10}, {0: 20, 1: 10, 2: 10}) == {0: 20, 1: 10, 3: 40}
+    assert assign_slices([40, 40], {}, {}) == {0: 40, 1: 40}
+    assert assign_slices([], {}, {0: 10}) == {}
+
+
+# --- the MPS control daemon, with a stand-in for nvidia-cuda-mps-control -------------------------
+
+FAKE_CONTROL = textwrap.dedent("""\
+    #!/bin/sh
+    # a stand-in for nvidia-cuda-mps-control: -d forks a daemon (a sleep) and records its pid and
+    # environment; commands on stdin answer while that pid lives; quit kills it
+    pidfile="$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
+    if [ "$1" = "-d" ]; then
+      [ -n "$FAIL" ] && { echo "cannot start: $FAIL"; exit 3; }
+      sleep 300 >/dev/null 2>&1 &
+      echo $! > "$pidfile"
+      echo "$CUDA_VISIBLE_DEVICES" >> "$CUDA_MPS_LOG_DIRECTORY/starts"
+      exit 0
+    fi
+    read cmd
+    [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null || exit 1
+    grep -q '^State:.*Z' "/proc/$(cat "$pidfile")/status" 2>/dev/null && exit 1  # dead, not yet reaped
+    if [ "$cmd" = "quit" ]; then kill "$(cat "$pidfile")"; rm -f "$pidfile"; fi
+    echo 100
+""")
+
+
+@pytest.fixture
+def control(tmp_path):
+    path = tmp_path / "nvidia-cuda-mps-control"
+    path.write_text(FAKE_CONTROL)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+async def test_process_daemon_starts_restarts_and_stops(control, tmp_path):
+    pipe, logs = str(tmp_path / "pipe"), str(tmp_path / "log")
+    daemon = ProcessMpsDaemon(control, timeout_s=5)
+    assert not await daemon.alive()
+    await daemon.ensure(["GPU-b", "GPU-a"], pipe, logs)
+    assert await daemon.alive()
+    await daemon.ensure(["GPU-a", "GPU-b"], pipe, logs)  # running for these GPUs: nothing to do
+    starts = (tmp_path / "log" / "starts").read_text().split()
+    assert starts == ["GPU-a,GPU-b"]
+    pid = int((tmp_path / "pipe" / "nvidia-cuda-mps-control.pid").read_text())
+    os.kill(pid, 9)  # it died
+    for _ in range(50):
+        if not await daemon.alive():
+            break
+    assert not await daemon.alive()
+    await daemon.ensure(["GPU-a", "GPU-b"], pipe, logs)
+    assert await daemon.alive() and daemon.restarts == 1
+    await daemon.ensure(["GPU-a"], pipe, logs)  # its GPUs changed: stopped and started again
+    assert (tmp_path / "log" / "starts").read_text().split() == ["GPU-a,GPU-b", "GPU-a,GPU-b", "GPU-a"]
+    await daemon.stop()
+    assert not await daemon.alive()
+
+
+async def test_process_daemon_reports_why_it_cannot_run(control, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAIL", "no MPS on this GPU")
+    with pytest.raises(MpsDaemonError, match="-d exited with 3: cannot start: no MPS on this GPU"):
+        await ProcessMpsDaemon(control).ensure(["GPU-a"], str(tmp_path / "p"), str(tmp_path / "l"))
+    with pytest.raises(MpsDaemonError, match="/nonexistent/nvidia-cuda-mps-control: No such file"):
+        await ProcessMpsDaemon("/nonexistent/nvidia-cuda-mps-control").ensure(["GPU-a"], str(tmp_path / "p"),
+                                                                            str(tmp_path / "l"))
