@@ -18,17 +18,20 @@ Times (reaction time: pod created to Running) are taken on the harness's clock
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import functools
 import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import urllib.request
@@ -42,11 +45,14 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.driver.fake import FakeNvml, FakeOp
-from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect
+from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, KubePluginPods, connect
 from dynpart.agent.loop import Agent
 from dynpart.agent.mps_agent import parse_config
-from dynpart.agent.podresources import FakePodResources
+from dynpart.agent.mps_daemon import FakeMpsDaemon
+from dynpart.agent.nodepods import KubeNodePods
+from dynpart.agent.podresources import FakePodResources, KubeletPodResources
 from dynpart.catalog import GpuModel, default_catalog
 from dynpart.kube.conventions import (
     DEVICE_PLUGIN_CONFIG_LABEL,
@@ -60,6 +66,9 @@ from dynpart.kube.watching import Informer
 from dynpart.resources import WHOLE_GPU, MigResource, MpsResource, mig_resource_name, mps_resource_name, parse_resource
 from dynpart.settings import KubeSettings
 from tests.e2e.apicount import RequestCounter
+from tests.e2e.kubelet_model import Holding, KubeletModel
+from tests.e2e.nvidia_plugin_model import APP, APP_LABEL, NvidiaPluginModel
+from tests.e2e.nvidia_plugin_model import NAMESPACE as NVIDIA_NAMESPACE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CATALOG = default_catalog()
@@ -253,15 +262,6 @@ class DestroyRecord:
     pids: tuple[int, ...]  # processes on the instance
 
 
-@dataclass
-class Holding:
-    resource: str
-    device: str
-    gpu: int
-    gi_id: int | None = None
-    pid: int | None = None
-
-
 _pids = itertools.count(20_000)
 
 
@@ -301,6 +301,12 @@ class SimNode:
         self.dropped: list[str] = []  # MPS: slices pods held that a new device-plugin config left out
         self.checked_config: str | None = None
         self.by_profile_id = {p.gi_profile_id: p for p in self.model.mig_profiles}
+        # with the kubelet model (Harness kubelet="model"): the node's kubelet, and NVIDIA's plugin
+        # when it runs instead of the agent's own (plugin="nvidia")
+        self.kubelet: KubeletModel | None = None
+        self.nvidia: NvidiaPluginModel | None = None
+        self.plugin: str | None = None  # "builtin" or "nvidia" (model only)
+        self.root_dir: str | None = None
 
     # --- the fake driver's log ---
 
@@ -345,6 +351,8 @@ class SimNode:
         """Destroy calls that hit an instance a pod or a process held, or that the driver refused;
         MPS slices in use left out of a config."""
         out = list(self.dropped)
+        if self.kubelet is not None:
+            out += self.kubelet.used_missing()
         for r in self.destroys:
             if r.holder or r.pids or r.op.result != "ok":
                 out.append(f"{self.name}: {r.op.op} GPU {r.op.device} GI {r.op.gi_id} {r.op.profile}@{r.op.start}: "
@@ -455,6 +463,13 @@ class AgentRun:
     api: Any
     stop: asyncio.Event
     task: asyncio.Task
+    plugins: DevicePluginManager | None = None
+
+    async def pause(self, timeout: float = 15.0) -> DevicePluginManager | None:
+        """Stop the agent's loop but keep its device plugin serving (to hand to the next agent)."""
+        plugins, self.plugins = self.plugins, None
+        await self.shutdown(timeout)
+        return plugins
 
     async def shutdown(self, timeout: float = 15.0) -> None:
         self.stop.set()
@@ -463,6 +478,8 @@ class AgentRun:
             if not self.task.done():
                 self.task.cancel()
                 await asyncio.gather(self.task, return_exceptions=True)
+        if self.plugins is not None:
+            await self.plugins.close()
         await self.api.close()
 
 
@@ -490,6 +507,15 @@ class Harness:
     namespace: str = field(default_factory=lambda: f"e2e-{uuid.uuid4().hex[:8]}")
     agent_interval_s: float = 5.0
     planners: list[PlannerProcess] = field(default_factory=list)
+    # "shortcut": the harness plays kubelet and device plugin in-process and writes allocatable
+    # itself; "model": tests/e2e/kubelet_model.py per node (real sockets, the agent's own device
+    # plugin or NVIDIA's plugin model, the real PodResources client). add_node can override.
+    kubelet: str = "shortcut"
+    plugin: str = "builtin"  # with the model, on MIG nodes: "builtin" (the agent's) or "nvidia"
+    status_period_s: float = 10.0  # the kubelet model's nodeStatusUpdateFrequency
+    container_start_s: float = 0.5  # the kubelet model: admission -> Running
+    publish_allocatable: bool = True  # the agents publish new slices before the kubelet's status write
+    nvidia_restart_delay_s: float = 1.5  # NVIDIA's plugin pod deleted -> enumerating again
 
     def __post_init__(self) -> None:
         self.run_id = uuid.uuid4().hex[:8]
@@ -504,6 +530,7 @@ class Harness:
         self._deleted: set[str] = set()
         self.agent_requests = RequestCounter()  # what the agents sent to the API server (tests/e2e/apicount.py)
         self.own_requests = RequestCounter()  # what the harness sent (the simulated kubelets and device plugins)
+        self._root = tempfile.mkdtemp(prefix="e2e-kl-", dir="/tmp")  # the kubelet models' sockets (short paths)
 
     # --- set-up and tear-down ---
 
@@ -527,6 +554,11 @@ class Harness:
         for run in list(self.agents.values()):
             await run.shutdown()
         self.agents.clear()
+        for node in self.nodes.values():
+            if node.nvidia is not None:
+                await node.nvidia.close()
+            if node.kubelet is not None:
+                await node.kubelet.close()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -543,7 +575,13 @@ class Harness:
             except ApiException as e:
                 if e.status != 404:
                     raise
+        if any(n.nvidia is not None for n in self.nodes.values()):
+            for pod in (await self.core.list_namespaced_pod(NVIDIA_NAMESPACE, label_selector=f"{APP_LABEL}={APP}")).items:
+                if pod.spec.node_name in self.nodes:
+                    with contextlib.suppress(ApiException):
+                        await self.core.delete_namespaced_pod(pod.metadata.name, NVIDIA_NAMESPACE, grace_period_seconds=0)
         await self.api.close()
+        shutil.rmtree(self._root, ignore_errors=True)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
@@ -562,12 +600,16 @@ class Harness:
     # --- nodes ---
 
     async def add_node(self, name: str, model: str, mode: str, gpus: int,
-                       prepare: Callable[[SimNode], None] | None = None, **kw: Any) -> SimNode:
-        """Register a simulated node; `prepare(node)` runs first (e.g. to leave instances on its GPUs)."""
+                       prepare: Callable[[SimNode], None] | None = None, kubelet: str | None = None,
+                       plugin: str | None = None, **kw: Any) -> SimNode:
+        """Register a simulated node; `prepare(node)` runs first (e.g. to leave instances on its GPUs).
+        `kubelet` and `plugin` override the harness's choices for this node."""
         node = SimNode(f"{name}-{self.run_id}", model, mode, gpus, **kw)
         if prepare is not None:
             prepare(node)
         await self.core.create_node(node.node_object())
+        if (kubelet or self.kubelet) == "model":
+            return await self._add_model_node(node, plugin or self.plugin)
         now = now_rfc3339()
         version = node.version
         slices = node.allocatable(self.configs) or {}
@@ -581,17 +623,83 @@ class Harness:
         self.nodes[node.name] = node  # from now on its device plugin and kubelet run
         return node
 
-    async def start_agent(self, node: SimNode, wait: bool = True) -> AgentRun:
-        """An agent for the node; with `wait`, once it has reported the node's GPUs (its first status)."""
+    async def _add_model_node(self, node: SimNode, plugin: str) -> SimNode:
+        """A node with the kubelet model: no GPU resource in its status until its kubelet writes it."""
+        now = now_rfc3339()
+        body = node.status_patch({})
+        body["status"]["conditions"] = [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                         "message": "kubelet model of the dynpart e2e harness",
+                                         "lastHeartbeatTime": now, "lastTransitionTime": now}]
+        await self.core.patch_node_status(node.name, body, _content_type=MERGE)
+        node.root_dir = tempfile.mkdtemp(prefix="n-", dir=self._root)
+        node.plugin = plugin if node.mode == "mig" else "builtin"
+        node.kubelet = KubeletModel(node.name, node.root_dir, core=self.core, driver=node.driver,
+                                    status_period_s=self.status_period_s, container_start_s=self.container_start_s,
+                                    holdings=node.holdings, on_pod=self._on_model_pod)
+        node.published = {}
+        self.nodes[node.name] = node  # before its kubelet watches pods: their records find the node
+        await node.kubelet.start()
+        if node.plugin == "nvidia":
+            node.nvidia = NvidiaPluginModel(node.name, node.kubelet.plugin_dir, node.driver, core=self.core,
+                                            restart_delay_s=self.nvidia_restart_delay_s)
+            await node.nvidia.start()
+        return node
+
+    def _on_model_pod(self, key: str, phase: str, reason: str, message: str, at: float) -> None:
+        rec = self.pods.get(key)
+        if rec is None:
+            return
+        if phase == "Running":
+            rec.running_at = at
+        elif phase == "Failed":
+            rec.failed = f"{reason}: {message}"
+        self._changed.set()
+
+    def admission_failures(self) -> list[str]:
+        """Pods the kubelet models refused, with the kubelet's reason (UnexpectedAdmissionError...)."""
+        return [f"{n.name}: {pod}: {reason}: {message}" for n in self.nodes.values() if n.kubelet
+                for pod, reason, message in n.kubelet.admission_failures]
+
+    def kubelet_problems(self) -> list[str]:
+        """What a real node would have shown as broken: pods admitted without their devices,
+        containers that could not start on their device, GPUs advertised twice, model errors."""
+        out = []
+        for n in self.nodes.values():
+            if n.kubelet is not None:
+                k = n.kubelet
+                out += [f"{n.name}: {p}" for p in (k.admitted_without_devices + k.start_errors + k.exclusive_violations
+                                                   + k.errors)]
+            if n.nvidia is not None:
+                out += n.nvidia.errors
+        return out
+
+    async def start_agent(self, node: SimNode, wait: bool = True, plugins: DevicePluginManager | None = None) -> AgentRun:
+        """An agent for the node; with `wait`, once it has reported the node's GPUs (its first status).
+        With the kubelet model: the agent's own device plugin on the node's plugin dir (or NVIDIA's
+        plugin pod to restart), the real PodResources client on the model's socket, the pods bound
+        to the node from the API server. `plugins`: the device plugin of an agent stopped earlier
+        (`AgentRun.pause`), kept serving in between."""
         agent_metrics_port()
         api = await connect(str(self.kubeconfig))
         self.agent_requests.install(api)
-        agent = Agent(node.name, node_api=KubeNodeApi(api, node.name, FAST), driver=node.driver,
-                      pods=node.pod_resources, catalog=CATALOG,
+        kw: dict[str, Any] = {}
+        if node.kubelet is not None:
+            if node.plugin == "builtin":
+                if plugins is None:
+                    plugins = DevicePluginManager(node.kubelet.plugin_dir, poll_s=0.1)
+                    await plugins.start()
+                kw.update(plugins=plugins, mps_daemon=FakeMpsDaemon(), publish_allocatable=self.publish_allocatable,
+                          mps_log_dir=os.path.join(node.root_dir or self._root, "mps-log"))
+            else:
+                kw.update(plugin_pods=KubePluginPods(api, node.name, NVIDIA_NAMESPACE, f"{APP_LABEL}={APP}"))
+            kw.update(pods=KubeletPodResources(node.kubelet.podresources_socket), node_pods=KubeNodePods(api, node.name, FAST))
+        else:
+            kw.update(pods=node.pod_resources)
+        agent = Agent(node.name, node_api=KubeNodeApi(api, node.name, FAST), driver=node.driver, catalog=CATALOG,
                       configs=KubeConfigStore(api, SYSTEM_NAMESPACE, CONFIGMAP, mount_dir=None, settle_s=0),
-                      interval_s=self.agent_interval_s)
+                      interval_s=self.agent_interval_s, **kw)
         stop = asyncio.Event()
-        run = AgentRun(agent, api, stop, asyncio.get_running_loop().create_task(agent.run(stop)))
+        run = AgentRun(agent, api, stop, asyncio.get_running_loop().create_task(agent.run(stop)), plugins)
         self.agents[node.name] = run
         if wait:
             await wait_until(lambda: any("dynpart.io/status-mode" in a for a in self.history.get(node.name, [])) or
@@ -626,6 +734,8 @@ class Harness:
                 last_sweep = now
             changed = []
             for node in list(self.nodes.values()):
+                if node.kubelet is not None:
+                    continue  # its kubelet model writes its status
                 if not sweep and node.version == node.refreshed:
                     continue
                 name = node.labels.get(DEVICE_PLUGIN_CONFIG_LABEL)
@@ -662,24 +772,29 @@ class Harness:
 
     # --- pods ---
 
-    def pod_body(self, name: str, resource: str, count: int = 1, node: SimNode | None = None) -> dict[str, Any]:
+    def pod_body(self, name: str, resource: str, count: int = 1, node: SimNode | None = None,
+                 bound: bool = False) -> dict[str, Any]:
         spec: dict[str, Any] = {
             "restartPolicy": "Never", "terminationGracePeriodSeconds": 0, "containers": [{
                 "name": "main", "image": "registry.k8s.io/pause:3.10",
                 "resources": {"requests": {"cpu": "100m", "memory": "64Mi", resource: str(count)},
                               "limits": {resource: str(count)}}}]}
-        if node is not None:
+        if node is not None and bound:
+            spec["nodeName"] = node.name  # bound at creation: no scheduler, straight to the kubelet
+        elif node is not None:
             spec["nodeSelector"] = {"kubernetes.io/hostname": node.name}
         return {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": name, "namespace": self.namespace, "labels": {HARNESS_LABEL: self.run_id}},
                 "spec": spec}
 
-    async def create_pod(self, name: str, resource: str, count: int = 1, node: SimNode | None = None) -> PodRecord:
-        """A pod asking for `count` of `resource` (only on `node`, when given)."""
+    async def create_pod(self, name: str, resource: str, count: int = 1, node: SimNode | None = None,
+                         bound: bool = False) -> PodRecord:
+        """A pod asking for `count` of `resource` (only on `node`, when given; `bound`: created with
+        spec.nodeName set, as a scheduler's binding)."""
         key = f"{self.namespace}/{name}"
         rec = PodRecord(key, resource, time.monotonic())
         self.pods[key] = rec
-        await self.core.create_namespaced_pod(self.namespace, self.pod_body(name, resource, count, node))
+        await self.core.create_namespaced_pod(self.namespace, self.pod_body(name, resource, count, node, bound))
         rec.accepted_at = time.monotonic()
         return rec
 
@@ -699,7 +814,7 @@ class Harness:
             return
         if kind == "DELETED":
             self._deleted.add(key)
-            if rec.node in self.nodes:
+            if rec.node in self.nodes and self.nodes[rec.node].kubelet is None:
                 self.nodes[rec.node].release(key)
             self._changed.set()
             return
@@ -711,7 +826,8 @@ class Harness:
         if node and rec.node is None and node in self.nodes:
             rec.node = node
             rec.bound_at = time.monotonic()
-            self._spawn(self._admit(rec, pod))
+            if self.nodes[node].kubelet is None:  # else its kubelet model admits it
+                self._spawn(self._admit(rec, pod))
 
     async def _admit(self, rec: PodRecord, pod: dict[str, Any]) -> None:
         """The kubelet: devices from the device plugin, then the pod runs."""

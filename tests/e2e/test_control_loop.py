@@ -33,7 +33,7 @@ pytestmark = pytest.mark.e2e
 
 A100 = "NVIDIA-A100-SXM4-80GB"
 H100 = "NVIDIA-H100-80GB-HBM3"
-REACTION_FILE = REPO_ROOT / ".cache" / "e2e" / "reaction.json"
+REACTION_FILE = REPO_ROOT / ".cache" / "e2e" / "reaction-shortcut.json"  # test_reaction.py writes reaction.json
 
 
 @pytest.fixture(scope="module")

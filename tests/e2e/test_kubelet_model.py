@@ -1,0 +1,235 @@
+"""The e2e kubelet model and the NVIDIA plugin model on their own (no API server, a few seconds):
+the agent's device plugin (`DevicePluginManager`) and the agent's PodResources client
+(`KubeletPodResources`) against the model, over real unix sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from dynpart.agent.deviceplugin import protocol
+from dynpart.agent.deviceplugin.devices import GpuView, MigDeviceView, PluginDevice, advertise
+from dynpart.agent.deviceplugin.server import DevicePluginManager, PluginServer
+from dynpart.agent.driver.fake import FakeNvml
+from dynpart.agent.driver.interface import GpuDriverError
+from dynpart.agent.podresources import KubeletPodResources
+from dynpart.catalog import default_catalog
+from tests.e2e.kubelet_model import KubeletModel, podresources_messages
+from tests.e2e.nvidia_plugin_model import NvidiaPluginModel, enumerate_devices
+
+H100 = default_catalog().resolve("H100-80GB")
+MIG1 = "nvidia.com/mig-1g.10gb"
+
+
+def carve(driver: FakeNvml, gpu: int, *profiles: tuple[str, int]) -> list[str]:
+    by_name = {p.name: p for p in driver.model.mig_profiles}
+    for name, start in profiles:
+        p = by_name[name]
+        gi = driver.create_gpu_instance(gpu, p.gi_profile_id, start, p.memory)
+        driver.create_compute_instance(gpu, gi, p.compute)
+    return [g.uuid for g in driver.gpu_instances(gpu) if g.uuid]
+
+
+def views(driver: FakeNvml, mps: dict[int, tuple[int, ...]] | None = None) -> list[GpuView]:
+    """What the agent would hand its plugin: the driver's GPUs, MPS slices where given."""
+    by_id = {p.gi_profile_id: p.name for p in driver.model.mig_profiles}
+    out = []
+    for d in driver.devices():
+        mig = tuple(MigDeviceView(by_id[g.profile_id], g.uuid) for g in driver.gpu_instances(d.index)) \
+            if d.mig_current else ()
+        out.append(GpuView(d.index, d.uuid, 80, mig_enabled=d.mig_current, mig=mig, mps=(mps or {}).get(d.index, ())))
+    return out
+
+
+def pod(name: str, resource: str, count: int = 1, uid: str | None = None) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns", "uid": uid or name},
+            "spec": {"containers": [{"name": "main", "resources": {"limits": {resource: str(count)}}}]}}
+
+
+@pytest.fixture
+def root():
+    d = tempfile.mkdtemp(prefix="km-", dir="/tmp")  # short: unix socket paths fit in 108 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def driver():
+    d = FakeNvml(H100, 2, mig_enabled=True)
+    d.set_mig_mode(1, False)
+    return d
+
+
+@pytest.fixture
+async def kubelet(root, driver):
+    k = KubeletModel("node-a", root, driver=driver, container_start_s=0)
+    await k.start()
+    yield k
+    await k.close()
+
+
+async def test_admission_through_the_agents_plugin(kubelet: KubeletModel, driver: FakeNvml):
+    carve(driver, 0, ("1g.10gb", 0), ("1g.10gb", 1), ("3g.40gb", 4))
+    async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
+        await plugins.update(advertise(views(driver, {1: (10, 20, 10)})))
+        for r in (MIG1, "nvidia.com/mig-3g.40gb", "nvidia.com/gpu-10gb", "nvidia.com/gpu-20gb"):
+            await kubelet.wait_registered(r)
+        assert kubelet.capacity()[1] == {MIG1: 2, "nvidia.com/mig-3g.40gb": 1, "nvidia.com/gpu-10gb": 2,
+                                         "nvidia.com/gpu-20gb": 1}
+
+        assert await kubelet.admit_pod(pod("a", MIG1)) and await kubelet.admit_pod(pod("b", MIG1))
+        assert not await kubelet.admit_pod(pod("c", MIG1))  # no healthy free device
+        key, reason, message = kubelet.admission_failures[0]
+        assert (key, reason) == ("ns/c", "UnexpectedAdmissionError")
+        assert "requested number of devices unavailable for nvidia.com/mig-1g.10gb. Requested: 1, Available: 0" in message
+        assert await kubelet.admit_pod(pod("d", "nvidia.com/mig-7g.80gb"))  # not a plugin resource: admitted
+        assert kubelet.admitted_without_devices == ["ns/d: asked for 1 nvidia.com/mig-7g.80gb, got 0 (not a "
+                                                    "device-plugin resource of this kubelet)"]
+        await asyncio.sleep(0.05)  # the containers start
+
+        # a MIG pod runs a process on its instance: the fake driver refuses to destroy it
+        held = kubelet.holdings["ns/a"][0]
+        assert held.pid in driver.processes(0, held.gi_id)
+        with pytest.raises(GpuDriverError):
+            driver.destroy_compute_instance(0, held.gi_id, 0)
+        # GetPreferredAllocation was asked (the plugin registered with it), then Allocate
+        assert all(a.preferred is not None for a in kubelet.allocations)
+
+        # MPS: the slice's memory limit in the Allocate response
+        assert await kubelet.admit_pod(pod("m", "nvidia.com/gpu-20gb"))
+        mps = kubelet.allocations[-1]
+        assert mps.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "GPU-fake-0001=20G", mps.envs
+        assert mps.device_ids == ["GPU-fake-0001::1"]
+
+        # the agent's real PodResources client
+        pr = KubeletPodResources(kubelet.podresources_socket)
+        assigned = {(a.pod, a.resource, a.device_id) for a in await pr.list()}
+        assert {(p, r) for p, r, _ in assigned} == {("ns/a", MIG1), ("ns/b", MIG1), ("ns/m", "nvidia.com/gpu-20gb")}
+        allocatable = await pr.allocatable()
+        assert sorted(allocatable[MIG1]) == sorted(kubelet.resources[MIG1].healthy)
+        assert len(allocatable["nvidia.com/gpu-10gb"]) == 2
+
+        # deleting a pod frees its device and its process
+        kubelet._forget("ns/a", "a")
+        assert driver.processes(0, held.gi_id) == []
+        assert await kubelet.admit_pod(pod("c2", MIG1))
+        assert kubelet.exclusive_violations == []
+        assert all(m.node_lists for m in kubelet.messages)
+
+
+async def test_withdrawn_and_stopped_resources(kubelet: KubeletModel, driver: FakeNvml):
+    uuids = carve(driver, 0, ("1g.10gb", 0), ("1g.10gb", 1))
+    async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
+        await plugins.update(advertise(views(driver)))
+        await kubelet.wait_devices(MIG1, sorted(uuids))
+        await plugins.withdraw(uuids[0])  # written to the kubelet's stream before withdraw returns
+        assert kubelet.resources[MIG1].healthy == {uuids[1]}
+        assert await kubelet.admit_pod(pod("a", MIG1)) and kubelet.allocations[-1].device_ids == [uuids[1]]
+        assert not await kubelet.admit_pod(pod("b", MIG1))
+        await plugins.update({})  # the resource goes away: its list emptied, its server stopped
+        await kubelet.wait_for(lambda: kubelet.plugins[MIG1].stream_task.done())
+        cap, alloc, removed = kubelet.capacity()
+        assert alloc[MIG1] == 0 and removed == []
+        kubelet.endpoint_grace_s = 0
+        await asyncio.sleep(0.01)
+        assert sorted(kubelet.capacity()[2]) == ["nvidia.com/gpu", MIG1]  # after the grace period: capacity 0
+
+
+async def test_restart_re_registration_and_checkpoint(kubelet: KubeletModel, driver: FakeNvml):
+    carve(driver, 0, ("1g.10gb", 0), ("1g.10gb", 1))
+    async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
+        await plugins.update(advertise(views(driver)))
+        await kubelet.wait_registered(MIG1)
+        assert await kubelet.admit_pod(pod("a", MIG1))
+        before = kubelet.capacity()[1]
+        back = await kubelet.restart()
+        assert kubelet.capacity()[1] == {MIG1: 0, "nvidia.com/gpu": 0}  # from the checkpoint, no device yet
+        await kubelet.wait_for(lambda: kubelet.capacity()[1] == before, timeout_s=2)
+        again = [t for r, t in plugins.registrations if r == MIG1 and t >= back]
+        assert again and again[0] - back < 2.0, (back, plugins.registrations)
+        assert [a.pod for a in await KubeletPodResources(kubelet.podresources_socket).list()] == ["ns/a"]
+        assert await kubelet.admit_pod(pod("b", MIG1))  # the other device
+        assert not await kubelet.admit_pod(pod("c", MIG1))  # the checkpointed pod kept its device
+
+
+async def test_every_message_is_checked_for_a_gpu_advertised_twice(kubelet: KubeletModel, driver: FakeNvml):
+    uuid = driver.devices()[1].uuid
+    whole = PluginServer("nvidia.com/gpu", kubelet.plugin_dir, [PluginDevice(uuid, "gpu", uuid, 1)])
+    sliced = PluginServer("nvidia.com/gpu-10gb", kubelet.plugin_dir, [PluginDevice(f"{uuid}::0", "mps", uuid, 1, 10)])
+    for s in (whole, sliced):
+        await s.start()
+        await s.register(kubelet.socket)
+    try:
+        await kubelet.wait_registered("nvidia.com/gpu-10gb")
+        await kubelet.wait_registered("nvidia.com/gpu")
+        assert len(kubelet.exclusive_violations) == 1 and "both whole and sliced" in kubelet.exclusive_violations[0]
+    finally:
+        for s in (whole, sliced):
+            await s.stop()
+
+
+async def test_podresources_wire_format_matches_the_agents_client(kubelet: KubeletModel):
+    """Field numbers: the model's descriptor (from api.proto) and the agent's client agree."""
+    from dynpart.agent import podresources
+
+    msgs = podresources_messages()
+    m = msgs["AllocatableResourcesResponse"](devices=[msgs["ContainerDevices"](resource_name="r", device_ids=["x"])])
+    back = podresources.messages()["AllocatableResourcesResponse"].FromString(m.SerializeToString())
+    assert back.devices[0].resource_name == "r" and list(back.devices[0].device_ids) == ["x"]
+
+
+async def test_nvidia_plugin_enumerates_only_at_start(kubelet: KubeletModel, driver: FakeNvml):
+    first = carve(driver, 0, ("1g.10gb", 0))
+    nvidia = NvidiaPluginModel("node-a", kubelet.plugin_dir, driver, kubelet_restart_s=0, poll_s=0.05)
+    await nvidia.start()
+    try:
+        await kubelet.wait_devices(MIG1, first)
+        assert enumerate_devices(driver)["nvidia.com/gpu"] == [(driver.devices()[1].uuid, 1)]
+        second = [u for u in carve(driver, 0, ("1g.10gb", 1)) if u not in first]
+        await asyncio.sleep(0.3)
+        assert kubelet.plugins[MIG1].ids == first  # never read again
+        # a destroyed instance stays advertised: Allocate hands it out, the container cannot start
+        gi = driver.gpu_instances(0)[0]
+        driver.destroy_compute_instance(0, gi.gi_id, gi.compute_instances[0])
+        driver.destroy_gpu_instance(0, gi.gi_id)
+        assert await kubelet.admit_pod(pod("a", MIG1))
+        assert kubelet.allocations[-1].envs == {"NVIDIA_VISIBLE_DEVICES": first[0]}
+        await asyncio.sleep(0.05)
+        assert kubelet.start_errors and first[0] in kubelet.start_errors[0]
+        kubelet._forget("ns/a", "a")
+        # a kubelet restart makes it start again: it enumerates again
+        t = await kubelet.restart()
+        await kubelet.wait_devices(MIG1, second, timeout_s=2)
+        assert [e.why for e in nvidia.enumerations] == ["start", "kubelet restart"]
+        assert min(at for r, at in nvidia.registrations if r == MIG1 and at > t) - t < 2.0
+        with pytest.raises(grpc.aio.AioRpcError):
+            await kubelet.allocate(MIG1, [first[0]])
+    finally:
+        await nvidia.close()
+
+
+async def test_status_period_and_a_stream_that_ends(root, driver):
+    """capacity()/allocatable as GetCapacity computes them: a plugin that goes away leaves its
+    devices unhealthy (capacity kept, allocatable 0)."""
+    k = KubeletModel("node-b", root, driver=driver)
+    await k.start()
+    try:
+        carve(driver, 0, ("1g.10gb", 0))
+        nvidia = NvidiaPluginModel("node-b", k.plugin_dir, driver)
+        await nvidia.start()
+        await k.wait_registered(MIG1)
+        await nvidia.close()
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and k.capacity()[1].get(MIG1):
+            await asyncio.sleep(0.02)
+        cap, alloc, _ = k.capacity()
+        assert cap[MIG1] == 1 and alloc[MIG1] == 0
+        assert protocol.KUBELET_SOCKET_NAME in k.socket
+    finally:
+        await k.close()
