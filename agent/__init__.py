@@ -2,9 +2,10 @@
 
 Layers, imports flowing one way (docs/agent.md):
 - `driver` (the GPU driver: `interface`, its `fake` and the real `nvml`), `podresources` (which
-  devices pods hold), `kube` (the node and the device-plugin ConfigMap): I/O behind small
-  interfaces; `nvml_probe`: `dynpart agent probe`;
+  devices pods hold), `kube` (the node, NVIDIA's plugin pod), `deviceplugin` (the kubelet
+  device-plugin API the agent serves), `mps_daemon`: I/O behind small interfaces;
+  `nvml_probe`: `dynpart agent probe`;
 - `reconcile`: pure decisions (what to destroy, create, keep);
-- `mig_agent`, `mps_agent`: carry the decisions out for one reconcile pass;
+- `guard`, `mig_agent`, `mps_plugin`: carry the decisions out for one reconcile pass;
 - `loop`: the async loop (watch the node, reconcile, report status); `cli`: `dynpart agent`.
 """

@@ -28,8 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     run = cmds.add_parser("run", help="run the agent loop for one node",
                           description="Watch this node's dynpart.io/spec-* annotations, apply them to the GPUs "
-                                      "(MIG through NVML, MPS slices served by the agent's own device plugin, or "
-                                      "through NVIDIA's device plugin with --device-plugin nvidia) and report "
+                                      "(MIG through NVML, served by the agent's own device plugin or, with "
+                                      "--device-plugin nvidia, by NVIDIA's; MPS slices always by the agent's own) "
+                                      "and report "
                                       "dynpart.io/status-* annotations. Settings come from --config, then "
                                       "DYNPART_AGENT_* environment variables, then these flags "
                                       "(docs/configuration.md).")
@@ -42,16 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="seconds between passes when nothing changes (default 10)")
     run.add_argument("--pod-resources-socket", metavar="PATH",
                      help="kubelet PodResources socket (with --fake-gpus and no socket there: no pod holds a device)")
-    run.add_argument("--device-plugin-configmap", metavar="NAME", help="the device plugin's ConfigMap (MPS configs)")
-    run.add_argument("--device-plugin-namespace", metavar="NS", help="its namespace")
-    run.add_argument("--config-mount", metavar="DIR",
-                     help="where that ConfigMap is mounted in the agent's pod: the node label is switched once a "
-                          "new config file appears there")
-    run.add_argument("--config-settle-s", type=float, metavar="S",
-                     help="without --config-mount: seconds between writing a config and using it (default 60)")
     run.add_argument("--capacity-gb", type=int, help="MPS capacity of one GPU in GB (default: the model's memory)")
     run.add_argument("--device-plugin", choices=["builtin", "nvidia"],
-                     help="builtin: the agent advertises the slices itself (default); nvidia: NVIDIA's device plugin")
+                     help="builtin: the agent advertises the slices itself (default); nvidia: NVIDIA's device plugin "
+                          "on MIG nodes (MPS nodes are always served by the agent's own)")
     run.add_argument("--device-plugin-dir", metavar="DIR", help="the kubelet's device-plugin directory")
     run.add_argument("--metrics-port", type=int)
     run.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -102,9 +97,8 @@ def run_probe(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-_SETTINGS = ("kubeconfig", "node_name", "report_interval_s", "pod_resources_socket", "device_plugin_configmap",
-             "device_plugin_namespace", "fake_gpus", "metrics_port", "log_level", "log_json", "device_plugin",
-             "device_plugin_dir")
+_SETTINGS = ("kubeconfig", "node_name", "report_interval_s", "pod_resources_socket", "fake_gpus", "metrics_port",
+             "log_level", "log_json", "device_plugin", "device_plugin_dir")
 
 
 def run_agent(args: argparse.Namespace) -> int:
@@ -162,36 +156,33 @@ async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
 
 async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: Any, driver: GpuDriver,
                  pods: PodResources, catalog: Catalog, liveness: Any, stack: contextlib.AsyncExitStack) -> Agent:
-    """The agent and, by `device_plugin`, its own device plugin (served until `stack` closes) or the
-    restarts of NVIDIA's."""
+    """The agent, its own device plugin (served until `stack` closes; MPS nodes always, MIG nodes
+    with `device_plugin: builtin`) and, with `device_plugin: nvidia`, the restarts of NVIDIA's
+    plugin on MIG nodes."""
     from dynpart.agent.deviceplugin.server import DevicePluginManager, MpsSettings
-    from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, KubePluginPods, lease_term_reader
+    from dynpart.agent.kube import KubeNodeApi, KubePluginPods, lease_term_reader
     from dynpart.agent.loop import Agent
     from dynpart.agent.mps_daemon import ProcessMpsDaemon
     from dynpart.agent.nodepods import KubeNodePods
     from dynpart.agent.podresources import FakePodResources
 
-    mount = args.config_mount or settings.device_plugin_config_mount
-    settle = args.config_settle_s if args.config_settle_s is not None else settings.config_settle_s
     capacity = args.capacity_gb or settings.mps_capacity_gb
-    configs = KubeConfigStore(api_client, settings.device_plugin_namespace, settings.device_plugin_configmap,
-                              mount, settle)
-    extra: dict[str, Any] = {"node_pods": KubeNodePods(api_client, settings.node_name, settings.kube)}
-    if settings.device_plugin == "builtin":
-        plugins = DevicePluginManager(settings.device_plugin_dir,
-                                      mps=MpsSettings(pipe_dir_host=settings.mps_pipe_dir))
-        await stack.enter_async_context(plugins)
-        daemon = ProcessMpsDaemon()
-        stack.push_async_callback(daemon.stop)
-        if isinstance(pods, FakePodResources):  # --fake-gpus without a kubelet: it "holds" all advertised
-            pods.on_allocatable = lambda: {r: [d.id for d in ds] for r, ds in plugins.advertised().items()}
-        extra |= {"plugins": plugins, "mps_daemon": daemon, "mps_log_dir": settings.mps_log_dir,
-                  "publish_allocatable": settings.publish_allocatable, "withdraw_settle_s": settings.withdraw_settle_s}
-    else:
+    plugins = DevicePluginManager(settings.device_plugin_dir, mps=MpsSettings(pipe_dir_host=settings.mps_pipe_dir),
+                                  held=pods.allocatable)
+    await stack.enter_async_context(plugins)
+    daemon = ProcessMpsDaemon()
+    stack.push_async_callback(daemon.stop)
+    if isinstance(pods, FakePodResources):  # --fake-gpus without a kubelet: it "holds" all advertised
+        pods.on_allocatable = lambda: {r: [d.id for d in ds] for r, ds in plugins.advertised().items()}
+    extra: dict[str, Any] = {"node_pods": KubeNodePods(api_client, settings.node_name, settings.kube),
+                             "plugins": plugins, "mps_daemon": daemon, "mps_log_dir": settings.mps_log_dir,
+                             "publish_allocatable": settings.publish_allocatable,
+                             "withdraw_settle_s": settings.withdraw_settle_s}
+    if settings.device_plugin == "nvidia":
         extra["plugin_pods"] = KubePluginPods(api_client, settings.node_name, settings.nvidia_plugin_namespace,
                                               settings.nvidia_plugin_selector)
     return Agent(settings.node_name, node_api=KubeNodeApi(api_client, settings.node_name, settings.kube),
-                 driver=driver, pods=pods, catalog=catalog, configs=configs,
+                 driver=driver, pods=pods, catalog=catalog,
                  interval_s=settings.report_interval_s, capacity_gb=capacity, kube=settings.kube,
                  liveness=liveness, leader_term=lease_term_reader(api_client, settings.planner_lease_name,
                                                                   settings.planner_lease_namespace), **extra)

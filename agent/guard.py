@@ -35,7 +35,7 @@ class Released:
 
 class SliceGuard:
     def __init__(self, pods: PodResources, node_pods: NodePods | None = None, plugins: DevicePluginManager | None = None,
-                 *, settle_s: float = 0.5, on_withdrawn: Callable[[], Awaitable[None]] | None = None):
+                 *, settle_s: float = 0.5, on_withdrawn: Callable[[], Awaitable[object]] | None = None):
         self.pods = pods
         self.node_pods = node_pods
         self.plugins = plugins

@@ -1,13 +1,11 @@
 """The agent's Kubernetes I/O behind two small interfaces, with in-memory fakes:
 
-- `NodeApi`: read, watch and merge-patch the agent's own Node (annotations and labels), and
+- `NodeApi`: read, watch and merge-patch the agent's own Node (its status annotations), and
   the GPU resource counts of its status (`patch_status`, publishing new slices early);
-- `ConfigStore`: the device-plugin ConfigMap, one key per config name, and whether a config
-  has reached the device plugin's mounted volume yet;
 - `PluginPods`: NVIDIA's device-plugin pod on this node, deleted so that its DaemonSet starts it
   again and it lists the new MIG devices (it enumerates them only when it starts).
 
-`KubeNodeApi` / `KubeConfigStore` use kubernetes-asyncio through `dynpart.kube` (the client,
+`KubeNodeApi` / `KubePluginPods` use kubernetes-asyncio through `dynpart.kube` (the client,
 merge patches, the informer that watches the node, Events); API failures are the classes of
 `dynpart.kube.errors`. `connect()` builds the client from a kubeconfig or in-cluster.
 """
@@ -16,19 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from kubernetes_asyncio import client
 
 from dynpart.kube.client import Obj, api_client, raw_api, read_json
 from dynpart.kube.conventions import AGENT_COMPONENT
-from dynpart.kube.errors import APIConflictError, APIError, APINotFoundError, api_errors
+from dynpart.kube.errors import APIError, APINotFoundError, api_errors
 from dynpart.kube.events import post_event
-from dynpart.kube.patching import MERGE_PATCH, patch_node_annotations, patch_node_labels
+from dynpart.kube.patching import MERGE_PATCH, patch_node_annotations
 from dynpart.kube.watching import Informer
 from dynpart.settings import KubeSettings
 
@@ -57,9 +53,9 @@ class NodeView:
 class NodeApi(Protocol):
     async def get(self) -> NodeView: ...
 
-    async def patch(self, *, annotations: dict[str, str | None] | None = None,
-                    labels: dict[str, str | None] | None = None) -> NodeView:
-        """JSON merge patch of the node's metadata (a None value removes the key)."""
+    async def patch(self, *, annotations: dict[str, str | None] | None = None) -> NodeView:
+        """JSON merge patch of the node's annotations (a None value removes the key). The agent
+        changes no label."""
         ...
 
     def watch(self) -> AsyncIterator[NodeView]:
@@ -76,22 +72,12 @@ class NodeApi(Protocol):
         ...
 
 
-class ConfigStore(Protocol):
-    async def read(self, name: str) -> str | None: ...
-
-    async def write(self, name: str, content: str) -> None: ...
-
-    async def visible(self, name: str, content: str) -> bool:
-        """Whether the device plugin can already read this config (its ConfigMap volume)."""
-        ...
-
-
 # --- fakes ----------------------------------------------------------------------------------------
 
 
 class FakeNodeApi:
-    """One Node in memory. `events` (shareable with FakeConfigStore) records every write in
-    order: ("annotations", patch), ("labels", patch), ("config", name)."""
+    """One Node in memory. `events` records every write in order: ("annotations", patch),
+    ("status", counts), ("event", (reason, message, warning))."""
 
     def __init__(self, name: str, labels: dict[str, str] | None = None,
                  annotations: dict[str, str] | None = None, events: list[tuple[str, Any]] | None = None):
@@ -122,14 +108,10 @@ class FakeNodeApi:
     async def get(self) -> NodeView:
         return self.view()
 
-    async def patch(self, *, annotations: dict[str, str | None] | None = None,
-                    labels: dict[str, str | None] | None = None) -> NodeView:
+    async def patch(self, *, annotations: dict[str, str | None] | None = None) -> NodeView:
         if annotations:
             self.events.append(("annotations", dict(annotations)))
             _merge(self.annotations, annotations)
-        if labels:
-            self.events.append(("labels", dict(labels)))
-            _merge(self.labels, labels)
         self._changed()
         return self.view()
 
@@ -166,29 +148,6 @@ def _merge(target: dict[str, str], patch: dict[str, str | None]) -> None:
             target[k] = v
 
 
-class FakeConfigStore:
-    """Configs in memory; a config becomes visible after `visible_after` calls of visible()."""
-
-    def __init__(self, events: list[tuple[str, Any]] | None = None, visible_after: int = 0):
-        self.data: dict[str, str] = {}
-        self.events: list[tuple[str, Any]] = events if events is not None else []
-        self.visible_after = visible_after
-        self._checks: dict[str, int] = {}
-
-    async def read(self, name: str) -> str | None:
-        return self.data.get(name)
-
-    async def write(self, name: str, content: str) -> None:
-        self.events.append(("config", name))
-        self.data[name] = content
-
-    async def visible(self, name: str, content: str) -> bool:
-        if self.data.get(name) != content:
-            return False
-        self._checks[name] = self._checks.get(name, 0) + 1
-        return self._checks[name] > self.visible_after
-
-
 # --- kubernetes-asyncio ---------------------------------------------------------------------------
 
 
@@ -211,10 +170,7 @@ class KubeNodeApi:
             node = await self._v1.read_node(self.name)
         return NodeView.from_dict(self._client.sanitize_for_serialization(node))
 
-    async def patch(self, *, annotations: dict[str, str | None] | None = None,
-                    labels: dict[str, str | None] | None = None) -> NodeView:
-        if labels:
-            await patch_node_labels(self._v1, self.name, labels)
+    async def patch(self, *, annotations: dict[str, str | None] | None = None) -> NodeView:
         if annotations:
             return NodeView.from_dict(await patch_node_annotations(self._v1, self.name, annotations))
         return await self.get()
@@ -249,63 +205,6 @@ class KubeNodeApi:
         finally:
             running.cancel()
             await asyncio.wait([running])
-
-
-class KubeConfigStore:
-    """The device-plugin ConfigMap `namespace/name`, one key per config. When the agent mounts
-    the same ConfigMap at `mount_dir`, a config is visible once the kubelet has written its file
-    there (the device plugin's volume is synced the same way); without a mount, `settle_s`
-    seconds after the write. Needs RBAC: get, create, patch on that ConfigMap."""
-
-    def __init__(self, api: client.ApiClient, namespace: str, name: str, mount_dir: str | None = None,
-                 settle_s: float = 0.0):
-        self._v1 = client.CoreV1Api(api)
-        self.namespace = namespace
-        self.name = name
-        self.mount_dir = Path(mount_dir) if mount_dir else None
-        self.settle_s = settle_s
-        self._written: dict[str, float] = {}
-
-    async def _read_all(self) -> dict[str, str] | None:
-        try:
-            with api_errors(f"read configmap {self.namespace}/{self.name}"):
-                cm = await self._v1.read_namespaced_config_map(self.name, self.namespace)
-        except APINotFoundError:
-            return None
-        return dict(cm.data or {})
-
-    async def read(self, name: str) -> str | None:
-        data = await self._read_all()
-        return None if data is None else data.get(name)
-
-    async def write(self, name: str, content: str) -> None:
-        body = {"data": {name: content}}
-        try:
-            with api_errors(f"patch configmap {self.namespace}/{self.name}"):
-                await raw_api(self._v1).patch_namespaced_config_map(self.name, self.namespace, body,
-                                                                     _content_type=MERGE_PATCH)
-        except APINotFoundError:
-            try:
-                with api_errors(f"create configmap {self.namespace}/{self.name}"):
-                    await raw_api(self._v1).create_namespaced_config_map(
-                        self.namespace, {"apiVersion": "v1", "kind": "ConfigMap",
-                                         "metadata": {"name": self.name, "namespace": self.namespace}, **body})
-            except APIConflictError:  # another node's agent created it first: add our key to it
-                with api_errors(f"patch configmap {self.namespace}/{self.name}"):
-                    await raw_api(self._v1).patch_namespaced_config_map(self.name, self.namespace, body,
-                                                                         _content_type=MERGE_PATCH)
-        self._written[name] = time.monotonic()
-
-    async def visible(self, name: str, content: str) -> bool:
-        if self.mount_dir is not None:
-            try:
-                return (self.mount_dir / name).read_text() == content
-            except OSError:
-                return False
-        if await self.read(name) != content:
-            return False
-        written = self._written.get(name)
-        return written is None or time.monotonic() - written >= self.settle_s
 
 
 class PluginPods(Protocol):

@@ -9,12 +9,14 @@ driver, no PodResources) changes nothing and reports the error, keeping the last
 
 With the built-in device plugin (`plugins`, docs/agent.md "Device plugin") every pass ends by
 advertising what the driver holds (a `GpuView` per GPU), a slice is withdrawn and re-checked
-before it is destroyed, MPS slices are served by the plugin (no ConfigMap), and a plan is
-acknowledged only once the GPUs hold it, the lists are written and the kubelet reports the
-devices (PodResources GetAllocatableResources); new counts can be published to the node's
-status before the kubelet's own write (`publish_allocatable`). With NVIDIA's plugin
-(`plugin_pods`) a MIG change restarts its pod on the node and the plan is acknowledged once the
-node's allocatable shows the new MIG devices.
+before it is destroyed, and a plan is acknowledged only once the GPUs hold it, the lists are
+written and the kubelet reports the devices (PodResources GetAllocatableResources); new counts
+can be published to the node's status before the kubelet's own write (`publish_allocatable`),
+and again at once when the node shows other counts than the kubelet holds (a kubelet restart).
+MPS slices are always served by the built-in plugin. With NVIDIA's plugin (`plugin_pods`) on a
+MIG node, a MIG change restarts its pod on the node and the plan is acknowledged once the node's
+allocatable shows the new MIG devices (the built-in plugin then serves the node only in MPS
+mode).
 """
 
 from __future__ import annotations
@@ -32,9 +34,8 @@ from dynpart.agent.deviceplugin.devices import DeviceListError, GpuView, MigDevi
 from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.driver.interface import GpuDriver
 from dynpart.agent.guard import SliceGuard
-from dynpart.agent.kube import ConfigStore, NodeApi, NodeView, PluginPods
+from dynpart.agent.kube import NodeApi, NodeView, PluginPods
 from dynpart.agent.mig_agent import MigAgent, PassResult
-from dynpart.agent.mps_agent import MpsAgent
 from dynpart.agent.mps_daemon import MpsDaemon
 from dynpart.agent.mps_plugin import MpsPluginAgent
 from dynpart.agent.nodepods import NodePods
@@ -76,7 +77,7 @@ class PassReport:
 
 class Agent:
     def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver, pods: PodResources, catalog: Catalog,
-                 configs: ConfigStore | None = None, interval_s: float = 10.0, capacity_gb: int | None = None,
+                 interval_s: float = 10.0, capacity_gb: int | None = None,
                  kube: KubeSettings | None = None, now: Callable[[], datetime] = lambda: datetime.now(UTC),
                  liveness: Liveness | None = None, leader_term: Callable[[], Awaitable[int | None]] | None = None,
                  plugins: DevicePluginManager | None = None, node_pods: NodePods | None = None,
@@ -85,12 +86,18 @@ class Agent:
                  withdraw_settle_s: float = 0.5, retry_s: float = 0.5):
         self.node = node
         # the built-in device plugin (started and closed by the caller); None: NVIDIA's plugin
+        # the built-in device plugin (started and closed by the caller): it serves the node's devices,
+        # except on a MIG node when NVIDIA's plugin does (`plugin_pods`); MPS nodes need it
         self.plugins = plugins
+        if plugins is not None and plugins.held is None:
+            # what the kubelet holds decides when a device may be added (see DevicePluginManager)
+            plugins.held = pods.allocatable
         self.node_pods = node_pods  # pods bound to the node: what they need is never destroyed
         self.mps_daemon = mps_daemon
         self.mps_log_dir = mps_log_dir
         self.publish_allocatable = publish_allocatable
         self.plugin_pods = plugin_pods  # NVIDIA's plugin pod on this node, restarted after a MIG change
+        self._builtin = False  # whether the built-in plugin serves the node (set by each pass, from its mode)
         self.retry_s = retry_s  # a plan applied but not yet acknowledged is looked at again this soon
         self.guard = SliceGuard(pods, node_pods, plugins, settle_s=withdraw_settle_s,
                                 on_withdrawn=self._publish if plugins is not None and publish_allocatable else None)
@@ -98,6 +105,13 @@ class Agent:
         self._capacity: int = 0
         self._restarted_for: dict[str, int] | None = None  # the MIG counts NVIDIA's plugin was restarted for
         self._waiting = False
+        # early publishing (publish_allocatable): what the node's allocatable should show (the last
+        # _publish's counts); a node that shows otherwise (the kubelet's own status write after its
+        # restart, with no device yet) or a plugin's new registration wakes the publisher
+        self._published: dict[str, int] = {}
+        self._publish_lock = asyncio.Lock()
+        self._nudge = asyncio.Event()
+        self.republish_s = 3.0  # how long the publisher looks again for the kubelet to hold the devices
         self.liveness = liveness or Liveness()
         # the planner's current leader term (agent.kube.lease_term_reader); None: no fencing
         self.leader_term = leader_term
@@ -105,7 +119,6 @@ class Agent:
         self.driver = driver
         self.pods = pods
         self.catalog = catalog
-        self.configs = configs
         self.interval_s = interval_s
         self.capacity_gb = capacity_gb
         self.now = now
@@ -114,7 +127,6 @@ class Agent:
         self._capability: str | None = None  # the encoded report, written with every status
         self._disagreements: list[str] = []
         self._mig: MigAgent | None = None
-        self._mps: MpsAgent | None = None
         self.kube = kube or KubeSettings()
         # Events on the node, once per reason and message (a pass repeats every interval)
         self._events = EventRecorder(self._post_event, self.kube)
@@ -131,7 +143,7 @@ class Agent:
             except DynpartError as e:
                 raise DynpartError(f"node {self.node}: {e}") from None
             if choice.model != self._model:
-                self._mig = self._mps = None  # built for the old model
+                self._mig = None  # built for the old model
                 if self._mps_plugin is not None:
                     self._mps_plugin.capacity_gb = min(self.capacity_gb or choice.model.memory_gb,
                                                        choice.model.memory_gb)
@@ -185,27 +197,24 @@ class Agent:
                 spec.problems.append(f"spec {spec.plan_id or '(no plan id)'} refused: nothing applied until it is "
                                      "well-formed")
             mode = self._mode(node, layout.mode if layout else None)
+            self._builtin = self.plugins is not None and (mode == "mps" or self.plugin_pods is None)
+            self.guard.plugins = self.plugins if self._builtin else None  # withdraw only what it serves
             if mode == "mig":
                 if self._mig is None:
                     self._mig = MigAgent(self.driver, self.pods, model, guard=self.guard)
                 desired_mig = None if layout is None else {g.index: [(m.profile, m.start) for m in g.mig]
                                                            for g in layout.gpus}
                 result = await self._mig.apply(desired_mig)
-            elif self.plugins is not None:
+            else:
+                if self.plugins is None:
+                    raise DynpartError("this node is in MPS mode, whose slices only the agent's own device plugin "
+                                       "serves, and this agent runs none")
                 if self._mps_plugin is None:
                     self._mps_plugin = MpsPluginAgent(self.driver, self.pods, capacity, guard=self.guard,
                                                       daemon=self.mps_daemon, pipe_dir=self.plugins.mps.pipe_dir_host,
                                                       log_dir=self.mps_log_dir)
                 desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
                 result = await self._mps_plugin.apply(desired_mps)
-            else:
-                if self.configs is None:
-                    raise DynpartError("this node is in MPS mode but the agent has no device-plugin ConfigMap "
-                                       "(--device-plugin-configmap)")
-                if self._mps is None:
-                    self._mps = MpsAgent(self.driver, self.pods, self.node_api, self.configs, capacity)
-                desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
-                result = await self._mps.apply(desired_mps, node)
         except DynpartError as e:
             # Not safe to act or to describe the GPUs: keep the last status, report the error.
             log.error("node %s: %s", self.node, e)
@@ -286,13 +295,19 @@ class Agent:
             missing = _not_held(mode, layout, result.gpus)
             if missing:
                 waiting.append("the GPUs do not hold it: " + "; ".join(missing))
-        if self.plugins is not None:
+        if self.plugins is not None and not self._builtin and self.plugins.servers:
+            await self.plugins.update({})  # no longer an MPS node: NVIDIA's plugin serves its MIG devices
+        if self.plugins is not None and self._builtin:
             try:
                 await self.plugins.update(advertise(self.views()))
             except DeviceListError as e:
                 return [*waiting, f"the device plugin refused the device lists: {e}"]
             if not await self.plugins.written():
                 waiting.append("the device plugin's lists are not written to the kubelet yet")
+            if self.plugins.pending:
+                waiting.append("the device plugin holds back " + "; ".join(
+                    f"{r} {', '.join(ids)}" for r, ids in sorted(self.plugins.pending.items()))
+                    + " until the kubelet drops what left the other lists on their GPUs")
             held = await self.pods.allocatable()
             absent = _not_allocatable(self.plugins.advertised(), held)
             if absent:
@@ -315,20 +330,57 @@ class Agent:
                                f"{_fmt(_node_mig_counts(node))}, applied {_fmt(counts)})")
         return waiting if layout is not None and result.applied else []
 
-    async def _publish(self, held: dict[str, list[str]] | None = None) -> None:
+    async def _publish(self, held: dict[str, list[str]] | None = None) -> bool:
         """Set the node's capacity/allocatable of the resources the plugin serves to the healthy
         devices the kubelet's device manager already holds (never more): the scheduler sees new
-        slices before the kubelet's next status write, and withdrawn ones leave at once."""
-        if self.plugins is None:
-            return
-        if held is None:
-            held = await self.pods.allocatable()
-        node = await self.node_api.get()
-        counts = _publishable(self.plugins.advertised(), held, node.allocatable)
-        patch = {r: n for r, n in counts.items() if node.allocatable.get(r, "0") != str(n)}  # absent: 0
-        if patch:
-            await self.node_api.patch_status(patch)
-            log.info("node %s: published %s", self.node, _fmt(patch))
+        slices before the kubelet's next status write, and withdrawn ones leave at once. True if
+        the kubelet holds every healthy advertised device (the node now shows them all)."""
+        if self.plugins is None or not self._builtin:
+            return True
+        async with self._publish_lock:
+            if held is None:
+                held = await self.pods.allocatable()
+            node = await self.node_api.get()
+            advertised = self.plugins.advertised()  # after the awaits: a withdrawal meanwhile counts
+            counts = _publishable(advertised, held, node.allocatable)
+            # absent: 0; a capacity below the count is raised with it (the kubelet's own capacity,
+            # unhealthy devices included, is left alone)
+            patch = {r: n for r, n in counts.items()
+                     if node.allocatable.get(r, "0") != str(n) or _count(node.capacity.get(r)) < n}
+            self._published = counts
+            if patch:
+                await self.node_api.patch_status(patch)
+                log.info("node %s: published %s", self.node, _fmt(patch))
+            return not _not_allocatable(advertised, held)
+
+    def _unpublished(self, node: NodeView) -> bool:
+        """Whether the node shows other counts than the last _publish set (early publishing)."""
+        return any(node.allocatable.get(r, "0") != str(n) or _count(node.capacity.get(r)) < n
+                   for r, n in self._published.items())
+
+    async def _keep_published(self) -> None:
+        """Early publishing between passes: when nudged (the node shows other counts than the
+        agent published, e.g. the kubelet's status write at its restart, or a plugin registered
+        again), publish what the kubelet holds, looking again (20 ms, doubling to 0.5 s) for up to
+        `republish_s` until it holds every advertised device (a plugin registered again: its list
+        reaches the kubelet a moment later)."""
+        while True:
+            await self._nudge.wait()
+            self._nudge.clear()
+            deadline = time.monotonic() + self.republish_s
+            delay = 0.02
+            while True:
+                try:
+                    caught_up = await self._publish()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # the next nudge or pass tries again
+                    log.warning("node %s: publishing the allocatable devices: %s", self.node, e)
+                    caught_up = False
+                if caught_up or self._nudge.is_set() or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     async def _fenced(self, spec: DecodedSpec, node: NodeView) -> list[str]:
         """Why the spec must not be applied because a deposed planner wrote it (empty: apply it).
@@ -365,6 +417,12 @@ class Agent:
         stop = stop or asyncio.Event()
         wake = asyncio.Event()
         watcher = asyncio.create_task(self._watch(wake), name=f"watch node {self.node}")
+        publisher: asyncio.Task[None] | None = None
+        if self.plugins is not None and self.publish_allocatable:
+            self._nudge = asyncio.Event()
+            nudge = self._nudge
+            self.plugins.on_registered = lambda _resource: nudge.set()
+            publisher = asyncio.create_task(self._keep_published(), name=f"publisher of node {self.node}")
         # a pass runs at least every interval; a few missed ones (a slow driver) are not yet stuck
         self.liveness.expect("reconcile loop", 6 * self.interval_s + 60)
         try:
@@ -386,11 +444,16 @@ class Agent:
                     for t in waits:
                         t.cancel()
         finally:
-            watcher.cancel()
-            try:
-                await watcher
-            except asyncio.CancelledError:
-                pass
+            if self.plugins is not None and publisher is not None:
+                self.plugins.on_registered = None
+            for task in (watcher, publisher):
+                if task is None:
+                    continue
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
 
     async def _watch(self, wake: asyncio.Event) -> None:
         """Wake the loop when the node's spec annotations change. The node API's watch retries
@@ -401,6 +464,8 @@ class Agent:
             async for attempt in retrying(self.kube, f"watch of node {self.node}", retry_on=Exception, logger=log):
                 with attempt:
                     async for node in self.node_api.watch():
+                        if self._published and self._unpublished(node):
+                            self._nudge.set()  # e.g. the kubelet restarted and wrote its status with no device
                         spec = {k: v for k, v in node.annotations.items() if k.startswith(SPEC_PREFIX)}
                         # while a plan waits for a device plugin, a change of the node's GPU
                         # resources may be what it waits for
@@ -455,6 +520,13 @@ def _publishable(advertised: dict[str, list[PluginDevice]], held: dict[str, list
         have = set(held.get(resource, ()))
         out[resource] = sum(1 for d in devices if d.healthy and d.id in have)
     return out
+
+
+def _count(value: str | None) -> int:
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
 
 
 def _mig_counts(gpus: list[GpuLayout]) -> dict[str, int]:

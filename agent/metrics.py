@@ -12,6 +12,5 @@ INSTANCES_CREATED = Counter("dynpart_agent_mig_instances_created_total", "MIG in
 INSTANCES_DESTROYED = Counter("dynpart_agent_mig_instances_destroyed_total", "Free MIG instances destroyed")
 IN_USE_KEPT = Counter("dynpart_agent_in_use_kept_total",
                       "Destroys skipped because the instance was in use at the last check or NVML said IN_USE")
-MPS_CONFIGS = Counter("dynpart_agent_mps_config_switches_total", "Device-plugin config label switches")
 SLICES = Gauge("dynpart_agent_slices", "Slices on this node after the last pass", ["mode", "state"])
 ERRORS = Gauge("dynpart_agent_status_errors", "Error lines in the last status written")

@@ -4,7 +4,7 @@
   device plugin (v0.20) names them: `nvidia.com/mig-1g.10gb`, `nvidia.com/mig-1g.10gb.me`,
   and for the RTX PRO Blackwell variants `nvidia.com/mig-1g.24gb.me.all` (`+me.all`),
   `nvidia.com/mig-1g.24gb.gfx` (`+gfx`), `nvidia.com/mig-1g.24gb-me` (`-me`, unchanged).
-- MPS slices (nebuly device-plugin fork, as nos uses): `nvidia.com/gpu-<N>gb`; N is in the
+- MPS slices (the agent's own device plugin; the names nos used): `nvidia.com/gpu-<N>gb`; N is in the
   GPU's capacity unit (GB on a real cluster, any unit a simulation picks).
 - A whole GPU: `nvidia.com/gpu`.
 """

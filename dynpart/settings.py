@@ -23,7 +23,7 @@ from pydantic_settings import (
 )
 
 from dynpart.errors import DynpartError
-from dynpart.kube.conventions import DEVICE_PLUGIN_CONFIGMAP, LEASE_NAME, SYSTEM_NAMESPACE
+from dynpart.kube.conventions import LEASE_NAME, SYSTEM_NAMESPACE
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 NESTED = "__"  # env_nested_delimiter: DYNPART_PLANNER_KUBE__BACKOFF_MAX_S sets kube.backoff_max_s
@@ -94,14 +94,7 @@ class AgentSettings(CommonSettings):
 
     node_name: str = Field(default="", description="the node this agent manages (downward API: spec.nodeName)")
     report_interval_s: float = Field(default=10.0, gt=0, description="status heartbeat period")
-    device_plugin_configmap: str = Field(default=DEVICE_PLUGIN_CONFIGMAP, description="ConfigMap of MPS device-plugin configs")
-    device_plugin_namespace: str = Field(default=SYSTEM_NAMESPACE, description="its namespace")
     fake_gpus: str | None = Field(default=None, description="MODEL:N — a fake NVML driver (tests, demos)")
-    device_plugin_config_mount: str | None = Field(
-        default=None, description="where the device-plugin ConfigMap is mounted: the node label is switched once "
-        "a new config file appears there")
-    config_settle_s: float = Field(default=60.0, ge=0, description="without a mount: seconds between writing a "
-                                   "config and switching the label to it")
     mps_capacity_gb: int | None = Field(default=None, gt=0, description="MPS capacity of one GPU in GB "
                                         "(default: the model's memory)")
     pod_resources_socket: str = Field(default="/var/lib/kubelet/pod-resources/kubelet.sock", description="kubelet PodResources API socket")
@@ -113,18 +106,22 @@ class AgentSettings(CommonSettings):
     device_plugin: Literal["builtin", "nvidia"] = Field(
         default="builtin", description="who advertises the slices to the kubelet: `builtin`, the agent's own device "
         "plugin (MIG, MPS and whole GPUs; NVIDIA's plugin must be off on the node), or `nvidia`, NVIDIA's device "
-        "plugin (MIG: restarted after each change; MPS: the device-plugin ConfigMap)")
-    device_plugin_dir: str = Field(default="/var/lib/kubelet/device-plugins", description="builtin: the kubelet's "
-                                   "device-plugin directory (kubelet.sock and the plugins' sockets)")
-    mps_pipe_dir: str = Field(default="/var/lib/dynpart/mps", description="builtin: host directory of the MPS control "
+        "plugin on MIG nodes (restarted after each change). MPS nodes are always served by the agent's own plugin, "
+        "in both modes (NVIDIA's plugin must be off there): NVIDIA's can only split a GPU into equal replicas")
+    device_plugin_dir: str = Field(default="/var/lib/kubelet/device-plugins", description="the agent's own device "
+                                   "plugin: the kubelet's device-plugin directory (kubelet.sock and the plugins' "
+                                   "sockets)")
+    mps_pipe_dir: str = Field(default="/var/lib/dynpart/mps", description="MPS: host directory of the MPS control "
                               "daemon's pipes, mounted into MPS pods (the same path inside the agent)")
-    mps_log_dir: str = Field(default="/var/lib/dynpart/mps-log", description="builtin: the MPS control daemon's logs")
-    publish_allocatable: bool = Field(default=True, description="builtin: write the node's status.allocatable of the "
-                                      "slice resources as soon as the kubelet holds the devices (never more than it "
-                                      "holds), instead of waiting for the kubelet's next node-status write")
-    withdraw_settle_s: float = Field(default=0.5, ge=0, description="builtin: after a slice is withdrawn from the "
-                                     "device plugin, wait this long for an admission already under way before "
-                                     "checking it is still free and destroying it")
+    mps_log_dir: str = Field(default="/var/lib/dynpart/mps-log", description="MPS: the MPS control daemon's logs")
+    publish_allocatable: bool = Field(default=True, description="the agent's own device plugin: write the node's "
+                                      "status.allocatable of the slice resources as soon as the kubelet holds the "
+                                      "devices (never more than it holds), instead of waiting for the kubelet's next "
+                                      "node-status write, and again at once when the node shows other counts (a "
+                                      "kubelet restart)")
+    withdraw_settle_s: float = Field(default=0.5, ge=0, description="the agent's own device plugin: after a slice is "
+                                     "withdrawn and the kubelet dropped it, wait this long for an admission already "
+                                     "under way before checking it is still free and destroying it")
     nvidia_plugin_namespace: str = Field(default="gpu-operator", description="nvidia: namespace of NVIDIA's "
                                          "device-plugin pods (restarted on this node after a MIG change)")
     nvidia_plugin_selector: str = Field(default="app=nvidia-device-plugin-daemonset",

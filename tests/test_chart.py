@@ -146,22 +146,24 @@ def test_agent_daemonset(default):
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
     assert vols["state"]["hostPath"] == {"path": "/var/lib/dynpart", "type": "DirectoryOrCreate"}  # the node lock
-    # the built-in device plugin (devicePlugin.mode=builtin, the default): its sockets beside the kubelet's
+    # the agent's own device plugin (every node in builtin mode, MPS nodes always): its sockets beside the kubelet's
     assert vols["device-plugins"]["hostPath"] == {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}
     assert {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"} in c["volumeMounts"]
     assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"], vols["state"], vols["device-plugins"]]
     assert pod["hostIPC"] is True  # the MPS control daemon and its clients share memory
-    assert vols["device-plugin-config"]["configMap"] == {"name": "dynpart-device-plugin-configs", "optional": True}
+    assert "device-plugin-config" not in vols and c["args"] == ["agent", "run", "--config", "/etc/dynpart/agent.yaml",
+                                                                "--node", "$(NODE_NAME)"]  # no ConfigMap of MPS configs
 
 
 def test_agent_with_nvidias_device_plugin():
-    """devicePlugin.mode=nvidia: no device-plugin socket dir, no hostIPC, no nodes/status; a Role to
-    restart NVIDIA's plugin pod in its namespace, narrowed by the pod-deletion policy."""
+    """devicePlugin.mode=nvidia: NVIDIA's plugin on MIG nodes, the agent's own on MPS nodes (so the
+    device-plugin socket dir, hostIPC and nodes/status stay); a Role to restart NVIDIA's plugin pod
+    in its namespace, narrowed by the pod-deletion policy."""
     objs = render("--set", "devicePlugin.mode=nvidia", "--set", "devicePlugin.nvidia.namespace=gpu-op",
                   "--set", "devicePlugin.nvidia.selector=app=nvidia-device-plugin-daemonset")
     pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
-    assert "device-plugins" not in {v["name"] for v in pod["volumes"]} and "hostIPC" not in pod
-    assert ("", "nodes/status", ()) not in rules(find(objs, "ClusterRole", "dynpart-agent"))
+    assert "device-plugins" in {v["name"] for v in pod["volumes"]} and pod["hostIPC"] is True
+    assert ("", "nodes/status", ()) in rules(find(objs, "ClusterRole", "dynpart-agent"))
     role = find(objs, "Role", "dynpart-agent-nvidia-plugin-restart")
     assert role["metadata"]["namespace"] == "gpu-op" and rules(role) == {("", "pods", ()): {"list", "delete"}}
     policy = find(objs, "ValidatingAdmissionPolicy", "dynpart-agent-pod-deletes")
@@ -171,7 +173,11 @@ def test_agent_with_nvidias_device_plugin():
     assert checks[1] == ('("app" in oldObject.metadata.?labels.orValue({}) && '
                          'oldObject.metadata.labels["app"] == "nvidia-device-plugin-daemonset")')
     find(objs, "ValidatingAdmissionPolicyBinding", "dynpart-agent-pod-deletes")
-    agent_policy, _ = _policy_pair(objs, "agent")  # no status writes to allow
+    agent_policy, _ = _policy_pair(objs, "agent")  # the slice counts of MPS nodes, through nodes/status
+    assert "request.operation != 'UPDATE' || object.status == oldObject.status" not in [
+        v["expression"] for v in agent_policy["spec"]["validations"]]
+    no_publish = render("--set", "devicePlugin.mode=nvidia", "--set", "devicePlugin.publishAllocatable=false")
+    agent_policy, _ = _policy_pair(no_publish, "agent")  # no status writes to allow
     assert "request.operation != 'UPDATE' || object.status == oldObject.status" in [
         v["expression"] for v in agent_policy["spec"]["validations"]]
     proc = subprocess.run([str(HELM), "template", "x", str(CHART), "--set", "devicePlugin.mode=nvidia",
@@ -224,14 +230,11 @@ def _agent_settings(objs: list[dict[str, Any]], tmp_path: Path, monkeypatch) -> 
 def test_agent_command_line_and_settings(default, full, tmp_path, monkeypatch):
     ns, s = _agent_settings(default, tmp_path, monkeypatch)
     assert s.node_name == "gpu-node-1" and s.report_interval_s == 10 and s.metrics_host == "0.0.0.0"
-    assert (s.device_plugin_namespace, s.device_plugin_configmap) == (NAMESPACE, "dynpart-device-plugin-configs")
     assert s.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
-    assert ns.config_mount == "/etc/dynpart/device-plugin" and s.catalog_files == []
+    assert s.catalog_files == []
     assert (s.device_plugin, s.device_plugin_dir, s.publish_allocatable) == ("builtin", "/var/lib/kubelet/device-plugins", True)
     assert (s.nvidia_plugin_namespace, s.nvidia_plugin_selector) == ("gpu-operator", "app=nvidia-device-plugin-daemonset")
     ns, s = _agent_settings(full, tmp_path, monkeypatch)
-    assert (s.device_plugin_namespace, s.device_plugin_configmap) == ("gpu-operator", "nvidia-device-plugin-configs")
-    assert ns.config_mount is None and ns.config_settle_s == 30  # another namespace: not mountable
     assert s.catalog_files == ["/etc/dynpart/catalog/extra.yaml"]
     assert (s.report_interval_s, s.log_level, s.log_json, s.metrics_port) == (5, "DEBUG", False, 9100)
     assert s.metrics_host == "::"
@@ -259,8 +262,8 @@ def test_planner_rbac_is_minimal(default):
 def test_agent_rbac_is_minimal(default, full):
     """What the agent calls: its node (read, an informer with a name field selector, merge patches,
     and its status's slice-resource counts), a POST of a core/v1 Event, a list of the pods bound to
-    its node (the bound-but-not-admitted race), and the device-plugin ConfigMap (read, merge patch,
-    create on first use). The pods on its GPUs come from the kubelet's PodResources socket."""
+    its node (the bound-but-not-admitted race); no ConfigMap (MPS slices are served by its own
+    device plugin). The pods on its GPUs come from the kubelet's PodResources socket."""
     assert rules(find(default, "ClusterRole", "dynpart-agent")) == {
         ("", "nodes", ()): {"get", "list", "watch", "patch"},
         ("", "nodes/status", ()): {"patch"},
@@ -269,13 +272,10 @@ def test_agent_rbac_is_minimal(default, full):
     }
     no_publish = render("--set", "devicePlugin.publishAllocatable=false")
     assert ("", "nodes/status", ()) not in rules(find(no_publish, "ClusterRole", "dynpart-agent"))
-    for objs, ns, cm in ((default, NAMESPACE, "dynpart-device-plugin-configs"),
-                         (full, "gpu-operator", "nvidia-device-plugin-configs")):
-        role = find(objs, "Role", "dynpart-agent-device-plugin-config")
-        assert role["metadata"]["namespace"] == ns
-        assert find(objs, "RoleBinding", "dynpart-agent-device-plugin-config")["metadata"]["namespace"] == ns
-        assert rules(role) == {("", "configmaps", (cm,)): {"get", "patch"},
-                               ("", "configmaps", ()): {"create"}}
+    for objs in (default, full):
+        agent_roles = [o for o in objs if o["kind"] in ("Role", "ClusterRole") and "agent" in o["metadata"]["name"]]
+        assert not any(r for o in agent_roles for r in o["rules"] if "configmaps" in r["resources"])
+        assert {o["metadata"]["name"] for o in agent_roles} == {"dynpart-agent", "dynpart-agent-planner-lease"}
 
 
 def test_no_wildcards_secrets_or_deletes(default, full):
@@ -335,7 +335,7 @@ def test_node_write_policies(default):
             assert "!k.matches('^nvidia[.]com/(gpu|gpu-[0-9]+gb|mig-" in variables["foreignStatus"]
         own_node = [c for c in checks if "authentication.kubernetes.io/node-name" in c]
         if component == "agent":
-            assert '.filter(k, !(k in ["nvidia.com/device-plugin.config"]))' in variables["foreignLabels"]
+            assert ".filter(k, !(k in [" not in variables["foreignLabels"]  # no label is the agent's either
             assert len(own_node) == 1 and "== [request.name]" in own_node[0]
         else:
             assert ".filter(k, !(k in [" not in variables["foreignLabels"]  # no label is the planner's

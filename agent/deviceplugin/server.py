@@ -7,13 +7,21 @@ and the manager the agent drives (`DevicePluginManager`).
   kubelet's `Registration.Register` on `<plugin dir>/kubelet.sock`.
 - `DevicePluginManager.update(devices_by_resource)` after each agent pass: a resource that
   appears gets a server, one that disappears is emptied then stopped, a changed list is pushed
-  on ListAndWatch. Lists that shrink are pushed (and written to the kubelet's streams) before
-  lists that grow, so a GPU that goes from whole to sliced is not advertised both ways at once.
-  `withdraw(ids)` stops advertising devices (a slice about to be destroyed) and refuses Allocate
-  for them.
+  on ListAndWatch. What leaves a list is pushed first (each list shrunk, nothing added), and a
+  device is added only once the kubelet no longer holds what left another resource's list on
+  the same GPU: the kubelet reads each plugin's stream on its own, so a list written on one
+  stream can be processed after a list written later on another; only the kubelet's own
+  answer (PodResources `GetAllocatableResources`, the `held` hook) says it dropped a device.
+  Until then the addition is held back (`pending`), so a GPU that goes from whole to sliced
+  (or from one slice size to another) is never advertised both ways at once. A resource that
+  disappears is stopped once the kubelet dropped its devices. `withdraw(ids)` stops
+  advertising devices (a slice about to be destroyed), returns once the kubelet dropped them,
+  and Allocate refuses them once sealed.
 - The manager watches the plugin dir: when `kubelet.sock` is re-created (kubelet restart) or a
   plugin's own socket disappears (the kubelet wipes the dir), the server is restarted and
   registers again (polling every `poll_s`, 0.1 s by default).
+- `serve=False`: the same lists, withdrawals and Allocate (called in-process), but no socket and
+  no registration: for an agent without a kubelet (unit tests, the e2e harness's shortcut nodes).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +47,8 @@ log = logging.getLogger("dynpart.agent.deviceplugin")
 
 # (resource, available ids, ids that must be included, allocation size) -> ids to prefer (or None)
 PreferredHook = Callable[[str, list[str], list[str], int], Sequence[str] | None]
+# what the kubelet's device manager holds: resource -> device ids (PodResources GetAllocatableResources)
+HeldHook = Callable[[], Awaitable[Mapping[str, Iterable[str]]]]
 
 
 def socket_name(resource: str) -> str:
@@ -55,6 +65,13 @@ def _stamp(path: str) -> tuple[int, int] | None:
     return st.st_ino, st.st_ctime_ns
 
 
+class _NotServed:
+    """In place of the gRPC server of a plugin that serves no socket (`serve=False`)."""
+
+    async def stop(self, grace: float | None) -> None:
+        return None
+
+
 @dataclass(frozen=True)
 class MpsSettings:
     pipe_dir_host: str = MPS_PIPE_DIRECTORY
@@ -67,8 +84,9 @@ class PluginServer:
     def __init__(self, resource: str, plugin_dir: str, devices: Iterable[PluginDevice] = (), *,
                  preferred: PreferredHook | None = None, mps: MpsSettings | None = None,
                  withdrawn: set[str] | None = None, sealed: set[str] | None = None,
-                 allocated: dict[str, float] | None = None):
+                 allocated: dict[str, float] | None = None, serve: bool = True):
         self.resource = resource
+        self.serve = serve
         self.plugin_dir = plugin_dir
         self.endpoint = socket_name(resource)
         self.socket_path = os.path.join(plugin_dir, self.endpoint)
@@ -131,6 +149,10 @@ class PluginServer:
         import grpc.aio
 
         if self._server is not None:
+            return
+        if not self.serve:
+            self._stopping = False
+            self._server = _NotServed()
             return
         os.makedirs(self.plugin_dir, exist_ok=True)
         if os.path.exists(self.socket_path):
@@ -206,8 +228,9 @@ class PluginServer:
                         return
                     version, devices = self._version, list(self._devices)
                 yield self._list_response(devices)
-                async with self._cond:  # resumed: the message was written
-                    self._streams[stream] = version
+                async with self._cond:  # resumed: gRPC sent the message (the kubelet may not have read it yet)
+                    if stream in self._streams:  # not a stream of a server stopped meanwhile
+                        self._streams[stream] = version
                     self._cond.notify_all()
         finally:
             self._streams.pop(stream, None)
@@ -268,13 +291,15 @@ class DevicePluginManager:
     """The plugins of one node: `update()` after each pass, `withdraw()` before destroying."""
 
     def __init__(self, plugin_dir: str = protocol.DEVICE_PLUGIN_DIR, *, preferred: PreferredHook | None = None,
-                 mps: MpsSettings | None = None, poll_s: float = 0.1, register_timeout_s: float = 5.0):
+                 mps: MpsSettings | None = None, poll_s: float = 0.1, register_timeout_s: float = 5.0,
+                 held: HeldHook | None = None, confirm_timeout_s: float = 2.0, serve: bool = True):
         self.plugin_dir = plugin_dir
         self.kubelet_socket = os.path.join(plugin_dir, protocol.KUBELET_SOCKET_NAME)
         self.preferred = preferred
         self.mps = mps or MpsSettings()
         self.poll_s = poll_s
         self.register_timeout_s = register_timeout_s
+        self.serve = serve  # False: no socket, no registration (see the module doc)
         self.servers: dict[str, PluginServer] = {}
         self.withdrawn: set[str] = set()
         self.sealed: set[str] = set()  # withdrawn and about to be destroyed: Allocate refuses them
@@ -284,6 +309,17 @@ class DevicePluginManager:
         self._watch: asyncio.Task[None] | None = None
         self._failing: set[str] = set()
         self.registrations: list[tuple[str, float]] = []  # (resource, time.monotonic()) per successful Register
+        # what the kubelet holds (the agent sets its PodResources client's `allocatable`); None: the
+        # lists' order across streams is not checked (a shrink written to its stream counts as done)
+        self.held = held
+        self.confirm_timeout_s = confirm_timeout_s
+        # resource -> {device id -> its GPU's UUID}: left that resource's list, the kubelet not yet seen
+        # to drop it
+        self.leaving: dict[str, dict[str, str]] = {}
+        # resource -> device ids wanted but held back: their GPU still has a device the kubelet holds
+        # under another resource
+        self.pending: dict[str, list[str]] = {}
+        self.on_registered: Callable[[str], None] | None = None  # called after each successful Register
 
     async def start(self) -> None:
         if self._watch is None:
@@ -325,8 +361,9 @@ class DevicePluginManager:
             await self._apply()
 
     async def withdraw(self, *device_ids: str) -> None:
-        """Stop advertising these devices (and refuse Allocate for them); returns once the new
-        lists are written to the kubelet's ListAndWatch streams."""
+        """Stop advertising these devices; returns once the kubelet dropped them (its PodResources
+        no longer lists them; without `held`: once the new lists are written to its streams), or
+        after `confirm_timeout_s`."""
         async with self._lock:
             self.withdrawn |= set(device_ids)
             await self._apply()
@@ -357,32 +394,105 @@ class DevicePluginManager:
         """time.monotonic() of the last Allocate that named this device (None: never)."""
         return self.allocated.get(device_id)
 
-    async def _apply(self) -> None:
+    async def _apply(self, wait: bool = True) -> None:
+        """Make the servers advertise `_wanted` less the withdrawn ids: first every list shrunk
+        (nothing added), then, once the kubelet dropped what left (waiting up to
+        `confirm_timeout_s` when something to add or a withdrawal waits for it; `wait` False: one
+        look), the additions that cannot put a GPU under two resources at the kubelet. The others
+        stay in `pending` until a later call finds the kubelet caught up."""
         target = {r: [d for d in ds if d.id not in self.withdrawn] for r, ds in self._wanted.items()}
-        # first what shrinks or goes away (written before anything grows), then the rest
-        shrinking = [s for r, s in self.servers.items()
-                     if r not in target or not {d.id for d in s.devices} <= {d.id for d in target[r]}]
-        for s in shrinking:
-            await s.set_devices(target.get(s.resource, []))
+        wanted_ids = {r: {d.id for d in ds} for r, ds in target.items()}
+        # 1. what leaves a list, alone: each server's list shrunk to what stays
+        shrinking = []
+        for r, s in self.servers.items():
+            stay = [d for d in s.devices if d.id in wanted_ids.get(r, set())]
+            gone = {d.id: d.gpu_uuid for d in s.devices if d.id not in wanted_ids.get(r, set())}
+            if gone:
+                self.leaving.setdefault(r, {}).update(gone)
+                await s.set_devices(stay)
+                shrinking.append(s)
+        for r in list(self.leaving):  # advertised again under the same resource (readmitted): not leaving
+            self.leaving[r] = {i: g for i, g in self.leaving[r].items() if i not in wanted_ids.get(r, set())}
+            if not self.leaving[r]:
+                del self.leaving[r]
         for s in shrinking:
             await s.wait_written()
-        for resource in [r for r in self.servers if r not in target]:
+        # 2. until the kubelet dropped what left (PodResources), when an addition or a withdrawal waits
+        additions = {r: [d for d in ds if d.id not in self._listed(r)] for r, ds in target.items()}
+        if self.leaving:
+            await self._confirm(wait and (bool(shrinking) or bool(self._blocked(additions))))
+        # 3. resources gone for good: stopped once the kubelet dropped their devices
+        for resource in [r for r in self.servers if r not in target and r not in self.leaving]:
             await self.servers.pop(resource).stop()
+        # 4. the rest, less what could still put a GPU under two resources at the kubelet
+        blocked_ids = self._blocked(additions)
+        before, self.pending = self.pending, {r: ids for r, ids in blocked_ids.items() if ids}
+        if self.pending and self.pending != before:  # (the watch looks again every poll_s: said once)
+            log.info("device plugin: holding back %s until the kubelet drops %s",
+                     "; ".join(f"{r} {', '.join(ids)}" for r, ids in sorted(self.pending.items())),
+                     "; ".join(f"{r} {', '.join(sorted(ids))}" for r, ids in sorted(self.leaving.items())))
         for resource, devices in target.items():
+            held_back = set(blocked_ids.get(resource, ()))
+            devices = [d for d in devices if d.id not in held_back]
             server = self.servers.get(resource)
             if server is None:
+                if not devices and held_back:
+                    continue  # nothing to serve yet
                 server = PluginServer(resource, self.plugin_dir, devices, preferred=self.preferred, mps=self.mps,
-                                      withdrawn=self.withdrawn, sealed=self.sealed, allocated=self.allocated)
+                                      withdrawn=self.withdrawn, sealed=self.sealed, allocated=self.allocated,
+                                      serve=self.serve)
                 self.servers[resource] = server
                 await server.start()
                 await self._register(server)
             else:
                 await server.set_devices(devices)
 
+    def _listed(self, resource: str) -> set[str]:
+        server = self.servers.get(resource)
+        return {d.id for d in server.devices} if server is not None else set()
+
+    def _blocked(self, additions: Mapping[str, list[PluginDevice]]) -> dict[str, list[str]]:
+        """Resource -> ids to add whose GPU has a device leaving another resource's list."""
+        out: dict[str, list[str]] = {}
+        for resource, devices in additions.items():
+            busy = {g for r, ids in self.leaving.items() if r != resource for g in ids.values()}
+            ids = [d.id for d in devices if d.gpu_uuid in busy]
+            if ids:
+                out[resource] = ids
+        return out
+
+    async def _confirm(self, wait: bool) -> None:
+        """Forget the leaving devices the kubelet no longer holds; with `wait`, look again (5 ms,
+        doubling to 100 ms) until none is left or `confirm_timeout_s` passed."""
+        if self.held is None:  # nothing to ask: a list written to its stream counts as read
+            self.leaving.clear()
+            return
+        deadline = time.monotonic() + self.confirm_timeout_s
+        delay = 0.005
+        while self.leaving:
+            try:
+                held = {r: set(ids) for r, ids in (await self.held()).items()}
+            except Exception as e:  # unknown: nothing confirmed
+                log.debug("device plugin: what the kubelet holds cannot be read: %s", e)
+                held = None
+            if held is not None:
+                for r in list(self.leaving):
+                    self.leaving[r] = {i: g for i, g in self.leaving[r].items() if i in held.get(r, set())}
+                    if not self.leaving[r]:
+                        del self.leaving[r]
+            if not self.leaving or not wait or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        if self.leaving and wait:
+            log.warning("device plugin: the kubelet still holds %s %.1f s after they left the lists",
+                        "; ".join(f"{r} {', '.join(sorted(ids))}" for r, ids in sorted(self.leaving.items())),
+                        self.confirm_timeout_s)
+
     async def _register(self, server: PluginServer) -> None:
         import grpc.aio
 
-        if not os.path.exists(self.kubelet_socket):
+        if not self.serve or not os.path.exists(self.kubelet_socket):
             return
         try:
             await server.register(self.kubelet_socket, self.register_timeout_s)
@@ -394,10 +504,16 @@ class DevicePluginManager:
             return
         self._failing.discard(server.resource)
         self.registrations.append((server.resource, time.monotonic()))
+        if self.on_registered is not None:
+            self.on_registered(server.resource)
 
     async def check(self) -> None:
-        """One look at the plugin dir: restart and re-register what the kubelet lost."""
-        stamp = _stamp(self.kubelet_socket)
+        """One look at the plugin dir: restart and re-register what the kubelet lost. Devices held
+        back (`pending`) are added as soon as the kubelet caught up."""
+        if self.leaving or self.pending:
+            async with self._lock:
+                await self._apply(wait=False)
+        stamp = _stamp(self.kubelet_socket) if self.serve else None
         if stamp is None:
             return
         async with self._lock:

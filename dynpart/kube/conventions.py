@@ -1,6 +1,6 @@
 """The well-known names dynpart reads and writes on Kubernetes objects, in one place (kopf's
 `configs/conventions.py`): our annotation and label keys, the NVIDIA labels and resource names we
-rely on, the device-plugin config names, and the components that post Events. Plain strings, no
+rely on, and the components that post Events. Plain strings, no
 imports: the pure modules (annotations, resources, the planner's cluster view) use them too."""
 
 from __future__ import annotations
@@ -33,11 +33,6 @@ PARTITIONING_LABEL = PREFIX + "gpu-partitioning"
 # --- NVIDIA's: set by GPU feature discovery, read by the device plugin ------------------------
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
-# Names the device-plugin config (a key of its ConfigMap) the plugin on this node uses.
-DEVICE_PLUGIN_CONFIG_LABEL = "nvidia.com/device-plugin.config"
-# The configs the agent writes into that ConfigMap: this prefix and a hash of the content.
-MPS_CONFIG_PREFIX = "dynpart-mps-"
-DEVICE_PLUGIN_CONFIGMAP = "dynpart-device-plugin-configs"
 
 # Extended resources the device plugin publishes (dynpart/resources.py parses them).
 WHOLE_GPU_RESOURCE = "nvidia.com/gpu"

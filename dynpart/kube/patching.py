@@ -24,8 +24,3 @@ async def patch_node_annotations(core: client.CoreV1Api, name: str, annotations:
         resp = await raw_api(core).patch_node(name, {"metadata": metadata}, _content_type=MERGE_PATCH,
                                               _preload_content=False)
     return await read_json(resp, what)
-
-
-async def patch_node_labels(core: client.CoreV1Api, name: str, labels: dict[str, str | None]) -> None:
-    with api_errors(f"patch node {name} labels"):
-        await raw_api(core).patch_node(name, {"metadata": {"labels": labels}}, _content_type=MERGE_PATCH)

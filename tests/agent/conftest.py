@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.driver.fake import FakeNvml
-from dynpart.agent.kube import FakeConfigStore, FakeNodeApi
+from dynpart.agent.kube import FakeNodeApi
 from dynpart.agent.loop import Agent
 from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import encode_spec
@@ -49,14 +50,22 @@ class Rig:
     driver: FakeNvml
     pods: FakePodResources
     node_api: FakeNodeApi
-    configs: FakeConfigStore
     events: list[tuple[str, Any]] = field(default_factory=list)
     pid: int = 1000
+    plugins: DevicePluginManager | None = None  # `with_plugins()`: the agent's own device plugin, unserved
 
     def agent(self, **kw: Any) -> Agent:
-        """A new agent process on this node (same GPUs, same API server)."""
+        """A new agent process on this node (same GPUs, same API server, same device plugin)."""
+        if self.plugins is not None:
+            kw.setdefault("plugins", self.plugins)
         return Agent("node-1", node_api=self.node_api, driver=self.driver, pods=self.pods, catalog=CATALOG,
-                     configs=self.configs, now=lambda: NOW, **kw)
+                     now=lambda: NOW, **kw)
+
+    def with_plugins(self) -> Rig:
+        """Agents with their own device plugin, as on an MPS node (which needs it), unserved (no
+        kubelet): the kubelet "holds" whatever it advertises (PodResources GetAllocatableResources)."""
+        self.plugins = unserved_plugins(self.pods)
+        return self
 
     def carve(self, gpu: int, *items: str) -> dict[str, int]:
         """Create instances directly (as a previous plan did); returns "profile@start" -> GI id."""
@@ -92,10 +101,17 @@ class Rig:
                 self.driver.detach(d.index, pid)
 
 
+def unserved_plugins(pods: FakePodResources) -> DevicePluginManager:
+    """The agent's own device plugin without a kubelet (no socket, no registration); `pods`
+    answers GetAllocatableResources with what it advertises."""
+    plugins = DevicePluginManager("/nonexistent/device-plugins", serve=False)
+    pods.on_allocatable = lambda: {r: [d.id for d in ds] for r, ds in plugins.advertised().items()}
+    return plugins
+
+
 def make_rig(model: GpuModel = H100, count: int = 2, **driver_kw: Any) -> Rig:
     events: list[tuple[str, Any]] = []
-    return Rig(FakeNvml(model, count, **driver_kw), FakePodResources(),
-               FakeNodeApi("node-1", events=events), FakeConfigStore(events), events)
+    return Rig(FakeNvml(model, count, **driver_kw), FakePodResources(), FakeNodeApi("node-1", events=events), events)
 
 
 @pytest.fixture

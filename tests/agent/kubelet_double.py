@@ -78,6 +78,9 @@ class KubeletDouble:
         self.plugins: dict[str, PluginSeen] = {}
         self.events: list[tuple[float, str, list[str]]] = []  # (time, resource, healthy ids) per message, in order
         self.register_requests: list[Any] = []
+        # resource -> seconds the kubelet takes to process each message of that plugin's stream (the
+        # kubelet reads each stream on its own: a list sent later on another stream can win)
+        self.receive_delay_s: dict[str, float] = {}
         self._server: Any = None
         self._pr_server: Any = None
         self._changed = asyncio.Condition()
@@ -168,6 +171,8 @@ class KubeletDouble:
         try:
             p.options = await p.stub.GetDevicePluginOptions(protocol.messages()["Empty"](), timeout=5)
             async for response in p.stub.ListAndWatch(protocol.messages()["Empty"]()):
+                if self.receive_delay_s.get(p.resource):
+                    await asyncio.sleep(self.receive_delay_s[p.resource])
                 devices = [(d.ID, d.health) for d in response.devices]
                 async with self._changed:
                     p.lists.append(devices)

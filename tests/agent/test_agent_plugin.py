@@ -10,7 +10,7 @@ import asyncio
 import shutil
 import tempfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -18,7 +18,7 @@ import pytest
 from dynpart.agent.deviceplugin.devices import PluginDevice, check_exclusive
 from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.driver.fake import FakeNvml, FakeOp
-from dynpart.agent.kube import FakeConfigStore, FakeNodeApi, FakePluginPods
+from dynpart.agent.kube import FakeNodeApi, FakePluginPods
 from dynpart.agent.loop import Agent
 from dynpart.agent.mps_daemon import FakeMpsDaemon
 from dynpart.agent.nodepods import FakeNodePods
@@ -53,12 +53,11 @@ class PluginRig:
     node_api: CheckedNodeApi
     node_pods: FakeNodePods
     daemon: FakeMpsDaemon
-    configs: FakeConfigStore = field(default_factory=FakeConfigStore)
 
     def agent(self, **kw: Any) -> Agent:
         return Agent("node-1", node_api=self.node_api, driver=self.driver,
                      pods=KubeletPodResources(self.kubelet.pod_resources_socket, timeout_s=2), catalog=CATALOG,
-                     configs=self.configs, now=lambda: NOW, plugins=self.plugins, node_pods=self.node_pods,
+                     now=lambda: NOW, plugins=self.plugins, node_pods=self.node_pods,
                      mps_daemon=self.daemon, withdraw_settle_s=0.05, **kw)
 
     def uuid_at(self, gpu: int, start: int) -> str:
@@ -254,7 +253,7 @@ async def test_mps_slices_are_served_by_the_plugin(mps: PluginRig):
     agent = mps.agent()
     mps.node_api.set_annotations(mps_spec({0: [10, 10, 20], 1: [40, 40]}, plan="m1"))
     await mps.settle(agent, "m1")
-    assert mps.configs.data == {} and "nvidia.com/device-plugin.config" not in mps.node_api.labels
+    assert "nvidia.com/device-plugin.config" not in mps.node_api.labels
     assert mps.daemon.running and mps.daemon.gpus == ("GPU-fake-0000", "GPU-fake-0001")
     assert mps.daemon.dirs == (mps.plugins.mps.pipe_dir_host, "/var/log/nvidia-mps")
     assert sorted(mps.kubelet.plugins["nvidia.com/gpu-10gb"].ids) == ["GPU-fake-0000::1", "GPU-fake-0000::2"]
@@ -349,6 +348,36 @@ async def test_nvidia_plugin_restarted_and_ack_waits_for_allocatable():
     assert plugin_pods.restarts == 2  # the 3g went: the plugin must forget it
 
 
+async def test_nvidia_mode_serves_mps_nodes_with_the_agents_own_plugin(rig: PluginRig):
+    """device_plugin: nvidia. On a MIG node the agent's own plugin advertises nothing and publishes
+    nothing (NVIDIA's plugin serves the MIG devices; the pod restart path as above); once the node
+    is an MPS node, the agent's own plugin serves its slices (NVIDIA's cannot), withdraws before
+    removing, and publishes them; back to MIG, it withdraws everything."""
+    plugin_pods = FakePluginPods()
+    agent = rig.agent(plugin_pods=plugin_pods)
+    rig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "3g.40gb@4"]}, plan="p1"))
+    await agent.reconcile_once()
+    assert plugin_pods.restarts == 1 and rig.plugins.servers == {} and rig.kubelet.plugins == {}
+    assert rig.node_api.allocatable == {} and agent.guard.plugins is None
+    for gpu in range(2):  # the node becomes an MPS node (GPUs out of MIG mode)
+        for gi in rig.driver.gpu_instances(gpu):
+            for ci in list(gi.compute_instances):
+                rig.driver.destroy_compute_instance(gpu, gi.gi_id, ci)
+            rig.driver.destroy_gpu_instance(gpu, gi.gi_id)
+        rig.driver.set_mig_mode(gpu, False)
+    rig.node_api.set_annotations({**mps_spec({0: [40, 40], 1: [20, 20]}, plan="m1"),
+                                  "dynpart.io/spec-gpu-0-1g.10gb": None, "dynpart.io/spec-gpu-0-3g.40gb": None})
+    await rig.settle(agent, "m1")
+    assert rig.kubelet.plugins["nvidia.com/gpu-40gb"].ids == ["GPU-fake-0000::0", "GPU-fake-0000::1"]
+    assert rig.node_api.allocatable == {"nvidia.com/gpu-20gb": "2", "nvidia.com/gpu-40gb": "2"}
+    assert plugin_pods.restarts == 1 and agent.guard.plugins is rig.plugins
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="p2"), "dynpart.io/spec-gpu-0-40gb": None,
+                                  "dynpart.io/spec-gpu-1-20gb": None})
+    await agent.reconcile_once()
+    assert rig.plugins.advertised() == {}
+    replay_exclusive(rig.kubelet)
+
+
 async def test_without_a_manager_nothing_changes(rig: PluginRig):
     """Agent(plugins=None): today's behaviour (the ack needs no kubelet)."""
     pods = FakePodResources()
@@ -390,3 +419,40 @@ async def test_run_wakes_when_the_node_publishes_the_devices():
     finally:
         stop.set()
         await asyncio.wait_for(task, 2)
+
+
+async def test_allocatable_published_again_at_once_after_a_kubelet_restart(mps: PluginRig):
+    """A restarted kubelet writes the node's status at once with no device (its plugins have not
+    registered again); the agent's plugins register again within a poll, and the agent publishes
+    the counts again as soon as the kubelet holds the devices: not at the kubelet's next status
+    write, not at the agent's next pass (interval 60 s). Never above what the kubelet holds
+    (CheckedNodeApi)."""
+    rig = mps
+    agent = rig.agent(interval_s=60, retry_s=30)
+    for _ in range(40):  # passes until the kubelet holds both GPUs and the agent published them
+        await agent.reconcile_once()
+        if rig.node_api.allocatable.get("nvidia.com/gpu") == "2":
+            break
+        await asyncio.sleep(0.05)
+    assert rig.node_api.allocatable["nvidia.com/gpu"] == "2"
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    try:
+        await asyncio.sleep(0.1)  # its first pass
+        rig.kubelet.refuse_registration = True  # its device manager not ready at first
+        await rig.kubelet.restart()
+        rig.node_api.set_allocatable({"nvidia.com/gpu": 0})  # the kubelet's status write at its start
+        await asyncio.sleep(0.3)
+        assert rig.node_api.allocatable["nvidia.com/gpu"] == "0"  # it holds nothing yet: nothing published
+        rig.kubelet.refuse_registration = False
+        back = asyncio.get_running_loop().time()
+        for _ in range(300):
+            if rig.node_api.allocatable.get("nvidia.com/gpu") == "2":
+                break
+            await asyncio.sleep(0.01)
+        took = asyncio.get_running_loop().time() - back
+        assert rig.node_api.allocatable["nvidia.com/gpu"] == "2" and rig.node_api.capacity["nvidia.com/gpu"] == "2"
+        assert took < 1.5, took
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)

@@ -119,8 +119,8 @@ def test_device_plugin_setting_is_checked():
 
 
 async def test_the_agent_is_built_for_its_device_plugin(tmp_path):
-    """builtin: a served plugin manager, the MPS daemon, the bound-pod source; nvidia: the restarts of
-    NVIDIA's plugin pod instead."""
+    """Both modes: a served plugin manager (MPS nodes are always served by it), the MPS daemon, the
+    bound-pod source; nvidia: also the restarts of NVIDIA's plugin pod (MIG nodes)."""
     import argparse
     import contextlib
 
@@ -134,7 +134,7 @@ async def test_the_agent_is_built_for_its_device_plugin(tmp_path):
     from dynpart.catalog import default_catalog
     from dynpart.settings import AgentSettings, load_settings
 
-    args = argparse.Namespace(config_mount=None, config_settle_s=None, capacity_gb=None)
+    args = argparse.Namespace(capacity_gb=None)
     catalog = default_catalog()
     api = client.ApiClient()
     try:
@@ -146,13 +146,14 @@ async def test_the_agent_is_built_for_its_device_plugin(tmp_path):
                 agent = await _agent(args, settings, api, FakeNvml(catalog.resolve("H100-80GB"), 1), pods, catalog,
                                      None, stack)
                 assert isinstance(agent.node_pods, KubeNodePods) and agent.node_pods.node == "n1"
+                assert agent.plugins is not None and agent.plugins.plugin_dir == str(tmp_path / "dp")
+                assert agent.plugins.mps.pipe_dir_host == "/var/lib/dynpart/mps" and agent.plugins.held is not None
+                assert isinstance(agent.mps_daemon, ProcessMpsDaemon)
+                assert pods.on_allocatable is not None  # fake GPUs without a kubelet
                 if mode == "builtin":
-                    assert agent.plugins is not None and agent.plugins.plugin_dir == str(tmp_path / "dp")
-                    assert agent.plugins.mps.pipe_dir_host == "/var/lib/dynpart/mps"
-                    assert isinstance(agent.mps_daemon, ProcessMpsDaemon) and agent.plugin_pods is None
-                    assert pods.on_allocatable is not None  # fake GPUs without a kubelet
+                    assert agent.plugin_pods is None
                 else:
-                    assert agent.plugins is None and isinstance(agent.plugin_pods, KubePluginPods)
+                    assert isinstance(agent.plugin_pods, KubePluginPods)
                     assert (agent.plugin_pods.namespace, agent.plugin_pods.selector) == (
                         "gpu-operator", "app=nvidia-device-plugin-daemonset")
     finally:

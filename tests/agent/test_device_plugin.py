@@ -24,6 +24,7 @@ from dynpart.agent.deviceplugin.devices import (
     container_allocation,
 )
 from dynpart.agent.deviceplugin.server import DevicePluginManager, socket_name
+from dynpart.agent.podresources import KubeletPodResources
 from tests.agent.kubelet_double import KubeletDouble
 
 MIG_GPU = GpuView(index=0, uuid="GPU-0", memory_gb=80, mig_enabled=True, mig=(
@@ -279,3 +280,72 @@ async def test_never_advertised_whole_and_sliced_across_resources(kubelet, plugi
         parts = {gpu_of(i) for r, v in current.items() if r != "nvidia.com/gpu" for i in v}
         assert not whole & parts, f"after {resource} -> {ids}: {sorted(whole & parts)} whole and sliced"
     assert len(kubelet.events) >= 10
+
+
+def replay(kubelet: KubeletDouble) -> list[str]:
+    """Every moment of what the kubelet processed, in order, at which a GPU was both whole and
+    sliced (or under two slice resources)."""
+    current: dict[str, list[str]] = {}
+    out = []
+    for _, resource, ids in kubelet.events:
+        current[resource] = ids
+        owner: dict[str, str] = {}
+        for r, v in current.items():
+            for i in v:
+                gpu = i.split("::", 1)[0]
+                if owner.setdefault(gpu, r) != r:
+                    out.append(f"after {resource} -> {ids}: {gpu} under {owner[gpu]} and {r}")
+    return out
+
+
+async def test_an_addition_waits_until_the_kubelet_dropped_the_gpu_from_another_resource(kubelet, plugin_dir):
+    """The kubelet reads each plugin's stream on its own (here: 0.3 s per message of
+    nvidia.com/gpu): a whole GPU's removal written on one stream can be processed after its slices
+    written later on another. The slices are added only once PodResources shows the GPU dropped,
+    every GPU sliced in turn until nvidia.com/gpu disappears; then 40 GB slices become 20 GB ones."""
+    kubelet.receive_delay_s["nvidia.com/gpu"] = 0.3
+    pr = KubeletPodResources(kubelet.pod_resources_socket, timeout_s=2)
+    async with DevicePluginManager(plugin_dir, poll_s=0.05, register_timeout_s=2, held=pr.allocatable) as plugins:
+        gpus = [GpuView(index=i, uuid=f"GPU-{i}", memory_gb=80) for i in range(3)]
+        await plugins.update(advertise(gpus))
+        await kubelet.wait_devices("nvidia.com/gpu", ["GPU-0", "GPU-1", "GPU-2"], timeout_s=3)
+        for i in range(3):
+            gpus[i] = GpuView(index=i, uuid=f"GPU-{i}", memory_gb=80, mps=(40, 40))
+            await plugins.update(advertise(gpus))
+            assert not plugins.pending and not plugins.leaving
+        assert "nvidia.com/gpu" not in plugins.servers  # stopped once the kubelet dropped its last GPU
+        sliced = [f"GPU-{i}::{n}" for i in range(3) for n in (0, 1)]
+        await kubelet.wait_devices("nvidia.com/gpu-40gb", sliced)
+        assert replay(kubelet) == []
+        assert kubelet.plugins["nvidia.com/gpu"].ids == []  # the empty list reached the kubelet before the stop
+        kubelet.receive_delay_s["nvidia.com/gpu-40gb"] = 0.3
+        await plugins.update(advertise([GpuView(index=0, uuid="GPU-0", memory_gb=80, mps=(20, 20, 20, 20)), *gpus[1:]]))
+        await kubelet.wait_devices("nvidia.com/gpu-20gb", [f"GPU-0::{n}" for n in range(4)])
+    assert replay(kubelet) == []
+
+
+async def test_additions_held_back_while_the_kubelet_has_not_dropped_the_gpu(kubelet, plugin_dir):
+    """A kubelet that does not confirm within `confirm_timeout_s`: the slices are held back
+    (`pending`), the whole GPU's removal is kept on the stream, and the slices are added as soon
+    as the kubelet catches up (the manager's own watch, without another update)."""
+    stale = {"nvidia.com/gpu": ["GPU-0", "GPU-1"]}
+    pr = KubeletPodResources(kubelet.pod_resources_socket, timeout_s=2)
+
+    async def held() -> dict[str, list[str]]:
+        return stale or await pr.allocatable()
+    async with DevicePluginManager(plugin_dir, poll_s=0.05, register_timeout_s=2, held=held,
+                                   confirm_timeout_s=0.2) as plugins:
+        gpus = [GpuView(index=i, uuid=f"GPU-{i}", memory_gb=80) for i in range(2)]
+        await plugins.update(advertise(gpus))
+        await kubelet.wait_devices("nvidia.com/gpu", ["GPU-0", "GPU-1"])
+        gpus[1] = GpuView(index=1, uuid="GPU-1", memory_gb=80, mps=(40, 40))
+        await plugins.update(advertise(gpus))
+        assert plugins.pending == {"nvidia.com/gpu-40gb": ["GPU-1::0", "GPU-1::1"]}
+        assert plugins.leaving == {"nvidia.com/gpu": {"GPU-1": "GPU-1"}}
+        assert [d.id for d in plugins.advertised()["nvidia.com/gpu"]] == ["GPU-0"]
+        assert "nvidia.com/gpu-40gb" not in plugins.advertised()
+        await kubelet.wait_devices("nvidia.com/gpu", ["GPU-0"])
+        stale.clear()  # the kubelet caught up
+        await kubelet.wait_devices("nvidia.com/gpu-40gb", ["GPU-1::0", "GPU-1::1"], timeout_s=2)
+        assert not plugins.pending and not plugins.leaving
+    assert replay(kubelet) == []

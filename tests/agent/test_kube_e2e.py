@@ -1,6 +1,7 @@
-"""The agent's Kubernetes layer (`KubeNodeApi`, `KubeConfigStore`) against a real kube-apiserver
+"""The agent's Kubernetes layer (`KubeNodeApi`, `KubePluginPods`) against a real kube-apiserver
 (tests/e2e's local control plane), with fake GPUs: spec in, MIG instances and status out; MPS
-config in the ConfigMap before the node label."""
+slices advertised by the agent's own device plugin and published in the node's status, no label
+changed."""
 
 from __future__ import annotations
 
@@ -11,16 +12,15 @@ import pytest
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynpart.agent.driver.fake import FakeNvml
-from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, connect
+from dynpart.agent.kube import KubeNodeApi, connect
 from dynpart.agent.loop import Agent
-from dynpart.agent.mps_agent import parse_config
 from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import annotation_patch
-from dynpart.kube.conventions import DEVICE_PLUGIN_CONFIG_LABEL, PARTITIONING_LABEL, STATUS_PLAN
+from dynpart.kube.conventions import PARTITIONING_LABEL, STATUS_PLAN
 from dynpart.kube.patching import patch_node_annotations
 from dynpart.settings import KubeSettings
 
-from .conftest import CATALOG, H100, mig_spec, mps_spec
+from .conftest import CATALOG, H100, mig_spec, mps_spec, unserved_plugins
 
 pytestmark = pytest.mark.e2e
 
@@ -68,22 +68,21 @@ async def test_agent_against_a_real_apiserver(e2e_cluster):
         stop.set()
         await asyncio.wait_for(task, 10)
 
-        # --- MPS: the config goes into the ConfigMap before the label names it
-        try:  # the cluster is shared: another test module may have created it
-            await core.create_namespace({"metadata": {"name": "dynpart-system"}})
-        except ApiException as e:
-            assert e.status == 409, e
+        # --- MPS: the agent's own device plugin advertises the slices, published in the node's status
         name = await _node(core, "mps")
-        configs = KubeConfigStore(api, "dynpart-system", "dynpart-device-plugin-configs", settle_s=0)
+        pods = FakePodResources()
+        plugins = unserved_plugins(pods)
         mps = Agent(name, node_api=KubeNodeApi(api, name), driver=FakeNvml(H100, 1, mig_enabled=False),
-                    pods=FakePodResources(), catalog=CATALOG, configs=configs)
+                    pods=pods, catalog=CATALOG, plugins=plugins)
         await patch_node_annotations(core, name, mps_spec({0: [10, 10, 20]}, plan="m1"))
         report = await mps.reconcile_once()
         assert report.errors == [] and report.plan_id == "m1"
         node = await core.read_node(name)
-        config = node.metadata.labels[DEVICE_PLUGIN_CONFIG_LABEL]
-        cm = await core.read_namespaced_config_map("dynpart-device-plugin-configs", "dynpart-system")
-        assert parse_config(cm.data[config]) == {0: [20, 10, 10]}
+        assert node.metadata.labels == {PARTITIONING_LABEL: "mps"}  # no label of the agent's
+        assert {r: [d.id for d in ds] for r, ds in plugins.advertised().items()} == {
+            "nvidia.com/gpu-10gb": ["GPU-fake-0000::1", "GPU-fake-0000::2"], "nvidia.com/gpu-20gb": ["GPU-fake-0000::0"]}
+        assert {r: node.status.allocatable.get(r) for r in ("nvidia.com/gpu-10gb", "nvidia.com/gpu-20gb")} == {
+            "nvidia.com/gpu-10gb": "2", "nvidia.com/gpu-20gb": "1"}
         assert node.metadata.annotations[STATUS_PLAN] == "m1"
         assert node.metadata.annotations["dynpart.io/status-gpu-0-10gb-free"] == "2"
     finally:

@@ -1,94 +1,49 @@
-"""The MPS agent: device-plugin config rendering, config-before-label ordering, used slices kept."""
+"""The MPS pass with the agent's own device plugin (unserved: no kubelet, PodResources "holds"
+what it advertises): slices advertised as the spec says, used slices kept, a GPU held whole or in
+MIG mode not shared, an empty spec gives every GPU back whole. (MPS slices are always served by the
+agent's own plugin: the nebuly-fork ConfigMap path is gone, docs/agent.md "MPS".)"""
 
 from __future__ import annotations
 
-import yaml
-
-from dynpart.agent.kube import FakeNodeApi
-from dynpart.agent.mps_agent import DEVICE_PLUGIN_CONFIG_LABEL, config_name, parse_config, render_config
-from dynpart.annotations import SPEC_MODE, SPEC_PLAN, STATUS_ERROR, STATUS_PLAN, decode_status
+from dynpart.annotations import SPEC_MODE, SPEC_PLAN, decode_status
 
 from .conftest import H100, Rig, make_rig, mps_spec
 
 
-def mps_rig(**kw) -> Rig:
-    return make_rig(H100, 2, mig_enabled=False, **kw)
+def mps_rig(count: int = 2, **kw) -> Rig:
+    return make_rig(H100, count, mig_enabled=False, **kw).with_plugins()
 
 
-def test_render_config_schema():
-    content = render_config({0: [10, 10, 20], 1: [40]})
-    assert yaml.safe_load(content) == {
-        "version": "v1",
-        "flags": {"migStrategy": "none"},
-        "sharing": {"mps": {"failRequestsGreaterThanOne": True, "resources": [
-            {"name": "nvidia.com/gpu", "rename": "nvidia.com/gpu-20gb", "memoryGB": 20, "replicas": 1, "devices": ["0"]},
-            {"name": "nvidia.com/gpu", "rename": "nvidia.com/gpu-10gb", "memoryGB": 10, "replicas": 2, "devices": ["0"]},
-            {"name": "nvidia.com/gpu", "rename": "nvidia.com/gpu-40gb", "memoryGB": 40, "replicas": 1, "devices": ["1"]},
-        ]}},
-    }
-    assert parse_config(content) == {0: [20, 10, 10], 1: [40]}
-    assert yaml.safe_load(render_config({})) == {"version": "v1", "flags": {"migStrategy": "none"}}
-    assert parse_config("::: not yaml") is None and parse_config("[1, 2]") is None
+def advertised(rig: Rig) -> dict[str, list[str]]:
+    assert rig.plugins is not None
+    return {r: sorted(d.id for d in ds) for r, ds in rig.plugins.advertised().items() if ds}
 
 
-def test_config_name_is_a_content_hash():
-    a, b = render_config({0: [10]}), render_config({0: [20]})
-    assert config_name(a) == config_name(render_config({0: [10]})) != config_name(b)
-    name = config_name(a)
-    assert len(name) <= 63 and name.replace("-", "").isalnum()
-
-
-class CheckingNodeApi(FakeNodeApi):
-    """Fails the test if the label ever names a config the ConfigMap does not have (yet)."""
-
-    def __init__(self, rig: Rig):
-        super().__init__("node-1", events=rig.events)
-        self.rig = rig
-
-    async def patch(self, *, annotations=None, labels=None):
-        if labels and labels.get(DEVICE_PLUGIN_CONFIG_LABEL):
-            assert labels[DEVICE_PLUGIN_CONFIG_LABEL] in self.rig.configs.data, "label before config"
-        return await super().patch(annotations=annotations, labels=labels)
-
-
-async def test_config_is_written_and_visible_before_the_label():
+async def test_slices_are_advertised_and_the_node_label_is_left_alone():
     rig = mps_rig()
-    rig.node_api = CheckingNodeApi(rig)
-    rig.configs.visible_after = 2  # the kubelet needs two checks to sync the plugin's volume
     rig.node_api.set_annotations(mps_spec({0: [10, 10, 20], 1: [40, 40]}, plan="m1"))
-    agent = rig.agent()
-
-    for _ in range(2):  # written, not visible yet: no label, no acknowledgement
-        report = await agent.reconcile_once()
-        assert DEVICE_PLUGIN_CONFIG_LABEL not in rig.node_api.labels
-        assert STATUS_PLAN not in rig.node_api.annotations
-        assert "is switched to it once the device plugin can read it" in rig.node_api.annotations[STATUS_ERROR]
-    report = await agent.reconcile_once()
-    name = rig.node_api.labels[DEVICE_PLUGIN_CONFIG_LABEL]
+    report = await rig.agent().reconcile_once()
     assert report.plan_id == "m1" and report.errors == []
-    kinds = [(kind, value if kind != "annotations" else value.get(STATUS_PLAN)) for kind, value in rig.events]
-    config_at = kinds.index(("config", name))
-    label_at = kinds.index(("labels", {DEVICE_PLUGIN_CONFIG_LABEL: name}))
-    ack_at = kinds.index(("annotations", "m1"))
-    assert config_at < label_at < ack_at
-    assert [k for k in kinds if k[0] == "config"] == [("config", name)]  # written once
-    assert parse_config(rig.configs.data[name]) == {0: [20, 10, 10], 1: [40, 40]}
-    status = decode_status(rig.node_api.annotations, H100)
-    assert [(s.size, s.used) for s in status.layout.gpus[0].mps] == [(20, False), (10, False), (10, False)]
+    assert advertised(rig) == {"nvidia.com/gpu-10gb": ["GPU-fake-0000::1", "GPU-fake-0000::2"],
+                               "nvidia.com/gpu-20gb": ["GPU-fake-0000::0"],
+                               "nvidia.com/gpu-40gb": ["GPU-fake-0001::0", "GPU-fake-0001::1"]}
+    # the slice counts (nodes/status) and the status annotations: no label, no ConfigMap
+    assert [e[0] for e in rig.events if e[0] != "event"] == ["status", "annotations"]
+    assert rig.node_api.labels == {}
 
 
 async def test_used_slices_are_kept():
     rig = mps_rig()
     rig.node_api.set_annotations(mps_spec({0: [10, 10, 20, 40]}, plan="m1"))
     await rig.agent().reconcile_once()
-    rig.pods.assign("ns/a", "nvidia.com/gpu-10gb", "GPU-fake-0000::0")
-    rig.pods.assign("ns/b", "nvidia.com/gpu-10gb", "GPU-fake-0000::1")
+    ten = advertised(rig)["nvidia.com/gpu-10gb"]
+    rig.pods.assign("ns/a", "nvidia.com/gpu-10gb", ten[0])
+    rig.pods.assign("ns/b", "nvidia.com/gpu-10gb", ten[1])
     # the planner re-carves GPU 0 into 40+20+20 while two 10gb slices are in use
     rig.node_api.set_annotations({**mps_spec({0: [40, 20, 20]}, plan="m2"), "dynpart.io/spec-gpu-0-10gb": None})
-    report = await rig.agent().reconcile_once()
-    live = parse_config(rig.configs.data[rig.node_api.labels[DEVICE_PLUGIN_CONFIG_LABEL]])
-    assert live == {0: [40, 20, 10, 10]}
-    assert report.plan_id == "m2"
+    report = await rig.agent().reconcile_once()  # a new agent process: the used slices come from PodResources
+    assert advertised(rig)["nvidia.com/gpu-10gb"] == ten
+    assert len(advertised(rig)["nvidia.com/gpu-20gb"]) == 1 and len(advertised(rig)["nvidia.com/gpu-40gb"]) == 1
     assert any("2 x 10gb slice(s) are in use by pods but the spec has 0" in e for e in report.errors)
     assert any("a 20gb slice does not fit" in e for e in report.errors)
     status = decode_status(rig.node_api.annotations, H100)
@@ -96,35 +51,32 @@ async def test_used_slices_are_kept():
 
 
 async def test_whole_gpu_and_mig_gpus_are_not_shared():
-    rig = make_rig(H100, 3, mig_enabled=False)
+    rig = mps_rig(3)
     rig.driver.set_mig_mode(2, True)
     rig.pods.assign("ns/whole", "nvidia.com/gpu", "GPU-fake-0001")
     rig.node_api.set_annotations(mps_spec({0: [40, 40], 1: [40, 40], 2: [80]}))
     report = await rig.agent().reconcile_once()
-    live = parse_config(rig.configs.data[rig.node_api.labels[DEVICE_PLUGIN_CONFIG_LABEL]])
-    assert live == {0: [40, 40]}
+    assert advertised(rig) == {"nvidia.com/gpu-40gb": ["GPU-fake-0000::0", "GPU-fake-0000::1"],
+                               "nvidia.com/gpu": ["GPU-fake-0001"]}
     assert any("GPU 1 is held whole by ns/whole" in e for e in report.errors)
     assert any("GPU 2 is in MIG mode" in e for e in report.errors)
-
-
-async def test_no_spec_reports_the_live_config():
-    rig = mps_rig()
-    content = render_config({1: [20, 20]})
-    await rig.configs.write(config_name(content), content)
-    rig.node_api.labels[DEVICE_PLUGIN_CONFIG_LABEL] = config_name(content)
-    rig.node_api.labels["dynpart.io/gpu-partitioning"] = "mps"
-    rig.events.clear()
-    report = await rig.agent().reconcile_once()
-    assert report.mode == "mps" and report.plan_id is None
-    assert [e[0] for e in rig.events] == ["annotations"]  # only the status
-    assert rig.node_api.annotations["dynpart.io/status-gpu-1-20gb-free"] == "2"
 
 
 async def test_empty_spec_unshares_everything():
     rig = mps_rig()
     rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="a"))
-    await rig.agent().reconcile_once()
+    agent = rig.agent()
+    await agent.reconcile_once()
+    assert advertised(rig) == {"nvidia.com/gpu-40gb": ["GPU-fake-0000::0", "GPU-fake-0000::1"],
+                               "nvidia.com/gpu": ["GPU-fake-0001"]}
     rig.node_api.set_annotations({SPEC_PLAN: "b", SPEC_MODE: "mps", "dynpart.io/spec-gpu-0-40gb": None})
-    report = await rig.agent().reconcile_once()
+    report = await agent.reconcile_once()
     assert report.plan_id == "b"
-    assert parse_config(rig.configs.data[rig.node_api.labels[DEVICE_PLUGIN_CONFIG_LABEL]]) == {}
+    assert advertised(rig) == {"nvidia.com/gpu": ["GPU-fake-0000", "GPU-fake-0001"]}
+
+
+async def test_an_mps_node_without_the_agents_plugin_is_refused():
+    rig = make_rig(H100, 1, mig_enabled=False)
+    rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="a"))
+    report = await rig.agent().reconcile_once()
+    assert report.failed and "only the agent's own device plugin serves" in report.errors[0]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dynpart.agent.driver.fake import FakeNvml
-from dynpart.agent.kube import FakeConfigStore, FakeNodeApi
+from dynpart.agent.kube import FakeNodeApi
 from dynpart.agent.loop import Agent
 from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import STATUS_CAPABILITY, STATUS_PLAN
@@ -23,6 +23,7 @@ from dynpart.mig import MigRules
 from dynpart.planner.cluster_view import build_snapshot, planned_patches
 from dynpart.planner.core import plan
 from dynpart.resources import mig_resource_name
+from tests.agent.conftest import unserved_plugins
 from tests.controller.test_cluster_view import node, pod
 from tests.gpus import RTX_PRO_6000, RTX_PRO_6000_MEMORY_MIB, RTX_PRO_6000_NVML_NAME
 
@@ -50,8 +51,10 @@ class NodeRig:
     def __init__(self, driver: FakeNvml, product: str, mode: str = "mig", gpus: int = 2):
         self.driver = driver
         self.api = FakeNodeApi("node-1", labels={"dynpart.io/gpu-partitioning": mode})
-        self.agent = Agent("node-1", node_api=self.api, driver=driver, pods=FakePodResources(), catalog=CAT,
-                           configs=FakeConfigStore([]))
+        pods = FakePodResources()
+        # an MPS node needs the agent's own device plugin (here unserved: no kubelet)
+        self.agent = Agent("node-1", node_api=self.api, driver=driver, pods=pods, catalog=CAT,
+                           plugins=unserved_plugins(pods) if mode == "mps" else None)
         self.product, self.mode, self.gpus = product, mode, gpus
 
     def node_object(self) -> dict[str, Any]:

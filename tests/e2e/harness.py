@@ -1,12 +1,15 @@
 """The e2e harness: simulated GPU nodes on the local control plane (tests/e2e/cluster.py), with the
 real pieces of dynpart around them.
 
-- `SimNode` plays the kubelet and the NVIDIA device plugin of one GPU node, in-process: it owns
-  a `FakeNvml` and a `FakePodResources`, registers the Node, keeps `status.capacity/allocatable`
-  equal to what the device plugin would publish (MIG: one `nvidia.com/mig-<profile>` per GPU
-  instance with its compute instance; MPS: the device-plugin config the node label names), and
-  when the real kube-scheduler binds a pod there, gives it free devices (a fake process on each
-  MIG instance, so the fake driver itself refuses to destroy it) and marks it Running.
+- `SimNode` plays the kubelet and the device plugin of one GPU node, in-process: it owns a
+  `FakeNvml` and a `FakePodResources`, registers the Node, keeps `status.capacity/allocatable`
+  equal to what the device plugin would publish (MIG: NVIDIA's plugin, one
+  `nvidia.com/mig-<profile>` per GPU instance with its compute instance; MPS: the agent's own
+  device plugin, which serves MPS nodes in every mode, run unserved (`ShortcutPlugins`: no
+  socket, no kubelet) and read directly: the lists the agent advertises), and when the real
+  kube-scheduler binds a pod there, gives it free devices (a fake process on each MIG instance,
+  so the fake driver itself refuses to destroy it; MPS: a slice the agent advertises) and marks
+  it Running.
 - `Harness` runs one in-process `Agent` per SimNode and watches the harness's pods and the nodes
   (the annotation history that `handshake_violations` checks).
 - `PlannerProcess` is the planner as a real subprocess (`python -m dynpart.cli planner run`),
@@ -20,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import functools
 import itertools
 import json
 import os
@@ -47,15 +49,13 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.driver.fake import FakeNvml, FakeOp
-from dynpart.agent.kube import KubeConfigStore, KubeNodeApi, KubePluginPods, connect
+from dynpart.agent.kube import KubeNodeApi, KubePluginPods, connect
 from dynpart.agent.loop import Agent
-from dynpart.agent.mps_agent import parse_config
 from dynpart.agent.mps_daemon import FakeMpsDaemon
 from dynpart.agent.nodepods import KubeNodePods
 from dynpart.agent.podresources import FakePodResources, KubeletPodResources
 from dynpart.catalog import GpuModel, default_catalog
 from dynpart.kube.conventions import (
-    DEVICE_PLUGIN_CONFIG_LABEL,
     GPU_COUNT_LABEL,
     GPU_PRODUCT_LABEL,
     PARTITIONING_LABEL,
@@ -63,7 +63,7 @@ from dynpart.kube.conventions import (
     STATUS_PLAN,
 )
 from dynpart.kube.watching import Informer
-from dynpart.resources import WHOLE_GPU, MigResource, MpsResource, mig_resource_name, mps_resource_name, parse_resource
+from dynpart.resources import WHOLE_GPU, MigResource, MpsResource, mig_resource_name, parse_resource
 from dynpart.settings import KubeSettings
 from tests.e2e.apicount import RequestCounter
 from tests.e2e.kubelet_model import Holding, KubeletModel
@@ -73,7 +73,6 @@ from tests.e2e.nvidia_plugin_model import NAMESPACE as NVIDIA_NAMESPACE
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CATALOG = default_catalog()
 SYSTEM_NAMESPACE = "dynpart-system"
-CONFIGMAP = "dynpart-device-plugin-configs"
 HARNESS_LABEL = "dynpart-e2e/harness"
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
@@ -265,10 +264,23 @@ class DestroyRecord:
 _pids = itertools.count(20_000)
 
 
-@functools.lru_cache(maxsize=1024)
-def _parsed_config(content: str | None) -> dict[int, list[int]] | None:
-    """`parse_config`, once per content (the plugins read the same configs again and again)."""
-    return parse_config(content)
+class ShortcutPlugins(DevicePluginManager):
+    """The agent's own device plugin on a shortcut node: unserved (no socket, no kubelet); the
+    harness reads its lists (what the kubelet would hold) and hands their devices to pods."""
+
+    def __init__(self, pods: FakePodResources) -> None:
+        super().__init__(tempfile.gettempdir(), serve=False, poll_s=0.5)
+        self.updated = False  # the agent's first pass advertised what the node holds
+        self.closed = False
+        pods.on_allocatable = lambda: {r: [d.id for d in ds if d.healthy] for r, ds in self.advertised().items()}
+
+    async def update(self, devices_by_resource: Any) -> None:
+        await super().update(devices_by_resource)
+        self.updated = True
+
+    async def close(self) -> None:
+        self.closed = True
+        await super().close()
 
 
 class SimNode:
@@ -286,8 +298,8 @@ class SimNode:
         self.driver.before_op = self._before_op
         for control in ("reset", "reboot"):  # test controls that change the GPUs without a driver op
             setattr(self.driver, control, self._changing(getattr(self.driver, control)))
-        # What the device plugin could publish changes with `version` (a driver op, a reset, a new
-        # config label); the harness's refresh loop re-reads only the nodes whose version moved.
+        # What the device plugin could publish changes with `version` (a driver op, a reset); the
+        # harness's refresh loop re-reads only the nodes whose version moved (MPS nodes: every turn).
         self.version = 0
         self.refreshed = -1  # the version last read (and published, if it changed what is advertised)
         self.dirty_since: float | None = time.monotonic()  # first change not yet read
@@ -298,8 +310,8 @@ class SimNode:
         self.labels: dict[str, str] = {}  # as last seen by the harness's node watch
         self.published: dict[str, int] | None = None
         self.destroys: list[DestroyRecord] = []
-        self.dropped: list[str] = []  # MPS: slices pods held that a new device-plugin config left out
-        self.checked_config: str | None = None
+        self.dropped: list[str] = []  # MPS: slices pods held that the agent's plugin dropped (or sealed)
+        self.plugins: ShortcutPlugins | None = None  # MPS, shortcut: the current agent's own device plugin
         self.by_profile_id = {p.gi_profile_id: p for p in self.model.mig_profiles}
         # with the kubelet model (Harness kubelet="model"): the node's kubelet, and NVIDIA's plugin
         # when it runs instead of the agent's own (plugin="nvidia")
@@ -336,20 +348,26 @@ class SimNode:
             pids = ()
         self.destroys.append(DestroyRecord(time.monotonic(), op, holder, pids))
 
-    def check_mps_config(self, configs: dict[str, str]) -> None:
-        """Every MPS slice a pod holds is still in the config the node label names."""
-        config = self.mps_config(configs)
-        if self.mode != "mps" or config is None:
-            return
-        held = Counter((h.gpu, parse_resource(h.resource)) for hs in self.holdings.values() for h in hs)
-        for (gpu, kind), n in held.items():
-            if isinstance(kind, MpsResource) and config.get(gpu, []).count(kind.size) < n:
-                self.dropped.append(f"{self.name}: config {self.labels.get(DEVICE_PLUGIN_CONFIG_LABEL)} has "
-                                    f"{config.get(gpu, [])} on GPU {gpu}, pods hold {n} x {kind.size} GB")
+    def check_mps_held(self) -> None:
+        """Every MPS slice a pod holds is still advertised by the agent's plugin (or withdrawn for a
+        moment, not sealed: the agent's re-check before removing a slice)."""
+        plugins = self.plugins
+        if self.mode != "mps" or plugins is None or plugins.closed or not plugins.updated:
+            return  # no agent (its plugin died with it: the kubelet holds the pods' devices still)
+        listed = {(r, d.id) for r, ds in plugins.advertised().items() for d in ds}
+        for pod, hs in self.holdings.items():
+            for h in hs:
+                if not isinstance(parse_resource(h.resource), MpsResource):
+                    continue
+                if (h.resource, h.device) in listed or (h.device in plugins.withdrawn and h.device not in plugins.sealed):
+                    continue
+                problem = f"{self.name}: MPS slice {h.resource} {h.device} of pod {pod} is no longer advertised"
+                if problem not in self.dropped:
+                    self.dropped.append(problem)
 
     def destroy_violations(self) -> list[str]:
         """Destroy calls that hit an instance a pod or a process held, or that the driver refused;
-        MPS slices in use left out of a config."""
+        MPS slices in use that the agent's plugin dropped."""
         out = list(self.dropped)
         if self.kubelet is not None:
             out += self.kubelet.used_missing()
@@ -361,19 +379,11 @@ class SimNode:
 
     # --- what the device plugin sees ---
 
-    def mps_config(self, configs: dict[str, str]) -> dict[int, list[int]] | None:
-        name = self.labels.get(DEVICE_PLUGIN_CONFIG_LABEL)
-        if not name:
-            return {}
-        return _parsed_config(configs.get(name))
-
-    def devices(self, configs: dict[str, str]) -> dict[str, list[tuple[str, int, int | None]]] | None:
-        """resource -> every device the plugin advertises (device id, GPU index, GI id); None while
-        the node's MPS config cannot be read yet."""
+    def devices(self) -> dict[str, list[tuple[str, int, int | None]]]:
+        """resource -> every healthy device the plugin advertises (device id, GPU index, GI id)."""
         out: dict[str, list[tuple[str, int, int | None]]] = {}
-        infos = self.driver.devices()
         if self.mode == "mig":
-            for d in infos:
+            for d in self.driver.devices():
                 if not d.mig_current:
                     out.setdefault(WHOLE_GPU, []).append((d.uuid, d.index, None))
                     continue
@@ -382,46 +392,25 @@ class SimNode:
                     if profile is not None and gi.compute_instances and gi.uuid:
                         out.setdefault(mig_resource_name(profile.name), []).append((gi.uuid, d.index, gi.gi_id))
             return out
-        config = self.mps_config(configs)
-        if config is None:
-            return None
-        for d in infos:
-            sizes = config.get(d.index) or []
-            if not sizes:
-                out.setdefault(WHOLE_GPU, []).append((d.uuid, d.index, None))
-            for k, size in enumerate(sizes):
-                out.setdefault(mps_resource_name(size), []).append((f"{d.uuid}::{k}", d.index, None))
+        if self.plugins is None or self.plugins.closed:
+            return out  # the agent's plugin is not running: nothing is advertised
+        for resource, devices in self.plugins.advertised().items():
+            for dev in devices:
+                if dev.healthy:
+                    out.setdefault(resource, []).append((dev.id, dev.gpu_index, None))
         return out
 
-    def allocatable(self, configs: dict[str, str]) -> dict[str, int] | None:
-        devices = self.devices(configs)
-        return None if devices is None else {res: len(ids) for res, ids in devices.items()}
+    def allocatable(self) -> dict[str, int]:
+        return {res: len(ids) for res, ids in self.devices().items()}
 
-    def free(self, resource: str, configs: dict[str, str]) -> list[tuple[str, int, int | None]]:
-        """Devices of `resource` no pod holds. MPS replicas are counted per GPU and size (a new
-        config may renumber them), MIG devices by UUID."""
-        devices = (self.devices(configs) or {}).get(resource, [])
-        held = [h for hs in self.holdings.values() for h in hs]
-        kind = parse_resource(resource)
-        if isinstance(kind, MpsResource):
-            taken = Counter(h.gpu for h in held if h.resource == resource)
-            ids_used = {h.device for h in held}
-            out = []
-            for dev_id, gpu, _ in devices:
-                if taken[gpu] > 0:
-                    taken[gpu] -= 1
-                    continue
-                n = next(n for n in itertools.count() if f"{dev_id.split('::')[0]}::{n}" not in ids_used)
-                new_id = f"{dev_id.split('::')[0]}::{n}"
-                ids_used.add(new_id)
-                out.append((new_id, gpu, None))
-            return out
-        held_ids = {h.device for h in held}
-        return [d for d in devices if d[0] not in held_ids]
+    def free(self, resource: str) -> list[tuple[str, int, int | None]]:
+        """Devices of `resource` no pod holds."""
+        held_ids = {h.device for hs in self.holdings.values() for h in hs}
+        return [d for d in self.devices().get(resource, []) if d[0] not in held_ids]
 
-    def assign(self, pod: str, resource: str, count: int, configs: dict[str, str]) -> list[Holding] | None:
+    def assign(self, pod: str, resource: str, count: int) -> list[Holding] | None:
         """What the kubelet's device manager does at admission: take `count` free devices."""
-        free = self.free(resource, configs)
+        free = self.free(resource)
         if len(free) < count:
             return None
         holdings = []
@@ -523,7 +512,6 @@ class Harness:
         self.agents: dict[str, AgentRun] = {}
         self.pods: dict[str, PodRecord] = {}
         self.history: dict[str, list[dict[str, str]]] = {}  # node -> its dynpart.io/ annotations, each change seen
-        self.configs: dict[str, str] = {}  # device-plugin configs read so far (a name never changes meaning)
         self.errors: list[str] = []
         self._tasks: set[asyncio.Task] = set()
         self._changed = asyncio.Event()
@@ -612,7 +600,7 @@ class Harness:
             return await self._add_model_node(node, plugin or self.plugin)
         now = now_rfc3339()
         version = node.version
-        slices = node.allocatable(self.configs) or {}
+        slices = node.allocatable()
         body = node.status_patch(slices)
         body["status"]["conditions"] = [{"type": "Ready", "status": "True", "reason": "KubeletReady",
                                          "message": "simulated by the dynpart e2e harness",
@@ -695,8 +683,15 @@ class Harness:
             kw.update(pods=KubeletPodResources(node.kubelet.podresources_socket), node_pods=KubeNodePods(api, node.name, FAST))
         else:
             kw.update(pods=node.pod_resources)
+            if node.mode == "mps":  # the agent's own plugin (MPS nodes need it), unserved; the harness reads it
+                if plugins is None:
+                    plugins = ShortcutPlugins(node.pod_resources)
+                    await plugins.start()
+                assert isinstance(plugins, ShortcutPlugins)
+                node.plugins = plugins
+                kw.update(plugins=plugins, mps_daemon=FakeMpsDaemon(), publish_allocatable=False,
+                          mps_log_dir=os.path.join(self._root, f"mps-log-{node.name}"))
         agent = Agent(node.name, node_api=KubeNodeApi(api, node.name, FAST), driver=node.driver, catalog=CATALOG,
-                      configs=KubeConfigStore(api, SYSTEM_NAMESPACE, CONFIGMAP, mount_dir=None, settle_s=0),
                       interval_s=self.agent_interval_s, **kw)
         stop = asyncio.Event()
         run = AgentRun(agent, api, stop, asyncio.get_running_loop().create_task(agent.run(stop)), plugins)
@@ -711,10 +706,7 @@ class Harness:
         node = self.nodes.get(md["name"])
         if node is None or kind == "DELETED":
             return
-        labels = dict(md.get("labels") or {})
-        if labels.get(DEVICE_PLUGIN_CONFIG_LABEL) != node.labels.get(DEVICE_PLUGIN_CONFIG_LABEL):
-            node.changed()  # MPS: the device plugin reads its new config
-        node.labels = labels
+        node.labels = dict(md.get("labels") or {})
         ann = {k: v for k, v in (md.get("annotations") or {}).items()
                if k.startswith("dynpart.io/") and k != "dynpart.io/status-heartbeat"}
         hist = self.history.setdefault(node.name, [])
@@ -722,10 +714,10 @@ class Harness:
             hist.append(ann)
 
     async def _refresh_loop(self) -> None:
-        """The device plugins: every REFRESH_S, publish the devices of each node whose GPUs (or MPS
-        config) changed, the nodes' status patches sent concurrently as independent plugins and
-        kubelets would; every FULL_SWEEP_S, every node is read again (a safety net: every change
-        the harness knows of marks its node)."""
+        """The device plugins: every REFRESH_S, publish the devices of each node whose GPUs changed
+        (MPS nodes: every turn, what the agent's plugin lists), the nodes' status patches sent
+        concurrently as independent plugins and kubelets would; every FULL_SWEEP_S, every node is
+        read again (a safety net: every change the harness knows of marks its node)."""
         last_sweep = 0.0
         while True:
             now = time.monotonic()
@@ -736,19 +728,11 @@ class Harness:
             for node in list(self.nodes.values()):
                 if node.kubelet is not None:
                     continue  # its kubelet model writes its status
-                if not sweep and node.version == node.refreshed:
+                if not sweep and node.version == node.refreshed and node.mode != "mps":
                     continue
-                name = node.labels.get(DEVICE_PLUGIN_CONFIG_LABEL)
-                if node.mode == "mps" and name and name not in self.configs:
-                    cm = await self.core.read_namespaced_config_map(CONFIGMAP, SYSTEM_NAMESPACE)
-                    self.configs.update(cm.data or {})
-                if node.mode == "mps" and name != node.checked_config:
-                    node.check_mps_config(self.configs)
-                    node.checked_config = name
+                node.check_mps_held()
                 version = node.version
-                slices = node.allocatable(self.configs)
-                if slices is None:
-                    continue  # its config cannot be read yet: again at the next turn
+                slices = node.allocatable()
                 if slices == node.published:
                     node.refreshed, node.dirty_since = version, None
                     continue
@@ -835,7 +819,7 @@ class Harness:
         requests = pod["spec"]["containers"][0]["resources"]["limits"]
         count = int(requests[rec.resource])
         deadline = time.monotonic() + ASSIGN_RETRY_S
-        while node.assign(rec.key, rec.resource, count, self.configs) is None:
+        while node.assign(rec.key, rec.resource, count) is None:
             rec.waited_for_devices = True
             if rec.key in self._deleted:
                 return

@@ -337,6 +337,8 @@ class KubeletModel(KubeletDouble):
         try:
             p.options = await p.stub.GetDevicePluginOptions(msgs["Empty"](), timeout=5)
             async for response in p.stub.ListAndWatch(msgs["Empty"]()):
+                if self.receive_delay_s.get(p.resource):
+                    await asyncio.sleep(self.receive_delay_s[p.resource])
                 devices = [(d.ID, d.health, tuple(n.ID for n in d.topology.nodes)) for d in response.devices]
                 async with self._changed:
                     self._on_list(p.resource, devices)

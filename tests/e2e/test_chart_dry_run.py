@@ -120,11 +120,10 @@ AGENT_ACCESS = [
     ("watch", "", "nodes", None, None, True),
     ("patch", "", "nodes", None, "gpu-node-1", True),
     ("create", "", "events", "default", None, True),
-    ("get", "", "configmaps", "{ns}", "dynpart-device-plugin-configs", True),
-    ("patch", "", "configmaps", "{ns}", "dynpart-device-plugin-configs", True),
-    ("create", "", "configmaps", "{ns}", None, True),
-    ("update", "", "configmaps", "{ns}", "dynpart-device-plugin-configs", False),  # merge patches only
-    ("watch", "", "configmaps", "{ns}", "dynpart-device-plugin-configs", False),
+    # no ConfigMap: MPS slices are served by its own device plugin (the nebuly-fork configs are gone)
+    ("get", "", "configmaps", "{ns}", "dynpart-device-plugin-configs", False),
+    ("patch", "", "configmaps", "{ns}", "dynpart-device-plugin-configs", False),
+    ("create", "", "configmaps", "{ns}", None, False),
     # the pods bound to its node (a node field selector; RBAC cannot narrow a list to one node)
     ("list", "", "pods", None, None, True),
     ("get", "", "pods", "team-a", "p", False),

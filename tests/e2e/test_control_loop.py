@@ -12,16 +12,17 @@ import urllib.request
 
 import pytest
 
+from dynpart.agent.deviceplugin.devices import GpuView, advertise
 from dynpart.agent.driver.fake import SimulatedCrash
 from dynpart.agent.driver.interface import GpuDriverError
-from dynpart.agent.mps_agent import render_config
-from dynpart.kube.conventions import DEVICE_PLUGIN_CONFIG_LABEL, SPEC_PLAN, STATUS_PLAN
+from dynpart.kube.conventions import SPEC_PLAN, STATUS_PLAN
 from dynpart.kube.errors import APIConflictError
 from dynpart.kube.patching import patch_node_annotations
 from tests.e2e.harness import (
     REPO_ROOT,
     Harness,
     PlannerProcess,
+    ShortcutPlugins,
     SimNode,
     agent_metrics_port,
     module_planner,
@@ -95,6 +96,10 @@ async def test_sixty_pods_reach_running(harness: Harness, planner: PlannerProces
     assert len(recs) == 60 and all(r.running_at is not None for r in recs)
     assert {r.node for r in recs} == set(h.nodes), "every node should host pods"
     summary = h.write_reaction(REACTION_FILE, recs)
+    slowest = max(recs, key=lambda r: r.reaction_s or 0)
+    print(f"\nslowest: {slowest.key} {slowest.resource} on {slowest.node}: marked Unschedulable after "
+          f"{_after(slowest, slowest.unschedulable_at)}, bound after {_after(slowest, slowest.bound_at)}, Running after "
+          f"{_after(slowest, slowest.running_at)}")
     print(f"\nreaction time over {summary['running']} pods (create -> Running): median {summary['median_s']} s, "
           f"p95 {summary['p95_s']} s, max {summary['max_s']} s; by resource {summary['by_resource']}; "
           f"{sum(r.waited_for_devices for r in recs)} bound before their devices were free")
@@ -137,10 +142,14 @@ async def test_sixty_pods_reach_running(harness: Harness, planner: PlannerProces
     a = await asyncio.to_thread(scrape, agent_metrics_port())
     for name in ('dynpart_agent_passes_total{result="ok"}', "dynpart_agent_pass_seconds_count",
                  "dynpart_agent_plan_acks_total", "dynpart_agent_mig_instances_created_total",
-                 "dynpart_agent_mps_config_switches_total", "dynpart_agent_mig_instances_destroyed_total"):
+                 "dynpart_agent_mig_instances_destroyed_total"):
         assert a.get(name, 0) > 0, f"agent metric {name} = {a.get(name)}"
     assert a["dynpart_agent_mig_instances_created_total"] >= 40
     assert a["dynpart_agent_mig_instances_destroyed_total"] >= len(destroyed)
+
+
+def _after(rec, at: float | None) -> str:
+    return "-" if at is None else f"{at - rec.created_at:.2f} s"
 
 
 async def test_used_slices_survive_recarving(harness: Harness):
@@ -230,7 +239,7 @@ async def test_a_stale_plan_write_is_refused(harness: Harness):
     assert (await h.core.read_node(node.name)).metadata.annotations[SPEC_PLAN] == "p1"
 
 
-def test_the_checks_can_fail():
+async def test_the_checks_can_fail():
     """The harness's two safety checks catch what they are meant to (no cluster needed)."""
     h = Harness(REPO_ROOT / "unused.kubeconfig")
     h.history["n"] = [{}, {SPEC_PLAN: "p1"}, {SPEC_PLAN: "p2"},  # p1 overwritten before its acknowledgement
@@ -243,7 +252,7 @@ def test_the_checks_can_fail():
     p = next(p for p in node.model.mig_profiles if p.name == "1g.10gb")
     gi = node.driver.create_gpu_instance(0, p.gi_profile_id, 0, p.memory)
     node.driver.create_compute_instance(0, gi, p.compute)
-    assert node.assign("ns/pod", "nvidia.com/mig-1g.10gb", 1, {}) is not None
+    assert node.assign("ns/pod", "nvidia.com/mig-1g.10gb", 1) is not None
     with pytest.raises(GpuDriverError):
         node.driver.destroy_compute_instance(0, gi, 0)  # the fake driver refuses: IN_USE
     assert len(node.destroy_violations()) == 1 and "held by ns/pod" in node.destroy_violations()[0]
@@ -253,14 +262,20 @@ def test_the_checks_can_fail():
     assert len(node.destroy_violations()) == 1 and len(node.destroys) == 3
 
     mps = SimNode("m", H100, "mps", 1)
-    configs = {"c1": render_config({0: [20, 10]}), "c2": render_config({0: [20, 20, 20]})}
-    mps.labels = {DEVICE_PLUGIN_CONFIG_LABEL: "c1"}
-    assert mps.assign("ns/pod", "nvidia.com/gpu-10gb", 1, configs) is not None
-    mps.check_mps_config(configs)
+    mps.plugins = ShortcutPlugins(mps.pod_resources)
+    uuid = mps.driver.devices()[0].uuid
+
+    def gpu(sizes: tuple[int, ...], ids: tuple[int, ...]) -> list[GpuView]:
+        return [GpuView(index=0, uuid=uuid, memory_gb=80, mps=sizes, mps_ids=ids)]
+    await mps.plugins.update(advertise(gpu((20, 10), (0, 1))))
+    assert mps.assign("ns/pod", "nvidia.com/gpu-10gb", 1) is not None
+    assert mps.holdings["ns/pod"][0].device == f"{uuid}::1"
+    await mps.plugins.withdraw(f"{uuid}::0")  # a free slice withdrawn: fine
+    mps.check_mps_held()
     assert mps.destroy_violations() == []
-    mps.labels = {DEVICE_PLUGIN_CONFIG_LABEL: "c2"}  # a config without the 10 GB slice the pod holds
-    mps.check_mps_config(configs)
-    assert len(mps.destroy_violations()) == 1
+    await mps.plugins.update(advertise(gpu((20, 20, 20), (0, 2, 3))))  # the 10 GB slice the pod holds is gone
+    mps.check_mps_held()
+    assert len(mps.destroy_violations()) == 1 and f"{uuid}::1 of pod ns/pod" in mps.destroy_violations()[0]
 
 
 async def test_pods_dynpart_cannot_read_do_not_stop_the_others(harness: Harness, planner: PlannerProcess):

@@ -31,7 +31,7 @@ Each scenario writes its entry in `.cache/e2e/faults.json` (the evidence behind 
 `faults-details.json`, the planners' logs in `faults-logs/<scenario>/`):
 - `pods`: the pods of the burst (all can fit); `running`: of those, Running at the end;
 - `used_slices_destroyed`: destroy calls the fake drivers got for an instance a pod or a process
-  held, and MPS slices in use left out of a config (`Harness.destroy_violations`);
+  held, and MPS slices in use that the agent's plugin stopped advertising (`Harness.destroy_violations`);
 - `pods_planned_twice`: pods the planner planned on two different nodes, the second while the
   first plan could still be applied. A plan is a spec naming the pod (`spec-pods`, or the
   planner's round as tests/e2e/faultprobe.py logs it, if its write reached the node) or a

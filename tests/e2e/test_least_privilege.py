@@ -141,7 +141,7 @@ def finalizer() -> dict[str, Any]:
 
 OWN_NODE = "may only modify the node its ServiceAccount token is bound to"
 AGENT_ANNOTATIONS = "the dynpart agent may change no node annotation but dynpart.io/status-*; refused: "
-AGENT_LABELS = "the dynpart agent may change no node label but nvidia.com/device-plugin.config; refused: "
+AGENT_LABELS = "the dynpart agent may change no node label; refused: "
 PLANNER_ANNOTATIONS = "the dynpart planner may change no node annotation but dynpart.io/spec-*; refused: "
 PLANNER_LABELS = "the dynpart planner may change no node label; refused: "
 AGENT_STATUS = ("the dynpart agent may change no node status but the capacity and allocatable of GPU slice resources "
@@ -152,13 +152,10 @@ ALLOWED = [
     Case("agent: its node's status-capability", "agent", "A", annotations({"dynpart.io/status-capability": NEW})),
     Case("agent: any future status-* key", "agent", "A", annotations({"dynpart.io/status-some-future-key": NEW})),
     Case("agent: remove a status-* key", "agent", "A", annotations({"dynpart.io/status-error": None})),
-    Case("agent: its node's device-plugin label", "agent", "A", labels({"nvidia.com/device-plugin.config": NEW})),
-    Case("agent: both at once", "agent", "A",
-         lambda: {"metadata": {"labels": {DEVICE_PLUGIN_LABEL: nonce()}, "annotations": {"dynpart.io/status-plan": nonce()}}}),
     Case("planner: spec-plan on node A", "planner", "A", annotations({"dynpart.io/spec-plan": NEW})),
     Case("planner: spec-* on node B", "planner", "B", annotations({"dynpart.io/spec-plan": NEW, "dynpart.io/spec-mode": "mig"})),
     Case("planner: remove a spec-* key", "planner", "B", annotations({"dynpart.io/spec-gpu-0-1g.10gb": None})),
-    # the built-in device plugin publishes its slices' counts early (devicePlugin.publishAllocatable)
+    # the agent's own device plugin publishes its slices' counts early (devicePlugin.publishAllocatable)
     Case("agent: its node's slice counts", "agent", "A",
          counts("nvidia.com/mig-1g.10gb", "nvidia.com/mig-1g.10gb.me", "nvidia.com/gpu-20gb", "nvidia.com/gpu"),
          subresource="/status"),
@@ -166,6 +163,12 @@ ALLOWED = [
 REFUSED = [
     Case("agent: another node's status-plan", "agent", "B", annotations({"dynpart.io/status-plan": NEW}), OWN_NODE),
     Case("agent: another node's device-plugin label", "agent", "B", labels({"nvidia.com/device-plugin.config": NEW}), OWN_NODE),
+    # the nebuly fork's config label was the agent's until MPS nodes were served by its own plugin
+    Case("agent: its node's device-plugin label", "agent", "A", labels({DEVICE_PLUGIN_LABEL: NEW}),
+         AGENT_LABELS + DEVICE_PLUGIN_LABEL),
+    Case("agent: the label with a status-* key", "agent", "A",
+         lambda: {"metadata": {"labels": {DEVICE_PLUGIN_LABEL: nonce()}, "annotations": {"dynpart.io/status-plan": nonce()}}},
+         AGENT_LABELS + DEVICE_PLUGIN_LABEL),
     Case("agent with a token bound to no pod: its node", "agent-unbound", "A", annotations({"dynpart.io/status-plan": NEW}),
          "(user extra authentication.kubernetes.io/node-name: none, the token is not bound to a pod on a node), not node "),
     Case("agent: spec-plan", "agent", "A", annotations({"dynpart.io/spec-plan": NEW}), AGENT_ANNOTATIONS + "dynpart.io/spec-plan"),

@@ -5,9 +5,10 @@ kube-scheduler, and a kubelet per node that writes the node's status every 10 s.
 
 - `test_builtin_plugin`: the 60-pod mix of test_control_loop.py (MIG 1g/2g/3g/7g/`+me`, MPS
   10/20 GB) all Running with the agents publishing new slices early (`publish_allocatable`), then
-  a kubelet restart on a MIG node and on the MPS node;
-  `test_builtin_plugin_without_early_publishing`: the same mix, the agents leaving the status to
-  the kubelet (what the early publishing saves);
+  a kubelet restart on a MIG node and on the MPS node (allocatable whole again within 2 s: the
+  agent publishes again once the kubelet holds the devices);
+  `test_builtin_plugin_without_early_publishing`: the same mix and a kubelet restart on the MPS
+  node, the agents leaving the status to the kubelet (what the early publishing saves);
   `test_nvidia_plugin`: the MIG part of the mix (40 pods) with NVIDIA's plugin model.
   Each writes its figures (pod created -> Running) into `.cache/e2e/reaction.json` under
   `builtin`, `builtin_no_early_publish`, `nvidia`. Everywhere: no UnexpectedAdmissionError, no
@@ -131,10 +132,12 @@ async def start_nodes(h: Harness, mps: bool = True, plugin: str | None = None) -
     return nodes
 
 
-async def kubelet_restart(h: Harness, node: SimNode) -> dict[str, float]:
+async def kubelet_restart(h: Harness, node: SimNode, published: bool = True) -> dict[str, float]:
     """Restart the node's kubelet: the agent's plugins register again within 2 s of the new
-    kubelet.sock, the node's allocatable is whole again by the kubelet's next status write, and
-    no pod loses its slice."""
+    kubelet.sock; the node's allocatable (API server) is whole again within 2 s with the agent's
+    early publishing (`published`; without it: at the kubelet's next status write, reported), and
+    still whole at the kubelet's first status write after the plugins registered again; no pod
+    loses its slice."""
     k = node.kubelet
     assert k is not None
     whole = {r: n for r, n in k.capacity()[1].items() if n}
@@ -146,20 +149,35 @@ async def kubelet_restart(h: Harness, node: SimNode) -> dict[str, float]:
     def registered() -> dict[str, float] | None:
         again = {r: min((t for t in k.plugins[r].registered_at if t >= back), default=None) for r in whole}
         return None if None in again.values() else again  # type: ignore[return-value]
+
+    async def allocatable() -> dict[str, int]:
+        status = (await h.core.read_node(node.name)).status.allocatable or {}
+        return {r: int(status.get(r, 0)) for r in whole}
+    # the kubelet's status write at its start (with no device when the plugins had not registered again)
+    _, first = await wait_until(lambda: next(((t, w) for t, w in k.status_writes if t >= back), None), 5,
+                                f"{node.name}'s kubelet to write its status at its start")
+    zeroed = not any(first.get(r) for r in whole)
     again = await wait_until(registered, 5, f"the device plugins of {node.name} to register again")
+
+    async def is_whole() -> bool:
+        return await allocatable() == whole
+    await wait_until(is_whole, 2.0 if published else STATUS_PERIOD_S * 1.1 + 3,
+                     f"{node.name}'s allocatable whole again after the kubelet restart", interval=0.02)
+    whole_at = time.monotonic()
     last = max(again.values())
     await wait_until(lambda: any(t > last for t, _ in k.status_writes), STATUS_PERIOD_S * 1.1 + 3,
                      f"a status write of {node.name}'s kubelet after the plugins registered again")
     written = next(w for t, w in k.status_writes if t > last)
-    status = (await h.core.read_node(node.name)).status.allocatable
     assert {r: written.get(r) for r in whole} == whole, (written, whole)
-    assert {r: int(status.get(r, 0)) for r in whole} == whole, (status, whole)
+    assert await allocatable() == whole
     assert sorted((a.pod, a.resource, a.device_id) for a in await pr.list()) == assigned
     assert {key: [hd.pid for hd in hs] for key, hs in node.holdings.items()} == pids
     delays = {r: round(t - back, 3) for r, t in again.items()}
     assert max(delays.values()) <= 2.0, delays
     return {"register_again_max_s": max(delays.values()),
-            "whole_again_after_s": round(next(t for t, _ in k.status_writes if t > last) - back, 3)}
+            "allocatable_whole_after_s": round(whole_at - back, 3),
+            "kubelet_wrote_zero_at_start": bool(zeroed),
+            "kubelet_status_write_whole_after_s": round(next(t for t, _ in k.status_writes if t > last) - back, 3)}
 
 
 async def test_builtin_plugin(e2e_cluster, planner: PlannerProcess):
@@ -181,11 +199,14 @@ async def test_builtin_plugin(e2e_cluster, planner: PlannerProcess):
 async def test_builtin_plugin_without_early_publishing(e2e_cluster, planner: PlannerProcess):
     h = await _harness(e2e_cluster, planner, plugin="builtin", publish_allocatable=False)
     try:
-        await start_nodes(h)
+        nodes = await start_nodes(h)
         recs = await run_mix(h, mix())
         figures = summary(recs)
         record("builtin_no_early_publish", figures)
         figures["checked"] = check_run(h)
+        # what the early publishing saves after a kubelet restart: whole again at its next status write
+        figures["kubelet_restart"] = {"mps": await kubelet_restart(h, nodes[-1], published=False)}
+        check_run(h)
         record("builtin_no_early_publish", figures)
     finally:
         await h.close()

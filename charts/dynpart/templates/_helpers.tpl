@@ -55,11 +55,6 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{ include "dynpart.fullname" . | trunc 55 | trimSuffix "-" }}-catalog
 {{- end }}
 
-{{/* Namespace of the device-plugin ConfigMap. */}}
-{{- define "dynpart.devicePluginNamespace" -}}
-{{ .Values.devicePlugin.namespace | default .Release.Namespace }}
-{{- end }}
-
 {{/* Where the extra catalog is mounted in both components' containers. */}}
 {{- define "dynpart.catalogFile" -}}
 /etc/dynpart/catalog/extra.yaml
