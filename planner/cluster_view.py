@@ -30,7 +30,14 @@ from dynpart.kube.conventions import (
     STATUS_CAPABILITY,
     STATUS_PREFIX,
 )
-from dynpart.resources import MigResource, WholeGpuResource, is_slice_resource, parse_resource
+from dynpart.resources import (
+    MigResource,
+    WholeGpuResource,
+    is_slice_resource,
+    mig_resource_name,
+    mps_resource_name,
+    parse_resource,
+)
 from dynpart.snapshot import (
     Gpu,
     MigInstance,
@@ -267,6 +274,26 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     view = Node(name=name, mode=mode, gpu_model=model.name, cpu_milli_free=cpu_free, memory_mib_free=mem_free,
                 labels=dict(labels), gpus=gpus)
     return NodeView(view, status.plan_id, problems, model, disagreements)
+
+
+def reported_slices(node: dict[str, Any], catalog: Catalog) -> Counter[str] | None:
+    """The slices a node's agent last reported, by resource name (used or free), or None when
+    its status cannot be read. After a plan's acknowledgement they are the plan's layout."""
+    md = node.get("metadata") or {}
+    annotations = md.get("annotations") or {}
+    model = node_gpu_model(md.get("name", ""), md.get("labels") or {}, annotations, catalog).model
+    if model is None:
+        return None
+    status = decode_status(annotations, model, node=md.get("name", ""))
+    if status.layout is None:
+        return None
+    out: Counter[str] = Counter()
+    for g in status.layout.gpus:
+        for m in g.mig:
+            out[mig_resource_name(m.profile)] += 1
+        for s in g.mps:
+            out[mps_resource_name(s.size)] += 1
+    return out
 
 
 def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,

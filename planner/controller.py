@@ -46,7 +46,9 @@ from dynpart.planner.cluster_view import (
     planned_patches,
     pod_for_planning,
     pod_key,
+    reported_slices,
     revoking_patch,
+    slice_requests,
 )
 from dynpart.planner.core import PlanOptions, plan
 from dynpart.probing import Liveness
@@ -297,9 +299,47 @@ class PlannerController:
                 del self.reserved[key]
             else:
                 out[key] = name
+        self._release_taken(out, now)
         for key in [k for k in self._reserved_for if k not in self.pods.cache]:
             del self._reserved_for[key]
         return out
+
+    def _release_taken(self, reserved: dict[str, str], now: float) -> None:
+        """End at once the reservations whose slices the kube-scheduler gave to other pods (it
+        binds any pod that fits, so in a burst of alike requests a new slice often goes to another
+        pod than the one it was made for; that pod's own slice, if it had one, then serves someone
+        else, and the reserved pod would wait reservation_s for nothing). A node's slices of a
+        resource are those its agent reports, which after the acknowledgement are the plan's: the
+        agent acknowledges only a layout the node holds, and with the built-in device plugin only
+        once the kubelet holds the devices. When the pods bound there asking for the resource
+        (bindings are facts at once; allocatable lags) need every one of those slices, none is left
+        for the reserved pods beyond them: they are planned again now."""
+        want: dict[tuple[str, str], list[str]] = {}
+        for key, name in reserved.items():
+            for res in slice_requests(self.pods.cache[key]):
+                want.setdefault((name, res), []).append(key)
+        if not want:
+            return
+        nodes = {name for name, _ in want}
+        bound: Counter[tuple[str, str]] = Counter()
+        for pod in self.pods.cache.values():
+            on = (pod.get("spec") or {}).get("nodeName")
+            if on in nodes and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                for res, n in slice_requests(pod).items():
+                    bound[(on, res)] += n
+        for (name, res), keys in sorted(want.items()):
+            node = self.nodes.cache.get(name)
+            slices = reported_slices(node, self.catalog) if node is not None else None
+            if slices is None:
+                continue
+            free = max(0, slices[res] - bound[(name, res)])
+            for key in sorted(keys)[free:]:
+                del self.reserved[key]
+                reserved.pop(key, None)
+                self.window.add(key, now)
+                metrics.RESERVATIONS_TAKEN.inc()
+                log.info("reservation ended: its slice went to another pod", extra={"fields": {
+                    "pod": key, "node": name, "resource": res, "slices": slices[res], "bound": bound[(name, res)]}})
 
     def _new_plan_id(self) -> str:
         return f"{int(time.time() * 1000):x}-{next(self._ids)}"

@@ -17,6 +17,8 @@ PLAN_ACKS = Counter("dynpart_plan_acks_total", "Node plans acknowledged by their
 PLAN_ACK_SECONDS = Histogram("dynpart_plan_ack_seconds", "From writing a node plan to its acknowledgement",
                              buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
 PLAN_ERRORS = Counter("dynpart_plan_errors_total", "Planning problems by reason", ["reason"])
+RESERVATIONS_TAKEN = Counter("dynpart_reservations_taken_total", "Reservations ended early: the kube-scheduler gave the "
+                               "slice made for the pod to another pod (the pod is planned again)")
 CATALOG_DISAGREEMENTS = Gauge("dynpart_catalog_disagreements",
                               "Differences between a node agent's GPU capability report and the catalog", ["node"])
 LEADER = Gauge("dynpart_leader", "1 when this replica holds the planner lease")

@@ -145,9 +145,48 @@ def test_a_reserved_pod_keeps_the_slice_made_for_it_until_it_is_bound():
 async def test_a_new_leader_reserves_the_pods_of_acknowledged_plans_not_yet_bound(make):
     """It never saw the acknowledgement: the spec's pods tell it which pods the slices are for."""
     spec = {"dynpart.io/spec-plan": "p0", SPEC_PODS: "ml/a,ml/gone,ml/bound"}
-    c = make([reported("n1", spec, status_plan="p0")], Lead(term=3))
+    status = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[  # ml/bound's, ml/a's
+        MigInstance(profile="1g.10gb", start=0, used=True), MigInstance(profile="1g.10gb", start=1)])]), "p0")
+    c = make([node("n1", annotations={**status, **spec})], Lead(term=3))
     c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
     c.pods.cache["ml/bound"] = pod("bound", {"nvidia.com/mig-1g.10gb": "1"}, node="n1", phase="Running")
     assert c._reservations() == {"ml/a": "n1"}
     c.reserved["ml/a"] = ("n1", 0.0)  # expired
     assert c._reservations() == {}, "once per plan: an expired reservation is not renewed"
+
+
+async def test_a_reservation_whose_slice_another_pod_took_ends_at_once(make):
+    """n1's agent reports one 1g.10gb (the acknowledged plan's). When the scheduler bound ml/x there,
+    nothing is left for ml/a, reserved on n1: its reservation ends now and it joins the batch, rather
+    than waiting reservation_s. While the slice is free the reservation holds."""
+    import time as _time
+
+    c = make([reported("n1")], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    until = _time.monotonic() + c.settings.reservation_s
+    c.reserved["ml/a"] = ("n1", until)
+    assert c._reservations() == {"ml/a": "n1"}, "the slice is free: the reservation holds"
+    c.pods.cache["ml/x"] = pod("x", {"nvidia.com/mig-1g.10gb": "1"}, node="n1", phase="Pending")
+    assert c._reservations() == {} and "ml/a" in c.window.members
+    # a pod bound for another resource, or one that finished, takes nothing
+    c.pods.cache["ml/x"] = pod("x", {"nvidia.com/mig-1g.10gb": "1"}, node="n1", phase="Succeeded")
+    c.pods.cache["ml/y"] = pod("y", {"nvidia.com/mig-2g.20gb": "1"}, node="n1", phase="Running")
+    c.reserved["ml/a"] = ("n1", until)
+    assert c._reservations() == {"ml/a": "n1"}
+
+
+async def test_only_the_reservations_beyond_the_free_slices_end(make):
+    """Two 1g.10gb reported on n1, two pods reserved there, one other pod bound there: one
+    reservation stays (the first by name), the other ends."""
+    import time as _time
+
+    status = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
+        MigInstance(profile="1g.10gb", start=0), MigInstance(profile="1g.10gb", start=1)])]), "p0")
+    c = make([node("n1", annotations=status)], Lead(term=3))
+    until = _time.monotonic() + c.settings.reservation_s
+    for name in ("a", "b"):
+        c.pods.cache[f"ml/{name}"] = pod(name, {"nvidia.com/mig-1g.10gb": "1"})
+        c.reserved[f"ml/{name}"] = ("n1", until)
+    assert c._reservations() == {"ml/a": "n1", "ml/b": "n1"}
+    c.pods.cache["ml/x"] = pod("x", {"nvidia.com/mig-1g.10gb": "1"}, node="n1", phase="Running")
+    assert c._reservations() == {"ml/a": "n1"} and "ml/b" in c.window.members

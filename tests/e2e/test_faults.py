@@ -38,7 +38,10 @@ Each scenario writes its entry in `.cache/e2e/faults.json` (the evidence behind 
   `SlicePlanned` Event "on free slices". Listed in the details but not counted: a pod planned
   elsewhere after its first spec was replaced on that node by one without it (a revocation), or
   more than `reservation_s` after its first plan was applied (the planner's reservation of the
-  slices made for it lapsed: the kube-scheduler may have given them to another pod);
+  slices made for it lapsed: the kube-scheduler may have given them to another pod), or after its
+  first plan was applied and other pods bound to that node (the harness's record of bindings)
+  needed every slice of its resource that plan made (the scheduler gave its slice to another pod;
+  the planner then ends the reservation at once);
 - `plan_ids_written_twice`: plan ids that appear in more than one spec write (on two nodes, or
   on one node again after another spec), from the harness's watch of the nodes and the planners'
   "node layout written" lines. The details say which were one round's id on several nodes.
@@ -76,9 +79,11 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynpart.agent.driver.fake import SimulatedCrash
 from dynpart.agent.kube import connect
+from dynpart.annotations import decode_spec
 from dynpart.kube import watching
 from dynpart.kube.conventions import SPEC_PLAN, SPEC_PODS, SPEC_TERM, STATUS_PLAN
 from dynpart.kube.errors import APIGoneError
+from dynpart.resources import mig_resource_name, mps_resource_name
 from dynpart.settings import PlannerSettings
 from tests.conftest import skip_without_binaries
 from tests.e2e import cluster as cluster_mod
@@ -123,6 +128,7 @@ LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 SLICE_PLANNED = re.compile(r"dynpart plans this pod on node (\S+)")
 REPLACED = "after its plan was replaced (revoked)"
 LAPSED = "after its plan was applied and its reservation lapsed"
+TAKEN = "after its plan was applied and other pods bound to that node took every slice of its resource"
 # the planner keeps the slices of an applied plan for its pods this long (then plans them again)
 RESERVATION_S = float(getattr(PlannerSettings.model_fields.get("reservation_s"), "default", 30.0))
 
@@ -502,6 +508,24 @@ def _acknowledged_at(h: FaultHarness, plan: Plan) -> float | None:
                  and ann.get(STATUS_PLAN) == plan.plan), None)
 
 
+def _taken(h: FaultHarness, plan: Plan, pod: str, at: float) -> bool:
+    """Whether, at `at`, pods bound to the node of the (acknowledged) spec `plan` other than `pod`,
+    asking for `pod`'s resource, needed every slice of that resource the spec made: the scheduler
+    gave the pod's slice to another pod, and planning it again is no second plan of one slice."""
+    rec, node = h.pods.get(pod), h.nodes.get(plan.node)
+    ann = next((a for _, n, a in h.timeline if n == plan.node and a.get(SPEC_PLAN) == plan.plan), None)
+    if rec is None or node is None or ann is None:
+        return False
+    layout = decode_spec(ann, node.model, node=plan.node).layout
+    if layout is None:
+        return False
+    slices = sum(1 for g in layout.gpus for m in g.mig if mig_resource_name(m.profile) == rec.resource)
+    slices += sum(1 for g in layout.gpus for x in g.mps if mps_resource_name(x.size) == rec.resource)
+    bound = sum(1 for r in h.pods.values() if r.key != pod and r.node == plan.node and r.resource == rec.resource
+                and r.bound_at is not None and r.bound_at <= at)
+    return bound >= slices
+
+
 def _replaced(h: FaultHarness, plan: Plan, pod: str, before: float) -> bool:
     """Whether the spec `plan` wrote was replaced on its node, before `before`, by one without `pod`
     (a revocation, or a later plan): it could no longer be applied for the pod."""
@@ -565,6 +589,8 @@ async def measure(run: Run, recs: list[PodRecord]) -> tuple[dict[str, int], dict
                 how.append(REPLACED)
             elif acked is not None and b.t - acked > RESERVATION_S:
                 how.append(LAPSED)
+            elif acked is not None and acked <= b.t and _taken(h, a, pod, b.t):
+                how.append(TAKEN)
             elif "free slices" in (a.kind, b.kind):
                 how.append("free slices")
             else:
@@ -573,7 +599,7 @@ async def measure(run: Run, recs: list[PodRecord]) -> tuple[dict[str, int], dict
                               "plans": [f"{x.node} {x.kind} {x.plan or ''}".strip() for x in ps]}
     # A pod planned elsewhere after its first plan was replaced by one without it (revoked) was not
     # planned twice: that plan could no longer be applied (docs/protocol.md, "Leader changes").
-    twice = [pod for pod, x in planned_twice.items() if set(x["how"]) - {REPLACED, LAPSED}]
+    twice = [pod for pod, x in planned_twice.items() if set(x["how"]) - {REPLACED, LAPSED, TAKEN}]
     violations = h.destroy_violations()
     entry = {"pods": len(recs), "running": sum(r.running_at is not None for r in recs),
              "used_slices_destroyed": len(violations), "pods_planned_twice": len(twice),
