@@ -287,7 +287,8 @@ async def _burst(e2e_cluster, precarved: bool) -> dict:
     offline = offline_plan()
     assert offline["placed"] == 1000, offline  # the mix fits the cluster
     PLANNER_LOG.parent.mkdir(parents=True, exist_ok=True)
-    PLANNER_LOG.unlink(missing_ok=True)
+    if not precarved:  # the dynamic run's planner log is kept for a look at its rounds
+        PLANNER_LOG.unlink(missing_ok=True)
     planner = None if precarved else PlannerProcess(e2e_cluster.kubeconfig, PLANNER_LOG, "planner-load",
                                                     count_requests=True)
     agents_log = logging.FileHandler(AGENTS_LOG, mode="w")
