@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 
 from dynpart.agent import metrics
 from dynpart.agent.capability_reader import mig_state, read_capability
-from dynpart.agent.deviceplugin.devices import DeviceListError, GpuView, MigDeviceView, PluginDevice, advertise
+from dynpart.agent.deviceplugin.devices import DeviceListError, GpuView, MigDeviceView, PluginDevice, advertise, packed_first
 from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.driver.interface import GpuDriver
 from dynpart.agent.guard import SliceGuard
@@ -92,6 +92,9 @@ class Agent:
         if plugins is not None and plugins.held is None:
             # what the kubelet holds decides when a device may be added (see DevicePluginManager)
             plugins.held = pods.allocatable
+        if plugins is not None and plugins.preferred is None:
+            plugins.preferred = self._preferred
+        self._used_per_gpu: dict[int, int] = {}  # slices in use per GPU index, as the last pass saw them
         self.node_pods = node_pods  # pods bound to the node: what they need is never destroyed
         self.mps_daemon = mps_daemon
         self.mps_log_dir = mps_log_dir
@@ -235,6 +238,7 @@ class Agent:
         if result.applied and layout is not None and waiting:
             errors += [f"plan {spec.plan_id} is not acknowledged yet: {w}" for w in waiting]
         self._waiting = bool(waiting)
+        self._used_per_gpu = {g.index: sum(1 for x in (*g.mig, *g.mps) if x.used) for g in result.gpus}
         ack = spec.plan_id if applied else node.annotations.get(STATUS_PLAN)
         status = encode_status(NodeLayout(node=self.node, mode=mode, gpus=result.gpus),
                                _valid_or_none(ack), errors, self.now())
@@ -265,6 +269,11 @@ class Agent:
         return PassReport(mode, _valid_or_none(ack), errors, status, waiting=waiting)
 
     # --- what the kubelet sees -------------------------------------------------------------------
+
+    def _preferred(self, resource: str, available: list[str], must: list[str], size: int) -> list[str]:
+        """GetPreferredAllocation's hook: pack (`devices.packed_first`)."""
+        advertised = self.plugins.advertised().get(resource, []) if self.plugins is not None else []
+        return packed_first(available, advertised, self._used_per_gpu)
 
     def views(self) -> list[GpuView]:
         """What to advertise, from what the driver reports: MIG devices (those with a compute

@@ -179,3 +179,15 @@ def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_P
     envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
     envs["CUDA_MPS_PIPE_DIRECTORY"] = mps_pipe_container
     return ContainerAllocation(envs=envs, mounts=(MountSpec(mps_pipe_host, mps_pipe_container),))
+
+
+def packed_first(available: Iterable[str], devices: Iterable[PluginDevice], used_per_gpu: Mapping[int, int]) -> list[str]:
+    """The `available` ids in the order GetPreferredAllocation prefers them: those on the GPUs
+    with the most slices in use first, then by GPU index, then as advertised. The kubelet's request
+    names no pod, so the plugin cannot tell which pod a slice was made for; on one node the slices
+    of one resource are alike, and what is left to prefer is packing: a pod goes where others run,
+    which keeps the other GPUs' free slices together for the planner's next re-carving."""
+    where = {d.id: d.gpu_index for d in devices}
+    order = {d: i for i, d in enumerate(where)}
+    ids = [i for i in available if i in where]
+    return sorted(ids, key=lambda i: (-used_per_gpu.get(where[i], 0), where[i], order[i]))

@@ -349,3 +349,14 @@ async def test_additions_held_back_while_the_kubelet_has_not_dropped_the_gpu(kub
         await kubelet.wait_devices("nvidia.com/gpu-40gb", ["GPU-1::0", "GPU-1::1"], timeout_s=2)
         assert not plugins.pending and not plugins.leaving
     assert replay(kubelet) == []
+
+
+def test_preferred_allocation_packs_onto_gpus_already_in_use():
+    """The kubelet's GetPreferredAllocation names no pod: the plugin prefers the slices on the GPUs
+    with the most slices in use (then GPU index), keeping the other GPUs' free slices together."""
+    from dynpart.agent.deviceplugin.devices import PluginDevice, packed_first
+
+    devs = [PluginDevice(id=f"MIG-{g}-{k}", kind="mig", gpu_uuid=f"GPU-{g}", gpu_index=g) for g in (0, 1, 2) for k in (0, 1)]
+    available = ["MIG-0-0", "MIG-0-1", "MIG-1-1", "MIG-2-0", "MIG-2-1", "MIG-unknown"]
+    assert packed_first(available, devs, {}) == ["MIG-0-0", "MIG-0-1", "MIG-1-1", "MIG-2-0", "MIG-2-1"]
+    assert packed_first(available, devs, {1: 1, 2: 3}) == ["MIG-2-0", "MIG-2-1", "MIG-1-1", "MIG-0-0", "MIG-0-1"]
