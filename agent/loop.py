@@ -238,7 +238,7 @@ class Agent:
         if result.applied and layout is not None and waiting:
             errors += [f"plan {spec.plan_id} is not acknowledged yet: {w}" for w in waiting]
         self._waiting = bool(waiting)
-        self._used_per_gpu = {g.index: sum(1 for x in (*g.mig, *g.mps) if x.used) for g in result.gpus}
+        self._used_per_gpu = {g.index: sum(m.used for m in g.mig) + sum(x.used for x in g.mps) for g in result.gpus}
         ack = spec.plan_id if applied else node.annotations.get(STATUS_PLAN)
         status = encode_status(NodeLayout(node=self.node, mode=mode, gpus=result.gpus),
                                _valid_or_none(ack), errors, self.now())

@@ -70,9 +70,23 @@ class PendingPod(_Model):
     gpu_models: list[str] = []  # accepted models (names or product labels); empty = any
 
 
+class RequestShare(_Model):
+    """One kind of request the cluster is expected to see, and how often (relative `weight`).
+    The planner's third objective keeps free capacity usable by this distribution
+    (docs/planner.md, "Objective")."""
+
+    resource: str  # as PendingPod.resource
+    count: int = Field(default=1, ge=1)
+    cpu_milli: int = Field(default=0, ge=0)
+    memory_mib: int = Field(default=0, ge=0)
+    weight: float = Field(default=1.0, gt=0)
+
+
 class Snapshot(_Model):
     nodes: list[Node] = []
     pending: list[PendingPod] = []
+    # the requests to keep free capacity usable for; empty: the pending pods, one share each
+    workload: list[RequestShare] = []
 
 
 # --- the plan -------------------------------------------------------------------------------
@@ -232,6 +246,11 @@ def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuMode
             problems.append(f"pending[{i}] ({pod.name}).name = {pod.name!r}: duplicate pod name")
         seen_pods.add(pod.name)
         problems.extend(pod_problems(f"pending[{i}] ({pod.name}).", pod, catalog, known_profiles))
+    for i, share in enumerate(snapshot.workload):
+        try:
+            parse_resource(share.resource)
+        except ResourceNameError as e:
+            problems.append(f"workload[{i}].resource: {e}")
     if problems:
         raise SnapshotError(problems)
     return models

@@ -8,7 +8,7 @@ plan places at most that many, because the k smallest pods are the cheapest k to
 
 from __future__ import annotations
 
-from dynpart.planner.problem import Problem
+from dynpart.planner.problem import GpuInfo, Problem
 from dynpart.planner.types import MigSliceRef, MpsSliceRef
 
 
@@ -22,27 +22,33 @@ def _count_fitting(sizes: list[int], capacity: int) -> int:
     return n
 
 
-def placed_upper_bound(problem: Problem) -> int:
-    mig_mem = mig_compute = mps_cap = idle_gpus = 0
-    for g in problem.gpus:
-        if g.rules is not None:
-            used_mem = sum(g.rules.memory[p] for p, _, _ in g.used_mig)
-            used_compute = sum(g.rules.compute[p] for p, _, _ in g.used_mig)
-            mig_mem += g.model.memory_slices - used_mem
-            mig_compute += g.model.compute_slices - used_compute
-        else:
-            mps_cap += g.capacity - sum(s for s, _ in g.used_mps) if not g.whole_pod else 0
-            idle_gpus += 0 if (g.used_mps or g.whole_pod) else 1
+Capacity = tuple[int, int, int, int]  # MIG memory slices, MIG compute slices, MPS capacity, idle MPS GPUs
+
+
+def capacity_left(g: GpuInfo) -> Capacity:
+    """What one GPU has that used slices do not hold."""
+    if g.rules is not None:
+        used_mem = sum(g.rules.memory[p] for p, _, _ in g.used_mig)
+        used_compute = sum(g.rules.compute[p] for p, _, _ in g.used_mig)
+        return (g.model.memory_slices - used_mem, g.model.compute_slices - used_compute, 0, 0)
+    mps = g.capacity - sum(s for s, _ in g.used_mps) if not g.whole_pod else 0
+    return (0, 0, mps, 0 if (g.used_mps or g.whole_pod) else 1)
+
+
+def placed_upper_bound(problem: Problem, totals: Capacity | None = None) -> int:
+    """`totals`: the sum of `capacity_left` over the GPUs, when the caller keeps it."""
+    if totals is None:
+        caps = [capacity_left(g) for g in problem.gpus]
+        totals = (sum(c[0] for c in caps), sum(c[1] for c in caps), sum(c[2] for c in caps), sum(c[3] for c in caps))
+    mig_mem, mig_compute, mps_cap, idle_gpus = totals
     mem_sizes, compute_sizes, mps_sizes, gpu_sizes = [], [], [], []
     for r in problem.requests:
         if not r.candidates:
             continue
         ref = r.slice_ref
         if isinstance(ref, MigSliceRef):
-            # every model names its profiles by memory, so one profile has one shape everywhere
-            prof = problem.nodes[r.candidates[0]].model.profiles_by_name[ref.profile]
-            mem_sizes.append(r.count * prof.memory)
-            compute_sizes.append(r.count * prof.compute)
+            mem_sizes.append(r.count * r.min_memory)
+            compute_sizes.append(r.count * r.min_compute)
         elif isinstance(ref, MpsSliceRef):
             mps_sizes.append(r.count * ref.size)
         else:

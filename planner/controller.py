@@ -51,6 +51,7 @@ from dynpart.planner.cluster_view import (
     slice_requests,
 )
 from dynpart.planner.core import PlanOptions, plan
+from dynpart.planner.demand import DemandTracker
 from dynpart.probing import Liveness
 from dynpart.settings import PlannerSettings
 
@@ -87,6 +88,7 @@ class PlannerController:
     def __init__(self, api: client.ApiClient, settings: PlannerSettings, catalog: Catalog,
                  liveness: Liveness | None = None, leadership: Leadership | Unelected | None = None):
         self.core = client.CoreV1Api(api)
+        self.demand = DemandTracker()
         self.leadership = leadership or Unelected()
         self.liveness = liveness or Liveness()
         self.settings = settings
@@ -363,6 +365,13 @@ class PlannerController:
             metrics.PENDING_PODS.labels(res).set(n)
         if not snapshot.pending:
             return
+        # the objective's request distribution: the requests seen lately, decayed (planner/demand.py)
+        self.demand.observe(snapshot.pending, time.time())
+        workload = self.demand.workload()
+        metrics.WORKLOAD_WEIGHT.clear()
+        for share in workload:
+            metrics.WORKLOAD_WEIGHT.labels(share.resource).inc(share.weight)
+        snapshot = snapshot.model_copy(update={"workload": workload})
         options = PlanOptions(time_limit_s=self.settings.plan_time_limit_s)
         started = time.perf_counter()
         try:

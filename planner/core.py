@@ -1,39 +1,27 @@
 """`plan(snapshot) -> Plan`: the one planning entry point, called by the controller and the
 simulator alike. Pure: no I/O, no clock-dependent results (time limits are deterministic).
 
-It compiles the snapshot, hands it to the policy that `PlanOptions.policy` names (dynpart's own
-or a baseline, all behind `PlanningPolicy`) and turns the result into a `Plan`."""
+It compiles the snapshot (planner/session.py), hands it to the policy that `PlanOptions.policy`
+names (dynpart's own or a baseline, all behind `PlanningPolicy`, registered in
+planner/policies.py) and turns the result into a `Plan`. A caller that plans the same cluster
+again and again keeps a `PlanningSession` instead: the same plans, without compiling the whole
+cluster each time."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 from dynpart.catalog import Catalog, default_catalog
-from dynpart.planner.baselines.nos import NosPolicy
-from dynpart.planner.baselines.static import StaticPolicy
-from dynpart.planner.bound import placed_upper_bound
-from dynpart.planner.dynpart_policy import DynpartPolicy
-from dynpart.planner.output import build_plan
-from dynpart.planner.policy import PlanningPolicy, PlanOptions, PolicyName
-from dynpart.planner.problem import compile_problem
-from dynpart.snapshot import Plan, Snapshot
+from dynpart.planner.policies import POLICIES
+from dynpart.planner.policy import PlanOptions, PolicyName
+from dynpart.planner.session import PlanningSession
+from dynpart.snapshot import Plan, Snapshot, validate_snapshot
 
-__all__ = ["POLICIES", "PlanOptions", "PolicyName", "plan"]
-
-# the policies `PlanOptions.policy` can name, each built from the options
-POLICIES: dict[PolicyName, Callable[[PlanOptions], PlanningPolicy]] = {
-    "dynpart": DynpartPolicy,
-    "nos": NosPolicy,
-    "static": StaticPolicy,
-}
+__all__ = ["POLICIES", "PlanOptions", "PlanningSession", "PolicyName", "plan"]
 
 
 def plan(snapshot: Snapshot, catalog: Catalog | None = None, options: PlanOptions | None = None) -> Plan:
-    opts = options or PlanOptions()
-    t0 = time.perf_counter()
-    problem = compile_problem(snapshot, catalog or default_catalog())
-    bound = placed_upper_bound(problem)
-    policy = POLICIES[opts.policy](opts)
-    result = policy.place(problem)
-    return build_plan(problem, policy, result, bound, time.perf_counter() - t0)
+    """The same as a fresh `PlanningSession` on the snapshot's nodes planning its pending pods,
+    with the snapshot's workload (or, without one, the pending pods) as the request distribution."""
+    cat = catalog or default_catalog()
+    models = validate_snapshot(snapshot, cat)
+    session = PlanningSession(snapshot.nodes, cat, models)
+    return session.plan(snapshot.pending, snapshot.workload, options, validate=False)

@@ -1,5 +1,10 @@
 """dynpart's own policy: the greedy plan, then the exact search (CP-SAT) on the whole instance
-when it is small, or window by window (large-neighbourhood search) when it is not."""
+when it is small, or window by window (large-neighbourhood search) when it is not.
+
+The greedy weighs the workload-aware objective (planner/objective.py); the exact search counts
+placed pods and changes only, so its plan replaces the greedy's only when it places more or
+changes less. The search runs only for pods that fitted the cluster as it was and were crowded
+out by other pending pods: a pod that did not fit alone cannot fit with others planned too."""
 
 from __future__ import annotations
 
@@ -7,20 +12,27 @@ import time
 
 from dynpart.planner.bound import placed_upper_bound
 from dynpart.planner.exact import objective, solve_exact
-from dynpart.planner.greedy import Greedy, request_order
+from dynpart.planner.greedy import Greedy, arrival_order, request_order
+from dynpart.planner.index import PlanCache
 from dynpart.planner.policy import PlanOptions, PolicyName, PolicyResult
 from dynpart.planner.problem import Problem, Request
 from dynpart.planner.state import GpuState, new_state
 from dynpart.planner.types import Placements
 
 
-def _better(a: tuple[int, int, int], b: tuple[int, int, int]) -> bool:
-    return (a[0], -a[1], -a[2]) > (b[0], -b[1], -b[2])
+def _better(a: tuple[int, int, int], b: tuple[int, int, int], changes: bool = True) -> bool:
+    """More placed weight, else fewer changes (the third tier is the greedy's objective)."""
+    return (a[0], -a[1]) > (b[0], -b[1]) if changes else a[0] > b[0]
+
+
+def _weight(problem: Problem, greedy: Greedy) -> int:
+    return sum(problem.requests[i].weight for i in greedy.placement)
 
 
 class DynpartPolicy:
     def __init__(self, options: PlanOptions):
         self.options = options
+        self._fit_alone: dict[int, bool] = {}
 
     @property
     def name(self) -> PolicyName:
@@ -29,10 +41,21 @@ class DynpartPolicy:
     def place(self, problem: Problem) -> PolicyResult:
         t0 = time.perf_counter()
         opts = self.options
-        greedy = Greedy(problem).run(request_order(problem))
-        states, placed, cpu, mem = greedy.states, greedy.placements(), greedy.cpu, greedy.mem
+        cache = problem.cache if problem.cache is not None else PlanCache.build(problem)
+        greedy = self._greedy(problem, cache, opts).run(arrival_order(problem))
+        self._fit_alone = {r.idx: greedy.fits_alone(r) for r in problem.requests
+                           if r.idx not in greedy.placement and r.candidates}
+        if any(self._fit_alone.values()):
+            # pods were crowded out: smallest first may place more (it never places fewer pods
+            # than any other order of one priority level would with the same choices)
+            small_first = self._greedy(problem, cache, opts).run(request_order(problem))
+            if _weight(problem, small_first) > _weight(problem, greedy):
+                greedy = small_first
+                self._fit_alone = {r.idx: greedy.fits_alone(r) for r in problem.requests
+                                   if r.idx not in greedy.placement and r.candidates}
+        states, placed = greedy.states, greedy.placements()
         solver = "greedy"
-        open_reqs = [r for r in problem.requests if r.idx not in placed and r.candidates]
+        open_reqs = [r for r in problem.requests if self._fit_alone.get(r.idx)]
         uniform = len({r.priority for r in problem.requests}) <= 1
         if open_reqs and not (uniform and len(placed) >= placed_upper_bound(problem)) and opts.time_limit_s > 0:
             if len(problem.gpus) <= opts.exact_max_gpus and len(problem.requests) <= opts.exact_max_pods:
@@ -44,20 +67,24 @@ class DynpartPolicy:
                 if res is not None:
                     solver = ("cp-sat optimal" if res.optimal else
                               "cp-sat optimal placement" if res.placed_optimal else "cp-sat feasible")
-                    if _better(res.objective, greedy_obj) or res.optimal:
+                    if _better(res.objective, greedy_obj, opts.minimise_changes):
                         states = [res.states[g.gid] for g in problem.gpus]
                         placed = res.placed
             else:
+                cpu, mem = [int(c) for c in greedy.cpu], [int(m) for m in greedy.mem]
                 solver = _improve_by_windows(problem, states, placed, cpu, mem, open_reqs, opts, t0)
-        return PolicyResult(states, placed, solver)
+            return PolicyResult(states, placed, solver)
+        return PolicyResult(states, placed, solver, moved=greedy.touched)
+
+    @staticmethod
+    def _greedy(problem: Problem, cache: PlanCache, opts: PlanOptions) -> Greedy:
+        return Greedy(problem, cache.states, cache.objective, cache.index, cache.bid, cache.cls, cache.cpu, cache.mem,
+                      opts.minimise_changes, cache.terms)
 
     def unplaced_reason(self, problem: Problem, req: Request) -> str:
         # would it fit on an otherwise untouched cluster (only used slices fixed)?
-        for n in req.candidates:
-            free = sum(1 for g in problem.nodes[n].gpus
-                       if new_state(problem.gpus[g]).option(req.slice_ref) is not None)
-            if free >= min(req.count, 1):
-                return (f"no room left for {req.count} x {req.resource} on its {len(req.candidates)} candidate "
+        if self._fit_alone.get(req.idx, False):
+            return (f"no room left for {req.count} x {req.resource} on its {len(req.candidates)} candidate "
                         "node(s): the space went to pods of higher priority or to other pending pods")
         return (f"no room for {req.resource} on its {len(req.candidates)} candidate node(s) without "
                 "moving or destroying slices in use")
@@ -115,7 +142,7 @@ def _improve_by_windows(problem: Problem, states: list[GpuState], placed: Placem
         if res is None:
             continue
         before = objective([states[g] for g in gids], {i: problem.requests[i].weight for i in in_window})
-        if not _better(res.objective, before):
+        if not _better(res.objective, before, opts.minimise_changes):
             continue
         improved += 1
         for g in gids:

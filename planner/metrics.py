@@ -22,3 +22,5 @@ RESERVATIONS_TAKEN = Counter("dynpart_reservations_taken_total", "Reservations e
 CATALOG_DISAGREEMENTS = Gauge("dynpart_catalog_disagreements",
                               "Differences between a node agent's GPU capability report and the catalog", ["node"])
 LEADER = Gauge("dynpart_leader", "1 when this replica holds the planner lease")
+WORKLOAD_WEIGHT = Gauge("dynpart_workload_weight", "The request distribution the planner keeps free capacity "
+                        "usable for: decayed count of recently seen requests, by resource", ["resource"])

@@ -18,15 +18,23 @@ def slices_of(problem: Problem, states: list[GpuState], req: Request, gids: tupl
 
 def build_plan(problem: Problem, policy: PlanningPolicy, result: PolicyResult, bound: int, solve_s: float) -> Plan:
     states, placed = result.states, result.placements
+    # the GPUs the policy gave a new state (when it started from the cache's states, only those
+    # can differ from the cluster as it is)
+    base = problem.cache.states if problem.cache is not None else None
+    if base is not None and result.moved is not None:
+        moved = sorted(result.moved)
+    else:
+        moved = [g for g, st in enumerate(states) if base is None or st is not base[g]]
     # only GPUs whose layout changes or that receive pods; every other GPU keeps its layout
-    touched = {g for g, st in enumerate(states) if st.changed}
+    touched = {g for g in moved if states[g].changed}
     for where in placed.values():
         touched.update(where.gpus)
     layouts = []
-    for n in problem.nodes:
-        gpus = [states[g].layout() for g in n.gpus if g in touched]
-        if gpus:
-            layouts.append(NodeLayout.model_construct(node=n.name, mode=n.mode, gpus=gpus))
+    gpu_node = problem.gpus
+    for n in sorted({gpu_node[g].node for g in touched}):
+        node = problem.nodes[n]
+        gpus = [states[g].layout() for g in node.gpus if g in touched]
+        layouts.append(NodeLayout.model_construct(node=node.name, mode=node.mode, gpus=gpus))
     placements, unplaced = [], []
     weight = 0
     for req in problem.requests:
@@ -42,10 +50,11 @@ def build_plan(problem: Problem, policy: PlanningPolicy, result: PolicyResult, b
         pending=len(problem.requests),
         placed=len(placements),
         placed_weight=weight,
-        free_slices_destroyed=sum(s.destroyed for s in states),
-        slices_created=sum(s.created for s in states),
-        gpus_touched=sum(1 for s in states if s.changed),
-        gpus_occupied=sum(1 for s in states if s.has_pod()),
+        free_slices_destroyed=sum(states[g].destroyed for g in moved),
+        slices_created=sum(states[g].created for g in moved),
+        gpus_touched=sum(1 for g in moved if states[g].changed),
+        gpus_occupied=(sum(1 for s in states if s.has_pod()) if base is None else
+                       problem.cache.occupied + sum(states[g].has_pod() - base[g].has_pod() for g in moved)),
         placed_upper_bound=bound,
         solver=result.solver,
         solve_s=round(solve_s, 6),

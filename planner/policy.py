@@ -27,6 +27,10 @@ class PlanOptions(BaseModel):
     # ...else improve the greedy plan window by window (large-neighbourhood search).
     window_nodes: int = Field(default=3, ge=1)
     window_pods: int = Field(default=40, ge=1)
+    # False: creating and destroying free slices costs nothing, so the objective goes from the
+    # most pods placed straight to the workload-aware tier (a cluster that shares GPUs without
+    # reconfiguring them, as in the FGD paper's packing protocol)
+    minimise_changes: bool = True
     # static policy: the fixed geometry, by GPU model name, as "profile@start,..." or profile counts
     static_layout: dict[str, str] = {}
 
@@ -36,6 +40,8 @@ class PolicyResult:
     states: list[GpuState]  # every GPU's planned layout, by GPU id
     placements: Placements
     solver: str  # how the plan was found, for the plan's stats
+    # the GPUs whose state object may differ from the problem's cached states (None: any)
+    moved: set[int] | None = None
 
 
 class PlanningPolicy(Protocol):

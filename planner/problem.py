@@ -6,8 +6,9 @@ pydantic models, because the planner must stay fast on thousands of GPUs.
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from dynpart.catalog import Catalog, GpuModel
 from dynpart.mig import MigRules
 from dynpart.planner.types import WHOLE_GPU, MigSliceRef, MpsSliceRef, SliceRef
 from dynpart.resources import MigResource, MpsResource, WholeGpuResource, parse_resource
-from dynpart.snapshot import Mode, Snapshot, gpu_capacity, validate_snapshot
+from dynpart.snapshot import Mode, Node, PendingPod, RequestShare, Snapshot, gpu_capacity, validate_snapshot
 
 KIND_MIG, KIND_MPS, KIND_GPU = "mig", "mps", "gpu"
 
@@ -71,6 +72,26 @@ class Request:
     weight: int = 1
     candidates: list[int] = field(default_factory=list)  # node indices
     no_candidate_reason: str | None = None
+    min_memory: int = 0  # MIG: the profile's fewest memory and compute slices among the candidates' models
+    min_compute: int = 0
+    _cand: np.ndarray | None = None
+
+    def candidate_array(self) -> np.ndarray:
+        if self._cand is None:
+            self._cand = np.array(self.candidates, dtype=np.int64)
+        return self._cand
+
+
+@dataclass(frozen=True, slots=True)
+class DemandKind:
+    """One kind of request of the distribution the objective keeps capacity usable for
+    (`dynpart.snapshot.RequestShare`, compiled)."""
+
+    ref: SliceRef
+    count: int
+    cpu: int
+    mem: int
+    weight: float
 
 
 @dataclass
@@ -78,6 +99,10 @@ class Problem:
     nodes: list[NodeInfo]
     gpus: list[GpuInfo]
     requests: list[Request]
+    # the request distribution of the objective (the snapshot's workload, else the pending pods)
+    workload: list[DemandKind] = field(default_factory=list)
+    # what a `PlanningSession` keeps between plans (planner/index.py, `PlanCache`); None: build it
+    cache: Any = None
 
 
 # Weights stay far below CP-SAT's int64 objective range (they are multiplied by 0/1 per pod).
@@ -103,9 +128,18 @@ def priority_weights(priorities: list[int]) -> dict[int, int]:
 
 def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
     models = validate_snapshot(snapshot, catalog)
+    nodes, gpus = compile_cluster(snapshot.nodes, models)
+    problem = Problem(nodes, gpus, [])
+    problem.requests = compile_requests(problem, snapshot.pending, catalog, {})
+    problem.workload = compile_workload(snapshot.workload, snapshot.pending)
+    return problem
+
+
+def compile_cluster(snapshot_nodes: Sequence[Node], models: dict[str, GpuModel]) -> tuple[list[NodeInfo], list[GpuInfo]]:
+    """The nodes and their GPUs as they are (validated already; `models`: each node's model)."""
     nodes: list[NodeInfo] = []
     gpus: list[GpuInfo] = []
-    for ni, node in enumerate(snapshot.nodes):
+    for ni, node in enumerate(snapshot_nodes):
         model = models[node.name]
         rules = MigRules.of(model) if node.mode == "mig" else None
         gids = []
@@ -132,15 +166,27 @@ def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
             gpus.append(info)
         nodes.append(NodeInfo(ni, node.name, node.mode, model, node.cpu_milli_free,
                               node.memory_mib_free, dict(node.labels), gids))
+    return nodes, gpus
 
-    weights = priority_weights([p.priority for p in snapshot.pending])
-    cpu_free = np.array([n.cpu_free for n in nodes], dtype=np.int64)
-    mem_free = np.array([n.mem_free for n in nodes], dtype=np.int64)
-    # the filters that do not depend on CPU/memory give the same answer for every pod with the
-    # same request, selector and accepted models: evaluate them once per such signature
-    static: dict[tuple[object, ...], tuple[np.ndarray, list[tuple[int, str]]]] = {}
+
+# per request signature (kind, profile, size, count, selector, accepted models): the nodes that may
+# host it whatever the layout and CPU/memory, and why the others may not
+StaticFilter = dict[tuple[object, ...], tuple[np.ndarray, list[tuple[int, str]]]]
+
+
+def compile_requests(problem: Problem, pending: Sequence[PendingPod], catalog: Catalog,
+                     static: StaticFilter, cpu_free: np.ndarray | None = None,
+                     mem_free: np.ndarray | None = None) -> list[Request]:
+    """The pending pods as requests with their candidate nodes. `static` caches the filters that
+    do not depend on CPU/memory (valid as long as the nodes' modes, labels and models are)."""
+    nodes, gpus = problem.nodes, problem.gpus
+    weights = priority_weights([p.priority for p in pending])
+    if cpu_free is None or mem_free is None:
+        cpu_free = np.array([n.cpu_free for n in nodes], dtype=np.int64)
+        mem_free = np.array([n.mem_free for n in nodes], dtype=np.int64)
     requests: list[Request] = []
-    for pi, pod in enumerate(snapshot.pending):
+    mig_shapes: dict[tuple[object, ...], tuple[int, int]] = {}
+    for pi, pod in enumerate(pending):
         res = parse_resource(pod.resource)
         ref: SliceRef
         if isinstance(res, MigResource):
@@ -166,9 +212,17 @@ def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
             hit = static[sig] = (np.array(ok, dtype=np.int64), reasons)
         ok_nodes, reasons = hit
         fits = ok_nodes[(cpu_free[ok_nodes] >= req.cpu) & (mem_free[ok_nodes] >= req.mem)] if len(ok_nodes) else ok_nodes
+        req._cand = fits
         req.candidates = fits.tolist()
         if isinstance(ref, MigSliceRef) and req.candidates:
             req.size = nodes[req.candidates[0]].model.profiles_by_name[ref.profile].memory
+            # one profile name can have different shapes on different models (A100-40GB's
+            # 1g.10gb takes two memory slices, A100-80GB's one): the smallest, for the bound
+            shapes = mig_shapes.get(sig)
+            if shapes is None:
+                profs = {nodes[n].model.profiles_by_name[ref.profile] for n in ok_nodes.tolist()}
+                shapes = mig_shapes[sig] = (min(p.memory for p in profs), min(p.compute for p in profs))
+            req.min_memory, req.min_compute = shapes
         if not req.candidates:
             if len(ok_nodes):
                 req.no_candidate_reason = (f"not enough free CPU/memory on any matching node "
@@ -176,7 +230,37 @@ def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
             else:
                 req.no_candidate_reason = _summarise(reasons, len(nodes))
         requests.append(req)
-    return Problem(nodes, gpus, requests)
+    return requests
+
+
+def compile_workload(workload: Sequence[RequestShare], pending: Sequence[PendingPod]) -> list[DemandKind]:
+    """The objective's request distribution: the snapshot's, else one share per pending pod.
+    Equal kinds are merged, in a canonical order (the plan does not depend on the list's order)."""
+    items = ([(w.resource, w.count, w.cpu_milli, w.memory_mib, w.weight) for w in workload] if workload else
+             [(p.resource, p.count, p.cpu_milli, p.memory_mib, 1.0) for p in pending])
+    acc: dict[tuple[SliceRef, int, int, int], float] = {}
+    for resource, count, cpu, mem, weight in items:
+        key = (slice_ref_of(resource), count, cpu, mem)
+        acc[key] = acc.get(key, 0.0) + weight
+    return [DemandKind(r, c, cpu, mem, w) for (r, c, cpu, mem), w in sorted(acc.items(), key=lambda kv: (ref_order(kv[0][0]),) + kv[0][1:])]
+
+
+def slice_ref_of(resource: str) -> SliceRef:
+    res = parse_resource(resource)
+    if isinstance(res, MigResource):
+        return MigSliceRef(res.profile)
+    if isinstance(res, MpsResource):
+        return MpsSliceRef(res.size)
+    return WHOLE_GPU
+
+
+def ref_order(ref: SliceRef) -> tuple[int, str, int]:
+    """A canonical order of slice kinds: MIG profiles by name, MPS sizes, whole GPUs."""
+    if isinstance(ref, MigSliceRef):
+        return (0, ref.profile, 0)
+    if isinstance(ref, MpsSliceRef):
+        return (1, "", ref.size)
+    return (2, "", 0)
 
 
 def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: dict[str, str],

@@ -11,8 +11,9 @@ shared layer:
   - `reporting`: tables, CSV/JSON files, plots and progress bars;
   - `errors`: the simulator's user-facing errors;
 - `packing`: the FGD paper's packing protocol (`dynpart bench packing`): its numpy occupancy of
-  the cluster, the tuned pod list, the fragmentation model, the reference schedulers (best-fit,
-  random), the dynpart policy, the runs over seeds and the command;
+  the cluster, the tuned pod list, the reference schedulers (best-fit, random), the dynpart
+  policy (every arrival planned by a `planner.PlanningSession` on the whole cluster: the
+  simulator ranks nothing), the runs over seeds and the command;
 - `replay`: a trace replayed over time on a MIG or MPS cluster (`dynpart simulate`): how trace
   requests map to slices, the cluster state (the planner's own `Node`/`Gpu` models), the
   event loop, its summary and the command.

@@ -18,7 +18,7 @@ from dynpart.catalog import load_catalog
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs import command_line
 from dynpart.simulations.packing import experiment as bp
-from dynpart.simulations.packing.dynpart_packing import DEFAULT_CANDIDATES, MAX_BATCH
+from dynpart.simulations.packing.dynpart_packing import MAX_BATCH
 from dynpart.simulations.reporting import plots, report
 from dynpart.simulations.reporting.progress import Progress
 
@@ -33,8 +33,6 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
                    help=f"{', '.join(bp.POLICIES)}, or several separated by commas (default dynpart)")
     p.add_argument("--batch", type=int, default=1,
                    help=f"dynpart: consecutive arrivals planned together, 1..{MAX_BATCH} (default 1: online)")
-    p.add_argument("--candidates", type=int, default=DEFAULT_CANDIDATES,
-                   help=f"dynpart: best nodes per pod put in the planner's snapshot (default {DEFAULT_CANDIDATES})")
     p.add_argument("--seeds", default="42-51", help="shuffle seeds: N, N-M or a list (default 42-51, the paper's)")
     p.add_argument("--tune", type=float, default=1.3, help="workload size as a ratio of GPU capacity (default 1.3)")
     p.add_argument("--time-limit", type=float, default=0.05,
@@ -50,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
     seeds = command_line.parse_seeds(args.seeds)
     policies = [s.strip() for s in args.policy.split(",") if s.strip()]
     for pol in policies:
-        bp.validate(pol, args.batch if pol == "dynpart" else 1, args.tune, args.candidates)
+        bp.validate(pol, args.batch if pol == "dynpart" else 1, args.tune)
     if args.batch != 1 and "dynpart" not in policies:
-        bp.validate(policies[0], args.batch, args.tune, args.candidates)  # baselines place one pod at a time
+        bp.validate(policies[0], args.batch, args.tune)  # baselines place one pod at a time
     if args.jobs < 1:
         raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
     data = command_line.load(args.trace, args.nodes, args.cluster, catalog, default_cluster=None)
@@ -62,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     all_results = {}
     for pol in policies:
         batch = args.batch if pol == "dynpart" else 1
-        jobs = [bp.PackingJob(pol, s, batch, args.tune, args.candidates, args.time_limit) for s in seeds]
+        jobs = [bp.PackingJob(pol, s, batch, args.tune, args.time_limit) for s in seeds]
         prog = Progress(f"{pol} (batch {batch})", len(jobs))
         # with one process, a bar within each seed too (on a terminal only)
         inner = Progress(f"{pol} seed", 1) if (args.jobs <= 1 or len(jobs) == 1) and prog.tty else None
@@ -80,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                               on_step if inner is not None else None)
         wall = time.perf_counter() - t0
         prog.close()
-        summary = bp.summarise(pol, batch, results, wall, data.trace_name, args.candidates if pol == "dynpart" else None)
+        summary = bp.summarise(pol, batch, results, wall, data.trace_name)
         summary.update(trace=data.trace.path, cluster=data.cluster.source, tune=args.tune,
                        trace_rows={"read": data.trace.rows, "used": len(data.trace.pods), "ignored": 0},
                        gpus=data.cluster.gpu_count)

@@ -12,8 +12,7 @@ from dynpart.catalog import Catalog
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
 from dynpart.simulations.inputs.traces import TracePod
-from dynpart.simulations.packing.dynpart_packing import DEFAULT_CANDIDATES, MAX_BATCH, DynpartPacking
-from dynpart.simulations.packing.fragmentation import FragmentationModel
+from dynpart.simulations.packing.dynpart_packing import MAX_BATCH, DynpartPacking, trace_workload
 from dynpart.simulations.packing.protocol import PackingPolicy, PackingResult, run_packing
 from dynpart.simulations.packing.reference_schedulers import BestFit, Random
 
@@ -24,7 +23,15 @@ PUBLISHED = {
     "openb_pod_list_default.csv": {"random": (86.30, 87.47), "dotprod": (90.62, 90.85),
                                    "gpuclustering": (91.65, 91.88), "gpupacking": (91.78, 92.00),
                                    "best-fit": (92.86, 93.08), "fgd": (95.23, 95.39)},
+    "openb_pod_list_cpu050.csv": {"best-fit": (93.56, 93.79), "fgd": (95.00, 95.21)},
+    "openb_pod_list_cpu100.csv": {"best-fit": (93.26, 93.44), "fgd": (95.21, 95.35)},
     "openb_pod_list_gpushare40.csv": {"best-fit": (91.44, 91.69), "fgd": (93.96, 94.15)},
+    "openb_pod_list_gpushare60.csv": {"best-fit": (89.06, 89.36), "fgd": (91.25, 91.40)},
+    "openb_pod_list_gpushare80.csv": {"best-fit": (86.66, 87.01), "fgd": (89.08, 89.30)},
+    "openb_pod_list_gpuspec10.csv": {"best-fit": (93.10, 93.30), "fgd": (94.66, 94.95)},
+    "openb_pod_list_gpuspec20.csv": {"best-fit": (88.46, 93.30), "fgd": (94.66, 94.84)},
+    "openb_pod_list_multigpu20.csv": {"best-fit": (93.73, 93.93), "fgd": (95.53, 95.65)},
+    "openb_pod_list_multigpu30.csv": {"best-fit": (94.57, 94.72), "fgd": (96.36, 96.46)},
 }
 
 
@@ -34,7 +41,6 @@ class PackingJob:
     seed: int
     batch: int = 1
     ratio: float = 1.3
-    candidates: int = DEFAULT_CANDIDATES
     time_limit_s: float = 0.05
 
 
@@ -44,8 +50,8 @@ def policy_factory(job: PackingJob, pods: Sequence[TracePod], catalog: Catalog |
     if job.policy == "random":
         return Random
     if job.policy == "dynpart":
-        frag = FragmentationModel(pods)
-        return lambda seed: DynpartPacking(frag, catalog, job.batch, job.candidates, job.time_limit_s)
+        workload = trace_workload(pods)
+        return lambda seed: DynpartPacking(workload, catalog, job.batch, job.time_limit_s)
     raise SimulationError(f"unknown packing policy {job.policy!r}; expected one of {', '.join(POLICIES)}")
 
 
@@ -87,7 +93,7 @@ def run_jobs(jobs: list[PackingJob], pods: Sequence[TracePod], cluster: ClusterS
     return [results[i] for i in range(len(jobs))]
 
 
-def validate(policy: str, batch: int, ratio: float, candidates: int) -> None:
+def validate(policy: str, batch: int, ratio: float) -> None:
     if policy not in POLICIES:
         raise SimulationError(f"--policy {policy!r}: expected one of {', '.join(POLICIES)}")
     if not 1 <= batch <= MAX_BATCH:
@@ -96,12 +102,9 @@ def validate(policy: str, batch: int, ratio: float, candidates: int) -> None:
         raise SimulationError(f"--batch {batch}: the {policy} baseline places one pod at a time (batch 1)")
     if not 0.1 <= ratio <= 5:
         raise SimulationError(f"--tune {ratio}: expected a ratio of the GPU capacity between 0.1 and 5")
-    if candidates < 1:
-        raise SimulationError(f"--candidates {candidates}: must be at least 1")
 
 
-def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: float, trace_name: str | None,
-              candidates: int | None) -> dict:
+def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: float, trace_name: str | None) -> dict:
     """The summary one `bench packing` run prints and writes (percentages, mean over seeds)."""
     a100 = [r.alloc_at(100) for r in results]
     a130 = [r.alloc_at(130) for r in results]
@@ -126,8 +129,6 @@ def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: flo
         "wall_s": round(wall_s, 2),
         "seed_wall_s_max": round(max(r.wall_s for r in results), 2),
     }
-    if policy == "dynpart":
-        out["candidates"] = candidates
     published = PUBLISHED.get(trace_name or "", {})
     if published:
         out["published"] = {k: {"alloc_at_100": v[0], "alloc_at_130": v[1]} for k, v in published.items()}

@@ -36,7 +36,7 @@ from dynpart.simulations.inputs import command_line, workloads
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
 from dynpart.simulations.inputs.traces import PodTrace
 from dynpart.simulations.replay.engine import REPLAY_POLICIES, ReplayOptions, ReplayResult, run_replay
-from dynpart.simulations.replay.mapping import RULES, static_candidates, static_fits, static_layout
+from dynpart.simulations.replay.mapping import RULES, static_contenders, static_fits, static_layout
 from dynpart.simulations.replay.summary import best_static, change_pct, gpu_waits, summary
 from dynpart.simulations.reporting import plots, report
 from dynpart.simulations.reporting.progress import Progress
@@ -125,7 +125,7 @@ def _one(args: tuple) -> ReplayResult:
 
 
 def _statics(forced: str | None, model: GpuModel, mode: str) -> list[str]:
-    names = [forced] if forced else static_candidates(model, mode)
+    names = [forced] if forced else static_contenders(model, mode)
     for n in names:
         static_layout(n, model, mode)  # a bad name is an error before anything runs
     return names
@@ -298,7 +298,7 @@ def _part_doc(k: int, part: Part, jobs: list[Job], results: list[ReplayResult]) 
     }
     if best is not None:
         doc["best_static"] = statics[best][0]
-        doc["static_candidates"] = [
+        doc["static_contenders"] = [
             {"geometry": g, "mean_pending_s": s["pending_s"]["mean"], "p95_pending_s": s["pending_s"]["p95"],
              "placed": s["placed"], "never_placed": s["never_placed"], "allocation_mean_pct": s["allocation_mean_pct"]}
             for g, s, _ in statics]
@@ -348,7 +348,7 @@ def _pct(v: float | None) -> str:
 def _static_lines(parts: list[dict]) -> list[str]:
     out = []
     for part in parts:
-        cands = part.get("static_candidates", [])
+        cands = part.get("static_contenders", [])
         if len(cands) > 1:
             tried = ", ".join(f"{c['geometry']} {c['mean_pending_s']:.0f} s" for c in
                               sorted(cands, key=lambda c: c["mean_pending_s"]))

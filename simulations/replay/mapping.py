@@ -93,7 +93,7 @@ def held_share(model: GpuModel, mode: str, what: str, capacity: int) -> float:
 MPS_STATIC = (1, 2, 4, 8)  # mps-N layouts tried for the best static layout
 
 
-def static_candidates(model: GpuModel, mode: str) -> list[str]:
+def static_contenders(model: GpuModel, mode: str) -> list[str]:
     """The standard static layouts the static policy can apply to this model, as
     `--static-geometry` names: mig-parted's all-balanced and all-<profile> for every profile
     (not `+me`: mig-parted's all-1g.10gb.me holds one such instance only), or in MPS mode

@@ -80,11 +80,11 @@ def static_key(s: dict) -> tuple[float, float, int]:
     return (inf if ps["mean"] is None else ps["mean"], inf if ps["p95"] is None else ps["p95"], s["never_placed"])
 
 
-def best_static(candidates: list[tuple[str, dict]]) -> int:
+def best_static(layouts: list[tuple[str, dict]]) -> int:
     """Index of the best (geometry, summary) by `static_key`; the first of equals."""
-    if not candidates:
+    if not layouts:
         raise ValueError("no static layout to choose from")
-    return min(range(len(candidates)), key=lambda i: (static_key(candidates[i][1]), i))
+    return min(range(len(layouts)), key=lambda i: (static_key(layouts[i][1]), i))
 
 
 def change_pct(ours: float | None, theirs: float | None) -> float | None:

@@ -55,8 +55,8 @@ def test_simulate_trace_picks_the_best_static_layout(capsys, tmp_path):
     assert main(["simulate", "--trace", str(trace), "--cluster", "1x2xH100-80GB", "--policy", "static",
                  "--jobs", "1", "--json"]) == 0
     (part,) = json.loads(capsys.readouterr().out)["parts"]
-    assert part["part"] == "trace" and len(part["static_candidates"]) == 7
-    best = min(part["static_candidates"], key=lambda c: (c["mean_pending_s"], c["p95_pending_s"]))
+    assert part["part"] == "trace" and len(part["static_contenders"]) == 7
+    best = min(part["static_contenders"], key=lambda c: (c["mean_pending_s"], c["p95_pending_s"]))
     assert part["best_static"] == best["geometry"]
 
 

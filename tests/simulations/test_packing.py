@@ -9,9 +9,8 @@ import pytest
 
 from dynpart.simulations import bridge
 from dynpart.simulations.inputs.synthetic import synthetic_cluster, synthetic_trace
-from dynpart.simulations.packing.dynpart_packing import DynpartPacking
+from dynpart.simulations.packing.dynpart_packing import DynpartPacking, trace_workload
 from dynpart.simulations.packing.experiment import PackingJob, run_job, summarise
-from dynpart.simulations.packing.fragmentation import FragmentationModel
 from dynpart.simulations.packing.occupancy import PackingState
 from dynpart.simulations.packing.protocol import run_packing
 from dynpart.simulations.packing.reference_schedulers import BestFit, Random, best_fit_scores
@@ -49,7 +48,7 @@ class Recording:
 
 
 @pytest.mark.parametrize("make", [BestFit, Random,
-                                  lambda s: DynpartPacking(FragmentationModel(synthetic_trace(300).pods))])
+                                  lambda s: DynpartPacking(trace_workload(synthetic_trace(300).pods))])
 def test_protocol_invariants(make):
     trace = synthetic_trace(300)
     spec = synthetic_cluster()
@@ -127,94 +126,54 @@ def test_random_places_on_feasible_nodes_only():
         st.place(p, *pick)
 
 
-def test_fragmentation_matches_its_definition():
-    pods = [pod("a", cpu=4000, milli=500), pod("b", cpu=4000, milli=500), pod("c", cpu=12_000, milli=1000),
-            pod("d", cpu=30_000, gpus=2), pod("e", cpu=2000, milli=200, mem=64 << 10)]
-    fm = FragmentationModel(pods, weighting="count", memory=True)
-    kinds = Counter((p.cpu_milli, p.memory_mib, p.num_gpu, p.gpu_milli) for p in pods)
-
-    def brute(cpu, free, mem):
-        f = np.maximum(free, 0)
-        total, out = f.sum(), 0.0
-        for (c, m, n, g), k in kinds.items():
-            runs = cpu >= c and mem >= m
-            if n == 1 and g < 1000:
-                fits = runs and free.max() >= g
-                out += k / len(pods) * (f[f < g].sum() if fits else total)
-            else:
-                fits = runs and (free == 1000).sum() >= n
-                out += k / len(pods) * (f[f < 1000].sum() if fits else total)
-        return out
-
-    rng = np.random.default_rng(0)
-    free = rng.choice([-1, 0, 150, 500, 700, 1000], size=(200, 4))
-    cpu = rng.integers(0, 40_000, 200)
-    mem = rng.integers(0, 128 << 10, 200)
-    got = fm.frag(cpu, free, mem)
-    want = [brute(c, f, m) for c, f, m in zip(cpu, free, mem)]
-    assert np.allclose(got, want)
-
-
 def test_dynpart_batches_plan_through_plan_and_keep_used_slices():
     trace = synthetic_trace(200, seed=5)
     for batch in (1, 8):
         r = run_job(PackingJob("dynpart", seed=3, batch=batch), trace.pods, synthetic_cluster(), None)
         assert r.plan_calls > 0 and r.extra["disrupted"] == 0
-        assert r.extra["cpu_only_by_shell"] > 0
         assert r.counts.placed > 0.6 * r.pods
-    s = summarise("dynpart", 8, [r], 1.0, "openb_pod_list_default.csv", 4)
+    s = summarise("dynpart", 8, [r], 1.0, "openb_pod_list_default.csv")
     assert {"policy", "batch", "seeds", "alloc_at_100", "alloc_at_130", "per_seed", "wall_s"} <= set(s)
     assert s["published"]["fgd"]["alloc_at_130"] == 95.39
 
 
-def test_packing_snapshot_is_valid_for_the_planner(catalog):
+def test_the_planner_session_holds_the_whole_cluster_and_matches_the_state(catalog):
     st = _state()
-    st.place(pod("x", milli=700), 1, (0,))
-    st.place(pod("w", gpus=1), 1, (1,))
-    node = DynpartPacking._node(st, 1)
-    assert [g.index for g in node.gpus] == [0]  # the full GPU is left out
-    snap = bridge.snapshot([node], [bridge.pending_pod(pod("p", milli=300), *bridge.packing_request(pod("p", milli=300)))])
-    cat = bridge.catalog_for(["T4", "V100"], catalog)
-    from dynpart.snapshot import Snapshot, validate_snapshot
-    validate_snapshot(Snapshot.model_validate(snap.model_dump()), cat)  # model_construct built it valid
+    pol = DynpartPacking(trace_workload([pod("k", milli=500), pod("w", gpus=1)]), catalog)
+    assert pol.place_batch(st, [pod("x", milli=700), pod("c", gpus=0, cpu=4000)]) == [True, True]
+    session = pol.session
+    assert session is not None
+    # every node, CPU-only ones too, as the planner sees it (GPU milli as MPS capacity)
+    assert [n.name for n in session.problem.nodes] == st.names
+    assert session.cpu.tolist() == st.cpu.tolist() and session.mem.tolist() == st.mem.tolist()
+    assert st.placements["c"].node == st.index["cpu"]  # the node without GPUs takes the CPU-only pod
+    held = {(n, g): 1000 - int(st.gpu_free[n, g]) for n in range(len(st.names)) for g in range(int(st.ngpu[n]))}
+    for g in session.problem.gpus:
+        assert g.capacity == 1000 and sum(s for s, _ in g.used_mps) == held[(g.node, g.index)]
     assert bridge.packing_request(pod("m", gpus=4)) == ("nvidia.com/gpu", 4)
     assert bridge.packing_request(pod("s", milli=470)) == ("nvidia.com/gpu-470gb", 1)
 
 
-def test_fgd_score_is_the_plugins_whole_point_score():
-    from dynpart.simulations.packing.dynpart_packing import fgd_score
-    inc = np.array([0.0, 10.0, 39.0, 41.0, -500.0, 190.0, 1e9, -1e9])
-    assert fgd_score(inc).tolist() == [50, 49, 49, 48, 62, 45, 0, 100]
+def test_the_trace_is_the_planners_request_distribution():
+    shares = trace_workload([pod("a", milli=500), pod("b", milli=500), pod("c", gpus=2), pod("d", gpus=0)])
+    assert [(s.resource, s.count, s.weight) for s in shares] == [("nvidia.com/gpu", 2, 1.0),
+                                                                 ("nvidia.com/gpu-500gb", 1, 2.0)]
 
 
-def test_equal_scores_keep_the_cluster_node_order():
-    # four empty identical nodes: every one scores the same, so the ranking is the node order
+def test_equal_options_fill_the_cluster_in_node_order_and_consolidate():
+    # four empty identical nodes: the planner takes the first; then a second 500 goes to the
+    # GPU already half used (no new fragmentation) rather than to a fresh one
     st = PackingState(cluster(*[(f"n{i}", 64_000, 2, "T4") for i in range(4)]))
-    pol = DynpartPacking(FragmentationModel([pod("k", milli=500), pod("w", gpus=1)]))
-    pol._refresh_frag(st)
-    assert pol.rank(st, pod("p", milli=500), np.arange(4)).tolist() == [0, 1, 2, 3]
-    st.place(pod("x", milli=500), 2, (0,))
-    pol._refresh_frag(st, [2])
-    # the half-used GPU of n2 takes a second 500 without new fragmentation: it now ranks first
-    assert pol.rank(st, pod("p", milli=500), np.arange(4)).tolist()[0] == 2
+    pol = DynpartPacking(trace_workload([pod("k", milli=500), pod("w", gpus=1)]))
+    assert pol.place_batch(st, [pod("p1", milli=500)]) == [True]
+    assert st.placements["p1"].node == 0
+    assert pol.place_batch(st, [pod("p2", milli=500)]) == [True]
+    assert (st.placements["p2"].node, st.placements["p2"].gpus) == (0, st.placements["p1"].gpus)
 
 
-def test_batch_mates_are_ranked_after_the_ones_before_them_and_the_state_is_restored():
-    st = PackingState(cluster(("a", 64_000, 1, "T4"), ("b", 64_000, 1, "T4"), ("c", 64_000, 1, "T4")))
-    pol = DynpartPacking(FragmentationModel([pod("w", gpus=1)]), batch=3)
-    pol._refresh_frag(st)
-    before = (st.gpu_free.copy(), st.cpu.copy(), pol.node_frag.copy())
-    mates = [pod(f"w{i}", gpus=1) for i in range(3)]
-    ranked, pending = pol._candidates(st, mates)
-    # one whole GPU per node: each mate ranks a different node first
-    assert sorted(int(r[0]) for r in ranked) == [0, 1, 2] and pending == mates
-    assert (st.gpu_free == before[0]).all() and (st.cpu == before[1]).all() and not st.placements
-    assert np.allclose(pol.node_frag, before[2])
-
-
-def test_a_batch_is_placed_in_one_plan_each_pod_on_its_own_candidate():
+def test_a_batch_is_placed_in_one_plan():
     st = PackingState(cluster(*[(f"n{i}", 64_000, 1, "T4") for i in range(4)]))
-    pol = DynpartPacking(FragmentationModel([pod("w", gpus=1)]), batch=4)
+    pol = DynpartPacking(trace_workload([pod("w", gpus=1)]), batch=4)
     mates = [pod(f"w{i}", gpus=1) for i in range(4)]
     assert pol.place_batch(st, mates) == [True] * 4
     assert pol.plan_calls == 1

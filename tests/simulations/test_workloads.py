@@ -21,7 +21,7 @@ from dynpart.simulations.inputs.workloads import (
     workload_spec,
 )
 from dynpart.simulations.replay.engine import ReplayOptions, run_replay
-from dynpart.simulations.replay.mapping import mig_profile_for, request_for, static_candidates, static_fits, static_layout
+from dynpart.simulations.replay.mapping import mig_profile_for, request_for, static_contenders, static_fits, static_layout
 from dynpart.simulations.replay.summary import best_static, change_pct, gpu_waits, summary
 
 from .conftest import pod
@@ -142,12 +142,12 @@ def test_generated_pods_get_their_profile_in_replay(catalog):
     assert summary(r)["never_placed"] == 0 and r.used_slices_disrupted == 0
 
 
-def test_static_candidates(catalog):
+def test_static_contenders(catalog):
     h100 = catalog.resolve("H100-80GB")
-    mig = static_candidates(h100, "mig")
+    mig = static_contenders(h100, "mig")
     assert mig == ["all-balanced", "all-1g.10gb", "all-1g.20gb", "all-2g.20gb", "all-3g.40gb", "all-4g.40gb",
                    "all-7g.80gb"]
-    assert static_candidates(h100, "mps") == ["mps-1", "mps-2", "mps-4", "mps-8"]
+    assert static_contenders(h100, "mps") == ["mps-1", "mps-2", "mps-4", "mps-8"]
     for name in mig:
         static_layout(name, h100, "mig")
     assert static_fits("all-balanced", "mps") and static_fits("all-7g", "mig") and not static_fits("all-7g", "mps")
@@ -195,7 +195,7 @@ def test_simulate_default_workload_end_to_end(capsys, tmp_path):
         policies = part["policies"]
         assert [p["policy"] for p in policies] == ["dynpart", "nos", "static"]
         assert all(p["used_slices_disrupted"] == 0 for p in policies)
-        cands = part["static_candidates"]
+        cands = part["static_contenders"]
         assert len(cands) == (7 if part["part"] == "mig" else 4)
         # the reported static layout is the candidate with the lowest mean pending time
         best = min(cands, key=lambda c: (c["mean_pending_s"], c["p95_pending_s"], c["never_placed"]))

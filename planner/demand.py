@@ -1,0 +1,46 @@
+"""The request distribution the controller learns online: every pending pod it sees counts once,
+and what was seen decays with a half-life, so the planner's third objective keeps capacity
+usable for the requests of the last hours, not only for the pods pending now.
+
+Pure bookkeeping with an explicit clock (the caller passes the time): the plan stays a function
+of the snapshot, whose `workload` this fills."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from dynpart.snapshot import PendingPod, RequestShare
+
+Kind = tuple[str, int, int, int]  # resource, count, CPU, memory
+
+
+class DemandTracker:
+    def __init__(self, half_life_s: float = 3600.0, remember: int = 100_000, floor: float = 0.01):
+        self.half_life_s = half_life_s
+        self.floor = floor  # kinds whose weight decayed below this are forgotten
+        self._weights: dict[Kind, float] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()  # pods counted already (most recent last)
+        self._remember = remember
+        self._t: float | None = None
+
+    def observe(self, pods: Iterable[PendingPod], now: float) -> None:
+        """Decay what was seen to `now`, then count each pod not counted before."""
+        if self._t is not None and now > self._t:
+            factor = 0.5 ** ((now - self._t) / self.half_life_s)
+            self._weights = {k: w * factor for k, w in self._weights.items() if w * factor >= self.floor}
+        self._t = now if self._t is None else max(self._t, now)
+        for pod in pods:
+            if pod.name in self._seen:
+                self._seen.move_to_end(pod.name)
+                continue
+            self._seen[pod.name] = None
+            if len(self._seen) > self._remember:
+                self._seen.popitem(last=False)
+            kind = (pod.resource, pod.count, pod.cpu_milli, pod.memory_mib)
+            self._weights[kind] = self._weights.get(kind, 0.0) + 1.0
+
+    def workload(self) -> list[RequestShare]:
+        """What was seen, as the snapshot's workload (canonical order)."""
+        return [RequestShare(resource=r, count=c, cpu_milli=cpu, memory_mib=mem, weight=w)
+                for (r, c, cpu, mem), w in sorted(self._weights.items())]

@@ -1,0 +1,185 @@
+"""A planning session: the cluster compiled once and kept between plans.
+
+`plan(snapshot)` is `PlanningSession(snapshot.nodes).plan(snapshot.pending, snapshot.workload)`.
+A caller that plans the same, slowly changing cluster again and again (the packing benchmark:
+one plan per arrival on 1,500 nodes) keeps the session and tells it what changed with `commit`
+(a plan was carried out) or `place_cpu_pod`; each plan then costs what its pods cost, not what
+the cluster's size does: the GPU states, their bucket and capacity-class ids, the per-bucket
+option costs, the candidate filters and the capacity totals of the bound are kept and updated
+for the GPUs that changed. The plan is the one `plan()` returns on the same snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from dynpart.catalog import Catalog, GpuModel, default_catalog
+from dynpart.errors import SnapshotError
+from dynpart.planner.bound import capacity_left, placed_upper_bound
+from dynpart.planner.index import GpuIndex, PlanCache
+from dynpart.planner.objective import NodeTerms, Objective, capacity_class
+from dynpart.planner.output import build_plan
+from dynpart.planner.policies import POLICIES
+from dynpart.planner.policy import PlanOptions
+from dynpart.planner.problem import DemandKind, Problem, StaticFilter, compile_cluster, compile_requests, compile_workload
+from dynpart.planner.state import GpuState, new_state
+from dynpart.snapshot import Node, PendingPod, Plan, RequestShare, Snapshot, pod_problems, validate_snapshot
+
+
+class PlanningSession:
+    def __init__(self, nodes: Sequence[Node], catalog: Catalog | None = None,
+                 models: dict[str, GpuModel] | None = None):
+        """`models`: each node's model when the nodes were validated already."""
+        self.catalog = catalog or default_catalog()
+        if models is None:
+            models = validate_snapshot(Snapshot.model_construct(nodes=list(nodes), pending=[], workload=[]),
+                                       self.catalog)
+        nodes_i, gpus = compile_cluster(nodes, models)
+        self.problem = Problem(nodes_i, gpus, [])
+        self.by_name = {n.name: n.idx for n in nodes_i}
+        self.states: list[GpuState] = [new_state(g) for g in gpus]
+        self.index = GpuIndex(self.problem)
+        self.bid = self.index.buckets(self.states)
+        self._caps = [capacity_left(g) for g in gpus]
+        self._totals: list[int] = [sum(c[k] for c in self._caps) for k in range(4)]
+        self._occupied = sum(1 for s in self.states if s.has_pod())
+        self._static: StaticFilter = {}
+        self._objective: tuple[tuple[DemandKind, ...], Objective, np.ndarray | None, NodeTerms] | None = None
+        self._pending: dict[str, PendingPod] = {}
+        self.cpu = np.array([n.cpu_free for n in nodes_i], dtype=np.int64)
+        self.mem = np.array([n.mem_free for n in nodes_i], dtype=np.int64)
+        self._workload: tuple[Sequence[RequestShare], Sequence[PendingPod] | None, list[DemandKind]] | None = None
+
+    # --- planning --------------------------------------------------------------------------------
+
+    def objective(self, workload: list[DemandKind]) -> tuple[Objective, np.ndarray | None, NodeTerms]:
+        key = tuple(workload)
+        if self._objective is None or self._objective[0] != key:
+            obj = Objective(workload)
+            cls = None
+            if obj.active:
+                self.index.use_objective(obj)
+                cls = self.index.classes(self.states, self.bid)
+            self._objective = (key, obj, cls, NodeTerms(obj, len(self.problem.nodes)))
+        return self._objective[1], self._objective[2], self._objective[3]
+
+    def plan(self, pending: Sequence[PendingPod], workload: Sequence[RequestShare] = (),
+             options: PlanOptions | None = None, validate: bool = True) -> Plan:
+        t0 = time.perf_counter()
+        opts = options or PlanOptions()
+        if validate:
+            self._validate(pending, workload)
+        problem = Problem(self.problem.nodes, self.problem.gpus, [])
+        problem.requests = compile_requests(problem, pending, self.catalog, self._static, self.cpu, self.mem)
+        problem.workload = self._kinds(workload, pending)
+        obj, cls, terms = self.objective(problem.workload)
+        problem.cache = PlanCache(problem, self.states, self.index, self.bid, obj, cls, self._occupied,
+                                  self.cpu, self.mem, terms)
+        self._pending = {p.name: p for p in pending}
+        bound = placed_upper_bound(problem, (self._totals[0], self._totals[1], self._totals[2], self._totals[3]))
+        policy = POLICIES[opts.policy](opts)
+        result = policy.place(problem)
+        return build_plan(problem, policy, result, bound, time.perf_counter() - t0)
+
+    def _kinds(self, workload: Sequence[RequestShare], pending: Sequence[PendingPod]) -> list[DemandKind]:
+        """The compiled distribution; the same workload list as last time is not compiled again."""
+        last = self._workload
+        if workload and last is not None and last[0] is workload:
+            return last[2]
+        kinds = compile_workload(workload, pending)
+        self._workload = (workload, None, kinds)
+        return kinds
+
+    def _validate(self, pending: Sequence[PendingPod], workload: Sequence[RequestShare]) -> None:
+        snap = Snapshot.model_construct(nodes=[], pending=list(pending), workload=list(workload))
+        problems: list[str] = []
+        known = self.catalog.mig_profile_names()
+        seen: set[str] = set()
+        for i, pod in enumerate(pending):
+            if pod.name in seen:
+                problems.append(f"pending[{i}] ({pod.name}).name = {pod.name!r}: duplicate pod name")
+            seen.add(pod.name)
+            problems.extend(pod_problems(f"pending[{i}] ({pod.name}).", pod, self.catalog, known))
+        if problems:
+            raise SnapshotError(problems)
+        if snap.workload:
+            validate_snapshot(snap, self.catalog)
+
+    # --- what changed ------------------------------------------------------------------------------
+
+    def commit(self, plan: Plan) -> None:
+        """The plan was carried out: its layouts are the GPUs' layouts, every slice it planned a
+        pod onto is used, and the placed pods' CPU and memory are taken from their nodes."""
+        for lay in plan.layouts:
+            node = self.problem.nodes[self.by_name[lay.node]]
+            by_index = {self.problem.gpus[g].index: g for g in node.gpus}
+            for gl in lay.gpus:
+                gid = by_index[gl.index]
+                info = self.problem.gpus[gid]
+                if info.rules is not None:
+                    idx = info.rules.index
+                    insts = sorted(gl.mig, key=lambda m: m.start)
+                    info.used_mig = [(idx[m.profile], m.start, m.pod) for m in insts if m.used or m.pod]
+                    info.free_mig = [(idx[m.profile], m.start) for m in insts if not (m.used or m.pod)]
+                else:
+                    info.used_mps = [(s.size, s.pod) for s in gl.mps if s.used or s.pod]
+                    info.free_mps = sorted((s.size for s in gl.mps if not (s.used or s.pod)), reverse=True)
+                    info.whole_pod = gl.whole_pod
+                self._refresh_gpu(gid)
+        for pl in plan.placements:
+            pod = self._pending.get(pl.pod)
+            if pod is not None:
+                self._take(self.by_name[pl.node], pod.cpu_milli, pod.memory_mib)
+
+    def _refresh_gpu(self, gid: int) -> None:
+        old = self.states[gid]
+        st = self.states[gid] = new_state(self.problem.gpus[gid])
+        self._occupied += st.has_pod() - old.has_pod()
+        self.bid[gid] = self.index.bucket(st)
+        cap = capacity_left(self.problem.gpus[gid])
+        for k in range(4):
+            self._totals[k] += cap[k] - self._caps[gid][k]
+        self._caps[gid] = cap
+        if self._objective is not None:
+            if self._objective[2] is not None:
+                self._objective[2][gid] = self._objective[1].class_id(capacity_class(st))
+            self._objective[3].ok[self.problem.gpus[gid].node] = False
+        self.index.node_changed(self.problem.gpus[gid].node)
+
+    def _take(self, node: int, cpu: int, mem: int) -> None:
+        n = self.problem.nodes[node]
+        n.cpu_free -= cpu
+        n.mem_free -= mem
+        self.cpu[node] -= cpu
+        self.mem[node] -= mem
+        if self._objective is not None:
+            self._objective[3].ok[node] = False
+        self.index.node_changed(node)
+
+    def place_cpu_pod(self, cpu: int, mem: int, workload: Sequence[RequestShare] = ()) -> str | None:
+        """A pod without GPUs, placed by the objective: on a node without GPUs if one fits (the
+        one it leaves the least CPU on: CPU and memory of GPU nodes are kept for GPU pods), else
+        on the GPU node whose expected unusable GPU capacity its CPU and memory raise least
+        (scored as GPU options are), first in node order. Returns the node, or None."""
+        nodes = self.problem.nodes
+        cpu_free, mem_free = self.cpu, self.mem
+        fit = np.flatnonzero((cpu_free >= cpu) & (mem_free >= mem))
+        if not len(fit):
+            return None
+        no_gpu = fit[(self.index.node_gpus[fit] == self.index.pad).all(axis=1)]
+        if len(no_gpu):
+            best = int(no_gpu[np.lexsort((no_gpu, cpu_free[no_gpu] - cpu))[0]])
+        else:
+            obj, cls, _ = self.objective(self._kinds(workload, []))
+            if cls is not None:
+                rows = cls[self.index.node_gpus[fit]]
+                q = Objective.score(obj.unusable(rows, cpu_free[fit] - cpu, mem_free[fit] - mem)
+                                    - obj.unusable(rows, cpu_free[fit], mem_free[fit]))
+            else:
+                q = np.zeros(len(fit), dtype=np.int64)
+            best = int(fit[np.lexsort((fit, q))[0]])
+        self._take(best, cpu, mem)
+        return nodes[best].name

@@ -1,0 +1,170 @@
+"""The workload-aware objective (planner/objective.py): its measure matches its definition, it
+counts MIG start slots and CPU/memory, and `plan()` takes the obviously less fragmenting choice
+on small hand-built clusters without ever placing fewer pods for it."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynpart.catalog import Catalog, GpuModel, default_catalog
+from dynpart.planner import PlanOptions, plan
+from dynpart.planner.objective import Objective, capacity_class
+from dynpart.planner.problem import DemandKind, compile_problem
+from dynpart.planner.state import new_state
+from dynpart.planner.types import WHOLE_GPU, MigSliceRef, MpsSliceRef
+from dynpart.snapshot import Gpu, MigInstance, MpsSlice, Node, PendingPod, RequestShare, Snapshot
+from tests.planner.check import check_plan
+from tests.planner.instances import small_instance
+
+MILLI = Catalog([GpuModel(name="G", memory_gb=16)])  # MPS GPUs with capacity 1000 (GPU milli)
+
+
+def _mps_node(name: str, used: list[list[int]], cpu: int = 64_000, mem: int = 256 << 10) -> Node:
+    return Node(name=name, mode="mps", gpu_model="G", cpu_milli_free=cpu, memory_mib_free=mem,
+                gpus=[Gpu(index=i, capacity=1000, mps=[MpsSlice(size=s, used=True) for s in sizes])
+                      for i, sizes in enumerate(used)])
+
+
+def _brute(kinds: list[DemandKind], cpu: int, mem: int, free: list[int]) -> float:
+    """The definition: free GPUs' share minus, for each kind by weight, what it could use."""
+    total = sum(k.weight for k in kinds)
+    out = sum(free) / 1000
+    for k in kinds:
+        if cpu < k.cpu or mem < k.mem:
+            continue
+        if k.ref is WHOLE_GPU:
+            hosts = [f for f in free if f == 1000]
+        else:
+            assert isinstance(k.ref, MpsSliceRef)
+            hosts = [f for f in free if f >= k.ref.size]
+        if len(hosts) >= k.count:
+            out -= k.weight / total * sum(hosts) / 1000
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=10**9))
+def test_unusable_capacity_matches_its_definition(seed):
+    rng = random.Random(seed)
+    kinds = [DemandKind(MpsSliceRef(rng.choice([100, 250, 470, 810])), 1, rng.choice([0, 4000, 12_000]),
+                        rng.choice([0, 8192]), rng.choice([1.0, 3.0])) for _ in range(4)]
+    kinds += [DemandKind(WHOLE_GPU, rng.choice([1, 2, 4]), rng.choice([0, 8000, 30_000]), 0, 2.0) for _ in range(2)]
+    from dynpart.planner.problem import compile_workload
+    merged = compile_workload([RequestShare(resource=("nvidia.com/gpu" if k.ref is WHOLE_GPU else
+                                                      f"nvidia.com/gpu-{k.ref.size}gb"),  # type: ignore[union-attr]  # WHOLE_GPU has no size, handled first
+                                            count=k.count, cpu_milli=k.cpu, memory_mib=k.mem, weight=k.weight)
+                               for k in kinds], [])
+    obj = Objective(merged)
+    rows, want, cpus, mems = [], [], [], []
+    for _ in range(20):
+        used = [[s] if s else [] for s in (rng.choice([0, 0, 190, 530, 1000]) for _ in range(rng.randint(1, 4)))]
+        snap = Snapshot(nodes=[_mps_node("n", used)])
+        states = [new_state(g) for g in compile_problem(snap, MILLI).gpus]
+        rows.append([obj.class_id(capacity_class(s)) for s in states] + [0] * (4 - len(states)))
+        cpu, mem = rng.choice([0, 4000, 12_000, 64_000]), rng.choice([0, 8192, 1 << 20])
+        cpus.append(cpu)
+        mems.append(mem)
+        want.append(_brute(merged, cpu, mem, [1000 - sum(u) for u in used]))
+    got = obj.unusable(np.array(rows), np.array(cpus), np.array(mems))
+    assert np.allclose(got, want)
+
+
+def test_mig_coverage_counts_start_slots():
+    # H100: a used 1g.20gb at slots 0-1 leaves 6 free memory slices; a 3g.40gb can start at 4
+    # only (its starts are 0 and 4), so it can use 4 of them; a 1g.10gb can use 5 (slots 2-6:
+    # slot 7 is no 1g.10gb start)
+    snap = Snapshot(nodes=[Node(name="n", mode="mig", gpu_model="H100-80GB", gpus=[
+        Gpu(index=0, mig=[MigInstance(profile="1g.20gb", start=0, used=True)])])])
+    (state,) = [new_state(g) for g in compile_problem(snap, default_catalog()).gpus]
+    obj = Objective([DemandKind(MigSliceRef("3g.40gb"), 1, 0, 0, 1.0)])
+    f = obj.unusable(np.array([[obj.class_id(capacity_class(state))]]), np.array([0]), np.array([0]))
+    assert np.allclose(f, [6 / 8 - 4 / 8])
+    obj = Objective([DemandKind(MigSliceRef("1g.10gb"), 1, 0, 0, 1.0)])
+    f = obj.unusable(np.array([[obj.class_id(capacity_class(state))]]), np.array([0]), np.array([0]))
+    assert np.allclose(f, [6 / 8 - 5 / 8])
+
+
+def test_score_is_the_fgd_plugins_whole_point_score_negated():
+    d = np.array([0.0, 0.010, 0.039, 0.041, -0.5, 0.19, 1e6, -1e6])
+    assert (-Objective.score(d)).tolist() == [50, 49, 49, 48, 62, 45, 0, 100]
+
+
+def _where(result, pod: str) -> tuple[str, list[int]]:
+    pl = next(p for p in result.placements if p.pod == pod)
+    return pl.node, [s.gpu for s in pl.slices]
+
+
+def test_a_share_fills_the_half_used_gpu_and_keeps_whole_gpus_whole():
+    # n0 has an idle GPU, n1 a GPU with 500 milli used: a 500-milli pod goes to n1, whatever
+    # the node order, when whole GPUs are asked for too
+    snap = Snapshot(nodes=[_mps_node("n0", [[]]), _mps_node("n1", [[500]])],
+                    pending=[PendingPod(name="p", resource="nvidia.com/gpu-500gb")],
+                    workload=[RequestShare(resource="nvidia.com/gpu-500gb"), RequestShare(resource="nvidia.com/gpu")])
+    assert _where(plan(snap, MILLI), "p") == ("n1", [0])
+
+
+def test_a_multi_gpu_pod_keeps_its_room_single_pods_consolidate():
+    # two nodes of 4 idle GPUs; 4-GPU pods are part of the workload: one-GPU pods go to the
+    # node already in use, so that the other keeps its 4 GPUs
+    snap = Snapshot(nodes=[_mps_node("a", [[], [], [], []]), _mps_node("b", [[1000], [], [], []])],
+                    pending=[PendingPod(name="one", resource="nvidia.com/gpu")],
+                    workload=[RequestShare(resource="nvidia.com/gpu", count=4), RequestShare(resource="nvidia.com/gpu")])
+    assert _where(plan(snap, MILLI), "one")[0] == "b"
+
+
+def test_cpu_that_strands_gpus_is_counted():
+    # same GPUs, but on n0 the pod's CPU would leave 2 cores next to 3 idle GPUs that need 8
+    # cores each: it goes to n1, which has CPU to spare
+    snap = Snapshot(nodes=[_mps_node("n0", [[500], [], [], []], cpu=10_000), _mps_node("n1", [[500], [], [], []], cpu=64_000)],
+                    pending=[PendingPod(name="p", resource="nvidia.com/gpu-400gb", cpu_milli=8000)],
+                    workload=[RequestShare(resource="nvidia.com/gpu", cpu_milli=8000),
+                              RequestShare(resource="nvidia.com/gpu-400gb", cpu_milli=8000)])
+    assert _where(plan(snap, MILLI), "p")[0] == "n1"
+
+
+def test_mig_placement_keeps_large_profiles_placeable():
+    # an H100 with a used 3g.40gb at 4: a 1g.10gb should not go where it blocks the 3g/4g at 0
+    # when a second GPU already has a used 4g.40gb at 0 and free small slots
+    snap = Snapshot(nodes=[Node(name="n", mode="mig", gpu_model="H100-80GB", gpus=[
+        Gpu(index=0),
+        Gpu(index=1, mig=[MigInstance(profile="4g.40gb", start=0, used=True)])])],
+        pending=[PendingPod(name="s", resource="nvidia.com/mig-1g.10gb")],
+        workload=[RequestShare(resource="nvidia.com/mig-1g.10gb"), RequestShare(resource="nvidia.com/mig-7g.80gb")])
+    node, gpus = _where(plan(snap), "s")
+    assert gpus == [1]  # the idle GPU stays whole for a 7g
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(min_value=0, max_value=10**9), mps_share=st.sampled_from([0.0, 0.5, 1.0]))
+def test_the_workload_never_costs_placed_pods_and_plans_stay_deterministic(seed, mps_share):
+    snap = small_instance(seed, max_nodes=3, max_gpus=4, max_pods=20, mps_share=mps_share)
+    rng = random.Random(seed)
+    # a workload unrelated to the pending pods: it may only reorder equally good plans
+    other = [RequestShare(resource=p.resource, count=p.count, cpu_milli=rng.choice([0, 30_000]),
+                          weight=rng.choice([1.0, 10.0])) for p in rng.sample(snap.pending, k=max(1, len(snap.pending) // 2))]
+    opts = PlanOptions(time_limit_s=0.5)
+    base = plan(snap, options=opts)
+    aware = plan(snap.model_copy(update={"workload": other}), options=opts)
+    check_plan(snap, aware)
+    proved = ("optimal" in base.stats.solver or base.stats.placed == base.stats.placed_upper_bound)
+    if proved and ("optimal" in aware.stats.solver or aware.stats.placed == aware.stats.placed_upper_bound):
+        assert aware.stats.placed_weight == base.stats.placed_weight
+    again = plan(snap.model_copy(update={"workload": list(reversed(other))}), options=opts)
+    assert again.model_dump(exclude={"stats": {"solve_s"}}) == aware.model_dump(exclude={"stats": {"solve_s"}})
+
+
+def test_the_controller_learns_the_distribution_from_the_pods_it_sees():
+    from dynpart.planner.demand import DemandTracker
+    t = DemandTracker(half_life_s=100)
+    a = PendingPod(name="a", resource="nvidia.com/mig-1g.10gb", cpu_milli=1000)
+    b = PendingPod(name="b", resource="nvidia.com/mig-7g.80gb")
+    t.observe([a, b], now=0)
+    t.observe([a], now=100)  # still pending: counted once; everything seen decays by half
+    c = PendingPod(name="c", resource="nvidia.com/mig-1g.10gb", cpu_milli=1000)
+    t.observe([c], now=100)
+    got = {(s.resource, s.cpu_milli): s.weight for s in t.workload()}
+    assert got == {("nvidia.com/mig-1g.10gb", 1000): 1.5, ("nvidia.com/mig-7g.80gb", 0): 0.5}
