@@ -154,7 +154,7 @@ async def kubelet_restart(h: Harness, node: SimNode, published: bool = True) -> 
         status = (await h.core.read_node(node.name)).status.allocatable or {}
         return {r: int(status.get(r, 0)) for r in whole}
     # the kubelet's status write at its start (with no device when the plugins had not registered again)
-    _, first = await wait_until(lambda: next(((t, w) for t, w in k.status_writes if t >= back), None), 5,
+    first_at, first = await wait_until(lambda: next(((t, w) for t, w in k.status_writes if t >= back), None), 5,
                                 f"{node.name}'s kubelet to write its status at its start")
     zeroed = not any(first.get(r) for r in whole)
     again = await wait_until(registered, 5, f"the device plugins of {node.name} to register again")
@@ -164,7 +164,9 @@ async def kubelet_restart(h: Harness, node: SimNode, published: bool = True) -> 
     await wait_until(is_whole, 2.0 if published else STATUS_PERIOD_S * 1.1 + 3,
                      f"{node.name}'s allocatable whole again after the kubelet restart", interval=0.02)
     whole_at = time.monotonic()
-    last = max(again.values())
+    # the first write both after the plugins registered again and after the write at start (they
+    # may register before that one, which the kubelet computed before their lists arrived)
+    last = max(*again.values(), first_at)
     await wait_until(lambda: any(t > last for t, _ in k.status_writes), STATUS_PERIOD_S * 1.1 + 3,
                      f"a status write of {node.name}'s kubelet after the plugins registered again")
     written = next(w for t, w in k.status_writes if t > last)
