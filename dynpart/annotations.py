@@ -142,6 +142,12 @@ def is_plan_id(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and _PLAN_ID.fullmatch(value) is not None
 
 
+def is_pod_key(value: object) -> TypeGuard[str]:
+    """Whether `value` is a pod's `namespace/name` as the API server allows them (what a spec's
+    `spec-pods` may name)."""
+    return isinstance(value, str) and _POD_NAME.fullmatch(value) is not None
+
+
 def _check_plan_id(plan_id: object) -> str:
     if not isinstance(plan_id, str) or not _PLAN_ID.fullmatch(plan_id):
         raise ValueError(

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dynpart.annotations import annotation_patch, decode_status, encode_spec
+from dynpart.annotations import annotation_patch, decode_status, encode_spec, is_pod_key
 from dynpart.capability import CapabilityError, decode_capability, model_catalog, node_model
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
@@ -115,6 +115,10 @@ def is_batch_candidate(pod: dict[str, Any]) -> bool:
 def pending_pod(pod: dict[str, Any]) -> PendingPod:
     """The planner's view of one pod; DynpartError when dynpart cannot plan it."""
     name = pod_key(pod)
+    if not is_pod_key(name):
+        md = pod.get("metadata") or {}
+        raise DynpartError(f"pod {name}: metadata.namespace = {md.get('namespace')!r}, metadata.name = "
+                           f"{md.get('name')!r}: not a Kubernetes namespace and name")
     wanted = slice_requests(pod)
     if len(wanted) != 1:
         raise DynpartError(f"pod {name} asks for {len(wanted)} GPU slice resources ({', '.join(sorted(wanted))}); "

@@ -57,6 +57,17 @@ def test_unknown_mig_profile_is_left_out_with_its_reason():
     assert {layout.node for layout, _ in patches} == {"n1", "n2"}
 
 
+def test_a_pod_whose_namespace_is_not_a_name_is_left_out():
+    """Found by the property test at 10,000 examples: such a pod was planned, then the spec
+    refused to name it and the round raised."""
+    bad = pod("bad", {"nvidia.com/mig-1g.10gb": "1"})
+    bad["metadata"]["namespace"] = -1
+    _, result, patches, problems, _ = run_round(NODES, [bad, *GOOD])
+    assert {p.pod for p in result.placements} == {"ml/good-1g", "ml/good-mps"}
+    assert any("metadata.namespace = -1" in m for _, m in problems), problems
+    assert patches
+
+
 def test_unknown_gpu_product_in_a_selector_is_left_out_with_its_reason():
     bad = pod("bad", {"nvidia.com/mig-1g.10gb": "1"}, nodeSelector={"nvidia.com/gpu.product": "NVIDIA-Nope"})
     _, result, _, problems, _ = run_round(NODES, [bad, *GOOD])
