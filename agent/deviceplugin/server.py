@@ -56,7 +56,7 @@ def socket_name(resource: str) -> str:
     return "dynpart-" + re.sub(r"[^A-Za-z0-9.-]", "_", resource) + ".sock"
 
 
-def _stamp(path: str) -> tuple[int, int] | None:
+def file_stamp(path: str) -> tuple[int, int] | None:
     """What tells one incarnation of a file from the next (inode numbers alone can be reused)."""
     try:
         st = os.stat(path)
@@ -191,7 +191,7 @@ class PluginServer:
         msgs = protocol.messages()
         request = msgs["RegisterRequest"](version=protocol.VERSION, endpoint=self.endpoint, resource_name=self.resource,
                                           options=self.options())
-        stamp = _stamp(kubelet_socket)
+        stamp = file_stamp(kubelet_socket)
         async with grpc.aio.insecure_channel(f"unix://{kubelet_socket}") as channel:
             await protocol.RegistrationStub(channel).Register(request, timeout=timeout_s)
         self.registered_stamp = stamp
@@ -513,7 +513,7 @@ class DevicePluginManager:
         if self.leaving or self.pending:
             async with self._lock:
                 await self._apply(wait=False)
-        stamp = _stamp(self.kubelet_socket) if self.serve else None
+        stamp = file_stamp(self.kubelet_socket) if self.serve else None
         if stamp is None:
             return
         async with self._lock:

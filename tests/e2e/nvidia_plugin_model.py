@@ -36,6 +36,7 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynpart.agent.deviceplugin import protocol
+from dynpart.agent.deviceplugin.server import file_stamp
 from dynpart.agent.driver.fake import FakeNvml
 from dynpart.kube.watching import Informer
 from dynpart.resources import WHOLE_GPU, mig_resource_name
@@ -217,7 +218,7 @@ class NvidiaPluginModel:
                 plugin = _ResourcePlugin(resource, self.plugin_dir, ds)
                 await plugin.serve()
                 self.plugins[resource] = plugin
-            self._kubelet_stamp = _stamp(self.kubelet_socket)
+            self._kubelet_stamp = file_stamp(self.kubelet_socket)
             for plugin in self.plugins.values():
                 try:
                     await plugin.register()
@@ -240,7 +241,7 @@ class NvidiaPluginModel:
         """fsnotify on the plugin dir: kubelet.sock created again -> restart (and enumerate again)."""
         while True:
             await asyncio.sleep(self.poll_s)
-            stamp = _stamp(self.kubelet_socket)
+            stamp = file_stamp(self.kubelet_socket)
             if stamp is None or stamp == self._kubelet_stamp or self._recreating or self.pod_uid is None and self.core:
                 continue
             await asyncio.sleep(self.kubelet_restart_s)
@@ -289,10 +290,3 @@ class NvidiaPluginModel:
         finally:
             self._recreating = False
 
-
-def _stamp(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_ino, st.st_ctime_ns
