@@ -24,6 +24,7 @@ from pydantic_settings import (
 
 from dynpart.errors import DynpartError
 from dynpart.kube.conventions import LEASE_NAME, SYSTEM_NAMESPACE
+from dynpart.snapshot import RequestShare
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 NESTED = "__"  # env_nested_delimiter: DYNPART_PLANNER_KUBE__BACKOFF_MAX_S sets kube.backoff_max_s
@@ -80,6 +81,11 @@ class PlannerSettings(CommonSettings):
                                  "than the scheduler's 10 s maximum back-off)")
     resync_s: float = Field(default=15.0, gt=0, description="re-plan still pending pods at least this often")
     plan_time_limit_s: float = Field(default=0.5, ge=0, description="exact-search budget per plan (deterministic s)")
+    demand_half_life_s: float = Field(default=3600.0, gt=0, description="the request distribution the objective keeps "
+                                      "free capacity usable for is learnt from the pending pods seen, each counting "
+                                      "half as much after this long (metric dynpart_workload_weight)")
+    workload: list[RequestShare] = Field(default=[], description="plan for this request distribution instead of the "
+                                         "learnt one: a list of {resource, count, cpu_milli, memory_mib, weight}")
     leader_election: bool = Field(default=True, description="only the holder of the lease plans")
     lease_name: str = Field(default=LEASE_NAME, description="coordination.k8s.io Lease name")
     lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="namespace of the Lease")

@@ -30,16 +30,20 @@ class BatchWindow:
         if not self.members:
             self.first_at = self.last_at = None
 
-    def ready(self, now: float) -> bool:
+    def deadline(self) -> float | None:
+        """When the batch closes without a new pod, or None when it is empty."""
         if not self.members or self.first_at is None or self.last_at is None:
-            return False
-        return now - self.last_at >= self.idle_s or now - self.first_at >= self.timeout_s
+            return None
+        return min(self.last_at + self.idle_s, self.first_at + self.timeout_s)
+
+    def ready(self, now: float) -> bool:
+        at = self.deadline()
+        return at is not None and now >= at
 
     def wait_s(self, now: float) -> float | None:
         """Seconds until the batch closes, or None when it is empty."""
-        if not self.members or self.first_at is None or self.last_at is None:
-            return None
-        return max(0.0, min(self.last_at + self.idle_s, self.first_at + self.timeout_s) - now)
+        at = self.deadline()
+        return None if at is None else max(0.0, at - now)
 
     def close(self) -> set[str]:
         taken, self.members = self.members, set()

@@ -30,6 +30,7 @@ from dynpart.kube.conventions import (
     STATUS_CAPABILITY,
     STATUS_PREFIX,
 )
+from dynpart.planner.loop import node_writes
 from dynpart.resources import (
     MigResource,
     WholeGpuResource,
@@ -408,13 +409,10 @@ def planned_patches(snapshot: Snapshot, result: Plan, nodes: Mapping[str, dict[s
     the leader's `term`, with the pods the plan puts there, as a merge patch against the
     annotations the node has (`nodes`: the objects by name)."""
     snap_nodes = {n.name: n for n in snapshot.nodes}
-    pods: dict[str, list[str]] = {}
-    for pl in result.placements:
-        pods.setdefault(pl.node, []).append(pl.pod)
     out = []
-    for k, layout in enumerate(result.changed_nodes()):
-        spec = encode_spec(full_layout(snap_nodes[layout.node], layout), f"{plan_id}.{k}", term=term,
-                           pods=pods.get(layout.node, ()))
+    for k, write in enumerate(node_writes(result)):
+        layout = write.layout
+        spec = encode_spec(full_layout(snap_nodes[layout.node], layout), f"{plan_id}.{k}", term=term, pods=write.pods)
         current = nodes[layout.node].get("metadata", {}).get("annotations")
         out.append((layout, annotation_patch(current, spec)))
     return out

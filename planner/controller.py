@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Protocol
 
 from kubernetes_asyncio import client
@@ -50,21 +50,13 @@ from dynpart.planner.cluster_view import (
     revoking_patch,
     slice_requests,
 )
-from dynpart.planner.core import PlanOptions, plan
-from dynpart.planner.demand import DemandTracker
+from dynpart.planner.loop import InFlight, PlanningLoop
 from dynpart.probing import Liveness
 from dynpart.settings import PlannerSettings
 
 log = logging.getLogger("dynpart.planner")
 
-
-@dataclass
-class InFlight:
-    """A node plan written and not yet acknowledged."""
-    plan_id: str
-    sent_at: float
-    pods: set[str] = field(default_factory=set)
-    revoking: bool = False  # the plan replaces an unacknowledged one by the node's reported layout
+__all__ = ["InFlight", "PlannerController"]
 
 
 class Leadership(Protocol):
@@ -86,55 +78,64 @@ class Unelected:
 
 class PlannerController:
     def __init__(self, api: client.ApiClient, settings: PlannerSettings, catalog: Catalog,
-                 liveness: Liveness | None = None, leadership: Leadership | Unelected | None = None):
+                 liveness: Liveness | None = None, leadership: Leadership | Unelected | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.core = client.CoreV1Api(api)
-        self.demand = DemandTracker()
+        self.clock = clock
+        # every decision (batching, nodes held back, reservations, workload, the plan) is the
+        # loop's, the one the simulator replays; this class moves data between it and the API server
+        self.loop = PlanningLoop(settings)
         self.leadership = leadership or Unelected()
         self.liveness = liveness or Liveness()
         self.settings = settings
         self.catalog = catalog
-        self.window = BatchWindow(settings.batch_idle_s, settings.batch_timeout_s)
-        self.in_flight: dict[str, InFlight] = {}
         self.wake = asyncio.Event()
         self.leading = asyncio.Event()
         # posted in the background: a round placing hundreds of pods must not wait for the API server
         self.events = EventRecorder(QueuedPoster(posting_to(self.core, PLANNER_COMPONENT)), settings.kube)
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
-        self.reserved: dict[str, tuple[str, float]] = {}  # pod -> (node, until): planned, applied, not bound
         self._reserved_for: dict[str, str] = {}  # pod -> the plan id it was last reserved for (once per plan)
         self._ids = itertools.count(1)
-        self._last_round = 0.0
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
                               settings=settings.kube, on_beat=lambda: self.liveness.beat("watch nodes"))
         self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods", settings=settings.kube,
                              transform=pod_for_planning, on_beat=lambda: self.liveness.beat("watch pods"))
+
+    @property
+    def window(self) -> BatchWindow:
+        return self.loop.window
+
+    @property
+    def in_flight(self) -> dict[str, InFlight]:
+        return self.loop.in_flight
+
+    @property
+    def reserved(self) -> dict[str, tuple[str, float]]:
+        return self.loop.reserved
 
     # --- watches --------------------------------------------------------------------------
 
     def _on_pod(self, kind: str, pod: Obj) -> None:
         key = pod_key(pod)
         if kind != "DELETED" and is_batch_candidate(pod):
-            if key not in self.window.members:
-                self.window.add(key, time.monotonic())
+            if self.loop.pod_waiting(key, self.clock()):
                 self.wake.set()
         else:
-            self.window.discard(key)
+            self.loop.pod_done(key)
 
     def _on_node(self, kind: str, node: Obj) -> None:
         name = node["metadata"]["name"]
-        flight = self.in_flight.get(name)
         ann = node["metadata"].get("annotations") or {}
-        if flight is not None and ann.get(STATUS_PLAN) == flight.plan_id:
-            del self.in_flight[name]
-            until = time.monotonic() + self.settings.reservation_s
+        now = self.clock()
+        flight = self.loop.acknowledged(name, ann[STATUS_PLAN], now) if ann.get(STATUS_PLAN) else None
+        if flight is not None:
             for key in flight.pods:  # their slices exist now: theirs until the scheduler binds them
-                self.reserved[key] = (name, until)
                 self._reserved_for[key] = flight.plan_id
             metrics.PLAN_ACKS.inc()
-            metrics.PLAN_ACK_SECONDS.observe(time.monotonic() - flight.sent_at)
+            metrics.PLAN_ACK_SECONDS.observe(now - flight.sent_at)
             log.info("plan acknowledged", extra={"fields": {"node": name, "plan": flight.plan_id,
-                                                            "after_s": round(time.monotonic() - flight.sent_at, 3)}})
+                                                            "after_s": round(now - flight.sent_at, 3)}})
             self.wake.set()
         # New facts about the node's GPUs (a plan applied, a slice freed or taken, the node gone):
         # pods still waiting may fit now, or only now be planned on it, so they join the batch.
@@ -145,9 +146,7 @@ class PlannerController:
                 self._status.pop(name, None)
             else:
                 self._status[name] = status
-            now = time.monotonic()
-            for key in self._candidates():
-                self.window.add(key, now)
+            self.loop.facts_changed(self._candidates(), now)
             self.wake.set()
 
     # --- the loop -------------------------------------------------------------------------
@@ -171,9 +170,8 @@ class PlannerController:
 
     async def _step(self) -> None:
         self.liveness.beat("planning loop")
-        now = time.monotonic()
         # a standby keeps its batch (it plans it on taking over) but waits for a wake-up, not for the batch
-        wait = self.window.wait_s(now) if self.leading.is_set() else None
+        wait = self.window.wait_s(self.clock()) if self.leading.is_set() else None
         timeout = self.settings.resync_s if wait is None else wait
         self.wake.clear()
         try:
@@ -182,12 +180,10 @@ class PlannerController:
             pass
         if not self.leading.is_set():
             return
-        now = time.monotonic()
+        now = self.clock()
         await self._expire_acks(now)
-        resync = now - self._last_round >= self.settings.resync_s
-        if self.window.ready(now) or (resync and self._candidates()):
-            self.window.close()
-            self._last_round = now
+        if self.loop.due(now, bool(self.window.members) or bool(self._candidates())):
+            self.loop.begin_round(now)
             await self.plan_round()
 
     def _candidates(self) -> list[str]:
@@ -198,32 +194,30 @@ class PlannerController:
         reported layout, no pods): only then are its pods planned elsewhere, and the old plan can
         never be applied after they went. A revocation that is not acknowledged either stays in
         flight: the node is left out until its agent answers, and nothing is written again."""
-        for name, flight in list(self.in_flight.items()):
-            if now - flight.sent_at <= self.settings.ack_timeout_s or flight.revoking:
-                continue
+        for name, flight in self.loop.overdue(now):
             metrics.PLAN_ERRORS.labels("ack_timeout").inc()
             log.warning("no acknowledgement from the node's agent", extra={"fields": {
                 "node": name, "plan": flight.plan_id, "waited_s": self.settings.ack_timeout_s}})
             node = self.nodes.cache.get(name)
             if node is None:  # the node is gone: so is its plan
-                del self.in_flight[name]
+                self.loop.forget_node(name)
                 continue
             if not self.leadership.can_write():
                 return
             plan_id = self._new_plan_id()
             patch = revoking_patch(node, self.catalog, plan_id, self.leadership.term)
             if patch is None:
-                del self.in_flight[name]
+                self.loop.forget_node(name)
                 continue
             try:
                 await patch_node_annotations(self.core, name, patch, node["metadata"].get("resourceVersion"))
             except APIError as e:  # a conflict included: the node changed, its next state decides
                 log.info("could not revoke the plan; will try again", extra={"fields": {"node": name, "error": str(e)}})
                 continue
-            self.in_flight[name] = InFlight(plan_id, now, set(), revoking=True)
+            self.loop.written(name, plan_id, (), now, revoking=True)
             why = (node["metadata"].get("annotations") or {}).get(STATUS_ERROR) or "its agent did not answer"
-            for key in flight.pods:  # planned again, elsewhere or here
-                self.window.add(key, now)
+            self.loop.facts_changed(flight.pods, now)  # planned again, elsewhere or here
+            for key in flight.pods:
                 await self._event(self.pods.cache.get(key), "PlanNotApplied",
                                   f"dynpart planned this pod on node {name} (plan {flight.plan_id}), but the node's agent "
                                   f"did not apply that plan within {self.settings.ack_timeout_s:g} s "
@@ -249,7 +243,7 @@ class PlannerController:
             elif ann.get(SPEC_PLAN) and ann.get(SPEC_PLAN) != ann.get(STATUS_PLAN):
                 term, pods = decode_fencing(ann, [])
                 if name not in self.in_flight:
-                    self.in_flight[name] = InFlight(ann[SPEC_PLAN], time.monotonic(), set(pods))
+                    self.loop.written(name, ann[SPEC_PLAN], pods, self.clock())
                 mine = self.leadership.term
                 if mine is not None and (term is None or term < mine):
                     self._to_adopt.add(name)
@@ -281,7 +275,7 @@ class PlannerController:
         named by an acknowledged spec that this replica never saw acknowledged (it restarted, or
         took over as leader) are reserved too, once per plan: what is in flight lives in the
         cluster, not in one process."""
-        now = time.monotonic()
+        now = self.clock()
         for node in self.nodes.cache.values():
             ann = node["metadata"].get("annotations") or {}
             plan_id = ann.get(SPEC_PLAN)
@@ -292,15 +286,13 @@ class PlannerController:
                 if key in self.reserved or self._reserved_for.get(key) == plan_id or pod is None:
                     continue
                 if not (pod.get("spec") or {}).get("nodeName"):
-                    self.reserved[key] = (node["metadata"]["name"], now + self.settings.reservation_s)
+                    self.loop.reserve(key, node["metadata"]["name"], now)
                     self._reserved_for[key] = plan_id
-        out: dict[str, str] = {}
-        for key, (name, until) in list(self.reserved.items()):
+
+        def bound_or_gone(key: str) -> bool:
             pod = self.pods.cache.get(key)
-            if pod is None or (pod.get("spec") or {}).get("nodeName") or now > until:
-                del self.reserved[key]
-            else:
-                out[key] = name
+            return pod is None or bool((pod.get("spec") or {}).get("nodeName"))
+        out = self.loop.reservations(now, bound_or_gone)
         self._release_taken(out, now)
         for key in [k for k in self._reserved_for if k not in self.pods.cache]:
             del self._reserved_for[key]
@@ -316,32 +308,26 @@ class PlannerController:
         once the kubelet holds the devices. When the pods bound there asking for the resource
         (bindings are facts at once; allocatable lags) need every one of those slices, none is left
         for the reserved pods beyond them: they are planned again now."""
-        want: dict[tuple[str, str], list[str]] = {}
-        for key, name in reserved.items():
-            for res in slice_requests(self.pods.cache[key]):
-                want.setdefault((name, res), []).append(key)
-        if not want:
+        if not reserved:
             return
-        nodes = {name for name, _ in want}
+        requests = {key: slice_requests(self.pods.cache[key]) for key in reserved}
+        nodes = set(reserved.values())
         bound: Counter[tuple[str, str]] = Counter()
         for pod in self.pods.cache.values():
             on = (pod.get("spec") or {}).get("nodeName")
             if on in nodes and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
                 for res, n in slice_requests(pod).items():
                     bound[(on, res)] += n
-        for (name, res), keys in sorted(want.items()):
+        slices = {}
+        for name in nodes:
             node = self.nodes.cache.get(name)
-            slices = reported_slices(node, self.catalog) if node is not None else None
-            if slices is None:
-                continue
-            free = max(0, slices[res] - bound[(name, res)])
-            for key in sorted(keys)[free:]:
-                del self.reserved[key]
-                reserved.pop(key, None)
-                self.window.add(key, now)
-                metrics.RESERVATIONS_TAKEN.inc()
-                log.info("reservation ended: its slice went to another pod", extra={"fields": {
-                    "pod": key, "node": name, "resource": res, "slices": slices[res], "bound": bound[(name, res)]}})
+            counts = reported_slices(node, self.catalog) if node is not None else None
+            if counts is not None:
+                slices[name] = counts
+        for key, name, res in self.loop.release_taken(reserved, requests, bound, slices, now):
+            metrics.RESERVATIONS_TAKEN.inc()
+            log.info("reservation ended: its slice went to another pod", extra={"fields": {
+                "pod": key, "node": name, "resource": res, "slices": slices[name][res], "bound": bound[(name, res)]}})
 
     def _new_plan_id(self) -> str:
         return f"{int(time.time() * 1000):x}-{next(self._ids)}"
@@ -351,8 +337,7 @@ class PlannerController:
         pods = list(self.pods.cache.values())
         awaiting = self._awaiting_from_annotations()
         await self._adopt()
-        held_pods = set().union(*(f.pods for f in self.in_flight.values())) if self.in_flight else set()
-        view = build_snapshot(nodes, pods, self.catalog, awaiting, held_pods, self._reservations())
+        view = build_snapshot(nodes, pods, self.catalog, awaiting, self.loop.held_pods(), self._reservations())
         snapshot = view.snapshot
         for obj, message in view.problems:
             metrics.PLAN_ERRORS.labels("bad_object").inc()
@@ -366,16 +351,13 @@ class PlannerController:
         if not snapshot.pending:
             return
         # the objective's request distribution: the requests seen lately, decayed (planner/demand.py)
-        self.demand.observe(snapshot.pending, time.time())
-        workload = self.demand.workload()
+        snapshot = self.loop.prepare(snapshot, self.clock())
         metrics.WORKLOAD_WEIGHT.clear()
-        for share in workload:
+        for share in snapshot.workload:
             metrics.WORKLOAD_WEIGHT.labels(share.resource).inc(share.weight)
-        snapshot = snapshot.model_copy(update={"workload": workload})
-        options = PlanOptions(time_limit_s=self.settings.plan_time_limit_s)
         started = time.perf_counter()
         try:
-            result = await asyncio.to_thread(plan, snapshot, view.catalog, options)
+            result = await asyncio.to_thread(self.loop.decide, snapshot, view.catalog)
         except DynpartError as e:
             # build_snapshot leaves out every object that fails validation on its own, so this is a
             # problem between objects (say two nodes of one name): skip the round, never crash-loop
@@ -413,8 +395,8 @@ class PlannerController:
                 metrics.PLAN_ERRORS.labels("conflict").inc()
                 log.info("node changed while planning; will re-plan", extra={"fields": {"node": layout.node, "error": str(e)}})
                 not_written.add(layout.node)
-                for key in placed_on.get(layout.node, ()):  # the next batch plans them on the node as it is now
-                    self.window.add(key, time.monotonic())
+                # the next batch plans them on the node as it is now
+                self.loop.facts_changed(placed_on.get(layout.node, ()), self.clock())
                 self.wake.set()
                 continue
             except APIError as e:
@@ -423,7 +405,7 @@ class PlannerController:
                 not_written.add(layout.node)
                 continue
             written.add(layout.node)
-            self.in_flight[layout.node] = InFlight(node_plan, time.monotonic(), placed_on.get(layout.node, set()))
+            self.loop.written(layout.node, node_plan, placed_on.get(layout.node, ()), self.clock())
             metrics.NODE_PLANS.inc()
             created = sum(g.created for g in layout.gpus)
             destroyed = sum(g.destroyed for g in layout.gpus)

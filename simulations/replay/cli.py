@@ -2,10 +2,11 @@
 the best static layout.
 
 Pods arrive at their creation time (a trace's optionally compressed, for more load) and leave
-after their run time; waiting pods are planned every --window seconds by the same `plan()` the
-controller calls, with each policy (dynpart, nos, static), and start once their slices exist (a
-MIG instance created or destroyed costs --mig-delay seconds, an MPS configuration change
---mps-delay). Prints pending-time mean and percentiles, placements, reconfigurations and the
+after their run time; a pod that finds no free slice is planned by the planner controller's own
+loop (its batch window, resync and nodes held until they acknowledge; --planner-config gives its
+settings) with each policy (dynpart; nos, with nos's 10 s / 60 s batch window; static), and
+starts once its slices exist (a MIG instance created or destroyed costs --mig-delay seconds, an
+MPS configuration change --mps-delay). Prints pending-time mean and percentiles, placements, reconfigurations and the
 used slices disrupted (always 0 for a correct planner) per policy, and how much shorter
 dynpart's waits are.
 
@@ -31,11 +32,19 @@ from typing import Any
 
 from dynpart.catalog import Catalog, GpuModel, load_catalog
 from dynpart.errors import DynpartError
+from dynpart.settings import PlannerSettings, load_settings
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs import command_line, workloads
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
 from dynpart.simulations.inputs.traces import PodTrace
-from dynpart.simulations.replay.engine import REPLAY_POLICIES, ReplayOptions, ReplayResult, run_replay
+from dynpart.simulations.replay.engine import (
+    NOS_BATCH,
+    REPLAY_POLICIES,
+    ReplayOptions,
+    ReplayResult,
+    default_planner_settings,
+    run_replay,
+)
 from dynpart.simulations.replay.mapping import RULES, static_contenders, static_fits, static_layout
 from dynpart.simulations.replay.summary import best_static, change_pct, gpu_waits, summary
 from dynpart.simulations.reporting import plots, report
@@ -43,6 +52,8 @@ from dynpart.simulations.reporting.progress import Progress
 
 DEFAULT_CLUSTER = "8x8xH100-80GB"
 _COST = {"nos": 0, "dynpart": 1, "static": 2}  # slowest first, to keep the processes busy
+# the planner settings a replay uses (and its summary records)
+PLANNER_FIELDS = {"batch_idle_s", "batch_timeout_s", "resync_s", "plan_time_limit_s", "demand_half_life_s", "workload"}
 
 
 @dataclass
@@ -98,20 +109,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "memory share")
     p.add_argument("--compress", type=float, default=d.compress,
                    help="divide arrival times by this (durations kept): more load on the same cluster (default 1)")
-    p.add_argument("--window", type=float, default=d.window_s, help=f"planning window, s (default {d.window_s:g})")
     p.add_argument("--mig-delay", type=float, default=d.mig_op_delay_s,
                    help=f"seconds per MIG instance created or destroyed (default {d.mig_op_delay_s:g})")
     p.add_argument("--mps-delay", type=float, default=d.mps_switch_delay_s,
                    help=f"seconds per MPS configuration change of a GPU (default {d.mps_switch_delay_s:g})")
-    p.add_argument("--plan-pods", type=int, default=d.plan_pods,
-                   help=f"oldest waiting pods given to each plan (default {d.plan_pods})")
-    p.add_argument("--fairness", choices=["age", "rank", "none"], default=d.fairness,
-                   help="priority of waiting pods, the same for every policy: age (default: a level per --aging "
-                        f"seconds waited, up to {d.max_priority}), rank (by queue position) or none")
-    p.add_argument("--aging", type=float, default=d.aging_s,
-                   help=f"seconds per priority level with --fairness age (default {d.aging_s:g})")
-    p.add_argument("--time-limit", type=float, default=d.time_limit_s,
-                   help=f"planner exact-search budget per plan, deterministic seconds (default {d.time_limit_s:g})")
+    p.add_argument("--planner-config", metavar="YAML",
+                   help="the planner's settings file (the `--config` of `dynpart planner run`, with its "
+                        "DYNPART_PLANNER_* environment): the replay runs the controller's loop with them (batch "
+                        "window, resync, exact-search budget, workload); default: the planner's defaults")
+    p.add_argument("--time-limit", type=float,
+                   help=f"override the planner's exact-search budget per plan, deterministic seconds (default "
+                        f"{d.planner.plan_time_limit_s:g})")
     p.add_argument("--jobs", type=int, default=command_line.default_jobs(), help="replays run in parallel processes "
                    "(default: CPU count)")
     p.add_argument("--out", metavar="DIR", help="write summary.json, steps.csv, pods.csv and PNG plots there")
@@ -181,10 +189,12 @@ def run(args: argparse.Namespace) -> int:
         raise SimulationError(f"--policy {args.policy!r}: expected some of {', '.join(REPLAY_POLICIES)}")
     if args.jobs < 1:
         raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
+    planner = (load_settings(PlannerSettings, args.planner_config, {"plan_time_limit_s": args.time_limit})
+               if args.planner_config else
+               default_planner_settings().model_copy(update={"plan_time_limit_s": args.time_limit})
+               if args.time_limit is not None else default_planner_settings())
     base = ReplayOptions(mode=args.mode if args.trace else None, mapping=args.mapping, compress=args.compress,
-                         window_s=args.window, mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay,
-                         plan_pods=args.plan_pods, time_limit_s=args.time_limit, aging_s=args.aging,
-                         fairness=args.fairness)
+                         mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay, planner=planner)
     base.check()
     parts, spec = _parts(args, catalog, "static" in policies)
     jobs: list[Job] = []
@@ -209,9 +219,9 @@ def run(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = {
         "workload": None if spec is None else spec.model_dump(),
         "workload_inline": None if spec is None else spec.inline(),
-        "trace": args.trace, "mapping": args.mapping, "compress": args.compress, "window_s": args.window,
-        "mig_op_delay_s": args.mig_delay, "mps_switch_delay_s": args.mps_delay, "plan_pods": args.plan_pods,
-        "fairness": args.fairness, "aging_s": args.aging, "time_limit_s": args.time_limit,
+        "trace": args.trace, "mapping": args.mapping, "compress": args.compress,
+        "mig_op_delay_s": args.mig_delay, "mps_switch_delay_s": args.mps_delay,
+        "planner": planner.model_dump(include=PLANNER_FIELDS), "nos_batch": NOS_BATCH,
         "static_geometry": args.static_geometry,
         "static_choice_rule": "unless --static-geometry forces one for the part's mode: the standard layout with "
                               "the lowest mean pending time (then p95, then pods never placed)",

@@ -1,24 +1,31 @@
-"""Replay a trace over time on a MIG or MPS cluster, planned by `planner.plan()`.
+"""Replay a trace over time on a MIG or MPS cluster, decided by the planner controller's own
+loop (`planner.loop.PlanningLoop`, built from the same `PlannerSettings`) in simulated time.
 
 Pods arrive at their creation time (counted from the first one, divided by `compress`: a
 compressed trace brings the same pods closer together, a higher load on a small cluster) and
-leave after their recorded duration. GPU pods wait in a queue; every `window_s` of simulated time,
-when something changed (an arrival, a departure, or a plan that placed pods while more waited
-than it was given) and pods wait, the simulator builds a
-snapshot of the whole cluster (slices held by pods are `used`, with the pod's name) with the
-oldest `plan_pods` waiting pods, calls `plan(snapshot, options=PlanOptions(policy=...))` and
-applies the plan:
-- the plan must keep every used slice in place (compared layout by layout); a plan that does
-  not is counted in `used_slices_disrupted` and not applied;
-- a GPU whose layout changes is busy for `mig_op_delay_s` per MIG instance created or
-  destroyed (MIG) or `mps_switch_delay_s` per MPS configuration change; a slice it creates is
-  ready when the GPU is; a pod starts when all its slices are ready;
-- a slice is given to a pod only when no pod holds it: slices are reused only after their pod
-  left.
-CPU-only pods do not go through the planner (it plans GPU resources): they are placed at each
-planning tick, first come first served, on the node with the least CPU left that fits.
-Static layouts are applied at time 0 without delay and never change.
-The cluster state is the planner's own models (`replay.cluster`): the snapshot given to `plan()`
+leave after their recorded duration. What happens to a pod is what happens on a cluster:
+- the scheduler (`replay.scheduler`) binds it at once where a free slice of its kind is
+  advertised; otherwise it is unschedulable and the loop takes it into a batch;
+- when the loop's batch closes (`batch_idle_s` / `batch_timeout_s`), or `resync_s` after the
+  last round while pods wait, the loop plans: the snapshot is the cluster as it is (slices held
+  by pods are `used`, with the pod's name) without the nodes whose plan is not acknowledged yet,
+  with every waiting pod not planned onto such a node, oldest first;
+- a node whose layout the plan changes is held back until its agent acknowledges, which in the
+  replay is when its GPUs finished reconfiguring: `mig_op_delay_s` per MIG instance created or
+  destroyed, `mps_switch_delay_s` per MPS configuration change of a GPU. A slice it creates is
+  ready when its GPU is; a pod starts when all its slices are ready;
+- the plan must keep every used slice in place (compared layout by layout); a plan that does not
+  is counted in `used_slices_disrupted` and not applied;
+- a slice is given to a pod only when no pod holds it: slices are reused only after their pod left.
+What differs from a cluster: the replay binds each planned pod to the slice made for it (a real
+scheduler may give that slice to another pod of the same request first: the controller's
+reservations, planner/controller.py); the agent's acknowledgement costs no time beyond the
+reconfiguration; no watch event is ever missed, so a resync round whose cluster and pods did not
+change since the last round is skipped (it would plan the same). Static layouts are applied at
+time 0 without delay and never change (no loop runs: the scheduler alone binds pods to their
+slices); `nos` is the same loop with nos's batch window (10 s idle,
+60 s at most) and the nos policy.
+The cluster state is the planner's own models (`replay.cluster`): the snapshot given to the loop
 is that state, not a copy built from another model.
 """
 
@@ -30,17 +37,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dynpart.catalog import Catalog
-from dynpart.planner.core import PlanOptions, plan
+from dynpart.planner.loop import PlanningLoop, node_writes
+from dynpart.planner.policy import PolicyName
+from dynpart.settings import PlannerSettings
 from dynpart.simulations import bridge
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
 from dynpart.simulations.inputs.traces import TracePod
+from dynpart.simulations.replay import scheduler
 from dynpart.simulations.replay.cluster import ReplayCluster
 from dynpart.simulations.replay.mapping import RULES, request_for
-from dynpart.snapshot import PendingPod, PlacedSlice, Plan, Snapshot
+from dynpart.snapshot import PlacedSlice, Plan, Snapshot, full_layout
 
 REPLAY_POLICIES = ("dynpart", "nos", "static")
-FAIRNESS = ("rank", "age", "none")
+# nos's batch window (its partitioner's defaults): the baseline runs the loop with it
+NOS_BATCH = {"batch_idle_s": 10.0, "batch_timeout_s": 60.0}
+
+
+def default_planner_settings() -> PlannerSettings:
+    """The planner's defaults, without reading the environment (the CLI reads the same file and
+    environment as `dynpart planner run`)."""
+    return PlannerSettings.model_validate({})
 
 
 @dataclass(frozen=True)
@@ -49,17 +66,10 @@ class ReplayOptions:
     mode: str | None = None  # override the cluster's mode
     mapping: str = "compute"
     compress: float = 1.0  # arrival times divided by this (durations kept): load x compress
-    window_s: float = 60.0
     mig_op_delay_s: float = 5.0
     mps_switch_delay_s: float = 30.0
-    plan_pods: int = 64
-    time_limit_s: float = 0.1
-    # priority of the waiting pods given to a plan (the same rule for every policy): "age" = one
-    # level per aging_s waited, up to max_priority; "rank" = by queue position (the oldest fifth
-    # highest, then the next fifth...); "none" = all equal
-    fairness: str = "age"
-    aging_s: float = 60.0
-    max_priority: int = 4  # the planner weighs levels strictly: keep few (CP-SAT objective is int64)
+    # the planner controller's settings (batch window, resync, exact-search budget, workload)
+    planner: PlannerSettings = field(default_factory=default_planner_settings)
     static_layout: tuple[tuple[str, str], ...] = ()  # PlanOptions.static_layout as pairs
 
     def check(self) -> None:
@@ -69,16 +79,16 @@ class ReplayOptions:
             raise SimulationError(f"--mapping {self.mapping!r}: expected one of {', '.join(RULES)}")
         if self.compress <= 0:
             raise SimulationError(f"--compress {self.compress}: must be positive")
-        if self.window_s <= 0:
-            raise SimulationError(f"--window {self.window_s}: must be positive")
         if self.mig_op_delay_s < 0 or self.mps_switch_delay_s < 0:
             raise SimulationError("reconfiguration delays cannot be negative")
-        if self.fairness not in FAIRNESS:
-            raise SimulationError(f"--fairness {self.fairness!r}: expected one of {', '.join(FAIRNESS)}")
-        if not 0 <= self.max_priority <= 6:
-            raise SimulationError(f"max priority {self.max_priority}: expected 0..6")
-        if self.plan_pods < 1:
-            raise SimulationError("--plan-pods must be at least 1")
+
+    def loop(self) -> PlanningLoop:
+        """The controller's loop for this policy."""
+        settings = self.planner
+        if self.policy == "nos":
+            settings = settings.model_copy(update=NOS_BATCH)
+        policy: PolicyName = "nos" if self.policy == "nos" else "static" if self.policy == "static" else "dynpart"
+        return PlanningLoop(settings, policy, dict(self.static_layout))
 
 
 @dataclass
@@ -93,10 +103,21 @@ class PodRun:
     node: int | None = None
     slices: list[PlacedSlice] = field(default_factory=list)  # the slices it holds
     failed: str | None = None  # why it can never run on this cluster
+    planned: bool = False  # bound on slices a plan made or chose for it (else by the scheduler alone)
 
     @property
     def wait(self) -> float | None:
         return None if self.start is None else self.start - self.arrival
+
+
+@dataclass(frozen=True)
+class NodeWritten:
+    """One node layout the loop decided, as the controller would write it (for comparisons)."""
+    time: float
+    node: str
+    plan_id: str
+    layout: dict  # the node's whole desired layout (all its GPUs), NodeLayout.model_dump()
+    pods: tuple[str, ...]
 
 
 @dataclass
@@ -116,9 +137,178 @@ class ReplayResult:
     end_time: float
     wall_s: float
     ignored_rows: dict[str, int] = field(default_factory=dict)  # counts of rows read but not fully applied
+    writes: list[NodeWritten] = field(default_factory=list)
 
 
-PendingTuple = tuple[PodRun, int]
+class _Replay:
+    """One replay's mutable state and its event handlers (run_replay drives it)."""
+
+    def __init__(self, runs: list[PodRun], cl: ReplayCluster, catalog: Catalog, opts: ReplayOptions):
+        self.runs, self.cl, self.catalog, self.opts = runs, cl, catalog, opts
+        self.loop = opts.loop()
+        self.by_name = {r.pod.name: r for r in runs}
+        self.events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, pod or node)
+        self.seq = 0
+        self.waiting: dict[str, PodRun] = {}  # GPU pods arrived, not bound (insertion = arrival order)
+        self.waiting_cpu: dict[str, PodRun] = {}
+        self.assigned_not_started = 0
+        self.running = 0
+        self.stats = {"reconfigurations": 0, "mig_ops": 0, "disrupted": 0, "rejected": 0, "plan_calls": 0,
+                      "plan_s": 0.0}
+        self.touched: set[tuple[int, int]] = set()
+        self.writes: list[NodeWritten] = []
+        self.wake_at: float | None = None
+        self.changed = True  # something a round would see changed since the last round
+        self.rounds = 0
+
+    def push(self, t: float, kind: str, name: str = "") -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, name))
+
+    # --- the scheduler ----------------------------------------------------------------------
+
+    def schedule(self, now: float, only: list[PodRun] | None = None) -> None:
+        """Bind what the scheduler can bind now, oldest first (`only`: just these pods)."""
+        cpu_pods = [r for r in (only or self.waiting_cpu.values()) if r.resource is None]
+        for r in cpu_pods:
+            where = scheduler.bind(self.cl, None, 0, r.pod.cpu_milli, r.pod.memory_mib, now)
+            if where is not None:
+                self._bind(r, where[0], [], now, now)
+        gpu_pods = [r for r in (only or self.waiting.values()) if r.resource is not None]
+        if not gpu_pods:
+            return
+        offered = scheduler.free_counts(self.cl, now)
+        held = self.loop.held_pods()
+        for r in gpu_pods:
+            if r.pod.name in held or offered[r.resource or ""] < r.count:
+                continue
+            where = scheduler.bind(self.cl, r.resource, r.count, r.pod.cpu_milli, r.pod.memory_mib, now)
+            if where is not None:
+                offered[r.resource or ""] -= r.count
+                self._bind(r, where[0], where[1], now, now)
+
+    def _bind(self, r: PodRun, node: int, slices: list[PlacedSlice], now: float, start: float) -> None:
+        for placed in slices:
+            start = max(start, self.cl.take(node, placed, r.pod.name, now))
+            r.slices.append(placed)
+        r.node, r.assigned, r.start = node, now, start
+        self.cl.reserve(node, r.pod)
+        n = self.cl.nodes[node]
+        if n.cpu_milli_free < 0 or n.memory_mib_free < 0:
+            raise AssertionError(f"{r.pod.name} overcommitted CPU/memory of {n.name}")
+        self.loop.pod_done(r.pod.name)
+        if r.resource is None:
+            del self.waiting_cpu[r.pod.name]
+            self.running += 1
+            self.push(now + r.duration, "leave", r.pod.name)
+        else:
+            del self.waiting[r.pod.name]
+            self.assigned_not_started += 1
+            self.push(start, "start", r.pod.name)
+        self.changed = True
+
+    # --- events -----------------------------------------------------------------------------
+
+    def arrive(self, r: PodRun, now: float) -> None:
+        if r.failed is not None:
+            return
+        (self.waiting if r.resource else self.waiting_cpu)[r.pod.name] = r
+        self.schedule(now, [r])
+        if r.resource and r.pod.name in self.waiting:
+            self.loop.pod_waiting(r.pod.name, now)  # unschedulable: the controller's batch
+            self.changed = True
+
+    def leave(self, r: PodRun, now: float) -> None:
+        assert r.node is not None
+        self.cl.unreserve(r.node, r.pod)
+        self.cl.release(r.node, r.slices, r.pod.name)
+        self.running -= 1
+        self.facts_changed(now)
+
+    def acknowledged(self, node: str, plan_id: str, now: float) -> None:
+        if self.loop.acknowledged(node, plan_id, now) is not None:
+            self.facts_changed(now)
+
+    def facts_changed(self, now: float) -> None:
+        """A node's reported state changed: the scheduler tries again, and the pods still waiting
+        join the batch (the controller's reaction to a node status change)."""
+        self.changed = True
+        self.schedule(now)
+        self.loop.facts_changed(list(self.waiting), now)
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def maybe_plan(self, now: float) -> None:
+        if self.opts.policy == "static":
+            return  # a static layout never changes: the scheduler alone binds pods to its slices
+        held_pods = self.loop.held_pods()
+        waiting = [r for r in self.waiting.values() if r.pod.name not in held_pods]
+        if not self.loop.due(now, bool(waiting)):
+            return
+        batch_closed = self.loop.window.ready(now)
+        self.loop.begin_round(now)
+        if not waiting or not (batch_closed or self.changed):
+            return  # a resync of what the last round saw plans the same: skipped
+        self.changed = False
+        held = self.loop.held_nodes()
+        snap = bridge.snapshot([n for n in self.cl.gpu_nodes if n.name not in held],
+                               [bridge.pending_pod(r.pod, r.resource or "", r.count) for r in waiting])
+        snap = self.loop.prepare(snap, now)
+        t0 = time.perf_counter()
+        result = self.loop.decide(snap, self.catalog)
+        self.stats["plan_s"] += time.perf_counter() - t0
+        self.stats["plan_calls"] += 1
+        self.rounds += 1
+        self.apply(snap, result, now, f"r{self.rounds}")
+
+    def apply(self, snap: Snapshot, result: Plan, now: float, plan_id: str, initial: bool = False) -> None:
+        """Apply a plan: new layouts (with their delays; the node held until its GPUs are ready),
+        then the placements."""
+        bad = bridge.disrupted_slices(snap, result)
+        if bad:
+            self.stats["disrupted"] += len(bad)
+            self.stats["rejected"] += 1
+            return
+        cl, opts = self.cl, self.opts
+        snap_nodes = {n.name: n for n in snap.nodes}
+        for k, write in enumerate(node_writes(result)):
+            ni = cl.index[write.node]
+            written = full_layout(snap_nodes[write.node], write.layout)  # as the controller writes it
+            node_ready = now
+            for gl in write.layout.gpus:
+                created, destroyed = cl.changes(ni, gl)
+                if not (created or destroyed):
+                    continue
+                ready = now
+                if not initial:
+                    self.stats["reconfigurations"] += 1
+                    self.stats["mig_ops"] += created + destroyed
+                    self.touched.add((ni, gl.index))
+                    delay = opts.mig_op_delay_s * (created + destroyed) if cl.mode == "mig" else opts.mps_switch_delay_s
+                    clock = cl.clocks[ni][gl.index]
+                    clock.busy_until = max(now, clock.busy_until) + delay
+                    ready = clock.busy_until
+                cl.set_layout(ni, gl, ready)
+                node_ready = max(node_ready, ready)
+            if not initial:
+                node_plan = f"{plan_id}.{k}"
+                self.loop.written(write.node, node_plan, write.pods, now)
+                self.writes.append(NodeWritten(now, write.node, node_plan, written.model_dump(), write.pods))
+                self.push(node_ready, "ack", f"{write.node}\t{node_plan}")
+        for pl in result.placements:
+            r = self.by_name[pl.pod]
+            r.planned = True
+            self._bind(r, cl.index[pl.node], list(pl.slices), now, now)
+
+    def wake(self, now: float) -> None:
+        """Schedule the next loop wake-up when pods wait (a resync only when something changed:
+        one of nothing new would be skipped, and the replay would never end)."""
+        if self.opts.policy == "static" or not (self.loop.window.members or (self.waiting and self.changed)):
+            return
+        at = max(now, self.loop.next_due())
+        if self.wake_at is None or at < self.wake_at:
+            self.wake_at = at
+            self.push(at, "wake")
 
 
 def run_replay(pods: Sequence[TracePod], spec: ClusterSpec, catalog: Catalog, opts: ReplayOptions,
@@ -140,183 +330,44 @@ def run_replay(pods: Sequence[TracePod], spec: ClusterSpec, catalog: Catalog, op
     runs.sort(key=lambda r: (r.arrival, r.pod.line))
     for r in runs:
         r.failed = cl.never_fits(r.pod)
-
-    plan_opts = PlanOptions(policy=opts.policy, time_limit_s=opts.time_limit_s,
-                            static_layout=dict(opts.static_layout))
-    by_name = {r.pod.name: r for r in runs}
-    seq = 0
-    events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, pod)
-
-    def push(t: float, kind: str, name: str = "") -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, name))
-
+    rp = _Replay(runs, cl, catalog, opts)
     for r in runs:
-        push(r.arrival, "arrive", r.pod.name)
-    waiting_gpu: dict[str, PodRun] = {}  # arrived, not yet given slices (insertion = arrival order)
-    waiting_cpu: dict[str, PodRun] = {}
-    assigned_not_started = 0
-    running = 0
+        rp.push(r.arrival, "arrive", r.pod.name)
+    if opts.policy == "static":  # the fixed layout, in place before the first pod
+        snap = cl.snapshot([])
+        rp.apply(snap, rp.loop.decide(snap, catalog), 0.0, "static", initial=True)
     timeline: list[tuple[float, int, int, float]] = []
-    stats = {"reconfigurations": 0, "mig_ops": 0, "disrupted": 0, "rejected": 0, "plan_calls": 0, "plan_s": 0.0}
-    touched: set[tuple[int, int]] = set()
-    dirty = False
-    tick_at: float | None = None
     horizon = max((r.arrival for r in runs), default=0.0)
-
-    offered: set[str] | None = None  # resources a static layout offers at all (None: any can be made)
-    if opts.policy == "static":
-        _apply(cl, _plan(cl, [], catalog, plan_opts, stats), 0.0, opts, by_name, stats, touched, initial=True)
-        offered = cl.offered_resources()
-
     now = 0.0
-    while events:
-        now, _, kind, name = heapq.heappop(events)
+    while rp.events:
+        now, _, kind, name = heapq.heappop(rp.events)
         if kind == "arrive":
-            r = by_name[name]
-            if r.failed is None:
-                (waiting_gpu if r.resource else waiting_cpu)[name] = r
-                dirty = True
+            rp.arrive(rp.by_name[name], now)
         elif kind == "start":
-            assigned_not_started -= 1
-            running += 1
-            push(now + by_name[name].duration, "leave", name)
+            rp.assigned_not_started -= 1
+            rp.running += 1
+            rp.push(now + rp.by_name[name].duration, "leave", name)
         elif kind == "leave":
-            _release(cl, by_name[name])
-            running -= 1
-            dirty = True
-        elif kind == "tick":
-            tick_at = None
-            if dirty and (waiting_gpu or waiting_cpu):
-                dirty = False
-                started = _place_cpu_pods(cl, waiting_cpu, now)
-                for r in started:
-                    running += 1
-                    push(now + r.duration, "leave", r.pod.name)
-                # a pod whose resource the static layout never offers waits forever, without
-                # keeping the pods behind it out of the plan
-                batch = [r for r in waiting_gpu.values() if offered is None or r.resource in offered]
-                batch = batch[: opts.plan_pods]
-                if batch:
-                    prios = [_priority(r, k, len(batch), now, opts) for k, r in enumerate(batch)]
-                    result = _plan(cl, list(zip(batch, prios)), catalog, plan_opts, stats)
-                    placed = _apply(cl, result, now, opts, by_name, stats, touched)
-                    for r, start in placed:
-                        del waiting_gpu[r.pod.name]
-                        assigned_not_started += 1
-                        push(start, "start", r.pod.name)
-                    # pods beyond this plan's batch get their turn in the next window
-                    dirty = bool(placed) and len(waiting_gpu) > len(batch) - len(placed)
-        if (waiting_gpu or waiting_cpu) and dirty and tick_at is None:
-            tick_at = (now // opts.window_s + 1) * opts.window_s
-            push(tick_at, "tick")
-        if not events or events[0][0] > now:
-            point = (now, len(waiting_gpu) + assigned_not_started, running, cl.allocation())
+            rp.leave(rp.by_name[name], now)
+        elif kind == "ack":
+            node, plan_id = name.split("\t")
+            rp.acknowledged(node, plan_id, now)
+        elif kind == "wake" and rp.wake_at == now:
+            rp.wake_at = None
+        if not rp.events or rp.events[0][0] > now:  # every event of this instant is in
+            rp.maybe_plan(now)
+            rp.wake(now)
+            point = (now, len(rp.waiting) + rp.assigned_not_started, rp.running, cl.allocation())
             if not timeline or timeline[-1][1:] != point[1:]:  # only when something changed
                 timeline.append(point)
             if progress is not None:
                 progress(min(now, horizon), horizon)
     if timeline and timeline[-1][0] != now:
         timeline.append((now,) + timeline[-1][1:])  # the end of the simulation
+    st = rp.stats
     return ReplayResult(
         policy=opts.policy, mode=cl.mode, runs=runs, timeline=timeline,
-        reconfigurations=int(stats["reconfigurations"]), mig_ops=int(stats["mig_ops"]), gpus_touched=len(touched),
-        gpu_count=cl.gpu_count, used_slices_disrupted=int(stats["disrupted"]), plans_rejected=int(stats["rejected"]),
-        plan_calls=int(stats["plan_calls"]), plan_s=float(stats["plan_s"]), end_time=now,
-        wall_s=time.perf_counter() - t_wall, ignored_rows={k: v for k, v in ignored.items() if v})
-
-
-def _priority(r: PodRun, position: int, n: int, now: float, opts: ReplayOptions) -> int:
-    """Fairness: older pods get higher priority (the same rule for every policy)."""
-    if opts.fairness == "rank":
-        return opts.max_priority - position * (opts.max_priority + 1) // n
-    if opts.fairness == "age" and opts.aging_s > 0:
-        return min(opts.max_priority, int((now - r.arrival) // opts.aging_s))
-    return 0
-
-
-def _plan(cl: ReplayCluster, pending: list[PendingTuple], catalog: Catalog, opts: PlanOptions,
-          stats: dict) -> tuple[Snapshot, Plan]:
-    snap = cl.snapshot([_pending_pod(r, prio) for r, prio in pending])
-    t0 = time.perf_counter()
-    result = plan(snap, catalog, opts)
-    stats["plan_s"] += time.perf_counter() - t0
-    stats["plan_calls"] += 1
-    return snap, result
-
-
-def _pending_pod(r: PodRun, priority: int) -> PendingPod:
-    assert r.resource is not None  # only GPU pods are given to the planner
-    return bridge.pending_pod(r.pod, r.resource, r.count, priority)
-
-
-def _apply(cl: ReplayCluster, planned: tuple[Snapshot, Plan], now: float, opts: ReplayOptions,
-           by_name: dict[str, PodRun], stats: dict, touched: set,
-           initial: bool = False) -> list[tuple[PodRun, float]]:
-    """Apply a plan: new layouts (with their delays), then the placements. Returns the pods
-    given slices (their start times set), with those start times."""
-    snap, result = planned
-    bad = bridge.disrupted_slices(snap, result)
-    if bad:
-        stats["disrupted"] += len(bad)
-        stats["rejected"] += 1
-        return []
-    delay_per_op = opts.mig_op_delay_s if cl.mode == "mig" else 0.0
-    for lay in result.layouts:
-        ni = cl.index[lay.node]
-        for gl in lay.gpus:
-            created, destroyed = cl.changes(ni, gl)
-            if not (created or destroyed):
-                continue
-            if initial:
-                ready = now
-            else:
-                stats["reconfigurations"] += 1
-                stats["mig_ops"] += created + destroyed
-                touched.add((ni, gl.index))
-                delay = delay_per_op * (created + destroyed) if cl.mode == "mig" else opts.mps_switch_delay_s
-                clock = cl.clocks[ni][gl.index]
-                clock.busy_until = max(now, clock.busy_until) + delay
-                ready = clock.busy_until
-            cl.set_layout(ni, gl, ready)
-    out: list[tuple[PodRun, float]] = []
-    for pl in result.placements:
-        r = by_name[pl.pod]
-        ni = cl.index[pl.node]
-        start = now
-        for placed in pl.slices:
-            start = max(start, cl.take(ni, placed, r.pod.name, now))
-            r.slices.append(placed)
-        r.node = ni
-        r.assigned = now
-        r.start = start
-        cl.reserve(ni, r.pod)
-        node = cl.nodes[ni]
-        if node.cpu_milli_free < 0 or node.memory_mib_free < 0:
-            raise AssertionError(f"plan overcommitted CPU/memory of {pl.node} with {pl.pod}")
-        out.append((r, start))
-    return out
-
-
-def _release(cl: ReplayCluster, r: PodRun) -> None:
-    assert r.node is not None
-    cl.unreserve(r.node, r.pod)
-    cl.release(r.node, r.slices, r.pod.name)
-
-
-def _place_cpu_pods(cl: ReplayCluster, waiting: dict[str, PodRun], now: float) -> list[PodRun]:
-    """First come first served, on the node with the least CPU left that fits."""
-    started = []
-    nodes = cl.nodes
-    for name, r in list(waiting.items()):
-        fits = [i for i, n in enumerate(nodes)
-                if n.cpu_milli_free >= r.pod.cpu_milli and n.memory_mib_free >= r.pod.memory_mib]
-        if not fits:
-            continue
-        best = min(fits, key=lambda i: (nodes[i].cpu_milli_free - r.pod.cpu_milli, i))
-        cl.reserve(best, r.pod)
-        r.node, r.assigned, r.start = best, now, now
-        del waiting[name]
-        started.append(r)
-    return started
+        reconfigurations=int(st["reconfigurations"]), mig_ops=int(st["mig_ops"]), gpus_touched=len(rp.touched),
+        gpu_count=cl.gpu_count, used_slices_disrupted=int(st["disrupted"]), plans_rejected=int(st["rejected"]),
+        plan_calls=int(st["plan_calls"]), plan_s=float(st["plan_s"]), end_time=now,
+        wall_s=time.perf_counter() - t_wall, ignored_rows={k: v for k, v in ignored.items() if v}, writes=rp.writes)

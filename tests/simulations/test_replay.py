@@ -82,17 +82,34 @@ def test_mps_replay_invariants(policy, catalog):
 
 
 def test_reconfiguration_delay_and_slice_reuse(catalog):
-    # a and b (3g.40gb each) are planned in the first window onto one GPU: two instances are
-    # created in one reconfiguration (2 ops x 7 s), both ready when it ends; c arrives after
-    # both left and reuses a free instance: no reconfiguration
+    # a (3g.40gb) finds no slice: the controller's loop plans it at once (the first round is a
+    # resync) and its instance is ready 7 s later; b arrives at 10 and is planned when its batch
+    # closes (batch_idle_s later), on a second instance created on the acknowledged node; c arrives
+    # after both left and the scheduler binds it to a free instance: no plan, no reconfiguration
     pods = [pod("a", milli=400, t0=0, t1=100), pod("b", milli=400, t0=10, t1=300),
             pod("c", milli=400, t0=500, t1=600)]
     spec = cluster(("n0", 64_000, 1, "H100-80GB"), mode="mig")
-    r = run_replay(pods, spec, catalog, ReplayOptions(policy="dynpart", window_s=60, mig_op_delay_s=7))
+    opts = ReplayOptions(policy="dynpart", mig_op_delay_s=7)
+    r = run_replay(pods, spec, catalog, opts)
     a, b, c = r.runs
-    assert (a.assigned, a.start, b.assigned, b.start) == (60, 74, 60, 74)
-    assert c.assigned == 540 and c.start == 540
-    assert r.reconfigurations == 1 and r.mig_ops == 2 and r.gpus_touched == 1
+    idle = opts.planner.batch_idle_s
+    assert (a.assigned, a.start, a.planned) == (0, 7, True)
+    assert (b.assigned, b.start, b.planned) == (10 + idle, 10 + idle + 7, True)
+    assert (c.assigned, c.start, c.planned) == (500, 500, False)
+    assert r.reconfigurations == 2 and r.mig_ops == 2 and r.gpus_touched == 1 and r.plan_calls == 2
+    # what the loop decided, as the controller writes it: one layout per node and round, with its pods
+    assert [(w.time, w.node, w.pods) for w in r.writes] == [(0, "n0", ("a",)), (10 + idle, "n0", ("b",))]
+    _check_invariants(r, catalog)
+
+
+def test_a_node_is_not_planned_again_before_it_acknowledged(catalog):
+    # b arrives while n0 reconfigures for a (20 s per MIG operation): the loop leaves n0 out of
+    # the round and plans b on n1, as the controller leaves out nodes whose plan is in flight
+    pods = [pod("a", milli=400, t0=0, t1=1000), pod("b", milli=400, t0=5, t1=1000)]
+    spec = cluster(("n0", 64_000, 1, "H100-80GB"), ("n1", 64_000, 1, "H100-80GB"), mode="mig")
+    r = run_replay(pods, spec, catalog, ReplayOptions(policy="dynpart", mig_op_delay_s=20))
+    a, b = r.runs
+    assert (a.node, b.node) == (0, 1) and b.start < a.start + 20
     _check_invariants(r, catalog)
 
 

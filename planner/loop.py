@@ -1,0 +1,189 @@
+"""The planning loop's decisions, pure: which pods wait for a plan, when a batch closes, which
+nodes are held back while their agent applies a plan, which pods keep the slices made for them,
+what request distribution the objective plans for, and the plan itself.
+
+The controller (planner/controller.py) feeds it from its watches and the wall clock; the
+simulator's replay (simulations/replay/engine.py) from a trace in simulated time. Both build it
+from the same `PlannerSettings`, so what the simulator measures is what the controller runs.
+Time is always passed in (`now`, seconds on any monotonic clock): nothing here reads a clock,
+and nothing talks to the API server.
+
+Fairness is the plan's: pending pods come oldest first, and the greedy fills in that order among
+plans that place as many pods; the loop caps nothing (every pending pod is given to the plan,
+whose exact search has a time budget)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from dynpart.catalog import Catalog
+from dynpart.planner.batching import BatchWindow
+from dynpart.planner.core import PlanOptions, plan
+from dynpart.planner.demand import DemandTracker
+from dynpart.planner.policy import PolicyName
+from dynpart.settings import PlannerSettings
+from dynpart.snapshot import NodeLayout, Plan, Snapshot
+
+
+@dataclass
+class InFlight:
+    """A node plan written and not yet acknowledged."""
+    plan_id: str
+    sent_at: float
+    pods: set[str] = field(default_factory=set)
+    revoking: bool = False  # the plan replaces an unacknowledged one by the node's reported layout
+
+
+@dataclass(frozen=True)
+class NodeWrite:
+    """One node's new desired layout, as a plan decided it: what the controller writes into the
+    node's spec annotations and the simulator applies."""
+    node: str
+    layout: NodeLayout
+    pods: tuple[str, ...]  # the pods the plan puts on the node (on new or free slices)
+
+
+def node_writes(result: Plan) -> list[NodeWrite]:
+    """The nodes whose layout the plan changes, in the plan's order, with their pods."""
+    pods: dict[str, list[str]] = {}
+    for pl in result.placements:
+        pods.setdefault(pl.node, []).append(pl.pod)
+    return [NodeWrite(lay.node, lay, tuple(pods.get(lay.node, ()))) for lay in result.changed_nodes()]
+
+
+class PlanningLoop:
+    def __init__(self, settings: PlannerSettings, policy: PolicyName = "dynpart",
+                 static_layout: Mapping[str, str] | None = None):
+        self.settings = settings
+        self.options = PlanOptions(policy=policy, time_limit_s=settings.plan_time_limit_s,
+                                   static_layout=dict(static_layout or {}))
+        self.window = BatchWindow(settings.batch_idle_s, settings.batch_timeout_s)
+        self.demand = DemandTracker(settings.demand_half_life_s)
+        self.in_flight: dict[str, InFlight] = {}
+        self.reserved: dict[str, tuple[str, float]] = {}  # pod -> (node, until): planned, applied, not bound
+        self.last_round = float("-inf")
+
+    # --- events ---------------------------------------------------------------------------
+
+    def pod_waiting(self, key: str, now: float) -> bool:
+        """The scheduler found no room for the pod: it joins the batch. True if it is new there.
+        A pod a plan in flight or a reservation holds waits for its slice, not for a plan."""
+        if key in self.window.members or key in self.reserved or key in self.held_pods():
+            return False
+        self.window.add(key, now)
+        return True
+
+    def pod_done(self, key: str) -> None:
+        """The pod is bound, gone or no longer waits for a slice."""
+        self.window.discard(key)
+
+    def facts_changed(self, waiting: Iterable[str], now: float) -> None:
+        """New facts about a node's GPUs (a plan applied, a slice freed or taken, a node gone):
+        the pods still waiting may fit now, or only now be planned on it, so they join the batch
+        (those held by a plan in flight or a reservation excepted: their slice is on its way)."""
+        held = self.held_pods()
+        for key in waiting:
+            if key not in held and key not in self.reserved:
+                self.window.add(key, now)
+
+    def acknowledged(self, node: str, plan_id: str, now: float) -> InFlight | None:
+        """The node's agent reports it holds the plan: the node can be planned again, and the
+        slices made for the plan's pods are theirs for `reservation_s` while the scheduler binds
+        them. Returns the plan acknowledged, or None when it is not the one in flight."""
+        flight = self.in_flight.get(node)
+        if flight is None or flight.plan_id != plan_id:
+            return None
+        del self.in_flight[node]
+        for key in flight.pods:
+            self.reserved[key] = (node, now + self.settings.reservation_s)
+        return flight
+
+    def written(self, node: str, plan_id: str, pods: Iterable[str], now: float, revoking: bool = False) -> None:
+        self.in_flight[node] = InFlight(plan_id, now, set(pods), revoking)
+
+    def forget_node(self, node: str) -> None:
+        self.in_flight.pop(node, None)
+
+    # --- when to plan ---------------------------------------------------------------------
+
+    def due(self, now: float, waiting: bool) -> bool:
+        """Plan now: the batch closed, or `resync_s` passed since the last round and pods wait
+        (`waiting`: any pod still waits for a slice, in the batch or not)."""
+        return self.window.ready(now) or (waiting and now >= self.last_round + self.settings.resync_s)
+
+    def next_due(self) -> float:
+        """When `due` may turn true without a new event (the batch closing, or the resync)."""
+        batch = self.window.deadline()
+        resync = self.last_round + self.settings.resync_s
+        return resync if batch is None else min(batch, resync)
+
+    def begin_round(self, now: float) -> None:
+        self.window.close()
+        self.last_round = now
+
+    def overdue(self, now: float) -> list[tuple[str, InFlight]]:
+        """Plans not acknowledged within `ack_timeout_s` (revocations wait for ever: the node stays
+        out until its agent answers)."""
+        return [(name, f) for name, f in sorted(self.in_flight.items())
+                if not f.revoking and now - f.sent_at > self.settings.ack_timeout_s]
+
+    # --- what a round plans with ----------------------------------------------------------
+
+    def held_nodes(self) -> set[str]:
+        return set(self.in_flight)
+
+    def held_pods(self) -> set[str]:
+        """Pods planned onto nodes whose plan is not acknowledged: not planned again meanwhile."""
+        return set().union(*(f.pods for f in self.in_flight.values())) if self.in_flight else set()
+
+    def reservations(self, now: float, bound_or_gone: Callable[[str], bool]) -> dict[str, str]:
+        """The reservations still standing, pod -> node; one ends when its pod is bound or gone
+        (`bound_or_gone`) or after `reservation_s`."""
+        out: dict[str, str] = {}
+        for key, (node, until) in list(self.reserved.items()):
+            if bound_or_gone(key) or now > until:
+                del self.reserved[key]
+            else:
+                out[key] = node
+        return out
+
+    def reserve(self, key: str, node: str, now: float) -> None:
+        self.reserved[key] = (node, now + self.settings.reservation_s)
+
+    def release_taken(self, reserved: dict[str, str], requests: Mapping[str, Mapping[str, int]],
+                      bound: Mapping[tuple[str, str], int], slices: Mapping[str, Mapping[str, int]],
+                      now: float) -> list[tuple[str, str, str]]:
+        """End the reservations whose slices the scheduler gave to other pods: when the pods bound
+        on a node asking for a resource (`bound`, (node, resource) -> count) need every slice of it
+        the node reports (`slices`, node -> resource -> count), the reserved pods beyond them have
+        none left and wait again at once. `requests`: each reserved pod's slice requests. Returns
+        (pod, node, resource) of each reservation ended; `reserved` is updated."""
+        want: dict[tuple[str, str], list[str]] = {}
+        for key, node in reserved.items():
+            for res in requests.get(key, {}):
+                want.setdefault((node, res), []).append(key)
+        ended = []
+        for (node, res), keys in sorted(want.items()):
+            if node not in slices:
+                continue
+            free = max(0, slices[node].get(res, 0) - bound.get((node, res), 0))
+            for key in sorted(keys)[free:]:
+                if key in reserved:
+                    del self.reserved[key]
+                    reserved.pop(key)
+                    self.window.add(key, now)
+                    ended.append((key, node, res))
+        return ended
+
+    def prepare(self, snapshot: Snapshot, now: float) -> Snapshot:
+        """The snapshot a round plans: with the request distribution the objective keeps room for
+        (the settings' `workload` when given, else the requests seen lately, decayed)."""
+        self.demand.observe(snapshot.pending, now)
+        workload = list(self.settings.workload) if self.settings.workload else self.demand.workload()
+        return snapshot.model_copy(update={"workload": workload})
+
+    def decide(self, snapshot: Snapshot, catalog: Catalog) -> Plan:
+        """The plan of a prepared snapshot (pure; the controller runs it in a thread)."""
+        return plan(snapshot, catalog, self.options)
+
