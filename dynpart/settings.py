@@ -95,6 +95,12 @@ class PlannerSettings(CommonSettings):
     identity: str = Field(default_factory=socket.gethostname, description="this replica's name in the Lease")
 
 
+def default_planner_settings() -> PlannerSettings:
+    """The planner's defaults, without reading the environment or a file: what a simulation
+    plans with unless told otherwise (`dynpart simulate --planner-config`)."""
+    return PlannerSettings.model_validate({})
+
+
 class AgentSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="DYNPART_AGENT_", env_nested_delimiter=NESTED, extra="forbid")
 

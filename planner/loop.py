@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from dynpart.catalog import Catalog
 from dynpart.planner.batching import BatchWindow
-from dynpart.planner.core import PlanOptions, plan
+from dynpart.planner.core import PlanningSession, PlanOptions, plan
 from dynpart.planner.demand import DemandTracker
 from dynpart.planner.policy import PolicyName
 from dynpart.settings import PlannerSettings
@@ -54,10 +54,12 @@ def node_writes(result: Plan) -> list[NodeWrite]:
 
 class PlanningLoop:
     def __init__(self, settings: PlannerSettings, policy: PolicyName = "dynpart",
-                 static_layout: Mapping[str, str] | None = None):
+                 static_layout: Mapping[str, str] | None = None, minimise_changes: bool = True):
+        """`minimise_changes` False: a cluster whose GPUs are shared without reconfiguring them
+        (the FGD packing protocol), where creating and destroying free slices costs nothing."""
         self.settings = settings
         self.options = PlanOptions(policy=policy, time_limit_s=settings.plan_time_limit_s,
-                                   static_layout=dict(static_layout or {}))
+                                   static_layout=dict(static_layout or {}), minimise_changes=minimise_changes)
         self.window = BatchWindow(settings.batch_idle_s, settings.batch_timeout_s)
         self.demand = DemandTracker(settings.demand_half_life_s)
         self.in_flight: dict[str, InFlight] = {}
@@ -183,7 +185,11 @@ class PlanningLoop:
         workload = list(self.settings.workload) if self.settings.workload else self.demand.workload()
         return snapshot.model_copy(update={"workload": workload})
 
-    def decide(self, snapshot: Snapshot, catalog: Catalog) -> Plan:
-        """The plan of a prepared snapshot (pure; the controller runs it in a thread)."""
+    def decide(self, snapshot: Snapshot, catalog: Catalog, session: PlanningSession | None = None) -> Plan:
+        """The plan of a prepared snapshot (pure; the controller runs it in a thread). With a
+        `session` (a caller planning the same cluster again and again keeps one: its nodes are the
+        cluster, the snapshot's are not read), the same plan without compiling the cluster again."""
+        if session is not None:
+            return session.plan(snapshot.pending, snapshot.workload, self.options, validate=False)
         return plan(snapshot, catalog, self.options)
 

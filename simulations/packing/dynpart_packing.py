@@ -3,10 +3,11 @@ whole cluster.
 
 The shell keeps one `planner.PlanningSession` on every node of the cluster (GPU nodes as MPS
 nodes whose GPUs have a capacity of 1000, the GPU milli; nodes without GPUs too, so that the
-planner can put CPU-only pods there) and, for each batch of arrivals:
-1. asks the session to plan the batch's GPU pods (`PlanningSession.plan`, the code `plan()`
-   runs), with the trace's request distribution as the snapshot's workload: the planner alone
-   chooses the node and GPU of every pod, and what of the batch fits;
+planner can put CPU-only pods there) and the controller's `PlanningLoop` (planner/loop.py, with
+the trace's request distribution as its settings' `workload`) and, for each batch of arrivals:
+1. gives the batch's GPU pods to the loop as one round (`prepare`, then `decide` on the session:
+   the code `plan()` runs): the planner alone chooses the node and GPU of every pod, and what of
+   the batch fits;
 2. checks that the plan keeps every used slice (each pod already placed keeps its share of its
    GPUs) and gives each pod exactly its request, applies it to the protocol's state and commits
    it to the session (the planned slices become used);
@@ -22,8 +23,9 @@ from collections import Counter
 from collections.abc import Sequence
 
 from dynpart.catalog import Catalog, default_catalog
-from dynpart.planner.core import PlanOptions
+from dynpart.planner.loop import PlanningLoop
 from dynpart.planner.session import PlanningSession
+from dynpart.settings import default_planner_settings
 from dynpart.simulations import bridge
 from dynpart.simulations.inputs.traces import MILLI, TracePod
 from dynpart.simulations.packing.occupancy import PackingState
@@ -49,9 +51,13 @@ class DynpartPacking:
         self.workload = workload
         self.base_catalog = catalog or default_catalog()
         self.batch = batch
-        # the protocol's GPUs are shared without partitions: nothing is reconfigured, so the
-        # planner's "fewest changes" tier does not apply
-        self.options = PlanOptions(policy="dynpart", time_limit_s=time_limit_s, minimise_changes=False)
+        # the controller's loop, planning for the trace's request distribution; the protocol's GPUs
+        # are shared without partitions: nothing is reconfigured, so the planner's "fewest
+        # changes" tier does not apply
+        settings = default_planner_settings().model_copy(update={"plan_time_limit_s": time_limit_s,
+                                                                 "workload": workload})
+        self.loop = PlanningLoop(settings, "dynpart", minimise_changes=False)
+        self.arrived = 0
         self.session: PlanningSession | None = None
         self.plan_calls = 0
         self.stats: dict[str, float] = {"plan_s": 0.0, "disrupted": 0}
@@ -85,8 +91,15 @@ class DynpartPacking:
     def _plan(self, state: PackingState, pods: list[TracePod]) -> dict[str, bool]:
         assert self.session is not None
         pending = [bridge.pending_pod(p, *bridge.packing_request(p)) for p in pods]
+        # one round per batch, on the protocol's clock (arrivals counted): the batch is all it plans
+        now = float(self.arrived)
+        self.arrived += len(pods)
+        for p in pending:
+            self.loop.pod_waiting(p.name, now)
+        self.loop.begin_round(now)
+        snapshot = self.loop.prepare(bridge.snapshot([], pending), now)
         t0 = time.perf_counter()
-        result = self.session.plan(pending, self.workload, self.options, validate=False)
+        result = self.loop.decide(snapshot, self.session.catalog, self.session)
         self.stats["plan_s"] += time.perf_counter() - t0
         self.plan_calls += 1
         bad = disrupted(state, result)

@@ -32,7 +32,7 @@ from typing import Any
 
 from dynpart.catalog import Catalog, GpuModel, load_catalog
 from dynpart.errors import DynpartError
-from dynpart.settings import PlannerSettings, load_settings
+from dynpart.settings import PlannerSettings, default_planner_settings, load_settings
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs import command_line, workloads
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
@@ -42,7 +42,6 @@ from dynpart.simulations.replay.engine import (
     REPLAY_POLICIES,
     ReplayOptions,
     ReplayResult,
-    default_planner_settings,
     run_replay,
 )
 from dynpart.simulations.replay.mapping import RULES, static_contenders, static_fits, static_layout

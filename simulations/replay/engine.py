@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from dynpart.catalog import Catalog
 from dynpart.planner.loop import PlanningLoop, node_writes
 from dynpart.planner.policy import PolicyName
-from dynpart.settings import PlannerSettings
+from dynpart.settings import PlannerSettings, default_planner_settings
 from dynpart.simulations import bridge
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
@@ -52,12 +52,6 @@ from dynpart.snapshot import PlacedSlice, Plan, Snapshot, full_layout
 REPLAY_POLICIES = ("dynpart", "nos", "static")
 # nos's batch window (its partitioner's defaults): the baseline runs the loop with it
 NOS_BATCH = {"batch_idle_s": 10.0, "batch_timeout_s": 60.0}
-
-
-def default_planner_settings() -> PlannerSettings:
-    """The planner's defaults, without reading the environment (the CLI reads the same file and
-    environment as `dynpart planner run`)."""
-    return PlannerSettings.model_validate({})
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dynpart.planner import controller as controller_module
 from dynpart.planner.controller import PlannerController
 from dynpart.planner.loop import PlanningLoop
 from dynpart.resources import mig_resource_name
-from dynpart.simulations.replay import engine
+from dynpart.settings import default_planner_settings
 from dynpart.simulations.replay.engine import ReplayOptions, run_replay
 from dynpart.snapshot import GpuLayout, MigInstance, NodeLayout
 
@@ -85,7 +85,7 @@ async def _controller_writes(monkeypatch) -> list[tuple[float, str, tuple, tuple
 
     monkeypatch.setattr(controller_module, "patch_node_annotations", fake_patch)
     monkeypatch.setattr(controller_module, "planned_patches", recording)
-    settings = engine.default_planner_settings()
+    settings = default_planner_settings()
     c = PlannerController(client.ApiClient(), settings, CAT, clock=lambda: now[0])
 
     async def event(obj, reason, message, warning=False):
@@ -159,4 +159,4 @@ def test_the_replay_runs_the_controllers_loop():
     # the replay's dynpart is the controller's PlanningLoop with the planner's settings, nothing else
     loop = ReplayOptions(policy="dynpart").loop()
     assert type(loop) is PlanningLoop and loop.options.policy == "dynpart"
-    assert loop.settings == engine.default_planner_settings()
+    assert loop.settings == default_planner_settings()
