@@ -12,7 +12,7 @@ from __future__ import annotations
 from dynpart.catalog import Catalog, default_catalog
 from dynpart.planner.policies import POLICIES
 from dynpart.planner.policy import PlanOptions, PolicyName
-from dynpart.planner.session import PlanningSession
+from dynpart.planner.session import PlanningSession, collector_paused
 from dynpart.snapshot import Plan, Snapshot, validate_snapshot
 
 __all__ = ["POLICIES", "PlanOptions", "PlanningSession", "PolicyName", "plan"]
@@ -21,7 +21,8 @@ __all__ = ["POLICIES", "PlanOptions", "PlanningSession", "PolicyName", "plan"]
 def plan(snapshot: Snapshot, catalog: Catalog | None = None, options: PlanOptions | None = None) -> Plan:
     """The same as a fresh `PlanningSession` on the snapshot's nodes planning its pending pods,
     with the snapshot's workload (or, without one, the pending pods) as the request distribution."""
-    cat = catalog or default_catalog()
-    models = validate_snapshot(snapshot, cat)
-    session = PlanningSession(snapshot.nodes, cat, models)
-    return session.plan(snapshot.pending, snapshot.workload, options, validate=False)
+    with collector_paused():
+        cat = catalog or default_catalog()
+        models = validate_snapshot(snapshot, cat)
+        session = PlanningSession(snapshot.nodes, cat, models)
+        return session.plan(snapshot.pending, snapshot.workload, options, validate=False)

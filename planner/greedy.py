@@ -16,10 +16,15 @@ slice by slice on the best node that really holds them.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Iterator
+from itertools import islice
+from typing import cast
+
 import numpy as np
 
-from dynpart.planner.index import NO_OPTION, GpuIndex, NodeBest, _AskCosts
-from dynpart.planner.objective import NodeTerms, Objective, capacity_class
+from dynpart.planner.index import NO_OPTION, AskCosts, CostArrays, GpuIndex, NodeBest
+from dynpart.planner.objective import SCORE_MIN, NodeTerms, Objective, capacity_class, numpy_sum
 from dynpart.planner.problem import KIND_GPU, Problem, Request
 from dynpart.planner.state import GpuState, new_state
 from dynpart.planner.types import Assignment, Option, Placements, SliceRef
@@ -34,6 +39,87 @@ _TOP_CAP = (1 << 25) - 1
 
 # one slice of a placed pod: the GPU and how it hosts the slice
 _Pick = tuple[int, Option]
+
+# up to this many nodes are weighed in plain Python, more with numpy (whose fixed cost per call
+# is that of weighing a few dozen nodes in Python); both give the same results bit for bit
+SCALAR_NODES = 12
+
+# below this many changes, a GPU with more changes than another never wins (scores are -100..0)
+_FEW_CHANGES = 1 << 16
+
+# the lowest top with no change: a score of SCORE_MIN
+_LOW = _SCORE_OFFSET + SCORE_MIN
+
+# the room of a value below the lowest step: no request moves it down a step
+_NO_STEP_BELOW = 1 << 62
+
+
+def _rooms(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """How far each value is above the highest step not above it: a pod taking more than that
+    moves its node down a step of the objective's CPU or memory tables."""
+    floor: np.ndarray = np.concatenate(([-_NO_STEP_BELOW], steps))[np.searchsorted(steps, values, side="right")]
+    rooms: np.ndarray = values - floor
+    return rooms
+
+
+def _room(value: int, steps: list[int]) -> int:
+    i = bisect_right(steps, value)
+    return value - steps[i - 1] if i else value + _NO_STEP_BELOW
+
+
+_NOTHING_KEPT: dict[tuple[int, int], tuple[int, int]] = {}
+_NO_SCORES: dict[tuple[int, int], int] = {}
+
+
+class _NodeView:
+    """One node as the greedy's plain-Python path reads it: its GPUs' buckets and, under an
+    objective, their classes and the node's terms at some steps of the objective's tables, with
+    what the multi-slice kinds use of it per kind (`room`, where a GPU's class moves no
+    coverage: covm + 0.0 is covm, its sums of values >= 0 being never -0.0)."""
+
+    __slots__ = ("bids", "classes", "f", "free", "single", "ic", "im", "covm", "hostm", "wm", "room", "room_sum")
+
+    def __init__(self, greedy: Greedy, n: int, steps: tuple[int, int] | None):
+        gpus = greedy.index.node_gpus[n]
+        self.bids: list[int] = greedy.bid[gpus].tolist()
+        obj, terms, cls = greedy.objective, greedy.terms, greedy.cls
+        if obj is None or terms is None or cls is None:
+            return
+        row = cls[gpus]
+        if not terms.ok[n]:
+            terms.ensure_one(obj, n, row, int(greedy.cpu[n]), int(greedy.mem[n]))
+        self.classes: list[int] = row.tolist()
+        self.f, self.free = float(terms.f[n]), float(terms.free[n])
+        if steps is None:
+            self.ic, self.im = int(terms.ic[n]), int(terms.im[n])
+            self.single = float(terms.single[n])
+        else:
+            self.ic, self.im = steps
+            self.single = numpy_sum([obj.usable_of[c][self.ic][self.im] for c in self.classes])
+        if obj.multi:
+            self.covm: list[float] = terms.covm[n].tolist()
+            self.hostm: list[int] = terms.hostm[n].tolist()
+            self.wm: list[float] = obj.wm_rows[self.ic][self.im]
+            self.room = [w * (self.covm[col] * (self.hostm[col] >= count))
+                         for w, col, count in zip(self.wm, obj.multi_cols, obj.multi_counts)]
+            self.room_sum = numpy_sum(self.room)
+
+
+class _NodeRank:
+    """Per node, how it hosts a pod of `count` slices of one kind (see `Greedy.ranked_nodes`):
+    whether it can and the changes on its cheapest GPUs, valid where `ok`, and the score, valid
+    where `q_ok`."""
+
+    __slots__ = ("fits", "chg", "q", "ok", "q_ok", "moved_q")
+
+    def __init__(self, n_nodes: int):
+        self.fits = np.zeros(n_nodes, dtype=bool)
+        self.chg = np.zeros(n_nodes, dtype=np.int64)
+        self.q = np.zeros(n_nodes, dtype=np.int64)
+        self.ok = np.zeros(n_nodes, dtype=bool)  # fits and chg
+        self.q_ok = np.zeros(n_nodes, dtype=bool)
+        # per node, the score where the pod moves it to other steps: (CPU step, memory step) -> q
+        self.moved_q: dict[int, dict[tuple[int, int], int]] = {}
 
 
 def _size(r: Request) -> float:
@@ -84,6 +170,17 @@ class Greedy:
         self.placement: dict[int, tuple[int, list[_Pick]]] = {}
         self.changed_nodes: set[int] = set()
         self._best: dict[SliceRef, NodeBest] = {}
+        self._ranks: dict[tuple[SliceRef, int], _NodeRank] = {}
+        # per slice kind and node, the node's best GPU when the pod moves it to other steps of the
+        # objective's tables: (CPU step, memory step) -> (top, slot), until the node changes
+        self._moved_best: dict[SliceRef, dict[int, dict[tuple[int, int], tuple[int, int]]]] = {}
+        self._views: dict[int, dict[tuple[int, int] | None, _NodeView]] = {}
+        self._cpu_steps: list[int] = []
+        self._mem_steps: list[int] = []
+        if self.objective is not None:
+            self._cpu_steps, self._mem_steps = self.objective.cpu_steps.tolist(), self.objective.mem_steps.tolist()
+            self.cpu_room = _rooms(self.cpu, self.objective.cpu_steps)
+            self.mem_room = _rooms(self.mem, self.objective.mem_steps)
 
     def placements(self) -> Placements:
         return {idx: Assignment(node, tuple(gid for gid, _ in picks)) for idx, (node, picks) in self.placement.items()}
@@ -131,8 +228,8 @@ class Greedy:
     def _changes(self, chg: np.ndarray) -> np.ndarray:
         return chg if self.count_changes else np.where(chg < NO_OPTION, 0, NO_OPTION)
 
-    def _node_best(self, costs: _AskCosts, nodes: np.ndarray, cpu: np.ndarray,
-                   mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _node_best(self, costs: CostArrays, nodes: np.ndarray, cpu: int | np.ndarray,
+                   mem: int | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each node, its best GPU for one slice of the ask: (top, slot), top = changes and
         score packed (NO_OPTION when no GPU of the node can host it); within the node the best
         by (changes, score, GPU hosting pods, tightest fit, MIG placements left, slot).
@@ -144,51 +241,223 @@ class Greedy:
         score = np.zeros(chg.shape, dtype=np.int64)
         if self.objective is not None and valid.any():
             r, k = np.nonzero(valid)
+            take_cpu = cpu[r] if isinstance(cpu, np.ndarray) else cpu
+            take_mem = mem[r] if isinstance(mem, np.ndarray) else mem
             score[r, k] = Objective.score(self._delta(nodes[r], k[:, None], costs.after_id[b[r, k]][:, None],
-                                                      cpu[r], mem[r]))
+                                                      take_cpu, take_mem))
         top = np.where(valid, chg * _TOP_SCALE + score + _SCORE_OFFSET, NO_OPTION)
         slots = np.arange(gids.shape[1], dtype=np.int64)[None, :]
-        rest = ((((costs.empty[b] << 20) + np.minimum(costs.left[b], (1 << 20) - 1)) << 12)
-                + np.clip(costs.flex[b] + 2048, 0, 4095)) << 4 | slots
-        key = np.where(valid, (np.minimum(top, _TOP_CAP) << 37) + rest, NO_OPTION)
+        key = np.where(valid, (np.minimum(top, _TOP_CAP) << 37) + (costs.rest[b] << 4 | slots), NO_OPTION)
         pick = key.argmin(axis=1)
         rows = np.arange(len(nodes))
         return top[rows, pick], pick
 
+    def _node_best_scalar(self, costs: AskCosts, nodes: list[int],
+                          steps: list[tuple[int, int]] | None) -> tuple[list[int], list[int]]:
+        """`_node_best` in plain Python, for a few nodes: the same integer and float operations
+        in the same order (`numpy_sum` where numpy sums), so the same results bit for bit.
+        `steps`: per node, the CPU and memory steps the pod moves it to (None: it moves none).
+        Only the GPUs with the node's fewest changes are scored: a score (-100..0) never makes
+        up for one more change."""
+        chg_of, rest_of = costs.chg, costs.rest
+        width = self.index.node_gpus.shape[1]
+        # per node: the slots that can win, as (slot, changes, rest key, bucket)
+        options: list[list[tuple[int, int, int, int]]] = []
+        deltas: list[float] = []
+        for pos, n in enumerate(nodes):
+            view = self._view(n, None if steps is None else steps[pos])
+            valid = [(k, chg_of[b] if self.count_changes else 0, rest_of[b], b) for k, b in enumerate(view.bids)
+                     if chg_of[b] < NO_OPTION]
+            if valid:
+                least = min(v[1] for v in valid)
+                if least < _FEW_CHANGES:
+                    valid = [v for v in valid if v[1] == least]
+                if self.objective is not None:
+                    deltas.extend(self._deltas_scalar(costs, view, valid))
+            options.append(valid)
+        scores = self.objective.scores(deltas) if self.objective is not None and deltas else []
+        tops, slots = [], []
+        i = 0
+        for valid in options:
+            top_of = [NO_OPTION] * width
+            key_of = [NO_OPTION] * width
+            for k, chg, rest, _ in valid:
+                top = top_of[k] = chg * _TOP_SCALE + (scores[i] if scores else 0) + _SCORE_OFFSET
+                key_of[k] = (min(top, _TOP_CAP) << 37) + (rest << 4 | k)
+                i += 1
+            slot = key_of.index(min(key_of))  # the first least key, as argmin
+            tops.append(top_of[slot])
+            slots.append(slot)
+        return tops, slots
+
+    def _view(self, n: int, steps: tuple[int, int] | None) -> _NodeView:
+        """Node n as the plain-Python path reads it, at its own steps of the objective's tables
+        or at `steps`; kept until the node changes."""
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = {}
+        view = views.get(steps)
+        if view is None:
+            view = views[steps] = _NodeView(self, n, steps)
+        return view
+
+    def _deltas_scalar(self, costs: AskCosts, view: _NodeView, valid: list[tuple[int, int, int, int]]) -> list[float]:
+        """`_delta` of the node for the slots `valid` (slot, changes, rest key, bucket), one row
+        at a time."""
+        obj = self.objective
+        assert obj is not None
+        free_of, cov_of, usable_of = obj.free_of, obj.cov_of, obj.usable_of
+        after_of, classes, ic, im = costs.after_id, view.classes, view.ic, view.im
+        deltas = []
+        for k, _, _, b in valid:
+            before, after = classes[k], after_of[b]
+            single = view.single + (usable_of[after][ic][im] - usable_of[before][ic][im])
+            f_after = (view.free + (free_of[after] - free_of[before])) - single
+            if obj.multi:
+                moved = obj.moved_kinds(before, after)
+                if moved:
+                    ca, cb = cov_of[after], cov_of[before]
+                    covm, hostm, wm, multi_cols = view.covm, view.hostm, view.wm, obj.multi_cols
+                    mine = list(view.room)
+                    for j in moved:
+                        col = multi_cols[j]
+                        mine[j] = wm[j] * ((covm[col] + (ca[col] - cb[col]))
+                                           * (hostm[col] + ((ca[col] > 0) - (cb[col] > 0)) >= obj.multi_counts[j]))
+                    f_after -= numpy_sum(mine)
+                else:
+                    f_after -= view.room_sum
+            deltas.append(f_after - view.f)
+        return deltas
+
+    def _weigh(self, costs: AskCosts, nodes: np.ndarray) -> tuple[np.ndarray | list[int], np.ndarray | list[int]]:
+        """(top, slot) of `nodes` for one slice of the ask, the pod's CPU and memory moving none
+        of them to other steps of the objective's tables."""
+        if len(nodes) <= SCALAR_NODES:
+            return self._node_best_scalar(costs, nodes.tolist(), None)
+        return self._node_best(costs.arrays(), nodes, 0, 0)
+
+    def _weigh_moved(self, costs: AskCosts, ask: SliceRef, nodes: list[int], req: Request) -> tuple[list[int], list[int]]:
+        """(top, slot) of `nodes` for one slice of the ask, where the pod's CPU or memory move
+        the node to other steps; kept per node and steps until the node changes."""
+        obj = self.objective
+        assert obj is not None
+        kept = self._moved_best.get(ask)
+        if kept is None:
+            kept = self._moved_best[ask] = {}
+        cpu_steps, mem_steps = self._cpu_steps, self._mem_steps
+        steps = [(bisect_right(cpu_steps, c - req.cpu), bisect_right(mem_steps, m - req.mem))
+                 for c, m in zip(self.cpu[nodes].tolist(), self.mem[nodes].tolist())]
+        tops, slots = [0] * len(nodes), [0] * len(nodes)
+        missing: list[int] = []
+        for i, (n, key) in enumerate(zip(nodes, steps)):
+            hit = kept.get(n, _NOTHING_KEPT).get(key)
+            if hit is None:
+                missing.append(i)
+            else:
+                tops[i], slots[i] = hit
+        if missing:
+            miss_nodes = [nodes[i] for i in missing]
+            if len(missing) <= SCALAR_NODES:
+                t, k = self._node_best_scalar(costs, miss_nodes, [steps[i] for i in missing])
+            else:
+                ta, ka = self._node_best(costs.arrays(), np.array(miss_nodes, dtype=np.int64), req.cpu, req.mem)
+                t, k = ta.tolist(), ka.tolist()
+            for i, n, top, slot in zip(missing, miss_nodes, t, k):
+                tops[i], slots[i] = top, slot
+                mine = kept.get(n)
+                if mine is None:
+                    mine = kept[n] = {}
+                mine[steps[i]] = (top, slot)
+        return tops, slots
+
+    def _moves(self, req: Request, cand: np.ndarray) -> np.ndarray | None:
+        """Mask of the candidates whose steps of the objective's CPU and memory tables the pod
+        moves (their F changes by the pod's own CPU and memory); None when it moves none."""
+        if self.objective is None or not (req.cpu or req.mem):
+            return None
+        if req.cpu < 0 or req.mem < 0:
+            ic, im = self.objective.steps(self.cpu[cand], self.mem[cand])
+            ic2, im2 = self.objective.steps(self.cpu[cand] - req.cpu, self.mem[cand] - req.mem)
+            moves: np.ndarray = (ic2 != ic) | (im2 != im)
+        else:
+            moves = (self.cpu_room[cand] < req.cpu) | (self.mem_room[cand] < req.mem)
+        return moves if moves.any() else None
+
     def best_single(self, req: Request) -> tuple[int, int] | None:
         """(node, gid) of the best option for a one-slice pod, or None: the least changes, then
         the best score, then the first node in order (first-fit among equals), then the node's
-        best GPU. Each node's best is kept per slice kind until the node changes."""
+        best GPU. Each node's best is kept per slice kind until the node changes; where the
+        pod's CPU/memory move the node to other steps of the objective's tables, per steps.
+        A node is weighed only when it can win: until then it keeps bounds of its top from its
+        fewest changes c (c x 256 plus the offset, plus a score from SCORE_MIN to 0)."""
         cand = self._candidates(req, self.cpu, self.mem)
         if not len(cand):
             return None
-        costs = self.index.costs(req.slice_ref)
-        cache = self._ask_cache(req.slice_ref)
+        ask = req.slice_ref
+        costs = self.index.costs(ask)
+        cache = self._ask_cache(ask)
         stale = np.flatnonzero(~cache.ok[cand])
-        moved = stale[:0]
-        obj, terms = self.objective, self.terms
-        if obj is not None and terms is not None and self.cls is not None and (req.cpu or req.mem):
-            # nodes where the pod's CPU/memory change the steps of the distribution's tables:
-            # evaluated for this pod alone
-            terms.ensure(obj, cand, self.cls[self.index.node_gpus[cand]], self.cpu[cand], self.mem[cand])
-            ic2, im2 = obj.steps(self.cpu[cand] - req.cpu, self.mem[cand] - req.mem)
-            moved = np.flatnonzero((ic2 != terms.ic[cand]) | (im2 != terms.im[cand]))
-        if len(stale) or len(moved):
-            rows = np.concatenate([stale, moved])
-            take = np.concatenate([np.zeros(len(stale), dtype=np.int64), np.ones(len(moved), dtype=np.int64)])
-            t, k = self._node_best(costs, cand[rows], take * req.cpu, take * req.mem)
-            s_nodes = cand[stale]
-            cache.top[s_nodes], cache.slot[s_nodes], cache.ok[s_nodes] = t[: len(stale)], k[: len(stale)], True
-        top, slot = cache.top[cand], cache.slot[cand]
-        if len(moved):
-            top, slot = top.copy(), slot.copy()
-            top[moved], slot[moved] = t[len(stale):], k[len(stale):]
-        low = top.min()
-        if low >= NO_OPTION:
+        if len(stale):
+            nodes = cand[stale]
+            least = np.asarray(self._least_changes(costs, nodes), dtype=np.int64)
+            few = np.minimum(least, _FEW_CHANGES) * _TOP_SCALE + _SCORE_OFFSET
+            cache.top[nodes] = np.where(least < NO_OPTION, few + SCORE_MIN, NO_OPTION)
+            cache.high[nodes] = np.where(least < _FEW_CHANGES, few, NO_OPTION)
+            cache.ok[nodes], cache.exact[nodes] = True, False
+        # bounds of each candidate's top for this pod (the top itself where it is known)
+        low, high, exact = cache.top[cand], cache.high[cand], cache.exact[cand]
+        moves = self._moves(req, cand)
+        if moves is None:
+            sure = exact
+        else:
+            sure = exact & ~moves
+            at = np.flatnonzero(moves)
+            top, was_exact = low[at], exact[at]
+            # a pod that moves a node to lower steps leaves less of it usable: the rise of F is
+            # at least the one at the node's own steps, and so is the score (the floats'
+            # roundings move the same way; 1 point of slack for the tables' sums), and the node
+            # keeps its fewest changes c, which an exact top tells
+            c = (top - _SCORE_OFFSET + _TOP_SCALE - 1) // _TOP_SCALE
+            low[at] = np.where(was_exact, top - 1, top)
+            high[at] = np.where(was_exact & (top < NO_OPTION),
+                                np.where(c < _FEW_CHANGES, c * _TOP_SCALE + _SCORE_OFFSET, NO_OPTION), high[at])
+        reach = int(high.min())
+        at = np.flatnonzero(~sure & (low <= reach))  # the others cannot win
+        top = np.where(sure, low, NO_OPTION)
+        moved_slot: dict[int, int] = {}
+        if len(at):
+            pos, nodes_l = at.tolist(), cand[at].tolist()
+            is_moved = moves[at].tolist() if moves is not None else [False] * len(pos)
+            stale_j = [j for j, m in enumerate(is_moved) if not m]
+            moved_j = [j for j, m in enumerate(is_moved) if m]
+            if stale_j:
+                nodes = np.array([nodes_l[j] for j in stale_j], dtype=np.int64)
+                cache.top[nodes], cache.slot[nodes] = self._weigh(costs, nodes)
+                cache.high[nodes] = cache.top[nodes]
+                cache.exact[nodes] = True
+                top[[pos[j] for j in stale_j]] = cache.top[nodes]
+            if moved_j:
+                tops, slots = self._weigh_moved(costs, ask, [nodes_l[j] for j in moved_j], req)
+                top[[pos[j] for j in moved_j]] = tops
+                moved_slot = {pos[j]: slot for j, slot in zip(moved_j, slots)}
+        i = int(top.argmin())  # candidates are in node order: the first node among equals
+        if top[i] >= NO_OPTION:
             return None
-        i = int(np.argmax(top == low))  # candidates are in node order: the first node
         node = int(cand[i])
-        return node, int(self.index.node_gpus[node, slot[i]])
+        slot = moved_slot[i] if i in moved_slot else int(cache.slot[node])
+        return node, self.index.node_gpu_rows[node][slot]
+
+    def _least_changes(self, costs: AskCosts, nodes: np.ndarray) -> np.ndarray | list[int]:
+        """The fewest changes with which each node can host one slice of the ask (NO_OPTION:
+        none of its GPUs can)."""
+        if len(nodes) <= SCALAR_NODES:
+            chg_of, rows = costs.chg, self.index.node_gpu_rows
+            bid = self.bid
+            least = [min(chg_of[b] for b in bid[rows[n]].tolist()) for n in nodes.tolist()]
+            return least if self.count_changes else [0 if c < NO_OPTION else NO_OPTION for c in least]
+        chg = costs.arrays().chg[self.bid[self.index.node_gpus[nodes]]]
+        out: np.ndarray = np.minimum.reduce(self._changes(chg), axis=1)
+        return out
 
     def _ask_cache(self, ask: SliceRef) -> NodeBest:
         mine = self._best.get(ask)
@@ -199,35 +468,80 @@ class Greedy:
                 mine.ok[list(self.changed_nodes)] = False
         return mine
 
-    def ranked_nodes(self, req: Request) -> list[int]:
+    def ranked_nodes(self, req: Request) -> Iterator[int]:
         """Nodes for a multi-slice pod, best first: each weighed on its `count` cheapest GPUs
-        (one slice per GPU); nodes that cannot host that many GPUs last, in node order."""
+        (one slice per GPU), by their changes, then the score, then node order; nodes that
+        cannot host that many GPUs last, in node order. Each node's weighing is kept per slice
+        kind and count until the node changes (the score again for the pod where its CPU/memory
+        move the node to other steps); scores are computed as the ranking reaches their nodes'
+        changes (a score never makes up for one more change)."""
         cand = self._candidates(req, self.cpu, self.mem)
         if not len(cand):
-            return []
-        costs = self.index.costs(req.slice_ref)
-        gids = self.index.node_gpus[cand]
+            return
+        costs = self.index.costs(req.slice_ref).arrays()
+        key = (req.slice_ref, req.count)
+        rank = self._ranks.get(key)
+        if rank is None:
+            rank = self._ranks[key] = _NodeRank(len(self.problem.nodes))
+        stale = cand[~rank.ok[cand]]
+        if len(stale):
+            rank.fits[stale], rank.chg[stale] = self._rank_fit(costs, stale, req.count)
+            rank.ok[stale], rank.q_ok[stale] = True, False
+        fits, chg = rank.fits[cand], rank.chg[cand]
+        moves = self._moves(req, cand)
+        ok = cand[fits]
+        chg_ok = chg[fits]
+        moved = moves[fits] if moves is not None else np.zeros(len(ok), dtype=bool)
+        for level in np.unique(chg_ok).tolist():
+            at = np.flatnonzero(chg_ok == level)
+            nodes = ok[at]
+            unknown = nodes[~rank.q_ok[nodes] & ~moved[at]]
+            if len(unknown):
+                rank.q[unknown] = self._rank_q(costs, unknown, req.count, 0, 0)
+                rank.q_ok[unknown] = True
+            q = rank.q[nodes]
+            if moved[at].any():
+                mv = np.flatnonzero(moved[at])
+                q[mv] = self._rank_q_moved(rank, costs, nodes[mv], req)
+            yield from nodes[np.lexsort((nodes, q))].tolist()  # nodes are distinct: GPU tie-breaks never decide
+        yield from cand[~fits].tolist()
+
+    def _rank_q_moved(self, rank: _NodeRank, costs: CostArrays, nodes: np.ndarray, req: Request) -> list[int]:
+        """`_rank_q` of nodes whose steps of the objective's tables the pod moves; kept per node
+        and steps until the node changes."""
+        assert self.objective is not None
+        ic2, im2 = self.objective.steps(self.cpu[nodes] - req.cpu, self.mem[nodes] - req.mem)
+        node_list, steps = nodes.tolist(), list(zip(ic2.tolist(), im2.tolist()))
+        q = [rank.moved_q.get(n, _NO_SCORES).get(st) for n, st in zip(node_list, steps)]
+        missing = [i for i, v in enumerate(q) if v is None]
+        if missing:
+            got = self._rank_q(costs, nodes[missing], req.count, req.cpu, req.mem).tolist()
+            for i, v in zip(missing, got):
+                q[i] = v
+                rank.moved_q.setdefault(node_list[i], {})[steps[i]] = v
+        return cast(list[int], q)
+
+    def _rank_fit(self, costs: CostArrays, nodes: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per node: can it host `count` slices on as many GPUs, and the changes on its `count`
+        cheapest GPUs (those with the fewest changes: the GPUs' tie-breaks never change the sum)."""
+        width = self.index.node_gpus.shape[1]
+        chg = np.sort(self._changes(costs.chg[self.bid[self.index.node_gpus[nodes]]]), axis=1)[:, :min(count, width)]
+        fits = np.asarray((chg < NO_OPTION).all(axis=1) & (width >= count))
+        return fits, np.where(fits, chg.sum(axis=1), 0)
+
+    def _rank_q(self, costs: CostArrays, nodes: np.ndarray, count: int, cpu: int, mem: int) -> np.ndarray:
+        """Per node (each can host `count` slices), the score of the rise of F when its `count`
+        cheapest GPUs host one slice each (the pod taking `cpu`/`mem`)."""
+        if self.objective is None:
+            return np.zeros(len(nodes), dtype=np.int64)
+        gids = self.index.node_gpus[nodes]
         b = self.bid[gids]
-        chg = self._changes(costs.chg[b])
         order = np.lexsort((np.broadcast_to(np.arange(gids.shape[1]), gids.shape), costs.flex[b], costs.left[b],
-                            costs.empty[b], chg), axis=-1)
-        k = min(req.count, gids.shape[1])
-        pick = order[:, :k]
-        rows = np.arange(len(cand))[:, None]
-        pchg = chg[rows, pick]
-        ok = (pchg < NO_OPTION).all(axis=1) & (gids.shape[1] >= req.count)
-        rest = [int(n) for n in cand[~ok]]
-        if not ok.any():
-            return rest
-        cand, pick, pchg, b = cand[ok], pick[ok], pchg[ok], b[ok]
-        rows = np.arange(len(cand))[:, None]
-        pb = b[rows, pick]
-        if self.objective is not None:
-            q = Objective.score(self._delta(cand, pick, costs.after_id[pb], req.cpu, req.mem))
-        else:
-            q = np.zeros(len(cand), dtype=np.int64)
-        best = np.lexsort((costs.left[pb].sum(axis=1), costs.empty[pb].sum(axis=1), cand, q, pchg.sum(axis=1)))
-        return [int(n) for n in cand[best]] + rest
+                            costs.empty[b], self._changes(costs.chg[b])), axis=-1)
+        pick = order[:, :min(count, gids.shape[1])]
+        pb = b[np.arange(len(nodes))[:, None], pick]
+        q: np.ndarray = Objective.score(self._delta(nodes, pick, costs.after_id[pb], cpu, mem))
+        return q
 
     # --- placing -----------------------------------------------------------------------------
 
@@ -241,9 +555,12 @@ class Greedy:
             node, gid = hit
             opt = self.states[gid].option(req.slice_ref)
             assert opt is not None
-            self._commit(req, node, [(gid, opt)])
+            # the GPU's class once it hosts the slice: its bucket's, computed with the costs
+            after = self.index.costs(req.slice_ref).after_id
+            b = int(self.bid[gid])
+            self._commit(req, node, [(gid, opt)], after[b] if self.cls is not None and b < len(after) else None)
             return True
-        for node in self.ranked_nodes(req)[:_MULTI_SLICE_NODE_TRIES]:
+        for node in islice(self.ranked_nodes(req), _MULTI_SLICE_NODE_TRIES):
             picks = self._fill_node(req, node)
             if picks is not None:
                 self._commit(req, node, picks)
@@ -271,7 +588,8 @@ class Greedy:
     def _cost(self, opt: Option) -> tuple[int, ...]:
         return opt.cost if self.count_changes else opt.cost[1:]
 
-    def _commit(self, req: Request, node: int, picks: list[_Pick]) -> None:
+    def _commit(self, req: Request, node: int, picks: list[_Pick], after: int | None = None) -> None:
+        """`after`: the class id of the one GPU of `picks` once it hosts the slice, if known."""
         for gid, opt in picks:
             if gid not in self.touched:
                 self.touched.add(gid)
@@ -280,15 +598,24 @@ class Greedy:
             st.apply(req.slice_ref, opt, req.name)
             self.bid[gid] = self.index.bucket(st)
             if self.cls is not None and self.objective is not None:
-                self.cls[gid] = self.objective.class_id(capacity_class(st))
+                self.cls[gid] = after if after is not None else self.objective.class_id(capacity_class(st))
         self.cpu[node] -= req.cpu
         self.mem[node] -= req.mem
         self.placement[req.idx] = (node, picks)
         self.changed_nodes.add(node)
         if self.terms is not None:
             self.terms.ok[node] = False
+        if self.objective is not None:
+            self.cpu_room[node] = _room(int(self.cpu[node]), self._cpu_steps)
+            self.mem_room[node] = _room(int(self.mem[node]), self._mem_steps)
         for cache in self._best.values():
             cache.ok[node] = False
+        for rank in self._ranks.values():
+            rank.ok[node] = rank.q_ok[node] = False
+            rank.moved_q.pop(node, None)
+        self._views.pop(node, None)
+        for kept in self._moved_best.values():
+            kept.pop(node, None)
 
     def run(self, order: list[Request] | None = None) -> Greedy:
         for req in order if order is not None else request_order(self.problem):
@@ -301,9 +628,9 @@ class Greedy:
         changed = list(self.changed_nodes)
         for ask, best in self._best.items():
             into = self.index.node_best(ask, self.count_changes, len(self.problem.nodes))
-            new = best.ok & ~into.ok
+            new = best.ok & (~into.ok | best.exact & ~into.exact)
             new[changed] = False
-            into.top[new], into.slot[new], into.ok[new] = best.top[new], best.slot[new], True
+            into.take(best, new)
         base, mine = self._base_terms, self.terms
         if base is None or mine is None:
             return
@@ -323,5 +650,5 @@ class Greedy:
         cand = cand[(self.base_cpu[cand] >= req.cpu) & (self.base_mem[cand] >= req.mem)]
         if not len(cand):
             return False
-        chg = self.index.costs(req.slice_ref).chg[self.base_bid[self.index.node_gpus[cand]]]
+        chg = self.index.costs(req.slice_ref).arrays().chg[self.base_bid[self.index.node_gpus[cand]]]
         return bool(((chg < NO_OPTION).sum(axis=1) >= min(req.count, 1)).any())

@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Set
 from dataclasses import dataclass
 from functools import cache
+from operator import attrgetter
+
+import numpy as np
 
 from dynpart.mig import MigRules
 from dynpart.planner.problem import GpuInfo
@@ -26,6 +29,44 @@ def _flex_table(rules: MigRules) -> tuple[int, ...]:
     return tuple(table)
 
 
+@cache
+def _left_table(rules: MigRules) -> tuple[int, ...]:
+    """For each mask of occupied memory slices: how many memory slices are left free."""
+    return tuple((rules.full_mask & ~occupied).bit_count() for occupied in range(rules.full_mask + 1))
+
+
+@cache
+def _best_free_placement(rules: MigRules, p: int, occupied: int, hard: int) -> tuple[int, int, int] | None:
+    """(start, memory slices left, -flexibility) of the placement of profile p clear of the
+    `occupied` memory slices that leaves the fewest slices free, then the most placements, then
+    the lowest start; None if there is none. Many GPUs share their masks: computed once."""
+    left, flex = _left_table(rules), _flex_table(rules)
+    best: tuple[int, int, int] | None = None
+    for start, m in rules.placements[p]:
+        if not occupied & m:
+            after = hard | m
+            if best is None or (left[after], -flex[after]) < best[1:]:
+                best = (start, left[after], -flex[after])
+    return best
+
+
+def placement_code(rules: MigRules, p: int, start: int) -> int:
+    """Instances that share no memory slice (those in use on a GPU) as one integer: the sum of
+    their codes, the digit p + 1 at the place `start` in base (profiles + 1)."""
+    return int((p + 1) * (len(rules.memory) + 1) ** start)
+
+
+def code_placements(rules: MigRules, code: int) -> list[tuple[int, int]]:
+    """The (profile, start) pairs of a sum of `placement_code`s, by start."""
+    base = len(rules.memory) + 1
+    out = []
+    for start in range(rules.model.memory_slices):
+        code, digit = divmod(code, base)
+        if digit:
+            out.append((digit - 1, start))
+    return out
+
+
 @dataclass(slots=True)
 class MigInst:
     p: int  # profile index in MigRules
@@ -39,36 +80,144 @@ class MigInst:
         return self.used or self.pod is not None
 
 
-MigKey = tuple[str, tuple[tuple[int, int, bool], ...], bool]
+class _Shape:
+    """What the options of a GPU depend on, gathered in one pass over its instances in start
+    order, given as (profile, start, hard): memory masks (all instances, hard ones), per-profile
+    counts, compute and media in use, the code of the hard instances (`placement_code`), and
+    each instance's profile, start, mask and hardness. Kept by the state until it changes."""
+
+    __slots__ = ("occupied", "hard", "counts", "compute", "media", "profiles", "starts", "masks", "hards", "free",
+                 "code")
+
+    def __init__(self, rules: MigRules, insts: list[tuple[int, int, bool]]):
+        memory, compute, media = rules.memory, rules.compute, rules.media
+        occupied = hard = used_compute = used_media = code = 0
+        counts = [0] * len(memory)
+        masks, free = [], []
+        for k, (q, start, is_hard) in enumerate(insts):
+            m = ((1 << memory[q]) - 1) << start
+            masks.append(m)
+            occupied |= m
+            if is_hard:
+                hard |= m
+                code += placement_code(rules, q, start)
+            else:
+                free.append(k)
+            counts[q] += 1
+            used_compute += compute[q]
+            used_media += media[q]
+        self.occupied, self.hard, self.compute, self.media, self.code = occupied, hard, used_compute, used_media, code
+        self.counts = tuple(counts)
+        self.profiles = tuple(q for q, _, _ in insts)
+        self.starts = tuple(start for _, start, _ in insts)
+        self.hards = tuple(is_hard for _, _, is_hard in insts)
+        self.masks = tuple(masks)
+        self.free = tuple(free)
+
+
+def _layout_of(info: GpuInfo) -> list[tuple[int, int, bool]]:
+    """A GPU's instances as they are, (profile, start, hard) in start order (the order of a
+    `MigState`'s instances: the used ones and the free ones, each in start order, merged)."""
+    used = [(p, start, True) for p, start, _ in info.used_mig]
+    if not info.free_mig:
+        return used
+    return sorted(used + [(p, start, False) for p, start in info.free_mig], key=_start_of)
+
+
+def _start_of(inst: tuple[int, int, bool]) -> int:
+    return inst[1]
+
+
+# the model's name, whether the plan changed the GPU, and its instances (start, profile, hard)
+# as the digits of one integer
+MigKey = tuple[str, bool, int]
+
+_by_start = attrgetter("start")
 
 
 class MigState:
-    """One MIG GPU; implements `GpuState` (planner/state.py)."""
+    """One MIG GPU; implements `GpuState` (planner/state.py). Its instances are built from the
+    `GpuInfo` when first read: on a large cluster most GPUs are only bucketed and costed, which
+    their `_Shape` is enough for."""
 
-    __slots__ = ("info", "rules", "insts", "changed", "destroyed", "created")
+    __slots__ = ("info", "rules", "_insts", "changed", "destroyed", "created", "_shape")
 
     def __init__(self, info: GpuInfo):
         assert info.rules is not None
         self.info = info
         self.rules: MigRules = info.rules
-        self.insts = [MigInst(p, s, True, pod, True) for p, s, pod in info.used_mig]
-        self.insts += [MigInst(p, s, False, None, True) for p, s in info.free_mig]
-        self.insts.sort(key=lambda i: i.start)
+        self._insts: list[MigInst] | None = None
         self.changed = False
         self.destroyed = 0
         self.created = 0
+        self._shape: _Shape | None = None
+
+    @property
+    def insts(self) -> list[MigInst]:
+        insts = self._insts
+        if insts is None:
+            info = self.info
+            insts = [MigInst(p, s, True, pod, True) for p, s, pod in info.used_mig]
+            if info.free_mig:
+                insts += [MigInst(p, s, False, None, True) for p, s in info.free_mig]
+                insts.sort(key=_by_start)
+            self._insts = insts
+        return insts
+
+    @insts.setter
+    def insts(self, insts: list[MigInst]) -> None:
+        self._insts = insts
 
     def clone(self) -> MigState:
         c = MigState.__new__(MigState)
         c.info, c.rules, c.changed, c.destroyed, c.created = self.info, self.rules, self.changed, self.destroyed, self.created
-        c.insts = [MigInst(i.p, i.start, i.used, i.pod, i.existing) for i in self.insts]
+        c._insts = None if self._insts is None else [MigInst(i.p, i.start, i.used, i.pod, i.existing) for i in self._insts]
+        c._shape = self._shape
         return c
 
     def key(self) -> MigKey:
-        return (self.rules.model.name, tuple((i.start, i.p, i.hard) for i in self.insts), self.changed)
+        rules = self.rules
+        if self._shape is not None:
+            insts = list(zip(self._shape.profiles, self._shape.starts, self._shape.hards))
+        elif self._insts is None:
+            insts = _layout_of(self.info)
+        else:
+            insts = [(i.p, i.start, i.used or i.pod is not None) for i in self._insts]
+        n_profiles = len(rules.memory)
+        base = 2 * rules.model.memory_slices * n_profiles + 1
+        code = 0
+        for p, start, is_hard in insts:
+            code = code * base + ((start * n_profiles + p) << 1 | is_hard) + 1
+        return (rules.model.name, self.changed, code)
 
     def has_pod(self) -> bool:
-        return any(i.hard for i in self.insts)
+        if self._insts is None:
+            return bool(self.info.used_mig)  # as it is: the used instances are the hard ones
+        return any(i.hard for i in self._insts)
+
+    def _layout(self) -> _Shape:
+        shape = self._shape
+        if shape is None:
+            if self._insts is None:
+                insts = _layout_of(self.info)
+            else:
+                insts = [(i.p, i.start, i.used or i.pod is not None) for i in self._insts]
+            shape = self._shape = _Shape(self.rules, insts)
+        return shape
+
+    def hard_code(self) -> int:
+        """The instances in use or planned, as `placement_code`s summed."""
+        if self._shape is None and self._insts is None:
+            rules = self.rules
+            return sum(placement_code(rules, p, start) for p, start, _ in self.info.used_mig)
+        return self._layout().code
+
+    def start_of(self, option: Option) -> int:
+        """The start of the instance that `option` (from `option()`) gives the pod."""
+        if isinstance(option, ReuseSlice):
+            return self._layout().starts[option.index]
+        assert isinstance(option, CreateSlice)
+        return option.start
 
     # --- hosting a pending pod's slice ------------------------------------------------------
 
@@ -82,61 +231,49 @@ class MigState:
         """Cheapest way to host one instance of profile p: reuse a free one, else create one
         without destroying anything (always cheaper than destroying), else destroy the fewest."""
         rules = self.rules
-        full = rules.full_mask
-        flex = _flex_table(rules)
-        memory = rules.memory
-        hard = occ = compute = media = 0
-        counts = [0] * len(memory)
-        for i in self.insts:
-            m = ((1 << memory[i.p]) - 1) << i.start
-            occ |= m
-            if i.hard:
-                hard |= m
-            counts[i.p] += 1
-            compute += rules.compute[i.p]
-            media += rules.media[i.p]
+        shape = self._layout()
+        left, flex = _left_table(rules), _flex_table(rules)
+        hard = shape.hard
         empty = 0 if hard else 1
         best: Cost | None = None
         best_at = 0
-        for k, inst in enumerate(self.insts):
-            if inst.p == p and not inst.hard:
-                after = hard | (((1 << memory[p]) - 1) << inst.start)
-                cost = (0, empty, (full & ~after).bit_count(), -flex[after])
+        for k in shape.free:
+            if shape.profiles[k] == p:
+                after = hard | shape.masks[k]
+                cost = (0, empty, left[after], -flex[after])
                 if best is None or cost < best:
                     best, best_at = cost, k
         if best is not None:
             return ReuseSlice(best, best_at)
         touch = 0 if self.changed else 1
-        if rules.can_add(p, 0, 0, counts, compute, media):
-            for start, m in rules.placements[p]:
-                if not occ & m:
-                    after = hard | m
-                    cost = (touch, empty, (full & ~after).bit_count(), -flex[after])
-                    if best is None or cost < best:
-                        best, best_at = cost, start
-            if best is not None:
-                return CreateSlice(best, best_at, ())
+        compute, media, max_compute = rules.compute, rules.media, rules.model.compute_slices
+        if shape.counts[p] < rules.max_count[p] and shape.compute + compute[p] <= max_compute \
+                and not (media[p] and shape.media):
+            fit = _best_free_placement(rules, p, shape.occupied, hard)
+            if fit is not None:
+                return CreateSlice((touch, empty, fit[1], fit[2]), fit[0], ())
         best_destroy: tuple[int, ...] = ()
         for start, m in rules.placements[p]:
             if hard & m:
                 continue
-            destroy = tuple(k for k, i in enumerate(self.insts) if (((1 << memory[i.p]) - 1) << i.start) & m)
-            left = list(counts)
-            c, me = compute, media
+            destroy = tuple(k for k, mk in enumerate(shape.masks) if mk & m)
+            count, c, me = shape.counts[p], shape.compute, shape.media
             for k in destroy:
-                q = self.insts[k].p
-                left[q] -= 1
-                c -= rules.compute[q]
-                me -= rules.media[q]
-            if not rules.can_add(p, start, 0, left, c, me):
+                q = shape.profiles[k]
+                count -= q == p
+                c -= compute[q]
+                me -= media[q]
+            # `MigRules.can_add` once the overlapping free instances are gone
+            if not (count < rules.max_count[p] and c + compute[p] <= max_compute and not (media[p] and me)):
                 continue
             after = hard | m
-            cost = (len(destroy) + touch, empty, (full & ~after).bit_count(), -flex[after])
+            cost = (len(destroy) + touch, empty, left[after], -flex[after])
             if best is None or cost < best:
                 best, best_at, best_destroy = cost, start, destroy
         return None if best is None else CreateSlice(best, best_at, best_destroy)
 
     def apply(self, ask: SliceRef, option: Option, pod: str) -> None:
+        self._shape = None
         if isinstance(option, ReuseSlice):
             self.insts[option.index].pod = pod
             return
@@ -154,6 +291,7 @@ class MigState:
         return [k for k, i in enumerate(self.insts) if p is not None and i.p == p and not i.hard]
 
     def bind(self, slot: int, ask: SliceRef, pod: str) -> None:
+        self._shape = None
         self.insts[slot].pod = pod
 
     # --- rewriting the layout ---------------------------------------------------------------
@@ -177,17 +315,150 @@ class MigState:
         self.destroyed += destroyed
         self.changed = self.changed or bool(created or destroyed)
         self.insts = insts
+        self._shape = None
 
     # --- the result -------------------------------------------------------------------------
 
+    # (pydantic validates these few plain fields faster than `model_construct` assigns them)
+
     def layout(self) -> GpuLayout:
         names = self.rules.names
-        return GpuLayout.model_construct(
+        return GpuLayout(
             index=self.info.index, mps=[], whole_pod=None,
-            mig=[MigInstance.model_construct(profile=names[i.p], start=i.start, used=i.used, pod=i.pod) for i in self.insts],
+            mig=[MigInstance(profile=names[i.p], start=i.start, used=i.used, pod=i.pod) for i in self.insts],
             changed=self.changed, created=self.created, destroyed=self.destroyed,
         )
 
     def slices_held_by(self, pod: str) -> list[PlacedSlice]:
         names, gpu = self.rules.names, self.info.index
-        return [PlacedSlice.mig(gpu, names[i.p], i.start) for i in self.insts if i.pod == pod]
+        return [PlacedSlice(gpu=gpu, kind="mig", profile=names[i.p], start=i.start, size=None)
+                for i in self.insts if i.pod == pod]
+
+
+# --- the cheapest options of many GPUs at once --------------------------------------------------
+
+# packing of (memory slices left, -flexibility) into one integer, lower is better
+_LEFT_SHIFT = 20
+_FLEX_OFFSET = 1 << 16
+
+
+@cache
+def _cost_tables(rules: MigRules) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per mask of occupied memory slices: slices left free, -flexibility, and both packed
+    (`_LEFT_SHIFT`); per profile index, with one more (0) for none: compute and media slices."""
+    left = np.array(_left_table(rules), dtype=np.int64)
+    neg_flex = -np.array(_flex_table(rules), dtype=np.int64)
+    assert int(-neg_flex.min()) < _FLEX_OFFSET
+    compute = np.array(rules.compute + (0,), dtype=np.int64)
+    media = np.array(rules.media + (False,), dtype=np.int64)
+    return left, neg_flex, (left << _LEFT_SHIFT) + neg_flex + _FLEX_OFFSET, compute, media
+
+
+class MigRows:
+    """MIG GPU states of one model as arrays, one row per state: what `MigState.option` reads
+    of them, so that the cheapest option of many states is found with numpy at once (`costs`),
+    the same option `MigState.option` finds for each."""
+
+    _FIELDS = ("profiles", "starts", "masks", "free", "hard", "occupied", "counts", "compute", "media", "changed",
+               "codes")
+
+    def __init__(self, rules: MigRules):
+        self.rules = rules
+        self.width = rules.model.memory_slices  # the most instances a GPU can have
+        self._new: list[tuple[object, ...]] = []  # rows not in the arrays yet
+        self._arrays: dict[str, np.ndarray] = {}
+        self._count = 0
+
+    def add(self, state: MigState) -> int:
+        """Add a row for `state` (not modified afterwards); returns its index."""
+        shape = state._layout()
+        pad = self.width - len(shape.profiles)
+        self._new.append((
+            shape.profiles + (len(self.rules.memory),) * pad,  # a pad instance: the profile "none"
+            shape.starts + (0,) * pad,
+            shape.masks + (0,) * pad,
+            tuple(not h for h in shape.hards) + (False,) * pad,
+            shape.hard, shape.occupied, shape.counts, shape.compute, shape.media, int(state.changed), shape.code,
+        ))
+        self._count += 1
+        return self._count - 1
+
+    def _field(self, name: str) -> np.ndarray:
+        if self._new:
+            columns = list(zip(*self._new))
+            for j, field in enumerate(self._FIELDS):
+                add = np.array(columns[j], dtype=np.int64)
+                old = self._arrays.get(field)
+                self._arrays[field] = add if old is None else np.concatenate([old, add])
+            self._new = []
+        return self._arrays[name]
+
+    def costs(self, rows: np.ndarray, p: int) -> tuple[np.ndarray, ...]:
+        """For each row, the cheapest way to host one instance of profile p, as `MigState._option`
+        chooses it: (found, changes, empty, slices left, -flexibility, start of the instance),
+        all 0 where there is none."""
+        rules = self.rules
+        left_of, neg_flex_of, packed_of, compute_of, media_of = _cost_tables(rules)
+        field = self._field
+        profiles, starts, masks = field("profiles")[rows], field("starts")[rows], field("masks")[rows]
+        free = field("free")[rows].astype(bool)
+        hard, occupied, count = field("hard")[rows], field("occupied")[rows], field("counts")[rows, p]
+        compute, media, touch = field("compute")[rows], field("media")[rows], 1 - field("changed")[rows]
+        n = len(rows)
+        chg = np.full(n, NO_OPTION_CHANGES, dtype=np.int64)
+        after = np.zeros(n, dtype=np.int64)  # the occupied memory slices the option leaves
+        start = np.zeros(n, dtype=np.int64)
+        ids = np.arange(n)
+        # reuse a free instance of p: the one leaving the fewest slices, then the most placements
+        reusable = free & (profiles == p)
+        key = np.where(reusable, packed_of[hard[:, None] | masks], _NOTHING)
+        k = key.argmin(axis=1)
+        todo = reusable.any(axis=1)
+        chg[todo], after[todo], start[todo] = 0, (hard | masks[ids, k])[todo], starts[ids, k][todo]
+        # create one clear of every instance
+        allowed = ~todo & (count < rules.max_count[p]) & (compute + rules.compute[p] <= rules.model.compute_slices)
+        if rules.media[p]:
+            allowed &= media == 0
+        places = rules.placements[p]
+        key = np.stack([np.where(allowed & (occupied & m == 0), packed_of[hard | m], _NOTHING) for _, m in places], axis=1)
+        i = key.argmin(axis=1)
+        todo = key[ids, i] < _NOTHING
+        place_mask = np.array([m for _, m in places], dtype=np.int64)
+        place_start = np.array([st for st, _ in places], dtype=np.int64)
+        chg[todo], after[todo], start[todo] = touch[todo], (hard | place_mask[i])[todo], place_start[i][todo]
+        # destroy the fewest free instances (rows without a cheaper way)
+        rest = np.flatnonzero(chg == NO_OPTION_CHANGES)
+        if len(rest):
+            masks_r, hard_r, touch_r = masks[rest], hard[rest], touch[rest]
+            of_p = profiles[rest] == p
+            inst_compute, inst_media = compute_of[profiles[rest]], media_of[profiles[rest]]
+            count_r, compute_r, media_r = count[rest], compute[rest], media[rest]
+            keys = []
+            for _, m in places:
+                gone = (masks_r & m) != 0
+                ok = (hard_r & m == 0) & (count_r - (gone & of_p).sum(axis=1) < rules.max_count[p]) \
+                    & (compute_r - (gone * inst_compute).sum(axis=1) + rules.compute[p] <= rules.model.compute_slices)
+                if rules.media[p]:
+                    ok &= media_r - (gone * inst_media).sum(axis=1) == 0
+                keys.append(np.where(ok, ((gone.sum(axis=1) + touch_r) << _CHANGES_SHIFT) + packed_of[hard_r | m], _NOTHING))
+            key = np.stack(keys, axis=1)
+            i = key.argmin(axis=1)
+            best = key[np.arange(len(rest)), i]
+            found = best < _NOTHING
+            at = rest[found]
+            chg[at] = best[found] >> _CHANGES_SHIFT
+            after[at], start[at] = (hard_r | place_mask[i])[found], place_start[i][found]
+        found = chg < NO_OPTION_CHANGES
+        return (found, np.where(found, chg, 0), np.where(found, (hard == 0).astype(np.int64), 0),
+                np.where(found, left_of[after], 0), np.where(found, neg_flex_of[after], 0), np.where(found, start, 0))
+
+    def codes(self, rows: np.ndarray) -> np.ndarray:
+        """Per row, the code of its instances in use or planned (`MigState.hard_code`)."""
+        codes: np.ndarray = self._field("codes")[rows]
+        return codes
+
+
+# changes of a row without an option (while they are sought); keys of what cannot be chosen
+NO_OPTION_CHANGES = np.iinfo(np.int64).max // 4
+_NOTHING = np.iinfo(np.int64).max
+_CHANGES_SHIFT = 40

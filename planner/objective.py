@@ -32,28 +32,34 @@ node's F is a few table lookups per GPU, evaluated with numpy for all candidate 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from functools import singledispatch
+from bisect import bisect_right
+from collections.abc import Hashable, Sequence
+from functools import cache, singledispatch
 
 import numpy as np
 
 from dynpart.mig import MigRules
-from dynpart.planner.mig_state import MigState
+from dynpart.planner.mig_state import MigState, code_placements, placement_code
 from dynpart.planner.mps_state import MpsState
 from dynpart.planner.problem import DemandKind, ref_order
 from dynpart.planner.types import (
     WHOLE_GPU,
-    CreateSlice,
     MigSliceRef,
     MpsSliceRef,
     Option,
-    ReuseSlice,
     SliceRef,
     TakeWholeGpu,
 )
 
 # ΔF is compared in steps of this share of a GPU; closer options are equal for the objective
 
+
+
+# the lowest (best) score `Objective.score` gives; the highest is 0
+SCORE_MIN = -100
+
+# the most ΔF values whose score `Objective.scores` keeps
+_SCORES_KEPT = 1 << 16
 
 
 def _mode_of(ref: SliceRef) -> str:
@@ -72,7 +78,7 @@ def capacity_class(state: object) -> Hashable:
 
 @capacity_class.register
 def _(state: MigState) -> Hashable:
-    return ("mig", state.rules, tuple((i.p, i.start) for i in state.insts if i.hard))
+    return mig_class(state.rules, state.hard_code())
 
 
 @capacity_class.register
@@ -89,14 +95,14 @@ def class_after(state: object, ask: SliceRef, option: Option) -> Hashable:
 @class_after.register
 def _(state: MigState, ask: SliceRef, option: Option) -> Hashable:
     assert isinstance(ask, MigSliceRef)
-    p = state.rules.index[ask.profile]
-    hard = [(i.p, i.start) for i in state.insts if i.hard]
-    if isinstance(option, CreateSlice):
-        start = option.start
-    else:
-        assert isinstance(option, ReuseSlice)
-        start = state.insts[option.index].start
-    return ("mig", state.rules, tuple(sorted(hard + [(p, start)], key=lambda x: x[1])))
+    start = state.start_of(option)
+    return mig_class(state.rules, state.hard_code() + placement_code(state.rules, state.rules.index[ask.profile], start))
+
+
+def mig_class(rules: MigRules, code: int) -> Hashable:
+    """The capacity class of a MIG GPU whose instances in use or planned have this code
+    (`MigState.hard_code`)."""
+    return ("mig", rules, code)
 
 
 @class_after.register
@@ -108,9 +114,27 @@ def _(state: MpsState, ask: SliceRef, option: Option) -> Hashable:
     return ("mps", state.cap, hard + ask.size, False)
 
 
-def _coverage(key: Hashable, refs: list[SliceRef]) -> tuple[float, np.ndarray]:
-    """(free share of the GPU, coverage per ref) of a capacity class."""
-    cov = np.zeros(len(refs))
+@cache
+def _cover_masks(rules: MigRules) -> tuple[tuple[int, ...], ...]:
+    """Per profile, per mask of used memory slices: the memory slices covered by the profile's
+    legal placements that avoid them."""
+    table = []
+    for placements in rules.placements:
+        row = []
+        for used in range(rules.full_mask + 1):
+            cover = 0
+            for _, m in placements:
+                if not used & m:
+                    cover |= m
+            row.append(cover)
+        table.append(tuple(row))
+    return tuple(table)
+
+
+def _coverage(key: Hashable, refs: list[SliceRef], profiles: list[int | None] | None) -> tuple[float, list[float]]:
+    """(free share of the GPU, coverage per ref) of a capacity class; `profiles`: for a MIG
+    class, each ref's profile index in its model (None: not a profile of the model)."""
+    cov = [0.0] * len(refs)
     if key is None:
         return 0.0, cov
     assert isinstance(key, tuple)
@@ -123,26 +147,55 @@ def _coverage(key: Hashable, refs: list[SliceRef]) -> tuple[float, np.ndarray]:
             elif ref is WHOLE_GPU and not whole and hard == 0:
                 cov[j] = 1.0
         return free / cap, cov
-    _, rules, hard_insts = key
-    assert isinstance(rules, MigRules)
+    _, rules, code = key
+    assert isinstance(rules, MigRules) and profiles is not None
     hard = compute = media = 0
     counts = [0] * len(rules.memory)
-    for p, s in hard_insts:
+    for p, s in code_placements(rules, code):
         hard |= rules.mask(p, s)
         counts[p] += 1
         compute += rules.compute[p]
         media += rules.media[p]
     slices = rules.model.memory_slices
-    for j, ref in enumerate(refs):
-        p = rules.index.get(ref.profile) if isinstance(ref, MigSliceRef) else None
-        if p is None:
+    cover_masks = _cover_masks(rules)
+    for j, q in enumerate(profiles):
+        if q is None:
             continue
-        cover = 0
-        for s, m in rules.placements[p]:
-            if rules.can_add(p, s, hard, counts, compute, media):
-                cover |= m
-        cov[j] = cover.bit_count() / slices
+        # the placements of p that `MigRules.can_add` accepts: those clear of the used slices,
+        # when the counts, compute and media limits allow one more p at all
+        if counts[q] < rules.max_count[q] and compute + rules.compute[q] <= rules.model.compute_slices \
+                and not (rules.media[q] and media):
+            cov[j] = cover_masks[q][hard].bit_count() / slices
     return (rules.full_mask & ~hard).bit_count() / slices, cov
+
+
+def numpy_sum(values: Sequence[float]) -> float:
+    """The sum numpy's `add.reduce` gives over a contiguous float64 row, bit for bit: a plain
+    loop under 8 values, else 8 interleaved partial sums (pairwise above 128 values). The
+    greedy weighs a few nodes in plain Python (numpy's per-call cost dominates there) and must
+    get the floats its vectorised path gets."""
+    n = len(values)
+    if n < 8:
+        total = 0.0
+        for v in values:
+            total += v
+        return total
+    if n <= 128:
+        r = list(values[:8])
+        i = 8
+        end = n - n % 8
+        while i < end:
+            for j in range(8):
+                r[j] += values[i + j]
+            i += 8
+        total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+        while i < n:
+            total += values[i]
+            i += 1
+        return total
+    half = n // 2
+    half -= half % 8
+    return numpy_sum(values[:half]) + numpy_sum(values[half:])
 
 
 class Objective:
@@ -158,6 +211,8 @@ class Objective:
             total[_mode_of(k.ref)] = total.get(_mode_of(k.ref), 0.0) + k.weight
         self.cpu_steps = np.array(sorted({k.cpu for k in kinds}), dtype=np.int64)
         self.mem_steps = np.array(sorted({k.mem for k in kinds}), dtype=np.int64)
+        self.cpu_step_list: list[int] = self.cpu_steps.tolist()
+        self.mem_step_list: list[int] = self.mem_steps.tolist()
         self.multi = sorted({(ref_idx[k.ref], k.count) for k in kinds if k.count > 1})
         self.multi_refs = sorted({r for r, _ in self.multi})
         multi_idx = {rc: j for j, rc in enumerate(self.multi)}
@@ -177,11 +232,22 @@ class Objective:
         self.wm = wm.cumsum(axis=0).cumsum(axis=1)
         self.multi_col = np.array([self.multi_refs.index(r) for r, _ in self.multi], dtype=np.int64)
         self.multi_count = np.array([c for _, c in self.multi], dtype=np.int64)
+        # the same tables as lists, for the greedy's plain-Python path: wm[ic][im] and per class id
+        # its free share, its coverage of the multi-slice refs and usable[ic][im]
+        self.wm_rows: list[list[list[float]]] = self.wm.tolist()
+        self.multi_cols: list[int] = self.multi_col.tolist()
+        self.multi_counts: list[int] = self.multi_count.tolist()
+        self.free_of: list[float] = []
+        self.cov_of: list[list[float]] = []
+        self.usable_of: list[list[list[float]]] = []
         self._ids: dict[Hashable, int] = {}
-        self._free: list[float] = []
-        self._cov: list[np.ndarray] = []
-        self._usable: list[np.ndarray] = []
-        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._scores: dict[float, int] = {}
+        self._moved_kinds: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._profiles: dict[MigRules, list[int | None]] = {}  # per model, each ref's profile index
+        # per class id, in arrays that grow by doubling (`tables()` gives views of the filled part)
+        self._free = np.zeros(64)
+        self._cov = np.zeros((64, len(self.multi_refs)))
+        self._usable = np.zeros(shape + (64,))
         self.class_id(None)
 
     @property
@@ -191,21 +257,33 @@ class Objective:
     def class_id(self, key: Hashable) -> int:
         cid = self._ids.get(key)
         if cid is None:
-            cid = self._ids[key] = len(self._free)
-            free, cov = _coverage(key, self.refs)
-            self._free.append(free)
-            self._cov.append(cov[self.multi_refs] if self.multi_refs else np.zeros(0))
-            self._usable.append(self.w1 @ cov)
-            self._arrays = None
+            cid = self._ids[key] = len(self.free_of)
+            profiles = None
+            if isinstance(key, tuple) and key[0] == "mig":
+                profiles = self._profiles.get(key[1])
+                if profiles is None:
+                    profiles = self._profiles[key[1]] = [key[1].index.get(r.profile) if isinstance(r, MigSliceRef) else None
+                                                         for r in self.refs]
+            free, cov = _coverage(key, self.refs, profiles)
+            cov_multi = [cov[j] for j in self.multi_refs]
+            usable = self.w1 @ np.array(cov)
+            if cid == len(self._free):
+                self._free = np.concatenate([self._free, np.zeros_like(self._free)])
+                self._cov = np.concatenate([self._cov, np.zeros_like(self._cov)])
+                self._usable = np.concatenate([self._usable, np.zeros_like(self._usable)], axis=-1)
+            self._free[cid], self._usable[..., cid] = free, usable
+            if cov_multi:
+                self._cov[cid] = cov_multi
+            self.free_of.append(free)
+            self.cov_of.append(cov_multi)
+            self.usable_of.append(usable.tolist())
         return cid
 
     def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per class id: free share (K,), coverage of the multi-slice refs (K, Rm), and the table
         usable (CPU steps, memory steps, K) of the one-slice kinds."""
-        if self._arrays is None:
-            self._arrays = (np.array(self._free), np.array(self._cov).reshape(len(self._free), len(self.multi_refs)),
-                            np.stack(self._usable, axis=-1))
-        return self._arrays
+        k = len(self.free_of)
+        return self._free[:k], self._cov[:k], self._usable[..., :k]
 
     def steps(self, cpu: np.ndarray, mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return (np.searchsorted(self.cpu_steps, cpu, side="right"),
@@ -222,6 +300,22 @@ class Objective:
         return out
 
 
+    def moved_kinds(self, before: int, after: int) -> tuple[int, ...]:
+        """The multi-slice kinds whose ref a GPU's coverage changes for, from class `before` to
+        class `after`."""
+        kinds = self._moved_kinds.get((before, after))
+        if kinds is None:
+            ca, cb = self.cov_of[after], self.cov_of[before]
+            kinds = self._moved_kinds[(before, after)] = tuple(j for j, col in enumerate(self.multi_cols)
+                                                               if ca[col] != cb[col])
+        return kinds
+
+    def multi_room_one(self, ic: int, im: int, covered: list[float], hosts: list[int]) -> float:
+        """`multi_room` of one node, in plain Python (bit for bit the same)."""
+        wm = self.wm_rows[ic][im]
+        return numpy_sum([w * (covered[col] * (hosts[col] >= count))
+                          for w, col, count in zip(wm, self.multi_cols, self.multi_counts)])
+
     def multi_room(self, ic: np.ndarray, im: np.ndarray, covered: np.ndarray, hosts: np.ndarray) -> np.ndarray:
         """What the multi-slice kinds can use of nodes whose GPUs cover `covered` (R, Rm) of the
         multi-slice refs, `hosts` of them hosting one."""
@@ -229,6 +323,16 @@ class Objective:
         room = (hosts[:, col] >= self.multi_count[None, :]) * covered[:, col]
         out: np.ndarray = (self.wm[ic, im] * room).sum(axis=1)
         return out
+
+    def scores(self, deltas: list[float]) -> list[int]:
+        """`score` of each ΔF, remembered per value (a few hundred values recur plan after plan)."""
+        memo = self._scores
+        missing = [d for d in deltas if d not in memo]
+        if missing:
+            if len(memo) > _SCORES_KEPT:
+                memo.clear()
+            memo.update(zip(missing, self.score(np.array(missing)).tolist()))
+        return [memo[d] for d in deltas]
 
     @staticmethod
     def score(delta: np.ndarray) -> np.ndarray:
@@ -287,3 +391,23 @@ class NodeTerms:
             self.multi[nodes] = objective.multi_room(ic, im, covm, hostm)
         self.f[nodes] = self.free[nodes] - self.single[nodes] - self.multi[nodes]
         self.ok[nodes] = True
+
+    def ensure_one(self, objective: Objective, node: int, classes: np.ndarray, cpu: int, mem: int) -> None:
+        """`ensure` for one node, `classes` its GPUs' (numpy's cost per call dominates on one node):
+        the sums over its GPUs in plain Python, the same float operations in the same order, so
+        the same terms bit for bit; the coverage sums as `ensure` computes them, on one row."""
+        if self.ok[node]:
+            return
+        ic, im = bisect_right(objective.cpu_step_list, cpu), bisect_right(objective.mem_step_list, mem)
+        usable_of = objective.usable_of
+        class_list = classes.tolist()
+        free = numpy_sum([objective.free_of[c] for c in class_list])
+        single = numpy_sum([usable_of[c][ic][im] for c in class_list])
+        self.ic[node], self.im[node], self.free[node], self.single[node] = ic, im, free, single
+        if objective.multi:
+            c = objective.tables()[1][classes[None, :]]
+            covm, hostm = c.sum(axis=1)[0].tolist(), (c > 0).sum(axis=1)[0].tolist()
+            self.covm[node], self.hostm[node] = covm, hostm
+            self.multi[node] = objective.multi_room_one(ic, im, covm, hostm)
+        self.f[node] = free - single - float(self.multi[node])
+        self.ok[node] = True

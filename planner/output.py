@@ -13,7 +13,7 @@ def slices_of(problem: Problem, states: list[GpuState], req: Request, gids: tupl
     out: list[PlacedSlice] = []
     for gid in gids:
         out.extend(states[gid].slices_held_by(req.name))
-    return sorted(set(out), key=PlacedSlice.sort_key)
+    return sorted(set(out), key=PlacedSlice.sort_key) if len(out) > 1 else out
 
 
 def build_plan(problem: Problem, policy: PlanningPolicy, result: PolicyResult, bound: int, solve_s: float) -> Plan:
@@ -34,7 +34,7 @@ def build_plan(problem: Problem, policy: PlanningPolicy, result: PolicyResult, b
     for n in sorted({gpu_node[g].node for g in touched}):
         node = problem.nodes[n]
         gpus = [states[g].layout() for g in node.gpus if g in touched]
-        layouts.append(NodeLayout.model_construct(node=node.name, mode=node.mode, gpus=gpus))
+        layouts.append(NodeLayout(node=node.name, mode=node.mode, gpus=gpus))
     placements, unplaced = [], []
     weight = 0
     for req in problem.requests:

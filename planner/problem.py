@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -143,84 +144,88 @@ def compile_cluster(snapshot_nodes: Sequence[Node], models: dict[str, GpuModel])
         model = models[node.name]
         rules = MigRules.of(model) if node.mode == "mig" else None
         gids = []
-        for gpu in sorted(node.gpus, key=lambda g: g.index):
-            info = GpuInfo(
-                gid=len(gpus), node=ni, index=gpu.index, model=model, rules=rules,
-                capacity=gpu_capacity(gpu, model), whole_pod=gpu.whole_pod,
-            )
+        for gpu in sorted(node.gpus, key=_by_index):
+            used_mig: list[tuple[int, int, str | None]] = []
+            free_mig: list[tuple[int, int]] = []
+            used_mps: list[tuple[int, str | None]] = []
+            free_mps: list[int] = []
             if rules is not None:
-                for inst in sorted(gpu.mig, key=lambda m: m.start):
-                    p = rules.index[inst.profile]
+                index = rules.index
+                for inst in sorted(gpu.mig, key=_by_start):
                     if inst.used or inst.pod:
-                        info.used_mig.append((p, inst.start, inst.pod))
+                        used_mig.append((index[inst.profile], inst.start, inst.pod))
                     else:
-                        info.free_mig.append((p, inst.start))
+                        free_mig.append((index[inst.profile], inst.start))
             else:
                 for s in gpu.mps:
                     if s.used or s.pod:
-                        info.used_mps.append((s.size, s.pod))
+                        used_mps.append((s.size, s.pod))
                     else:
-                        info.free_mps.append(s.size)
-                info.free_mps.sort(reverse=True)
-            gids.append(info.gid)
-            gpus.append(info)
+                        free_mps.append(s.size)
+                free_mps.sort(reverse=True)
+            gids.append(len(gpus))
+            gpus.append(GpuInfo(len(gpus), ni, gpu.index, model, rules, gpu_capacity(gpu, model), used_mig, free_mig,
+                                used_mps, free_mps, gpu.whole_pod))
         nodes.append(NodeInfo(ni, node.name, node.mode, model, node.cpu_milli_free,
                               node.memory_mib_free, dict(node.labels), gids))
     return nodes, gpus
 
 
+_by_index = attrgetter("index")
+_by_start = attrgetter("start")
+
+
 # per request signature (kind, profile, size, count, selector, accepted models): the nodes that may
-# host it whatever the layout and CPU/memory, and why the others may not
-StaticFilter = dict[tuple[object, ...], tuple[np.ndarray, list[tuple[int, str]]]]
+# host it whatever the layout and CPU/memory, and why no node may when none may
+StaticFilter = dict[tuple[object, ...], tuple[np.ndarray, str | None]]
 
 
 def compile_requests(problem: Problem, pending: Sequence[PendingPod], catalog: Catalog,
                      static: StaticFilter, cpu_free: np.ndarray | None = None,
                      mem_free: np.ndarray | None = None) -> list[Request]:
     """The pending pods as requests with their candidate nodes. `static` caches the filters that
-    do not depend on CPU/memory (valid as long as the nodes' modes, labels and models are)."""
+    do not depend on CPU/memory (valid as long as the nodes' modes, labels and models are).
+    Requests of one signature asking the same CPU and memory share their candidate lists."""
     nodes, gpus = problem.nodes, problem.gpus
     weights = priority_weights([p.priority for p in pending])
     if cpu_free is None or mem_free is None:
         cpu_free = np.array([n.cpu_free for n in nodes], dtype=np.int64)
         mem_free = np.array([n.mem_free for n in nodes], dtype=np.int64)
     requests: list[Request] = []
+    kinds: dict[str, tuple[str, SliceRef, str | None, int]] = {}
+    groups: _NodeGroups | None = None
+    fitting: dict[tuple[object, ...], tuple[np.ndarray, list[int]]] = {}
     mig_shapes: dict[tuple[object, ...], tuple[int, int]] = {}
+    model_of: np.ndarray | None = None
     for pi, pod in enumerate(pending):
-        res = parse_resource(pod.resource)
-        ref: SliceRef
-        if isinstance(res, MigResource):
-            kind, ref, profile, size = KIND_MIG, MigSliceRef(res.profile), res.profile, 0
-        elif isinstance(res, MpsResource):
-            kind, ref, profile, size = KIND_MPS, MpsSliceRef(res.size), None, res.size
-        else:
-            assert isinstance(res, WholeGpuResource)
-            kind, ref, profile, size = KIND_GPU, WHOLE_GPU, None, 0
+        kind_of = kinds.get(pod.resource)
+        if kind_of is None:
+            kind_of = kinds[pod.resource] = _kind_of(pod.resource)
+        kind, ref, profile, size = kind_of
         req = Request(pi, pod.name, pod.resource, kind, ref, profile, size, pod.count, pod.cpu_milli,
                       pod.memory_mib, pod.priority, weights[pod.priority])
         accepted = frozenset(catalog.resolve(m).family_name for m in pod.gpu_models)
         sig = (kind, profile, size, pod.count, tuple(sorted(pod.node_selector.items())), accepted)
         hit = static.get(sig)
         if hit is None:
-            ok, reasons = [], []
-            for candidate in nodes:
-                why = _node_rejects(candidate, gpus, req, pod.node_selector, accepted)
-                if why is None:
-                    ok.append(candidate.idx)
-                else:
-                    reasons.append(why)
-            hit = static[sig] = (np.array(ok, dtype=np.int64), reasons)
-        ok_nodes, reasons = hit
-        fits = ok_nodes[(cpu_free[ok_nodes] >= req.cpu) & (mem_free[ok_nodes] >= req.mem)] if len(ok_nodes) else ok_nodes
-        req._cand = fits
-        req.candidates = fits.tolist()
+            if groups is None:
+                groups = _NodeGroups(nodes, gpus)
+            hit = static[sig] = groups.filter(req, pod.node_selector, accepted)
+        ok_nodes, summary = hit
+        fit = fitting.get((sig, req.cpu, req.mem))
+        if fit is None:
+            fits = ok_nodes[(cpu_free[ok_nodes] >= req.cpu) & (mem_free[ok_nodes] >= req.mem)] if len(ok_nodes) else ok_nodes
+            fit = fitting[(sig, req.cpu, req.mem)] = (fits, fits.tolist())
+        req._cand, req.candidates = fit
         if isinstance(ref, MigSliceRef) and req.candidates:
             req.size = nodes[req.candidates[0]].model.profiles_by_name[ref.profile].memory
             # one profile name can have different shapes on different models (A100-40GB's
             # 1g.10gb takes two memory slices, A100-80GB's one): the smallest, for the bound
             shapes = mig_shapes.get(sig)
             if shapes is None:
-                profs = {nodes[n].model.profiles_by_name[ref.profile] for n in ok_nodes.tolist()}
+                if model_of is None:
+                    model_of = _model_ids(nodes)
+                profs = [nodes[n].model.profiles_by_name[ref.profile] for n in _one_per_value(model_of, ok_nodes)]
                 shapes = mig_shapes[sig] = (min(p.memory for p in profs), min(p.compute for p in profs))
             req.min_memory, req.min_compute = shapes
         if not req.candidates:
@@ -228,9 +233,67 @@ def compile_requests(problem: Problem, pending: Sequence[PendingPod], catalog: C
                 req.no_candidate_reason = (f"not enough free CPU/memory on any matching node "
                                            f"(asks {req.cpu}m CPU, {req.mem} MiB)")
             else:
-                req.no_candidate_reason = _summarise(reasons, len(nodes))
+                req.no_candidate_reason = summary
         requests.append(req)
     return requests
+
+
+def _kind_of(resource: str) -> tuple[str, SliceRef, str | None, int]:
+    """(kind, slice ref, MIG profile, MPS size) of a pod's resource."""
+    res = parse_resource(resource)
+    if isinstance(res, MigResource):
+        return KIND_MIG, MigSliceRef(res.profile), res.profile, 0
+    if isinstance(res, MpsResource):
+        return KIND_MPS, MpsSliceRef(res.size), None, res.size
+    assert isinstance(res, WholeGpuResource)
+    return KIND_GPU, WHOLE_GPU, None, 0
+
+
+def _model_ids(nodes: list[NodeInfo]) -> np.ndarray:
+    """Per node, an id of its GPU model (equal models, equal ids)."""
+    ids: dict[int, int] = {}
+    return np.array([ids.setdefault(id(n.model), len(ids)) for n in nodes], dtype=np.int64)
+
+
+def _one_per_value(values: np.ndarray, among: np.ndarray) -> list[int]:
+    """One index of `among` per distinct value of `values` there (the first in order)."""
+    _, first = np.unique(values[among], return_index=True)
+    return [int(among[i]) for i in np.sort(first)]
+
+
+class _NodeGroups:
+    """The nodes grouped by what `_node_rejects` reads of them (mode, labels, GPU model, GPU
+    capacities): a request's static filter is decided once per group, not once per node."""
+
+    def __init__(self, nodes: list[NodeInfo], gpus: list[GpuInfo]):
+        self.nodes, self.gpus = nodes, gpus
+        index: dict[tuple[object, ...], int] = {}
+        of_node = []
+        self.first: list[int] = []  # per group, its first node
+        for node in nodes:
+            key = (node.mode, tuple(sorted(node.labels.items())), id(node.model),
+                   tuple(gpus[g].capacity for g in node.gpus))
+            g = index.get(key)
+            if g is None:
+                g = index[key] = len(self.first)
+                self.first.append(node.idx)
+            of_node.append(g)
+        self.of_node = np.array(of_node, dtype=np.int64)
+
+    def filter(self, req: Request, selector: dict[str, str], accepted: Set[str]) -> tuple[np.ndarray, str | None]:
+        """The nodes that may host the request, and (when none may) why not: the reason of the
+        node that got furthest through the filters, the first such node in node order."""
+        ok = np.zeros(len(self.first), dtype=bool)
+        furthest: tuple[int, str] | None = None
+        for g, n in enumerate(self.first):  # groups are in the order of their first nodes
+            why = _node_rejects(self.nodes[n], self.gpus, req, selector, accepted)
+            if why is None:
+                ok[g] = True
+            elif furthest is None or why[0] > furthest[0]:
+                furthest = why
+        summary = None if ok.any() else ("no GPU nodes in the cluster" if not self.nodes else
+                                         furthest[1] if furthest is not None else None)
+        return np.flatnonzero(ok[self.of_node]).astype(np.int64), summary
 
 
 def compile_workload(workload: Sequence[RequestShare], pending: Sequence[PendingPod]) -> list[DemandKind]:
@@ -286,10 +349,3 @@ def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: d
     if req.kind == KIND_GPU and req.count > len(node.gpus):
         return 4, f"{req.count} whole GPUs asked; nodes have at most {len(node.gpus)}"
     return None
-
-
-def _summarise(reasons: list[tuple[int, str]], n_nodes: int) -> str:
-    """The reason of the node that got furthest through the filters is the most telling."""
-    if not n_nodes:
-        return "no GPU nodes in the cluster"
-    return max(reasons, key=lambda r: r[0])[1]
