@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -108,6 +109,7 @@ class Agent:
         self._capacity: int = 0
         self._restarted_for: dict[str, int] | None = None  # the MIG counts NVIDIA's plugin was restarted for
         self._waiting = False
+        self._drain: tuple[int, ...] = ()  # the GPUs the spec applied last drains
         # early publishing (publish_allocatable): what the node's allocatable should show (the last
         # _publish's counts); a node that shows otherwise (the kubelet's own status write after its
         # restart, with no device yet) or a plugin's new registration wakes the publisher
@@ -200,6 +202,7 @@ class Agent:
                 spec.problems.append(f"spec {spec.plan_id or '(no plan id)'} refused: nothing applied until it is "
                                      "well-formed")
             mode = self._mode(node, layout.mode if layout else None)
+            self._drain = spec.drain if layout is not None else ()
             self._builtin = self.plugins is not None and (mode == "mps" or self.plugin_pods is None)
             self.guard.plugins = self.plugins if self._builtin else None  # withdraw only what it serves
             if mode == "mig":
@@ -207,7 +210,7 @@ class Agent:
                     self._mig = MigAgent(self.driver, self.pods, model, guard=self.guard)
                 desired_mig = None if layout is None else {g.index: [(m.profile, m.start) for m in g.mig]
                                                            for g in layout.gpus}
-                result = await self._mig.apply(desired_mig)
+                result = await self._mig.apply(desired_mig, spec.drain)
             else:
                 if self.plugins is None:
                     raise DynpartError("this node is in MPS mode, whose slices only the agent's own device plugin "
@@ -217,7 +220,7 @@ class Agent:
                                                       daemon=self.mps_daemon, pipe_dir=self.plugins.mps.pipe_dir_host,
                                                       log_dir=self.mps_log_dir)
                 desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
-                result = await self._mps_plugin.apply(desired_mps)
+                result = await self._mps_plugin.apply(desired_mps, spec.drain)
         except DynpartError as e:
             # Not safe to act or to describe the GPUs: keep the last status, report the error.
             log.error("node %s: %s", self.node, e)
@@ -301,7 +304,7 @@ class Agent:
         waiting: list[str] = []
         truthful = self.plugins is not None or self.plugin_pods is not None
         if truthful and layout is not None and result.applied:
-            missing = _not_held(mode, layout, result.gpus)
+            missing = _not_held(mode, layout, result.gpus, self._drain)
             if missing:
                 waiting.append("the GPUs do not hold it: " + "; ".join(missing))
         if self.plugins is not None and not self._builtin and self.plugins.servers:
@@ -490,8 +493,9 @@ def _valid_or_none(plan_id: str | None) -> str | None:
     return plan_id if is_plan_id(plan_id) else None
 
 
-def _not_held(mode: Mode, layout: NodeLayout, gpus: list[GpuLayout]) -> list[str]:
-    """Per GPU, how what the driver holds differs from the plan (empty: it holds the plan)."""
+def _not_held(mode: Mode, layout: NodeLayout, gpus: list[GpuLayout], drain: tuple[int, ...] = ()) -> list[str]:
+    """Per GPU, how what the driver holds differs from the plan (empty: it holds the plan). A
+    drained GPU holds it with any part of the plan's slices (the rest went as they freed)."""
     want = {g.index: g for g in layout.gpus}
     out = []
     for g in gpus:
@@ -502,7 +506,7 @@ def _not_held(mode: Mode, layout: NodeLayout, gpus: list[GpuLayout]) -> list[str
         else:  # sizes, largest first (a slice's number is the agent's business, not the plan's)
             have = [f"{s}gb" for s in sorted((s.size for s in g.mps), reverse=True)]
             need = [f"{s}gb" for s in sorted((s.size for s in (w.mps if w else [])), reverse=True)]
-        if have != need:
+        if have != need and not (g.index in drain and not Counter(have) - Counter(need)):
             out.append(f"GPU {g.index} has {' '.join(have) or 'nothing'}, the plan {' '.join(need) or 'nothing'}")
     for index in sorted(set(want) - {g.index for g in gpus}):
         out.append(f"GPU {index} is not on this node")

@@ -21,7 +21,7 @@ from dynpart.agent import metrics
 from dynpart.agent.driver.interface import IN_USE, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
 from dynpart.agent.guard import SliceGuard
 from dynpart.agent.podresources import PodResources, pods_by_device
-from dynpart.agent.reconcile import Destroy, Instance, MigGpuState, reconcile_mig
+from dynpart.agent.reconcile import Destroy, Instance, MigGpuState, drained_mig, reconcile_mig
 from dynpart.catalog import GpuModel
 from dynpart.mig import slot_mask
 from dynpart.resources import WHOLE_GPU, mig_resource_name
@@ -113,8 +113,9 @@ class MigAgent:
         users = [f"pid {p}" for p in self.driver.processes(device.index)]
         return users + [f"pod {p}" for p in pods_by_device(await self.pods.list()).get(device.uuid, [])]
 
-    async def apply(self, desired: dict[int, list[tuple[str, int]]] | None) -> PassResult:
-        """One pass. `desired` None: no spec, observe only."""
+    async def apply(self, desired: dict[int, list[tuple[str, int]]] | None, drain: tuple[int, ...] = ()) -> PassResult:
+        """One pass. `desired` None: no spec, observe only. `drain`: GPUs whose idle instances go
+        (`reconcile.drained_mig`)."""
         observed = await self.observe()
         errors: list[str] = []
         applied = desired is not None
@@ -124,7 +125,7 @@ class MigAgent:
             if any("GI profile id" in p or "compute slices" in p for p in problems):
                 errors.append("MIG changes are suspended until the catalog matches the driver")
             else:
-                errors.extend(await self._act(desired, observed))
+                errors.extend(await self._act(drained_mig(desired, observed.states, drain), observed))
                 observed = await self.observe()
             # a GPU the spec wants carved whose MIG mode waits for a GPU reset cannot hold the plan
             # whatever the agent does: the plan is not acknowledged (the planner revokes it after

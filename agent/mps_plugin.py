@@ -25,7 +25,7 @@ from dynpart.agent.guard import Released, SliceGuard
 from dynpart.agent.mig_agent import PassResult
 from dynpart.agent.mps_daemon import MpsDaemon, MpsDaemonError
 from dynpart.agent.podresources import PodResources
-from dynpart.agent.reconcile import reconcile_mps
+from dynpart.agent.reconcile import drained_mps, reconcile_mps
 from dynpart.resources import WHOLE_GPU, MpsResource, is_slice_resource, mps_resource_name, parse_resource
 from dynpart.snapshot import GpuLayout, MpsSlice
 
@@ -77,7 +77,9 @@ class MpsPluginAgent:
     def healthy(self) -> bool:
         return self.daemon_error is None
 
-    async def apply(self, desired: dict[int, list[int]] | None) -> PassResult:
+    async def apply(self, desired: dict[int, list[int]] | None, drain: tuple[int, ...] = ()) -> PassResult:
+        """One pass. `desired` None: no spec, observe only. `drain`: GPUs whose idle slices go
+        (`reconcile.drained_mps`)."""
         devices = self.driver.devices()
         index_of = {d.uuid: d.index for d in devices}
         assigned = await self.pods.list()
@@ -102,6 +104,7 @@ class MpsPluginAgent:
         errors: list[str] = []
         applied = desired is not None
         if desired is not None:
+            desired = drained_mps(desired, {g: Counter(s.values()) for g, s in used.items()}, drain)
             errors += await self._apply(desired, devices, used, whole, held_ids)
         for d in devices:
             if d.mig_current and d.index not in used:

@@ -9,6 +9,8 @@ wants partitioned, and only when nothing runs on it.
 
 MPS (`reconcile_mps`): the slices of each GPU are the spec's, plus any slice pods still hold;
 what then does not fit in the GPU's capacity is left out and reported.
+
+A GPU the spec drains (`drained_mig`, `drained_mps`) keeps only the spec's slices in use.
 """
 
 from __future__ import annotations
@@ -176,6 +178,31 @@ def _reconcile_gpu(gpu: MigGpuState, want: set[tuple[str, int]], rules: MigRules
             continue
         kept.append((profile, start))
         out.create.append(Create(index, profile, start))
+
+
+def drained_mig(desired: Mapping[int, Iterable[tuple[str, int]]], gpus: Iterable[MigGpuState],
+                drain: Iterable[int]) -> dict[int, list[tuple[str, int]]]:
+    """`desired` with each drained GPU cut down to the spec's instances in use now: the idle
+    ones are then destroyed (guarded as any destroy), so nothing new is bound there and the GPU
+    empties as its pods end."""
+    out = {i: list(v) for i, v in desired.items()}
+    states = {g.index: g for g in gpus}
+    for index in drain:
+        state = states.get(index)
+        used = {(i.profile, i.start) for i in state.instances if i.used} if state is not None else set()
+        out[index] = [k for k in out.get(index, []) if k in used]
+    return out
+
+
+def drained_mps(desired: Mapping[int, Iterable[int]], used: Mapping[int, Counter[int]],
+                drain: Iterable[int]) -> dict[int, list[int]]:
+    """`desired` with each drained GPU cut down to the spec's slices pods hold now (as
+    `drained_mig`)."""
+    out = {i: list(v) for i, v in desired.items()}
+    for index in drain:
+        kept = Counter(out.get(index, [])) & used.get(index, Counter())
+        out[index] = sorted(kept.elements(), reverse=True)
+    return out
 
 
 def reconcile_mps(desired: Mapping[int, Iterable[int]], used: Mapping[int, Counter[int]], gpus: Iterable[int],

@@ -35,6 +35,7 @@ from dynpart.catalog import GpuModel
 from dynpart.kube.conventions import (
     PARTITIONING_LABEL,
     PREFIX,
+    SPEC_DRAIN,
     SPEC_MODE,
     SPEC_PLAN,
     SPEC_PODS,
@@ -69,7 +70,7 @@ _MIG_VALUE = re.compile(r"([^@]*)@(.*)", re.ASCII | re.DOTALL)
 _HEARTBEAT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 SliceState = Literal["free", "used"]
-_RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, SPEC_TERM, SPEC_PODS, SPEC_REVOKES,
+_RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, SPEC_TERM, SPEC_PODS, SPEC_REVOKES, SPEC_DRAIN,
                        STATUS_PLAN, STATUS_MODE, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_CAPABILITY})
 
 
@@ -179,8 +180,8 @@ def _slice_values(gpu: GpuLayout, mode: Mode, with_state: bool) -> dict[tuple[st
 def encode_spec(layout: NodeLayout, plan_id: str, *, term: int | None = None,
                 pods: Iterable[str] = ()) -> dict[str, str]:
     """The `dynpart.io/spec-*` annotations of a planned node layout (every instance or slice of
-    the layout, used or free, with its placement), the writer's leader `term` and the `pods` the
-    plan puts on the node. Raises ValueError on a layout that cannot be written (the planner's
+    the layout, used or free, with its placement), the writer's leader `term`, the `pods` the
+    plan puts on the node and the GPUs it drains (`GpuLayout.drain`). Raises ValueError on a layout that cannot be written (the planner's
     bug, not the user's): it is never given to a node half-written."""
     out = {SPEC_PLAN: _check_plan_id(plan_id), SPEC_MODE: layout.mode}
     if term is not None:
@@ -193,6 +194,9 @@ def encode_spec(layout: NodeLayout, plan_id: str, *, term: int | None = None,
         if bad:
             raise ValueError(f"pod name {bad[0]!r} is not namespace/name")
         out[SPEC_PODS] = ",".join(names)
+    drain = sorted({g.index for g in layout.gpus if g.drain})
+    if drain:
+        out[SPEC_DRAIN] = ",".join(map(str, drain))
     for gpu in layout.gpus:
         for (token, _), value in _slice_values(gpu, layout.mode, with_state=False).items():
             out[spec_key(gpu.index, token)] = value
@@ -255,6 +259,7 @@ class DecodedSpec:
     problems: list[str] = field(default_factory=list)
     term: int | None = None  # the writer's leader term (None: not written, e.g. no leader election)
     pods: tuple[str, ...] = ()  # the pods the plan puts on the node
+    drain: tuple[int, ...] = ()  # the GPUs to drain: each slice destroyed once nothing uses it
 
     def __iter__(self) -> Iterator[NodeLayout | str | list[str] | None]:
         return iter((self.layout, self.plan_id, self.problems))
@@ -480,7 +485,19 @@ def decode_spec(annotations: Mapping[str, str] | None, model: GpuModel, *, node:
     ours = _ours(annotations)
     plan_id = _decode_plan(ours, SPEC_PLAN, problems)
     layout = _decode_slices(ours, model, SPEC_PREFIX, SPEC_MODE, node, capacity, False, problems)
-    return DecodedSpec(layout, plan_id, problems, *decode_fencing(ours, problems))
+    return DecodedSpec(layout, plan_id, problems, *decode_fencing(ours, problems), drain=_decode_drain(ours, problems))
+
+
+def _decode_drain(annotations: Mapping[str, object], problems: list[str]) -> tuple[int, ...]:
+    """The GPUs the spec drains; a malformed value is reported (and the agent refuses the spec)."""
+    raw = annotations.get(SPEC_DRAIN)
+    if raw is None:
+        return ()
+    parts = raw.split(",") if isinstance(raw, str) and len(raw) <= 4 * (MAX_GPU_INDEX + 1) else None
+    if parts is None or not all(_INT.fullmatch(p) and int(p) <= MAX_GPU_INDEX for p in parts):
+        problems.append(_bad(SPEC_DRAIN, raw, f"drained GPUs are indices in 0..{MAX_GPU_INDEX}, comma separated"))
+        return ()
+    return tuple(sorted({int(p) for p in parts}))
 
 
 def decode_fencing(annotations: Mapping[str, object], problems: list[str]) -> tuple[int | None, tuple[str, ...]]:
@@ -532,7 +549,7 @@ def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, nod
 
 
 __all__ = [
-    "DecodedSpec", "DecodedStatus", "PARTITIONING_LABEL", "PREFIX", "SPEC_MODE", "SPEC_PLAN", "SPEC_PODS",
+    "DecodedSpec", "DecodedStatus", "PARTITIONING_LABEL", "PREFIX", "SPEC_DRAIN", "SPEC_MODE", "SPEC_PLAN", "SPEC_PODS",
     "SPEC_PREFIX", "SPEC_TERM", "STATUS_CAPABILITY", "STATUS_ERROR", "STATUS_HEARTBEAT", "STATUS_MODE",
     "STATUS_PLAN", "STATUS_PREFIX", "annotation_patch", "canonical_layout", "decode_fencing", "decode_spec",
     "decode_status", "encode_spec", "encode_status", "format_heartbeat", "is_plan_id",

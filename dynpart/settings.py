@@ -86,6 +86,10 @@ class PlannerSettings(CommonSettings):
                                       "half as much after this long (metric dynpart_workload_weight)")
     workload: list[RequestShare] = Field(default=[], description="plan for this request distribution instead of the "
                                          "learnt one: a list of {resource, count, cpu_milli, memory_mib, weight}")
+    drain_after_s: float = Field(default=0.0, ge=0, description="a pod asking for whole GPUs that no plan could place "
+                                 "for this long has GPUs drained for it (the least used ones): their agent destroys "
+                                 "each slice as it frees until they are empty; 0: never drain (drained capacity "
+                                 "idles, which on a busy cluster costs more waiting than it saves: docs/planner.md)")
     leader_election: bool = Field(default=True, description="only the holder of the lease plans")
     lease_name: str = Field(default=LEASE_NAME, description="coordination.k8s.io Lease name")
     lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="namespace of the Lease")

@@ -103,6 +103,9 @@ class GpuLayout(_Model):
     changed: bool = False
     created: int = 0
     destroyed: int = 0
+    # kept for a pod that waits for whole GPUs: the node agent destroys each of its slices as soon
+    # as nothing uses it (nothing new is bound there), until the GPU is empty
+    drain: bool = False
 
 
 class NodeLayout(_Model):

@@ -10,7 +10,9 @@ and nothing talks to the API server.
 
 Fairness is the plan's: pending pods come oldest first, and the greedy fills in that order among
 plans that place as many pods; the loop caps nothing (every pending pod is given to the plan,
-whose exact search has a time budget)."""
+whose exact search has a time budget). One guard against starvation is the loop's own: a pod
+asking for whole GPUs that no plan could place for `drain_after_s` has GPUs drained for it
+(`planner/drain.py`; off by default)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dynpart.catalog import Catalog
 from dynpart.planner.batching import BatchWindow
 from dynpart.planner.core import PlanningSession, PlanOptions, plan
 from dynpart.planner.demand import DemandTracker
+from dynpart.planner.drain import Drain, drain_target, is_empty, with_drain_flags, without_gpus
 from dynpart.planner.policy import PolicyName
 from dynpart.settings import PlannerSettings
 from dynpart.snapshot import NodeLayout, Plan, Snapshot
@@ -65,6 +68,10 @@ class PlanningLoop:
         self.in_flight: dict[str, InFlight] = {}
         self.reserved: dict[str, tuple[str, float]] = {}  # pod -> (node, until): planned, applied, not bound
         self.last_round = float("-inf")
+        self.first_seen: dict[str, float] = {}  # pending pod -> when a round first saw it waiting
+        self.prepared_at = float("-inf")  # the time of the last round (`prepare`)
+        self.drains: dict[str, Drain] = {}  # pod -> the GPUs drained for it
+        self.drain_flagged: dict[str, set[int]] = {}  # node -> GPUs its spec drains, as last decided
 
     # --- events ---------------------------------------------------------------------------
 
@@ -79,6 +86,7 @@ class PlanningLoop:
     def pod_done(self, key: str) -> None:
         """The pod is bound, gone or no longer waits for a slice."""
         self.window.discard(key)
+        self.first_seen.pop(key, None)
 
     def facts_changed(self, waiting: Iterable[str], now: float) -> None:
         """New facts about a node's GPUs (a plan applied, a slice freed or taken, a node gone):
@@ -182,6 +190,9 @@ class PlanningLoop:
         """The snapshot a round plans: with the request distribution the objective keeps room for
         (the settings' `workload` when given, else the requests seen lately, decayed)."""
         self.demand.observe(snapshot.pending, now)
+        for pod in snapshot.pending:
+            self.first_seen.setdefault(pod.name, now)
+        self.prepared_at = now
         workload = list(self.settings.workload) if self.settings.workload else self.demand.workload()
         return snapshot.model_copy(update={"workload": workload})
 
@@ -189,7 +200,66 @@ class PlanningLoop:
         """The plan of a prepared snapshot (pure; the controller runs it in a thread). With a
         `session` (a caller planning the same cluster again and again keeps one: its nodes are the
         cluster, the snapshot's are not read), the same plan without compiling the cluster again."""
-        if session is not None:
+        if session is not None:  # the packing protocol: no pod waits, nothing drains
             return session.plan(snapshot.pending, snapshot.workload, self.options, validate=False)
-        return plan(snapshot, catalog, self.options)
+        pending = {p.name for p in snapshot.pending}
+        nodes = {n.name: n for n in snapshot.nodes}
+        for key, d in list(self.drains.items()):
+            if key not in pending or (d.node not in nodes and d.node not in self.in_flight):
+                del self.drains[key]  # its pod was planned, bound or left (or its node did)
+        result = plan(self._draining(snapshot), catalog, self.options)
+        if self._start_drains(snapshot, result, catalog):
+            result = plan(self._draining(snapshot), catalog, self.options)
+        return self._flag(result, snapshot)
+
+    def _still_draining(self, snapshot: Snapshot) -> dict[str, set[int]]:
+        """Node -> the drained GPUs not yet empty (an empty one is planned again, the drain's
+        pod, the oldest, first)."""
+        nodes = {n.name: n for n in snapshot.nodes}
+        out: dict[str, set[int]] = {}
+        for d in self.drains.values():
+            node = nodes.get(d.node)
+            if node is not None and not all(is_empty(g) for g in node.gpus if g.index in d.gpus):
+                out.setdefault(d.node, set()).update(d.gpus)
+        return out
+
+    def _draining(self, snapshot: Snapshot) -> Snapshot:
+        for name, gpus in sorted(self._still_draining(snapshot).items()):
+            snapshot = without_gpus(snapshot, name, tuple(sorted(gpus)))
+        return snapshot
+
+    def _start_drains(self, snapshot: Snapshot, result: Plan, catalog: Catalog) -> bool:
+        """Drain for each pod asking for whole GPUs that waited `drain_after_s` and that this plan
+        left out too, oldest first, on GPUs no other drain holds. True if one started."""
+        if self.settings.drain_after_s <= 0 or self.options.policy != "dynpart" or not result.unplaced:
+            return False
+        now = self.prepared_at
+        left_out = {u.pod for u in result.unplaced}
+        taken = {(d.node, g) for d in self.drains.values() for g in d.gpus}
+        started = False
+        for pod in snapshot.pending:  # oldest first
+            if (pod.name in left_out and pod.name not in self.drains
+                    and now - self.first_seen.get(pod.name, now) >= self.settings.drain_after_s):
+                target = drain_target(snapshot, pod, catalog, taken)
+                if target is not None:
+                    self.drains[pod.name] = target
+                    taken.update((target.node, g) for g in target.gpus)
+                    started = True
+        return started
+
+    def _flag(self, result: Plan, snapshot: Snapshot) -> Plan:
+        """The plan with the drain flags of the nodes' specs brought to what the drains want."""
+        want_all = self._still_draining(snapshot)
+        for name in sorted(set(self.drain_flagged) | set(want_all)):
+            if not any(n.name == name for n in snapshot.nodes):
+                continue  # held while its agent applies a plan: flagged in a later round
+            want = want_all.get(name, set())
+            result = with_drain_flags(result, snapshot, name, want, self.drain_flagged.get(name, set()))
+            layout = result.layout_of(name)
+            if layout is not None and layout.changed:
+                if want:
+                    self.drain_flagged[name] = set(want)
+                else:
+                    self.drain_flagged.pop(name, None)
+        return result
 

@@ -480,3 +480,28 @@ _VARIANT_KEYS = st.builds(lambda i, t: f"dynpart.io/spec-gpu-{i}-{t}", st.sample
 @given(st.dictionaries(_VARIANT_KEYS, _MIG_VALUES, max_size=8))
 def test_near_valid_variant_specs(annotations):
     _check_near_valid(annotations, RTX_LIKE)
+
+
+# --- drained GPUs ---------------------------------------------------------------------------------
+
+
+def test_drained_gpus_round_trip():
+    layout = NodeLayout(node="n1", mode="mig", gpus=[
+        mig(0, "3g.40gb@4", used=("3g.40gb@4",)).model_copy(update={"drain": True}),
+        mig(1, "7g.80gb@0"),
+        GpuLayout(index=3, drain=True),  # nothing left on it: drained still (nothing new is made there)
+    ])
+    spec = encode_spec(layout, "p1")
+    assert spec["dynpart.io/spec-drain"] == "0,3"
+    decoded = decode_spec(spec, H100, node="n1")
+    assert decoded.problems == [] and decoded.drain == (0, 3)
+    assert decoded.layout == canonical_layout(layout)  # the flag is not a slice: the layout is unchanged
+    assert "dynpart.io/spec-drain" not in encode_spec(canonical_layout(layout), "p1")
+
+
+@pytest.mark.parametrize("value", ["", "a", "1,,2", "-1", "256", "01", " 1", 7])
+def test_malformed_drain_is_reported(value):
+    spec = {**encode_spec(NodeLayout(node="n1", mode="mig", gpus=[mig(0, "7g.80gb@0")]), "p1"),
+            "dynpart.io/spec-drain": value}
+    decoded = decode_spec(spec, H100)
+    assert decoded.drain == () and any("dynpart.io/spec-drain" in p for p in decoded.problems)

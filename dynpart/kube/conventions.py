@@ -20,6 +20,9 @@ SPEC_PODS = SPEC_PREFIX + "pods"
 # On a revocation (a plan not acknowledged in time replaced by the node's reported layout): the
 # plan id it replaces, so that a reader sees why a spec was written over an unacknowledged one.
 SPEC_REVOKES = SPEC_PREFIX + "revokes"
+# The GPUs (indices, comma separated) the agent drains for a pod waiting for whole GPUs: every
+# slice on them is destroyed as soon as nothing uses it, so that the GPU empties.
+SPEC_DRAIN = SPEC_PREFIX + "drain"
 STATUS_PLAN = STATUS_PREFIX + "plan"
 STATUS_MODE = STATUS_PREFIX + "mode"
 STATUS_ERROR = STATUS_PREFIX + "error"

@@ -69,6 +69,7 @@ class ReplayCluster:
         self.clocks = [[GpuClock() for _ in n.gpus] for n in self.nodes]
         self.capacity = self.model.memory_gb  # MPS capacity unit: GB
         self.gpu_count = sum(len(n.gpus) for n in self.nodes)
+        self.draining: set[tuple[int, int]] = set()  # (node, GPU) whose spec drains it (GpuLayout.drain)
 
     # --- what the planner and the metrics see --------------------------------------------------
 
@@ -200,6 +201,16 @@ class ReplayCluster:
                 for sl in g.mps:
                     if sl.pod == pod:
                         sl.used, sl.pod = False, None
+
+    def drop_free(self, node: int, gpu: int) -> int:
+        """A drained GPU's agent destroys its slices as they free: they leave the layout at once
+        (never advertised again). Returns how many went."""
+        g = self.nodes[node].gpus[gpu]
+        gone = sum(1 for m in g.mig if not m.used) + sum(1 for s in g.mps if not s.used)
+        if gone:
+            g.mig = [m for m in g.mig if m.used]
+            g.mps = [s for s in g.mps if s.used]
+        return gone
 
     def reserve(self, node: int, pod: TracePod) -> None:
         n = self.nodes[node]

@@ -216,6 +216,9 @@ class _Replay:
         assert r.node is not None
         self.cl.unreserve(r.node, r.pod)
         self.cl.release(r.node, r.slices, r.pod.name)
+        for gpu in sorted({s.gpu for s in r.slices}):
+            if (r.node, gpu) in self.cl.draining:
+                self._destroyed(r.node, gpu, self.cl.drop_free(r.node, gpu), now)
         self.running -= 1
         self.facts_changed(now)
 
@@ -270,6 +273,7 @@ class _Replay:
             written = full_layout(snap_nodes[write.node], write.layout)  # as the controller writes it
             node_ready = now
             for gl in write.layout.gpus:
+                (cl.draining.add if gl.drain else cl.draining.discard)((ni, gl.index))
                 created, destroyed = cl.changes(ni, gl)
                 if not (created or destroyed):
                     continue
@@ -293,6 +297,15 @@ class _Replay:
             r = self.by_name[pl.pod]
             r.planned = True
             self._bind(r, cl.index[pl.node], list(pl.slices), now, now)
+
+    def _destroyed(self, node: int, gpu: int, count: int, now: float) -> None:
+        """The agent of a drained GPU destroyed `count` slices that freed: the GPU is busy that long."""
+        if not count:
+            return
+        self.stats["mig_ops"] += count
+        delay = self.opts.mig_op_delay_s * count if self.cl.mode == "mig" else self.opts.mps_switch_delay_s
+        clock = self.cl.clocks[node][gpu]
+        clock.busy_until = max(now, clock.busy_until) + delay
 
     def wake(self, now: float) -> None:
         """Schedule the next loop wake-up when pods wait (a resync only when something changed:

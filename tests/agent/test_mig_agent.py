@@ -263,3 +263,22 @@ def test_random_respecs_are_safe_and_maximal(scenario):
     n = len(driver.ops)
     asyncio.run(MigAgent(driver, pods, model).apply({0: [(p.profile, p.start) for p in after]}))
     assert len(driver.ops) == n
+
+
+async def test_a_drained_gpu_loses_each_instance_as_it_frees(rig: Rig):
+    g0 = rig.carve(0, "3g.40gb@0", "3g.40gb@4")
+    g1 = rig.carve(1, "3g.40gb@0", "3g.40gb@4")
+    rig.run_pod("ns/a", 0, g0["3g.40gb@0"], process=False)
+    rig.run_pod("ns/b", 1, g1["3g.40gb@0"], process=False)
+    spec = mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["3g.40gb@0", "3g.40gb@4"]}, plan="d1")
+    rig.node_api.set_annotations({**spec, "dynpart.io/spec-drain": "0"})
+    report = await rig.agent().reconcile_once()
+    # GPU 0 drains: its free instance goes, the used one stays; GPU 1 keeps its free instance
+    assert rig.driver.layout(0) == [("3g.40gb", 0)] and touched(rig.driver, 0, {g0["3g.40gb@0"]}) == []
+    assert rig.driver.layout(1) == [("3g.40gb", 0), ("3g.40gb", 4)]
+    assert report.plan_id == "d1" and not [e for e in report.errors if "do not hold" in e]
+    rig.stop_pod("ns/a")  # the pod ends: the next pass destroys its instance, nothing new is made
+    rig.stop_pod("ns/b")
+    await rig.agent().reconcile_once()
+    assert rig.driver.layout(0) == [] and rig.driver.layout(1) == [("3g.40gb", 0), ("3g.40gb", 4)]
+    assert not [o for o in rig.driver.ops if o.op == "create_gi"]

@@ -80,3 +80,21 @@ async def test_an_mps_node_without_the_agents_plugin_is_refused():
     rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="a"))
     report = await rig.agent().reconcile_once()
     assert report.failed and "only the agent's own device plugin serves" in report.errors[0]
+
+
+async def test_a_drained_gpu_loses_each_slice_as_it_frees():
+    rig = mps_rig()
+    rig.node_api.set_annotations(mps_spec({0: [40, 20, 20], 1: [40, 40]}, plan="m1"))
+    await rig.agent().reconcile_once()
+    forty = advertised(rig)["nvidia.com/gpu-40gb"]
+    rig.pods.assign("ns/a", "nvidia.com/gpu-40gb", forty[0])  # on GPU 0
+    rig.node_api.set_annotations({**mps_spec({0: [40, 20, 20], 1: [40, 40]}, plan="m2"), "dynpart.io/spec-drain": "0"})
+    report = await rig.agent().reconcile_once()
+    assert report.plan_id == "m2"
+    status = decode_status(rig.node_api.annotations, H100)
+    by_gpu = {g.index: [(s.size, s.used) for s in g.mps] for g in status.layout.gpus}
+    assert by_gpu[0] == [(40, True)] and by_gpu[1] == [(40, False), (40, False)]
+    rig.pods.release("ns/a")
+    await rig.agent().reconcile_once()
+    status = decode_status(rig.node_api.annotations, H100)
+    assert [g.index for g in status.layout.gpus] == [1]

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from dynpart.mig import MigRules
+from dynpart.settings import default_planner_settings
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.synthetic import synthetic_mig_cluster, synthetic_trace
 from dynpart.simulations.replay.engine import ReplayOptions, run_replay
@@ -153,3 +154,25 @@ def test_percentile():
     assert percentile([], 95) is None
     assert percentile([5.0], 50) == 5.0
     assert percentile(list(range(1, 101)), 95) == 95
+
+
+def test_a_drained_gpu_empties_for_a_whole_gpu_pod(catalog):
+    # s1 and s2 hold a 4g.40gb each on the two GPUs; w (7g.80gb) waits. After drain_after_s the
+    # loop drains GPU 0 (least in use, first): its free room is not used again (k, a 3g.40gb pod
+    # arriving later, goes to GPU 1), and w runs there once s1 left, not when s2 leaves
+    pods = [pod("s1", milli=500, t0=0, t1=1000), pod("s2", milli=500, t0=0, t1=9000),
+            pod("w", milli=1000, t0=10, t1=20_000), pod("k", milli=400, t0=200, t1=20_000),
+            pod("k2", milli=400, t0=300, t1=20_000)]
+    spec = cluster(("n0", 64_000, 2, "H100-80GB"), mode="mig")
+    settings = default_planner_settings().model_copy(update={"drain_after_s": 50})
+    r = run_replay(pods, spec, catalog, ReplayOptions(policy="dynpart", mig_op_delay_s=5, planner=settings))
+    by = {x.pod.name: x for x in r.runs}
+    gpu_of = {n: {s.gpu for s in by[n].slices} for n in by}
+    assert gpu_of["s1"] == {0} and gpu_of["s2"] == {1} and gpu_of["w"] == {0}
+    assert 1000 < by["w"].start <= 1000 + 30
+    assert gpu_of["k"] == {1} and by["k2"].start >= by["w"].start  # nothing new on the drained GPU
+    assert [g["index"] for w in r.writes for g in w.layout["gpus"] if g["drain"]] == [0]  # one drain, written once
+    _check_invariants(r, catalog)
+
+    off = run_replay(pods, spec, catalog, ReplayOptions(policy="dynpart", mig_op_delay_s=5))
+    assert {x.pod.name: x for x in off.runs}["w"].start >= 9000  # without a drain, w waits for s2 too

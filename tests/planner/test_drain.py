@@ -1,0 +1,94 @@
+"""Draining GPUs for a pod waiting for whole GPUs (planner/drain.py, PlanningLoop): it starts only
+after `drain_after_s`, drains the GPUs with the least in use, marks them in the spec, plans
+nothing else there, and plans the pod there once they are empty."""
+
+from __future__ import annotations
+
+from dynpart.annotations import decode_spec, encode_spec
+from dynpart.catalog import default_catalog
+from dynpart.planner.drain import drain_target
+from dynpart.planner.loop import PlanningLoop, node_writes
+from dynpart.settings import default_planner_settings
+from dynpart.snapshot import Gpu, MigInstance, Node, PendingPod, Snapshot, full_layout
+
+CAT = default_catalog()
+H100 = CAT.resolve("H100-80GB")
+WHOLE = PendingPod(name="ml/big", resource="nvidia.com/mig-7g.80gb", cpu_milli=1000)
+SMALL = PendingPod(name="ml/small", resource="nvidia.com/mig-3g.40gb", cpu_milli=1000)
+
+
+def gpu(index: int, *instances: tuple[str, int, bool]) -> Gpu:
+    return Gpu(index=index, mig=[MigInstance(profile=p, start=s, used=u, pod="ml/x" if u else None)
+                                 for p, s, u in instances])
+
+
+def node(*gpus: Gpu) -> Node:
+    return Node(name="n0", mode="mig", gpu_model="H100-80GB", gpus=list(gpus))
+
+
+BUSY = node(gpu(0, ("4g.40gb", 0, True), ("3g.40gb", 4, False)),   # 4 of 8 memory slices in use
+            gpu(1, ("3g.40gb", 0, False), ("1g.10gb", 4, True)))   # 1 of 8 in use: the one to drain
+
+
+def loop(drain_after_s: float = 100.0) -> PlanningLoop:
+    return PlanningLoop(default_planner_settings().model_copy(update={"drain_after_s": drain_after_s}))
+
+
+def round_at(lp: PlanningLoop, snap: Snapshot, now: float):
+    return lp.decide(lp.prepare(snap, now), CAT)
+
+
+def test_the_target_is_the_gpu_with_least_in_use():
+    target = drain_target(Snapshot(nodes=[BUSY], pending=[WHOLE]), WHOLE, CAT)
+    assert target is not None and (target.node, target.gpus) == ("n0", (1,))
+    assert drain_target(Snapshot(nodes=[BUSY], pending=[SMALL]), SMALL, CAT) is None  # not a whole GPU
+    assert drain_target(Snapshot(nodes=[BUSY], pending=[WHOLE]), WHOLE, CAT, taken={("n0", 1)}).gpus == (0,)
+
+
+def test_a_drain_starts_after_drain_after_s_and_marks_the_spec():
+    lp = loop()
+    snap = Snapshot(nodes=[BUSY], pending=[WHOLE])
+    first = round_at(lp, snap, 0.0)
+    assert [u.pod for u in first.unplaced] == ["ml/big"] and not node_writes(first) and not lp.drains
+    assert not node_writes(round_at(lp, snap, 99.0))  # not yet
+    result = round_at(lp, snap, 100.0)
+    [write] = node_writes(result)
+    [drained] = write.layout.gpus
+    assert drained.index == 1 and drained.drain and [(m.profile, m.used) for m in drained.mig] == [("1g.10gb", True)]
+    spec = encode_spec(full_layout(BUSY, write.layout), "p1")
+    assert spec["dynpart.io/spec-drain"] == "1"
+    assert decode_spec(spec, H100).drain == (1,)
+    # its agent destroyed the free 3g: a round with nothing new writes nothing, and plans nothing there
+    draining = node(BUSY.gpus[0], gpu(1, ("1g.10gb", 4, True)))
+    again = round_at(lp, Snapshot(nodes=[draining], pending=[WHOLE, SMALL]), 110.0)
+    assert not [p for p in again.placements if p.slices[0].gpu == 1]
+    assert [p.pod for p in again.placements] == ["ml/small"]  # on GPU 0's free 3g
+    # the GPU empties: the pod waiting for it is planned there, and the flag goes
+    empty = node(BUSY.gpus[0], gpu(1))
+    done = round_at(lp, Snapshot(nodes=[empty], pending=[WHOLE]), 500.0)
+    assert [(p.pod, p.slices[0].gpu) for p in done.placements] == [("ml/big", 1)]
+    [write] = node_writes(done)
+    assert not any(g.drain for g in write.layout.gpus)
+    assert "dynpart.io/spec-drain" not in encode_spec(full_layout(empty, write.layout), "p2")
+    round_at(lp, Snapshot(nodes=[empty], pending=[]), 510.0)
+    assert not lp.drains and not lp.drain_flagged
+
+
+def test_a_drain_ends_when_its_pod_goes_elsewhere_and_the_flag_is_cleared():
+    lp = loop()
+    snap = Snapshot(nodes=[BUSY], pending=[WHOLE])
+    round_at(lp, snap, 0.0)
+    round_at(lp, snap, 100.0)
+    assert lp.drains
+    draining = node(BUSY.gpus[0], gpu(1, ("1g.10gb", 4, True)))
+    result = round_at(lp, Snapshot(nodes=[draining], pending=[]), 120.0)  # the pod was bound elsewhere
+    [write] = node_writes(result)
+    assert not lp.drains and not any(g.drain for g in write.layout.gpus)
+    assert "dynpart.io/spec-drain" not in encode_spec(full_layout(draining, write.layout), "p2")
+
+
+def test_no_drain_when_disabled_or_for_small_pods():
+    for lp, pods in ((loop(0.0), [WHOLE]), (loop(), [SMALL.model_copy(update={"count": 3})])):
+        snap = Snapshot(nodes=[node(gpu(0, ("7g.80gb", 0, True)))], pending=pods)
+        round_at(lp, snap, 0.0)
+        assert not node_writes(round_at(lp, snap, 1000.0)) and not lp.drains
