@@ -34,11 +34,12 @@ def is_empty(gpu: Gpu) -> bool:
     return not gpu.mig and not gpu.mps and gpu.whole_pod is None
 
 
-def _model_names(names: list[str], catalog: Catalog) -> set[str]:
+def _families(names: list[str], catalog: Catalog) -> set[str]:
+    """The models a pod's GPU-model selector accepts, as `plan()` matches them (`family_name`)."""
     out = set()
     for name in names:
         try:
-            out.add(catalog.resolve(name).name)
+            out.add(catalog.resolve(name).family_name)
         except DynpartError:
             continue  # a model the catalog lacks: no node of it is planned
     return out
@@ -54,7 +55,7 @@ def _used_shares(node: Node, pod: PendingPod, catalog: Catalog) -> dict[int, flo
         return None
     if len(node.gpus) < pod.count or any(node.labels.get(k) != v for k, v in pod.node_selector.items()):
         return None
-    if pod.gpu_models and model.name not in _model_names(pod.gpu_models, catalog):
+    if pod.gpu_models and model.family_name not in _families(pod.gpu_models, catalog):
         return None
     if isinstance(request, MigResource) and node.mode == "mig":
         profile = model.profiles_by_name.get(request.profile)
