@@ -28,8 +28,11 @@ Capacity = tuple[int, int, int, int]  # MIG memory slices, MIG compute slices, M
 def capacity_left(g: GpuInfo) -> Capacity:
     """What one GPU has that used slices do not hold."""
     if g.rules is not None:
-        used_mem = sum(g.rules.memory[p] for p, _, _ in g.used_mig)
-        used_compute = sum(g.rules.compute[p] for p, _, _ in g.used_mig)
+        memory, compute = g.rules.memory, g.rules.compute
+        used_mem = used_compute = 0
+        for p, _, _ in g.used_mig:  # one pass (every GPU of the cluster, every session)
+            used_mem += memory[p]
+            used_compute += compute[p]
         return (g.model.memory_slices - used_mem, g.model.compute_slices - used_compute, 0, 0)
     mps = g.capacity - sum(s for s, _ in g.used_mps) if not g.whole_pod else 0
     return (0, 0, mps, 0 if (g.used_mps or g.whole_pod) else 1)

@@ -25,4 +25,8 @@ def plan(snapshot: Snapshot, catalog: Catalog | None = None, options: PlanOption
         cat = catalog or default_catalog()
         models = validate_snapshot(snapshot, cat)
         session = PlanningSession(snapshot.nodes, cat, models)
-        return session.plan(snapshot.pending, snapshot.workload, options, validate=False)
+        result = session.plan(snapshot.pending, snapshot.workload, options, validate=False)
+        # freed while the collector is paused: else its first run, as it resumes, walks the
+        # whole session (a few hundred thousand objects) before they are freed anyway
+        del session
+    return result

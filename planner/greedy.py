@@ -191,7 +191,10 @@ class Greedy:
         cand = req.candidate_array()
         if not len(cand):
             return cand
-        fits: np.ndarray = cand[(cpu[cand] >= req.cpu) & (mem[cand] >= req.mem)]
+        fit = (cpu[cand] >= req.cpu) & (mem[cand] >= req.mem)
+        if fit.all():  # the usual case: no copy
+            return cand
+        fits: np.ndarray = cand[fit]
         return fits
 
     def _delta(self, nodes: np.ndarray, slots: np.ndarray, after: np.ndarray, cpu: int | np.ndarray,
@@ -397,12 +400,19 @@ class Greedy:
         costs = self.index.costs(ask)
         cache = self._ask_cache(ask)
         stale = np.flatnonzero(~cache.ok[cand])
-        if len(stale):
+        if len(stale) > SCALAR_NODES:
             nodes = cand[stale]
             least = np.asarray(self._least_changes(costs, nodes), dtype=np.int64)
             few = np.minimum(least, _FEW_CHANGES) * _TOP_SCALE + _SCORE_OFFSET
             cache.top[nodes] = np.where(least < NO_OPTION, few + SCORE_MIN, NO_OPTION)
             cache.high[nodes] = np.where(least < _FEW_CHANGES, few, NO_OPTION)
+            cache.ok[nodes], cache.exact[nodes] = True, False
+        elif len(stale):  # the same, node by node (numpy's cost per call dominates on a few)
+            nodes = cand[stale]
+            for n, c in zip(nodes.tolist(), self._least_changes(costs, nodes)):
+                few = min(c, _FEW_CHANGES) * _TOP_SCALE + _SCORE_OFFSET
+                cache.top[n] = few + SCORE_MIN if c < NO_OPTION else NO_OPTION
+                cache.high[n] = few if c < _FEW_CHANGES else NO_OPTION
             cache.ok[nodes], cache.exact[nodes] = True, False
         # bounds of each candidate's top for this pod (the top itself where it is known)
         low, high, exact = cache.top[cand], cache.high[cand], cache.exact[cand]
@@ -451,9 +461,8 @@ class Greedy:
         """The fewest changes with which each node can host one slice of the ask (NO_OPTION:
         none of its GPUs can)."""
         if len(nodes) <= SCALAR_NODES:
-            chg_of, rows = costs.chg, self.index.node_gpu_rows
-            bid = self.bid
-            least = [min(chg_of[b] for b in bid[rows[n]].tolist()) for n in nodes.tolist()]
+            chg_of = costs.chg
+            least = [min([chg_of[b] for b in row]) for row in self.bid[self.index.node_gpus[nodes]].tolist()]
             return least if self.count_changes else [0 if c < NO_OPTION else NO_OPTION for c in least]
         chg = costs.arrays().chg[self.bid[self.index.node_gpus[nodes]]]
         out: np.ndarray = np.minimum.reduce(self._changes(chg), axis=1)

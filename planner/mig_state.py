@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Set
 from dataclasses import dataclass
 from functools import cache
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
@@ -90,17 +91,18 @@ class _Shape:
                  "code")
 
     def __init__(self, rules: MigRules, insts: list[tuple[int, int, bool]]):
-        memory, compute, media = rules.memory, rules.compute, rules.media
+        mask_of, code_of = _instance_tables(rules)
+        compute, media = rules.compute, rules.media
         occupied = hard = used_compute = used_media = code = 0
-        counts = [0] * len(memory)
+        counts = [0] * len(rules.memory)
         masks, free = [], []
         for k, (q, start, is_hard) in enumerate(insts):
-            m = ((1 << memory[q]) - 1) << start
+            m = mask_of[q][start]
             masks.append(m)
             occupied |= m
             if is_hard:
                 hard |= m
-                code += placement_code(rules, q, start)
+                code += code_of[q][start]
             else:
                 free.append(k)
             counts[q] += 1
@@ -108,11 +110,24 @@ class _Shape:
             used_media += media[q]
         self.occupied, self.hard, self.compute, self.media, self.code = occupied, hard, used_compute, used_media, code
         self.counts = tuple(counts)
-        self.profiles = tuple(q for q, _, _ in insts)
-        self.starts = tuple(start for _, start, _ in insts)
-        self.hards = tuple(is_hard for _, _, is_hard in insts)
+        profiles: tuple[int, ...] = ()
+        starts: tuple[int, ...] = ()
+        hards: tuple[bool, ...] = ()
+        if insts:
+            profiles, starts, hards = zip(*insts)
+        self.profiles, self.starts, self.hards = profiles, starts, hards
         self.masks = tuple(masks)
         self.free = tuple(free)
+
+
+@cache
+def _instance_tables(rules: MigRules) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Per profile and start: the instance's memory mask and its `placement_code` (a `_Shape`
+    is built for most GPUs of a cluster: looked up, not computed, each time)."""
+    starts = range(rules.model.memory_slices)
+    masks = tuple(tuple(((1 << mem) - 1) << start for start in starts) for mem in rules.memory)
+    codes = tuple(tuple(placement_code(rules, p, start) for start in starts) for p in range(len(rules.memory)))
+    return masks, codes
 
 
 def _layout_of(info: GpuInfo) -> list[tuple[int, int, bool]]:
@@ -208,8 +223,8 @@ class MigState:
     def hard_code(self) -> int:
         """The instances in use or planned, as `placement_code`s summed."""
         if self._shape is None and self._insts is None:
-            rules = self.rules
-            return sum(placement_code(rules, p, start) for p, start, _ in self.info.used_mig)
+            code_of = _instance_tables(self.rules)[1]
+            return sum([code_of[p][start] for p, start, _ in self.info.used_mig])
         return self._layout().code
 
     def start_of(self, option: Option) -> int:
@@ -387,7 +402,13 @@ class MigRows:
         if self._new:
             columns = list(zip(*self._new))
             for j, field in enumerate(self._FIELDS):
-                add = np.array(columns[j], dtype=np.int64)
+                column = columns[j]
+                if isinstance(column[0], tuple):  # a row of values per state: flattened, much faster
+                    width = len(column[0])
+                    add = np.fromiter(chain.from_iterable(column), dtype=np.int64,
+                                      count=len(column) * width).reshape(len(column), width)
+                else:
+                    add = np.fromiter(column, dtype=np.int64, count=len(column))
                 old = self._arrays.get(field)
                 self._arrays[field] = add if old is None else np.concatenate([old, add])
             self._new = []

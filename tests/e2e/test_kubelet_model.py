@@ -128,8 +128,9 @@ async def test_withdrawn_and_stopped_resources(kubelet: KubeletModel, driver: Fa
     async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
         await plugins.update(advertise(views(driver)))
         await kubelet.wait_devices(MIG1, sorted(uuids))
-        await plugins.withdraw(uuids[0])  # written to the kubelet's stream before withdraw returns
-        assert kubelet.resources[MIG1].healthy == {uuids[1]}
+        await plugins.withdraw(uuids[0])  # written to the kubelet's stream before withdraw returns,
+        # read by the kubelet a moment later (its stream is its own task, as in the real kubelet)
+        await kubelet.wait_for(lambda: kubelet.resources[MIG1].healthy == {uuids[1]})
         assert await kubelet.admit_pod(pod("a", MIG1)) and kubelet.allocations[-1].device_ids == [uuids[1]]
         assert not await kubelet.admit_pod(pod("b", MIG1))
         await plugins.update({})  # the resource goes away: its list emptied, its server stopped
