@@ -124,8 +124,8 @@ def with_drain_flags(result: Plan, snapshot: Snapshot, node_name: str, drained: 
     if not extra:
         return result
     gpus = sorted([*(mine.gpus if mine is not None else []), *extra], key=lambda g: g.index)
-    order = [n.name for n in snapshot.nodes]
+    rank = {n.name: i for i, n in enumerate(snapshot.nodes)}
     layouts = [lay for lay in result.layouts if lay.node != node_name]
     layouts.append(NodeLayout(node=node_name, mode=node.mode, gpus=gpus))
-    layouts.sort(key=lambda lay: order.index(lay.node) if lay.node in order else len(order))
+    layouts.sort(key=lambda lay: rank.get(lay.node, len(rank)))
     return result.model_copy(update={"layouts": layouts})
