@@ -418,9 +418,14 @@ class PlannerController:
             await self._event(node_obj, "LayoutPlanned", message)
         if not self.leadership.can_write():
             return
+        now = self.clock()
         for pl in result.placements:
             if pl.node in awaiting or pl.node in not_written:
                 continue
+            if pl.node not in written:
+                # on free slices: the scheduler binds it at its next try (its backoff can outlast
+                # a round); until then, or until the slices go to other pods, it is not planned again
+                self.loop.reserve(pl.pod, pl.node, now)
             metrics.PODS_PLACED.inc()
             slices = ", ".join(f"GPU {s.gpu} {s}" for s in pl.slices)
             waiting = "after its agent applies the new layout" if pl.node in written else "on free slices"
