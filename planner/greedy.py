@@ -8,9 +8,11 @@ objective, lexicographically:
    (planner/objective.py), rounded to `DELTA_QUANTUM` of a GPU;
 3. a GPU that already hosts pods (consolidation), the tightest fit, the most placements left
    in the GPU's free MIG memory slices; then the node and GPU order.
-Every candidate GPU of every candidate node is weighed, with numpy: GPUs share buckets
-(planner/index.py) whose option costs are computed once, and the objective is a table lookup
-per GPU. A pod asking for several slices is weighed per node on its cheapest GPUs, then placed
+GPUs share buckets (planner/index.py) whose option costs are computed once, and the objective
+is a table lookup per GPU. Each node's best option per slice kind is kept until the node
+changes; a one-slice pod takes the least of them from a heap per slice kind (with whole-point
+scores, most nodes tie and the first in order that fits wins), or by numpy passes over its
+candidates while the kind has had few pods. A pod asking for several slices is weighed per node on its cheapest GPUs, then placed
 slice by slice on the best node that really holds them.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterator
+from heapq import heapify, heappop, heappush
 from itertools import islice
 from typing import cast
 
@@ -46,6 +49,20 @@ SCALAR_NODES = 12
 
 # below this many changes, a GPU with more changes than another never wins (scores are -100..0)
 _FEW_CHANGES = 1 << 16
+
+# pods of one slice kind weighed by scanning every candidate before the kind's nodes are kept in
+# a heap (building it costs what a few scans do; a plan of a few pods never builds one)
+_HEAP_AFTER = 8
+
+# entries a pod pops from the heap, among them nodes that cannot host it, before it is weighed by
+# a scan instead (its candidates are few, or short of CPU or memory where the others could win)
+_HEAP_POPS = 48
+
+# nodes of one bound weighed together when the heap pops one (with numpy past SCALAR_NODES)
+_HEAP_BATCH = 256
+
+# what `_best_single_heap` returns when it leaves the pod to the scan
+_GAVE_UP = object()
 
 # the lowest top with no change: a score of SCORE_MIN
 _LOW = _SCORE_OFFSET + SCORE_MIN
@@ -103,6 +120,31 @@ class _NodeView:
             self.room = [w * (self.covm[col] * (self.hostm[col] >= count))
                          for w, col, count in zip(self.wm, obj.multi_cols, obj.multi_counts)]
             self.room_sum = numpy_sum(self.room)
+
+
+class _NodeHeap:
+    """One slice kind's nodes by their `NodeBest` top (exact or a lower bound), as a heap of
+    (top, node), for `Greedy.best_single`. Lazy: an entry holds while the node's entry is valid
+    and has that top (stale ones are dropped as they pop); every node whose entry is valid has
+    a current one, but for those that cannot host the kind; `stale`: the nodes whose entry is
+    not valid, whose bounds the next pod computes."""
+
+    __slots__ = ("entries", "stale")
+
+    def __init__(self, cache: NodeBest):
+        ok = np.flatnonzero(cache.ok & (cache.top < NO_OPTION))
+        self.entries: list[tuple[int, int]] = list(zip(cache.top[ok].tolist(), ok.tolist()))
+        heapify(self.entries)
+        self.stale: set[int] = set(np.flatnonzero(~cache.ok).tolist())
+
+    def push(self, top: int, node: int) -> None:
+        if top < NO_OPTION:
+            heappush(self.entries, (top, node))
+
+    def push_many(self, tops: list[int], nodes: list[int]) -> None:
+        for top, node in zip(tops, nodes):
+            if top < NO_OPTION:
+                heappush(self.entries, (top, node))
 
 
 class _NodeRank:
@@ -171,6 +213,9 @@ class Greedy:
         self.changed_nodes: set[int] = set()
         self._best: dict[SliceRef, NodeBest] = {}
         self._ranks: dict[tuple[SliceRef, int], _NodeRank] = {}
+        self._heaps: dict[SliceRef, _NodeHeap] = {}
+        self._scans: dict[SliceRef, int] = {}
+        self._masks: dict[int, tuple[np.ndarray, list[bool]]] = {}
         # per slice kind and node, the node's best GPU when the pod moves it to other steps of the
         # objective's tables: (CPU step, memory step) -> (top, slot), until the node changes
         self._moved_best: dict[SliceRef, dict[int, dict[tuple[int, int], tuple[int, int]]]] = {}
@@ -365,6 +410,10 @@ class Greedy:
             else:
                 ta, ka = self._node_best(costs.arrays(), np.array(miss_nodes, dtype=np.int64), req.cpu, req.mem)
                 t, k = ta.tolist(), ka.tolist()
+            if req.cpu >= 0 and req.mem >= 0:
+                # less CPU or memory left never leaves a node more usable: its top at its own
+                # steps is a floor (which the floats' roundings could cross by a point)
+                t = [max(a, b) for a, b in zip(t, self._own_tops(costs, ask, miss_nodes))]
             for i, n, top, slot in zip(missing, miss_nodes, t, k):
                 tops[i], slots[i] = top, slot
                 mine = kept.get(n)
@@ -372,6 +421,21 @@ class Greedy:
                     mine = kept[n] = {}
                 mine[steps[i]] = (top, slot)
         return tops, slots
+
+    def _own_tops(self, costs: AskCosts, ask: SliceRef, nodes: list[int]) -> list[int]:
+        """Each node's exact top at its own steps, weighed where it is only bounded or not valid."""
+        cache = self._ask_cache(ask)
+        need = [n for n in nodes if not (cache.ok[n] and cache.exact[n])]
+        if need:
+            at = np.array(need, dtype=np.int64)
+            tops, slots = self._weigh(costs, at)
+            cache.top[at] = cache.high[at] = tops
+            cache.slot[at] = slots
+            cache.ok[at] = cache.exact[at] = True
+            heap = self._heaps.get(ask)
+            if heap is not None:
+                heap.push_many(list(tops), need)
+        return cast(list[int], cache.top[nodes].tolist())
 
     def _moves(self, req: Request, cand: np.ndarray) -> np.ndarray | None:
         """Mask of the candidates whose steps of the objective's CPU and memory tables the pod
@@ -392,28 +456,134 @@ class Greedy:
         best GPU. Each node's best is kept per slice kind until the node changes; where the
         pod's CPU/memory move the node to other steps of the objective's tables, per steps.
         A node is weighed only when it can win: until then it keeps bounds of its top from its
-        fewest changes c (c x 256 plus the offset, plus a score from SCORE_MIN to 0)."""
-        cand = self._candidates(req, self.cpu, self.mem)
-        if not len(cand):
-            return None
+        fewest changes c (c x 256 plus the offset, plus a score from SCORE_MIN to 0).
+        Once a slice kind has had a few pods, its nodes are kept in a heap by their tops and
+        bounds, and a pod pops the few that can win instead of scanning every candidate; a pod
+        whose candidates are few, or short of CPU or memory where the others can win, is weighed
+        by the scan. Both find the same option."""
         ask = req.slice_ref
+        if not req.candidates:
+            return None
         costs = self.index.costs(ask)
         cache = self._ask_cache(ask)
-        stale = np.flatnonzero(~cache.ok[cand])
-        if len(stale) > SCALAR_NODES:
-            nodes = cand[stale]
+        heap = self._heaps.get(ask)
+        if heap is None:
+            seen = self._scans[ask] = self._scans.get(ask, 0) + 1
+            if seen > _HEAP_AFTER:
+                heap = self._heaps[ask] = _NodeHeap(cache)
+        if heap is not None and req.cpu >= 0 and req.mem >= 0 and 2 * len(req.candidates) >= len(self.problem.nodes):
+            hit = self._best_single_heap(req, costs, cache, heap)
+            if hit is not _GAVE_UP:
+                return cast(tuple[int, int] | None, hit)
+        return self._best_single_scan(req, costs, cache, heap)
+
+    def _refresh_bounds(self, costs: AskCosts, cache: NodeBest, nodes: np.ndarray, heap: _NodeHeap | None) -> None:
+        """Bounds of the top of `nodes`, whose entries are not valid, from their fewest changes."""
+        if len(nodes) > SCALAR_NODES:
             least = np.asarray(self._least_changes(costs, nodes), dtype=np.int64)
             few = np.minimum(least, _FEW_CHANGES) * _TOP_SCALE + _SCORE_OFFSET
             cache.top[nodes] = np.where(least < NO_OPTION, few + SCORE_MIN, NO_OPTION)
             cache.high[nodes] = np.where(least < _FEW_CHANGES, few, NO_OPTION)
             cache.ok[nodes], cache.exact[nodes] = True, False
-        elif len(stale):  # the same, node by node (numpy's cost per call dominates on a few)
+            if heap is not None:
+                heap.push_many(cache.top[nodes].tolist(), nodes.tolist())
+            return
+        # the same, node by node (numpy's cost per call dominates on a few)
+        node_list = nodes.tolist()
+        for n, c in zip(node_list, self._least_changes(costs, nodes)):
+            few = min(c, _FEW_CHANGES) * _TOP_SCALE + _SCORE_OFFSET
+            top = few + SCORE_MIN if c < NO_OPTION else NO_OPTION
+            cache.top[n] = top
+            cache.high[n] = few if c < _FEW_CHANGES else NO_OPTION
+            if heap is not None:
+                heap.push(top, n)
+        cache.ok[nodes], cache.exact[nodes] = True, False
+
+    def _best_single_heap(self, req: Request, costs: AskCosts, cache: NodeBest,
+                          heap: _NodeHeap) -> tuple[int, int] | None | object:
+        """`best_single` by the heap: entries pop in order of (top or its bound, node); a node
+        whose top is only bounded is weighed and pushed back with its top; a node the pod moves
+        to other steps is weighed at those (never below its top: `_weigh_moved`). The pod's
+        option is the least (top, node) weighed, once no entry left is below it: with the many
+        ties of whole-point scores, mostly the first candidate popped that fits and is not moved.
+        `_GAVE_UP` after `_HEAP_POPS` entries that could not host the pod or win."""
+        if heap.stale:
+            self._refresh_bounds(costs, cache, np.array(sorted(heap.stale), dtype=np.int64), heap)
+            heap.stale.clear()
+        entries = heap.entries
+        member = None if len(req.candidates) == len(self.problem.nodes) else self._candidate_mask(req)
+        ok, top_of, exact_of = cache.ok, cache.top, cache.exact
+        cpu, mem, need_cpu, need_mem = self.cpu, self.mem, req.cpu, req.mem
+        moving = self.objective is not None and bool(need_cpu or need_mem)
+        best = (NO_OPTION, -1)
+        best_slot = -1
+        held: list[tuple[int, int]] = []
+        seen: set[int] = set()
+        while entries and entries[0] < best:
+            k, n = heappop(entries)
+            if k >= NO_OPTION:
+                break
+            if n in seen or not ok[n] or top_of[n] != k:
+                continue  # a duplicate, or the node's entry moved on
+            if not exact_of[n]:
+                # weighed with the other nodes of the same bound (many, in a fresh heap), and
+                # pushed back with their tops: popped again in order if they can win
+                batch: list[int] = [n]
+                again: list[int] = []
+                while entries and entries[0][0] == k and len(batch) < _HEAP_BATCH:
+                    k2, n2 = heappop(entries)
+                    if n2 in seen or not ok[n2] or top_of[n2] != k2 or n2 in batch:
+                        continue
+                    (again if exact_of[n2] else batch).append(n2)
+                at = np.array(batch, dtype=np.int64)
+                tops, slots = self._weigh(costs, at)
+                cache.top[at] = cache.high[at] = tops
+                cache.slot[at], cache.exact[at] = slots, True
+                heap.push_many(list(tops), batch)
+                heap.push_many([k] * len(again), again)
+                continue
+            seen.add(n)
+            held.append((k, n))
+            if (member is not None and not member[n]) or cpu[n] < need_cpu or mem[n] < need_mem:
+                if len(held) > _HEAP_POPS:
+                    heap.push_many([e[0] for e in held], [e[1] for e in held])
+                    return _GAVE_UP
+                continue
+            if moving and (self.cpu_room[n] < need_cpu or self.mem_room[n] < need_mem):
+                tops, slots = self._weigh_moved(costs, req.slice_ref, [n], req)
+                if (tops[0], n) < best:
+                    best, best_slot = (tops[0], n), slots[0]
+            else:  # (k, n) is below every entry left
+                best, best_slot = (k, n), int(cache.slot[n])
+                break
+        heap.push_many([e[0] for e in held], [e[1] for e in held])
+        if best[0] >= NO_OPTION:
+            return None
+        return best[1], self.index.node_gpu_rows[best[1]][best_slot]
+
+    def _candidate_mask(self, req: Request) -> list[bool]:
+        """The request's candidate nodes as a mask (requests of one group share their list)."""
+        arr = req.candidate_array()
+        hit = self._masks.get(id(arr))
+        if hit is None or hit[0] is not arr:
+            mask = np.zeros(len(self.problem.nodes), dtype=bool)
+            mask[arr] = True
+            hit = self._masks[id(arr)] = (arr, mask.tolist())
+        return hit[1]
+
+    def _best_single_scan(self, req: Request, costs: AskCosts, cache: NodeBest,
+                          heap: _NodeHeap | None) -> tuple[int, int] | None:
+        """`best_single` by numpy passes over every candidate."""
+        cand = self._candidates(req, self.cpu, self.mem)
+        if not len(cand):
+            return None
+        ask = req.slice_ref
+        stale = np.flatnonzero(~cache.ok[cand])
+        if len(stale):
             nodes = cand[stale]
-            for n, c in zip(nodes.tolist(), self._least_changes(costs, nodes)):
-                few = min(c, _FEW_CHANGES) * _TOP_SCALE + _SCORE_OFFSET
-                cache.top[n] = few + SCORE_MIN if c < NO_OPTION else NO_OPTION
-                cache.high[n] = few if c < _FEW_CHANGES else NO_OPTION
-            cache.ok[nodes], cache.exact[nodes] = True, False
+            self._refresh_bounds(costs, cache, nodes, heap)
+            if heap is not None:
+                heap.stale.difference_update(nodes.tolist())
         # bounds of each candidate's top for this pod (the top itself where it is known)
         low, high, exact = cache.top[cand], cache.high[cand], cache.exact[cand]
         moves = self._moves(req, cand)
@@ -423,12 +593,12 @@ class Greedy:
             sure = exact & ~moves
             at = np.flatnonzero(moves)
             top, was_exact = low[at], exact[at]
-            # a pod that moves a node to lower steps leaves less of it usable: the rise of F is
-            # at least the one at the node's own steps, and so is the score (the floats'
-            # roundings move the same way; 1 point of slack for the tables' sums), and the node
-            # keeps its fewest changes c, which an exact top tells
+            # a pod that moves a node to lower steps leaves less of it usable: its top there is
+            # at least the one at the node's own steps (`_weigh_moved` keeps it so; 1 point of
+            # slack for a pod that frees CPU or memory), and the node keeps its fewest changes
+            # c, which an exact top tells
             c = (top - _SCORE_OFFSET + _TOP_SCALE - 1) // _TOP_SCALE
-            low[at] = np.where(was_exact, top - 1, top)
+            low[at] = np.where(was_exact, top - (req.cpu < 0 or req.mem < 0), top)
             high[at] = np.where(was_exact & (top < NO_OPTION),
                                 np.where(c < _FEW_CHANGES, c * _TOP_SCALE + _SCORE_OFFSET, NO_OPTION), high[at])
         reach = int(high.min())
@@ -446,6 +616,8 @@ class Greedy:
                 cache.high[nodes] = cache.top[nodes]
                 cache.exact[nodes] = True
                 top[[pos[j] for j in stale_j]] = cache.top[nodes]
+                if heap is not None:
+                    heap.push_many(cache.top[nodes].tolist(), nodes.tolist())
             if moved_j:
                 tops, slots = self._weigh_moved(costs, ask, [nodes_l[j] for j in moved_j], req)
                 top[[pos[j] for j in moved_j]] = tops
@@ -619,6 +791,8 @@ class Greedy:
             self.mem_room[node] = _room(int(self.mem[node]), self._mem_steps)
         for cache in self._best.values():
             cache.ok[node] = False
+        for heap in self._heaps.values():
+            heap.stale.add(node)
         for rank in self._ranks.values():
             rank.ok[node] = rank.q_ok[node] = False
             rank.moved_q.pop(node, None)
