@@ -12,8 +12,8 @@ GPUs share buckets (planner/index.py) whose option costs are computed once, and 
 is a table lookup per GPU. Each node's best option per slice kind is kept until the node
 changes; a one-slice pod takes the least of them from a heap per slice kind (with whole-point
 scores, most nodes tie and the first in order that fits wins), or by numpy passes over its
-candidates while the kind has had few pods. A pod asking for several slices is weighed per node on its cheapest GPUs, then placed
-slice by slice on the best node that really holds them.
+candidates while the kind has had few pods. A pod asking for several slices is weighed per
+node on its cheapest GPUs, then placed slice by slice on the best node that really holds them.
 """
 
 from __future__ import annotations
@@ -530,10 +530,12 @@ class Greedy:
                 # pushed back with their tops: popped again in order if they can win
                 batch: list[int] = [n]
                 again: list[int] = []
+                taken = {n}
                 while entries and entries[0][0] == k and len(batch) < _HEAP_BATCH:
                     k2, n2 = heappop(entries)
-                    if n2 in seen or not ok[n2] or top_of[n2] != k2 or n2 in batch:
+                    if n2 in seen or n2 in taken or not ok[n2] or top_of[n2] != k2:
                         continue
+                    taken.add(n2)
                     (again if exact_of[n2] else batch).append(n2)
                 at = np.array(batch, dtype=np.int64)
                 tops, slots = self._weigh(costs, at)
