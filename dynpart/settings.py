@@ -90,6 +90,10 @@ class PlannerSettings(CommonSettings):
                                  "for this long has GPUs drained for it (the least used ones): their agent destroys "
                                  "each slice as it frees until they are empty; 0: never drain (drained capacity "
                                  "idles, which on a busy cluster costs more waiting than it saves: docs/planner.md)")
+    drain_max_gpus: int = Field(default=1, ge=1, description="at most this many GPUs drained at once over the "
+                                "cluster, oldest waiting pod first (a pod asking for more GPUs than this is drained "
+                                "for when no other drain holds any): drains that pile up while whole-GPU pods queue "
+                                "idle ever more capacity (like the cluster autoscaler's --max-drain-parallelism)")
     leader_election: bool = Field(default=True, description="only the holder of the lease plans")
     lease_name: str = Field(default=LEASE_NAME, description="coordination.k8s.io Lease name")
     lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="namespace of the Lease")

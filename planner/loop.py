@@ -12,7 +12,7 @@ Fairness is the plan's: pending pods come oldest first, and the greedy fills in 
 plans that place as many pods; the loop caps nothing (every pending pod is given to the plan,
 whose exact search has a time budget). One guard against starvation is the loop's own: a pod
 asking for whole GPUs that no plan could place for `drain_after_s` has GPUs drained for it
-(`planner/drain.py`; off by default)."""
+(`planner/drain.py`; off by default), on at most `drain_max_gpus` GPUs at once."""
 
 from __future__ import annotations
 
@@ -230,7 +230,10 @@ class PlanningLoop:
 
     def _start_drains(self, snapshot: Snapshot, result: Plan, catalog: Catalog) -> bool:
         """Drain for each pod asking for whole GPUs that waited `drain_after_s` and that this plan
-        left out too, oldest first, on GPUs no other drain holds. True if one started."""
+        left out too, oldest first, on GPUs no other drain holds, while the drains hold at most
+        `drain_max_gpus` GPUs (without that cap, a queue of whole-GPU pods drains ever more GPUs
+        and the capacity idling there makes the queue longer); a younger pod never drains ahead
+        of an older one that the cap holds back. True if one started."""
         if self.settings.drain_after_s <= 0 or self.options.policy != "dynpart" or not result.unplaced:
             return False
         now = self.prepared_at
@@ -241,6 +244,8 @@ class PlanningLoop:
             if (pod.name in left_out and pod.name not in self.drains
                     and now - self.first_seen.get(pod.name, now) >= self.settings.drain_after_s):
                 target = drain_target(snapshot, pod, catalog, taken)
+                if target is not None and taken and len(taken) + len(target.gpus) > self.settings.drain_max_gpus:
+                    break
                 if target is not None:
                     self.drains[pod.name] = target
                     taken.update((target.node, g) for g in target.gpus)

@@ -53,7 +53,7 @@ DEFAULT_CLUSTER = "8x8xH100-80GB"
 _COST = {"nos": 0, "dynpart": 1, "static": 2}  # slowest first, to keep the processes busy
 # the planner settings a replay uses (and its summary records)
 PLANNER_FIELDS = {"batch_idle_s", "batch_timeout_s", "resync_s", "plan_time_limit_s", "demand_half_life_s", "workload",
-                  "drain_after_s"}
+                  "drain_after_s", "drain_max_gpus"}
 
 
 @dataclass

@@ -92,3 +92,43 @@ def test_no_drain_when_disabled_or_for_small_pods():
         snap = Snapshot(nodes=[node(gpu(0, ("7g.80gb", 0, True)))], pending=pods)
         round_at(lp, snap, 0.0)
         assert not node_writes(round_at(lp, snap, 1000.0)) and not lp.drains
+
+
+FOUR_BUSY = node(*(gpu(i, ("1g.10gb", 0, True)) for i in range(4)))  # no GPU empty: every whole-GPU pod waits
+
+
+def whole(name: str, count: int = 1) -> PendingPod:
+    return WHOLE.model_copy(update={"name": name, "count": count})
+
+
+def capped(cap: int) -> PlanningLoop:
+    return PlanningLoop(default_planner_settings().model_copy(update={"drain_after_s": 100.0, "drain_max_gpus": cap}))
+
+
+def drained_after_wait(lp: PlanningLoop, pending: list[PendingPod]) -> dict[str, tuple[int, ...]]:
+    snap = Snapshot(nodes=[FOUR_BUSY], pending=pending)
+    round_at(lp, snap, 0.0)
+    round_at(lp, snap, 100.0)
+    return {pod: d.gpus for pod, d in lp.drains.items()}
+
+
+def test_drains_hold_at_most_drain_max_gpus_oldest_pod_first():
+    pods = [whole("ml/a"), whole("ml/b"), whole("ml/c")]
+    assert list(drained_after_wait(capped(1), pods)) == ["ml/a"]
+    two = drained_after_wait(capped(2), pods)
+    assert list(two) == ["ml/a", "ml/b"] and not set(two["ml/a"]) & set(two["ml/b"])
+    assert len(drained_after_wait(capped(4), pods)) == 3
+
+
+def test_a_pod_asking_for_more_gpus_than_the_cap_drains_alone_and_none_overtakes_it():
+    # no other drain: the 2-GPU pod gets its two GPUs although the cap is 1
+    assert {k: len(v) for k, v in drained_after_wait(capped(1), [whole("ml/pair", 2), whole("ml/one")]).items()} \
+        == {"ml/pair": 2}
+    # a drain holds a GPU: the older 2-GPU pod would pass the cap of 2, so the younger 1-GPU pod
+    # (which would fit under it) waits behind it
+    lp = capped(2)
+    assert list(drained_after_wait(lp, [whole("ml/first")])) == ["ml/first"]
+    later = Snapshot(nodes=[FOUR_BUSY], pending=[whole("ml/first"), whole("ml/pair", 2), whole("ml/one")])
+    round_at(lp, later, 150.0)
+    round_at(lp, later, 300.0)
+    assert list(lp.drains) == ["ml/first"]
