@@ -244,12 +244,13 @@ class PlanningLoop:
             if (pod.name in left_out and pod.name not in self.drains
                     and now - self.first_seen.get(pod.name, now) >= self.settings.drain_after_s):
                 target = drain_target(snapshot, pod, catalog, taken)
-                if target is not None and taken and len(taken) + len(target.gpus) > self.settings.drain_max_gpus:
+                if target is None:
+                    continue
+                if taken and len(taken) + len(target.gpus) > self.settings.drain_max_gpus:
                     break
-                if target is not None:
-                    self.drains[pod.name] = target
-                    taken.update((target.node, g) for g in target.gpus)
-                    started = True
+                self.drains[pod.name] = target
+                taken.update((target.node, g) for g in target.gpus)
+                started = True
         return started
 
     def _flag(self, result: Plan, snapshot: Snapshot) -> Plan:

@@ -30,8 +30,9 @@ BUSY = node(gpu(0, ("4g.40gb", 0, True), ("3g.40gb", 4, False)),   # 4 of 8 memo
             gpu(1, ("3g.40gb", 0, False), ("1g.10gb", 4, True)))   # 1 of 8 in use: the one to drain
 
 
-def loop(drain_after_s: float = 100.0) -> PlanningLoop:
-    return PlanningLoop(default_planner_settings().model_copy(update={"drain_after_s": drain_after_s}))
+def loop(drain_after_s: float = 100.0, drain_max_gpus: int = 1) -> PlanningLoop:
+    return PlanningLoop(default_planner_settings().model_copy(update={"drain_after_s": drain_after_s,
+                                                                       "drain_max_gpus": drain_max_gpus}))
 
 
 def round_at(lp: PlanningLoop, snap: Snapshot, now: float):
@@ -101,10 +102,6 @@ def whole(name: str, count: int = 1) -> PendingPod:
     return WHOLE.model_copy(update={"name": name, "count": count})
 
 
-def capped(cap: int) -> PlanningLoop:
-    return PlanningLoop(default_planner_settings().model_copy(update={"drain_after_s": 100.0, "drain_max_gpus": cap}))
-
-
 def drained_after_wait(lp: PlanningLoop, pending: list[PendingPod]) -> dict[str, tuple[int, ...]]:
     snap = Snapshot(nodes=[FOUR_BUSY], pending=pending)
     round_at(lp, snap, 0.0)
@@ -114,19 +111,19 @@ def drained_after_wait(lp: PlanningLoop, pending: list[PendingPod]) -> dict[str,
 
 def test_drains_hold_at_most_drain_max_gpus_oldest_pod_first():
     pods = [whole("ml/a"), whole("ml/b"), whole("ml/c")]
-    assert list(drained_after_wait(capped(1), pods)) == ["ml/a"]
-    two = drained_after_wait(capped(2), pods)
+    assert list(drained_after_wait(loop(drain_max_gpus=1), pods)) == ["ml/a"]
+    two = drained_after_wait(loop(drain_max_gpus=2), pods)
     assert list(two) == ["ml/a", "ml/b"] and not set(two["ml/a"]) & set(two["ml/b"])
-    assert len(drained_after_wait(capped(4), pods)) == 3
+    assert len(drained_after_wait(loop(drain_max_gpus=4), pods)) == 3
 
 
 def test_a_pod_asking_for_more_gpus_than_the_cap_drains_alone_and_none_overtakes_it():
     # no other drain: the 2-GPU pod gets its two GPUs although the cap is 1
-    assert {k: len(v) for k, v in drained_after_wait(capped(1), [whole("ml/pair", 2), whole("ml/one")]).items()} \
+    assert {k: len(v) for k, v in drained_after_wait(loop(drain_max_gpus=1), [whole("ml/pair", 2), whole("ml/one")]).items()} \
         == {"ml/pair": 2}
     # a drain holds a GPU: the older 2-GPU pod would pass the cap of 2, so the younger 1-GPU pod
     # (which would fit under it) waits behind it
-    lp = capped(2)
+    lp = loop(drain_max_gpus=2)
     assert list(drained_after_wait(lp, [whole("ml/first")])) == ["ml/first"]
     later = Snapshot(nodes=[FOUR_BUSY], pending=[whole("ml/first"), whole("ml/pair", 2), whole("ml/one")])
     round_at(lp, later, 150.0)
