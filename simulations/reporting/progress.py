@@ -19,6 +19,7 @@ class Progress:
         self.t0 = time.monotonic()
         self.last = 0.0
         self.done = 0
+        self.printed_total = False  # a plain stream gets the 100% line once, however often it is reported
 
     def update(self, done: int, note: str = "") -> None:
         if not self.enabled:
@@ -33,7 +34,8 @@ class Progress:
             bar = "#" * filled + "-" * (width - filled)
             self.stream.write(f"\r{self.label} [{bar}] {done}/{self.total} {now - self.t0:5.0f}s {note}\033[K")
             self.stream.flush()
-        elif now - self.last >= self.every_s or done >= self.total:
+        elif (now - self.last >= self.every_s and done < self.total) or (done >= self.total and not self.printed_total):
+            self.printed_total = done >= self.total
             self.stream.write(f"{self.label}: {done}/{self.total} ({100 * done // self.total}%) "
                               f"{now - self.t0:.0f}s {note}\n")
             self.stream.flush()
