@@ -5,7 +5,7 @@ Pods are placed one by one (`request_order`), each on the option that is best by
 objective, lexicographically:
 1. fewest changes (free slices destroyed, plus one for a GPU not reconfigured yet);
 2. the least rise of the expected unusable capacity under the request distribution
-   (planner/objective.py), rounded to `DELTA_QUANTUM` of a GPU;
+   (planner/objective.py), as the FGD plugin's whole-point score (`Objective.score`);
 3. a GPU that already hosts pods (consolidation), the tightest fit, the most placements left
    in the GPU's free MIG memory slices; then the node and GPU order.
 GPUs share buckets (planner/index.py) whose option costs are computed once, and the objective

@@ -19,10 +19,11 @@ the GPU), where usable_k is the free capacity that pods of kind k could still ta
   node can host one (room for multi-GPU pods).
 
 Placing a pod raises F by ΔF; among the options that place the most pods with the fewest
-changes, the greedy takes the one with the least ΔF (rounded to `DELTA_QUANTUM` of a GPU, so
-that near-equal options are then ordered by consolidation: a GPU that already hosts pods, the
-tightest fit, the node order). Free instances and slices count as free: the planner may destroy
-them (a change, which the second objective already prices).
+changes, the greedy takes the one with the least ΔF, compared as the FGD scheduler plugin's
+whole-point score (`Objective.score`), so that near-equal options are then ordered by
+consolidation: a GPU that already hosts pods, the tightest fit, the node order. Free instances
+and slices count as free: the planner may destroy them (a change, which the second objective
+already prices).
 
 Computation: each GPU state maps to a **capacity class** (MPS: capacity, used total, whole;
 MIG: the used instances), each class to its free fraction and its coverage per requested slice
@@ -50,10 +51,6 @@ from dynpart.planner.types import (
     SliceRef,
     TakeWholeGpu,
 )
-
-# ΔF is compared in steps of this share of a GPU; closer options are equal for the objective
-
-
 
 # the lowest (best) score `Objective.score` gives; the highest is 0
 SCORE_MIN = -100
