@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dynpart.catalog import Catalog, default_catalog
 from dynpart.planner.loop import PlanningLoop
 from dynpart.planner.session import PlanningSession
+from dynpart.resources import WHOLE_GPU, mps_resource_name
 from dynpart.settings import default_planner_settings
 from dynpart.simulations import bridge
 from dynpart.simulations.inputs.traces import MILLI, TracePod
@@ -43,11 +44,41 @@ def trace_workload(pods: Sequence[TracePod]) -> list[RequestShare]:
             for (res, count, cpu, mem), n in sorted(kinds.items())]
 
 
-class DynpartPacking:
-    name = "dynpart"
+# a share no GPU can host (more than a whole GPU's milli): what CPU-only pods are to FGD's F
+NO_GPU_SHARE = mps_resource_name(MILLI + 1)
 
+
+def fgd_typical_pods(pods: Sequence[TracePod], popularity_pct: float = 95.0) -> list[RequestShare]:
+    """FGD's "typical pods" as its authors' simulator builds them for the published runs
+    (hkust-adsl/kubernetes-scheduler-simulator, `GetTypicalPods` with isInvolvedCpuPods=true,
+    podPopularityThreshold=95, gpuResWeight=0): pods grouped by (CPU, GPU milli, GPU count, GPU
+    models), CPU-only pods included, the most frequent groups kept until they cover
+    `popularity_pct` % of the pods, renormalised; memory is not part of a group. A CPU-only group
+    counts all of a node's free GPU capacity as unusable (it can use none of it), which a share
+    no GPU can host does exactly."""
+    groups = Counter((p.cpu_milli, p.gpu_milli if p.num_gpu else 0, p.num_gpu, p.gpu_spec) for p in pods)
+    total = sum(groups.values())
+    kinds: Counter[tuple[str, int, int]] = Counter()
+    covered = 0
+    # most frequent first; equal counts in a fixed order (the authors' sort leaves them unordered)
+    for (cpu, milli, num, _), n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0])):
+        if covered >= popularity_pct * total / 100:
+            break
+        covered += n
+        if not num:
+            kinds[(NO_GPU_SHARE, 1, cpu)] += n
+        elif milli < MILLI:
+            kinds[(mps_resource_name(milli), 1, cpu)] += n
+        else:
+            kinds[(WHOLE_GPU, num, cpu)] += n
+    return [RequestShare(resource=res, count=count, cpu_milli=cpu, memory_mib=0, weight=float(n))
+            for (res, count, cpu), n in sorted(kinds.items())]
+
+
+class DynpartPacking:
     def __init__(self, workload: list[RequestShare], catalog: Catalog | None = None, batch: int = 1,
-                 time_limit_s: float = 0.05):
+                 time_limit_s: float = 0.05, name: str = "dynpart"):
+        self.name = name
         self.workload = workload
         self.base_catalog = catalog or default_catalog()
         self.batch = batch

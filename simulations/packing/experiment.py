@@ -12,11 +12,11 @@ from dynpart.catalog import Catalog
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
 from dynpart.simulations.inputs.traces import TracePod
-from dynpart.simulations.packing.dynpart_packing import MAX_BATCH, DynpartPacking, trace_workload
+from dynpart.simulations.packing.dynpart_packing import MAX_BATCH, DynpartPacking, fgd_typical_pods, trace_workload
 from dynpart.simulations.packing.protocol import PackingPolicy, PackingResult, run_packing
 from dynpart.simulations.packing.reference_schedulers import BestFit, Random
 
-POLICIES = ("dynpart", "best-fit", "random")
+POLICIES = ("dynpart", "best-fit", "random", "fgd")
 
 # README of ../shared/traces: mean of seeds 42..51, (at 100 %, at 130 %) arrived
 PUBLISHED = {
@@ -52,6 +52,9 @@ def policy_factory(job: PackingJob, pods: Sequence[TracePod], catalog: Catalog |
     if job.policy == "dynpart":
         workload = trace_workload(pods)
         return lambda seed: DynpartPacking(workload, catalog, job.batch, job.time_limit_s)
+    if job.policy == "fgd":
+        typical = fgd_typical_pods(pods)
+        return lambda seed: DynpartPacking(typical, catalog, job.batch, job.time_limit_s, name="fgd")
     raise SimulationError(f"unknown packing policy {job.policy!r}; expected one of {', '.join(POLICIES)}")
 
 

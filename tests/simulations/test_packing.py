@@ -9,7 +9,7 @@ import pytest
 
 from dynpart.simulations import bridge
 from dynpart.simulations.inputs.synthetic import synthetic_cluster, synthetic_trace
-from dynpart.simulations.packing.dynpart_packing import DynpartPacking, trace_workload
+from dynpart.simulations.packing.dynpart_packing import NO_GPU_SHARE, DynpartPacking, fgd_typical_pods, trace_workload
 from dynpart.simulations.packing.experiment import PackingJob, run_job, summarise
 from dynpart.simulations.packing.occupancy import PackingState
 from dynpart.simulations.packing.protocol import run_packing
@@ -158,6 +158,32 @@ def test_the_trace_is_the_planners_request_distribution():
     shares = trace_workload([pod("a", milli=500), pod("b", milli=500), pod("c", gpus=2), pod("d", gpus=0)])
     assert [(s.resource, s.count, s.weight) for s in shares] == [("nvidia.com/gpu", 2, 1.0),
                                                                  ("nvidia.com/gpu-500gb", 1, 2.0)]
+
+
+def test_fgd_typical_pods_are_the_authors_popular_groups_cpu_pods_included():
+    # 20 pods: 10 share pods of 500 milli at 2 CPUs, 6 CPU-only pods, 3 whole GPUs, and one rare
+    # share pod; memory is no part of a group (two memory sizes, one group)
+    pods = ([pod(f"s{i}", cpu=2000, milli=500, mem=1024 * (1 + i % 2)) for i in range(10)]
+            + [pod(f"c{i}", cpu=4000, gpus=0) for i in range(6)]
+            + [pod(f"w{i}", cpu=8000, gpus=1) for i in range(3)] + [pod("rare", cpu=1000, milli=130)])
+    typical = fgd_typical_pods(pods)
+    # 19 of 20 pods (95 %) are covered by the three popular groups; the rare one is left out
+    assert [(s.resource, s.count, s.cpu_milli, s.memory_mib, s.weight) for s in typical] == [
+        ("nvidia.com/gpu", 1, 8000, 0, 3.0), (NO_GPU_SHARE, 1, 4000, 0, 6.0),
+        ("nvidia.com/gpu-500gb", 1, 2000, 0, 10.0)]
+    assert [s.resource for s in fgd_typical_pods(pods, popularity_pct=100)][-1] == "nvidia.com/gpu-500gb"
+    assert len(fgd_typical_pods(pods, popularity_pct=100)) == 4
+    assert len(fgd_typical_pods(pods, popularity_pct=50)) == 1  # the 10 share pods cover half
+
+
+def test_fgd_packing_runs_the_planner_with_its_typical_pods():
+    trace = synthetic_trace(150, seed=4)
+    r = run_job(PackingJob("fgd", seed=3), trace.pods, synthetic_cluster(), None)
+    assert r.policy == "fgd" and r.plan_calls > 0 and r.extra["disrupted"] == 0
+    assert r.counts.placed > 0.6 * r.pods
+    # CPU-only pods in the distribution make every free GPU count as partly unusable: the plans
+    # see another objective than dynpart's, on the same protocol
+    assert any(s.resource == NO_GPU_SHARE for s in fgd_typical_pods(trace.pods)) == any(not p.num_gpu for p in trace.pods)
 
 
 def test_equal_options_fill_the_cluster_in_node_order_and_consolidate():
