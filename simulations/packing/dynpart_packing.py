@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dynpart.catalog import Catalog, default_catalog
 from dynpart.planner.loop import PlanningLoop
 from dynpart.planner.session import PlanningSession
-from dynpart.resources import WHOLE_GPU, mps_resource_name
+from dynpart.resources import mps_resource_name
 from dynpart.settings import default_planner_settings
 from dynpart.simulations import bridge
 from dynpart.simulations.inputs.traces import MILLI, TracePod
@@ -56,21 +56,22 @@ def fgd_typical_pods(pods: Sequence[TracePod], popularity_pct: float = 95.0) -> 
     `popularity_pct` % of the pods, renormalised; memory is not part of a group. A CPU-only group
     counts all of a node's free GPU capacity as unusable (it can use none of it), which a share
     no GPU can host does exactly."""
-    groups = Counter((p.cpu_milli, p.gpu_milli if p.num_gpu else 0, p.num_gpu, p.gpu_spec) for p in pods)
+    groups: Counter[tuple[int, int, int, tuple[str, ...]]] = Counter()
+    member: dict[tuple[int, int, int, tuple[str, ...]], TracePod] = {}
+    for p in pods:
+        key = (p.cpu_milli, p.gpu_milli if p.num_gpu else 0, p.num_gpu, p.gpu_spec)
+        groups[key] += 1
+        member.setdefault(key, p)
     total = sum(groups.values())
     kinds: Counter[tuple[str, int, int]] = Counter()
     covered = 0
     # most frequent first; equal counts in a fixed order (the authors' sort leaves them unordered)
-    for (cpu, milli, num, _), n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0])):
+    for key, n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0])):
         if covered >= popularity_pct * total / 100:
             break
         covered += n
-        if not num:
-            kinds[(NO_GPU_SHARE, 1, cpu)] += n
-        elif milli < MILLI:
-            kinds[(mps_resource_name(milli), 1, cpu)] += n
-        else:
-            kinds[(WHOLE_GPU, num, cpu)] += n
+        p = member[key]
+        kinds[((NO_GPU_SHARE, 1) if not p.num_gpu else bridge.packing_request(p)) + (p.cpu_milli,)] += n
     return [RequestShare(resource=res, count=count, cpu_milli=cpu, memory_mib=0, weight=float(n))
             for (res, count, cpu), n in sorted(kinds.items())]
 
