@@ -79,6 +79,7 @@ class RequestShare(_Model):
     count: int = Field(default=1, ge=1)
     cpu_milli: int = Field(default=0, ge=0)
     memory_mib: int = Field(default=0, ge=0)
+    gpu_models: list[str] = []  # as PendingPod.gpu_models: accepted models; empty = any
     weight: float = Field(default=1.0, gt=0)
 
 
@@ -254,6 +255,11 @@ def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuMode
             parse_resource(share.resource)
         except ResourceNameError as e:
             problems.append(f"workload[{i}].resource: {e}")
+        for m in share.gpu_models:
+            try:
+                catalog.resolve(m, where=f"workload[{i}].gpu_models")
+            except DynpartError as e:
+                problems.append(str(e))
     if problems:
         raise SnapshotError(problems)
     return models

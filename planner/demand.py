@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from dynpart.snapshot import PendingPod, RequestShare
 
-Kind = tuple[str, int, int, int]  # resource, count, CPU, memory
+Kind = tuple[str, int, int, int, tuple[str, ...]]  # resource, count, CPU, memory, GPU models
 
 
 class DemandTracker:
@@ -37,10 +37,10 @@ class DemandTracker:
             self._seen[pod.name] = None
             if len(self._seen) > self._remember:
                 self._seen.popitem(last=False)
-            kind = (pod.resource, pod.count, pod.cpu_milli, pod.memory_mib)
+            kind = (pod.resource, pod.count, pod.cpu_milli, pod.memory_mib, tuple(sorted(set(pod.gpu_models))))
             self._weights[kind] = self._weights.get(kind, 0.0) + 1.0
 
     def workload(self) -> list[RequestShare]:
         """What was seen, as the snapshot's workload (canonical order)."""
-        return [RequestShare(resource=r, count=c, cpu_milli=cpu, memory_mib=mem, weight=w)
-                for (r, c, cpu, mem), w in sorted(self._weights.items())]
+        return [RequestShare(resource=r, count=c, cpu_milli=cpu, memory_mib=mem, gpu_models=list(models), weight=w)
+                for (r, c, cpu, mem, models), w in sorted(self._weights.items())]

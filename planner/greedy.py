@@ -255,7 +255,7 @@ class Greedy:
             terms.ensure(obj, nodes, self.cls[node_gpus[nodes]], self.cpu[nodes], self.mem[nodes])
         rows = np.arange(len(nodes))[:, None]
         before = self.cls[node_gpus[nodes][rows, slots]]  # (R, k)
-        ic2, im2 = obj.steps(self.cpu[nodes] - cpu, self.mem[nodes] - mem)
+        ic2, im2 = obj.steps(nodes, self.cpu[nodes] - cpu, self.mem[nodes] - mem)
         free, cov, usable = obj.tables()
         # what the one-slice kinds can use of the node's other GPUs at the new steps: kept when
         # the steps do not move, gathered again when they do
@@ -392,9 +392,9 @@ class Greedy:
         kept = self._moved_best.get(ask)
         if kept is None:
             kept = self._moved_best[ask] = {}
-        cpu_steps, mem_steps = self._cpu_steps, self._mem_steps
-        steps = [(bisect_right(cpu_steps, c - req.cpu), bisect_right(mem_steps, m - req.mem))
-                 for c, m in zip(self.cpu[nodes].tolist(), self.mem[nodes].tolist())]
+        at = np.array(nodes, dtype=np.int64)
+        ic, im = obj.steps(at, self.cpu[at] - req.cpu, self.mem[at] - req.mem)
+        steps = list(zip(ic.tolist(), im.tolist()))
         tops, slots = [0] * len(nodes), [0] * len(nodes)
         missing: list[int] = []
         for i, (n, key) in enumerate(zip(nodes, steps)):
@@ -443,8 +443,8 @@ class Greedy:
         if self.objective is None or not (req.cpu or req.mem):
             return None
         if req.cpu < 0 or req.mem < 0:
-            ic, im = self.objective.steps(self.cpu[cand], self.mem[cand])
-            ic2, im2 = self.objective.steps(self.cpu[cand] - req.cpu, self.mem[cand] - req.mem)
+            ic, im = self.objective.steps(cand, self.cpu[cand], self.mem[cand])
+            ic2, im2 = self.objective.steps(cand, self.cpu[cand] - req.cpu, self.mem[cand] - req.mem)
             moves: np.ndarray = (ic2 != ic) | (im2 != im)
         else:
             moves = (self.cpu_room[cand] < req.cpu) | (self.mem_room[cand] < req.mem)
@@ -693,7 +693,7 @@ class Greedy:
         """`_rank_q` of nodes whose steps of the objective's tables the pod moves; kept per node
         and steps until the node changes."""
         assert self.objective is not None
-        ic2, im2 = self.objective.steps(self.cpu[nodes] - req.cpu, self.mem[nodes] - req.mem)
+        ic2, im2 = self.objective.steps(nodes, self.cpu[nodes] - req.cpu, self.mem[nodes] - req.mem)
         node_list, steps = nodes.tolist(), list(zip(ic2.tolist(), im2.tolist()))
         q = [rank.moved_q.get(n, _NO_SCORES).get(st) for n, st in zip(node_list, steps)]
         missing = [i for i, v in enumerate(q) if v is None]

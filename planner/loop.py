@@ -65,6 +65,9 @@ class PlanningLoop:
                                    static_layout=dict(static_layout or {}), minimise_changes=minimise_changes)
         self.window = BatchWindow(settings.batch_idle_s, settings.batch_timeout_s)
         self.demand = DemandTracker(settings.demand_half_life_s)
+        # the settings' distribution, one list for every round: a planning session compiles a
+        # workload again only when it gets another list
+        self.fixed_workload = list(settings.workload)
         self.in_flight: dict[str, InFlight] = {}
         self.reserved: dict[str, tuple[str, float]] = {}  # pod -> (node, until): planned, applied, not bound
         self.last_round = float("-inf")
@@ -189,11 +192,12 @@ class PlanningLoop:
     def prepare(self, snapshot: Snapshot, now: float) -> Snapshot:
         """The snapshot a round plans: with the request distribution the objective keeps room for
         (the settings' `workload` when given, else the requests seen lately, decayed)."""
-        self.demand.observe(snapshot.pending, now)
+        if not self.fixed_workload:  # (the distribution learned would not be used)
+            self.demand.observe(snapshot.pending, now)
         for pod in snapshot.pending:
             self.first_seen.setdefault(pod.name, now)
         self.prepared_at = now
-        workload = list(self.settings.workload) if self.settings.workload else self.demand.workload()
+        workload = self.fixed_workload if self.fixed_workload else self.demand.workload()
         return snapshot.model_copy(update={"workload": workload})
 
     def decide(self, snapshot: Snapshot, catalog: Catalog, session: PlanningSession | None = None) -> Plan:

@@ -16,7 +16,9 @@ the GPU), where usable_k is the free capacity that pods of kind k could still ta
   used instances (start slots, per-profile counts, compute and media limits): a 3g.40gb cannot
   use memory slices 2-3 of an H100 whose slices 0-1 hold a 1g.20gb;
 - a kind asking for c > 1 slices on one node: all of the above, only when at least c GPUs of the
-  node can host one (room for multi-GPU pods).
+  node can host one (room for multi-GPU pods);
+- a kind that names GPU models: nothing on nodes of other models (FGD's "no access": its weight
+  counts the node's free capacity as unusable there, as FGD counts it).
 
 Placing a pod raises F by ΔF; among the options that place the most pods with the fewest
 changes, the greedy takes the one with the least ΔF, compared as the FGD scheduler plugin's
@@ -29,6 +31,9 @@ Computation: each GPU state maps to a **capacity class** (MPS: capacity, used to
 MIG: the used instances), each class to its free fraction and its coverage per requested slice
 kind; the weights are cumulative tables over the distinct CPU and memory requests, so that a
 node's F is a few table lookups per GPU, evaluated with numpy for all candidate GPUs at once.
+Where kinds name GPU models, the nodes fall into **access groups** (the models that the same
+kinds accept) and the tables have one block of CPU rows per group: a node's CPU row is its
+group's first row plus its CPU step, and everything else reads the tables as before.
 """
 
 from __future__ import annotations
@@ -195,12 +200,29 @@ def numpy_sum(values: Sequence[float]) -> float:
     return numpy_sum(values[:half]) + numpy_sum(values[half:])
 
 
+def access_groups(kinds: Sequence[DemandKind], families: Sequence[str]) -> tuple[list[int], list[list[int]]]:
+    """(group of each node, the kinds each group's nodes can host) for nodes of these GPU model
+    families: group 0 holds the nodes whose family no kind names (only the kinds naming no model
+    apply there), the others one per distinct set of kinds accepting the family, in order of
+    first node."""
+    anywhere = [i for i, k in enumerate(kinds) if not k.models]
+    groups: dict[tuple[int, ...], int] = {tuple(anywhere): 0}
+    of_node = []
+    for family in families:
+        accepting = tuple(i for i, k in enumerate(kinds) if not k.models or family in k.models)
+        of_node.append(groups.setdefault(accepting, len(groups)))
+    return of_node, [list(g) for g in groups]
+
+
 class Objective:
     """A request distribution compiled into lookup tables; capacity classes get ids as they are
-    met (id 0: no GPU, used to pad nodes with fewer GPUs)."""
+    met (id 0: no GPU, used to pad nodes with fewer GPUs). `families`: the GPU model family of
+    each node (by node index), needed only when kinds name models (`access_groups`)."""
 
-    def __init__(self, kinds: list[DemandKind]):
+    def __init__(self, kinds: list[DemandKind], families: Sequence[str] = ()):
         self.kinds = kinds
+        group_of, group_kinds = access_groups(kinds, families) if any(k.models for k in kinds) else ([], [list(range(len(kinds)))])
+        self.groups = len(group_kinds)
         self.refs: list[SliceRef] = sorted({k.ref for k in kinds}, key=ref_order)
         ref_idx = {r: j for j, r in enumerate(self.refs)}
         total: dict[str, float] = {}
@@ -213,20 +235,26 @@ class Objective:
         self.multi = sorted({(ref_idx[k.ref], k.count) for k in kinds if k.count > 1})
         self.multi_refs = sorted({r for r, _ in self.multi})
         multi_idx = {rc: j for j, rc in enumerate(self.multi)}
-        shape = (len(self.cpu_steps) + 1, len(self.mem_steps) + 1)
+        rows = len(self.cpu_steps) + 1  # CPU rows of one access group
+        # per node, its group's first CPU row (`steps` adds the node's CPU step)
+        self.node_row0 = np.array(group_of, dtype=np.int64) * rows
+        self.node_row0_list: list[int] = self.node_row0.tolist()
+        shape = (len(group_kinds), rows, len(self.mem_steps) + 1)
         w1 = np.zeros(shape + (len(self.refs),))
         wm = np.zeros(shape + (len(self.multi),))
-        for k in kinds:
-            w = k.weight / total[_mode_of(k.ref)]
-            ic = int(np.searchsorted(self.cpu_steps, k.cpu)) + 1
-            im = int(np.searchsorted(self.mem_steps, k.mem)) + 1
-            if k.count == 1:
-                w1[ic, im, ref_idx[k.ref]] += w
-            else:
-                wm[ic, im, multi_idx[(ref_idx[k.ref], k.count)]] += w
-        # cumulative: [i, j] = the weight of the kinds asking at most the i-th CPU and j-th memory step
-        self.w1 = w1.cumsum(axis=0).cumsum(axis=1)
-        self.wm = wm.cumsum(axis=0).cumsum(axis=1)
+        for g, members in enumerate(group_kinds):
+            for k in (kinds[i] for i in members):
+                w = k.weight / total[_mode_of(k.ref)]
+                ic = int(np.searchsorted(self.cpu_steps, k.cpu)) + 1
+                im = int(np.searchsorted(self.mem_steps, k.mem)) + 1
+                if k.count == 1:
+                    w1[g, ic, im, ref_idx[k.ref]] += w
+                else:
+                    wm[g, ic, im, multi_idx[(ref_idx[k.ref], k.count)]] += w
+        # cumulative within a group: [g, i, j] = the weight of the kinds the group's nodes can
+        # host asking at most the i-th CPU and j-th memory step; the groups' blocks stacked
+        self.w1 = w1.cumsum(axis=1).cumsum(axis=2).reshape((shape[0] * rows,) + w1.shape[2:])
+        self.wm = wm.cumsum(axis=1).cumsum(axis=2).reshape((shape[0] * rows,) + wm.shape[2:])
         self.multi_col = np.array([self.multi_refs.index(r) for r, _ in self.multi], dtype=np.int64)
         self.multi_count = np.array([c for _, c in self.multi], dtype=np.int64)
         # the same tables as lists, for the greedy's plain-Python path: wm[ic][im] and per class id
@@ -244,7 +272,7 @@ class Objective:
         # per class id, in arrays that grow by doubling (`tables()` gives views of the filled part)
         self._free = np.zeros(64)
         self._cov = np.zeros((64, len(self.multi_refs)))
-        self._usable = np.zeros(shape + (64,))
+        self._usable = np.zeros(self.w1.shape[:2] + (64,))
         self.class_id(None)
 
     @property
@@ -282,14 +310,28 @@ class Objective:
         k = len(self.free_of)
         return self._free[:k], self._cov[:k], self._usable[..., :k]
 
-    def steps(self, cpu: np.ndarray, mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return (np.searchsorted(self.cpu_steps, cpu, side="right"),
-                np.searchsorted(self.mem_steps, mem, side="right"))
+    def steps(self, nodes: np.ndarray | None, cpu: np.ndarray, mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of the tables (CPU row, memory step) of these nodes with this CPU and memory
+        free; `nodes` None: nodes of group 0 (only where no kind names a model)."""
+        ic = np.searchsorted(self.cpu_steps, cpu, side="right")
+        if self.groups > 1:
+            if nodes is None:
+                raise ValueError("the objective's kinds name GPU models: the rows need the nodes")
+            ic = ic + self.node_row0[nodes]
+        return ic, np.searchsorted(self.mem_steps, mem, side="right")
 
-    def unusable(self, cls: np.ndarray, cpu: np.ndarray, mem: np.ndarray) -> np.ndarray:
-        """F of each row: cls (R, G) class ids of a node's GPUs (0: none), its free CPU and memory."""
+    def step_one(self, node: int, cpu: int, mem: int) -> tuple[int, int]:
+        """`steps` of one node, in plain Python."""
+        ic = bisect_right(self.cpu_step_list, cpu)
+        if self.groups > 1:
+            ic += self.node_row0_list[node]
+        return ic, bisect_right(self.mem_step_list, mem)
+
+    def unusable(self, cls: np.ndarray, cpu: np.ndarray, mem: np.ndarray, nodes: np.ndarray | None = None) -> np.ndarray:
+        """F of each row: cls (R, G) class ids of a node's GPUs (0: none), its free CPU and memory,
+        and the node (as `steps`)."""
         free, cov, usable = self.tables()
-        ic, im = self.steps(cpu, mem)
+        ic, im = self.steps(nodes, cpu, mem)
         out: np.ndarray = free[cls].sum(axis=1) - usable[ic[:, None], im[:, None], cls].sum(axis=1)
         if self.multi:
             c = cov[cls]  # (R, G, Rm)
@@ -377,7 +419,7 @@ class NodeTerms:
             return
         nodes, cls = nodes[bad], cls[bad]
         free, cov, usable = objective.tables()
-        ic, im = objective.steps(cpu[bad], mem[bad])
+        ic, im = objective.steps(nodes, cpu[bad], mem[bad])
         self.ic[nodes], self.im[nodes] = ic, im
         self.free[nodes] = free[cls].sum(axis=1)
         self.single[nodes] = usable[ic[:, None], im[:, None], cls].sum(axis=1)
@@ -395,7 +437,7 @@ class NodeTerms:
         the same terms bit for bit; the coverage sums as `ensure` computes them, on one row."""
         if self.ok[node]:
             return
-        ic, im = bisect_right(objective.cpu_step_list, cpu), bisect_right(objective.mem_step_list, mem)
+        ic, im = objective.step_one(node, cpu, mem)
         usable_of = objective.usable_of
         class_list = classes.tolist()
         free = numpy_sum([objective.free_of[c] for c in class_list])

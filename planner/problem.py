@@ -93,6 +93,7 @@ class DemandKind:
     cpu: int
     mem: int
     weight: float
+    models: frozenset[str] = frozenset()  # GPU model families it accepts; empty: any
 
 
 @dataclass
@@ -132,7 +133,7 @@ def compile_problem(snapshot: Snapshot, catalog: Catalog) -> Problem:
     nodes, gpus = compile_cluster(snapshot.nodes, models)
     problem = Problem(nodes, gpus, [])
     problem.requests = compile_requests(problem, snapshot.pending, catalog, {})
-    problem.workload = compile_workload(snapshot.workload, snapshot.pending)
+    problem.workload = compile_workload(snapshot.workload, snapshot.pending, catalog)
     return problem
 
 
@@ -296,16 +297,24 @@ class _NodeGroups:
         return np.flatnonzero(ok[self.of_node]).astype(np.int64), summary
 
 
-def compile_workload(workload: Sequence[RequestShare], pending: Sequence[PendingPod]) -> list[DemandKind]:
+def compile_workload(workload: Sequence[RequestShare], pending: Sequence[PendingPod],
+                     catalog: Catalog | None = None) -> list[DemandKind]:
     """The objective's request distribution: the snapshot's, else one share per pending pod.
-    Equal kinds are merged, in a canonical order (the plan does not depend on the list's order)."""
-    items = ([(w.resource, w.count, w.cpu_milli, w.memory_mib, w.weight) for w in workload] if workload else
-             [(p.resource, p.count, p.cpu_milli, p.memory_mib, 1.0) for p in pending])
-    acc: dict[tuple[SliceRef, int, int, int], float] = {}
-    for resource, count, cpu, mem, weight in items:
-        key = (slice_ref_of(resource), count, cpu, mem)
+    Equal kinds are merged, in a canonical order (the plan does not depend on the list's order).
+    GPU models are resolved to their families with `catalog` (needed when a share names models)."""
+    items = ([(w.resource, w.count, w.cpu_milli, w.memory_mib, w.gpu_models, w.weight) for w in workload] if workload else
+             [(p.resource, p.count, p.cpu_milli, p.memory_mib, p.gpu_models, 1.0) for p in pending])
+    acc: dict[tuple[SliceRef, int, int, int, tuple[str, ...]], float] = {}
+    for resource, count, cpu, mem, models, weight in items:
+        families: tuple[str, ...] = ()
+        if models:
+            if catalog is None:
+                raise ValueError("a request share names GPU models: compiling it needs the catalog")
+            families = tuple(sorted({catalog.resolve(m).family_name for m in models}))
+        key = (slice_ref_of(resource), count, cpu, mem, families)
         acc[key] = acc.get(key, 0.0) + weight
-    return [DemandKind(r, c, cpu, mem, w) for (r, c, cpu, mem), w in sorted(acc.items(), key=lambda kv: (ref_order(kv[0][0]),) + kv[0][1:])]
+    return [DemandKind(r, c, cpu, mem, w, frozenset(f))
+            for (r, c, cpu, mem, f), w in sorted(acc.items(), key=lambda kv: (ref_order(kv[0][0]),) + kv[0][1:])]
 
 
 def slice_ref_of(resource: str) -> SliceRef:

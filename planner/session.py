@@ -88,7 +88,7 @@ class PlanningSession:
     def objective(self, workload: list[DemandKind]) -> tuple[Objective, np.ndarray | None, NodeTerms]:
         key = tuple(workload)
         if self._objective is None or self._objective[0] != key:
-            obj = Objective(workload)
+            obj = Objective(workload, [n.model.family_name for n in self.problem.nodes])
             cls = None
             if obj.active:
                 self.index.use_objective(obj)
@@ -124,7 +124,7 @@ class PlanningSession:
         last = self._workload
         if workload and last is not None and last[0] is workload:
             return last[2]
-        kinds = compile_workload(workload, pending)
+        kinds = compile_workload(workload, pending, self.catalog)
         self._workload = (workload, None, kinds)
         return kinds
 
@@ -213,8 +213,8 @@ class PlanningSession:
             obj, cls, _ = self.objective(self._kinds(workload, []))
             if cls is not None:
                 rows = cls[self.index.node_gpus[fit]]
-                q = Objective.score(obj.unusable(rows, cpu_free[fit] - cpu, mem_free[fit] - mem)
-                                    - obj.unusable(rows, cpu_free[fit], mem_free[fit]))
+                q = Objective.score(obj.unusable(rows, cpu_free[fit] - cpu, mem_free[fit] - mem, fit)
+                                    - obj.unusable(rows, cpu_free[fit], mem_free[fit], fit))
             else:
                 q = np.zeros(len(fit), dtype=np.int64)
             best = int(fit[np.lexsort((fit, q))[0]])

@@ -38,10 +38,13 @@ NO_GPU_MODEL = "no-gpu"
 
 
 def trace_workload(pods: Sequence[TracePod]) -> list[RequestShare]:
-    """The trace's GPU requests as the planner's request distribution: one share per pod."""
-    kinds = Counter(bridge.packing_request(p) + (p.cpu_milli, p.memory_mib) for p in pods if p.num_gpu)
-    return [RequestShare(resource=res, count=count, cpu_milli=cpu, memory_mib=mem, weight=float(n))
-            for (res, count, cpu, mem), n in sorted(kinds.items())]
+    """The trace's GPU requests as the planner's request distribution: one share per pod, with
+    the GPU models it accepts."""
+    kinds = Counter(bridge.packing_request(p) + (p.cpu_milli, p.memory_mib, tuple(sorted(set(p.gpu_spec))))
+                    for p in pods if p.num_gpu)
+    return [RequestShare(resource=res, count=count, cpu_milli=cpu, memory_mib=mem, gpu_models=list(models),
+                         weight=float(n))
+            for (res, count, cpu, mem, models), n in sorted(kinds.items())]
 
 
 # a share no GPU can host (more than a whole GPU's milli): what CPU-only pods are to FGD's F
@@ -55,7 +58,8 @@ def fgd_typical_pods(pods: Sequence[TracePod], popularity_pct: float = 95.0) -> 
     models), CPU-only pods included, the most frequent groups kept until they cover
     `popularity_pct` % of the pods, renormalised; memory is not part of a group. A CPU-only group
     counts all of a node's free GPU capacity as unusable (it can use none of it), which a share
-    no GPU can host does exactly."""
+    no GPU can host does exactly; a group naming GPU models counts it as unusable on nodes of
+    other models (FGD's "no access"), which the share's `gpu_models` do."""
     groups: Counter[tuple[int, int, int, tuple[str, ...]]] = Counter()
     member: dict[tuple[int, int, int, tuple[str, ...]], TracePod] = {}
     for p in pods:
@@ -63,7 +67,7 @@ def fgd_typical_pods(pods: Sequence[TracePod], popularity_pct: float = 95.0) -> 
         groups[key] += 1
         member.setdefault(key, p)
     total = sum(groups.values())
-    kinds: Counter[tuple[str, int, int]] = Counter()
+    kinds: Counter[tuple[str, int, int, tuple[str, ...]]] = Counter()
     covered = 0
     # most frequent first; equal counts in a fixed order (the authors' sort leaves them unordered)
     for key, n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -71,16 +75,17 @@ def fgd_typical_pods(pods: Sequence[TracePod], popularity_pct: float = 95.0) -> 
             break
         covered += n
         p = member[key]
-        kinds[((NO_GPU_SHARE, 1) if not p.num_gpu else bridge.packing_request(p)) + (p.cpu_milli,)] += n
-    return [RequestShare(resource=res, count=count, cpu_milli=cpu, memory_mib=0, weight=float(n))
-            for (res, count, cpu), n in sorted(kinds.items())]
+        request = (NO_GPU_SHARE, 1) if not p.num_gpu else bridge.packing_request(p)
+        kinds[request + (p.cpu_milli, tuple(sorted(set(p.gpu_spec))))] += n
+    return [RequestShare(resource=res, count=count, cpu_milli=cpu, memory_mib=0, gpu_models=list(models),
+                         weight=float(n))
+            for (res, count, cpu, models), n in sorted(kinds.items())]
 
 
 class DynpartPacking:
     def __init__(self, workload: list[RequestShare], catalog: Catalog | None = None, batch: int = 1,
                  time_limit_s: float = 0.05, name: str = "dynpart"):
         self.name = name
-        self.workload = workload
         self.base_catalog = catalog or default_catalog()
         self.batch = batch
         # the controller's loop, planning for the trace's request distribution; the protocol's GPUs
@@ -89,6 +94,8 @@ class DynpartPacking:
         settings = default_planner_settings().model_copy(update={"plan_time_limit_s": time_limit_s,
                                                                  "workload": workload})
         self.loop = PlanningLoop(settings, "dynpart", minimise_changes=False)
+        # the loop's own list: the session compiles the distribution once for GPU and CPU-only pods
+        self.workload = self.loop.fixed_workload
         self.arrived = 0
         self.session: PlanningSession | None = None
         self.plan_calls = 0

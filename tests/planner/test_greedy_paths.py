@@ -1,6 +1,7 @@
 """The greedy's two ways of finding a one-slice pod's best node (planner/greedy.py): the heap per
 slice kind and the numpy scan over every candidate find the same option, so plans do not depend
-on which one ran, on mixed clusters with node selectors and nodes short of CPU."""
+on which one ran, on mixed clusters with node selectors, nodes short of CPU and (`models`) two
+GPU models that some pods name (the objective's access groups)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dynpart.planner.workload import random_snapshot
 from dynpart.snapshot import Snapshot
 
 
-def _snapshot(seed: int, mode: str) -> Snapshot:
+def _snapshot(seed: int, mode: str, models: bool = False) -> Snapshot:
     rng = random.Random(seed)
     snap = random_snapshot(seed, rng.randint(4, 40), 8, "H100-80GB", rng.randint(20, 160), mode,
                            rng.choice([0.3, 0.7, 0.95]), default_catalog())
@@ -25,9 +26,13 @@ def _snapshot(seed: int, mode: str) -> Snapshot:
         node.labels["pool"] = "a" if i % 3 else "b"  # two thirds of the nodes: the heap's candidate mask
         if rng.random() < 0.3:
             node.cpu_milli_free = rng.choice([0, 500, 2000])  # nodes the heap pops but the pod does not fit
+        if models and rng.random() < 0.4:
+            node.gpu_model = "A100-80GB"  # the same MIG profiles and placements as the H100's
     for pod in snap.pending:
         if rng.random() < 0.2:
             pod.node_selector = {"pool": "a"}
+        if models and rng.random() < 0.3:
+            pod.gpu_models = rng.choice([["A100-80GB"], ["H100-80GB"], ["A100-80GB", "H100-80GB"]])
     return snap
 
 
@@ -55,9 +60,9 @@ def _plan(snap: Snapshot, monkeypatch: pytest.MonkeyPatch, heap_after: int, heap
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(min_value=0, max_value=10**9), mode=st.sampled_from(["mig", "mps"]))
-def test_heap_and_scan_find_the_same_options(seed: int, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    snap = _snapshot(seed, mode)
+@given(seed=st.integers(min_value=0, max_value=10**9), mode=st.sampled_from(["mig", "mps"]), models=st.booleans())
+def test_heap_and_scan_find_the_same_options(seed: int, mode: str, models: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    snap = _snapshot(seed, mode, models)
     by_scan, scan_calls = _plan(snap, monkeypatch, heap_after=10**9, heap_pops=48)
     assert scan_calls["heap"] == 0
     for pops in (48, 2):  # 2: many pods given up to the scan midway, the heap kept in step

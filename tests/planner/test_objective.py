@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,21 +21,23 @@ from dynpart.snapshot import Gpu, MigInstance, MpsSlice, Node, PendingPod, Reque
 from tests.planner.check import check_plan
 from tests.planner.instances import small_instance
 
-MILLI = Catalog([GpuModel(name="G", memory_gb=16)])  # MPS GPUs with capacity 1000 (GPU milli)
+# MPS GPUs with capacity 1000 (GPU milli), of two models
+MILLI = Catalog([GpuModel(name="G", memory_gb=16), GpuModel(name="H", memory_gb=16)])
 
 
-def _mps_node(name: str, used: list[list[int]], cpu: int = 64_000, mem: int = 256 << 10) -> Node:
-    return Node(name=name, mode="mps", gpu_model="G", cpu_milli_free=cpu, memory_mib_free=mem,
+def _mps_node(name: str, used: list[list[int]], cpu: int = 64_000, mem: int = 256 << 10, model: str = "G") -> Node:
+    return Node(name=name, mode="mps", gpu_model=model, cpu_milli_free=cpu, memory_mib_free=mem,
                 gpus=[Gpu(index=i, capacity=1000, mps=[MpsSlice(size=s, used=True) for s in sizes])
                       for i, sizes in enumerate(used)])
 
 
-def _brute(kinds: list[DemandKind], cpu: int, mem: int, free: list[int]) -> float:
-    """The definition: free GPUs' share minus, for each kind by weight, what it could use."""
+def _brute(kinds: list[DemandKind], cpu: int, mem: int, free: list[int], family: str = "G") -> float:
+    """The definition: free GPUs' share minus, for each kind by weight, what it could use (nothing
+    on a node of a model it does not name)."""
     total = sum(k.weight for k in kinds)
     out = sum(free) / 1000
     for k in kinds:
-        if cpu < k.cpu or mem < k.mem:
+        if cpu < k.cpu or mem < k.mem or (k.models and family not in k.models):
             continue
         if k.ref is WHOLE_GPU:
             hosts = [f for f in free if f == 1000]
@@ -47,30 +50,77 @@ def _brute(kinds: list[DemandKind], cpu: int, mem: int, free: list[int]) -> floa
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(min_value=0, max_value=10**9))
-def test_unusable_capacity_matches_its_definition(seed):
+@given(seed=st.integers(min_value=0, max_value=10**9), models=st.booleans())
+def test_unusable_capacity_matches_its_definition(seed, models):
     rng = random.Random(seed)
-    kinds = [DemandKind(MpsSliceRef(rng.choice([100, 250, 470, 810])), 1, rng.choice([0, 4000, 12_000]),
-                        rng.choice([0, 8192]), rng.choice([1.0, 3.0])) for _ in range(4)]
-    kinds += [DemandKind(WHOLE_GPU, rng.choice([1, 2, 4]), rng.choice([0, 8000, 30_000]), 0, 2.0) for _ in range(2)]
+
+    def named() -> list[str]:  # the models a kind accepts (`models`: some kinds name G, H or both)
+        return rng.choice([[], ["G"], ["H"], ["G", "H"]]) if models else []
+
+    shares = [RequestShare(resource=f"nvidia.com/gpu-{rng.choice([100, 250, 470, 810])}gb", cpu_milli=rng.choice([0, 4000, 12_000]),
+                           memory_mib=rng.choice([0, 8192]), gpu_models=named(), weight=rng.choice([1.0, 3.0]))
+              for _ in range(4)]
+    shares += [RequestShare(resource="nvidia.com/gpu", count=rng.choice([1, 2, 4]), cpu_milli=rng.choice([0, 8000, 30_000]),
+                            gpu_models=named(), weight=2.0) for _ in range(2)]
     from dynpart.planner.problem import compile_workload
-    merged = compile_workload([RequestShare(resource=("nvidia.com/gpu" if k.ref is WHOLE_GPU else
-                                                      f"nvidia.com/gpu-{k.ref.size}gb"),  # type: ignore[union-attr]  # WHOLE_GPU has no size, handled first
-                                            count=k.count, cpu_milli=k.cpu, memory_mib=k.mem, weight=k.weight)
-                               for k in kinds], [])
-    obj = Objective(merged)
+    merged = compile_workload(shares, [], MILLI)
+    families = [rng.choice(["G", "H"]) for _ in range(20)]
+    obj = Objective(merged, families)
     rows, want, cpus, mems = [], [], [], []
-    for _ in range(20):
+    for family in families:
         used = [[s] if s else [] for s in (rng.choice([0, 0, 190, 530, 1000]) for _ in range(rng.randint(1, 4)))]
-        snap = Snapshot(nodes=[_mps_node("n", used)])
+        snap = Snapshot(nodes=[_mps_node("n", used, model=family)])
         states = [new_state(g) for g in compile_problem(snap, MILLI).gpus]
         rows.append([obj.class_id(capacity_class(s)) for s in states] + [0] * (4 - len(states)))
         cpu, mem = rng.choice([0, 4000, 12_000, 64_000]), rng.choice([0, 8192, 1 << 20])
         cpus.append(cpu)
         mems.append(mem)
-        want.append(_brute(merged, cpu, mem, [1000 - sum(u) for u in used]))
-    got = obj.unusable(np.array(rows), np.array(cpus), np.array(mems))
+        want.append(_brute(merged, cpu, mem, [1000 - sum(u) for u in used], family))
+    got = obj.unusable(np.array(rows), np.array(cpus), np.array(mems), np.arange(len(families)))
     assert np.allclose(got, want)
+
+
+def test_access_groups_gather_the_models_the_same_kinds_accept():
+    from dynpart.planner.objective import access_groups
+    kinds = [DemandKind(WHOLE_GPU, 1, 0, 0, 1.0), DemandKind(WHOLE_GPU, 1, 0, 0, 1.0, frozenset({"A", "B"})),
+             DemandKind(MpsSliceRef(100), 1, 0, 0, 1.0, frozenset({"B"}))]
+    of_node, members = access_groups(kinds, ["C", "A", "B", "A", "D"])
+    # C and D: no kind names them (group 0, the kinds naming no model); A and B differ by kind 2
+    assert of_node == [0, 1, 2, 1, 0]
+    assert members == [[0], [0, 1], [0, 1, 2]]
+
+
+def test_the_rows_of_a_model_naming_objective_need_the_nodes():
+    obj = Objective([DemandKind(WHOLE_GPU, 1, 0, 0, 1.0, frozenset({"G"}))], ["G"])
+    with pytest.raises(ValueError, match="name GPU models"):
+        obj.unusable(np.array([[0]]), np.array([0]), np.array([0]))
+
+
+def test_a_share_naming_models_needs_the_catalog_and_known_models():
+    from dynpart.errors import SnapshotError
+    from dynpart.planner.problem import compile_workload
+    share = RequestShare(resource="nvidia.com/gpu", gpu_models=["G"])
+    with pytest.raises(ValueError, match="needs the catalog"):
+        compile_workload([share], [])
+    (kind,) = compile_workload([share], [], MILLI)
+    assert kind.models == frozenset({"G"})
+    snap = Snapshot(nodes=[_mps_node("n", [[]])], workload=[RequestShare(resource="nvidia.com/gpu", gpu_models=["Z"])])
+    with pytest.raises(SnapshotError, match=r"workload\[0\]\.gpu_models"):
+        plan(snap, MILLI)
+
+
+def test_a_pod_any_model_can_host_leaves_the_model_others_ask_for():
+    # two idle GPUs, on nodes of models G (first by name) and H; whole GPUs are asked for on G
+    # only: a share any model can host goes to H, where fewer kinds could use the GPU
+    snap = Snapshot(nodes=[_mps_node("a", [[]], model="G"), _mps_node("b", [[]], model="H")],
+                    pending=[PendingPod(name="p", resource="nvidia.com/gpu-500gb")],
+                    workload=[RequestShare(resource="nvidia.com/gpu-500gb"),
+                              RequestShare(resource="nvidia.com/gpu", gpu_models=["G"])])
+    assert _where(plan(snap, MILLI), "p")[0] == "b"
+    # the same shares without models: the first node by name (equal options)
+    anywhere = snap.model_copy(update={"workload": [RequestShare(resource="nvidia.com/gpu-500gb"),
+                                                    RequestShare(resource="nvidia.com/gpu")]})
+    assert _where(plan(anywhere, MILLI), "p")[0] == "a"
 
 
 def test_mig_coverage_counts_start_slots():
@@ -168,3 +218,8 @@ def test_the_controller_learns_the_distribution_from_the_pods_it_sees():
     t.observe([c], now=100)
     got = {(s.resource, s.cpu_milli): s.weight for s in t.workload()}
     assert got == {("nvidia.com/mig-1g.10gb", 1000): 1.5, ("nvidia.com/mig-7g.80gb", 0): 0.5}
+    # the GPU models a pod accepts are part of its kind
+    t.observe([PendingPod(name="d", resource="nvidia.com/mig-7g.80gb", gpu_models=["H100-80GB", "A100-80GB"])], now=100)
+    got_models = {(s.resource, tuple(s.gpu_models)): s.weight for s in t.workload()}
+    assert got_models[("nvidia.com/mig-7g.80gb", ("A100-80GB", "H100-80GB"))] == 1.0
+    assert got_models[("nvidia.com/mig-7g.80gb", ())] == 0.5
