@@ -8,8 +8,10 @@ import logging
 import signal
 
 from dynpart.catalog import Catalog, load_catalog
+from dynpart.errors import DynpartError, SnapshotError
 from dynpart.logs import setup_logging
 from dynpart.settings import PlannerSettings, load_settings
+from dynpart.snapshot import Snapshot, validate_snapshot
 
 log = logging.getLogger("dynpart.planner")
 
@@ -48,8 +50,18 @@ def run_planner(args: argparse.Namespace) -> int:
     settings = load_settings(PlannerSettings, args.config, flags)
     setup_logging(settings.log_level, settings.log_json)
     catalog = load_catalog(settings.catalog_files)
+    check_workload(settings, catalog)
     asyncio.run(_main(settings, catalog))
     return 0
+
+
+def check_workload(settings: PlannerSettings, catalog: Catalog) -> None:
+    """The `workload` setting against the catalog, before anything runs: a resource or GPU
+    model there that does not exist would fail every plan."""
+    try:
+        validate_snapshot(Snapshot.model_construct(nodes=[], pending=[], workload=list(settings.workload)), catalog)
+    except SnapshotError as e:
+        raise DynpartError("setting workload: " + "; ".join(e.problems)) from None
 
 
 async def _main(settings: PlannerSettings, catalog: Catalog) -> None:

@@ -126,6 +126,8 @@ def test_planner_config_is_valid_planner_settings(default, full, tmp_path, monke
     # values reach the settings
     assert (s.batch_idle_s, s.batch_timeout_s, s.ack_timeout_s, s.plan_time_limit_s) == (1, 5.5, 120, 2)
     assert (s.log_level, s.log_json, s.metrics_port, s.lease_name) == ("DEBUG", False, 9100, "dynpart-planner-test")
+    assert [(w.resource, w.count, w.gpu_models, w.weight) for w in s.workload] == [
+        ("nvidia.com/mig-1g.10gb", 1, [], 5.0), ("nvidia.com/gpu", 2, ["H100-80GB"], 1.0)]
 
 
 def test_agent_daemonset(default):

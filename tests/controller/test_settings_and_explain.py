@@ -23,6 +23,17 @@ def test_bad_settings_name_the_setting(tmp_path):
         load_settings(PlannerSettings, f)
 
 
+def test_a_workload_setting_naming_an_unknown_model_stops_the_planner_at_start(tmp_path, capsys):
+    f = tmp_path / "planner.yaml"
+    f.write_text("workload:\n- {resource: nvidia.com/mig-1g.10gb, gpu_models: [H100-80GB]}\n"
+                 "- {resource: nvidia.com/gpu, gpu_models: [H900]}\n")
+    # the first share is fine (and loads); the planner refuses the second before it connects
+    assert load_settings(PlannerSettings, f).workload[0].gpu_models == ["H100-80GB"]
+    assert main(["planner", "run", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "setting workload: workload[1].gpu_models: unknown GPU model 'H900'" in err and err.count("\n") == 1
+
+
 def test_explain_on_a_snapshot_file(capsys):
     assert main(["explain", "--snapshot", "examples/snapshot.yaml"]) == 0
     out = capsys.readouterr().out
