@@ -8,8 +8,10 @@ of the snapshot, whose `workload` this fills."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from dynpart.catalog import Catalog
+from dynpart.errors import CatalogError
 from dynpart.snapshot import PendingPod, RequestShare
 
 Kind = tuple[str, int, int, int, tuple[str, ...]]  # resource, count, CPU, memory, GPU models
@@ -44,3 +46,30 @@ class DemandTracker:
         """What was seen, as the snapshot's workload (canonical order)."""
         return [RequestShare(resource=r, count=c, cpu_milli=cpu, memory_mib=mem, gpu_models=list(models), weight=w)
                 for (r, c, cpu, mem, models), w in sorted(self._weights.items())]
+
+
+def known_to(workload: Sequence[RequestShare], catalog: Catalog) -> Sequence[RequestShare]:
+    """The learned shares a round's catalog can plan for: the GPU models a share names that the
+    catalog no longer knows (their nodes left the cluster) are dropped from it, and a share none
+    of whose models it knows is dropped (no node could host it; it must not become "any
+    model"). The same list when nothing is dropped."""
+    out: list[RequestShare] = []
+    changed = False
+    for share in workload:
+        if share.gpu_models:
+            known = [m for m in share.gpu_models if _knows(catalog, m)]
+            if len(known) != len(share.gpu_models):
+                changed = True
+                if not known:
+                    continue
+                share = share.model_copy(update={"gpu_models": known})
+        out.append(share)
+    return out if changed else workload
+
+
+def _knows(catalog: Catalog, model: str) -> bool:
+    try:
+        catalog.resolve(model)
+    except CatalogError:
+        return False
+    return True

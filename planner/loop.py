@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from dynpart.catalog import Catalog
 from dynpart.planner.batching import BatchWindow
 from dynpart.planner.core import PlanningSession, PlanOptions, plan
-from dynpart.planner.demand import DemandTracker
+from dynpart.planner.demand import DemandTracker, known_to
 from dynpart.planner.drain import Drain, drain_target, is_empty, with_drain_flags, without_gpus
 from dynpart.planner.policy import PolicyName
 from dynpart.settings import PlannerSettings
@@ -206,6 +206,8 @@ class PlanningLoop:
         cluster, the snapshot's are not read), the same plan without compiling the cluster again."""
         if session is not None:  # the packing protocol: no pod waits, nothing drains
             return session.plan(snapshot.pending, snapshot.workload, self.options, validate=False)
+        if not self.fixed_workload:  # (the settings' was checked against the catalog at start)
+            snapshot = snapshot.model_copy(update={"workload": known_to(snapshot.workload, catalog)})
         pending = {p.name for p in snapshot.pending}
         nodes = {n.name: n for n in snapshot.nodes}
         for key, d in list(self.drains.items()):

@@ -223,3 +223,30 @@ def test_the_controller_learns_the_distribution_from_the_pods_it_sees():
     got_models = {(s.resource, tuple(s.gpu_models)): s.weight for s in t.workload()}
     assert got_models[("nvidia.com/mig-7g.80gb", ("A100-80GB", "H100-80GB"))] == 1.0
     assert got_models[("nvidia.com/mig-7g.80gb", ())] == 0.5
+
+
+def test_a_learned_share_whose_models_left_the_cluster_does_not_stop_the_planning():
+    # a round learns a pod accepting G or H; later the round's catalog knows only G (the H nodes
+    # left): the share keeps G, and a share naming only H is dropped instead of failing the plan
+    # (or becoming "any model")
+    from dynpart.planner.demand import known_to
+    from dynpart.planner.loop import PlanningLoop
+    from dynpart.settings import default_planner_settings
+
+    only_g = Catalog([GpuModel(name="G", memory_gb=16)])
+    both = [RequestShare(resource="nvidia.com/gpu", gpu_models=["G", "H"]),
+            RequestShare(resource="nvidia.com/gpu-500gb", gpu_models=["H"]),
+            RequestShare(resource="nvidia.com/gpu-250gb")]
+    assert [(s.resource, s.gpu_models) for s in known_to(both, only_g)] == [
+        ("nvidia.com/gpu", ["G"]), ("nvidia.com/gpu-250gb", [])]
+    unchanged = both[2:]
+    assert known_to(unchanged, only_g) is unchanged
+    lp = PlanningLoop(default_planner_settings())
+    first = Snapshot(nodes=[_mps_node("a", [[]], model="G"), _mps_node("b", [[]], model="H")],
+                     pending=[PendingPod(name="ml/h", resource="nvidia.com/gpu-500gb", gpu_models=["H"])])
+    assert _where(lp.decide(lp.prepare(first, 0.0), MILLI), "ml/h")[0] == "b"
+    later = Snapshot(nodes=[_mps_node("a", [[]], model="G")],
+                     pending=[PendingPod(name="ml/g", resource="nvidia.com/gpu-500gb")])
+    prepared = lp.prepare(later, 10.0)
+    assert any(s.gpu_models == ["H"] for s in prepared.workload)  # still remembered
+    assert _where(lp.decide(prepared, only_g), "ml/g")[0] == "a"
