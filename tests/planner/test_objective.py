@@ -193,8 +193,11 @@ def test_mig_placement_keeps_large_profiles_placeable():
 def test_the_workload_never_costs_placed_pods_and_plans_stay_deterministic(seed, mps_share):
     snap = small_instance(seed, max_nodes=3, max_gpus=4, max_pods=20, mps_share=mps_share)
     rng = random.Random(seed)
-    # a workload unrelated to the pending pods: it may only reorder equally good plans
+    # a workload unrelated to the pending pods (some shares bound to GPU models): it may only
+    # reorder equally good plans
+    models = sorted({n.gpu_model for n in snap.nodes})
     other = [RequestShare(resource=p.resource, count=p.count, cpu_milli=rng.choice([0, 30_000]),
+                          gpu_models=rng.sample(models, k=rng.randint(1, len(models))) if rng.random() < 0.3 else [],
                           weight=rng.choice([1.0, 10.0])) for p in rng.sample(snap.pending, k=max(1, len(snap.pending) // 2))]
     opts = PlanOptions(time_limit_s=0.5)
     base = plan(snap, options=opts)
