@@ -16,6 +16,7 @@ from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError, ResourceNameError, SnapshotError
 from dynpart.mig import MigRules
 from dynpart.resources import MigResource, parse_resource
+from dynpart.scheduling import NodeSelectorTerm, Taint, Toleration
 
 Mode = Literal["mig", "mps"]
 
@@ -57,6 +58,8 @@ class Node(_Model):
     memory_mib_free: int = Field(default=1 << 30, ge=0)
     labels: dict[str, str] = {}
     gpus: list[Gpu] = []
+    unschedulable: bool = False  # cordoned (node.spec.unschedulable)
+    taints: list[Taint] = []
 
 
 class PendingPod(_Model):
@@ -68,6 +71,9 @@ class PendingPod(_Model):
     priority: int = 0
     node_selector: dict[str, str] = {}
     gpu_models: list[str] = []  # accepted models (names or product labels); empty = any
+    tolerations: list[Toleration] = []
+    # required node affinity: the node must match one of these terms (none: any node)
+    node_affinity: list[NodeSelectorTerm] = []
 
 
 class RequestShare(_Model):

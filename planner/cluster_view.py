@@ -39,6 +39,7 @@ from dynpart.resources import (
     mps_resource_name,
     parse_resource,
 )
+from dynpart.scheduling import Taint
 from dynpart.snapshot import (
     Gpu,
     MigInstance,
@@ -113,6 +114,14 @@ def is_batch_candidate(pod: dict[str, Any]) -> bool:
     return unschedulable and bool(slice_requests(pod))
 
 
+def _required_terms(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod's required node-affinity terms (`nodeSelectorTerms`), as the API gives them."""
+    affinity = ((spec.get("affinity") or {}).get("nodeAffinity") or {})
+    required = affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    terms: list[dict[str, Any]] = required.get("nodeSelectorTerms") or []
+    return terms
+
+
 def pending_pod(pod: dict[str, Any]) -> PendingPod:
     """The planner's view of one pod; DynpartError when dynpart cannot plan it."""
     name = pod_key(pod)
@@ -140,6 +149,10 @@ def pending_pod(pod: dict[str, Any]) -> PendingPod:
             name=name, resource=resource, count=count,
             cpu_milli=int(round(req.get("cpu", 0) * 1000)), memory_mib=int(req.get("memory", 0) // 2**20),
             priority=spec.get("priority") or 0, node_selector=selector, gpu_models=models,
+            tolerations=[{k: t[k] for k in ("key", "operator", "value", "effect") if t.get(k) is not None}
+                         for t in spec.get("tolerations") or []],
+            node_affinity=[{"match_expressions": term.get("matchExpressions") or [],
+                            "match_fields": term.get("matchFields") or []} for term in _required_terms(spec)],
         )
     except ValidationError as e:
         err = e.errors()[0]
@@ -276,8 +289,14 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         mem_free = max(0, int((parse_quantity(alloc.get("memory", 0)) - mem_used) // 2**20))
     except DynpartError as e:
         return NodeView(None, status.plan_id, [f"node {name}: allocatable: {e}"])
+    node_spec = node.get("spec") or {}
+    try:
+        taints = [Taint(**{k: t[k] for k in ("key", "value", "effect") if t.get(k) is not None})
+                  for t in node_spec.get("taints") or []]
+    except ValidationError as e:
+        return NodeView(None, status.plan_id, [f"node {name}: spec.taints: {e.errors()[0]['msg']}"])
     view = Node(name=name, mode=mode, gpu_model=model.name, cpu_milli_free=cpu_free, memory_mib_free=mem_free,
-                labels=dict(labels), gpus=gpus)
+                labels=dict(labels), gpus=gpus, unschedulable=bool(node_spec.get("unschedulable")), taints=taints)
     return NodeView(view, status.plan_id, problems, model, disagreements)
 
 
@@ -465,7 +484,10 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp",
                                          "deletionTimestamp") if k in md},
-        "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority") if k in spec},
+        "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations") if k in spec},
+                 **({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}}
+                    if (required := _field(spec, "affinity", "nodeAffinity",
+                                           "requiredDuringSchedulingIgnoredDuringExecution")) is not None else {}),
                  **{k: containers(k) for k in ("containers", "initContainers") if k in spec}},
         "status": {**{k: status[k] for k in ("phase", "nominatedNodeName") if k in status},
                    "conditions": [c for c in conditions if isinstance(c, dict) and c.get("type") == "PodScheduled"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from dynpart.catalog import Catalog
 from dynpart.errors import DynpartError
 from dynpart.resources import MigResource, MpsResource, WholeGpuResource, parse_resource
+from dynpart.scheduling import affinity_admits, untolerated_taint
 from dynpart.snapshot import Gpu, GpuLayout, Node, NodeLayout, PendingPod, Plan, Snapshot
 
 
@@ -54,6 +55,9 @@ def _used_shares(node: Node, pod: PendingPod, catalog: Catalog) -> dict[int, flo
     except (DynpartError, ValueError):
         return None
     if len(node.gpus) < pod.count or any(node.labels.get(k) != v for k, v in pod.node_selector.items()):
+        return None
+    if (not affinity_admits(pod.node_affinity, node.labels, node.name)
+            or untolerated_taint(node.taints, node.unschedulable, pod.tolerations) is not None):
         return None
     if pod.gpu_models and model.family_name not in _families(pod.gpu_models, catalog):
         return None

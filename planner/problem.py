@@ -17,6 +17,7 @@ from dynpart.catalog import Catalog, GpuModel
 from dynpart.mig import MigRules
 from dynpart.planner.types import WHOLE_GPU, MigSliceRef, MpsSliceRef, SliceRef
 from dynpart.resources import MigResource, MpsResource, WholeGpuResource, parse_resource
+from dynpart.scheduling import NodeSelectorTerm, Taint, Toleration, affinity_admits, untolerated_taint
 from dynpart.snapshot import Mode, Node, PendingPod, RequestShare, Snapshot, gpu_capacity, validate_snapshot
 
 KIND_MIG, KIND_MPS, KIND_GPU = "mig", "mps", "gpu"
@@ -53,6 +54,8 @@ class NodeInfo:
     mem_free: int
     labels: dict[str, str]
     gpus: list[int]  # gids
+    unschedulable: bool = False
+    taints: tuple[Taint, ...] = ()
 
 
 @dataclass
@@ -168,7 +171,7 @@ def compile_cluster(snapshot_nodes: Sequence[Node], models: dict[str, GpuModel])
             gpus.append(GpuInfo(len(gpus), ni, gpu.index, model, rules, gpu_capacity(gpu, model), used_mig, free_mig,
                                 used_mps, free_mps, gpu.whole_pod))
         nodes.append(NodeInfo(ni, node.name, node.mode, model, node.cpu_milli_free,
-                              node.memory_mib_free, dict(node.labels), gids))
+                              node.memory_mib_free, dict(node.labels), gids, node.unschedulable, tuple(node.taints)))
     return nodes, gpus
 
 
@@ -176,8 +179,8 @@ _by_index = attrgetter("index")
 _by_start = attrgetter("start")
 
 
-# per request signature (kind, profile, size, count, selector, accepted models): the nodes that may
-# host it whatever the layout and CPU/memory, and why no node may when none may
+# per request signature (kind, profile, size, count, selector, accepted models, node constraints):
+# the nodes that may host it whatever the layout and CPU/memory, and why no node may when none may
 StaticFilter = dict[tuple[object, ...], tuple[np.ndarray, str | None]]
 
 
@@ -206,12 +209,13 @@ def compile_requests(problem: Problem, pending: Sequence[PendingPod], catalog: C
         req = Request(pi, pod.name, pod.resource, kind, ref, profile, size, pod.count, pod.cpu_milli,
                       pod.memory_mib, pod.priority, weights[pod.priority])
         accepted = frozenset(catalog.resolve(m).family_name for m in pod.gpu_models)
-        sig = (kind, profile, size, pod.count, tuple(sorted(pod.node_selector.items())), accepted)
+        constraints = NodeConstraints(tuple(pod.tolerations), tuple(pod.node_affinity))
+        sig = (kind, profile, size, pod.count, tuple(sorted(pod.node_selector.items())), accepted, constraints)
         hit = static.get(sig)
         if hit is None:
             if groups is None:
                 groups = _NodeGroups(nodes, gpus)
-            hit = static[sig] = groups.filter(req, pod.node_selector, accepted)
+            hit = static[sig] = groups.filter(req, pod.node_selector, accepted, constraints)
         ok_nodes, summary = hit
         fit = fitting.get((sig, req.cpu, req.mem))
         if fit is None:
@@ -262,9 +266,25 @@ def _one_per_value(values: np.ndarray, among: np.ndarray) -> list[int]:
     return [int(among[i]) for i in np.sort(first)]
 
 
+@dataclass(frozen=True)
+class NodeConstraints:
+    """What of a pod the kube-scheduler's node filters read besides its selector and resources
+    (dynpart/scheduling.py)."""
+
+    tolerations: tuple[Toleration, ...] = ()
+    affinity: tuple[NodeSelectorTerm, ...] = ()  # required terms, any of them
+
+    @property
+    def by_name(self) -> bool:
+        """Whether the affinity names nodes (`matchFields` on metadata.name): then nodes with the
+        same labels may differ."""
+        return any(term.match_fields for term in self.affinity)
+
+
 class _NodeGroups:
-    """The nodes grouped by what `_node_rejects` reads of them (mode, labels, GPU model, GPU
-    capacities): a request's static filter is decided once per group, not once per node."""
+    """The nodes grouped by what `_node_rejects` reads of them (mode, labels, taints, cordon, GPU
+    model, GPU capacities): a request's static filter is decided once per group, not once per
+    node (once per node when its affinity names nodes)."""
 
     def __init__(self, nodes: list[NodeInfo], gpus: list[GpuInfo]):
         self.nodes, self.gpus = nodes, gpus
@@ -272,7 +292,7 @@ class _NodeGroups:
         of_node = []
         self.first: list[int] = []  # per group, its first node
         for node in nodes:
-            key = (node.mode, tuple(sorted(node.labels.items())), id(node.model),
+            key = (node.mode, tuple(sorted(node.labels.items())), node.unschedulable, node.taints, id(node.model),
                    tuple(gpus[g].capacity for g in node.gpus))
             g = index.get(key)
             if g is None:
@@ -281,20 +301,24 @@ class _NodeGroups:
             of_node.append(g)
         self.of_node = np.array(of_node, dtype=np.int64)
 
-    def filter(self, req: Request, selector: dict[str, str], accepted: Set[str]) -> tuple[np.ndarray, str | None]:
+    def filter(self, req: Request, selector: dict[str, str], accepted: Set[str],
+               constraints: NodeConstraints) -> tuple[np.ndarray, str | None]:
         """The nodes that may host the request, and (when none may) why not: the reason of the
         node that got furthest through the filters, the first such node in node order."""
-        ok = np.zeros(len(self.first), dtype=bool)
+        # groups are in the order of their first nodes; each node its own group when names matter
+        reps = [n.idx for n in self.nodes] if constraints.by_name else self.first
+        ok = np.zeros(len(reps), dtype=bool)
         furthest: tuple[int, str] | None = None
-        for g, n in enumerate(self.first):  # groups are in the order of their first nodes
-            why = _node_rejects(self.nodes[n], self.gpus, req, selector, accepted)
+        for g, n in enumerate(reps):
+            why = _node_rejects(self.nodes[n], self.gpus, req, selector, accepted, constraints)
             if why is None:
                 ok[g] = True
             elif furthest is None or why[0] > furthest[0]:
                 furthest = why
         summary = None if ok.any() else ("no GPU nodes in the cluster" if not self.nodes else
                                          furthest[1] if furthest is not None else None)
-        return np.flatnonzero(ok[self.of_node]).astype(np.int64), summary
+        admitted = ok if constraints.by_name else ok[self.of_node]
+        return np.flatnonzero(admitted).astype(np.int64), summary
 
 
 def compile_workload(workload: Sequence[RequestShare], pending: Sequence[PendingPod],
@@ -336,7 +360,7 @@ def ref_order(ref: SliceRef) -> tuple[int, str, int]:
 
 
 def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: dict[str, str],
-                  accepted: Set[str]) -> tuple[int, str] | None:
+                  accepted: Set[str], constraints: NodeConstraints) -> tuple[int, str] | None:
     """Why this node can never host the pod (whatever the layout), or None if it may.
     The number is how far the node got through the filters (for the summary)."""
     wanted_mode = "mig" if req.kind == KIND_MIG else "mps"
@@ -345,16 +369,22 @@ def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: d
     for k, v in selector.items():
         if node.labels.get(k) != v:
             return 1, f"no {wanted_mode} node matches nodeSelector {k}={v}"
+    if not affinity_admits(constraints.affinity, node.labels, node.name):
+        return 1, f"no {wanted_mode} node matches the pod's required node affinity"
+    taint = untolerated_taint(node.taints, node.unschedulable, constraints.tolerations)
+    if taint is not None:
+        return 2, (f"the {wanted_mode} nodes that match are cordoned or tainted, and the pod does not "
+                   f"tolerate it (e.g. node {node.name}: {taint})")
     if accepted and node.model.family_name not in accepted:
-        return 2, f"no {wanted_mode} node has an accepted GPU model ({', '.join(sorted(accepted))})"
+        return 3, f"no {wanted_mode} node has an accepted GPU model ({', '.join(sorted(accepted))})"
     if req.kind == KIND_MIG and req.profile not in node.model.profiles_by_name:
-        return 3, f"MIG profile {req.profile} is not offered by the GPU models of the mig nodes"
+        return 4, f"MIG profile {req.profile} is not offered by the GPU models of the mig nodes"
     if req.kind == KIND_MPS:
         caps = [gpus[g].capacity for g in node.gpus]
         if not caps or max(caps) < req.size:
-            return 3, f"a {req.size} slice is bigger than every MPS GPU (largest {max(caps, default=0)})"
+            return 4, f"a {req.size} slice is bigger than every MPS GPU (largest {max(caps, default=0)})"
     if req.kind == KIND_MIG and req.count > len(node.gpus) * node.model.memory_slices:
-        return 4, f"{req.count} slices do not fit on one node"
+        return 5, f"{req.count} slices do not fit on one node"
     if req.kind == KIND_GPU and req.count > len(node.gpus):
-        return 4, f"{req.count} whole GPUs asked; nodes have at most {len(node.gpus)}"
+        return 5, f"{req.count} whole GPUs asked; nodes have at most {len(node.gpus)}"
     return None

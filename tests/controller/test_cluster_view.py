@@ -126,3 +126,48 @@ def test_a_gpu_whose_mig_mode_waits_for_a_reset_is_left_out():
     view = build_snapshot([node("n1", annotations={**status, STATUS_CAPABILITY: encode_capability(cap)})], [], CAT)
     assert [g.index for g in view.snapshot.nodes[0].gpus] == [0]
     assert any("GPU(s) 1 changes only at the next GPU reset" in m for _, m in view.problems)
+
+
+def test_cordon_taints_tolerations_and_required_affinity_reach_the_snapshot():
+    from dynpart.planner.cluster_view import pod_for_planning
+    from dynpart.scheduling import NodeSelectorRequirement, NodeSelectorTerm, Taint, Toleration
+
+    cordoned, tainted = node("n1"), node("n2")
+    cordoned["spec"] = {"unschedulable": True}
+    tainted["spec"] = {"taints": [{"key": "team", "value": "a", "effect": "NoSchedule", "timeAdded": "2026-01-01T00:00:00Z"}]}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z1", "z2"]}]},
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n2"]}]}]},
+        "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "preference": {}}]}}
+    tolerations = [{"key": "team", "operator": "Equal", "value": "a", "effect": "NoSchedule", "tolerationSeconds": 30},
+                   {"operator": "Exists", "effect": "NoExecute"}]
+    wants = pod("wants", {"nvidia.com/mig-1g.10gb": "1"}, tolerations=tolerations, affinity=affinity)
+    # what the controller's cache keeps of the pod still has them (the preferred terms are dropped)
+    kept = pod_for_planning({**wants, "spec": {**wants["spec"], "volumes": [{"name": "v"}]}})
+    assert kept["spec"]["tolerations"] == tolerations and "preferredDuringSchedulingIgnoredDuringExecution" not in \
+        kept["spec"]["affinity"]["nodeAffinity"] and "volumes" not in kept["spec"]
+    snap = build_snapshot([cordoned, tainted], [kept], CAT).snapshot
+    n1, n2 = snap.nodes
+    assert n1.unschedulable and not n1.taints and not n2.unschedulable
+    assert n2.taints == [Taint(key="team", value="a", effect="NoSchedule")]
+    (p,) = snap.pending
+    assert p.tolerations == [Toleration(key="team", value="a", effect="NoSchedule"),
+                             Toleration(operator="Exists", effect="NoExecute")]
+    assert p.node_affinity == [
+        NodeSelectorTerm(match_expressions=(NodeSelectorRequirement(key="zone", operator="In", values=("z1", "z2")),)),
+        NodeSelectorTerm(match_fields=(NodeSelectorRequirement(key="metadata.name", operator="In", values=("n2",)),))]
+
+
+def test_bad_tolerations_affinity_or_taints_leave_that_object_out_with_the_field_named():
+    bad_pod = pod("bad", {"nvidia.com/mig-1g.10gb": "1"}, tolerations=[{"key": "k", "operator": "Sometimes"}])
+    with pytest.raises(DynpartError, match=r"pod ml/bad: tolerations\.0\.operator = 'Sometimes'"):
+        pending_pod(bad_pod)
+    gt = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gen", "operator": "Gt", "values": ["three"]}]}]}}}
+    with pytest.raises(DynpartError, match="operator Gt needs an integer, got 'three'"):
+        pending_pod(pod("gt", {"nvidia.com/mig-1g.10gb": "1"}, affinity=gt))
+    bad_node = node("n1")
+    bad_node["spec"] = {"taints": [{"key": "k", "effect": "Sometimes"}]}
+    view = build_snapshot([bad_node, node("n2")], [pod("ok", {"nvidia.com/mig-1g.10gb": "1"})], CAT)
+    assert [n.name for n in view.snapshot.nodes] == ["n2"] and [p.name for p in view.snapshot.pending] == ["ml/ok"]
+    assert any("node n1: spec.taints" in m for _, m in view.problems)

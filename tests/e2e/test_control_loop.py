@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
+import time
 import urllib.request
 
 import pytest
@@ -22,6 +23,7 @@ from tests.e2e.harness import (
     REPO_ROOT,
     Harness,
     PlannerProcess,
+    PodRecord,
     ShortcutPlugins,
     SimNode,
     agent_metrics_port,
@@ -317,4 +319,39 @@ async def test_pods_dynpart_cannot_read_do_not_stop_the_others(harness: Harness,
     assert "'nvidia.com/mig-5g.20gb'" in profile_events[0].message, profile_events[0].message
     assert "'NVIDIA-Nope-99GB'" in product_events[0].message, product_events[0].message
     assert planner.alive and unknown_profile.running_at is None and unknown_product.running_at is None
+    assert h.destroy_violations() == []
+
+
+async def test_taints_and_required_affinity_are_followed_as_the_scheduler_follows_them(harness: Harness):
+    """The planner plans a pod only onto nodes the kube-scheduler would bind it to: the first node
+    by name is tainted, so a pod that does not tolerate the taint gets its whole GPU carved on the
+    second (planned on the first, it would wait there for ever); a pod that tolerates it then runs
+    on the first. Both pods keep to these two nodes by a required node affinity on their names."""
+    h = harness
+    tainted = await h.add_node("a-tainted", H100, "mig", 1)
+    plain = await h.add_node("b-plain", H100, "mig", 1)
+    await h.core.patch_node(tainted.name, {"spec": {"taints": [{"key": "dynpart-e2e/team", "value": "a",
+                                                                  "effect": "NoSchedule"}]}})
+    for node in (tainted, plain):
+        await h.start_agent(node)
+    only_these = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [tainted.name, plain.name]}]}]}}}
+
+    async def create(name: str, tolerate: bool) -> PodRecord:
+        body = h.pod_body(name, "nvidia.com/mig-7g.80gb")
+        body["spec"]["affinity"] = only_these
+        if tolerate:
+            body["spec"]["tolerations"] = [{"key": "dynpart-e2e/team", "operator": "Equal", "value": "a",
+                                            "effect": "NoSchedule"}]
+        rec = h.pods[f"{h.namespace}/{name}"] = PodRecord(f"{h.namespace}/{name}", "nvidia.com/mig-7g.80gb",
+                                                          time.monotonic())
+        await h.core.create_namespaced_pod(h.namespace, body)
+        return rec
+
+    first = await create("intolerant", tolerate=False)
+    await h.wait_running([first], timeout=90)
+    assert first.node == plain.name and plain.driver.layout(0) == [("7g.80gb", 0)] and tainted.driver.layout(0) == []
+    second = await create("tolerant", tolerate=True)
+    await h.wait_running([second], timeout=90)
+    assert second.node == tainted.name and tainted.driver.layout(0) == [("7g.80gb", 0)]
     assert h.destroy_violations() == []

@@ -7,6 +7,7 @@ from collections import Counter
 from dynpart.catalog import default_catalog
 from dynpart.mig import geometry_violations
 from dynpart.resources import MigResource, MpsResource, parse_resource
+from dynpart.scheduling import affinity_admits, untolerated_taint
 from dynpart.snapshot import Plan, Snapshot, full_layout, gpu_capacity
 
 
@@ -52,6 +53,8 @@ def check_plan(snap: Snapshot, plan: Plan) -> None:
         placed.add(pl.pod)
         node = nodes[pl.node]
         assert all(node.labels.get(k) == v for k, v in pod.node_selector.items())
+        assert untolerated_taint(node.taints, node.unschedulable, pod.tolerations) is None
+        assert affinity_admits(pod.node_affinity, node.labels, node.name)
         res = parse_resource(pod.resource)
         assert node.mode == ("mig" if isinstance(res, MigResource) else "mps")
         assert taken[pl.pod] == pod.count, f"{pl.pod} got {taken[pl.pod]} slices, asked {pod.count}"
