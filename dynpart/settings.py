@@ -85,8 +85,9 @@ class PlannerSettings(CommonSettings):
                                       "free capacity usable for is learnt from the pending pods seen, each counting "
                                       "half as much after this long (metric dynpart_workload_weight)")
     workload: list[RequestShare] = Field(default=[], description="plan for this request distribution instead of the "
-                                         "learnt one: a list of {resource, count, cpu_milli, memory_mib, gpu_models, "
-                                         "weight}")
+                                         "learnt one: a list of {resource, count, cpu_milli, memory_mib, weight} and the "
+                                         "nodes its pods may use: gpu_models, node_selector, tolerations, "
+                                         "node_affinity")
     drain_after_s: float = Field(default=0.0, ge=0, description="a pod asking for whole GPUs that no plan could place "
                                  "for this long has GPUs drained for it (the least used ones): their agent destroys "
                                  "each slice as it frees until they are empty; 0: never drain (drained capacity "

@@ -85,7 +85,11 @@ class RequestShare(_Model):
     count: int = Field(default=1, ge=1)
     cpu_milli: int = Field(default=0, ge=0)
     memory_mib: int = Field(default=0, ge=0)
-    gpu_models: list[str] = []  # as PendingPod.gpu_models: accepted models; empty = any
+    # the nodes its pods may use, as PendingPod's fields (a pool, a GPU model, tolerated taints)
+    gpu_models: list[str] = []
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    node_affinity: list[NodeSelectorTerm] = []
     weight: float = Field(default=1.0, gt=0)
 
 

@@ -12,9 +12,12 @@ from collections.abc import Iterable, Sequence
 
 from dynpart.catalog import Catalog
 from dynpart.errors import CatalogError
+from dynpart.scheduling import NodeSelectorTerm, Toleration
 from dynpart.snapshot import PendingPod, RequestShare
 
-Kind = tuple[str, int, int, int, tuple[str, ...]]  # resource, count, CPU, memory, GPU models
+# resource, count, CPU, memory, and the nodes it may use: GPU models, nodeSelector, tolerations, required affinity
+Kind = tuple[str, int, int, int, tuple[str, ...], tuple[tuple[str, str], ...], tuple[Toleration, ...],
+             tuple[NodeSelectorTerm, ...]]
 
 
 class DemandTracker:
@@ -39,13 +42,17 @@ class DemandTracker:
             self._seen[pod.name] = None
             if len(self._seen) > self._remember:
                 self._seen.popitem(last=False)
-            kind = (pod.resource, pod.count, pod.cpu_milli, pod.memory_mib, tuple(sorted(set(pod.gpu_models))))
+            kind = (pod.resource, pod.count, pod.cpu_milli, pod.memory_mib, tuple(sorted(set(pod.gpu_models))),
+                    tuple(sorted(pod.node_selector.items())), tuple(pod.tolerations), tuple(pod.node_affinity))
             self._weights[kind] = self._weights.get(kind, 0.0) + 1.0
 
     def workload(self) -> list[RequestShare]:
         """What was seen, as the snapshot's workload (canonical order)."""
-        return [RequestShare(resource=r, count=c, cpu_milli=cpu, memory_mib=mem, gpu_models=list(models), weight=w)
-                for (r, c, cpu, mem, models), w in sorted(self._weights.items())]
+        return [RequestShare(resource=r, count=c, cpu_milli=cpu, memory_mib=mem, gpu_models=list(models),
+                             node_selector=dict(selector), tolerations=list(tolerations), node_affinity=list(affinity),
+                             weight=w)
+                for (r, c, cpu, mem, models, selector, tolerations, affinity), w
+                in sorted(self._weights.items(), key=lambda kv: repr(kv[0]))]
 
 
 def known_to(workload: Sequence[RequestShare], catalog: Catalog) -> Sequence[RequestShare]:

@@ -341,5 +341,5 @@ class PlanCache:
 
         states = [new_state(g) for g in problem.gpus]
         index = GpuIndex(problem)
-        objective = Objective(problem.workload, [n.model.family_name for n in problem.nodes])
+        objective = Objective(problem.workload, problem.nodes)
         return cls(problem, states, index, index.buckets(states), objective, None)

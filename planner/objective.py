@@ -17,8 +17,9 @@ the GPU), where usable_k is the free capacity that pods of kind k could still ta
   use memory slices 2-3 of an H100 whose slices 0-1 hold a 1g.20gb;
 - a kind asking for c > 1 slices on one node: all of the above, only when at least c GPUs of the
   node can host one (room for multi-GPU pods);
-- a kind that names GPU models: nothing on nodes of other models (FGD's "no access": its weight
-  counts the node's free capacity as unusable there, as FGD counts it).
+- a kind that may not use the node (another GPU model, labels its nodeSelector or required
+  affinity does not match, a taint it does not tolerate, a cordon): nothing there (FGD's "no
+  access": its weight counts the node's free capacity as unusable, as FGD counts it).
 
 Placing a pod raises F by ΔF; among the options that place the most pods with the fewest
 changes, the greedy takes the one with the least ΔF, compared as the FGD scheduler plugin's
@@ -31,8 +32,8 @@ Computation: each GPU state maps to a **capacity class** (MPS: capacity, used to
 MIG: the used instances), each class to its free fraction and its coverage per requested slice
 kind; the weights are cumulative tables over the distinct CPU and memory requests, so that a
 node's F is a few table lookups per GPU, evaluated with numpy for all candidate GPUs at once.
-Where kinds name GPU models, the nodes fall into **access groups** (the models that the same
-kinds accept) and the tables have one block of CPU rows per group: a node's CPU row is its
+Where some kind may not use some node, the nodes fall into **access groups** (the nodes the same
+kinds may use) and the tables have one block of CPU rows per group: a node's CPU row is its
 group's first row plus its CPU step, and everything else reads the tables as before.
 """
 
@@ -47,7 +48,7 @@ import numpy as np
 from dynpart.mig import MigRules
 from dynpart.planner.mig_state import MigState, code_placements, placement_code
 from dynpart.planner.mps_state import MpsState
-from dynpart.planner.problem import DemandKind, ref_order
+from dynpart.planner.problem import DemandKind, NodeInfo, ref_order
 from dynpart.planner.types import (
     WHOLE_GPU,
     MigSliceRef,
@@ -200,28 +201,38 @@ def numpy_sum(values: Sequence[float]) -> float:
     return numpy_sum(values[:half]) + numpy_sum(values[half:])
 
 
-def access_groups(kinds: Sequence[DemandKind], families: Sequence[str]) -> tuple[list[int], list[list[int]]]:
-    """(group of each node, the kinds each group's nodes can host) for nodes of these GPU model
-    families: group 0 holds the nodes whose family no kind names (only the kinds naming no model
-    apply there), the others one per distinct set of kinds accepting the family, in order of
-    first node."""
-    anywhere = [i for i, k in enumerate(kinds) if not k.models]
-    groups: dict[tuple[int, ...], int] = {tuple(anywhere): 0}
+def access_groups(kinds: Sequence[DemandKind], nodes: Sequence[NodeInfo]) -> tuple[list[int], list[list[int]]]:
+    """(group of each node, the kinds each group's nodes may host): the nodes that the same kinds
+    may use (`DemandKind.admits`: GPU model, labels, required affinity, taints, cordon) share a
+    group, numbered in order of first node. Decided once per distinct node of those traits."""
+    by_name = any(k.constraints.by_name for k in kinds)
+    admitting_of: dict[tuple[object, ...], tuple[int, ...]] = {}
+    groups: dict[tuple[int, ...], int] = {}
     of_node = []
-    for family in families:
-        accepting = tuple(i for i, k in enumerate(kinds) if not k.models or family in k.models)
-        of_node.append(groups.setdefault(accepting, len(groups)))
+    for node in nodes:
+        key = (node.model.family_name, tuple(sorted(node.labels.items())), node.taints, node.unschedulable,
+               node.name if by_name else None)
+        admitting = admitting_of.get(key)
+        if admitting is None:
+            admitting = admitting_of[key] = tuple(i for i, k in enumerate(kinds) if k.admits(node))
+        of_node.append(groups.setdefault(admitting, len(groups)))
     return of_node, [list(g) for g in groups]
+
+
+def needs_access_groups(kinds: Sequence[DemandKind], nodes: Sequence[NodeInfo]) -> bool:
+    """Whether some kind may not use some node (else every node sees the whole distribution)."""
+    return any(k.restricted for k in kinds) or any(n.taints or n.unschedulable for n in nodes)
 
 
 class Objective:
     """A request distribution compiled into lookup tables; capacity classes get ids as they are
-    met (id 0: no GPU, used to pad nodes with fewer GPUs). `families`: the GPU model family of
-    each node (by node index), needed only when kinds name models (`access_groups`)."""
+    met (id 0: no GPU, used to pad nodes with fewer GPUs). `nodes`: the cluster's, by index,
+    needed where some kind may not use some node (`access_groups`)."""
 
-    def __init__(self, kinds: list[DemandKind], families: Sequence[str] = ()):
+    def __init__(self, kinds: list[DemandKind], nodes: Sequence[NodeInfo] = ()):
         self.kinds = kinds
-        group_of, group_kinds = access_groups(kinds, families) if any(k.models for k in kinds) else ([], [list(range(len(kinds)))])
+        group_of, group_kinds = (access_groups(kinds, nodes) if needs_access_groups(kinds, nodes)
+                                 else ([], [list(range(len(kinds)))]))
         self.groups = len(group_kinds)
         self.refs: list[SliceRef] = sorted({k.ref for k in kinds}, key=ref_order)
         ref_idx = {r: j for j, r in enumerate(self.refs)}
@@ -312,11 +323,11 @@ class Objective:
 
     def steps(self, nodes: np.ndarray | None, cpu: np.ndarray, mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows of the tables (CPU row, memory step) of these nodes with this CPU and memory
-        free; `nodes` None: nodes of group 0 (only where no kind names a model)."""
+        free; `nodes` None: where every kind may use every node (one access group)."""
         ic = np.searchsorted(self.cpu_steps, cpu, side="right")
         if self.groups > 1:
             if nodes is None:
-                raise ValueError("the objective's kinds name GPU models: the rows need the nodes")
+                raise ValueError("the objective's kinds may not use every node: the rows need the nodes")
             ic = ic + self.node_row0[nodes]
         return ic, np.searchsorted(self.mem_steps, mem, side="right")
 

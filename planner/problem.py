@@ -6,7 +6,7 @@ pydantic models, because the planner must stay fast on thousands of GPUs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
@@ -86,10 +86,25 @@ class Request:
         return self._cand
 
 
+@dataclass(frozen=True)
+class NodeConstraints:
+    """What of a pod the kube-scheduler's node filters read besides its selector and resources
+    (dynpart/scheduling.py)."""
+
+    tolerations: tuple[Toleration, ...] = ()
+    affinity: tuple[NodeSelectorTerm, ...] = ()  # required terms, any of them
+
+    @property
+    def by_name(self) -> bool:
+        """Whether the affinity names nodes (`matchFields` on metadata.name): then nodes with the
+        same labels may differ."""
+        return any(term.match_fields for term in self.affinity)
+
+
 @dataclass(frozen=True, slots=True)
 class DemandKind:
     """One kind of request of the distribution the objective keeps capacity usable for
-    (`dynpart.snapshot.RequestShare`, compiled)."""
+    (`dynpart.snapshot.RequestShare`, compiled), with what restricts the nodes it may use."""
 
     ref: SliceRef
     count: int
@@ -97,6 +112,17 @@ class DemandKind:
     mem: int
     weight: float
     models: frozenset[str] = frozenset()  # GPU model families it accepts; empty: any
+    selector: tuple[tuple[str, str], ...] = ()  # nodeSelector, sorted
+    constraints: NodeConstraints = NodeConstraints()
+
+    @property
+    def restricted(self) -> bool:
+        """Whether it asks for more of a node than its resources (a model, labels, affinity)."""
+        return bool(self.models or self.selector or self.constraints.affinity)
+
+    def admits(self, node: NodeInfo) -> bool:
+        """Whether its pods may run on the node at all (as `plan()` filters pods' nodes)."""
+        return _access_rejects(node, dict(self.selector), self.models, self.constraints, node.mode) is None
 
 
 @dataclass
@@ -266,21 +292,6 @@ def _one_per_value(values: np.ndarray, among: np.ndarray) -> list[int]:
     return [int(among[i]) for i in np.sort(first)]
 
 
-@dataclass(frozen=True)
-class NodeConstraints:
-    """What of a pod the kube-scheduler's node filters read besides its selector and resources
-    (dynpart/scheduling.py)."""
-
-    tolerations: tuple[Toleration, ...] = ()
-    affinity: tuple[NodeSelectorTerm, ...] = ()  # required terms, any of them
-
-    @property
-    def by_name(self) -> bool:
-        """Whether the affinity names nodes (`matchFields` on metadata.name): then nodes with the
-        same labels may differ."""
-        return any(term.match_fields for term in self.affinity)
-
-
 class _NodeGroups:
     """The nodes grouped by what `_node_rejects` reads of them (mode, labels, taints, cordon, GPU
     model, GPU capacities): a request's static filter is decided once per group, not once per
@@ -326,19 +337,23 @@ def compile_workload(workload: Sequence[RequestShare], pending: Sequence[Pending
     """The objective's request distribution: the snapshot's, else one share per pending pod.
     Equal kinds are merged, in a canonical order (the plan does not depend on the list's order).
     GPU models are resolved to their families with `catalog` (needed when a share names models)."""
-    items = ([(w.resource, w.count, w.cpu_milli, w.memory_mib, w.gpu_models, w.weight) for w in workload] if workload else
-             [(p.resource, p.count, p.cpu_milli, p.memory_mib, p.gpu_models, 1.0) for p in pending])
-    acc: dict[tuple[SliceRef, int, int, int, tuple[str, ...]], float] = {}
-    for resource, count, cpu, mem, models, weight in items:
+    acc: dict[tuple[SliceRef, int, int, int, tuple[str, ...], tuple[tuple[str, str], ...], NodeConstraints], float] = {}
+    for item in (workload or pending):
         families: tuple[str, ...] = ()
-        if models:
+        if item.gpu_models:
             if catalog is None:
                 raise ValueError("a request share names GPU models: compiling it needs the catalog")
-            families = tuple(sorted({catalog.resolve(m).family_name for m in models}))
-        key = (slice_ref_of(resource), count, cpu, mem, families)
-        acc[key] = acc.get(key, 0.0) + weight
-    return [DemandKind(r, c, cpu, mem, w, frozenset(f))
-            for (r, c, cpu, mem, f), w in sorted(acc.items(), key=lambda kv: (ref_order(kv[0][0]),) + kv[0][1:])]
+            families = tuple(sorted({catalog.resolve(m).family_name for m in item.gpu_models}))
+        constraints = NodeConstraints(tuple(item.tolerations), tuple(item.node_affinity))
+        key = (slice_ref_of(item.resource), item.count, item.cpu_milli, item.memory_mib, families,
+               tuple(sorted(item.node_selector.items())), constraints)
+        acc[key] = acc.get(key, 0.0) + (item.weight if isinstance(item, RequestShare) else 1.0)
+    kinds = [DemandKind(r, c, cpu, mem, w, frozenset(f), sel, con) for (r, c, cpu, mem, f, sel, con), w in acc.items()]
+    return sorted(kinds, key=_kind_order)
+
+
+def _kind_order(k: DemandKind) -> tuple[object, ...]:
+    return (ref_order(k.ref), k.count, k.cpu, k.mem, sorted(k.models), k.selector, repr(k.constraints))
 
 
 def slice_ref_of(resource: str) -> SliceRef:
@@ -359,6 +374,24 @@ def ref_order(ref: SliceRef) -> tuple[int, str, int]:
     return (2, "", 0)
 
 
+def _access_rejects(node: NodeInfo, selector: Mapping[str, str], accepted: Set[str], constraints: NodeConstraints,
+                    mode: str) -> tuple[int, str] | None:
+    """Why a pod with these node constraints may never run on the node, whatever its resources
+    (as `_node_rejects`), or None."""
+    for k, v in selector.items():
+        if node.labels.get(k) != v:
+            return 1, f"no {mode} node matches nodeSelector {k}={v}"
+    if not affinity_admits(constraints.affinity, node.labels, node.name):
+        return 1, f"no {mode} node matches the pod's required node affinity"
+    taint = untolerated_taint(node.taints, node.unschedulable, constraints.tolerations)
+    if taint is not None:
+        return 2, (f"the {mode} nodes that match are cordoned or tainted, and the pod does not "
+                   f"tolerate it (e.g. node {node.name}: {taint})")
+    if accepted and node.model.family_name not in accepted:
+        return 3, f"no {mode} node has an accepted GPU model ({', '.join(sorted(accepted))})"
+    return None
+
+
 def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: dict[str, str],
                   accepted: Set[str], constraints: NodeConstraints) -> tuple[int, str] | None:
     """Why this node can never host the pod (whatever the layout), or None if it may.
@@ -366,17 +399,9 @@ def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: d
     wanted_mode = "mig" if req.kind == KIND_MIG else "mps"
     if node.mode != wanted_mode:
         return 0, f"no node in {wanted_mode} mode"
-    for k, v in selector.items():
-        if node.labels.get(k) != v:
-            return 1, f"no {wanted_mode} node matches nodeSelector {k}={v}"
-    if not affinity_admits(constraints.affinity, node.labels, node.name):
-        return 1, f"no {wanted_mode} node matches the pod's required node affinity"
-    taint = untolerated_taint(node.taints, node.unschedulable, constraints.tolerations)
-    if taint is not None:
-        return 2, (f"the {wanted_mode} nodes that match are cordoned or tainted, and the pod does not "
-                   f"tolerate it (e.g. node {node.name}: {taint})")
-    if accepted and node.model.family_name not in accepted:
-        return 3, f"no {wanted_mode} node has an accepted GPU model ({', '.join(sorted(accepted))})"
+    why = _access_rejects(node, selector, accepted, constraints, wanted_mode)
+    if why is not None:
+        return why
     if req.kind == KIND_MIG and req.profile not in node.model.profiles_by_name:
         return 4, f"MIG profile {req.profile} is not offered by the GPU models of the mig nodes"
     if req.kind == KIND_MPS:

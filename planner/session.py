@@ -88,7 +88,7 @@ class PlanningSession:
     def objective(self, workload: list[DemandKind]) -> tuple[Objective, np.ndarray | None, NodeTerms]:
         key = tuple(workload)
         if self._objective is None or self._objective[0] != key:
-            obj = Objective(workload, [n.model.family_name for n in self.problem.nodes])
+            obj = Objective(workload, self.problem.nodes)
             cls = None
             if obj.active:
                 self.index.use_objective(obj)

@@ -127,7 +127,10 @@ def test_planner_config_is_valid_planner_settings(default, full, tmp_path, monke
     assert (s.batch_idle_s, s.batch_timeout_s, s.ack_timeout_s, s.plan_time_limit_s) == (1, 5.5, 120, 2)
     assert (s.log_level, s.log_json, s.metrics_port, s.lease_name) == ("DEBUG", False, 9100, "dynpart-planner-test")
     assert [(w.resource, w.count, w.gpu_models, w.weight) for w in s.workload] == [
-        ("nvidia.com/mig-1g.10gb", 1, [], 5.0), ("nvidia.com/gpu", 2, ["H100-80GB"], 1.0)]
+        ("nvidia.com/mig-1g.10gb", 1, [], 5.0), ("nvidia.com/gpu", 2, ["H100-80GB"], 1.0), ("nvidia.com/mig-3g.40gb", 1, [], 1.0)]
+    pooled = s.workload[2]
+    assert pooled.node_selector == {"pool": "training"} and pooled.tolerations[0].key == "team"
+    assert pooled.node_affinity[0].match_expressions[0].values == ("z1",)
 
 
 def test_agent_daemonset(default):

@@ -17,6 +17,7 @@ from dynpart.planner.objective import Objective, capacity_class
 from dynpart.planner.problem import DemandKind, compile_problem
 from dynpart.planner.state import new_state
 from dynpart.planner.types import WHOLE_GPU, MigSliceRef, MpsSliceRef
+from dynpart.scheduling import Taint, Toleration, untolerated_taint
 from dynpart.snapshot import Gpu, MigInstance, MpsSlice, Node, PendingPod, RequestShare, Snapshot
 from tests.planner.check import check_plan
 from tests.planner.instances import small_instance
@@ -31,13 +32,18 @@ def _mps_node(name: str, used: list[list[int]], cpu: int = 64_000, mem: int = 25
                       for i, sizes in enumerate(used)])
 
 
-def _brute(kinds: list[DemandKind], cpu: int, mem: int, free: list[int], family: str = "G") -> float:
+def _brute(kinds: list[DemandKind], cpu: int, mem: int, free: list[int], node: Node | None = None) -> float:
     """The definition: free GPUs' share minus, for each kind by weight, what it could use (nothing
-    on a node of a model it does not name)."""
+    on a node it may not use: another model, a pool it does not select, a taint it does not
+    tolerate)."""
     total = sum(k.weight for k in kinds)
     out = sum(free) / 1000
     for k in kinds:
-        if cpu < k.cpu or mem < k.mem or (k.models and family not in k.models):
+        if cpu < k.cpu or mem < k.mem:
+            continue
+        if node is not None and ((k.models and node.gpu_model not in k.models)
+                                 or any(node.labels.get(a) != b for a, b in k.selector)
+                                 or untolerated_taint(node.taints, node.unschedulable, k.constraints.tolerations)):
             continue
         if k.ref is WHOLE_GPU:
             hosts = [f for f in free if f == 1000]
@@ -50,49 +56,64 @@ def _brute(kinds: list[DemandKind], cpu: int, mem: int, free: list[int], family:
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(min_value=0, max_value=10**9), models=st.booleans())
-def test_unusable_capacity_matches_its_definition(seed, models):
+@given(seed=st.integers(min_value=0, max_value=10**9), restricted=st.booleans())
+def test_unusable_capacity_matches_its_definition(seed, restricted):
     rng = random.Random(seed)
+    team = Taint(key="team", value="a", effect="NoSchedule")
 
-    def named() -> list[str]:  # the models a kind accepts (`models`: some kinds name G, H or both)
-        return rng.choice([[], ["G"], ["H"], ["G", "H"]]) if models else []
+    def access() -> dict:  # type: ignore[type-arg]  # (`restricted`: some kinds may use only some nodes)
+        if not restricted:
+            return {}
+        return {"gpu_models": rng.choice([[], ["G"], ["H"], ["G", "H"]]), "node_selector": rng.choice([{}, {"pool": "x"}]),
+                "tolerations": rng.choice([[], [Toleration(key="team", operator="Exists")]])}
 
     shares = [RequestShare(resource=f"nvidia.com/gpu-{rng.choice([100, 250, 470, 810])}gb", cpu_milli=rng.choice([0, 4000, 12_000]),
-                           memory_mib=rng.choice([0, 8192]), gpu_models=named(), weight=rng.choice([1.0, 3.0]))
+                           memory_mib=rng.choice([0, 8192]), weight=rng.choice([1.0, 3.0]), **access())
               for _ in range(4)]
     shares += [RequestShare(resource="nvidia.com/gpu", count=rng.choice([1, 2, 4]), cpu_milli=rng.choice([0, 8000, 30_000]),
-                            gpu_models=named(), weight=2.0) for _ in range(2)]
+                            weight=2.0, **access()) for _ in range(2)]
     from dynpart.planner.problem import compile_workload
     merged = compile_workload(shares, [], MILLI)
-    families = [rng.choice(["G", "H"]) for _ in range(20)]
-    obj = Objective(merged, families)
-    rows, want, cpus, mems = [], [], [], []
-    for family in families:
+    nodes, cpus, mems = [], [], []
+    for n in range(20):
         used = [[s] if s else [] for s in (rng.choice([0, 0, 190, 530, 1000]) for _ in range(rng.randint(1, 4)))]
-        snap = Snapshot(nodes=[_mps_node("n", used, model=family)])
-        states = [new_state(g) for g in compile_problem(snap, MILLI).gpus]
-        rows.append([obj.class_id(capacity_class(s)) for s in states] + [0] * (4 - len(states)))
-        cpu, mem = rng.choice([0, 4000, 12_000, 64_000]), rng.choice([0, 8192, 1 << 20])
-        cpus.append(cpu)
-        mems.append(mem)
-        want.append(_brute(merged, cpu, mem, [1000 - sum(u) for u in used], family))
-    got = obj.unusable(np.array(rows), np.array(cpus), np.array(mems), np.arange(len(families)))
+        cpus.append(rng.choice([0, 4000, 12_000, 64_000]))
+        mems.append(rng.choice([0, 8192, 1 << 20]))
+        node = _mps_node(f"n{n:02d}", used, cpu=cpus[-1], mem=mems[-1], model=rng.choice(["G", "H"]))
+        if restricted:
+            node.labels = rng.choice([{}, {"pool": "x"}])
+            node.taints = rng.choice([[], [], [team]])
+            node.unschedulable = rng.random() < 0.1
+        nodes.append(node)
+    problem = compile_problem(Snapshot(nodes=nodes), MILLI)
+    obj = Objective(merged, problem.nodes)
+    states = [new_state(g) for g in problem.gpus]
+    rows = [[obj.class_id(capacity_class(states[g])) for g in info.gpus] + [0] * (4 - len(info.gpus)) for info in problem.nodes]
+    want = [_brute(merged, c, m, [1000 - sum(s.size for s in g.mps) for g in nd.gpus], nd)
+            for nd, c, m in zip(nodes, cpus, mems)]
+    got = obj.unusable(np.array(rows), np.array(cpus), np.array(mems), np.arange(len(nodes)))
     assert np.allclose(got, want)
 
 
-def test_access_groups_gather_the_models_the_same_kinds_accept():
+def test_access_groups_gather_the_nodes_the_same_kinds_may_use():
     from dynpart.planner.objective import access_groups
-    kinds = [DemandKind(WHOLE_GPU, 1, 0, 0, 1.0), DemandKind(WHOLE_GPU, 1, 0, 0, 1.0, frozenset({"A", "B"})),
-             DemandKind(MpsSliceRef(100), 1, 0, 0, 1.0, frozenset({"B"}))]
-    of_node, members = access_groups(kinds, ["C", "A", "B", "A", "D"])
-    # C and D: no kind names them (group 0, the kinds naming no model); A and B differ by kind 2
-    assert of_node == [0, 1, 2, 1, 0]
-    assert members == [[0], [0, 1], [0, 1, 2]]
+    kinds = [DemandKind(WHOLE_GPU, 1, 0, 0, 1.0), DemandKind(WHOLE_GPU, 1, 0, 0, 1.0, frozenset({"G"})),
+             DemandKind(MpsSliceRef(100), 1, 0, 0, 1.0, selector=(("pool", "x"),))]
+    team = Taint(key="team", value="a", effect="NoSchedule")
+    snap = Snapshot(nodes=[_mps_node("a", [[]], model="H"), _mps_node("b", [[]], model="G"), _mps_node("c", [[]], model="H"),
+                           _mps_node("d", [[]], model="G"), _mps_node("e", [[]], model="G")])
+    snap.nodes[3].labels = {"pool": "x"}
+    snap.nodes[4].taints = [team]
+    of_node, members = access_groups(kinds, compile_problem(snap, MILLI).nodes)
+    # a, c: only kind 0; b: kinds 0 and 1; d: every kind; e: tainted, none
+    assert of_node == [0, 1, 0, 2, 3]
+    assert members == [[0], [0, 1], [0, 1, 2], []]
 
 
 def test_the_rows_of_a_model_naming_objective_need_the_nodes():
-    obj = Objective([DemandKind(WHOLE_GPU, 1, 0, 0, 1.0, frozenset({"G"}))], ["G"])
-    with pytest.raises(ValueError, match="name GPU models"):
+    snap = Snapshot(nodes=[_mps_node("a", [[]]), _mps_node("b", [[]], model="H")])
+    obj = Objective([DemandKind(WHOLE_GPU, 1, 0, 0, 1.0, frozenset({"G"}))], compile_problem(snap, MILLI).nodes)
+    with pytest.raises(ValueError, match="may not use every node"):
         obj.unusable(np.array([[0]]), np.array([0]), np.array([0]))
 
 
@@ -107,6 +128,26 @@ def test_a_share_naming_models_needs_the_catalog_and_known_models():
     snap = Snapshot(nodes=[_mps_node("n", [[]])], workload=[RequestShare(resource="nvidia.com/gpu", gpu_models=["Z"])])
     with pytest.raises(SnapshotError, match=r"workload\[0\]\.gpu_models"):
         plan(snap, MILLI)
+
+
+def test_a_pod_any_node_can_host_leaves_the_pool_others_are_bound_to():
+    # the same with a labelled pool (first by name) that whole-GPU pods select: the share goes to
+    # the other node. And a pod that tolerates a taint most pods do not goes to the tainted node
+    # (second by name), keeping the open one for the pods that may go nowhere else
+    pool = _mps_node("a", [[]])
+    pool.labels = {"pool": "x"}
+    snap = Snapshot(nodes=[pool, _mps_node("b", [[]])], pending=[PendingPod(name="p", resource="nvidia.com/gpu-500gb")],
+                    workload=[RequestShare(resource="nvidia.com/gpu-500gb"),
+                              RequestShare(resource="nvidia.com/gpu", node_selector={"pool": "x"})])
+    assert _where(plan(snap, MILLI), "p")[0] == "b"
+    tainted = _mps_node("b", [[]])
+    tainted.taints = [Taint(key="team", value="x", effect="NoSchedule")]
+    team = Toleration(key="team", operator="Exists")
+    snap = Snapshot(nodes=[_mps_node("a", [[]]), tainted],
+                    pending=[PendingPod(name="p", resource="nvidia.com/gpu-500gb", tolerations=[team])],
+                    workload=[RequestShare(resource="nvidia.com/gpu-500gb", tolerations=[team]),
+                              RequestShare(resource="nvidia.com/gpu-500gb", weight=3.0)])
+    assert _where(plan(snap, MILLI), "p")[0] == "b"
 
 
 def test_a_pod_any_model_can_host_leaves_the_model_others_ask_for():
@@ -223,7 +264,11 @@ def test_the_controller_learns_the_distribution_from_the_pods_it_sees():
     assert got == {("nvidia.com/mig-1g.10gb", 1000): 1.5, ("nvidia.com/mig-7g.80gb", 0): 0.5}
     # the GPU models a pod accepts are part of its kind
     t.observe([PendingPod(name="d", resource="nvidia.com/mig-7g.80gb", gpu_models=["H100-80GB", "A100-80GB"])], now=100)
-    got_models = {(s.resource, tuple(s.gpu_models)): s.weight for s in t.workload()}
+    t.observe([PendingPod(name="e", resource="nvidia.com/mig-7g.80gb", node_selector={"pool": "x"},
+                          tolerations=[Toleration(key="team", operator="Exists")])], now=100)
+    (pooled,) = [s for s in t.workload() if s.node_selector]
+    assert pooled.node_selector == {"pool": "x"} and pooled.tolerations == [Toleration(key="team", operator="Exists")]
+    got_models = {(s.resource, tuple(s.gpu_models)): s.weight for s in t.workload() if not s.node_selector}
     assert got_models[("nvidia.com/mig-7g.80gb", ("A100-80GB", "H100-80GB"))] == 1.0
     assert got_models[("nvidia.com/mig-7g.80gb", ())] == 0.5
 
