@@ -65,9 +65,6 @@ class PlanningLoop:
                                    static_layout=dict(static_layout or {}), minimise_changes=minimise_changes)
         self.window = BatchWindow(settings.batch_idle_s, settings.batch_timeout_s)
         self.demand = DemandTracker(settings.demand_half_life_s)
-        # the settings' distribution, one list for every round: a planning session compiles a
-        # workload again only when it gets another list
-        self.fixed_workload = list(settings.workload)
         self.in_flight: dict[str, InFlight] = {}
         self.reserved: dict[str, tuple[str, float]] = {}  # pod -> (node, until): planned, applied, not bound
         self.last_round = float("-inf")
@@ -192,12 +189,12 @@ class PlanningLoop:
     def prepare(self, snapshot: Snapshot, now: float) -> Snapshot:
         """The snapshot a round plans: with the request distribution the objective keeps room for
         (the settings' `workload` when given, else the requests seen lately, decayed)."""
-        if not self.fixed_workload:  # (the distribution learned would not be used)
+        if not self.settings.workload:  # (the distribution learned would not be used)
             self.demand.observe(snapshot.pending, now)
         for pod in snapshot.pending:
             self.first_seen.setdefault(pod.name, now)
         self.prepared_at = now
-        workload = self.fixed_workload if self.fixed_workload else self.demand.workload()
+        workload = self.settings.workload or self.demand.workload()
         return snapshot.model_copy(update={"workload": workload})
 
     def decide(self, snapshot: Snapshot, catalog: Catalog, session: PlanningSession | None = None) -> Plan:
@@ -206,7 +203,7 @@ class PlanningLoop:
         cluster, the snapshot's are not read), the same plan without compiling the cluster again."""
         if session is not None:  # the packing protocol: no pod waits, nothing drains
             return session.plan(snapshot.pending, snapshot.workload, self.options, validate=False)
-        if not self.fixed_workload:  # (the settings' was checked against the catalog at start)
+        if not self.settings.workload:  # (the settings' was checked against the catalog at start)
             snapshot = snapshot.model_copy(update={"workload": known_to(snapshot.workload, catalog)})
         pending = {p.name for p in snapshot.pending}
         nodes = {n.name: n for n in snapshot.nodes}

@@ -81,7 +81,7 @@ class PlanningSession:
         self._pending: dict[str, PendingPod] = {}
         self.cpu = np.array([n.cpu_free for n in nodes_i], dtype=np.int64)
         self.mem = np.array([n.mem_free for n in nodes_i], dtype=np.int64)
-        self._workload: tuple[Sequence[RequestShare], Sequence[PendingPod] | None, list[DemandKind]] | None = None
+        self._workload: tuple[list[RequestShare], list[DemandKind]] | None = None  # the last compiled
 
     # --- planning --------------------------------------------------------------------------------
 
@@ -120,12 +120,13 @@ class PlanningSession:
         return build_plan(problem, policy, result, bound, time.perf_counter() - t0)
 
     def _kinds(self, workload: Sequence[RequestShare], pending: Sequence[PendingPod]) -> list[DemandKind]:
-        """The compiled distribution; the same workload list as last time is not compiled again."""
+        """The compiled distribution; a workload equal to the last one is not compiled again
+        (callers pass the same shares plan after plan, often in a new list)."""
         last = self._workload
-        if workload and last is not None and last[0] is workload:
-            return last[2]
+        if workload and last is not None and (last[0] is workload or last[0] == list(workload)):
+            return last[1]
         kinds = compile_workload(workload, pending, self.catalog)
-        self._workload = (workload, None, kinds)
+        self._workload = (list(workload), kinds)
         return kinds
 
     def _validate(self, pending: Sequence[PendingPod], workload: Sequence[RequestShare]) -> None:

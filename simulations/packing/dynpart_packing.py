@@ -86,6 +86,7 @@ class DynpartPacking:
     def __init__(self, workload: list[RequestShare], catalog: Catalog | None = None, batch: int = 1,
                  time_limit_s: float = 0.05, name: str = "dynpart"):
         self.name = name
+        self.workload = workload
         self.base_catalog = catalog or default_catalog()
         self.batch = batch
         # the controller's loop, planning for the trace's request distribution; the protocol's GPUs
@@ -94,8 +95,6 @@ class DynpartPacking:
         settings = default_planner_settings().model_copy(update={"plan_time_limit_s": time_limit_s,
                                                                  "workload": workload})
         self.loop = PlanningLoop(settings, "dynpart", minimise_changes=False)
-        # the loop's own list: the session compiles the distribution once for GPU and CPU-only pods
-        self.workload = self.loop.fixed_workload
         self.arrived = 0
         self.session: PlanningSession | None = None
         self.plan_calls = 0
