@@ -56,17 +56,23 @@ def read_profiles(driver: GpuDriver, index: int, catalog: Catalog, product: str,
 
 
 def read_capability(driver: GpuDriver, catalog: Catalog) -> tuple[NodeCapability, list[str]]:
-    """The node's capability report, and what could not be read (sentences). GPUs in MIG mode
-    are asked for their profiles; a GPU with MIG mode off shares the profiles read on another GPU
-    of the same product and memory (NVML lists none outside MIG mode)."""
+    """The node's capability report, and what could not be read (sentences). The profiles of a
+    kind of GPU (product and memory) are read once, from a GPU in MIG mode if there is one: the
+    driver lists them whatever the MIG mode (an H100 and an H200 on driver 580 do, tests/fixtures/nvml),
+    but a driver that lists none while MIG mode is off is asked again on the kind's next GPU."""
     problems: list[str] = []
     devices = driver.devices()
     if not devices:
         raise DynpartError("the driver reports no GPU")
     read: dict[tuple[str, int], tuple[ProfileCapability, ...]] = {}
-    for d in devices:
-        if d.mig_current and (d.name, d.memory_mib) not in read:
-            read[(d.name, d.memory_mib)] = tuple(read_profiles(driver, d.index, catalog, d.name, problems))
+    settled: set[tuple[str, int]] = set()  # kinds read, or whose read said what went wrong
+    for d in sorted(devices, key=lambda d: (not d.mig_current, d.index)):
+        key = (d.name, d.memory_mib)
+        if d.mig_capable and key not in settled:
+            before = len(problems)
+            read[key] = tuple(read_profiles(driver, d.index, catalog, d.name, problems))
+            if read[key] or len(problems) > before:
+                settled.add(key)
     kinds: dict[GpuKind, int] = {}
     gpus: list[GpuReport] = []
     for d in sorted(devices, key=lambda d: d.index):

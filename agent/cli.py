@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dynpart.catalog import Catalog, load_catalog
@@ -16,6 +17,7 @@ from dynpart.errors import DynpartError
 if TYPE_CHECKING:
     from dynpart.agent.driver.interface import GpuDriver
     from dynpart.agent.loop import Agent
+    from dynpart.agent.nvml_probe import ProbeReport
     from dynpart.agent.podresources import PodResources
     from dynpart.settings import AgentSettings
 
@@ -59,6 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                         "driver reports them, and compare them with the catalog. Changes nothing.")
     probe.add_argument("--fake-gpus", metavar="MODEL:N", help=argparse.SUPPRESS)
     probe.add_argument("--json", action="store_true", help="print JSON")
+    probe.add_argument("--record", metavar="FILE",
+                       help="also make every other read the agent makes, and write each NVML call with the "
+                            "driver's answer to FILE (read-only: any other NVML call is refused); "
+                            "attach it to a bug report")
+    probe.add_argument("--replay", metavar="FILE",
+                       help="run the probe and those reads on a recording made with --record instead of the driver")
     probe.set_defaults(func=run_probe)
 
 
@@ -82,19 +90,67 @@ def _driver(args: argparse.Namespace, catalog: Catalog) -> GpuDriver:
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    from dynpart.agent.nvml_probe import probe
+    from dynpart.agent.nvml_probe import probe, read_paths
 
     catalog = load_catalog(args.catalog)
-    report = probe(_driver(args, catalog), catalog)
-    if args.json:
-        print(json.dumps({"ok": report.ok, "mismatches": report.mismatches, "gpus": report.gpus,
-                          "capability": report.capability}, indent=2))
+    if sum(bool(x) for x in (args.fake_gpus, args.record, args.replay)) > 1:
+        raise DynpartError("--fake-gpus, --record and --replay exclude each other")
+    reads: list[str] | None = None
+    if args.record:
+        from dynpart.agent.driver.nvml_recording import record_nvml
+
+        target = Path(args.record)
+        if not target.parent.is_dir():
+            raise DynpartError(f"--record {args.record}: no such directory {str(target.parent)!r}")
+        with record_nvml() as (driver, recording):
+            report = probe(driver, catalog)
+            reads = read_paths(driver, catalog)
+        recording.meta.update(_recording_meta(report, reads))
+        recording.save(target)
+    elif args.replay:
+        from dynpart.agent.driver.nvml_recording import RecordedNvml
+
+        replayed = RecordedNvml(args.replay)
+        try:
+            report = probe(replayed, catalog)
+            reads = read_paths(replayed, catalog)
+        finally:
+            replayed.close()
     else:
-        print("\n".join(report.lines))
-        for m in report.mismatches:
-            print(f"MISMATCH: {m}")
-        print("catalog matches the driver" if report.ok else f"{len(report.mismatches)} mismatch(es)")
+        report = probe(_driver(args, catalog), catalog)
+    _print_probe(report, reads, args.json)
     return 0 if report.ok else 1
+
+
+def _recording_meta(report: ProbeReport, reads: list[str]) -> dict[str, Any]:
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from dynpart import __version__
+
+    try:
+        binding = version("nvidia-ml-py")
+    except PackageNotFoundError:
+        binding = "unknown"
+    return {"dynpart": __version__, "nvidia-ml-py": binding, "python": platform.python_version(),
+            "versions": report.versions, "probe": report.lines, "mismatches": report.mismatches, "reads": reads}
+
+
+def _print_probe(report: ProbeReport, reads: list[str] | None, as_json: bool) -> None:
+    if as_json:
+        out: dict[str, Any] = {"ok": report.ok, "versions": report.versions, "mismatches": report.mismatches,
+                               "gpus": report.gpus, "capability": report.capability}
+        if reads is not None:
+            out["reads"] = reads
+        print(json.dumps(out, indent=2))
+        return
+    print("\n".join(report.lines))
+    for m in report.mismatches:
+        print(f"MISMATCH: {m}")
+    print("catalog matches the driver" if report.ok else f"{len(report.mismatches)} mismatch(es)")
+    if reads is not None:
+        print("reads:")
+        print("\n".join(f"  {line}" for line in reads))
 
 
 _SETTINGS = ("kubeconfig", "node_name", "report_interval_s", "pod_resources_socket", "fake_gpus", "metrics_port",

@@ -138,7 +138,7 @@ class Agent:
 
     def model(self) -> GpuModel:
         """The model this node is planned with: what the driver describes (read again when a
-        GPU's MIG mode changes: NVML lists profiles only in MIG mode), narrowed by the catalog,
+        GPU's MIG mode changes: a driver may list profiles only in MIG mode), narrowed by the catalog,
         as the planner derives it from the same report (`dynpart.capability.node_model`)."""
         states = tuple(mig_state(d) for d in self.driver.devices())
         if self._model is None or states != self._mig_states:

@@ -7,11 +7,13 @@ NVML function that changes state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from dynpart.agent.capability_reader import mig_state, read_capability
-from dynpart.agent.driver.interface import GpuDriver
+from dynpart.agent.driver.interface import GpuDriver, GpuDriverError
 from dynpart.capability import encode_capability, node_model
 from dynpart.catalog import Catalog
 from dynpart.errors import DynpartError
@@ -23,6 +25,7 @@ class ProbeReport:
     mismatches: list[str] = field(default_factory=list)
     gpus: list[dict[str, Any]] = field(default_factory=list)
     capability: str | None = None  # the report the agent would write (dynpart.io/status-capability)
+    versions: dict[str, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -32,6 +35,12 @@ class ProbeReport:
 def probe(driver: GpuDriver, catalog: Catalog) -> ProbeReport:
     report = ProbeReport()
     out, bad = report.lines, report.mismatches
+    try:
+        versions = driver.versions()
+        report.versions = asdict(versions)
+        out.append(f"driver {versions.driver}, NVML {versions.nvml}, CUDA {versions.cuda}")
+    except GpuDriverError as e:  # an old driver without one of the calls: say so, go on
+        out.append(f"driver version not readable: {e}")
     devices = driver.devices()
     if not devices:
         out.append("no GPU found")
@@ -53,9 +62,9 @@ def probe(driver: GpuDriver, catalog: Catalog) -> ProbeReport:
               f"from the driver ({'catalog model ' + model.family if model.family in catalog.models else 'not in the catalog'})")
     out.append(f"planned as {model.name}, {source}: {len(model.mig_profiles)} MIG profiles, MPS capacity "
                f"{model.memory_gb} GB")
-    if not model.supports_mig and any(d.mig_capable and not d.mig_current for d in devices):
-        out.append("  MIG mode is off: NVML lists no GPU-instance profile outside MIG mode; the catalog's are used")
     kind = capability.kinds[capability.gpus[0].kind]
+    if not kind.profiles and model.supports_mig and any(d.mig_capable and not d.mig_current for d in devices):
+        out.append("  MIG mode is off and the driver lists no GPU-instance profile: the catalog's are used")
     for p in kind.profiles:
         planned = "planned" if p.name in model.profiles_by_name else "NOT planned"
         out.append(f"  {p.name:<12} id {p.id:>2}  slices {p.compute}  memory {p.memory}  max {p.max}  "
@@ -76,3 +85,35 @@ def probe(driver: GpuDriver, catalog: Catalog) -> ProbeReport:
                        f"@{gi.start} (size {gi.size}), compute instances {list(gi.compute_instances)}, "
                        f"{gi.uuid or 'no MIG device'}")
     return report
+
+
+def read_paths(driver: GpuDriver, catalog: Catalog) -> list[str]:
+    """Every read the agent may make, on every GPU, and what the driver answered, one line each.
+    Reads the probe does not make are made too (health, processes, each of the catalog's profiles
+    by its NVML constant and its placements), so that a recording (`probe --record`) holds the
+    driver's answers, errors included, to all of them. Changes nothing."""
+    lines: list[str] = []
+
+    def ask(what: str, read: Callable[[], object]) -> None:
+        try:
+            answer = read()
+        except GpuDriverError as e:
+            lines.append(f"{what}: error {e.code} ({e})")
+            return
+        lines.append(f"{what}: {answer!r}")
+
+    for d in driver.devices():
+        i = d.index
+        try:
+            profiles = catalog.resolve(d.name).mig_profiles
+        except DynpartError:
+            profiles = ()
+        ask(f"GPU {i} health", partial(driver.health, i))
+        ask(f"GPU {i} processes", partial(driver.processes, i))
+        ask(f"GPU {i} gpu_instance_profiles", partial(driver.gpu_instance_profiles, i))
+        ask(f"GPU {i} gpu_instances", partial(driver.gpu_instances, i))
+        for p in profiles:
+            ask(f"GPU {i} profile_info {p.nvml}", partial(driver.profile_info, i, p.nvml))
+            ask(f"GPU {i} possible_placements id {p.gi_profile_id} ({p.name})",
+                partial(driver.possible_placements, i, p.gi_profile_id))
+    return lines

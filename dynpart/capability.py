@@ -12,8 +12,9 @@ Wire format (docs/protocol.md), compact JSON, GPUs of one kind described once:
 A profile row is [name, GI profile id, NVML_GPU_INSTANCE_PROFILE_ suffix, compute slices,
 memory slices, max count, legal starts]; `slices` is [memory slices, compute slices] of the GPU;
 a GPU is [its kind's index, MIG mode: "on", "off", "on-pending" (on after a reset), "off-pending"
-or "unsupported"]. The driver lists profiles only while MIG mode is on, so a kind without
-profiles on a MIG-capable GPU means "not known yet", not "none".
+or "unsupported"]. A MIG-capable GPU's profiles are read whatever its MIG mode (a real H200 on
+driver 580 lists them with MIG mode off: tests/fixtures/nvml), but a driver may list none while
+MIG mode is off, so a kind without profiles on a MIG-capable GPU means "not known yet", not "none".
 
 Decoding is strict: unknown fields, wrong types or values out of range are refused with a
 message naming the field, and a report larger than MAX_CAPABILITY_BYTES is not parsed.
@@ -266,7 +267,7 @@ def _kind_model(kind: GpuKind, mig_known: bool, catalog: Catalog) -> NodeModel:
         if mig_known:
             profiles, notes = _compare(kind, base)
             slices = (kind.memory_slices, kind.compute_slices) if profiles else (0, 0)
-        else:  # MIG mode off: the driver lists no profiles yet; the catalog's until it does
+        else:  # the driver listed none (MIG mode off on a driver that lists none then): the catalog's
             profiles, slices = list(base.mig_profiles), (base.memory_slices, base.compute_slices)
         # memory is not a disagreement: the catalog's is the nominal size, the driver's a little
         # less (81,559 MiB on an H100-80GB); MPS slices add up to at most what the driver reports
@@ -294,8 +295,8 @@ def node_model(cap: NodeCapability, catalog: Catalog) -> NodeModel:
     mig_known = bool(kind.profiles) or all(g.mig == "unsupported" for g in cap.gpus)
     choice = _kind_model(kind, mig_known, catalog)
     if not mig_known and not choice.model.supports_mig:
-        raise CapabilityError(f"{kind.product}: the catalog does not know this GPU and the driver lists MIG profiles "
-                              "only while MIG mode is on; the node is planned once its agent reports them")
+        raise CapabilityError(f"{kind.product}: the catalog does not know this GPU and its driver lists no MIG "
+                              "profile while MIG mode is off; the node is planned once its agent reports them")
     return choice
 
 

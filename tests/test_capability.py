@@ -177,7 +177,7 @@ def test_mig_off_uses_the_catalog_until_the_driver_lists_profiles():
                                                                            "compute_slices": 0}), mig="off")
     assert node_model(off, CAT).model is H100
     unknown = off.model_copy(update={"kinds": (off.kinds[0].model_copy(update={"product": "NVIDIA Mystery"}),)})
-    with pytest.raises(CapabilityError, match="only while MIG mode is on"):
+    with pytest.raises(CapabilityError, match="lists no MIG profile while MIG mode is off"):
         node_model(unknown, CAT)
 
 

@@ -16,6 +16,7 @@ from dynpart.agent.driver.interface import (
     NOT_FOUND,
     NOT_SUPPORTED,
     DeviceInfo,
+    DriverVersions,
     GpuDriverError,
     GpuInstanceInfo,
     ProfileInfo,
@@ -73,7 +74,7 @@ class FakeNvml:
 
     def __init__(self, model: GpuModel, count: int = 1, *, mig_enabled: bool = True,
                  mig_persists: bool | None = None, mode_needs_reset: bool = False, name: str | None = None,
-                 memory_mib: int | None = None):
+                 memory_mib: int | None = None, profiles_need_mig: bool = False):
         if not model.supports_mig and mig_enabled:
             mig_enabled = False
         self.model = model
@@ -87,6 +88,9 @@ class FakeNvml:
         # A MIG mode change that stays pending until `reset()` (as when the driver cannot reset
         # the GPU by itself, e.g. under a hypervisor).
         self.mode_needs_reset = mode_needs_reset
+        # True: list GPU-instance profiles only in MIG mode. A real H100 and H200 on driver 580
+        # list them whatever the mode (tests/fixtures/nvml); this plays a driver that does not.
+        self.profiles_need_mig = profiles_need_mig
         self._by_id = {p.gi_profile_id: p for p in model.mig_profiles}
         self._gpus = [_FakeGpu(i, f"GPU-fake-{i:04d}", mig_enabled, mig_enabled) for i in range(count)]
         self._serial = itertools.count(1)
@@ -146,6 +150,9 @@ class FakeNvml:
                       key=lambda x: (x[1], x[0]))
 
     # --- GpuDriver ---
+
+    def versions(self) -> DriverVersions:
+        return DriverVersions("fake", "fake", "fake")
 
     def devices(self) -> list[DeviceInfo]:
         return [DeviceInfo(g.index, self.name, g.uuid, self.memory_mib, self.model.supports_mig,
@@ -237,8 +244,12 @@ class FakeNvml:
                     None)
 
     def gpu_instance_profiles(self, index: int) -> list[ProfileInfo]:
-        if not self._gpu(index).mig_current:  # as NVML: no GPU-instance profile outside MIG mode
+        gpu = self._gpu(index)
+        if not self.model.supports_mig or self.profiles_need_mig and not gpu.mig_current:
             return []
+        # listed whatever the MIG mode, as the real driver does (tests/fixtures/nvml: an H100 and
+        # an H200, MIG mode off). The memory in MiB is a fraction of the GPU's; the real one is a little
+        # less (16,384 of 143,771 MiB for an H200's 1g.18gb) and nothing here reads it.
         return [ProfileInfo(p.gi_profile_id, p.compute, p.max,
                             self.memory_mib * p.memory // max(1, self.model.memory_slices),
                             f"MIG {p.name}", p.nvml.removeprefix("NVML_GPU_INSTANCE_PROFILE_"))

@@ -68,8 +68,17 @@ class ProfileInfo:
     nvml: str = ""  # the NVML_GPU_INSTANCE_PROFILE_* constant it was read with (empty if unknown)
 
 
+@dataclass(frozen=True)
+class DriverVersions:
+    driver: str  # the kernel driver, e.g. "580.159.04"
+    nvml: str  # the NVML library, e.g. "13.580.159.04"
+    cuda: str  # the CUDA version the driver supports, e.g. "13.0"
+
+
 class GpuDriver(Protocol):
     """The NVML operations the agent uses. Failures raise GpuDriverError."""
+
+    def versions(self) -> DriverVersions: ...
 
     def devices(self) -> list[DeviceInfo]: ...
 
@@ -99,7 +108,9 @@ class GpuDriver(Protocol):
 
     def gpu_instance_profiles(self, index: int) -> list[ProfileInfo]:
         """Every GPU-instance profile the driver offers on GPU `index`, read with each
-        NVML_GPU_INSTANCE_PROFILE_* constant; empty while MIG mode is off (NVML lists none then)."""
+        NVML_GPU_INSTANCE_PROFILE_* constant, whatever the GPU's MIG mode: a real H100 and H200 on
+        driver 580.159.04 list them, with their placements, while MIG mode is off (tests/fixtures/nvml);
+        empty on a GPU without MIG, and possibly on older drivers while MIG mode is off."""
         ...
 
     def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:

@@ -1,6 +1,8 @@
 """`RealNvml`: the GpuDriver on the host's NVML through nvidia-ml-py (`import pynvml`).
 
-Not exercised by CI (no GPU there): `dynpart agent probe` checks it read-only on a GPU host.
+CI has no GPU: it runs this code on what real GPUs answered (`driver.nvml_recording`, the
+recordings in tests/fixtures/nvml: its read paths; the MIG instance paths need MIG mode on and
+have not been recorded). `dynpart agent probe` checks it read-only on a GPU host.
 Written against nvidia-ml-py 13.x; the calls are those of the facts file section 2. pynvml
 gives raw ctypes function pointers without argtypes, so pointer arguments (placements, arrays,
 counts) are passed with `byref` / as arrays exactly as the C prototypes in nvml.h want them.
@@ -15,6 +17,7 @@ from typing import Any, TypeVar
 from dynpart.agent.driver.interface import (
     INVALID_ARGUMENT,
     DeviceInfo,
+    DriverVersions,
     GpuDriverError,
     GpuInstanceInfo,
     NvmlUnavailable,
@@ -44,10 +47,12 @@ def _load_pynvml() -> Any:
 
 
 class RealNvml:
-    """GpuDriver on the host's NVIDIA driver. Raises NvmlUnavailable when there is none."""
+    """GpuDriver on the host's NVIDIA driver. Raises NvmlUnavailable when there is none.
+    `nvml_module`: a pynvml module to use instead of the imported one (a recording or a replay,
+    `driver.nvml_recording`)."""
 
-    def __init__(self) -> None:
-        nv = _load_pynvml()
+    def __init__(self, nvml_module: Any = None) -> None:
+        nv = _load_pynvml() if nvml_module is None else nvml_module
         try:
             nv.nvmlInit()
         except nv.NVMLError as e:
@@ -136,6 +141,12 @@ class RealNvml:
         return out
 
     # --- GpuDriver ---
+
+    def versions(self) -> DriverVersions:
+        nv = self._nv
+        cuda = int(self._call(nv.nvmlSystemGetCudaDriverVersion_v2))  # 1000 * major + 10 * minor
+        return DriverVersions(str(self._call(nv.nvmlSystemGetDriverVersion)),
+                              str(self._call(nv.nvmlSystemGetNVMLVersion)), f"{cuda // 1000}.{cuda % 1000 // 10}")
 
     def devices(self) -> list[DeviceInfo]:
         nv = self._nv
@@ -282,14 +293,25 @@ class RealNvml:
         return [(int(p.start), int(p.size)) for p in arr[: count.value]]
 
     def health(self, index: int) -> str | None:
-        """Unhealthy when NVML cannot read the GPU any more (lost, fallen off the bus) or pages wait
-        for retirement (a reset is needed). Not read: XID events, as NVIDIA's plugin watches them."""
+        """Unhealthy when NVML cannot read the GPU any more (lost, fallen off the bus), when memory
+        rows wait for remapping or their remapping failed (Ampere and later), or when pages wait
+        for retirement (before Hopper: a real H100 and H200 answer NOT_SUPPORTED to page
+        retirement, tests/fixtures/nvml). Not read: XID events, as NVIDIA's plugin watches them."""
         nv = self._nv
         try:
             h = nv.nvmlDeviceGetHandleByIndex(index)
             nv.nvmlDeviceGetUUID(h)
         except nv.NVMLError as e:
             return f"NVML cannot read it: {e}"
+        try:
+            _corrected, _uncorrected, rows_pending, remap_failed = nv.nvmlDeviceGetRemappedRows(h)
+        except nv.NVMLError:
+            pass  # not supported on this GPU (before Ampere)
+        else:
+            if remap_failed:
+                return "a memory row could not be remapped: the GPU's memory is failing"
+            if rows_pending:
+                return "memory rows wait for remapping: the GPU needs a reset"
         try:
             pending = nv.nvmlDeviceGetRetiredPagesPendingStatus(h)
         except nv.NVMLError:

@@ -53,11 +53,23 @@ def test_probe_finds_catalog_mismatches():
 
 
 def test_probe_mig_off_and_unknown_model():
-    report = probe(FakeNvml(H100, 1, mig_enabled=False, name="NVIDIA Mystery"), CATALOG)
+    # a driver that lists no profile while MIG mode is off: an unknown GPU cannot be described yet
+    report = probe(FakeNvml(H100, 1, mig_enabled=False, name="NVIDIA Mystery", profiles_need_mig=True), CATALOG)
     assert not report.ok and "the catalog does not know this GPU" in report.mismatches[0]
-    report = probe(FakeNvml(H100, 1, mig_enabled=True, name="NVIDIA Mystery"), CATALOG)
-    assert report.ok and any(line.startswith("planned as Mystery~") and "not in the catalog" in line
-                             for line in report.lines), report.lines
+    # one that lists them (as a real H200 on driver 580 does), or MIG mode on: described by the driver
+    for mig in (False, True):
+        report = probe(FakeNvml(H100, 1, mig_enabled=mig, name="NVIDIA Mystery"), CATALOG)
+        assert report.ok and any(line.startswith("planned as Mystery~") and "not in the catalog" in line
+                                 for line in report.lines), report.lines
+
+
+def test_probe_mig_off_on_a_driver_that_lists_no_profile_uses_the_catalogs():
+    report = probe(FakeNvml(H100, 2, mig_enabled=False, profiles_need_mig=True), CATALOG)
+    assert report.ok and "  MIG mode is off and the driver lists no GPU-instance profile: the catalog's are used" \
+        in report.lines
+    report = probe(FakeNvml(H100, 2, mig_enabled=False), CATALOG)
+    assert report.ok and not any("lists no GPU-instance profile" in line for line in report.lines)
+    assert any(line.startswith("  7g.80gb ") for line in report.lines)
 
 
 def test_bad_arguments(capsys):

@@ -1,0 +1,41 @@
+"""`read_capability`: a kind of GPU's profiles are read once, from a GPU in MIG mode first, and
+asked again on the kind's next GPU only while a driver lists none (MIG mode off on a driver that
+lists profiles only in MIG mode; real H100s and H200s on driver 580 list them in either mode)."""
+
+from __future__ import annotations
+
+from dynpart.agent.capability_reader import read_capability
+from dynpart.agent.driver.fake import FakeNvml
+from dynpart.catalog import load_catalog
+
+CATALOG = load_catalog([])
+H100 = CATALOG.resolve("H100-80GB")
+
+
+class _Counting(FakeNvml):
+    asked: list[int]
+
+    def gpu_instance_profiles(self, index):
+        self.asked = [*getattr(self, "asked", []), index]
+        return super().gpu_instance_profiles(index)
+
+
+def test_profiles_are_read_once_per_kind_from_a_gpu_in_mig_mode_first():
+    driver = _Counting(H100, 3, mig_enabled=True, profiles_need_mig=True)
+    driver.set_mig_mode(0, False)
+    capability, problems = read_capability(driver, CATALOG)
+    assert problems == [] and driver.asked == [1]
+    assert len(capability.kinds) == 1 and len(capability.kinds[0].profiles) == len(H100.mig_profiles)
+    assert [g.mig for g in capability.gpus] == ["off", "on", "on"]
+
+
+def test_a_driver_listing_none_with_mig_off_is_asked_on_every_gpu_of_the_kind():
+    driver = _Counting(H100, 2, mig_enabled=False, profiles_need_mig=True)
+    capability, _ = read_capability(driver, CATALOG)
+    assert driver.asked == [0, 1] and capability.kinds[0].profiles == ()
+
+
+def test_a_driver_listing_profiles_with_mig_off_is_asked_once():
+    driver = _Counting(H100, 2, mig_enabled=False)
+    capability, _ = read_capability(driver, CATALOG)
+    assert driver.asked == [0] and len(capability.kinds[0].profiles) == len(H100.mig_profiles)

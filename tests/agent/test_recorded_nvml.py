@@ -1,0 +1,222 @@
+"""The real NVML path on a real GPU's answers: `RecordedNvml` replays what an H200 (driver
+580.159.04, MIG mode off) answered to every read the agent makes, recorded read-only on the
+project's lent GPU machine (tests/fixtures/nvml; scripts/record-nvml.sh made it). The code under
+test is the code that runs on a GPU host: nvidia-ml-py's wrappers and `RealNvml`, down to the
+ctypes buffers; only libnvidia-ml is replaced by the recording.
+
+The recorder itself is checked on the recording (recording the replay gives the same answers)
+and on a stand-in C library (tests/agent/nvml_c_double.py) for MIG mode on."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dynpart.agent.capability_reader import read_capability
+from dynpart.agent.driver.interface import DeviceInfo, DriverVersions
+from dynpart.agent.driver.nvml_recording import (
+    NvmlRecording,
+    NvmlRecordingError,
+    NvmlReplayMissing,
+    ReadOnlyViolation,
+    RecordedNvml,
+    ReplayedLibrary,
+    record_nvml,
+)
+from dynpart.agent.nvml_probe import probe, read_paths
+from dynpart.capability import node_model
+from dynpart.catalog import load_catalog
+from dynpart.cli import main
+from tests.agent.nvml_c_double import SimulatedNvmlLibrary
+
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "nvml"
+# recording -> (GPU name NVML gives, its memory in MiB, the catalog model, MPS capacity in GiB)
+RECORDED = {
+    "h100-580.159.04-mig-off": ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB", 79),
+    "h200-580.159.04-mig-off": ("NVIDIA H200", 143771, "H200-141GB", 140),
+}
+H200 = FIXTURES / "h200-580.159.04-mig-off.json"
+CATALOG = load_catalog([])
+
+
+def test_every_recording_in_the_fixtures_is_tested():
+    assert {p.stem for p in FIXTURES.glob("*.json")} == set(RECORDED)
+
+
+@pytest.fixture(params=sorted(RECORDED))
+def recorded(request):
+    driver = RecordedNvml(FIXTURES / f"{request.param}.json")
+    yield request.param, driver
+    driver.close()
+
+
+def _smi(stem: str, what: str) -> str:
+    return (FIXTURES / f"{stem}.nvidia-smi-{what}.txt").read_text()
+
+
+def test_the_recorded_gpu_is_what_nvidia_smi_saw_and_a_catalog_model(recorded):
+    stem, driver = recorded
+    name, memory, model, _ = RECORDED[stem]
+    assert driver.versions() == DriverVersions("580.159.04", "13.580.159.04", "13.0")
+    [gpu] = driver.devices()
+    assert gpu == DeviceInfo(0, name, gpu.uuid, memory, mig_capable=True, mig_current=False, mig_pending=False)
+    assert re.fullmatch(r"GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", gpu.uuid)
+    smi = _smi(stem, "q")
+    for field, value in (("Product Name", name), ("GPU UUID", gpu.uuid), ("Driver Version", "580.159.04"),
+                         ("CUDA Version", "13.0")):
+        assert re.search(rf"^\s*{field}\s+: {re.escape(value)}$", smi, re.MULTILINE), field
+    assert re.search(rf"FB Memory Usage\s+Total\s+: {memory} MiB", smi)
+    assert re.search(r"MIG Mode\s+Current\s+: Disabled\s+Pending\s+: Disabled", smi)
+    assert CATALOG.resolve(gpu.name).name == model
+
+
+def test_health_is_what_nvidia_smi_says_of_row_remapping(recorded):
+    stem, driver = recorded
+    assert re.search(r"Remapped Rows(?:\s+\S.*\n)*?\s+Pending\s+: No\s+Remapping Failure Occurred\s+: No",
+                     _smi(stem, "q"))
+    assert driver.health(0) is None
+    # Hopper remaps rows and retires no page: page retirement is not supported there
+    assert any(c["fn"] == "nvmlDeviceGetRetiredPagesPendingStatus" and c["result"] == 3
+               for c in NvmlRecording.load(FIXTURES / f"{stem}.json").calls)
+
+
+def test_profiles_and_placements_read_with_mig_off_are_the_catalogs(recorded):
+    stem, driver = recorded
+    _, _, model, capacity = RECORDED[stem]
+    capability, problems = read_capability(driver, CATALOG)
+    assert problems == []
+    [kind] = capability.kinds
+    assert (kind.memory_slices, kind.compute_slices) == (8, 7)
+    catalog = CATALOG.models[model]
+    read = {p.name: (p.id, p.compute, p.memory, p.max, p.starts) for p in kind.profiles}
+    assert read == {p.name: (p.gi_profile_id, p.compute, p.memory, p.max, p.starts) for p in catalog.mig_profiles}
+    assert {p.name: p.nvml for p in kind.profiles} == {
+        p.name: p.nvml.removeprefix("NVML_GPU_INSTANCE_PROFILE_") for p in catalog.mig_profiles}
+    choice = node_model(capability, CATALOG)
+    assert choice.disagreements == ()
+    # planned with the catalog's profiles and the driver's memory (MiB // 1024 GiB of MPS capacity)
+    assert choice.model.family_name == model and choice.model.memory_gb == capacity
+    assert choice.model.mig_profiles == catalog.mig_profiles
+
+
+def test_nvidia_smi_on_the_same_gpu_agrees_with_the_recorded_nvml(recorded):
+    stem, driver = recorded
+    smi = _smi(stem, "mig")
+    placements = {int(pid): ([int(s) for s in starts.split(",")], int(size)) for pid, starts, size in
+                  re.findall(r"Profile ID\s+(\d+) Placements?\s*: \{([\d,]+)\}:(\d+)", smi)}
+    listed = {int(pid): (name, int(total)) for name, pid, total in
+              re.findall(r"MIG (\S+)\s+(\d+)\s+\d+/(\d+)", smi)}
+    assert len(placements) == len(listed) == 7
+    for pid, (starts, size) in placements.items():
+        assert driver.possible_placements(0, pid) == [(s, size) for s in starts]
+    by_id = {p.profile_id: p for p in driver.gpu_instance_profiles(0)}
+    assert {pid: (by_id[pid].name.removeprefix("MIG "), by_id[pid].instance_count) for pid in by_id} == listed
+
+
+def test_the_probe_prints_on_the_recording_what_it_printed_on_the_gpu(recorded):
+    stem, driver = recorded
+    recording = NvmlRecording.load(FIXTURES / f"{stem}.json")
+    report = probe(driver, CATALOG)
+    assert report.ok, report.mismatches
+    assert report.lines == recording.meta["probe"]
+    assert sum("  planned" in line for line in report.lines) == 7
+    assert read_paths(driver, CATALOG) == recording.meta["reads"]
+
+
+@pytest.fixture
+def h200():
+    driver = RecordedNvml(H200)
+    yield driver
+    driver.close()
+
+
+def test_a_call_the_recording_has_no_answer_for_is_refused(h200):
+    with pytest.raises(NvmlReplayMissing, match="nvmlDeviceGetGpuInstancePossiblePlacements_v2"):
+        h200.possible_placements(0, 3)  # a profile id the H200 does not have: never asked
+    with pytest.raises(NvmlReplayMissing, match="nvmlDeviceSetMigMode"):
+        h200.set_mig_mode(0, True)
+    with pytest.raises(NvmlReplayMissing, match="nvmlDeviceGetHandleByIndex_v2"):
+        h200.gpu_instances(1)  # no second GPU was asked for
+
+
+def test_recording_the_replay_gives_back_the_recorded_answers():
+    recording = NvmlRecording.load(H200)
+    answers = {json.dumps([c["fn"], c["args"]], sort_keys=True): (c.get("result"), c.get("out"))
+               for c in recording.calls}
+    with record_nvml(ReplayedLibrary(recording)) as (driver, again):
+        probe(driver, CATALOG)
+        read_paths(driver, CATALOG)
+    assert len(again.calls) > 50
+    for call in again.calls:
+        key = json.dumps([call["fn"], call["args"]], sort_keys=True)
+        assert answers[key] == (call.get("result"), call.get("out")), call["fn"]
+
+
+def test_a_recording_session_refuses_every_call_that_is_not_a_read():
+    lib = SimulatedNvmlLibrary(CATALOG.resolve("H100-80GB"), "NVIDIA H100 80GB HBM3", 81559)
+    with record_nvml(lib) as (driver, recording):
+        for change in (lambda: driver.set_mig_mode(0, False), lambda: driver.create_gpu_instance(0, 19, 0, 1),
+                       lambda: driver.create_compute_instance(0, 1, 1), lambda: driver.destroy_gpu_instance(0, 1),
+                       lambda: driver.destroy_compute_instance(0, 1, 1)):
+            with pytest.raises(ReadOnlyViolation, match="not a read"):
+                change()
+    reached = set(lib.calls)
+    assert reached and not any(re.search(r"Set|Create|Destroy", name) for name in reached)
+    assert not any(re.search(r"Set|Create|Destroy", c["fn"]) for c in recording.calls)
+
+
+@pytest.mark.parametrize("mig", [True, False])
+def test_record_then_replay_gives_the_same_probe(tmp_path, mig):
+    lib = SimulatedNvmlLibrary(CATALOG.resolve("H100-80GB"), "NVIDIA H100 80GB HBM3", 81559, mig=mig)
+    with record_nvml(lib) as (driver, recording):
+        first = probe(driver, CATALOG)
+        first_reads = read_paths(driver, CATALOG)
+    recording.save(tmp_path / "r.json")
+    replayed = RecordedNvml(tmp_path / "r.json")
+    again = probe(replayed, CATALOG)
+    assert (again.lines, again.mismatches, read_paths(replayed, CATALOG)) == (first.lines, first.mismatches,
+                                                                              first_reads)
+    assert any("possible_placements id 0 (7g.80gb): [(0, 8)]" in line for line in first_reads) == mig
+
+
+def test_bad_recordings_are_refused_with_the_file_named(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(NvmlRecordingError, match="bad.json: not a readable NVML recording"):
+        RecordedNvml(bad)
+    bad.write_text(json.dumps({"format": "something-else", "calls": []}))
+    with pytest.raises(NvmlRecordingError, match="not an NVML recording"):
+        NvmlRecording.load(bad)
+    bad.write_text(json.dumps({"format": "dynpart.io/nvml-recording/v1", "calls": [{"fn": 3}]}))
+    with pytest.raises(NvmlRecordingError, match=r"calls\[0\]"):
+        NvmlRecording.load(bad)
+
+
+def test_probe_command_replays_a_recording(capsys, tmp_path):
+    assert main(["agent", "probe", "--replay", str(H200)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"GPU 0: NVIDIA H200 GPU-[0-9a-f-]+ 143771 MiB, MIG off", out)
+    assert "catalog matches the driver" in out and "reads:" in out
+    assert main(["agent", "probe", "--replay", str(H200), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["versions"]["driver"] == "580.159.04" and len(data["gpus"][0]["profiles"]) == 7
+    assert main(["agent", "probe", "--replay", str(tmp_path / "none.json")]) == 2
+    assert "none.json: not a readable NVML recording" in capsys.readouterr().err
+    assert main(["agent", "probe", "--replay", str(H200), "--fake-gpus", "H100-80GB:1"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    assert main(["agent", "probe", "--record", str(tmp_path / "no" / "r.json")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("rows", "why"), [((0, 0, 0, 0), None),
+                                           ((0, 1, 1, 0), "memory rows wait for remapping: the GPU needs a reset"),
+                                           ((0, 9, 0, 1), "a memory row could not be remapped")])
+def test_health_reads_row_remapping(rows, why):
+    lib = SimulatedNvmlLibrary(CATALOG.resolve("H100-80GB"), "NVIDIA H100 80GB HBM3", 81559)
+    lib.remapped_rows = rows
+    with record_nvml(lib) as (driver, _):
+        health = driver.health(0)
+    assert health == why if why is None else why in health
