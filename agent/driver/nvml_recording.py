@@ -151,14 +151,55 @@ class NvmlRecording:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             raise NvmlRecordingError(f"{path}: not a readable NVML recording ({e})") from None
+        return cls.parse(data, str(path))
+
+    @classmethod
+    def parse(cls, data: Any, path: str) -> NvmlRecording:
+        """A recording from its JSON; `path` names it in errors."""
         if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("calls"), list):
             raise NvmlRecordingError(f"{path}: not an NVML recording (expected \"format\": \"{FORMAT}\" and a "
                                      "list of calls)")
         for i, call in enumerate(data["calls"]):
-            if not isinstance(call, dict) or not isinstance(call.get("fn"), str) or not isinstance(call.get("args"),
-                                                                                                   list):
-                raise NvmlRecordingError(f"{path}: calls[{i}]: expected {{\"fn\": name, \"args\": [...], ...}}")
-        return cls(calls=data["calls"], meta=data.get("meta") or {})
+            problem = _call_problem(call)
+            if problem:
+                raise NvmlRecordingError(f"{path}: calls[{i}]{problem}")
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise NvmlRecordingError(f"{path}: meta: expected an object")
+        return cls(calls=data["calls"], meta=meta)
+
+
+_HEX = re.compile(r"(?:[0-9a-f]{2})*")
+_CALL_KEYS = {"fn", "args", "result", "out", "missing"}
+
+
+def _is_hex(value: Any) -> bool:
+    return isinstance(value, str) and _HEX.fullmatch(value) is not None
+
+
+def _call_problem(call: Any) -> str | None:
+    """What is wrong with one recorded call (a suffix for its place in the file), or None. Only
+    what the replay writes back is checked closely; arguments need only be JSON: a call's
+    arguments that the code never asks with are simply never answered."""
+    if not isinstance(call, dict) or not isinstance(call.get("fn"), str) or not isinstance(call.get("args"), list):
+        return ': expected {"fn": name, "args": [...], "result": ..., "out": [...]}'
+    if set(call) - _CALL_KEYS:
+        return f": unknown field(s) {sorted(set(call) - _CALL_KEYS)}"
+    if not READ_ONLY.fullmatch(call["fn"]):
+        return f".fn = {call['fn']!r}: not an NVML read function"
+    result = call.get("result")
+    if not (result is None or isinstance(result, int) and not isinstance(result, bool)
+            or isinstance(result, dict) and set(result) == {"bytes"} and _is_hex(result["bytes"])):
+        return f".result = {result!r}: expected a return code, null or {{\"bytes\": hex}}"
+    out = call.get("out", [])
+    if not isinstance(out, list) or len(out) not in (0, len(call["args"])):
+        return ".out: expected [] or one entry per argument"
+    for k, entry in enumerate(out):
+        if entry is not None and not _is_hex(entry):
+            return f".out[{k}]: expected null or the bytes in hex"
+    if not isinstance(call.get("missing", False), bool):
+        return ".missing: expected true or false"
+    return None
 
 
 # --- recording ---
@@ -228,7 +269,11 @@ class _ReplayedFunction:
                 if memory is None or len(data) != ctypes.sizeof(memory):
                     raise NvmlRecordingError(f"{self.name}: the recording's answer does not fit the argument")
                 ctypes.memmove(ctypes.addressof(memory), data, len(data))
-        return _decode_result(call.get("result"))
+        result = _decode_result(call.get("result"))
+        if not (isinstance(result, bytes) or result is None if self.restype is ctypes.c_char_p
+                else isinstance(result, int)):
+            raise NvmlRecordingError(f"{self.name}: the recording's answer is not of the function's return type")
+        return result
 
 
 class ReplayedLibrary:

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dynpart.agent.capability_reader import read_capability
 from dynpart.agent.driver.interface import DeviceInfo, DriverVersions
@@ -30,6 +32,7 @@ from dynpart.agent.nvml_probe import probe, read_paths
 from dynpart.capability import node_model
 from dynpart.catalog import load_catalog
 from dynpart.cli import main
+from dynpart.errors import DynpartError
 from tests.agent.nvml_c_double import SimulatedNvmlLibrary
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "nvml"
@@ -220,3 +223,34 @@ def test_health_reads_row_remapping(rows, why):
     with record_nvml(lib) as (driver, _):
         health = driver.health(0)
     assert health == why if why is None else why in health
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=12)
+                     | st.sampled_from(["", "00", "0000", "zz", "abc", "00000000", "ffffffff"]),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                         st.sampled_from(["bytes", "handle", "c", "value", "buffer", "x"]), inner, max_size=3),
+                     max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_damaged_recording_is_refused_or_replayed_never_crashes(data):
+    """Bad input: any one field of any one call changed. The replay either works, or stops with a
+    DynpartError naming what it lacks or what is wrong; never a Python or ctypes crash."""
+    raw = json.loads(H200.read_text())
+    call = raw["calls"][data.draw(st.integers(0, len(raw["calls"]) - 1), label="call")]
+    field = data.draw(st.sampled_from(["fn", "args", "result", "out", "missing", "extra"]), label="field")
+    if field == "out" and call.get("out") and data.draw(st.booleans(), label="one entry"):
+        k = data.draw(st.integers(0, len(call["out"]) - 1), label="entry")
+        call["out"][k] = data.draw(_JSON, label="value")
+    else:
+        call[field] = data.draw(_JSON, label="value")
+    try:
+        driver = RecordedNvml(NvmlRecording.parse(raw, "damaged"))
+        try:
+            probe(driver, CATALOG)
+            read_paths(driver, CATALOG)
+        finally:
+            driver.close()
+    except DynpartError:
+        pass
