@@ -150,8 +150,8 @@ class Agent:
             if choice.model != self._model:
                 self._mig = None  # built for the old model
                 if self._mps_plugin is not None:
-                    self._mps_plugin.capacity_gb = min(self.capacity_gb or choice.model.memory_gb,
-                                                       choice.model.memory_gb)
+                    self._mps_plugin.capacity_gb = min(self.capacity_gb or choice.model.mps_capacity_gb,
+                                                       choice.model.mps_capacity_gb)
                 for note in [*unread, *choice.disagreements]:
                     log.warning("node %s: %s", self.node, note)
             self._model, self._mig_states = choice.model, states
@@ -185,8 +185,8 @@ class Agent:
         node = await self.node_api.get()
         try:
             model = self.model()
-            # never more than the memory NVML reports (the model's memory_gb is derived from it)
-            capacity = min(self.capacity_gb or model.memory_gb, model.memory_gb)
+            # never more than the memory NVML reports (the model's MPS capacity is derived from it)
+            capacity = min(self.capacity_gb or model.mps_capacity_gb, model.mps_capacity_gb)
             self._capacity = capacity
             spec = decode_spec(node.annotations, model, node=self.node, capacity=capacity)
             layout = spec.layout

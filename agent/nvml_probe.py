@@ -61,7 +61,7 @@ def probe(driver: GpuDriver, catalog: Catalog) -> ProbeReport:
     source = ("the catalog's" if model.family is None else
               f"from the driver ({'catalog model ' + model.family if model.family in catalog.models else 'not in the catalog'})")
     out.append(f"planned as {model.name}, {source}: {len(model.mig_profiles)} MIG profiles, MPS capacity "
-               f"{model.memory_gb} GB")
+               f"{model.mps_capacity_gb} GB")
     kind = capability.kinds[capability.gpus[0].kind]
     if not kind.profiles and model.supports_mig and any(d.mig_capable and not d.mig_current for d in devices):
         out.append("  MIG mode is off and the driver lists no GPU-instance profile: the catalog's are used")

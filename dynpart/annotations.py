@@ -412,7 +412,7 @@ def _decode_slices(annotations: Mapping[str, object], model: GpuModel, prefix: s
             if mig:
                 layouts[gpu] = GpuLayout(index=gpu, mig=mig)
         else:
-            mps = _accept_mps(gitems, capacity if capacity is not None else model.memory_gb, problems)
+            mps = _accept_mps(gitems, capacity if capacity is not None else model.mps_capacity_gb, problems)
             if mps:
                 layouts[gpu] = GpuLayout(index=gpu, mps=mps)
     return NodeLayout(node=node, mode=mode, gpus=[layouts[i] for i in sorted(layouts)])

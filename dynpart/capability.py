@@ -245,7 +245,7 @@ def _compare(kind: GpuKind, base: GpuModel) -> tuple[list[MigProfile], list[str]
 
 
 def _same(a: GpuModel, b: GpuModel) -> bool:
-    keys = ("memory_gb", "memory_slices", "compute_slices", "mig_profiles")
+    keys = ("memory_gb", "mps_capacity_gb", "memory_slices", "compute_slices", "mig_profiles")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
@@ -255,7 +255,9 @@ def _kind_model(kind: GpuKind, mig_known: bool, catalog: Catalog) -> NodeModel:
         base: GpuModel | None = catalog.resolve(kind.product)
     except DynpartError:
         base = None
-    memory_gb = max(1, kind.memory_mib // 1024)  # GiB: what an MPS memory limit of N "G" means
+    # the nominal size (the catalog's; the driver's in GiB for a GPU the catalog lacks) and what the
+    # driver reports, which the MPS capacity follows (GiB: what an MPS memory limit of N "G" means)
+    memory_gb = base.memory_gb if base is not None else max(1, kind.memory_mib // 1024)
     notes: list[str] = []
     if base is None:
         family = _normalised_product(kind.product)
@@ -271,7 +273,8 @@ def _kind_model(kind: GpuKind, mig_known: bool, catalog: Catalog) -> NodeModel:
             profiles, slices = list(base.mig_profiles), (base.memory_slices, base.compute_slices)
         # memory is not a disagreement: the catalog's is the nominal size, the driver's a little
         # less (81,559 MiB on an H100-80GB); MPS slices add up to at most what the driver reports
-    model = GpuModel(name=family, memory_gb=memory_gb, products=products, memory_slices=slices[0],
+    model = GpuModel(name=family, memory_gb=memory_gb, memory_mib=kind.memory_mib, products=products,
+                     memory_slices=slices[0],
                      compute_slices=slices[1], mig_profiles=tuple(profiles),
                      nvml_counts_unreliable=base.nvml_counts_unreliable if base else False)
     if base is not None and _same(model, base):

@@ -68,7 +68,10 @@ class GpuModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(min_length=1)
-    memory_gb: int = Field(gt=0)
+    memory_gb: int = Field(gt=0)  # nominal size, the product's name
+    # the total NVML reports, where measured (a little less than the nominal size: 81,559 MiB on
+    # an H100 80GB HBM3); the MPS capacity follows it
+    memory_mib: int | None = Field(default=None, gt=0)
     products: tuple[str, ...] = ()
     memory_slices: int = Field(default=0, ge=0)
     compute_slices: int = Field(default=0, ge=0)
@@ -81,6 +84,12 @@ class GpuModel(BaseModel):
     # differs from the catalog: the catalog model (or, for a GPU the catalog lacks, the product)
     # it describes. Pods selecting that model accept it.
     family: str | None = None
+
+    @property
+    def mps_capacity_gb(self) -> int:
+        """What one GPU holds of MPS slices, in GiB (the unit of an MPS memory limit "<N>G"): the
+        memory NVML reports where it is known, as a node's agent plans with, else the nominal size."""
+        return max(1, self.memory_mib // 1024) if self.memory_mib else self.memory_gb
 
     @model_validator(mode="after")
     def _check_profiles(self) -> GpuModel:

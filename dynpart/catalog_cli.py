@@ -42,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"name": model.name, "profiles": [p.model_dump(by_alias=True) for p in model.mig_profiles],
                           "maximal_geometries": [dict(g) for g in geometries]}, indent=2))
         return 0
-    print(f"{model.name}: {model.memory_gb} GB, {model.compute_slices} compute / {model.memory_slices} memory slices")
+    measured = f" (NVML reports {model.memory_mib} MiB)" if model.memory_mib else ""
+    print(f"{model.name}: {model.memory_gb} GB{measured}, MPS capacity {model.mps_capacity_gb} GB, "
+          f"{model.compute_slices} compute / {model.memory_slices} memory slices")
     for p in model.mig_profiles:
         print(f"  {p.name:<12} id {p.gi_profile_id:>2}  {p.resource_name:<28} max {p.max}  starts {list(p.starts)}")
     print(f"  {len(geometries)} maximal geometries")

@@ -118,7 +118,7 @@ class AgentSettings(CommonSettings):
     report_interval_s: float = Field(default=10.0, gt=0, description="status heartbeat period")
     fake_gpus: str | None = Field(default=None, description="MODEL:N — a fake NVML driver (tests, demos)")
     mps_capacity_gb: int | None = Field(default=None, gt=0, description="MPS capacity of one GPU in GB "
-                                        "(default: the model's memory)")
+                                        "(default: the memory NVML reports, in GiB; only lowers it)")
     pod_resources_socket: str = Field(default="/var/lib/kubelet/pod-resources/kubelet.sock", description="kubelet PodResources API socket")
     node_lock_file: str = Field(default="/var/lib/dynpart/agent.lock", description="a file on the node's "
                                 "filesystem: one agent at a time acts on the node's GPUs (empty: no lock)")

@@ -235,7 +235,7 @@ def parse_snapshot(data: object) -> Snapshot:
 
 
 def gpu_capacity(gpu: Gpu, model: GpuModel) -> int:
-    return gpu.capacity if gpu.capacity is not None else model.memory_gb
+    return gpu.capacity if gpu.capacity is not None else model.mps_capacity_gb
 
 
 def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuModel]:

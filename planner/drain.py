@@ -68,8 +68,8 @@ def _used_shares(node: Node, pod: PendingPod, catalog: Catalog) -> dict[int, flo
         return {g.index: sum(model.profiles_by_name[m.profile].memory for m in g.mig if m.used
                              and m.profile in model.profiles_by_name) / model.memory_slices for g in node.gpus}
     if node.mode == "mps" and (isinstance(request, WholeGpuResource)
-                               or (isinstance(request, MpsResource) and request.size >= model.memory_gb)):
-        return {g.index: 1.0 if g.whole_pod else sum(s.size for s in g.mps if s.used) / (g.capacity or model.memory_gb)
+                               or (isinstance(request, MpsResource) and request.size >= model.mps_capacity_gb)):
+        return {g.index: 1.0 if g.whole_pod else sum(s.size for s in g.mps if s.used) / (g.capacity or model.mps_capacity_gb)
                 for g in node.gpus}
     return None
 

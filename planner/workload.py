@@ -49,7 +49,7 @@ def random_snapshot(seed: int, nodes: int, gpus_per_node: int, gpu: str, pending
                 gpus.append(Gpu(index=i, mig=[
                     MigInstance(profile=pl.profile, start=pl.start, used=rng.random() < 0.8) for pl in geom]))
             else:
-                cap, slices = model.memory_gb, []
+                cap, slices = model.mps_capacity_gb, []
                 left = cap
                 while left > 0:
                     size = min(left, max(1, int(cap * rng.choice(list(_MPS_MIX)))))
@@ -71,7 +71,7 @@ def random_snapshot(seed: int, nodes: int, gpus_per_node: int, gpu: str, pending
             resource = mig_resource_name(classes[rng.choices(keys, [_MIG_MIX[k] for k in keys])[0]])
         else:
             frac = rng.choices(list(_MPS_MIX), list(_MPS_MIX.values()))[0]
-            resource = mps_resource_name(max(1, int(model.memory_gb * frac)))
+            resource = mps_resource_name(max(1, int(model.mps_capacity_gb * frac)))
         pods.append(PendingPod(
             name=f"team-{p % 7}/pod-{p:05d}", resource=resource,
             count=2 if rng.random() < 0.08 else 1,

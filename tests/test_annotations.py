@@ -326,7 +326,7 @@ def mps_layouts(draw, with_used: bool):
     indices = draw(st.lists(st.integers(0, 15), unique=True, max_size=4))
     gpus = []
     for i in indices:
-        left, slices = model.memory_gb, []
+        left, slices = model.mps_capacity_gb, []
         for _ in range(draw(st.integers(0, 6))):
             if left < 1:
                 break
@@ -422,7 +422,7 @@ def test_garbage_never_raises(annotations, model):
             continue
         for gpu in layout.gpus:  # whatever is accepted is a layout the driver would take
             assert not MigRules.of(model).violations([(m.profile, m.start) for m in gpu.mig])
-            assert sum(s.size for s in gpu.mps) <= model.memory_gb
+            assert sum(s.size for s in gpu.mps) <= model.mps_capacity_gb
         # and it can be written back and read again unchanged
         again = decode_spec(encode_spec(layout, "p"), model)
         assert again.layout == canonical_layout(layout) and not again.problems

@@ -29,7 +29,7 @@ H100 = CAT.resolve("H100-80GB")
 
 
 def kind_of(model: GpuModel, product: str, memory_mib: int | None = None) -> GpuKind:
-    return GpuKind(product=product, memory_mib=memory_mib or model.memory_gb * 1024, memory_slices=model.memory_slices,
+    return GpuKind(product=product, memory_mib=memory_mib or model.memory_mib or model.memory_gb * 1024, memory_slices=model.memory_slices,
                    compute_slices=model.compute_slices,
                    profiles=tuple(ProfileCapability(name=p.name, id=p.gi_profile_id,
                                                     nvml=p.nvml.removeprefix("NVML_GPU_INSTANCE_PROFILE_"),
@@ -132,11 +132,18 @@ def test_a_report_too_large_is_not_parsed():
 
 
 def test_an_unchanged_gpu_plans_with_the_catalog_model_and_nvml_memory_sets_the_mps_capacity():
-    same = node_model(node_of(kind_of(H100, "NVIDIA H100 80GB HBM3")), CAT)
-    assert same.model is H100 and same.disagreements == ()
-    real = node_model(node_of(kind_of(H100, "NVIDIA H100 80GB HBM3", memory_mib=81_559)), CAT)
-    assert real.model.family_name == "H100-80GB" and real.model.memory_gb == 79  # 81,559 MiB = 79.6 GiB
-    assert real.model.mig_profiles == H100.mig_profiles and real.disagreements == ()
+    # the memory a real H100 80GB HBM3 reports (81,559 MiB = 79.6 GiB) is the catalog's: its model
+    same = node_model(node_of(kind_of(H100, "NVIDIA H100 80GB HBM3", memory_mib=81_559)), CAT)
+    assert same.model is H100 and same.disagreements == () and H100.mps_capacity_gb == 79
+    # one reporting 80 GiB: the catalog's profiles, MPS capacity from its driver
+    other = node_model(node_of(kind_of(H100, "NVIDIA H100 80GB HBM3", memory_mib=81_920)), CAT)
+    assert other.model.family_name == "H100-80GB" and other.model.mps_capacity_gb == 80
+    assert other.model.memory_gb == 80 and other.model.mig_profiles == H100.mig_profiles
+    assert other.disagreements == ()
+    # a model the catalog has no measured memory for plans with the nominal size until a node reports
+    a100 = CAT.resolve("A100-80GB")
+    assert a100.memory_mib is None and a100.mps_capacity_gb == 80
+    assert node_model(node_of(kind_of(a100, "NVIDIA A100-SXM4-80GB", memory_mib=81_920)), CAT).model is a100
 
 
 def test_the_driver_wins_and_the_catalog_is_an_allow_list():

@@ -186,6 +186,7 @@ models:
      "[{name: 1g.4gb, id: 1, nvml: NVML_GPU_INSTANCE_PROFILE_1_SLICE, compute: 1, memory: 1, max: 2, starts: [0, 2]}]}",
      "start 2 does not fit"),
     ("models: [", "not valid YAML"),
+    ("models:\n  - {name: X, memory_gb: 8, memory_mib: 0}", r"models\[0\] \(X\)\.memory_mib"),
 ])
 def test_malformed_catalog_names_the_problem(tmp_path, body, message):
     f = tmp_path / "bad.yaml"
@@ -203,3 +204,12 @@ def test_catalog_is_an_ordered_mapping_later_wins():
     base = default_catalog()
     again = Catalog([*base.models.values()])
     assert again.names == base.names
+
+
+def test_mps_capacity_follows_the_memory_nvml_reports_where_measured():
+    cat = default_catalog()
+    # measured on real GPUs (tests/fixtures/nvml): 81,559 and 143,771 MiB
+    assert (cat.models["H100-80GB"].memory_mib, cat.models["H100-80GB"].mps_capacity_gb) == (81559, 79)
+    assert (cat.models["H200-141GB"].memory_mib, cat.models["H200-141GB"].mps_capacity_gb) == (143771, 140)
+    # not measured: the nominal size
+    assert (cat.models["A100-80GB"].memory_mib, cat.models["A100-80GB"].mps_capacity_gb) == (None, 80)

@@ -81,8 +81,8 @@ class FakeNvml:
         self.rules = MigRules.of(model)
         self.name = name or f"NVIDIA {model.name}"
         # what NVML reports as total memory: below the nominal size on real GPUs (81,559 MiB on
-        # an H100-80GB); the nominal size unless a test gives the real figure
-        self.memory_mib = memory_mib if memory_mib is not None else model.memory_gb * 1024
+        # an H100-80GB); the catalog's measured figure, else the nominal size, unless a test gives one
+        self.memory_mib = memory_mib if memory_mib is not None else model.memory_mib or model.memory_gb * 1024
         # Ampere keeps MIG mode across a reboot; Hopper and later lose it (facts file section 1).
         self.mig_persists = model.name.startswith("A") if mig_persists is None else mig_persists
         # A MIG mode change that stays pending until `reset()` (as when the driver cannot reset

@@ -95,5 +95,9 @@ def _lay_out_mig(st: MigState, layout: dict[str, str]) -> None:
 def _lay_out_mps(st: MpsState, layout: dict[str, str]) -> None:
     if st.slices or st.whole_pod is not None:
         return
+    if "mps_size" in layout:  # as many slices of one size as fit
+        size = int(layout["mps_size"])
+        st.replace_free_slices([size] * (st.cap // size))
+        return
     parts = int(layout.get("mps", "4"))
     st.replace_free_slices([st.cap // parts] * parts)

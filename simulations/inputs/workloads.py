@@ -114,9 +114,9 @@ class WorkloadSpec(BaseModel):
                 raise _error("mps_mix", "empty: name at least one size, e.g. 20gb")
             for k in self.mps_mix:
                 m = _MPS_SIZE.match(k)
-                if not m or not 1 <= int(m.group(1)) <= model.memory_gb:
-                    raise _error("mps_mix", f"{k!r}: expected a size <N>gb with N in 1..{model.memory_gb} "
-                                 f"({model.name} has {model.memory_gb} GB)")
+                if not m or not 1 <= int(m.group(1)) <= model.mps_capacity_gb:
+                    raise _error("mps_mix", f"{k!r}: expected a size <N>gb with N in 1..{model.mps_capacity_gb} "
+                                 f"({model.name} holds {model.mps_capacity_gb} GiB of MPS slices)")
         return model
 
     def mean_duration_s(self) -> float:
@@ -266,12 +266,13 @@ def generate(spec: WorkloadSpec, catalog: Catalog) -> list[WorkloadPart]:
         pods = []
         for i, (t, d, name) in enumerate(zip(arrivals, durations, picks)):
             gb = int(name[:-2])
-            milli = min(MILLI, math.ceil(gb * MILLI / model.memory_gb))
+            # rounded down, so that the GB the replay reads back from the fraction (rounded up) is `gb`
+            milli = min(MILLI, gb * MILLI // model.mps_capacity_gb)
             cpu = 2000 * max(1, math.ceil(gb / 10))
             pods.append(TracePod(f"mps-{i:05d}", cpu, cpu // 1000 * 8192, 1, milli, (),
                                  int(t), int(t) + int(d), i + 1, name))
         cluster = _cluster("mps", spec.mps_nodes, spec, model)
-        share = {k: int(k[:-2]) / model.memory_gb for k in spec.mps_mix}
+        share = {k: int(k[:-2]) / model.mps_capacity_gb for k in spec.mps_mix}
         load = spec.mps_rate / 60 * spec.mean_duration_s() * _mean_share(spec.mps_mix, share) / cluster.gpu_count
         parts.append(WorkloadPart("mps", PodTrace("<built-in workload, MPS part>", tuple(pods), True, len(pods)),
                                   cluster, load))

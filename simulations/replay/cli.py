@@ -44,7 +44,7 @@ from dynpart.simulations.replay.engine import (
     ReplayResult,
     run_replay,
 )
-from dynpart.simulations.replay.mapping import RULES, static_contenders, static_fits, static_layout
+from dynpart.simulations.replay.mapping import RULES, request_for, static_contenders, static_fits, static_layout
 from dynpart.simulations.replay.summary import best_static, change_pct, gpu_waits, summary
 from dynpart.simulations.reporting import plots, report
 from dynpart.simulations.reporting.progress import Progress
@@ -101,7 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="dynpart, nos, static, or several separated by commas (default: all three)")
     p.add_argument("--static-geometry", metavar="NAME",
                    help="force the static layout: all-balanced, all-<profile> (e.g. all-7g, all-1g.10gb), "
-                        "profile:count,... or, in mps mode, mps-N (default: the best of the standard layouts "
+                        "profile:count,... or, in mps mode, mps-N (N equal slices) or mps-<S>gb (slices of S GB) "
+                        "(default: the best of the standard layouts "
                         "for the workload, by mean pending time; with the built-in workload it applies to the "
                         "part of its mode)")
     p.add_argument("--mapping", choices=RULES, default=d.mapping,
@@ -132,8 +133,15 @@ def _one(args: tuple) -> ReplayResult:
     return run_replay(pods, spec, catalog, opts)
 
 
-def _statics(forced: str | None, model: GpuModel, mode: str) -> list[str]:
-    names = [forced] if forced else static_contenders(model, mode)
+def _statics(forced: str | None, model: GpuModel, mode: str, trace: PodTrace) -> list[str]:
+    sizes: set[int] = set()
+    if mode == "mps":  # the slice sizes the pods ask for, as the replay maps them
+        for pod in trace.pods:
+            if pod.num_gpu:
+                resource, _ = request_for(pod, model, mode)
+                if resource.startswith("nvidia.com/gpu-") and resource.endswith("gb"):
+                    sizes.add(int(resource[len("nvidia.com/gpu-"):-2]))
+    names = [forced] if forced else static_contenders(model, mode, tuple(sorted(sizes)))
     for n in names:
         static_layout(n, model, mode)  # a bad name is an error before anything runs
     return names
@@ -157,7 +165,7 @@ def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tup
         except DynpartError as e:
             raise SimulationError(str(e)) from None
         mode = args.mode or gpu_nodes[0].mode
-        statics = _statics(forced, model, mode) if want_static else []
+        statics = _statics(forced, model, mode, data.trace) if want_static else []
         return [Part("trace", data.trace, data.cluster, model, mode, statics, bool(forced),
                      note=data.describe())], None
     if args.cluster:
@@ -175,7 +183,7 @@ def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tup
     parts = []
     for w in generated:
         mine = forced if forced and static_fits(forced, w.name) else None
-        statics = _statics(mine, model, w.name) if want_static else []
+        statics = _statics(mine, model, w.name, w.trace) if want_static else []
         parts.append(Part(w.name, w.trace, w.cluster, model, w.name, statics, bool(mine), w.offered_load,
                           w.describe()))
     return parts, spec

@@ -67,7 +67,7 @@ class ReplayCluster:
         self.gpu_nodes = [n for n in self.nodes if n.gpus]  # the planner only needs GPU nodes
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
         self.clocks = [[GpuClock() for _ in n.gpus] for n in self.nodes]
-        self.capacity = self.model.memory_gb  # MPS capacity unit: GB
+        self.capacity = self.model.mps_capacity_gb  # MPS capacity unit: GiB, what a node's agent reports
         self.gpu_count = sum(len(n.gpus) for n in self.nodes)
         self.draining: set[tuple[int, int]] = set()  # (node, GPU) whose spec drains it (GpuLayout.drain)
 

@@ -63,7 +63,7 @@ def request_for(pod: TracePod, model: GpuModel, mode: str, rule: str = "compute"
         return mig_resource_name(profile), pod.num_gpu
     if not pod.is_share:
         return WHOLE_GPU, pod.num_gpu
-    return mps_resource_name(max(1, math.ceil(pod.gpu_milli * model.memory_gb / MILLI - 1e-9))), 1
+    return mps_resource_name(max(1, math.ceil(pod.gpu_milli * model.mps_capacity_gb / MILLI - 1e-9))), 1
 
 
 def _named(pod: TracePod, model: GpuModel, mode: str) -> str:
@@ -74,9 +74,9 @@ def _named(pod: TracePod, model: GpuModel, mode: str) -> str:
             raise SimulationError(f"pod {pod.name} asks for {name!r}, not a MIG profile of {model.name} "
                                   f"({', '.join(p.name for p in model.mig_profiles)})")
         return mig_resource_name(name)
-    if size is None or not 1 <= int(size) <= model.memory_gb:
+    if size is None or not 1 <= int(size) <= model.mps_capacity_gb:
         raise SimulationError(f"pod {pod.name} asks for {name!r}: an MPS cluster of {model.name} serves "
-                              f"<N>gb slices, N in 1..{model.memory_gb}")
+                              f"<N>gb slices, N in 1..{model.mps_capacity_gb}")
     return mps_resource_name(int(size))
 
 
@@ -93,13 +93,17 @@ def held_share(model: GpuModel, mode: str, what: str, capacity: int) -> float:
 MPS_STATIC = (1, 2, 4, 8)  # mps-N layouts tried for the best static layout
 
 
-def static_contenders(model: GpuModel, mode: str) -> list[str]:
+def static_contenders(model: GpuModel, mode: str, sizes: tuple[int, ...] = ()) -> list[str]:
     """The standard static layouts the static policy can apply to this model, as
     `--static-geometry` names: mig-parted's all-balanced and all-<profile> for every profile
     (not `+me`: mig-parted's all-1g.10gb.me holds one such instance only), or in MPS mode
-    every GPU in N equal slices."""
+    every GPU in N equal slices, and for each slice size the pods ask for (`sizes`, GB) every GPU
+    in as many slices of that size as fit (`mps-<S>gb`: what an admin names in a static config,
+    e.g. 7 x 10gb on an H100's 79 GiB, where 8 equal slices of 9 GB serve no 10gb pod)."""
     if mode == "mps":
-        return [f"mps-{n}" for n in MPS_STATIC if model.memory_gb // n >= 1]
+        cap = model.mps_capacity_gb
+        return ([f"mps-{n}" for n in MPS_STATIC if cap // n >= 1]
+                + [f"mps-{s}gb" for s in sorted(set(sizes)) if 1 <= s <= cap])
     return ["all-balanced"] + [f"all-{p.name}" for p in model.mig_profiles if not p.media_extensions]
 
 
@@ -116,7 +120,8 @@ def static_layout(name: str, model: GpuModel, mode: str) -> dict[str, str]:
     - `all-<profile>` or `all-<N>g`: as many instances of that profile as fit
       (e.g. all-1g.10gb: 7 x 1g.10gb, all-7g: one 7g instance per GPU);
     - `<profile>:<count>,...`: an explicit geometry;
-    - MPS: `mps-<N>` splits every GPU into N equal slices (all-balanced: 4)."""
+    - MPS: `mps-<N>` splits every GPU into N equal slices (all-balanced: 4); `mps-<S>gb` carves
+      every GPU into as many S GB slices as fit."""
     from dynpart.mig import place_counts  # the MIG rules, not planning logic
 
     if mode == "mps":
@@ -124,7 +129,11 @@ def static_layout(name: str, model: GpuModel, mode: str) -> dict[str, str]:
             return {}
         if name.startswith("mps-") and name[4:].isdigit() and int(name[4:]) >= 1:
             return {"mps": name[4:]}
-        raise SimulationError(f"--static-geometry {name!r}: in mps mode use all-balanced or mps-N (N equal slices)")
+        size = name[4:-2] if name.startswith("mps-") and name.endswith("gb") else ""
+        if size.isdigit() and 1 <= int(size) <= model.mps_capacity_gb:
+            return {"mps_size": size}
+        raise SimulationError(f"--static-geometry {name!r}: in mps mode use all-balanced, mps-N (N equal slices) or "
+                              f"mps-<S>gb (slices of S GB, S in 1..{model.mps_capacity_gb})")
     if name == "all-balanced":
         return {}
     if name.startswith("all-"):

@@ -19,6 +19,10 @@ from dynpart.snapshot import GpuLayout, MigInstance, MpsSlice, NodeLayout
 
 CATALOG = default_catalog()
 H100 = CATALOG.resolve("H100-80GB")
+# The nominal 80 GiB for MPS tests about serving and keeping slices, in round numbers (2 x 40gb);
+# a real H100 80GB HBM3 reports 81,559 MiB, 79 GiB of slices (tests/controller/test_driver_described.py,
+# tests/agent/test_recorded_nvml.py)
+ROUND_80GIB = {"memory_mib": 80 * 1024}
 A100 = CATALOG.resolve("A100-40GB")
 NOW = datetime(2025, 3, 1, 9, 0, 0, tzinfo=UTC)
 

@@ -26,7 +26,7 @@ from dynpart.agent.podresources import FakePodResources, KubeletPodResources
 from dynpart.annotations import STATUS_ERROR, STATUS_PLAN
 from tests.agent.kubelet_double import KubeletDouble
 
-from .conftest import CATALOG, H100, NOW, mig_spec, mps_spec
+from .conftest import CATALOG, H100, NOW, ROUND_80GIB, mig_spec, mps_spec
 
 MIG_1G = "nvidia.com/mig-1g.10gb"
 
@@ -79,7 +79,7 @@ async def _rig(mig_enabled: bool = True, count: int = 2) -> AsyncIterator[Plugin
     await kubelet.start()
     try:
         async with DevicePluginManager(d, poll_s=0.05, register_timeout_s=2) as plugins:
-            yield PluginRig(FakeNvml(H100, count, mig_enabled=mig_enabled), kubelet, plugins, CheckedNodeApi(kubelet),
+            yield PluginRig(FakeNvml(H100, count, mig_enabled=mig_enabled, **ROUND_80GIB), kubelet, plugins, CheckedNodeApi(kubelet),
                             FakeNodePods(), FakeMpsDaemon())
     finally:
         await kubelet.stop()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dynpart.annotations import SPEC_MODE, SPEC_PLAN, decode_status
 
-from .conftest import H100, Rig, make_rig, mps_spec
+from .conftest import H100, ROUND_80GIB, Rig, make_rig, mps_spec
 
 
 def mps_rig(count: int = 2, **kw) -> Rig:
-    return make_rig(H100, count, mig_enabled=False, **kw).with_plugins()
+    return make_rig(H100, count, mig_enabled=False, **{**ROUND_80GIB, **kw}).with_plugins()
 
 
 def advertised(rig: Rig) -> dict[str, list[str]]:
@@ -46,7 +46,7 @@ async def test_used_slices_are_kept():
     assert len(advertised(rig)["nvidia.com/gpu-20gb"]) == 1 and len(advertised(rig)["nvidia.com/gpu-40gb"]) == 1
     assert any("2 x 10gb slice(s) are in use by pods but the spec has 0" in e for e in report.errors)
     assert any("a 20gb slice does not fit" in e for e in report.errors)
-    status = decode_status(rig.node_api.annotations, H100)
+    status = decode_status(rig.node_api.annotations, H100, capacity=80)
     assert [(s.size, s.used) for s in status.layout.gpus[0].mps] == [(40, False), (20, False), (10, True), (10, True)]
 
 
@@ -91,10 +91,10 @@ async def test_a_drained_gpu_loses_each_slice_as_it_frees():
     rig.node_api.set_annotations({**mps_spec({0: [40, 20, 20], 1: [40, 40]}, plan="m2"), "dynpart.io/spec-drain": "0"})
     report = await rig.agent().reconcile_once()
     assert report.plan_id == "m2"
-    status = decode_status(rig.node_api.annotations, H100)
+    status = decode_status(rig.node_api.annotations, H100, capacity=80)
     by_gpu = {g.index: [(s.size, s.used) for s in g.mps] for g in status.layout.gpus}
     assert by_gpu[0] == [(40, True)] and by_gpu[1] == [(40, False), (40, False)]
     rig.pods.release("ns/a")
     await rig.agent().reconcile_once()
-    status = decode_status(rig.node_api.annotations, H100)
+    status = decode_status(rig.node_api.annotations, H100, capacity=80)
     assert [g.index for g in status.layout.gpus] == [1]

@@ -126,7 +126,7 @@ async def test_mps_slices_never_add_up_to_more_than_nvml_memory():
     await rig.agent.reconcile_once()
     pods = [pod(f"m-{k}", {"nvidia.com/gpu-10gb": "1"}) for k in range(8)]
     view, result, report = await rig.plan_and_apply(pods)
-    assert view.catalog.resolve(view.snapshot.nodes[0].gpu_model).memory_gb == 79
+    assert view.catalog.resolve(view.snapshot.nodes[0].gpu_model).mps_capacity_gb == 79
     assert result.stats.placed == 7 and len(result.unplaced) == 1
     sizes = [s.size for layout in result.layouts for g in layout.gpus for s in g.mps]
     assert sum(sizes) * 1024 <= 81_559 and report.errors == []

@@ -104,7 +104,7 @@ def capacity_used() -> dict[str, float]:
             gb += kind.size * n
     return {"mig_compute": round(compute / (mig_gpus * model.compute_slices), 3),
             "mig_memory": round(memory / (mig_gpus * model.memory_slices), 3),
-            "mps_memory": round(gb / (mps_gpus * model.memory_gb), 3)}
+            "mps_memory": round(gb / (mps_gpus * model.mps_capacity_gb), 3)}
 
 
 def offline_plan() -> dict[str, float]:

@@ -27,7 +27,7 @@ def small_instance(seed: int, max_nodes: int = 4, max_gpus: int = 8, max_pods: i
                 gpus.append(Gpu(index=i, mig=[MigInstance(profile=pl.profile, start=pl.start, used=rng.random() < 0.5)
                                               for pl in sorted(geom, key=lambda pl: pl.start)]))
             else:
-                slices, left = [], model.memory_gb
+                slices, left = [], model.mps_capacity_gb
                 while left > 4 and rng.random() < 0.6:
                     size = rng.randint(1, left // 2)
                     slices.append(MpsSlice(size=size, used=rng.random() < 0.5))
@@ -37,7 +37,7 @@ def small_instance(seed: int, max_nodes: int = 4, max_gpus: int = 8, max_pods: i
                           cpu_milli_free=rng.choice([4000, 16000, 64000]), memory_mib_free=rng.choice([16384, 262144]),
                           labels={"pool": rng.choice(["a", "b"])}))
     models_here = sorted({nd.gpu_model for nd in nodes if nd.mode == "mig"})
-    mps_caps = [catalog.models[nd.gpu_model].memory_gb for nd in nodes if nd.mode == "mps"]
+    mps_caps = [catalog.models[nd.gpu_model].mps_capacity_gb for nd in nodes if nd.mode == "mps"]
     pods = []
     for p in range(rng.randint(1, max_pods)):
         if models_here and (not mps_caps or rng.random() < 0.7):

@@ -33,20 +33,20 @@ def test_resource_that_is_not_a_slice():
 
 def test_slice_bigger_than_the_gpu():
     snap = Snapshot(nodes=[_node(mode="mps", gpus=[Gpu(index=0, mps=[MpsSlice(size=100, used=True)])])])
-    with pytest.raises(SnapshotError, match=r"gpus\[0\]\.mps\[0\]\.size = 100: slice bigger than the GPU \(capacity 80\)"):
+    with pytest.raises(SnapshotError, match=r"gpus\[0\]\.mps\[0\]\.size = 100: slice bigger than the GPU \(capacity 79\)"):
         plan(snap)
 
 
 def test_slices_adding_up_past_capacity():
     snap = Snapshot(nodes=[_node(mode="mps", gpus=[Gpu(index=0, mps=[MpsSlice(size=50), MpsSlice(size=40)])])])
-    with pytest.raises(SnapshotError, match="add up to 90, more than the GPU's capacity 80"):
+    with pytest.raises(SnapshotError, match="add up to 90, more than the GPU's capacity 79"):
         plan(snap)
 
 
 def test_pod_asking_for_more_than_any_gpu_is_unplaced_with_a_reason_not_an_error():
     snap = Snapshot(nodes=[_node(mode="mps")], pending=[PendingPod(name="ns/a", resource="nvidia.com/gpu-200gb")])
     p = plan(snap)
-    assert p.unplaced[0].reason == "a 200 slice is bigger than every MPS GPU (largest 80)"
+    assert p.unplaced[0].reason == "a 200 slice is bigger than every MPS GPU (largest 79)"
 
 
 @pytest.mark.parametrize("field,value,message", [

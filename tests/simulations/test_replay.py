@@ -33,7 +33,7 @@ def _holds(result):
 def _check_invariants(result, catalog, model="H100-80GB"):
     assert result.used_slices_disrupted == 0 and result.plans_rejected == 0
     rules = MigRules.of(catalog.resolve(model))
-    cap = catalog.resolve(model).memory_gb
+    cap = catalog.resolve(model).mps_capacity_gb
     for (node, gpu), holds in _holds(result).items():
         for i, (a0, a1, what_a, pa) in enumerate(holds):
             for b0, b1, what_b, pb in holds[i + 1:]:
@@ -142,12 +142,25 @@ def test_mapping_rules(catalog):
     assert mig_profile_for(h100, 810) == "7g.80gb"
     assert mig_profile_for(h100, 200, "memory") == "1g.20gb"  # 2/8 memory slices, 1 compute
     assert request_for(pod("w", gpus=2), h100, "mig") == ("nvidia.com/mig-7g.80gb", 2)
-    assert request_for(pod("s", milli=470), h100, "mps") == ("nvidia.com/gpu-38gb", 1)  # ceil(0.47 x 80)
+    assert request_for(pod("s", milli=470), h100, "mps") == ("nvidia.com/gpu-38gb", 1)  # ceil(0.47 x 79)
     assert request_for(pod("w", gpus=4), h100, "mps") == ("nvidia.com/gpu", 4)
     assert static_layout("all-7g", h100, "mig") == {"H100-80GB": "7g.80gb:1"}
     assert static_layout("mps-2", h100, "mps") == {"mps": "2"}
     with pytest.raises(SimulationError):
         static_layout("all-9g", h100, "mig")
+
+
+def test_static_slices_of_one_size_fill_what_an_h100_holds(catalog):
+    """mps-10gb on an H100 (79 GiB, what its driver reports): 7 slices of 10 GB, so 7 of 8 pods
+    that run together are placed; 8 equal slices (mps-8) are 9 GB each and serve none of them."""
+    h100 = catalog.resolve("H100-80GB")
+    pods = [pod(f"p{i}", t0=0, t1=1000) for i in range(8)]
+    pods = [replace(p, slice_name="10gb") for p in pods]
+    spec = cluster(("n1", 64_000, 1, "H100-80GB"))
+    for name, placed in (("mps-10gb", 7), ("mps-8", 0)):
+        opts = ReplayOptions(policy="static", static_layout=tuple(static_layout(name, h100, "mps").items()))
+        result = run_replay(pods, spec, catalog, opts)
+        assert sum(1 for r in result.runs if r.start is not None and r.start < 1000) == placed, name
 
 
 def test_percentile():

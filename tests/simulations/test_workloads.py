@@ -148,6 +148,11 @@ def test_static_contenders(catalog):
     assert mig == ["all-balanced", "all-1g.10gb", "all-1g.20gb", "all-2g.20gb", "all-3g.40gb", "all-4g.40gb",
                    "all-7g.80gb"]
     assert static_contenders(h100, "mps") == ["mps-1", "mps-2", "mps-4", "mps-8"]
+    # slices of the sizes pods ask for, as many as fit an H100's 79 GiB (not the ones bigger than it)
+    assert static_contenders(h100, "mps", (10, 40, 90)) == ["mps-1", "mps-2", "mps-4", "mps-8", "mps-10gb", "mps-40gb"]
+    assert static_layout("mps-10gb", h100, "mps") == {"mps_size": "10"}
+    with pytest.raises(SimulationError, match="mps-<S>gb"):
+        static_layout("mps-80gb", h100, "mps")
     for name in mig:
         static_layout(name, h100, "mig")
     assert static_fits("all-balanced", "mps") and static_fits("all-7g", "mig") and not static_fits("all-7g", "mps")
@@ -196,7 +201,8 @@ def test_simulate_default_workload_end_to_end(capsys, tmp_path):
         assert [p["policy"] for p in policies] == ["dynpart", "nos", "static"]
         assert all(p["used_slices_disrupted"] == 0 for p in policies)
         cands = part["static_contenders"]
-        assert len(cands) == (7 if part["part"] == "mig" else 4)
+        # MPS: 4 equal splits and one layout per slice size the pods ask for (10, 20, 40 GB)
+        assert len(cands) == (7 if part["part"] == "mig" else 7)
         # the reported static layout is the candidate with the lowest mean pending time
         best = min(cands, key=lambda c: (c["mean_pending_s"], c["p95_pending_s"], c["never_placed"]))
         assert part["best_static"] == best["geometry"] == policies[2]["static_geometry"]
