@@ -32,6 +32,7 @@ from typing import Any
 
 from dynpart.catalog import Catalog, GpuModel, load_catalog
 from dynpart.errors import DynpartError
+from dynpart.resources import MpsResource, parse_resource
 from dynpart.settings import PlannerSettings, default_planner_settings, load_settings
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs import command_line, workloads
@@ -138,9 +139,9 @@ def _statics(forced: str | None, model: GpuModel, mode: str, trace: PodTrace) ->
     if mode == "mps":  # the slice sizes the pods ask for, as the replay maps them
         for pod in trace.pods:
             if pod.num_gpu:
-                resource, _ = request_for(pod, model, mode)
-                if resource.startswith("nvidia.com/gpu-") and resource.endswith("gb"):
-                    sizes.add(int(resource[len("nvidia.com/gpu-"):-2]))
+                request = parse_resource(request_for(pod, model, mode)[0])
+                if isinstance(request, MpsResource):
+                    sizes.add(request.size)
     names = [forced] if forced else static_contenders(model, mode, tuple(sorted(sizes)))
     for n in names:
         static_layout(n, model, mode)  # a bad name is an error before anything runs
