@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+from pydantic import ValidationError
+
 from dynpart.agent.driver.interface import DeviceInfo, GpuDriver, GpuDriverError
 from dynpart.capability import GpuKind, GpuReport, MigState, NodeCapability, ProfileCapability
 from dynpart.catalog import MIG_PROFILE_PATTERN, Catalog
@@ -49,9 +51,12 @@ def read_profiles(driver: GpuDriver, index: int, catalog: Catalog, product: str,
         if len(sizes) != 1:
             problems.append(f"GPU {index}: {name}: placements of sizes {sorted(sizes)}; not planned")
             continue
-        out.append(ProfileCapability(name=name, id=info.profile_id, nvml=info.nvml or "UNKNOWN", compute=info.slices,
-                                     memory=sizes.pop(), max=info.instance_count,
-                                     starts=tuple(sorted({s for s, _ in placements}))))
+        try:
+            out.append(ProfileCapability(name=name, id=info.profile_id, nvml=info.nvml or "UNKNOWN",
+                                         compute=info.slices, memory=sizes.pop(), max=info.instance_count,
+                                         starts=tuple(sorted({s for s, _ in placements}))))
+        except ValidationError as e:
+            problems.append(f"GPU {index}: {name}: the driver's values are not usable ({_first(e)}); not planned")
     return sorted(out, key=lambda p: (p.memory, p.compute, p.name))
 
 
@@ -77,8 +82,21 @@ def read_capability(driver: GpuDriver, catalog: Catalog) -> tuple[NodeCapability
     gpus: list[GpuReport] = []
     for d in sorted(devices, key=lambda d: d.index):
         profiles = read.get((d.name, d.memory_mib), ())
-        kind = GpuKind(product=d.name[:96], memory_mib=d.memory_mib,
-                       memory_slices=max((s + p.memory for p in profiles for s in p.starts), default=0),
-                       compute_slices=max((p.compute for p in profiles), default=0), profiles=profiles)
+        try:
+            kind = GpuKind(product=d.name[:96], memory_mib=d.memory_mib,
+                           memory_slices=max((s + p.memory for p in profiles for s in p.starts), default=0),
+                           compute_slices=max((p.compute for p in profiles), default=0), profiles=profiles)
+        except ValidationError as e:  # e.g. no product name: nothing to plan this node with
+            raise DynpartError(f"GPU {d.index} ({d.name!r}, {d.memory_mib} MiB): the driver's description is not "
+                               f"usable ({_first(e)})") from None
         gpus.append(GpuReport(kind=kinds.setdefault(kind, len(kinds)), mig=mig_state(d)))
-    return NodeCapability(kinds=tuple(kinds), gpus=tuple(gpus)), problems
+    try:
+        return NodeCapability(kinds=tuple(kinds), gpus=tuple(gpus)), problems
+    except ValidationError as e:
+        raise DynpartError(f"the node's GPUs cannot be described ({_first(e)})") from None
+
+
+def _first(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"])
+    return f"{where}: {err['msg']}" if where else err["msg"]

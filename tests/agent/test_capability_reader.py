@@ -4,9 +4,13 @@ lists profiles only in MIG mode; real H100s and H200s on driver 580 list them in
 
 from __future__ import annotations
 
+import pytest
+
 from dynpart.agent.capability_reader import read_capability
 from dynpart.agent.driver.fake import FakeNvml
+from dynpart.agent.nvml_probe import probe
 from dynpart.catalog import load_catalog
+from dynpart.errors import DynpartError
 
 CATALOG = load_catalog([])
 H100 = CATALOG.resolve("H100-80GB")
@@ -39,3 +43,12 @@ def test_a_driver_listing_profiles_with_mig_off_is_asked_once():
     driver = _Counting(H100, 2, mig_enabled=False)
     capability, _ = read_capability(driver, CATALOG)
     assert driver.asked == [0] and len(capability.kinds[0].profiles) == len(H100.mig_profiles)
+
+
+def test_a_gpu_without_a_product_name_is_a_clear_error_not_a_crash():
+    driver = FakeNvml(H100, 1)
+    driver.name = ""  # NVML gave an empty name buffer
+    with pytest.raises(DynpartError, match=r"GPU 0 \(''.*the driver's description is not usable \(product: "):
+        read_capability(driver, CATALOG)
+    report = probe(driver, CATALOG)  # the probe says so and goes on
+    assert not report.ok and "not usable" in report.mismatches[0]

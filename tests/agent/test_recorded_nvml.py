@@ -10,6 +10,7 @@ and on a stand-in C library (tests/agent/nvml_c_double.py) for MIG mode on."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -126,9 +127,10 @@ def test_the_probe_prints_on_the_recording_what_it_printed_on_the_gpu(recorded):
     report = probe(driver, CATALOG)
     assert report.ok, report.mismatches
     # what the driver said (versions, the GPU, each profile) as printed there; the line naming the
-    # model the node is planned with is the planner's conclusion, which may improve since
+    # model the node is planned with is the planner's conclusion, which may improve after a recording
     said = [line for line in report.lines if not line.startswith("planned as ")]
     assert said == [line for line in recording.meta["probe"] if not line.startswith("planned as ")]
+    assert len(said) == 9  # versions, the GPU, 7 profiles
     assert sum("  planned" in line for line in report.lines) == 7
     _, _, model, capacity = RECORDED[stem]
     assert f"planned as {model}, the catalog's: 7 MIG profiles, MPS capacity {capacity} GB" in report.lines
@@ -238,7 +240,8 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st
                      max_leaves=8)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("DYNPART_PROPERTY_EXAMPLES", "150")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_damaged_recording_is_refused_or_replayed_never_crashes(data):
     """Bad input: any one field of any one call changed. The replay either works, or stops with a
