@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from dynpart.agent.driver.interface import DeviceInfo, GpuDriver, GpuDriverError
 from dynpart.capability import GpuKind, GpuReport, MigState, NodeCapability, ProfileCapability
 from dynpart.catalog import MIG_PROFILE_PATTERN, Catalog
-from dynpart.errors import DynpartError
+from dynpart.errors import DynpartError, first_problem
 
 _DRIVER_NAME = re.compile(rf"(?:MIG )?({MIG_PROFILE_PATTERN})")
 
@@ -56,7 +56,7 @@ def read_profiles(driver: GpuDriver, index: int, catalog: Catalog, product: str,
                                          compute=info.slices, memory=sizes.pop(), max=info.instance_count,
                                          starts=tuple(sorted({s for s, _ in placements}))))
         except ValidationError as e:
-            problems.append(f"GPU {index}: {name}: the driver's values are not usable ({_first(e)}); not planned")
+            problems.append(f"GPU {index}: {name}: the driver's values are not usable ({first_problem(e)}); not planned")
     return sorted(out, key=lambda p: (p.memory, p.compute, p.name))
 
 
@@ -88,15 +88,10 @@ def read_capability(driver: GpuDriver, catalog: Catalog) -> tuple[NodeCapability
                            compute_slices=max((p.compute for p in profiles), default=0), profiles=profiles)
         except ValidationError as e:  # e.g. no product name: nothing to plan this node with
             raise DynpartError(f"GPU {d.index} ({d.name!r}, {d.memory_mib} MiB): the driver's description is not "
-                               f"usable ({_first(e)})") from None
+                               f"usable ({first_problem(e)})") from None
         gpus.append(GpuReport(kind=kinds.setdefault(kind, len(kinds)), mig=mig_state(d)))
     try:
         return NodeCapability(kinds=tuple(kinds), gpus=tuple(gpus)), problems
     except ValidationError as e:
-        raise DynpartError(f"the node's GPUs cannot be described ({_first(e)})") from None
+        raise DynpartError(f"the node's GPUs cannot be described ({first_problem(e)})") from None
 
-
-def _first(e: ValidationError) -> str:
-    err = e.errors()[0]
-    where = ".".join(str(x) for x in err["loc"])
-    return f"{where}: {err['msg']}" if where else err["msg"]

@@ -32,7 +32,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dynpart.catalog import MIG_PROFILE_PATTERN, Catalog, GpuModel, MigProfile
-from dynpart.errors import DynpartError
+from dynpart.errors import DynpartError, field_path
 
 CAPABILITY_VERSION = 1
 # 8 GPUs of one kind with 20 profiles take about 1.5 KB; a node of 16 GPUs of 4 kinds, 6 KB.
@@ -152,10 +152,6 @@ def encode_capability(cap: NodeCapability) -> str:
     return json.dumps(wire, separators=(",", ":"))
 
 
-def _loc(loc: tuple[int | str, ...]) -> str:
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-
-
 @lru_cache(maxsize=1024)  # the planner reads every node's report each round; most never change
 def decode_capability(text: str) -> NodeCapability:
     """The report in an annotation value; CapabilityError naming the field when it is not one."""
@@ -185,7 +181,7 @@ def decode_capability(text: str) -> NodeCapability:
         err = e.errors()[0]
         shown = repr(err.get("input"))
         value = f" = {shown if len(shown) <= 60 else shown[:57] + '...'}" if not isinstance(err.get("input"), dict) else ""
-        where = f"{_loc(err['loc'])}{value}: " if err["loc"] else ""
+        where = f"{field_path(err['loc'])}{value}: " if err["loc"] else ""
         raise CapabilityError(f"capability report: {where}{err['msg'].removeprefix('Value error, ')}") from None
 
 

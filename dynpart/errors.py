@@ -1,5 +1,23 @@
 """Errors raised for bad input. Each message names the field and the value that was wrong."""
 
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as a field path: `nodes[0].gpus[1].mps`."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def first_problem(e: ValidationError) -> str:
+    """The first error of a validation, `path: message`, for a one-line error."""
+    err = e.errors()[0]
+    return f"{field_path(err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
+
 
 class DynpartError(Exception):
     """Base class: a user-facing error, printed in one line by the CLI (no traceback)."""

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dynpart.catalog import Catalog, GpuModel
-from dynpart.errors import DynpartError, ResourceNameError, SnapshotError
+from dynpart.errors import DynpartError, ResourceNameError, SnapshotError, field_path
 from dynpart.mig import MigRules
 from dynpart.resources import MigResource, parse_resource
 from dynpart.scheduling import NodeSelectorTerm, Taint, Toleration
@@ -217,20 +217,13 @@ def full_layout(node: Node, planned: NodeLayout | None) -> NodeLayout:
 # --- validation -----------------------------------------------------------------------------
 
 
-def _loc(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def parse_snapshot(data: object) -> Snapshot:
     """Validate raw data (e.g. parsed JSON/YAML) into a Snapshot; errors name field and value."""
     try:
         return Snapshot.model_validate(data)
     except ValidationError as e:
         raise SnapshotError(
-            [f"{_loc(err['loc'])} = {err.get('input')!r}: {err['msg']}" for err in e.errors()]
+            [f"{field_path(err['loc'])} = {err.get('input')!r}: {err['msg']}" for err in e.errors()]
         ) from None
 
 
