@@ -16,7 +16,8 @@ asking for 10/20/40 GB), Poisson arrivals, log-normal run times. Give your own p
 --workload key=value,... or --workload FILE.yaml.
 
 The static policy is the best standard layout for the workload: every layout of mig-parted's
-standard set (all-balanced, all-<profile>; MPS: mps-1/2/4/8) is replayed and the one with the
+standard set (all-balanced, all-<profile>; MPS: mps-1/2/4/8, and mps-<S>gb, as many S GB slices
+as fit, for each slice size the pods ask for) is replayed and the one with the
 lowest mean pending time is reported, named; --static-geometry forces one.
 """
 
