@@ -9,8 +9,10 @@ carved) stops existing: `SliceGuard`, shared by the MIG and MPS passes.
    chose the device just before the kubelet read the new list still calls Allocate, which the
    plugin serves and records).
 3. Re-check: a fresh PodResources list and the plugin's record of Allocate calls; a device found
-   in use is advertised again (readmitted) and kept, the others are sealed (Allocate refuses them)
-   and may be destroyed.
+   in use is advertised again (readmitted) and kept. The bound pods are read again too: until the
+   lower allocatable reached the scheduler, it could bind more pods for these devices (1 was read
+   before the withdrawal), and a device they need is readmitted. The others are sealed (Allocate
+   refuses them) and may be destroyed.
 
 Without the built-in plugin (NVIDIA's), only 1 applies: nothing can be withdrawn.
 """
@@ -31,6 +33,12 @@ from dynpart.agent.podresources import PodResources
 class Released:
     destroyable: list[str] = field(default_factory=list)  # withdrawn, re-checked unused, sealed
     in_use: dict[str, list[str]] = field(default_factory=dict)  # device id -> who took it (readmitted)
+    # device id -> why: pods bound while it was being withdrawn need it (readmitted)
+    needed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kept(self) -> set[str]:
+        return set(self.in_use) | set(self.needed)
 
 
 class SliceGuard:
@@ -69,10 +77,11 @@ class SliceGuard:
             free = {r: [i for i in ids if i in listed] for r, ids in free.items()}
         return to_keep(candidates, free, needs)
 
-    async def release(self, ids: Iterable[str]) -> Released:
-        """Withdraw, wait, re-check: see the module doc. Without the built-in plugin every id is
+    async def release(self, candidates: Mapping[str, str], free: Mapping[str, Iterable[str]] | None = None) -> Released:
+        """Withdraw, wait, re-check: see the module doc. `candidates`: device id -> resource;
+        `free`: resource -> free devices (as for `keep`). Without the built-in plugin every id is
         returned destroyable (the caller's own in-use checks still apply)."""
-        ids = list(dict.fromkeys(ids))
+        ids = list(dict.fromkeys(candidates))
         if not ids:
             return Released()
         if self.plugins is None:
@@ -83,10 +92,12 @@ class SliceGuard:
             await self.on_withdrawn()
         if self.settle_s > 0:
             await asyncio.sleep(self.settle_s)
+        assigned = await self.pods.list()
         holders: dict[str, list[str]] = {}
-        for a in await self.pods.list():
+        for a in assigned:
             holders.setdefault(a.device_id, []).append(f"pod {a.pod}")
         out = Released()
+        unused: dict[str, str] = {}
         for i in ids:
             users = list(dict.fromkeys(holders.get(i, [])))
             last = self.plugins.last_allocated(i)
@@ -95,11 +106,26 @@ class SliceGuard:
             if users:
                 out.in_use[i] = users
             else:
-                out.destroyable.append(i)
-        if out.in_use:
-            await self.plugins.readmit(*out.in_use)
+                unused[i] = candidates[i]
+        if unused and self.node_pods is not None:
+            bound = await self.node_pods.bound()
+            needs = waiting_for(bound, assigned) if bound else {}
+            if needs:
+                listed = self.advertised() or set()
+                held = set(holders)
+                now_free = {r: [i for i in devs if (i in listed or i in unused) and i not in held]
+                            for r, devs in (free or {}).items()}
+                for r in set(unused.values()):
+                    now_free.setdefault(r, [])
+                    now_free[r] += [i for i, res in unused.items() if res == r and i not in now_free[r]]
+                out.needed = to_keep(unused, now_free, needs)
+        out.destroyable = [i for i in unused if i not in out.needed]
+        # sealed before anything is readmitted: an Allocate that lands while the kubelet reads the
+        # readmitted lists must not get a device about to be destroyed
         if out.destroyable:
             self.plugins.seal(*out.destroyable)
+        if out.kept:
+            await self.plugins.readmit(*out.kept)
         return out
 
     async def restore(self, ids: Iterable[str]) -> None:

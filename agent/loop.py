@@ -86,7 +86,6 @@ class Agent:
                  publish_allocatable: bool = True, plugin_pods: PluginPods | None = None,
                  withdraw_settle_s: float = 0.5, retry_s: float = 0.5):
         self.node = node
-        # the built-in device plugin (started and closed by the caller); None: NVIDIA's plugin
         # the built-in device plugin (started and closed by the caller): it serves the node's devices,
         # except on a MIG node when NVIDIA's plugin does (`plugin_pods`); MPS nodes need it
         self.plugins = plugins
@@ -188,6 +187,7 @@ class Agent:
             # never more than the memory NVML reports (the model's MPS capacity is derived from it)
             capacity = min(self.capacity_gb or model.mps_capacity_gb, model.mps_capacity_gb)
             self._capacity = capacity
+            await self._readmit_leftovers()
             spec = decode_spec(node.annotations, model, node=self.node, capacity=capacity)
             layout = spec.layout
             fenced = await self._fenced(spec, node)
@@ -210,7 +210,9 @@ class Agent:
                     self._mig = MigAgent(self.driver, self.pods, model, guard=self.guard)
                 desired_mig = None if layout is None else {g.index: [(m.profile, m.start) for m in g.mig]
                                                            for g in layout.gpus}
+                left_errors = await self._leave_mps() if layout is not None else []
                 result = await self._mig.apply(desired_mig, spec.drain)
+                result.errors[:0] = left_errors
             else:
                 if self.plugins is None:
                     raise DynpartError("this node is in MPS mode, whose slices only the agent's own device plugin "
@@ -270,6 +272,43 @@ class Agent:
                         if x.used == (state == "used")) if m == mode else 0
                 metrics.SLICES.labels(m, state).set(n)
         return PassReport(mode, _valid_or_none(ack), errors, status, waiting=waiting)
+
+    async def _leave_mps(self) -> list[str]:
+        """On a node switched from MPS to MIG: the MPS slices left go as the spec's removed slices
+        do (withdrawn, re-checked, kept for pods bound and not yet admitted). Those in use or kept
+        stay served, with the MPS daemon, and their GPU counts as in use for MIG (`mps_left`)
+        until they are gone."""
+        assert self._mig is not None
+        mps = self._mps_plugin
+        if mps is None or not any(mps.live.values()):
+            self._mig.mps_left = {}
+            return []
+        result = await mps.apply({}, ())
+        if not any(mps.live.values()):
+            await mps.stop_daemon()
+        self._mig.mps_left = {g.index: [f"MPS slice {s.size}gb ({'in use' if s.used else 'kept'})" for s in g.mps]
+                              for g in result.gpus if g.mps}
+        return [f"leaving MPS mode: {e}" for e in result.errors]
+
+    async def _readmit_leftovers(self) -> None:
+        """A pass ends with nothing withdrawn (each withdrawn device destroyed, or readmitted), unless
+        it stopped between a withdrawal and the destroy (a PodResources or NVML call failing): then
+        the device would stay hidden and sealed for good while the status reports it free. The
+        lists are made again from what exists (what was destroyed leaves them), then the rest is
+        advertised again."""
+        if self.plugins is None or not self.plugins.withdrawn:
+            return
+        if self._builtin:
+            try:
+                await self.plugins.update(advertise(self.views()))
+            except DeviceListError as e:  # lists not refreshed: a destroyed device could come back
+                log.warning("node %s: withdrawn devices stay withdrawn this pass: %s", self.node, e)
+                return
+        left = sorted(self.plugins.withdrawn)
+        if left:
+            log.warning("node %s: advertising again devices a stopped pass left withdrawn: %s", self.node,
+                        ", ".join(left))
+            await self.plugins.readmit(*left)
 
     # --- what the kubelet sees -------------------------------------------------------------------
 

@@ -69,10 +69,18 @@ class MigAgent:
         self.model = model
         self._by_id = {p.gi_profile_id: p for p in model.mig_profiles}
         self._catalog_problems: list[str] | None = None  # checked once, on the first GPU in MIG mode
+        # GPU index -> the MPS slices it still carries from MPS mode (set by the agent before each
+        # pass): such a GPU counts as in use, so MIG mode is not enabled under them
+        self.mps_left: dict[int, list[str]] = {}
 
     async def observe(self) -> _Observed:
         devices = self.driver.devices()
         holders = pods_by_device(await self.pods.list())
+        # MPS slices a GPU still carries (from MPS mode) hold it as a pod holding it whole does
+        for device_id in list(holders):
+            base, sep, _ = device_id.partition("::")
+            if sep:
+                holders.setdefault(base, []).extend(p for p in holders[device_id] if p not in holders[base])
         states: list[MigGpuState] = []
         raw: dict[tuple[int, int], GpuInstanceInfo] = {}
         for d in devices:
@@ -89,6 +97,7 @@ class MigAgent:
                                               gi.size, bool(gi.compute_instances), tuple(gi_users)))
             else:
                 users = [f"pid {p}" for p in self.driver.processes(d.index)] + users
+                users += [u for u in self.mps_left.get(d.index, ()) if u not in users]
             states.append(MigGpuState(d.index, d.mig_current, d.mig_pending and not d.mig_current,
                                       tuple(instances), tuple(users)))
         return _Observed(devices, states, raw)
@@ -110,8 +119,10 @@ class MigAgent:
         return users
 
     async def _gpu_users(self, device: DeviceInfo) -> list[str]:
-        users = [f"pid {p}" for p in self.driver.processes(device.index)]
-        return users + [f"pod {p}" for p in pods_by_device(await self.pods.list()).get(device.uuid, [])]
+        users = [f"pid {p}" for p in self.driver.processes(device.index)] + list(self.mps_left.get(device.index, ()))
+        held = pods_by_device(await self.pods.list())
+        return users + [f"pod {p}" for d, pods in held.items() if d == device.uuid or d.startswith(device.uuid + "::")
+                        for p in pods]
 
     async def apply(self, desired: dict[int, list[tuple[str, int]]] | None, drain: tuple[int, ...] = ()) -> PassResult:
         """One pass. `desired` None: no spec, observe only. `drain`: GPUs whose idle instances go
@@ -249,10 +260,12 @@ class MigAgent:
         kept = await self.guard.keep(candidates, free)
         for device, why in kept.items():
             errors.append(f"{labels[device]} {why}; the plan's change of that GPU waits until they are admitted")
-        released = await self.guard.release(i for i in candidates if i not in kept)
+        released = await self.guard.release({i: r for i, r in candidates.items() if i not in kept}, free)
         for device, users in released.in_use.items():
             errors.append(f"{labels[device]} was taken ({', '.join(users)}) just before {when}; kept")
             metrics.IN_USE_KEPT.inc()
+        for device, why in released.needed.items():
+            errors.append(f"{labels[device]} {why}; the plan's change of that GPU waits until they are admitted")
         return set(released.destroyable), errors
 
     async def _restore(self, device_id: str | None) -> None:

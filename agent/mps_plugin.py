@@ -8,6 +8,9 @@ advertises (`nvidia.com/gpu-<N>gb`, device id `<GPU UUID>::<n>`); no ConfigMap, 
   only then dropped (`SliceGuard`). After an agent restart the slices pods hold are found again
   from PodResources; the spec (still on the node) gives the rest.
 - A GPU a pod holds whole is not shared until it is free; GPUs in MIG mode get no MPS slices.
+  A GPU without slices is advertised whole (`nvidia.com/gpu`): slicing it ends that device, so it
+  is guarded as a removed slice is (a pod bound for a whole GPU keeps it whole, one that took it
+  meanwhile too).
 - The MPS control daemon (`MpsDaemon`) runs for the node's non-MIG GPUs while any GPU has
   slices; when it cannot run, the slices are listed Unhealthy (the kubelet gives them to no
   pod) and the error says why.
@@ -67,6 +70,7 @@ class MpsPluginAgent:
         self.log_dir = log_dir
         self.live: dict[int, Slices] = {}  # GPU index -> its slices, as advertised
         self.daemon_error: str | None = None
+        self._daemon_gpus: list[str] | None = None  # the GPUs the daemon was last made to run for
 
     def view(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(sizes, numbers) of GPU `index`'s slices, for its GpuView."""
@@ -109,7 +113,7 @@ class MpsPluginAgent:
         for d in devices:
             if d.mig_current and d.index not in used:
                 self.live.pop(d.index, None)
-        errors += await self._daemon([d.uuid for d in devices if not d.mig_current])
+        errors += await self._daemon([d.uuid for d in devices if not d.mig_current], in_use=bool(used))
         gpus = []
         for d in devices:
             held = used.get(d.index, {})
@@ -129,9 +133,12 @@ class MpsPluginAgent:
                 errors.append(f"GPU {d.index} is held whole by {', '.join(whole[d.index])}; "
                               "its slices are configured once it is free")
         wanted = {i: s for i, s in desired.items() if i in shareable or i not in uuid}
+        # GPUs left whole this pass: a pod bound for `nvidia.com/gpu` needs one, or took it meanwhile
+        whole_kept: set[int] = set()
 
         def plan(fixed: dict[int, Slices]) -> tuple[dict[int, Slices], list[str]]:
-            sizes, problems = reconcile_mps(wanted, {g: Counter(f.values()) for g, f in fixed.items()}, shareable,
+            sizes, problems = reconcile_mps({i: s for i, s in wanted.items() if i not in whole_kept},
+                                            {g: Counter(f.values()) for g, f in fixed.items()}, shareable,
                                             self.capacity_gb)
             new = {g: assign_slices(sizes.get(g, []), fixed.get(g, {}), self.live.get(g, {})) for g in shareable}
             for g, f in fixed.items():  # held slices on a GPU not shareable now stay listed
@@ -140,10 +147,19 @@ class MpsPluginAgent:
             return new, problems
 
         def removed(new: dict[int, Slices]) -> dict[str, str]:
-            return {mps_device_id(uuid[g], n): mps_resource_name(s) for g, slices in self.live.items() if g in uuid
-                    for n, s in slices.items() if new.get(g, {}).get(n) != s}
+            """Devices the new slices end: free slices dropped, and whole GPUs (advertised as
+            `nvidia.com/gpu` while they have no slice) that get slices: guarded alike."""
+            out = {mps_device_id(uuid[g], n): mps_resource_name(s) for g, slices in self.live.items() if g in uuid
+                   for n, s in slices.items() if new.get(g, {}).get(n) != s}
+            out.update({uuid[g]: WHOLE_GPU for g in shareable if not self.live.get(g) and new.get(g)})
+            return out
 
-        free: dict[str, list[str]] = {}
+        gpu_of = {u: g for g, u in uuid.items()}
+
+        def label(device: str) -> str:
+            return f"GPU {gpu_of[device]} (whole)" if device in gpu_of else f"MPS slice {device}"
+
+        free: dict[str, list[str]] = {WHOLE_GPU: [uuid[g] for g in shareable if not self.live.get(g)]}
         for g, slices in self.live.items():
             for n, s in slices.items():
                 if g in uuid and mps_device_id(uuid[g], n) not in held_ids:
@@ -158,34 +174,52 @@ class MpsPluginAgent:
                 break
             kept |= more
             for i in more:
-                g = next(g for g, u in uuid.items() if i.startswith(u + "::"))
-                n = int(i.rsplit("::", 1)[1])
+                if i in gpu_of:
+                    whole_kept.add(gpu_of[i])
+                    continue
+                base, _, number = i.rpartition("::")
+                g, n = gpu_of[base], int(number)
                 fixed.setdefault(g, {})[n] = self.live[g][n]
         errors += problems
-        errors += [f"MPS slice {i} {why}; the plan's change of that GPU waits until they are admitted"
+        errors += [f"{label(i)} {why}; the plan's change of that GPU waits until they are admitted"
                    for i, why in kept.items()]
-        released = await self.guard.release(gone) if self.guard else Released(destroyable=list(gone))
-        if released.in_use:
+        released = await self.guard.release(gone, free) if self.guard else Released(destroyable=list(gone))
+        if released.kept:
             for i, users in released.in_use.items():
-                errors.append(f"MPS slice {i} was taken ({', '.join(users)}) just before it was to be removed; kept")
+                errors.append(f"{label(i)} was taken ({', '.join(users)}) just before it was to be removed; kept")
+            for i, why in released.needed.items():
+                errors.append(f"{label(i)} {why}; the plan's change of that GPU waits until they are admitted")
             # everything not released stays: recompute around it
             dropped = set(released.destroyable)
+            whole_kept.update(gpu_of[i] for i in released.kept if i in gpu_of)
             fixed = {g: {n: s for n, s in slices.items() if mps_device_id(uuid[g], n) not in dropped}
                      for g, slices in self.live.items() if g in uuid}
             for g, slices in used.items():
                 fixed.setdefault(g, {}).update(slices)
             new, _ = plan(fixed)
         for i in released.destroyable:
-            log.info("MPS slice %s removed", i)
+            log.info("%s removed", label(i))
         self.live = {g: s for g, s in new.items() if s}
         return errors
 
-    async def _daemon(self, gpus: list[str]) -> list[str]:
+    async def stop_daemon(self) -> None:
+        """The node left MPS mode and no slice is left: nothing needs the daemon."""
+        if self.daemon is not None and self._daemon_gpus is not None:
+            await self.daemon.stop()
+            self._daemon_gpus = None
+
+    async def _daemon(self, gpus: list[str], in_use: bool) -> list[str]:
         if self.daemon is None or not any(self.live.values()):
             self.daemon_error = None
             return []
+        if (in_use and self._daemon_gpus is not None and set(gpus) != set(self._daemon_gpus)
+                and await self.daemon.alive()):
+            # a GPU entered MIG mode (the node leaves MPS mode): restarting the daemon for the
+            # others would end the CUDA contexts of the pods using slices; it changes once they are gone
+            gpus = self._daemon_gpus
         try:
             await self.daemon.ensure(gpus, self.pipe_dir, self.log_dir)
+            self._daemon_gpus = list(gpus)
         except MpsDaemonError as e:
             self.daemon_error = str(e)
             return [f"MPS control daemon: {e}; the MPS slices are listed Unhealthy (not allocatable) until it runs"]

@@ -65,12 +65,14 @@ class ProfileCapability(_Strict):
     """One GPU-instance profile as the driver offers it."""
 
     name: str
-    id: int
+    id: int = Field(ge=0)
     nvml: str  # NVML_GPU_INSTANCE_PROFILE_<nvml>
-    compute: int
-    memory: int
-    max: int
-    starts: tuple[int, ...]
+    # bounded as the catalog's MigProfile is: a profile the driver describes as taking no slice,
+    # allowing no instance or no start is not one to plan with (the reader leaves it out)
+    compute: int = Field(ge=1, le=MAX_SLICES)
+    memory: int = Field(ge=1, le=MAX_SLICES)
+    max: int = Field(ge=1, le=MAX_SLICES)
+    starts: tuple[int, ...] = Field(min_length=1)
 
     def row(self) -> tuple[str, int, str, int, int, int, tuple[int, ...]]:
         return (self.name, self.id, self.nvml, self.compute, self.memory, self.max, self.starts)

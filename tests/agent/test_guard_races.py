@@ -1,0 +1,279 @@
+"""The last-moment checks against what a real node does between two reads of the agent: a pod
+bound while a device is being withdrawn, a whole GPU that an MPS plan slices, a pass that stops
+after a withdrawal, and a node switched from MPS to MIG with slices still there. The kubelet is the
+double (real gRPC on unix sockets) where admission matters, else the unserved plugin."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from dynpart.agent.guard import SliceGuard
+from dynpart.agent.podresources import FakePodResources, PodResourcesError
+
+from .conftest import ROUND_80GIB, make_rig, mig_spec, mps_spec
+from .test_agent_plugin import PluginRig, _rig, replay_exclusive
+
+MIG_1G = "nvidia.com/mig-1g.10gb"
+WHOLE = "nvidia.com/gpu"
+
+
+@pytest.fixture
+async def mig() -> AsyncIterator[PluginRig]:
+    async for r in _rig(count=1):
+        yield r
+
+
+@pytest.fixture
+async def mps() -> AsyncIterator[PluginRig]:
+    async for r in _rig(mig_enabled=False, count=1):
+        yield r
+
+
+@pytest.fixture
+async def mps2() -> AsyncIterator[PluginRig]:
+    async for r in _rig(mig_enabled=False, count=2):
+        yield r
+
+
+def bind_during_withdrawal(rig: PluginRig, pod: str, requests: dict[str, int]) -> list[tuple[str, ...]]:
+    """The scheduler binds `pod` to the node while the agent withdraws devices (the node's
+    allocatable still counted them); returns the withdrawals seen."""
+    withdraw = rig.plugins.withdraw
+    seen: list[tuple[str, ...]] = []
+
+    async def binding(*ids: str) -> None:
+        seen.append(ids)
+        if len(seen) == 1:
+            rig.node_pods.bind(pod, requests)
+        await withdraw(*ids)
+
+    rig.plugins.withdraw = binding  # type: ignore[method-assign]
+    return seen
+
+
+async def test_a_pod_bound_while_its_slice_is_withdrawn_keeps_it(mig: PluginRig):
+    agent = mig.agent()
+    mig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1"]}, plan="p1"))
+    await mig.settle(agent, "p1")
+    seen = bind_during_withdrawal(mig, "ns/late", {MIG_1G: 1})
+    mig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="p2"), "dynpart.io/spec-gpu-0-1g.10gb": None})
+    report = await agent.reconcile_once()
+    assert len(seen) == 1 and len(seen[0]) == 2  # both were on their way out when it was bound
+    assert any("kept for pod(s) ns/late bound to this node and not yet admitted" in e for e in report.errors), \
+        report.errors
+    assert report.plan_id == "p1"
+    assert len(mig.driver.layout(0)) == 1  # one 1g.10gb destroyed, the one ns/late needs kept
+    kept = mig.uuid_at(0, mig.driver.layout(0)[0][1])
+    assert kept not in mig.plugins.sealed and kept not in mig.plugins.withdrawn
+    await mig.kubelet.wait_devices(MIG_1G, [kept])
+    await mig.kubelet.admit("ns/late", MIG_1G)
+    assert mig.kubelet.admission_errors == []
+
+
+async def test_mps_keeps_a_whole_gpu_a_bound_pod_needs(mps: PluginRig):
+    agent = mps.agent()
+    await agent.reconcile_once()
+    await mps.kubelet.wait_devices(WHOLE, ["GPU-fake-0000"])
+    mps.node_pods.bind("ns/whole", {WHOLE: 1})  # the default scheduler saw nvidia.com/gpu: 1
+    mps.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))  # and the planner sliced it
+    for _ in range(3):
+        report = await agent.reconcile_once()
+        await asyncio.sleep(0.05)
+    assert any("GPU 0 (whole) kept for pod(s) ns/whole" in e for e in report.errors), report.errors
+    assert report.plan_id is None and "nvidia.com/gpu-40gb" not in mps.kubelet.held()
+    await mps.kubelet.admit("ns/whole", WHOLE)
+    assert mps.kubelet.admission_errors == []
+    # once it runs, the GPU is held whole: still no slice on it
+    mps.node_pods.remove("ns/whole")
+    report = await agent.reconcile_once()
+    assert any("GPU 0 is held whole by ns/whole" in e for e in report.errors), report.errors
+    assert not mps.kubelet.held().get("nvidia.com/gpu-40gb")
+    replay_exclusive(mps.kubelet)
+
+
+async def test_mps_withdraws_a_whole_gpu_before_slicing_it(mps: PluginRig):
+    agent = mps.agent()
+    await agent.reconcile_once()
+    await mps.kubelet.wait_devices(WHOLE, ["GPU-fake-0000"])
+    seen = bind_during_withdrawal(mps, "ns/whole", {WHOLE: 1})
+    mps.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
+    report = await agent.reconcile_once()
+    # bound while the whole GPU was being withdrawn: it stays whole for the pod
+    assert seen == [("GPU-fake-0000",)]
+    assert any("GPU 0 (whole) kept for pod(s) ns/whole" in e for e in report.errors), report.errors
+    await mps.kubelet.wait_devices(WHOLE, ["GPU-fake-0000"])
+    await mps.kubelet.admit("ns/whole", WHOLE)
+    assert mps.kubelet.admission_errors == [] and not mps.kubelet.held().get("nvidia.com/gpu-40gb")
+
+
+async def test_mps_slices_a_free_whole_gpu_after_withdrawing_it(mps: PluginRig):
+    agent = mps.agent()
+    await agent.reconcile_once()
+    await mps.kubelet.wait_devices(WHOLE, ["GPU-fake-0000"])
+    withdraw = mps.plugins.withdraw
+    seen: list[tuple[str, ...]] = []
+
+    async def recording(*ids: str) -> None:
+        seen.append(ids)
+        await withdraw(*ids)
+
+    mps.plugins.withdraw = recording  # type: ignore[method-assign]
+    mps.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
+    await mps.settle(agent, "m1")
+    assert seen == [("GPU-fake-0000",)]
+    held = mps.kubelet.held()
+    assert not held.get(WHOLE) and sorted(held["nvidia.com/gpu-40gb"]) == ["GPU-fake-0000::0", "GPU-fake-0000::1"]
+    replay_exclusive(mps.kubelet)
+
+
+async def test_a_whole_gpu_taken_during_its_withdrawal_is_not_sliced():
+    rig = make_rig(count=1, mig_enabled=False, **ROUND_80GIB).with_plugins()
+    agent = rig.agent(withdraw_settle_s=0)
+    await agent.reconcile_once()
+    uuid = rig.driver.devices()[0].uuid
+    assert rig.plugins is not None
+    withdraw = rig.plugins.withdraw
+
+    async def taken(*ids: str) -> None:
+        await withdraw(*ids)
+        rig.pods.assign("ns/whole", WHOLE, uuid)  # admitted with the device the kubelet chose before
+
+    rig.plugins.withdraw = taken  # type: ignore[method-assign]
+    rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
+    report = await agent.reconcile_once()
+    assert any("GPU 0 (whole) was taken (pod ns/whole)" in e for e in report.errors), report.errors
+    assert report.plan_id is None
+    advertised = {r: [d.id for d in ds] for r, ds in rig.plugins.advertised().items()}
+    assert advertised.get(WHOLE) == [uuid] and not advertised.get("nvidia.com/gpu-40gb")
+    assert rig.plugins.withdrawn == set() and rig.plugins.sealed == set()
+
+
+async def test_a_pass_stopped_after_a_withdrawal_leaves_nothing_hidden():
+    rig = make_rig(count=1).with_plugins()
+    agent = rig.agent(withdraw_settle_s=0)
+    rig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1"]}, plan="p1"))
+    for _ in range(3):
+        report = await agent.reconcile_once()
+    assert report.plan_id == "p1", report.errors
+    target = next(g.uuid for g in rig.driver.gpu_instances(0) if g.start == 1)
+    first = rig.pods.calls + 1
+
+    def kubelet_restarts(n: int) -> None:
+        # the re-check after the withdrawal answers; the read right before the destroy does not
+        if n == first + 2:
+            raise PodResourcesError("kubelet PodResources API: UNAVAILABLE (kubelet restarting)")
+
+    rig.pods.on_list = kubelet_restarts
+    rig.node_api.set_annotations({**mig_spec({0: ["1g.10gb@0"]}, plan="p2"), "dynpart.io/spec-gpu-0-1g.10gb": "1@0"})
+    report = await agent.reconcile_once()
+    assert report.failed and target in rig.plugins.sealed  # stopped between the seal and the destroy
+    assert len(rig.driver.layout(0)) == 2
+    # the planner revokes p2 and plans both slices again: the slice is advertised again, not sealed
+    rig.pods.on_list = None
+    rig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1"]}, plan="p3"))
+    report = await agent.reconcile_once()
+    assert report.plan_id == "p3", report.errors
+    assert target in [d.id for d in rig.plugins.advertised()[MIG_1G]]
+    assert rig.plugins.withdrawn == set() and rig.plugins.sealed == set()
+
+
+async def test_a_stopped_pass_whose_destroy_happened_does_not_advertise_it_again():
+    rig = make_rig(count=1).with_plugins()
+    agent = rig.agent(withdraw_settle_s=0)
+    rig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1"]}, plan="p1"))
+    for _ in range(3):
+        await agent.reconcile_once()
+    target = next(g.uuid for g in rig.driver.gpu_instances(0) if g.start == 1)
+    destroy = rig.driver.destroy_gpu_instance
+
+    def destroyed_then_lost(gpu: int, gi: int) -> None:
+        destroy(gpu, gi)
+        raise PodResourcesError("kubelet PodResources API: UNAVAILABLE (after the destroy)")
+
+    rig.driver.destroy_gpu_instance = destroyed_then_lost  # type: ignore[method-assign]
+    rig.node_api.set_annotations({**mig_spec({0: ["1g.10gb@0"]}, plan="p2"), "dynpart.io/spec-gpu-0-1g.10gb": "1@0"})
+    report = await agent.reconcile_once()
+    assert report.failed and rig.driver.layout(0) == [("1g.10gb", 0)]
+    rig.driver.destroy_gpu_instance = destroy  # type: ignore[method-assign]
+    report = await agent.reconcile_once()
+    assert report.plan_id == "p2", report.errors
+    assert target not in [d.id for ds in rig.plugins.advertised().values() for d in ds]
+    assert rig.plugins.withdrawn == set() and rig.plugins.sealed == set()
+
+
+async def test_the_guard_seals_before_it_readmits():
+    rig = make_rig(count=1).with_plugins()
+    assert rig.plugins is not None
+    pods = FakePodResources()
+    order: list[str] = []
+    seal, readmit = rig.plugins.seal, rig.plugins.readmit
+
+    def sealing(*ids: str) -> None:
+        order.append("seal")
+        seal(*ids)
+
+    async def readmitting(*ids: str) -> None:
+        order.append("readmit")
+        await readmit(*ids)
+
+    rig.plugins.seal = sealing  # type: ignore[method-assign]
+    rig.plugins.readmit = readmitting  # type: ignore[method-assign]
+    pods.assign("ns/a", MIG_1G, "MIG-a")
+    guard = SliceGuard(pods, None, rig.plugins, settle_s=0)
+    out = await guard.release({"MIG-a": MIG_1G, "MIG-b": MIG_1G})
+    assert out.in_use == {"MIG-a": ["pod ns/a"]} and out.destroyable == ["MIG-b"]
+    assert order == ["seal", "readmit"]
+
+
+async def test_leaving_mps_mode_keeps_used_slices_and_their_daemon(mps: PluginRig):
+    rig = mps
+    agent = rig.agent()
+    rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
+    await rig.settle(agent, "m1")
+    await rig.kubelet.admit("ns/a", "nvidia.com/gpu-40gb")
+    starts = list(rig.daemon.starts)
+    # the node is switched to MIG while ns/a runs on one slice, and ns/w is bound for the other
+    rig.node_pods.bind("ns/w", {"nvidia.com/gpu-40gb": 1})
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="p2"), "dynpart.io/spec-gpu-0-40gb": None})
+    report = await agent.reconcile_once()
+    assert report.plan_id == "m1"
+    assert any("MPS slice GPU-fake-0000::" in e and "kept for pod(s) ns/w" in e for e in report.errors), report.errors
+    assert any("MIG mode is disabled and the GPU is in use (" in e and "MPS slice 40gb" in e for e in report.errors), \
+        report.errors
+    assert not rig.driver.devices()[0].mig_current and rig.driver.layout(0) == []
+    assert rig.daemon.running and rig.daemon.starts == starts  # not restarted under ns/a
+    await rig.kubelet.admit("ns/w", "nvidia.com/gpu-40gb")
+    assert rig.kubelet.admission_errors == []
+    # both pods end: the slices go, MIG mode is enabled, the plan is applied
+    rig.node_pods.remove("ns/w")
+    rig.kubelet.release("ns/a")
+    rig.kubelet.release("ns/w")
+    await rig.settle(agent, "p2")
+    assert rig.driver.devices()[0].mig_current and rig.driver.layout(0) == [("7g.80gb", 0)]
+    assert not rig.kubelet.held().get("nvidia.com/gpu-40gb")
+    replay_exclusive(rig.kubelet)
+
+
+async def test_a_gpu_entering_mig_mode_does_not_restart_the_daemon_under_running_pods(mps2: PluginRig):
+    rig = mps2
+    agent = rig.agent()
+    rig.node_api.set_annotations(mps_spec({0: [40, 40], 1: [40, 40]}, plan="m1"))
+    await rig.settle(agent, "m1")
+    response = await rig.kubelet.admit("ns/a", "nvidia.com/gpu-40gb")
+    gpu = dict(response.container_responses[0].envs)["NVIDIA_VISIBLE_DEVICES"]
+    other = 1 - int(gpu[-1])  # GPU-fake-000N
+    starts = list(rig.daemon.starts)
+    rig.node_api.set_annotations({**mig_spec({other: ["7g.80gb@0"]}, plan="p2"),
+                                  f"dynpart.io/spec-gpu-{other}-40gb": None, f"dynpart.io/spec-gpu-{1 - other}-40gb": None})
+    await rig.settle(agent, "p2")
+    assert rig.driver.devices()[other].mig_current and rig.driver.layout(other) == [("7g.80gb", 0)]
+    # the daemon still runs for both GPUs: restarting it for the one left would end ns/a's context
+    assert rig.daemon.running and rig.daemon.starts == starts
+    rig.kubelet.release("ns/a")
+    for _ in range(3):
+        await agent.reconcile_once()
+    assert not rig.kubelet.held().get("nvidia.com/gpu-40gb")
+    assert not rig.daemon.running  # no slice left on a MIG node: stopped
