@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from dynpart.agent.guard import SliceGuard
+from dynpart.agent.loop import Agent
 from dynpart.agent.podresources import FakePodResources, PodResourcesError
 
-from .conftest import ROUND_80GIB, make_rig, mig_spec, mps_spec
+from .conftest import ROUND_80GIB, Rig, make_rig, mig_spec, mps_spec
 from .test_agent_plugin import PluginRig, _rig, replay_exclusive
 
 MIG_1G = "nvidia.com/mig-1g.10gb"
@@ -151,14 +152,19 @@ async def test_a_whole_gpu_taken_during_its_withdrawal_is_not_sliced():
     assert rig.plugins.withdrawn == set() and rig.plugins.sealed == set()
 
 
-async def test_a_pass_stopped_after_a_withdrawal_leaves_nothing_hidden():
-    rig = make_rig(count=1).with_plugins()
+async def two_slices(rig: Rig) -> tuple[Agent, str]:
+    """An agent that applied 1g.10gb@0 and 1g.10gb@1 (plan p1); returns it and the second's id."""
     agent = rig.agent(withdraw_settle_s=0)
     rig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1"]}, plan="p1"))
     for _ in range(3):
         report = await agent.reconcile_once()
     assert report.plan_id == "p1", report.errors
-    target = next(g.uuid for g in rig.driver.gpu_instances(0) if g.start == 1)
+    return agent, next(g.uuid for g in rig.driver.gpu_instances(0) if g.start == 1 and g.uuid)
+
+
+async def test_a_pass_stopped_after_a_withdrawal_leaves_nothing_hidden():
+    rig = make_rig(count=1).with_plugins()
+    agent, target = await two_slices(rig)
     first = rig.pods.calls + 1
 
     def kubelet_restarts(n: int) -> None:
@@ -182,11 +188,7 @@ async def test_a_pass_stopped_after_a_withdrawal_leaves_nothing_hidden():
 
 async def test_a_stopped_pass_whose_destroy_happened_does_not_advertise_it_again():
     rig = make_rig(count=1).with_plugins()
-    agent = rig.agent(withdraw_settle_s=0)
-    rig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1"]}, plan="p1"))
-    for _ in range(3):
-        await agent.reconcile_once()
-    target = next(g.uuid for g in rig.driver.gpu_instances(0) if g.start == 1)
+    agent, target = await two_slices(rig)
     destroy = rig.driver.destroy_gpu_instance
 
     def destroyed_then_lost(gpu: int, gi: int) -> None:
