@@ -10,13 +10,15 @@
 #         version as the e2e kube-apiserver, tests/e2e/go.mod), converted by
 #         charts/tools/openapi2jsonschema.py (kubeconform's own conversion rules)
 #   .cache/kube-schemas/current   that Kubernetes version (check.sh reads it)
-#   .cache/kube-schemas/crds/servicemonitor-monitoring-v1.json
-#         from the ServiceMonitor CRD in the Go module github.com/prometheus-operator/prometheus-operator,
-#         converted by kubeconform's scripts/openapi2jsonschema.py (the CRD itself is kept as
-#         .cache/kube-schemas/crds/servicemonitor-crd.yaml for check.sh's server-side dry run)
+#   .cache/kube-schemas/crds/servicemonitor-monitoring-v1.json, podmonitor-monitoring-v1.json
+#         from the ServiceMonitor and PodMonitor CRDs in the Go module
+#         github.com/prometheus-operator/prometheus-operator, converted by kubeconform's
+#         scripts/openapi2jsonschema.py (the CRDs themselves are kept as
+#         .cache/kube-schemas/crds/servicemonitor-crd.yaml and podmonitor-crd.yaml for check.sh's
+#         server-side dry run)
 #
 # Idempotent: a tool is rebuilt only when missing or reporting another version; schemas are
-# regenerated only when their stamp (versions + converter hash) changed.
+# regenerated only when their stamp (versions, the CRD list, converter hash) changed.
 # Environment: HELM_VERSION, KUBECONFORM_VERSION, KUBE_VERSION, PROM_OPERATOR_VERSION,
 # DYNPART_TOOLS_CACHE, DYNPART_GO_PARALLEL (go build -p, default nproc), DYNPART_FORCE_REBUILD=1,
 # PYTHON (default .venv/bin/python, else python3; needs PyYAML).
@@ -25,6 +27,8 @@ set -euo pipefail
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
 KUBECONFORM_VERSION="${KUBECONFORM_VERSION:-v0.8.0}"
 PROM_OPERATOR_VERSION="${PROM_OPERATOR_VERSION:-v0.85.0}"
+# The Prometheus operator's CRDs the chart renders (metrics.serviceMonitor.enabled), by plural.
+MONITOR_CRDS=(servicemonitors podmonitors)
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/.." && pwd)"
@@ -96,13 +100,13 @@ build_kubeconform() {
 
 gen_schemas() {
     local conv="$here/tools/openapi2jsonschema.py" stamp="$schemas/.stamp" want
-    want="k8s $KUBE_VERSION; prometheus-operator $PROM_OPERATOR_VERSION; kubeconform $KUBECONFORM_VERSION; $(sha256sum "$conv" | cut -c1-16)"
+    want="k8s $KUBE_VERSION; prometheus-operator $PROM_OPERATOR_VERSION (${MONITOR_CRDS[*]}); kubeconform $KUBECONFORM_VERSION; $(sha256sum "$conv" | cut -c1-16)"
     if [[ -z "${DYNPART_FORCE_REBUILD:-}" && -f "$stamp" && "$(cat "$stamp")" == "$want" \
           && "$(cat "$schemas/current" 2>/dev/null)" == "$KUBE_VERSION" ]]; then
         log "schemas: up to date ($want)"; return
     fi
     "$py" -c 'import yaml' 2>/dev/null \
-        || die "$py has no PyYAML (needed to convert the ServiceMonitor CRD): create the venv first (bash scripts/test.sh) or set PYTHON"
+        || die "$py has no PyYAML (needed to convert the Prometheus operator's CRDs): create the venv first (bash scripts/test.sh) or set PYTHON"
     local start=$SECONDS ksrc psrc crd tmp
     rm -f "$stamp"
     ksrc="$(moddir k8s.io/kubernetes "$KUBE_VERSION")"
@@ -112,16 +116,20 @@ gen_schemas() {
         || die "schema conversion failed"
     "$py" "$conv" --strict "$ksrc/api/openapi-spec/swagger.json" "$schemas/$ver-standalone-strict" \
         || die "schema conversion failed"
-    # ServiceMonitor (CRD): the CRD manifest shipped in prometheus-operator's Go module, converted
-    # by the script kubeconform documents for CRDs (DENY_ROOT_ADDITIONAL_PROPERTIES: strict).
+    # ServiceMonitor and PodMonitor (CRDs): the CRD manifests shipped in prometheus-operator's Go
+    # module, converted by the script kubeconform documents for CRDs
+    # (DENY_ROOT_ADDITIONAL_PROPERTIES: strict).
     psrc="$(moddir github.com/prometheus-operator/prometheus-operator "$PROM_OPERATOR_VERSION")"
-    crd="$psrc/example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml"
-    [[ -f "$crd" ]] || die "no ServiceMonitor CRD at $crd"
     mkdir -p "$schemas/crds"
-    (cd "$schemas/crds" && DENY_ROOT_ADDITIONAL_PROPERTIES=1 FILENAME_FORMAT='{kind}-{group}-{version}' \
-        "$py" "$(moddir github.com/yannh/kubeconform "$KUBECONFORM_VERSION")/scripts/openapi2jsonschema.py" "$crd" >/dev/null) \
-        || die "ServiceMonitor schema conversion failed"
-    cp "$crd" "$schemas/crds/servicemonitor-crd.yaml"  # for the server-side dry run (check.sh)
+    local plural
+    for plural in "${MONITOR_CRDS[@]}"; do
+        crd="$psrc/example/prometheus-operator-crd/monitoring.coreos.com_${plural}.yaml"
+        [[ -f "$crd" ]] || die "no ${plural%s} CRD at $crd"
+        (cd "$schemas/crds" && DENY_ROOT_ADDITIONAL_PROPERTIES=1 FILENAME_FORMAT='{kind}-{group}-{version}' \
+            "$py" "$(moddir github.com/yannh/kubeconform "$KUBECONFORM_VERSION")/scripts/openapi2jsonschema.py" "$crd" >/dev/null) \
+            || die "${plural%s} schema conversion failed"
+        cp "$crd" "$schemas/crds/${plural%s}-crd.yaml"  # for the server-side dry run (check.sh)
+    done
     echo "$KUBE_VERSION" >"$schemas/current"  # the version check.sh validates against
     echo "$want" >"$stamp"
     log "schemas generated in $((SECONDS - start))s into $schemas"

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Checks the Helm chart charts/dynpart with the tools built by charts/build-tools.sh:
 #
-#   1. helm lint (plain, --strict, with the ServiceMonitor, with ci/full-values.yaml);
+#   1. helm lint (plain, --strict, with the ServiceMonitor and PodMonitor, with ci/full-values.yaml);
 #   2. values.schema.json: bad values must make helm lint fail;
 #   3. helm template | kubeconform -strict, default values and ci/full-values.yaml, against
 #      JSON schemas of the Kubernetes version the e2e tests run (.cache/kube-schemas);
 #   4. with DYNPART_E2E_KUBECONFIG set (a kubeconfig of a real API server, e.g. from
 #      `python tests/e2e/cluster.py up --detach`): server-side dry run of both renderings
-#      (charts/tools/dry_run.py; creates the namespaces and the ServiceMonitor CRD for real).
+#      (charts/tools/dry_run.py; creates the namespaces and the ServiceMonitor and PodMonitor CRDs
+#      for real).
 #
 # Exit status: 0 all passed, 1 a check failed, 3 the tools are not built.
 # Environment: DYNPART_TOOLS_CACHE (default <repo>/.cache), DYNPART_CHART_OUT (keep the rendered
@@ -33,8 +34,9 @@ fail() { printf 'check.sh: FAILED: %s\n' "$*" >&2; exit 1; }
 
 # The Kubernetes version whose schemas build-tools.sh generated last (file `current`: vX.Y.Z).
 kube_version="$(cat "$schemas/current" 2>/dev/null || true)"; kube_version="${kube_version#v}"
-if [[ ! -x "$helm" || ! -x "$kubeconform" || -z "$kube_version" || ! -d "$schemas/v$kube_version-standalone-strict" ]]; then
-    echo "check.sh: helm, kubeconform or the Kubernetes schemas are missing in $cache: run bash charts/build-tools.sh" >&2
+if [[ ! -x "$helm" || ! -x "$kubeconform" || -z "$kube_version" || ! -d "$schemas/v$kube_version-standalone-strict" \
+      || ! -f "$schemas/crds/servicemonitor-monitoring-v1.json" || ! -f "$schemas/crds/podmonitor-monitoring-v1.json" ]]; then
+    echo "check.sh: helm, kubeconform or the Kubernetes or Prometheus operator schemas are missing in $cache: run bash charts/build-tools.sh" >&2
     exit 3
 fi
 
@@ -101,7 +103,9 @@ done
 if [[ -n "${DYNPART_E2E_KUBECONFIG:-}" ]]; then
     step "server-side dry run against $(sed -n 's/.*"server": *"\([^"]*\)".*/\1/p; s/^ *server: *//p' "$DYNPART_E2E_KUBECONFIG" | head -n1)"
     crd_args=()
-    [[ -f "$schemas/crds/servicemonitor-crd.yaml" ]] && crd_args=(--crd "$schemas/crds/servicemonitor-crd.yaml")
+    for crd in "$schemas"/crds/*-crd.yaml; do
+        [[ -f "$crd" ]] && crd_args+=(--crd "$crd")
+    done
     "$py" "$here/tools/dry_run.py" --kubeconfig "$DYNPART_E2E_KUBECONFIG" "${crd_args[@]}" \
         "$out/default.yaml" "$out/full.yaml" || fail "server-side dry run"
 else

@@ -5,6 +5,7 @@ line naming the setting and the value."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -203,5 +204,12 @@ def load_settings(cls: type[S], file: str | Path | None = None, flags: Mapping[s
         err = e.errors()[0]
         loc = [str(x) for x in err["loc"]]
         field = ".".join(loc)
-        env = f" (environment variable {cls.model_config.get('env_prefix', '')}{NESTED.join(loc).upper()})"
-        raise DynpartError(f"setting {field} = {err.get('input')!r}: {err['msg']}{env if field else ''}") from None
+        var = f"{cls.model_config.get('env_prefix', '')}{NESTED.join(loc).upper()}"
+        env = f" (environment variable {var})" if field else ""
+        given = err.get("input")
+        if (field and isinstance(given, str) and given.startswith(("tcp://", "udp://", "sctp://"))
+                and any(k.upper() == var and v == given for k, v in os.environ.items())):
+            # the kubelet's service links: <SERVICE>_PORT=tcp://<ip>:<port> for every Service
+            env += (" (this looks like a Kubernetes service link: a Service whose name makes this variable "
+                    "exists in the pod's namespace; set enableServiceLinks: false on the pod)")
+        raise DynpartError(f"setting {field} = {given!r}: {err['msg']}{env}") from None

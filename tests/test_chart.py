@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -210,9 +211,11 @@ def test_agent_token_is_pod_bound_and_projected(default, full):
         assert mount == {"name": "kube-api-access", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
 
 
-def _agent_settings(objs: list[dict[str, Any]], tmp_path: Path, monkeypatch) -> tuple[Any, Any]:
+def _agent_settings(objs: list[dict[str, Any]], tmp_path: Path, monkeypatch,
+                    environ: dict[str, str] | None = None) -> tuple[Any, Any]:
     """The rendered agent command line parsed by the real `dynpart` parser, and the AgentSettings
-    it yields with the rendered config file (as `dynpart agent run` builds them)."""
+    it yields with the rendered config file (as `dynpart agent run` builds them), in an
+    environment without DYNPART_AGENT_* variables but those of `environ`."""
     from dynpart.cli import build_parser
     from dynpart.settings import AgentSettings, load_settings
 
@@ -228,6 +231,8 @@ def _agent_settings(objs: list[dict[str, Any]], tmp_path: Path, monkeypatch) -> 
     (tmp_path / "agent.yaml").write_text(find(objs, "ConfigMap", cm)["data"][mount["subPath"]])
     for k in [k for k in os.environ if k.startswith("DYNPART_AGENT_")]:
         monkeypatch.delenv(k)
+    for k, v in (environ or {}).items():
+        monkeypatch.setenv(k, v)
     flags = {k: getattr(ns, k, None) for k in ("node_name", "report_interval_s", "log_level", "metrics_port")}
     return ns, load_settings(AgentSettings, tmp_path / "agent.yaml", flags)
 
@@ -243,6 +248,107 @@ def test_agent_command_line_and_settings(default, full, tmp_path, monkeypatch):
     assert s.catalog_files == ["/etc/dynpart/catalog/extra.yaml"]
     assert (s.report_interval_s, s.log_level, s.log_json, s.metrics_port) == (5, "DEBUG", False, 9100)
     assert s.metrics_host == "::"
+
+
+def service_link_env(objs: list[dict[str, Any]], pod: dict[str, Any] | None = None,
+                     namespace: str = NAMESPACE) -> dict[str, str]:
+    """The variables the kubelet adds to every container of a pod in `namespace` for the rendered
+    Services there (pkg/kubelet/envvars FromServices, Docker-link style), or none when the pod spec
+    says enableServiceLinks: false (`pod` None: as if it did not)."""
+    if pod is not None and pod.get("enableServiceLinks", True) is False:
+        return {}
+    env: dict[str, str] = {}
+    services = [o for o in objs if o["kind"] == "Service" and o["metadata"]["namespace"] == namespace]
+    for n, svc in enumerate(services):
+        spec = svc["spec"]
+        if spec.get("type") == "ExternalName" or spec.get("clusterIP") == "None":
+            continue  # no cluster IP: no variables
+        ip = f"10.96.0.{10 + n}"
+        prefix = svc["metadata"]["name"].upper().replace("-", "_")
+        ports = spec["ports"]
+        env[f"{prefix}_SERVICE_HOST"] = ip
+        env[f"{prefix}_SERVICE_PORT"] = str(ports[0]["port"])
+        for port in ports:
+            if port.get("name"):
+                env[f"{prefix}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}"] = str(port["port"])
+        for i, port in enumerate(ports):
+            proto = port.get("protocol", "TCP")
+            url = f"{proto.lower()}://{ip}:{port['port']}"
+            if i == 0:
+                env[f"{prefix}_PORT"] = url
+            p = f"{prefix}_PORT_{port['port']}_{proto.upper()}"
+            env.update({p: url, f"{p}_PROTO": proto.lower(), f"{p}_PORT": str(port["port"]), f"{p}_ADDR": ip})
+    return env
+
+
+def test_service_links_cannot_set_the_settings(default, full, tmp_path, monkeypatch):
+    """The kubelet gives every pod <SERVICE>_PORT=tcp://<ip>:<port> and the like for each Service of
+    its namespace; the planner's metrics Service of the release `dynpart`, dynpart-planner-metrics,
+    makes DYNPART_PLANNER_METRICS_PORT, which pydantic-settings reads as metrics_port. Both pod
+    specs turn service links off, so both components load their settings with what the kubelet
+    injects."""
+    from dynpart.errors import DynpartError
+    from dynpart.settings import PlannerSettings, load_settings
+
+    for k in [k for k in os.environ if k.startswith("DYNPART_")]:
+        monkeypatch.delenv(k)
+    for objs, port in ((default, 9090), (full, 9100)):
+        # what the pods would get without enableServiceLinks: false
+        links = service_link_env(objs)
+        assert links["DYNPART_PLANNER_METRICS_PORT"] == f"tcp://10.96.0.10:{port}"
+        assert links[f"DYNPART_PLANNER_METRICS_PORT_{port}_TCP_ADDR"] == "10.96.0.10"
+        planner = find(objs, "Deployment")["spec"]["template"]["spec"]
+        agent = find(objs, "DaemonSet")["spec"]["template"]["spec"]
+        (tmp_path / "planner.yaml").write_text(find(objs, "ConfigMap", "dynpart-planner")["data"]["planner.yaml"])
+        with monkeypatch.context() as m:
+            for k, v in {**service_link_env(objs, planner), "DYNPART_PLANNER_IDENTITY": "p-0"}.items():
+                m.setenv(k, v)
+            assert load_settings(PlannerSettings, tmp_path / "planner.yaml").metrics_port == port
+        with monkeypatch.context() as m:
+            _, s = _agent_settings(objs, tmp_path, m, service_link_env(objs, agent))
+            assert s.metrics_port == port
+        assert planner.get("enableServiceLinks") is False and agent.get("enableServiceLinks") is False
+        # with service links the planner would not start: its error names the cause
+        with monkeypatch.context() as m:
+            for k, v in links.items():
+                m.setenv(k, v)
+            with pytest.raises(DynpartError, match=r"DYNPART_PLANNER_METRICS_PORT\) \(this looks like a Kubernetes "
+                                                   r"service link.*set enableServiceLinks: false on the pod\)"):
+                load_settings(PlannerSettings, tmp_path / "planner.yaml")
+
+
+def render_notes(tmp_path: Path, *args: str) -> str:
+    """NOTES.txt as `helm install` prints it. `helm template` does not render it (and
+    `helm install --dry-run` needs a cluster), so a copy of the chart gets a template that includes
+    it: every file of templates/ is a named template."""
+    _require_tools()
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART, chart)
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        'data:\n  notes: {{ include (print $.Template.BasePath "/NOTES.txt") . | toJson }}\n')
+    proc = subprocess.run([str(HELM), "template", "dynpart", str(chart), "--namespace", NAMESPACE,
+                           "--show-only", "templates/zz-notes.yaml", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return str(yaml.safe_load(proc.stdout)["data"]["notes"])
+
+
+def test_notes_label_nodes_in_the_right_order(tmp_path):
+    """NOTES print GPU Operator's labels (NVIDIA's device plugin, mig-manager off) before dynpart's
+    own, as devicePlugin.mode needs them (docs/real-cluster.md, "Setup with GPU Operator")."""
+    def label_commands(notes: str) -> list[str]:
+        return [line.strip() for line in notes.splitlines() if line.strip().startswith("kubectl label node")]
+
+    both_off = "kubectl label node <NODE> nvidia.com/gpu.deploy.device-plugin=false nvidia.com/gpu.deploy.mig-manager=false"
+    mig, mps = (f"kubectl label node <NODE> {PARTITIONING_LABEL}={m}" for m in ("mig", "mps"))
+    builtin = render_notes(tmp_path / "builtin")
+    assert label_commands(builtin) == [both_off, mig, mps]
+    assert "DoesNotExist" in builtin and "devicePlugin.mode=builtin" in builtin
+    nvidia = render_notes(tmp_path / "nvidia", "--set", "devicePlugin.mode=nvidia",
+                          "--set", "devicePlugin.nvidia.namespace=gpu-op")
+    assert label_commands(nvidia) == ["kubectl label node <NODE> nvidia.com/gpu.deploy.mig-manager=false", mig,
+                                      both_off, mps]
+    assert "kubectl -n gpu-op get pods" in nvidia and "NotIn, values: [mps]" in nvidia
 
 
 def test_planner_rbac_is_minimal(default):
@@ -393,7 +499,7 @@ def test_network_policy(default, full):
 
 
 def test_service_monitor_only_when_enabled(default, full):
-    assert not [o for o in default if o["kind"] == "ServiceMonitor"]
+    assert not [o for o in default if o["kind"] in ("ServiceMonitor", "PodMonitor")]
     sm = find(full, "ServiceMonitor")
     assert sm["apiVersion"] == "monitoring.coreos.com/v1"
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -401,6 +507,24 @@ def test_service_monitor_only_when_enabled(default, full):
     svc = find(full, "Service")
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert svc["spec"]["ports"][0]["port"] == 9100
+
+
+def test_pod_monitor_scrapes_the_agents(full):
+    """The agents (a DaemonSet, no Service) are scraped through a PodMonitor, with the ServiceMonitor."""
+    pm = find(full, "PodMonitor")
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert pm["metadata"]["name"] == "dynpart-agent" and pm["metadata"]["namespace"] == NAMESPACE
+    assert pm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "15s")
+    assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]
+    # it selects the agent's pods, by the name of a port they have, and nothing else
+    agent = find(full, "DaemonSet")["spec"]["template"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= agent["metadata"]["labels"].items()
+    assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in agent["spec"]["containers"][0]["ports"]
+    planner = find(full, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert not pm["spec"]["selector"]["matchLabels"].items() <= planner.items()
 
 
 def test_full_values_options(full, tmp_path):

@@ -4,7 +4,7 @@ import pytest
 
 from dynpart.cli import main
 from dynpart.errors import DynpartError
-from dynpart.settings import PlannerSettings, load_settings
+from dynpart.settings import AgentSettings, PlannerSettings, load_settings
 
 
 def test_settings_precedence(tmp_path, monkeypatch):
@@ -75,6 +75,32 @@ def test_kube_settings_nest_in_file_and_environment(tmp_path, monkeypatch):
     with pytest.raises(DynpartError, match=r"setting kube.backoff_max_s = 0: Input should be greater than 0 "
                                            r"\(environment variable DYNPART_PLANNER_KUBE__BACKOFF_MAX_S\)"):
         load_settings(PlannerSettings, f)
+
+
+def test_a_kubernetes_service_link_in_the_environment_is_named_as_such(tmp_path, monkeypatch):
+    """A Service named dynpart-planner-metrics makes the kubelet set DYNPART_PLANNER_METRICS_PORT=tcp://...
+    in every pod of its namespace (unless enableServiceLinks: false): the error says so."""
+    hint = ("(this looks like a Kubernetes service link: a Service whose name makes this variable exists in "
+            "the pod's namespace; set enableServiceLinks: false on the pod)")
+    monkeypatch.setenv("DYNPART_PLANNER_METRICS_PORT", "tcp://10.96.0.12:9090")
+    with pytest.raises(DynpartError) as e:
+        load_settings(PlannerSettings)
+    assert str(e.value) == ("setting metrics_port = 'tcp://10.96.0.12:9090': Input should be a valid integer, unable "
+                            "to parse string as an integer (environment variable DYNPART_PLANNER_METRICS_PORT) " + hint)
+    monkeypatch.setenv("DYNPART_AGENT_KUBE__REQUEST_TIMEOUT_S", "udp://10.96.0.13:53")  # nested, UDP
+    with pytest.raises(DynpartError, match=r"DYNPART_AGENT_KUBE__REQUEST_TIMEOUT_S\) \(this looks like a Kubernetes"):
+        load_settings(AgentSettings)
+    # the same value from the config file, or another bad value from the environment: no hint
+    monkeypatch.delenv("DYNPART_PLANNER_METRICS_PORT")
+    f = tmp_path / "planner.yaml"
+    f.write_text("metrics_port: tcp://10.96.0.12:9090\n")
+    with pytest.raises(DynpartError) as e:
+        load_settings(PlannerSettings, f)
+    assert "setting metrics_port = 'tcp://10.96.0.12:9090'" in str(e.value) and "service link" not in str(e.value)
+    monkeypatch.setenv("DYNPART_PLANNER_METRICS_PORT", "http")
+    with pytest.raises(DynpartError) as e:
+        load_settings(PlannerSettings)
+    assert "(environment variable DYNPART_PLANNER_METRICS_PORT)" in str(e.value) and "service link" not in str(e.value)
 
 
 def test_config_file_problems_name_the_file(tmp_path):

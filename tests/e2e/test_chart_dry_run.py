@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "dynpart"
 CACHE = Path(os.environ.get("DYNPART_TOOLS_CACHE") or ROOT / ".cache")
 HELM = CACHE / "tools" / "bin" / "helm"
-SERVICE_MONITOR_CRD = CACHE / "kube-schemas" / "crds" / "servicemonitor-crd.yaml"
+CRDS = CACHE / "kube-schemas" / "crds"
+# the monitoring CRDs the chart can render objects of (charts/build-tools.sh converts them)
+MONITOR_CRDS = [CRDS / "servicemonitor-crd.yaml", CRDS / "podmonitor-crd.yaml"]
 
 
 def _dry_run_module():
@@ -40,7 +42,7 @@ def _dry_run_module():
 
 
 def _require_tools() -> None:
-    missing = [str(p) for p in (HELM, SERVICE_MONITOR_CRD) if not p.exists()]
+    missing = [str(p) for p in (HELM, *MONITOR_CRDS) if not p.exists()]
     if not missing:
         return
     message = f"chart tools not built ({', '.join(missing)}): run bash charts/build-tools.sh"
@@ -66,7 +68,7 @@ def client(e2e_cluster):
 
 def test_chart_manifests_pass_server_side_dry_run(e2e_cluster, client):
     dr = _dry_run_module()
-    crds = dr.load_objects([SERVICE_MONITOR_CRD])
+    crds = dr.load_objects(MONITOR_CRDS)
     # the e2e kube-apiserver allows privileged pods, as kubeadm does: the default (privileged) agent is checked
     objects = (render("dynpart", "dynpart-system")
                + render("dynpart", "dynpart-system", "-f", str(CHART / "ci" / "full-values.yaml")))
@@ -74,7 +76,7 @@ def test_chart_manifests_pass_server_side_dry_run(e2e_cluster, client):
     failures = dr.dry_run(client, objects, crds, log=log.append)
     assert not failures, "\n".join(log)
     kinds = {o["kind"] for o in objects}
-    assert {"Deployment", "DaemonSet", "ServiceMonitor", "ClusterRole", "Role", "NetworkPolicy",
+    assert {"Deployment", "DaemonSet", "ServiceMonitor", "PodMonitor", "ClusterRole", "Role", "NetworkPolicy",
             "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"} <= kinds
     assert sum(line.startswith("ok ") for line in log) == len(objects)
 
