@@ -126,10 +126,11 @@ class RealNvml:
             code = self._codes.get(getattr(e, "value", None), "UNKNOWN")
             raise GpuDriverError(code, f"nvmlDeviceGetGpuInstanceProfileInfo: {e}") from None
 
-    def _mig_devices(self, handle: Any) -> dict[int, Any]:
-        """GI id -> MIG device handle (one per GI: the agent creates one full CI per GI)."""
+    def _mig_devices(self, handle: Any) -> dict[int, list[Any]]:
+        """GI id -> its MIG device handles, one per compute instance (the agent creates one full
+        CI per GI; a GI split into several CIs by another tool has several)."""
         nv = self._nv
-        out: dict[int, Any] = {}
+        out: dict[int, list[Any]] = {}
         for i in range(self._call(nv.nvmlDeviceGetMaxMigDeviceCount, handle)):
             try:
                 mig = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
@@ -137,7 +138,7 @@ class RealNvml:
                 continue
             except nv.NVMLError as e:
                 raise GpuDriverError(self._codes.get(e.value, "UNKNOWN"), f"nvmlDeviceGetMigDeviceHandleByIndex: {e}") from None
-            out.setdefault(self._call(nv.nvmlDeviceGetGpuInstanceId, mig), mig)
+            out.setdefault(self._call(nv.nvmlDeviceGetGpuInstanceId, mig), []).append(mig)
         return out
 
     # --- GpuDriver ---
@@ -190,7 +191,7 @@ class RealNvml:
                 if gi_info.id in seen:
                     continue
                 mig = migs.get(gi_info.id)
-                uuid = str(self._call(nv.nvmlDeviceGetUUID, mig)) if mig is not None else None
+                uuid = str(self._call(nv.nvmlDeviceGetUUID, mig[0])) if mig else None
                 seen[gi_info.id] = GpuInstanceInfo(
                     int(gi_info.id), int(gi_info.profileId), int(gi_info.placement.start),
                     int(gi_info.placement.size), tuple(self._compute_instances(gi)), uuid)
@@ -249,12 +250,11 @@ class RealNvml:
 
     def processes(self, index: int, gi_id: int | None = None) -> list[int]:
         nv = self._nv
-        h = self._handle(index)
+        handles = [self._handle(index)]
         if gi_id is not None:
-            h = self._mig_devices(h).get(gi_id)
-            if h is None:
-                return []  # no compute instance: nothing can run there
-        return sorted(int(p.pid) for p in self._call(nv.nvmlDeviceGetComputeRunningProcesses, h))
+            # every compute instance of the GI: a process on any of them uses it
+            handles = self._mig_devices(handles[0]).get(gi_id, [])  # none: nothing can run there
+        return sorted({int(p.pid) for h in handles for p in self._call(nv.nvmlDeviceGetComputeRunningProcesses, h)})
 
     def profile_info(self, index: int, nvml_name: str) -> ProfileInfo | None:
         enum = getattr(self._nv, nvml_name, None)

@@ -54,3 +54,30 @@ def test_nvml_is_started_again_after_the_gpu_is_lost(monkeypatch: pytest.MonkeyP
     assert e.value.code == "GPU_IS_LOST"
     assert driver._call(nv.nvmlDeviceGetCount) == 2, "the next call starts NVML again"
     assert (nv.state["inits"], nv.state["shutdowns"]) == (2, 1)
+
+
+def test_processes_of_a_gpu_instance_are_read_on_every_compute_instance():
+    """A GI split into two compute instances (by another tool) has two MIG devices: a process on
+    the second one uses the GI too, so it must not be seen as idle."""
+    from dynpart.agent.driver.nvml import RealNvml
+
+    nv = fake_pynvml()
+    nv.NVMLError_NotFound = type("NotFound", (_NVMLError,), {})  # type: ignore[attr-defined]  # see above
+    nv.NVMLError_InvalidArgument = type("InvalidArgument", (_NVMLError,), {})  # type: ignore[attr-defined]
+    # GPU 0: GI 1 with MIG devices "m0" (no process) and "m1" (pid 42); GI 2 with "m2" (none)
+    gi_of = {"m0": 1, "m1": 1, "m2": 2}
+    pids = {"m0": [], "m1": [types.SimpleNamespace(pid=42)], "m2": [], "gpu0": []}
+    nv.nvmlDeviceGetHandleByIndex = lambda index: f"gpu{index}"  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetMaxMigDeviceCount = lambda handle: 4  # type: ignore[attr-defined]
+
+    def mig_handle(handle: str, i: int) -> str:
+        if i >= 3:
+            raise nv.NVMLError_NotFound(6)
+        return f"m{i}"
+
+    nv.nvmlDeviceGetMigDeviceHandleByIndex = mig_handle  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetGpuInstanceId = lambda mig: gi_of[mig]  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetComputeRunningProcesses = lambda handle: pids[handle]  # type: ignore[attr-defined]
+    driver = RealNvml(nvml_module=nv)
+    assert driver.processes(0, 1) == [42]
+    assert driver.processes(0, 2) == [] and driver.processes(0, 3) == [] and driver.processes(0) == []
