@@ -225,9 +225,9 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     capacity = args.capacity_gb or settings.mps_capacity_gb
     plugins = DevicePluginManager(settings.device_plugin_dir, mps=MpsSettings(pipe_dir_host=settings.mps_pipe_dir),
                                   held=pods.allocatable)
-    await stack.enter_async_context(plugins)
     daemon = ProcessMpsDaemon()
-    stack.push_async_callback(daemon.stop)
+    stack.push_async_callback(daemon.stop)  # after the plugin stopped listing MPS slices (exits run last first)
+    await stack.enter_async_context(plugins)
     if isinstance(pods, FakePodResources):  # --fake-gpus without a kubelet: it "holds" all advertised
         pods.on_allocatable = lambda: {r: [d.id for d in ds] for r, ds in plugins.advertised().items()}
     extra: dict[str, Any] = {"node_pods": KubeNodePods(api_client, settings.node_name, settings.kube),

@@ -254,8 +254,10 @@ class KubePluginPods:
 
 def lease_term_reader(api: client.ApiClient, name: str, namespace: str) -> Callable[[], Awaitable[int | None]]:
     """Reads the planner's Lease for its current leader term (`leaseTransitions`): the agent
-    ignores a spec written under an older term (a deposed leader's late write). None when the
-    Lease cannot be read (no leader election, or no RBAC for it): then nothing is fenced."""
+    ignores a spec written under an older term (a deposed leader's late write). None when there is
+    no Lease to read (404: no leader election) or no right to read it (403): then nothing is
+    fenced. Any other failure (a time-out, a 5xx) raises: the pass then applies nothing, as it
+    cannot tell whether the spec's writer still leads."""
     coordination = client.CoordinationV1Api(api)
     warned = False
 
@@ -266,6 +268,8 @@ def lease_term_reader(api: client.ApiClient, name: str, namespace: str) -> Calla
                 resp = await coordination.read_namespaced_lease(name, namespace, _preload_content=False)
             lease = await read_json(resp, f"lease {namespace}/{name}")
         except APIError as e:
+            if e.status not in (403, 404):
+                raise
             if not warned:
                 log.warning("cannot read the planner's lease, specs are not fenced by leader term: %s", e)
                 warned = True

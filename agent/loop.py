@@ -59,7 +59,7 @@ from dynpart.kube.conventions import (
 from dynpart.kube.recording import EventRecorder
 from dynpart.kube.retrying import retrying
 from dynpart.probing import Liveness
-from dynpart.resources import is_slice_resource, mig_resource_name
+from dynpart.resources import MpsResource, is_slice_resource, mig_resource_name, parse_resource
 from dynpart.settings import KubeSettings
 from dynpart.snapshot import GpuLayout, Mode, NodeLayout
 
@@ -108,6 +108,8 @@ class Agent:
         self._capacity: int = 0
         self._restarted_for: dict[str, int] | None = None  # the MIG counts NVIDIA's plugin was restarted for
         self._waiting = False
+        self._cleared_plan: str | None = None  # the last spec plan id the fencing check let through
+        self._heartbeat_at = -float("inf")  # time.monotonic() of the last status write with a heartbeat
         self._drain: tuple[int, ...] = ()  # the GPUs the spec applied last drains
         # early publishing (publish_allocatable): what the node's allocatable should show (the last
         # _publish's counts); a node that shows otherwise (the kubelet's own status write after its
@@ -204,7 +206,9 @@ class Agent:
             mode = self._mode(node, layout.mode if layout else None)
             self._drain = spec.drain if layout is not None else ()
             self._builtin = self.plugins is not None and (mode == "mps" or self.plugin_pods is None)
-            self.guard.plugins = self.plugins if self._builtin else None  # withdraw only what it serves
+            # withdraw only what it serves: the node's devices, or (NVIDIA's plugin serving a node
+            # switched from MPS to MIG) the MPS slices it still lists until they are gone
+            self.guard.plugins = self.plugins if self._builtin or self._serves_leftovers() else None
             if mode == "mig":
                 if self._mig is None:
                     self._mig = MigAgent(self.driver, self.pods, model, guard=self.guard)
@@ -290,6 +294,10 @@ class Agent:
                               for g in result.gpus if g.mps}
         return [f"leaving MPS mode: {e}" for e in result.errors]
 
+    def _serves_leftovers(self) -> bool:
+        """Whether the built-in plugin, on a node NVIDIA's plugin serves, still lists MPS slices."""
+        return self.plugins is not None and any(self.plugins.advertised().values())
+
     async def _readmit_leftovers(self) -> None:
         """A pass ends with nothing withdrawn (each withdrawn device destroyed, or readmitted), unless
         it stopped between a withdrawal and the destroy (a PodResources or NVML call failing): then
@@ -347,7 +355,14 @@ class Agent:
             if missing:
                 waiting.append("the GPUs do not hold it: " + "; ".join(missing))
         if self.plugins is not None and not self._builtin and self.plugins.servers:
-            await self.plugins.update({})  # no longer an MPS node: NVIDIA's plugin serves its MIG devices
+            # no longer an MPS node: NVIDIA's plugin serves its MIG devices and whole GPUs; the MPS
+            # slices left (in use, or kept for a bound pod) stay listed until they are gone
+            try:
+                await self.plugins.update(_mps_only(advertise(self.views())))
+            except DeviceListError as e:
+                waiting.append(f"the device plugin refused the device lists: {e}")
+            if self.publish_allocatable:
+                await self._publish()
         if self.plugins is not None and self._builtin:
             try:
                 await self.plugins.update(advertise(self.views()))
@@ -386,7 +401,7 @@ class Agent:
         devices the kubelet's device manager already holds (never more): the scheduler sees new
         slices before the kubelet's next status write, and withdrawn ones leave at once. True if
         the kubelet holds every healthy advertised device (the node now shows them all)."""
-        if self.plugins is None or not self._builtin:
+        if self.plugins is None or not (self._builtin or self.plugins.servers):
             return True
         async with self._publish_lock:
             if held is None:
@@ -394,6 +409,8 @@ class Agent:
             node = await self.node_api.get()
             advertised = self.plugins.advertised()  # after the awaits: a withdrawal meanwhile counts
             counts = _publishable(advertised, held, node.allocatable)
+            if not self._builtin:  # NVIDIA's plugin publishes the rest: only the MPS slices left are ours
+                counts = {r: n for r, n in counts.items() if isinstance(parse_resource(r), MpsResource)}
             # absent: 0; a capacity below the count is raised with it (the kubelet's own capacity,
             # unhealthy devices included, is left alone)
             patch = {r: n for r, n in counts.items()
@@ -437,10 +454,13 @@ class Agent:
         """Why the spec must not be applied because a deposed planner wrote it (empty: apply it).
         Asked only for a plan not yet acknowledged, right before acting on it."""
         if (self.leader_term is None or spec.layout is None or spec.term is None
-                or spec.plan_id == node.annotations.get(STATUS_PLAN)):
+                or spec.plan_id in (node.annotations.get(STATUS_PLAN), self._cleared_plan)):
             return []
         current = await self.leader_term()
         if current is None or spec.term >= current:
+            # acted on from now on: the passes that wait for its acknowledgement (every retry_s)
+            # need not read the Lease again
+            self._cleared_plan = spec.plan_id
             return []
         return [f"plan {spec.plan_id} was written by a deposed planner (term {spec.term}; the planner's lease is at "
                 f"term {current}): ignored"]
@@ -460,8 +480,14 @@ class Agent:
 
     async def _write(self, node: NodeView, status: dict[str, str]) -> None:
         patch = annotation_patch(node.annotations, status, prefix=STATUS_PREFIX)
+        if set(patch) == {STATUS_HEARTBEAT} and time.monotonic() - self._heartbeat_at < self.interval_s:
+            # passes every retry_s while a plan waits: a Node write per pass that changes only the
+            # heartbeat would go to every Node watcher of the cluster; once per interval is enough
+            return
         if patch:
             await self.node_api.patch(annotations=patch)
+            if STATUS_HEARTBEAT in patch:
+                self._heartbeat_at = time.monotonic()
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Pass after pass until `stop` is set: at once when the spec changes, else every interval."""
@@ -505,6 +531,23 @@ class Agent:
                     await task
                 except asyncio.CancelledError:
                     pass
+            await self._unpublish()
+
+    async def _unpublish(self) -> None:
+        """On the way out (the plugin stops serving with this process): publish 0 for what the
+        plugin serves, so that the scheduler binds no pod the kubelet could not admit until its
+        own next status write, up to 10 s later (a rollout, an OOM kill). The next agent
+        publishes the devices again once the kubelet holds them."""
+        if self.plugins is None or not self.publish_allocatable:
+            return
+        served = {r: 0 for r, ds in self.plugins.advertised().items() if ds}
+        if not served:
+            return
+        try:
+            await asyncio.wait_for(self.node_api.patch_status(served), timeout=5)
+            log.info("node %s: stopping: published %s", self.node, _fmt(served))
+        except Exception as e:  # the plugin stops serving anyway; the kubelet's own write follows
+            log.warning("node %s: stopping: could not publish 0 for %s: %s", self.node, ", ".join(served), e)
 
     async def _watch(self, wake: asyncio.Event) -> None:
         """Wake the loop when the node's spec annotations change. The node API's watch retries
@@ -526,6 +569,12 @@ class Agent:
                             if last is not None:
                                 wake.set()
                             last = spec
+
+
+def _mps_only(advertised: dict[str, list[PluginDevice]]) -> dict[str, list[PluginDevice]]:
+    """The MPS slices among the devices to advertise (what the built-in plugin keeps serving on a
+    node that NVIDIA's plugin serves)."""
+    return {r: ds for r, ds in advertised.items() if ds and all(d.kind == "mps" for d in ds)}
 
 
 def _valid_or_none(plan_id: str | None) -> str | None:

@@ -456,3 +456,20 @@ async def test_allocatable_published_again_at_once_after_a_kubelet_restart(mps: 
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
+
+
+async def test_a_stopping_agent_publishes_zero_for_what_its_plugin_served(mps: PluginRig):
+    """The plugin stops serving with the agent: the node's counts drop at once, not at the
+    kubelet's next status write (up to 10 s), in which the scheduler would bind pods the kubelet
+    cannot admit."""
+    rig = mps
+    agent = rig.agent(interval_s=60, retry_s=30)
+    rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
+    await rig.settle(agent, "m1")
+    assert rig.node_api.allocatable == {"nvidia.com/gpu-40gb": "2", "nvidia.com/gpu": "1"}
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    await asyncio.sleep(0.1)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert rig.node_api.allocatable == {"nvidia.com/gpu-40gb": "0", "nvidia.com/gpu": "0"}

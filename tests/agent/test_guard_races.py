@@ -6,11 +6,14 @@ double (real gRPC on unix sockets) where admission matters, else the unserved pl
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 
+from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.guard import SliceGuard
+from dynpart.agent.kube import FakePluginPods
 from dynpart.agent.loop import Agent
 from dynpart.agent.podresources import FakePodResources, PodResourcesError
 
@@ -37,6 +40,19 @@ async def mps() -> AsyncIterator[PluginRig]:
 async def mps2() -> AsyncIterator[PluginRig]:
     async for r in _rig(mig_enabled=False, count=2):
         yield r
+
+
+def record_withdrawals(plugins: DevicePluginManager) -> list[tuple[str, ...]]:
+    """The ids of each withdrawal the plugin manager is asked for, from now on."""
+    withdraw = plugins.withdraw
+    seen: list[tuple[str, ...]] = []
+
+    async def recording(*ids: str) -> None:
+        seen.append(ids)
+        await withdraw(*ids)
+
+    plugins.withdraw = recording  # type: ignore[method-assign]
+    return seen
 
 
 def bind_during_withdrawal(rig: PluginRig, pod: str, requests: dict[str, int]) -> list[tuple[str, ...]]:
@@ -114,14 +130,7 @@ async def test_mps_slices_a_free_whole_gpu_after_withdrawing_it(mps: PluginRig):
     agent = mps.agent()
     await agent.reconcile_once()
     await mps.kubelet.wait_devices(WHOLE, ["GPU-fake-0000"])
-    withdraw = mps.plugins.withdraw
-    seen: list[tuple[str, ...]] = []
-
-    async def recording(*ids: str) -> None:
-        seen.append(ids)
-        await withdraw(*ids)
-
-    mps.plugins.withdraw = recording  # type: ignore[method-assign]
+    seen = record_withdrawals(mps.plugins)
     mps.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
     await mps.settle(agent, "m1")
     assert seen == [("GPU-fake-0000",)]
@@ -279,3 +288,27 @@ async def test_a_gpu_entering_mig_mode_does_not_restart_the_daemon_under_running
         await agent.reconcile_once()
     assert not rig.kubelet.held().get("nvidia.com/gpu-40gb")
     assert not rig.daemon.running  # no slice left on a MIG node: stopped
+
+
+async def test_with_nvidias_plugin_leaving_mps_mode_still_withdraws_and_rechecks():
+    """device_plugin: nvidia serves MIG nodes, the agent's own plugin MPS nodes: a node switched
+    to MIG still has MPS slices the agent's plugin lists; they go through the same guard, and
+    only their counts are published (NVIDIA's plugin publishes its own resources)."""
+    rig = make_rig(count=1, mig_enabled=False, **ROUND_80GIB).with_plugins()
+    assert rig.plugins is not None
+    agent = rig.agent(withdraw_settle_s=0.05, plugin_pods=FakePluginPods())
+    rig.node_api.set_annotations(mps_spec({0: [10, 10]}, plan="m1"))
+    report = await agent.reconcile_once()
+    assert report.plan_id == "m1", report.errors
+    ids = sorted(d.id for ds in rig.plugins.advertised().values() for d in ds)
+    seen = record_withdrawals(rig.plugins)
+    rig.plugins.allocated[ids[0]] = time.monotonic()  # the kubelet has just admitted a pod onto it
+    rig.node_api.allocatable["nvidia.com/mig-1g.10gb"] = "3"  # what NVIDIA's plugin publishes
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="g1"), "dynpart.io/spec-gpu-0-10gb": None})
+    report = await agent.reconcile_once()
+    assert seen == [tuple(ids)]
+    assert any(f"MPS slice {ids[0]} was taken (a kubelet Allocate call)" in e for e in report.errors), report.errors
+    assert rig.driver.layout(0) == [] and not rig.driver.devices()[0].mig_current
+    assert [d.id for d in rig.plugins.advertised()["nvidia.com/gpu-10gb"]] == [ids[0]]  # still served
+    assert rig.node_api.allocatable["nvidia.com/mig-1g.10gb"] == "3"  # NVIDIA's count left alone
+    assert rig.node_api.allocatable["nvidia.com/gpu-10gb"] == "1"

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from datetime import timedelta
+
+import pytest
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynpart.agent.podresources import PodResourcesError
 from dynpart.annotations import (
@@ -18,8 +22,9 @@ from dynpart.annotations import (
     annotation_patch,
 )
 from dynpart.capability import decode_capability
+from dynpart.kube.errors import APIError
 
-from .conftest import Rig, make_rig, mig_spec
+from .conftest import NOW, Rig, make_rig, mig_spec
 
 
 async def test_handshake(rig: Rig):
@@ -193,3 +198,76 @@ async def test_a_spec_from_a_deposed_planner_is_ignored(rig: Rig):
     report = await agent.reconcile_once()
     assert report.errors == [] and rig.node_api.annotations[STATUS_PLAN] == "new"
     assert rig.driver.layout(0) == [("3g.40gb", 4)]
+
+
+async def test_a_lease_that_cannot_be_read_now_stops_the_pass_not_the_fencing(rig: Rig):
+    """A time-out or a 5xx on the Lease: the agent cannot tell whether the spec's writer still
+    leads, so it applies nothing this pass (it used to apply it, unfenced). No Lease (404) or no
+    right to read it (403) still means no fencing."""
+    answers: list[int | None] = [503, None]
+
+    async def current_term() -> int:
+        status = answers.pop(0)
+        if status is not None:
+            raise APIError("read lease dynpart-system/dynpart-planner: 503 Service Unavailable", status=status)
+        return 1
+
+    agent = rig.agent(leader_term=current_term)
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="p1"), "dynpart.io/spec-term": "1"})
+    report = await agent.reconcile_once()
+    assert report.failed and rig.driver.ops == [] and STATUS_PLAN not in rig.node_api.annotations
+    report = await agent.reconcile_once()
+    assert report.plan_id == "p1" and rig.driver.layout(0) == [("7g.80gb", 0)]
+    await agent.reconcile_once()
+    assert answers == []  # a plan let through is not checked again while it waits or once applied
+
+
+async def test_the_lease_reader_fences_nothing_only_without_a_lease_or_the_right_to_read_it(monkeypatch):
+    from dynpart.agent import kube
+
+    class Coordination:
+        status = 404
+
+        def __init__(self, api: object):
+            pass
+
+        async def read_namespaced_lease(self, name: str, namespace: str, **kw: object) -> object:
+            raise ApiException(status=Coordination.status, reason="x")
+
+    monkeypatch.setattr(kube.client, "CoordinationV1Api", Coordination)
+    read = kube.lease_term_reader(object(), "dynpart-planner", "dynpart-system")  # type: ignore[arg-type]
+    for status in (404, 403):
+        Coordination.status = status
+        assert await read() is None
+    for status in (500, 503, 429):
+        Coordination.status = status
+        with pytest.raises(APIError):
+            await read()
+
+
+
+async def test_a_waiting_plan_reads_the_lease_once_and_rewrites_its_heartbeat_once_per_interval():
+    """A plan that waits (here for a pod to leave the instance in its way) is looked at every
+    retry_s: the Lease is read once for it, and a Node write that would only move the heartbeat
+    happens once per interval, not every pass (each write reaches every Node watcher)."""
+    reads = []
+
+    async def current_term() -> int:
+        reads.append(1)
+        return 1
+
+    rig = make_rig().with_plugins()  # acknowledges only what the GPUs hold
+    gi = rig.carve(0, "1g.10gb@0")["1g.10gb@0"]
+    rig.run_pod("ns/a", 0, gi)
+    clock = [NOW]
+    agent = rig.agent(leader_term=current_term, interval_s=3600)
+    agent.now = lambda: clock[0]
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="p1"), "dynpart.io/spec-term": "1"})
+    await agent.reconcile_once()
+    writes = [e for kind, e in rig.node_api.events if kind == "annotations"]
+    for _ in range(5):
+        clock[0] += timedelta(seconds=1)
+        report = await agent.reconcile_once()
+    assert report.plan_id is None and any("1g.10gb@0" in e for e in report.errors), report.errors
+    assert len(reads) == 1
+    assert [e for kind, e in rig.node_api.events if kind == "annotations"] == writes
