@@ -25,14 +25,18 @@ from dynpart.kube.conventions import (
     GPU_COUNT_LABEL,
     GPU_PRODUCT_LABEL,
     PARTITIONING_LABEL,
+    SPEC_MODE,
     SPEC_PLAN,
     SPEC_REVOKES,
     STATUS_CAPABILITY,
+    STATUS_MODE,
+    STATUS_PLAN,
     STATUS_PREFIX,
 )
 from dynpart.planner.loop import node_writes
 from dynpart.resources import (
     MigResource,
+    MpsResource,
     WholeGpuResource,
     is_slice_resource,
     mig_resource_name,
@@ -181,6 +185,9 @@ class ClusterView:
     problems: list[tuple[dict[str, Any], str]]
     catalog: Catalog
     disagreements: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # nodes left out while their agent runs them in another mode than their label's, whose
+    # acknowledged spec keeps the agent there: node -> the labelled mode, for a switching spec
+    switching: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -194,6 +201,8 @@ class NodeGpus:
     problems: list[str] = field(default_factory=list)
     not_mig: frozenset[int] | None = None
     reset_pending: frozenset[int] = frozenset()  # GPUs whose MIG mode waits for a GPU reset
+    in_mig: frozenset[int] = frozenset()  # GPUs in MIG mode or about to be: no MPS there
+    count: int | None = None  # the GPUs the driver reports (None: no report)
 
 
 def node_gpu_model(name: str, labels: Mapping[str, Any], annotations: Mapping[str, Any],
@@ -211,7 +220,8 @@ def node_gpu_model(name: str, labels: Mapping[str, Any], annotations: Mapping[st
             choice = node_model(cap, catalog)
             not_mig = frozenset(i for i, g in enumerate(cap.gpus) if g.mig in ("off", "on-pending", "unsupported"))
             pending = frozenset(i for i, g in enumerate(cap.gpus) if g.mig in ("on-pending", "off-pending"))
-            return NodeGpus(choice.model, choice.disagreements, problems, not_mig, pending)
+            in_mig = frozenset(i for i, g in enumerate(cap.gpus) if g.mig in ("on", "on-pending", "off-pending"))
+            return NodeGpus(choice.model, choice.disagreements, problems, not_mig, pending, in_mig, len(cap.gpus))
         except CapabilityError as e:
             problems.append(f"node {name}: annotation {STATUS_CAPABILITY}: {e}; the node is planned from the catalog")
     product = labels.get(GPU_PRODUCT_LABEL)
@@ -247,11 +257,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     status = decode_status(annotations, model, node=name)
     problems.extend(status.problems)
     reported = {g.index: g for g in status.layout.gpus} if status.layout is not None else {}
-    try:
-        count = int(labels.get(GPU_COUNT_LABEL, 0))
-    except ValueError:
-        count = 0
-        problems.append(f"node {name}: label {GPU_COUNT_LABEL}={labels.get(GPU_COUNT_LABEL)!r} is not a number")
+    count = described.count if described.count is not None else _labelled_count(name, labels, problems)
     count = max([count, *(i + 1 for i in reported)])
     bound_slices: Counter[str] = Counter()
     cpu_used = mem_used = 0.0
@@ -277,7 +283,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     if held_whole:
         problems.append(f"node {name}: GPU(s) {', '.join(map(str, held_whole))} serve a pod whole (nvidia.com/gpu, MIG "
                         "mode off); left out of MIG planning while the pod runs")
-    gpus = kept
+    gpus = _without_mode_conflicts(name, kept, mode, bound_slices, described, problems)
     if mode == "mig" and described.reset_pending:
         # its agent could not hold a plan there (docs/protocol.md): not planned until a reset
         gpus = [g for g in gpus if g.index not in described.reset_pending]
@@ -287,6 +293,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     try:
         cpu_free = max(0, int(round((parse_quantity(alloc.get("cpu", 0)) - cpu_used) * 1000)))
         mem_free = max(0, int((parse_quantity(alloc.get("memory", 0)) - mem_used) // 2**20))
+        _unallocatable_as_used(name, gpus, alloc, problems)
     except DynpartError as e:
         return NodeView(None, status.plan_id, [f"node {name}: allocatable: {e}"])
     node_spec = node.get("spec") or {}
@@ -298,6 +305,82 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     view = Node(name=name, mode=mode, gpu_model=model.name, cpu_milli_free=cpu_free, memory_mib_free=mem_free,
                 labels=dict(labels), gpus=gpus, unschedulable=bool(node_spec.get("unschedulable")), taints=taints)
     return NodeView(view, status.plan_id, problems, model, disagreements)
+
+
+def _unallocatable_as_used(name: str, gpus: list[Gpu], alloc: Mapping[str, Any], problems: list[str]) -> None:
+    """Free slices beyond what the node's allocatable offers of their resource (a device its
+    plugin reports unhealthy, or withdrew) cannot be given to a pod: marked used, so they are
+    neither planned for a pod nor counted as free. Only for resources allocatable lists."""
+    slices: dict[str, list[MigInstance | MpsSlice]] = {}
+    for g in gpus:
+        for m in g.mig:
+            slices.setdefault(mig_resource_name(m.profile), []).append(m)
+        for x in g.mps:
+            slices.setdefault(mps_resource_name(x.size), []).append(x)
+    for res, items in sorted(slices.items()):
+        if res not in alloc:
+            continue
+        unusable = len(items) - int(parse_quantity(alloc[res]))
+        free = [it for it in items if not it.used]
+        for it in free[len(free) - min(max(0, unusable), len(free)):]:
+            it.used = True
+        if unusable > 0 and free:
+            problems.append(f"node {name}: {len(items)} {res} slice(s) reported, {alloc[res]} allocatable: "
+                            f"{min(unusable, len(free))} free one(s) not planned for pods")
+
+
+def _labelled_count(name: str, labels: Mapping[str, Any], problems: list[str]) -> int:
+    """The GPU count of `nvidia.com/gpu.count`, used only until the agent's capability report
+    lists the GPUs: with GPU Operator's MIG strategy `single`, GPU feature discovery sets it to 0
+    on a MIG node with mixed profiles or to the number of MIG devices, not of GPUs."""
+    try:
+        return int(labels.get(GPU_COUNT_LABEL, 0))
+    except ValueError:
+        problems.append(f"node {name}: label {GPU_COUNT_LABEL}={labels.get(GPU_COUNT_LABEL)!r} is not a number")
+        return 0
+
+
+def _without_mode_conflicts(name: str, gpus: list[Gpu], mode: str, bound: Counter[str], described: NodeGpus,
+                            problems: list[str]) -> list[Gpu]:
+    """The GPUs the node's mode can use now. MPS cannot run on a GPU in MIG mode (or with a MIG
+    mode change pending), so an MPS node plans none of those (its agent would refuse the slices).
+    A GPU out of MIG mode on a MIG node may be busy with MPS pods bound there (a node switched
+    from MPS while they run): MIG mode is enabled only once it is idle, so while such pods are
+    bound, its empty GPUs out of MIG mode (without a capability report: all empty GPUs) are not
+    carved."""
+    if mode == "mps":
+        out = [g for g in gpus if g.index not in described.in_mig]
+        why = "are in MIG mode (or switching it); MPS slices cannot be made there until MIG mode is off"
+    else:
+        mps_bound = any(isinstance(_resource(res), MpsResource) for res in bound)
+        if not mps_bound:
+            return gpus
+        out = [g for g in gpus if g.mig or (described.not_mig is not None and g.index not in described.not_mig)]
+        why = ("are out of MIG mode while pods using MPS slices are bound to the node; MIG mode is enabled only "
+               "once they are idle")
+    dropped = sorted({g.index for g in gpus} - {g.index for g in out})
+    if dropped:
+        problems.append(f"node {name}: GPU(s) {', '.join(map(str, dropped))} {why}: left out of planning")
+    return out
+
+
+def _resource(name: str) -> object:
+    try:
+        return parse_resource(name)
+    except DynpartError:
+        return None
+
+
+def mode_switch(node: dict[str, Any]) -> tuple[str, str] | None:
+    """(reported mode, labelled mode) when the node's agent reports another mode than its label
+    asks for (the node being switched): what it reports is read in the wrong terms until it
+    reports the labelled mode, so the node is not planned until then. None otherwise."""
+    md = node.get("metadata") or {}
+    mode = (md.get("labels") or {}).get(PARTITIONING_LABEL)
+    reported = (md.get("annotations") or {}).get(STATUS_MODE)
+    if mode in ("mig", "mps") and reported in ("mig", "mps") and reported != mode:
+        return str(reported), str(mode)
+    return None
 
 
 def reported_slices(node: dict[str, Any], catalog: Catalog) -> Counter[str] | None:
@@ -357,12 +440,13 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
 
 def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], catalog: Catalog,
                    exclude_nodes: AbstractSet[str] = frozenset(), exclude_pods: AbstractSet[str] = frozenset(),
-                   reserved: Mapping[str, str] | None = None) -> ClusterView:
+                   reserved: Mapping[str, str] | None = None, switching_too: bool = False) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
     applied, not bound yet) is counted on its node as if bound, so the slice made for it is
-    neither destroyed nor planned for another pod, and it is not planned again."""
+    neither destroyed nor planned for another pod, and it is not planned again. A node whose agent
+    reports another mode than its label is left out (`mode_switch`) unless `switching_too`."""
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
     reserved = reserved or {}
@@ -376,12 +460,19 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     acks: dict[str, str | None] = {}
     models: list[GpuModel] = []
     disagreements: dict[str, tuple[str, ...]] = {}
+    switching: dict[str, str] = {}
     for node in sorted(nodes, key=lambda n: str(_field(n, "metadata", "name") or "")):
         name = str(_field(node, "metadata", "name") or "")
         labels = _field(node, "metadata", "labels")
         if not isinstance(labels, dict) or PARTITIONING_LABEL not in labels or name in exclude_nodes:
             continue
         try:
+            switch = None if switching_too else mode_switch(node)
+            if switch is not None:
+                problems.append((node, _switch_message(name, *switch)))
+                if _spec_holds_mode(node, switch[0]):
+                    switching[name] = switch[1]
+                continue
             view = node_view(node, by_node.get(name, []), catalog)
         except DynpartError as e:
             problems.append((node, f"node {name} left out of planning: {e}"))
@@ -417,7 +508,39 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     for name, message in invalid:
         obj = candidates.get(name) or node_objs.get(name) or {"metadata": {"name": name}}
         problems.append((obj, f"{'pod' if name in candidates else 'node'} {name} left out of planning: {message}"))
-    return ClusterView(snapshot, acks, problems, catalog, disagreements)
+    return ClusterView(snapshot, acks, problems, catalog, disagreements, switching)
+
+
+def _switch_message(name: str, reported: str, labelled: str) -> str:
+    return (f"node {name}: its agent runs it in {reported.upper()} mode but its label "
+            f"{PARTITIONING_LABEL}={labelled} asks for {labelled.upper()}: left out of planning until its agent "
+            f"reports {labelled.upper()} mode (GPUs still in the old mode cannot take the new mode's slices)")
+
+
+def _spec_holds_mode(node: dict[str, Any], reported: str) -> bool:
+    """The node's spec, acknowledged, is of the mode its agent reports: an agent takes the mode
+    from its spec, so it stays there until a spec of the labelled mode is written."""
+    ann = _field(node, "metadata", "annotations")
+    if not isinstance(ann, dict):
+        return False
+    return ann.get(SPEC_MODE) == reported and bool(ann.get(SPEC_PLAN)) and ann.get(SPEC_PLAN) == ann.get(STATUS_PLAN)
+
+
+def switching_patch(node: dict[str, Any], mode: str, plan_id: str,
+                    term: int | None = None) -> dict[str, str | None]:
+    """The spec that moves a node's agent to the labelled `mode`: no slices, no pods. The agent
+    keeps what is in use (MPS slices leaving MPS mode stay served while their pods run) and
+    reports the node in its new mode; the node is planned from that report."""
+    name = str(_field(node, "metadata", "name") or "")
+    spec = encode_spec(NodeLayout(node=name, mode=mode, gpus=[]), plan_id, term=term)
+    current = _field(node, "metadata", "annotations")
+    return annotation_patch(current if isinstance(current, dict) else None, spec)
+
+
+def can_revoke(node: dict[str, Any], catalog: Catalog) -> bool:
+    """Whether a revocation can be written for the node (`revoking_patch`): its status reads.
+    The pods of a plan on a node that cannot be revoked are not held for it."""
+    return bool(build_snapshot([node], [], catalog, switching_too=True).snapshot.nodes)
 
 
 def planned_patches(snapshot: Snapshot, result: Plan, nodes: Mapping[str, dict[str, Any]],
@@ -443,7 +566,7 @@ def revoking_patch(node: dict[str, Any], catalog: Catalog, plan_id: str,
     reported it (nothing to create or destroy, no pods): written when an agent does not
     acknowledge in time, so that the old plan can never be applied after its pods went elsewhere.
     None when the node cannot be read (its agent never reported: there is nothing to keep)."""
-    view = build_snapshot([node], [], catalog)
+    view = build_snapshot([node], [], catalog, switching_too=True)
     if not view.snapshot.nodes:
         return None
     spec = encode_spec(full_layout(view.snapshot.nodes[0], None), plan_id, term=term)

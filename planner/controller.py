@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from kubernetes_asyncio import client
@@ -42,6 +42,7 @@ from dynpart.planner import metrics
 from dynpart.planner.batching import BatchWindow
 from dynpart.planner.cluster_view import (
     build_snapshot,
+    can_revoke,
     is_batch_candidate,
     planned_patches,
     pod_for_planning,
@@ -49,6 +50,7 @@ from dynpart.planner.cluster_view import (
     reported_slices,
     revoking_patch,
     slice_requests,
+    switching_patch,
 )
 from dynpart.planner.loop import InFlight, PlanningLoop
 from dynpart.probing import Liveness
@@ -96,6 +98,7 @@ class PlannerController:
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
         self._reserved_for: dict[str, str] = {}  # pod -> the plan id it was last reserved for (once per plan)
+        self._term_seen: int | None = None  # the leader term the state above was built under
         self._ids = itertools.count(1)
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
                               settings=settings.kube, on_beat=lambda: self.liveness.beat("watch nodes"))
@@ -114,6 +117,32 @@ class PlannerController:
     def reserved(self) -> dict[str, tuple[str, float]]:
         return self.loop.reserved
 
+    # --- leadership -----------------------------------------------------------------------
+
+    def set_leading(self, leader: bool) -> None:
+        """The leader election's verdict. Losing the lease drops what this replica remembered as
+        leader: another leader may write meanwhile, and a replica that leads again must start
+        from the annotations as a new leader does, never revoke or wait for a plan of its own
+        that another leader has since replaced."""
+        if not leader:
+            self._forget_leader_state()
+        (self.leading.set if leader else self.leading.clear)()
+        self.wake.set()
+
+    def _check_term(self) -> None:
+        """A term that changed without a loss being signalled (the event loop stalled past the
+        lease, and the lease was taken over and handed back): the same as a loss."""
+        term = self.leadership.term
+        if term != self._term_seen:
+            if self._term_seen is not None:
+                self._forget_leader_state()
+            self._term_seen = term
+
+    def _forget_leader_state(self) -> None:
+        self.loop.forget_leader_state()
+        self._reserved_for.clear()
+        self._to_adopt.clear()
+
     # --- watches --------------------------------------------------------------------------
 
     def _on_pod(self, kind: str, pod: Obj) -> None:
@@ -128,15 +157,7 @@ class PlannerController:
         name = node["metadata"]["name"]
         ann = node["metadata"].get("annotations") or {}
         now = self.clock()
-        flight = self.loop.acknowledged(name, ann[STATUS_PLAN], now) if ann.get(STATUS_PLAN) else None
-        if flight is not None:
-            for key in flight.pods:  # their slices exist now: theirs until the scheduler binds them
-                self._reserved_for[key] = flight.plan_id
-            metrics.PLAN_ACKS.inc()
-            metrics.PLAN_ACK_SECONDS.observe(now - flight.sent_at)
-            log.info("plan acknowledged", extra={"fields": {"node": name, "plan": flight.plan_id,
-                                                            "after_s": round(now - flight.sent_at, 3)}})
-            self.wake.set()
+        self._acknowledged(name, ann, now)
         # New facts about the node's GPUs (a plan applied, a slice freed or taken, the node gone):
         # pods still waiting may fit now, or only now be planned on it, so they join the batch.
         status = None if kind == "DELETED" else {k: v for k, v in ann.items()
@@ -148,6 +169,28 @@ class PlannerController:
                 self._status[name] = status
             self.loop.facts_changed(self._candidates(), now)
             self.wake.set()
+
+    def _acknowledged(self, name: str, ann: dict[str, str], now: float) -> None:
+        """The node's status-plan, if it is the plan in flight there, acknowledges it."""
+        flight = self.loop.acknowledged(name, ann[STATUS_PLAN], now) if ann.get(STATUS_PLAN) else None
+        if flight is None:
+            return
+        for key in flight.pods:  # their slices exist now: theirs until the scheduler binds them
+            self._reserved_for[key] = flight.plan_id
+        metrics.PLAN_ACKS.inc()
+        metrics.PLAN_ACK_SECONDS.observe(now - flight.sent_at)
+        log.info("plan acknowledged", extra={"fields": {"node": name, "plan": flight.plan_id,
+                                                        "after_s": round(now - flight.sent_at, 3)}})
+        self.wake.set()
+
+    def _written(self, name: str, plan_id: str, pods: Iterable[str], now: float, revoking: bool = False) -> None:
+        """A plan written: in flight until acknowledged. The watch may have delivered the
+        acknowledgement while the write's response was awaited (it found nothing in flight then):
+        the node as cached now may acknowledge it already."""
+        self.loop.written(name, plan_id, pods, now, revoking)
+        node = self.nodes.cache.get(name)
+        if node is not None:
+            self._acknowledged(name, node["metadata"].get("annotations") or {}, now)
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -194,38 +237,59 @@ class PlannerController:
         reported layout, no pods): only then are its pods planned elsewhere, and the old plan can
         never be applied after they went. A revocation that is not acknowledged either stays in
         flight: the node is left out until its agent answers, and nothing is written again."""
+        self._check_term()
         for name, flight in self.loop.overdue(now):
-            metrics.PLAN_ERRORS.labels("ack_timeout").inc()
-            log.warning("no acknowledgement from the node's agent", extra={"fields": {
-                "node": name, "plan": flight.plan_id, "waited_s": self.settings.ack_timeout_s}})
             node = self.nodes.cache.get(name)
             if node is None:  # the node is gone: so is its plan
                 self.loop.forget_node(name)
                 continue
+            spec_plan = (node["metadata"].get("annotations") or {}).get(SPEC_PLAN)
+            if spec_plan != flight.plan_id:
+                # another writer (a leader meanwhile) replaced the plan: never revoke theirs; the
+                # node's spec as it is now decides (_awaiting_from_annotations reads it again)
+                log.info("the plan in flight was replaced on the node", extra={"fields": {
+                    "node": name, "plan": flight.plan_id, "spec": spec_plan}})
+                self._release(name, flight, now)
+                continue
+            metrics.PLAN_ERRORS.labels("ack_timeout").inc()
+            log.warning("no acknowledgement from the node's agent", extra={"fields": {
+                "node": name, "plan": flight.plan_id, "waited_s": self.settings.ack_timeout_s}})
             if not self.leadership.can_write():
                 return
             plan_id = self._new_plan_id()
             patch = revoking_patch(node, self.catalog, plan_id, self.leadership.term)
             if patch is None:
-                self.loop.forget_node(name)
+                # the node cannot be read any more (taken out of dynpart, its status unreadable):
+                # nothing to revoke with, and its plan is not waited for (_awaiting_from_annotations)
+                await self._not_applied(node, flight, "the node can no longer be planned")
+                self._release(name, flight, now)
                 continue
             try:
                 await patch_node_annotations(self.core, name, patch, node["metadata"].get("resourceVersion"))
             except APIError as e:  # a conflict included: the node changed, its next state decides
                 log.info("could not revoke the plan; will try again", extra={"fields": {"node": name, "error": str(e)}})
                 continue
-            self.loop.written(name, plan_id, (), now, revoking=True)
+            self._written(name, plan_id, (), now, revoking=True)
             why = (node["metadata"].get("annotations") or {}).get(STATUS_ERROR) or "its agent did not answer"
             self.loop.facts_changed(flight.pods, now)  # planned again, elsewhere or here
-            for key in flight.pods:
-                await self._event(self.pods.cache.get(key), "PlanNotApplied",
-                                  f"dynpart planned this pod on node {name} (plan {flight.plan_id}), but the node's agent "
-                                  f"did not apply that plan within {self.settings.ack_timeout_s:g} s "
-                                  f"({' '.join(why.split())[:300]}); it is planned again", warning=True)
+            await self._not_applied(node, flight, why)
             self.wake.set()
             await self._event(node, "PlanRevoked", f"plan {flight.plan_id} was not acknowledged within "
                               f"{self.settings.ack_timeout_s:g} s: replaced by plan {plan_id}, the node's layout as its "
                               f"agent last reported it; its {len(flight.pods)} pod(s) are planned again", warning=True)
+
+    def _release(self, name: str, flight: InFlight, now: float) -> None:
+        """Stop waiting for a plan in flight: its pods are planned again."""
+        self.loop.forget_node(name)
+        self.loop.facts_changed(flight.pods, now)
+        self.wake.set()
+
+    async def _not_applied(self, node: Obj, flight: InFlight, why: str) -> None:
+        for key in flight.pods:
+            await self._event(self.pods.cache.get(key), "PlanNotApplied",
+                              f"dynpart planned this pod on node {node['metadata']['name']} (plan {flight.plan_id}), "
+                              f"but the node's agent did not apply that plan within {self.settings.ack_timeout_s:g} s "
+                              f"({' '.join(why.split())[:300]}); it is planned again", warning=True)
 
     def _awaiting_from_annotations(self) -> set[str]:
         """Nodes not to plan this round: those whose written plan is not acknowledged (also
@@ -241,13 +305,15 @@ class PlannerController:
             if STATUS_MODE not in ann:
                 out.add(name)
             elif ann.get(SPEC_PLAN) and ann.get(SPEC_PLAN) != ann.get(STATUS_PLAN):
+                out.add(name)
+                if name not in self.in_flight and not can_revoke(node, self.catalog):
+                    continue  # its plan could never be revoked: its pods are not held for it
                 term, pods = decode_fencing(ann, [])
                 if name not in self.in_flight:
                     self.loop.written(name, ann[SPEC_PLAN], pods, self.clock())
                 mine = self.leadership.term
                 if mine is not None and (term is None or term < mine):
                     self._to_adopt.add(name)
-                out.add(name)
         return out
 
     async def _adopt(self) -> None:
@@ -333,6 +399,7 @@ class PlannerController:
         return f"{int(time.time() * 1000):x}-{next(self._ids)}"
 
     async def plan_round(self) -> None:
+        self._check_term()
         nodes = list(self.nodes.cache.values())
         pods = list(self.pods.cache.values())
         awaiting = self._awaiting_from_annotations()
@@ -344,6 +411,7 @@ class PlannerController:
             log.warning(message)
             await self._event(obj, "DynpartInvalid", message, warning=True)
         await self._report_disagreements(view.disagreements)
+        await self._switch_modes(view.switching, awaiting)
         by_resource = Counter(p.resource for p in snapshot.pending)
         metrics.PENDING_PODS.clear()
         for res, n in by_resource.items():
@@ -405,7 +473,7 @@ class PlannerController:
                 not_written.add(layout.node)
                 continue
             written.add(layout.node)
-            self.loop.written(layout.node, node_plan, placed_on.get(layout.node, ()), self.clock())
+            self._written(layout.node, node_plan, placed_on.get(layout.node, ()), self.clock())
             metrics.NODE_PLANS.inc()
             created = sum(g.created for g in layout.gpus)
             destroyed = sum(g.destroyed for g in layout.gpus)
@@ -439,6 +507,26 @@ class PlannerController:
             log.info("pod not placed", extra={"fields": {"pod": u.pod, "reason": u.reason + left_out}})
             await self._event(pods_by_key.get(u.pod), "Unplaceable",
                               f"dynpart cannot place this pod: {u.reason}{left_out}", warning=True)
+
+    async def _switch_modes(self, switching: dict[str, str], awaiting: set[str]) -> None:
+        """Nodes relabelled to the other mode whose agent the acknowledged spec keeps in the old
+        one: a spec of the labelled mode, without slices or pods, moves it there; the node is
+        planned once its agent reports that mode (cluster_view.mode_switch)."""
+        for name, mode in sorted(switching.items()):
+            node = self.nodes.cache.get(name)
+            if node is None or name in awaiting or not self.leadership.can_write():
+                continue
+            plan_id = self._new_plan_id()
+            try:
+                await patch_node_annotations(self.core, name, switching_patch(node, mode, plan_id, self.leadership.term),
+                                             node["metadata"].get("resourceVersion"))
+            except APIError as e:
+                log.info("could not switch the node's mode; will try again", extra={"fields": {"node": name, "error": str(e)}})
+                continue
+            self._written(name, plan_id, (), self.clock())
+            log.info("node mode switch written", extra={"fields": {"node": name, "mode": mode, "plan": plan_id}})
+            await self._event(node, "ModeSwitch", f"plan {plan_id}: the node is labelled {mode}; its agent is asked to "
+                              f"run it in {mode.upper()} mode (slices in use stay until their pods end)")
 
     async def _report_disagreements(self, by_node: dict[str, tuple[str, ...]]) -> None:
         """How agents' capability reports differ from the catalog: a gauge per node and an Event

@@ -82,8 +82,7 @@ async def _main(settings: PlannerSettings, catalog: Catalog) -> None:
     if settings.leader_election:
         def on_change(leader: bool) -> None:
             metrics.LEADER.set(1 if leader else 0)
-            (controller.leading.set if leader else controller.leading.clear)()
-            controller.wake.set()
+            controller.set_leading(leader)
         elector = LeaderElector(client.CoordinationV1Api(api), settings.lease_name, settings.lease_namespace,
                                 settings.identity, settings.lease_duration_s, settings.lease_renew_s,
                                 settings.lease_retry_s, on_change)

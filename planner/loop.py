@@ -25,8 +25,15 @@ from dynpart.planner.core import PlanningSession, PlanOptions, plan
 from dynpart.planner.demand import DemandTracker, known_to
 from dynpart.planner.drain import Drain, drain_target, is_empty, with_drain_flags, without_gpus
 from dynpart.planner.policy import PolicyName
+from dynpart.scheduling import NodeSelectorRequirement, NodeSelectorTerm
 from dynpart.settings import PlannerSettings
-from dynpart.snapshot import NodeLayout, Plan, Snapshot
+from dynpart.snapshot import NodeLayout, PendingPod, Plan, Snapshot
+
+# A pod whose reservation on a node ended without the scheduler binding it there is not planned
+# on that node again for a while: the first time for reservation_s, then twice as long each time,
+# at most this long. (A slice the agent reports free may be one the scheduler cannot give: a
+# device the plugin withdrew as unhealthy, a pod constraint dynpart does not model.)
+AVOID_MAX_S = 600.0
 
 
 @dataclass
@@ -55,6 +62,15 @@ def node_writes(result: Plan) -> list[NodeWrite]:
     return [NodeWrite(lay.node, lay, tuple(pods.get(lay.node, ()))) for lay in result.changed_nodes()]
 
 
+def avoiding(pod: PendingPod, nodes: set[str]) -> PendingPod:
+    """The pod with these nodes left out: `metadata.name NotIn` added to each of its required
+    node-affinity terms (or as its only term)."""
+    not_in = NodeSelectorRequirement(key="metadata.name", operator="NotIn", values=tuple(sorted(nodes)))
+    terms = pod.node_affinity or [NodeSelectorTerm()]
+    return pod.model_copy(update={"node_affinity": [
+        t.model_copy(update={"match_fields": (*t.match_fields, not_in)}) for t in terms]})
+
+
 class PlanningLoop:
     def __init__(self, settings: PlannerSettings, policy: PolicyName = "dynpart",
                  static_layout: Mapping[str, str] | None = None, minimise_changes: bool = True):
@@ -72,6 +88,7 @@ class PlanningLoop:
         self.prepared_at = float("-inf")  # the time of the last round (`prepare`)
         self.drains: dict[str, Drain] = {}  # pod -> the GPUs drained for it
         self.drain_flagged: dict[str, set[int]] = {}  # node -> GPUs its spec drains, as last decided
+        self.avoid: dict[tuple[str, str], tuple[float, float]] = {}  # (pod, node) -> (until, back-off s)
 
     # --- events ---------------------------------------------------------------------------
 
@@ -87,6 +104,8 @@ class PlanningLoop:
         """The pod is bound, gone or no longer waits for a slice."""
         self.window.discard(key)
         self.first_seen.pop(key, None)
+        for pair in [p for p in self.avoid if p[0] == key]:
+            del self.avoid[pair]
 
     def facts_changed(self, waiting: Iterable[str], now: float) -> None:
         """New facts about a node's GPUs (a plan applied, a slice freed or taken, a node gone):
@@ -114,6 +133,14 @@ class PlanningLoop:
 
     def forget_node(self, node: str) -> None:
         self.in_flight.pop(node, None)
+
+    def forget_leader_state(self) -> None:
+        """Leadership lost: what this replica wrote or reserved as leader may have been replaced
+        by another leader's writes. The batch and the demand learnt stay (a standby keeps them)."""
+        self.in_flight.clear()
+        self.reserved.clear()
+        self.drains.clear()
+        self.drain_flagged.clear()
 
     # --- when to plan ---------------------------------------------------------------------
 
@@ -152,10 +179,29 @@ class PlanningLoop:
         (`bound_or_gone`) or after `reservation_s`."""
         out: dict[str, str] = {}
         for key, (node, until) in list(self.reserved.items()):
-            if bound_or_gone(key) or now > until:
+            if bound_or_gone(key):
                 del self.reserved[key]
+            elif now > until:
+                del self.reserved[key]
+                self._back_off(key, node, now)
             else:
                 out[key] = node
+        return out
+
+    def _back_off(self, key: str, node: str, now: float) -> None:
+        """The scheduler did not bind the pod on the node its slice was kept on: the next plans
+        leave that node out for the pod for a while (AVOID_MAX_S), so it is not kept there again
+        and again while other nodes have room."""
+        previous = self.avoid.get((key, node))
+        delay = min(AVOID_MAX_S, 2 * previous[1] if previous else max(self.settings.reservation_s, 1.0))
+        self.avoid[(key, node)] = (now + delay, delay)
+
+    def avoided(self, now: float) -> dict[str, set[str]]:
+        """Pod -> the nodes its plan leaves out now (`_back_off`)."""
+        out: dict[str, set[str]] = {}
+        for (key, node), (until, _) in self.avoid.items():
+            if now < until:
+                out.setdefault(key, set()).add(node)
         return out
 
     def reserve(self, key: str, node: str, now: float) -> None:
@@ -184,6 +230,8 @@ class PlanningLoop:
                     reserved.pop(key)
                     self.window.add(key, now)
                     ended.append((key, node, res))
+                    if not bound.get((node, res)):  # no pod took them: the node lacks the slices it was planned
+                        self._back_off(key, node, now)
         return ended
 
     def prepare(self, snapshot: Snapshot, now: float) -> Snapshot:
@@ -195,7 +243,9 @@ class PlanningLoop:
             self.first_seen.setdefault(pod.name, now)
         self.prepared_at = now
         workload = self.settings.workload or self.demand.workload()
-        return snapshot.model_copy(update={"workload": workload})
+        avoided = self.avoided(now)
+        pending = [avoiding(p, avoided[p.name]) if p.name in avoided else p for p in snapshot.pending]
+        return snapshot.model_copy(update={"workload": workload, "pending": pending})
 
     def decide(self, snapshot: Snapshot, catalog: Catalog, session: PlanningSession | None = None) -> Plan:
         """The plan of a prepared snapshot (pure; the controller runs it in a thread). With a

@@ -1,7 +1,10 @@
 """Holding a coordination.k8s.io Lease: leader election for the planner's replicas.
 
 The holder renews the lease every `renew_s`; another replica takes it over once
-`renewTime + leaseDurationSeconds` has passed without a renewal. Every write carries the
+`leaseDurationSeconds` have passed, on its own monotonic clock, since it last saw the lease
+record change (as client-go does): the holder's `renewTime` is another machine's wall clock,
+and a skew between the two must neither let a standby take over a live leader's lease nor keep
+a dead one's for long. Every write carries the
 resourceVersion it read, so two replicas can never both win (the loser gets 409 Conflict).
 A standby tries every `retry_s` rather than backing off: it must notice an expired lease in time.
 A leader that cannot renew within its lease steps down before anyone else may take over:
@@ -33,22 +36,10 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime(_FMT)
 
 
-def _age_s(stamp: str | None) -> float:
-    if not stamp:
-        return float("inf")
-    for fmt in (_FMT, "%Y-%m-%dT%H:%M:%SZ"):
-        try:
-            t = dt.datetime.strptime(stamp, fmt).replace(tzinfo=dt.UTC)
-            return (dt.datetime.now(dt.UTC) - t).total_seconds()
-        except ValueError:
-            continue
-    return float("inf")
-
-
 class LeaderElector:
     def __init__(self, api: client.CoordinationV1Api, name: str, namespace: str, identity: str,
                  lease_s: int = 15, renew_s: float = 5.0, retry_s: float = 1.0,
-                 on_change: Callable[[bool], None] | None = None):
+                 on_change: Callable[[bool], None] | None = None, clock: Callable[[], float] = time.monotonic):
         self.api, self.name, self.namespace, self.identity = api, name, namespace, identity
         self.lease_s, self.renew_s, self.retry_s = lease_s, renew_s, retry_s
         self.on_change = on_change
@@ -57,6 +48,9 @@ class LeaderElector:
         self.term = 0
         self._valid_until = 0.0  # monotonic time until which this replica can prove it leads
         self._term_read = 0
+        self.clock = clock
+        self._observed: tuple[object, ...] | None = None  # the lease record last read
+        self._observed_at = 0.0  # when (this replica's monotonic clock) it last changed
 
     @property
     def margin_s(self) -> float:
@@ -65,7 +59,7 @@ class LeaderElector:
         return self.lease_s * 2 / 3
 
     def can_write(self) -> bool:
-        return self.is_leader and time.monotonic() < self._valid_until
+        return self.is_leader and self.clock() < self._valid_until
 
     def _set(self, leader: bool) -> None:
         if leader != self.is_leader:
@@ -99,9 +93,10 @@ class LeaderElector:
         spec = lease.get("spec") or {}
         holder = spec.get("holderIdentity")
         duration = spec.get("leaseDurationSeconds") or self.lease_s
+        unchanged_s = self._observe(spec)
         if holder == self.identity:
             spec["renewTime"] = _now()
-        elif not holder or _age_s(spec.get("renewTime")) > duration:
+        elif not holder or unchanged_s > duration:
             spec.update(holderIdentity=self.identity, acquireTime=_now(), renewTime=_now(),
                         leaseDurationSeconds=self.lease_s, leaseTransitions=(spec.get("leaseTransitions") or 0) + 1)
         else:
@@ -114,6 +109,16 @@ class LeaderElector:
         except APIConflictError:
             return False
 
+    def _observe(self, spec: Obj) -> float:
+        """How long the lease record has been as it is now, on this replica's monotonic clock
+        (0 when it changed since the last read, or on the first read)."""
+        record = tuple(spec.get(k) for k in ("holderIdentity", "renewTime", "acquireTime", "leaseTransitions",
+                                             "leaseDurationSeconds"))
+        now = self.clock()
+        if record != self._observed:
+            self._observed, self._observed_at = record, now
+        return now - self._observed_at
+
     async def _replace(self, lease: Obj) -> None:
         with api_errors(f"update lease {self.namespace}/{self.name}"):
             await raw_api(self.api).replace_namespaced_lease(self.name, self.namespace, lease)
@@ -121,7 +126,7 @@ class LeaderElector:
     async def run(self) -> None:
         try:
             while True:
-                started = time.monotonic()
+                started = self.clock()
                 # a leader's attempt must end while it can still prove it leads; a hung request
                 # must not keep it leading past the point where a standby may take over
                 deadline = max(0.05, self._valid_until - started) if self.is_leader else self.margin_s

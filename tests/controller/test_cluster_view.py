@@ -171,3 +171,80 @@ def test_bad_tolerations_affinity_or_taints_leave_that_object_out_with_the_field
     view = build_snapshot([bad_node, node("n2")], [pod("ok", {"nvidia.com/mig-1g.10gb": "1"})], CAT)
     assert [n.name for n in view.snapshot.nodes] == ["n2"] and [p.name for p in view.snapshot.pending] == ["ml/ok"]
     assert any("node n1: spec.taints" in m for _, m in view.problems)
+
+
+def reported_node(name, mig_modes, mode="mig", status_mode=None, count=None, product="NVIDIA-H100-80GB-HBM3",
+                  layout=None, **annotations):
+    """A node whose agent reported `layout` (default: nothing) in `status_mode` (default: the
+    label's `mode`) and a capability report of H100s with these MIG modes."""
+    from dynpart.annotations import STATUS_CAPABILITY
+    from dynpart.capability import GpuReport, encode_capability
+    from tests.test_capability import kind_of, node_of
+
+    cap = node_of(kind_of(CAT.resolve("H100-80GB"), "NVIDIA H100 80GB HBM3"), gpus=len(mig_modes))
+    cap = cap.model_copy(update={"gpus": tuple(GpuReport(kind=0, mig=m) for m in mig_modes)})
+    status = encode_status(layout or NodeLayout(node=name, mode=status_mode or mode, gpus=[]), "p0")
+    return node(name, mode=mode, product=product, count=len(mig_modes) if count is None else count,
+                annotations={**status, STATUS_CAPABILITY: encode_capability(cap), **annotations})
+
+
+def test_a_node_whose_agent_reports_another_mode_than_its_label_is_left_out_until_it_switches():
+    """Relabelled mig -> mps: its agent still runs MIG (the acknowledged spec is MIG). Its status
+    read as MPS would show empty GPUs; the node is left out, with the reason, and named for the
+    spec that moves its agent to MPS."""
+    spec = {"dynpart.io/spec-plan": "p0", "dynpart.io/spec-mode": "mig"}
+    relabelled = reported_node("n1", ["on"], mode="mps", status_mode="mig", **spec)
+    view = build_snapshot([relabelled], [pod("a", {"nvidia.com/gpu-10gb": "1"})], CAT)
+    assert view.snapshot.nodes == [] and view.switching == {"n1": "mps"}
+    assert any("runs it in MIG mode but its label dynpart.io/gpu-partitioning=mps" in m for _, m in view.problems)
+    # no spec keeps it there: its agent switches by itself, nothing to write
+    view = build_snapshot([reported_node("n1", ["on"], mode="mps", status_mode="mig")], [], CAT)
+    assert view.snapshot.nodes == [] and view.switching == {}
+
+
+def test_an_mps_node_plans_no_gpu_in_mig_mode():
+    view = build_snapshot([reported_node("n1", ["on", "off", "on-pending", "off-pending"], mode="mps")], [], CAT)
+    assert [g.index for g in view.snapshot.nodes[0].gpus] == [1]
+    assert any("GPU(s) 0, 2, 3 are in MIG mode" in m for _, m in view.problems)
+
+
+def test_a_mig_node_does_not_carve_gpus_out_of_mig_mode_while_mps_pods_run_there():
+    """Switched from MPS while its pods run: MIG mode is enabled only once the GPU is idle."""
+    mps_pod = pod("old", {"nvidia.com/gpu-10gb": "1"}, phase="Running", node="n1", unschedulable=False)
+    n1 = reported_node("n1", ["off", "on"])
+    view = build_snapshot([n1], [mps_pod], CAT)
+    assert [g.index for g in view.snapshot.nodes[0].gpus] == [1]
+    assert any("GPU(s) 0 are out of MIG mode while pods using MPS slices" in m for _, m in view.problems)
+    assert [g.index for g in build_snapshot([n1], [], CAT).snapshot.nodes[0].gpus] == [0, 1]
+
+
+@pytest.mark.parametrize("label", ["0", "14"])
+def test_the_gpus_come_from_the_capability_report_not_the_gpu_count_label(label):
+    """GPU Operator's MIG strategy single: GFD labels a MIG node gpu.count=0 (product
+    <model>-MIG-INVALID, mixed profiles) or the number of MIG devices, and the product with a suffix."""
+    n1 = reported_node("n1", ["on", "on"], count=int(label), product="NVIDIA-H100-80GB-HBM3-MIG-INVALID")
+    [seen] = build_snapshot([n1], [], CAT).snapshot.nodes
+    assert [g.index for g in seen.gpus] == [0, 1] and seen.gpu_model == "H100-80GB"
+
+
+def test_the_gpu_count_label_and_a_suffixed_product_serve_until_the_agent_reports():
+    n1 = node("n1", product="NVIDIA-H100-80GB-HBM3-MIG-1g.10gb", count=3,
+              annotations=encode_status(NodeLayout(node="n1", mode="mig", gpus=[]), "p0"))
+    [seen] = build_snapshot([n1], [], CAT).snapshot.nodes
+    assert [g.index for g in seen.gpus] == [0, 1, 2] and seen.gpu_model == "H100-80GB"
+
+
+def test_free_slices_beyond_the_allocatable_count_are_not_planned_for_pods():
+    """The device plugin withdrew an unhealthy 1g.10gb: allocatable says 1 of the 2 reported."""
+    status = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
+        MigInstance(profile="1g.10gb", start=0), MigInstance(profile="1g.10gb", start=1),
+        MigInstance(profile="2g.20gb", start=2)])]), "p0")
+    n1 = node("n1", count=1, annotations=status)
+    n1["status"]["allocatable"].update({"nvidia.com/mig-1g.10gb": "1"})
+    [seen] = build_snapshot([n1], [], CAT).snapshot.nodes
+    assert [(m.profile, m.used) for m in seen.gpus[0].mig] == [("1g.10gb", False), ("1g.10gb", True),
+                                                                ("2g.20gb", False)]
+    n1["status"]["allocatable"]["nvidia.com/mig-1g.10gb"] = "0"
+    view = build_snapshot([n1], [pod("a", {"nvidia.com/mig-1g.10gb": "1"})], CAT)
+    assert all(m.used for m in view.snapshot.nodes[0].gpus[0].mig if m.profile == "1g.10gb")
+    assert any("2 nvidia.com/mig-1g.10gb slice(s) reported, 0 allocatable" in m for _, m in view.problems)

@@ -130,3 +130,35 @@ async def test_mps_slices_never_add_up_to_more_than_nvml_memory():
     assert result.stats.placed == 7 and len(result.unplaced) == 1
     sizes = [s.size for layout in result.layouts for g in layout.gpus for s in g.mps]
     assert sum(sizes) * 1024 <= 81_559 and report.errors == []
+
+
+async def test_an_mps_node_whose_gpu_is_in_mig_mode_is_not_planned():
+    """Labelled mps, its GPU still in MIG mode (relabelled from mig, or left there by mig-manager):
+    its agent refuses MPS slices there, so the pod goes to the MPS node with room."""
+    from dynpart.annotations import encode_status
+    from dynpart.snapshot import GpuLayout, MpsSlice, NodeLayout
+
+    rig = NodeRig(FakeNvml(CAT.resolve("H100-80GB"), 1, mig_enabled=True), "NVIDIA-H100-80GB-HBM3", mode="mps", gpus=1)
+    await rig.agent.reconcile_once()
+    other = node("node-2", mode="mps", count=1, annotations=encode_status(NodeLayout(node="node-2", mode="mps", gpus=[
+        GpuLayout(index=0, mps=[MpsSlice(size=40, used=True)])]), "q0"))
+    view = build_snapshot([rig.node_object(), other], [pod("a", {"nvidia.com/gpu-10gb": "1"})], CAT)
+    result = plan(view.snapshot, view.catalog)
+    assert [(p.pod, p.node) for p in result.placements] == [("ml/a", "node-2")]
+    assert any("GPU(s) 0 are in MIG mode" in m for _, m in view.problems)
+
+
+async def test_a_mig_node_whose_gpu_serves_mps_pods_out_of_mig_mode_is_not_carved():
+    """Labelled mig, its GPU out of MIG mode and busy with an MPS pod (a node switched while its
+    pods run): its agent would acknowledge a plan there without making anything, for ever."""
+    drv = FakeNvml(CAT.resolve("H100-80GB"), 1, mig_enabled=False)
+    drv.attach(0, 4242)
+    rig = NodeRig(drv, "NVIDIA-H100-80GB-HBM3", mode="mig", gpus=1)
+    await rig.agent.reconcile_once()
+    running = pod("old", {"nvidia.com/gpu-10gb": "1"}, phase="Running", node="node-1", unschedulable=False)
+    view, result, _ = await rig.plan_and_apply([pod("a", {"nvidia.com/mig-1g.10gb": "1"}), running])
+    assert view.snapshot.nodes[0].gpus == [] and result.placements == []
+    drv.detach(0, 4242)  # the MPS pod ended
+    view, result, report = await rig.plan_and_apply([pod("a", {"nvidia.com/mig-1g.10gb": "1"})], "p2")
+    assert [(p.pod, p.node) for p in result.placements] == [("ml/a", "node-1")] and report.errors == []
+    assert [name for name, _ in drv.layout(0)] == ["1g.10gb"]

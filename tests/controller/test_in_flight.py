@@ -190,3 +190,171 @@ async def test_only_the_reservations_beyond_the_free_slices_end(make):
     assert c._reservations() == {"ml/a": "n1", "ml/b": "n1"}
     c.pods.cache["ml/x"] = pod("x", {"nvidia.com/mig-1g.10gb": "1"}, node="n1", phase="Running")
     assert c._reservations() == {"ml/a": "n1"} and "ml/b" in c.window.members
+
+
+def replaced_by_another_leader(term: int = 5) -> dict[str, Any]:
+    """n1 after another leader revoked this replica's p1 (acknowledged as r5) and wrote p2 for
+    ml/b, not yet applied."""
+    return reported("n1", {"dynpart.io/spec-plan": "p2", "dynpart.io/spec-mode": "mig", SPEC_TERM: str(term),
+                           SPEC_PODS: "ml/b"}, status_plan="r5")
+
+
+async def test_a_replica_that_leads_again_starts_from_the_annotations(make):
+    """What it wrote and reserved in its earlier term is forgotten when it loses the lease: it
+    neither revokes the other leader's plan nor posts PlanNotApplied, it adopts that plan."""
+    lead = Lead(term=4)
+    c = make([reported("n1")], lead)
+    c.set_leading(True)
+    c.loop.written("n1", "p1", ["ml/a"], 0.0)
+    c.reserved["ml/x"], c._reserved_for["ml/x"] = ("n1", float("inf")), "p0"
+    c.set_leading(False)
+    assert c.in_flight == {} and c.reserved == {} and c._reserved_for == {}
+    c.nodes.cache["n1"] = replaced_by_another_leader()
+    lead.term = 6
+    c.set_leading(True)
+    await c._expire_acks(now=1000.0)
+    assert c.written == [] and c.posted == []
+    assert c._awaiting_from_annotations() == {"n1"} and c.in_flight["n1"].pods == {"ml/b"}
+    await c._adopt()
+    assert c.written == [("n1", {SPEC_TERM: "6"})]
+
+
+async def test_a_new_term_unseen_as_a_loss_drops_the_old_state_too(make):
+    """The event loop stalled past the lease, which was taken over and handed back: the elector
+    never reported a loss, but the term changed."""
+    lead = Lead(term=4)
+    c = make([reported("n1")], lead)
+    await c._expire_acks(now=0.0)
+    c.loop.written("n1", "p1", ["ml/a"], 0.0)
+    c.nodes.cache["n1"] = replaced_by_another_leader()
+    lead.term = 6
+    await c._expire_acks(now=1000.0)
+    assert c.written == [] and c.posted == [] and "n1" not in c.in_flight
+
+
+async def test_a_plan_in_flight_that_another_writer_replaced_is_not_revoked(make):
+    c = make([reported("n1")], Lead(term=5))
+    c.loop.written("n1", "p1", ["ml/a"], 0.0)
+    c.nodes.cache["n1"] = replaced_by_another_leader()
+    await c._expire_acks(now=1000.0)
+    assert c.written == [] and "n1" not in c.in_flight and "ml/a" in c.window.members
+    assert c._awaiting_from_annotations() == {"n1"} and c.in_flight["n1"].plan_id == "p2"
+
+
+async def test_an_acknowledgement_seen_before_the_write_returned_counts(make, monkeypatch):
+    """The node watch delivers the agent's acknowledgement while plan_round still awaits the
+    patch's response: the plan is acknowledged once recorded, not held and then revoked."""
+    c = make([reported("n1")], Lead(term=3))
+
+    async def acked_at_once(core, name, patch, resource_version=None):
+        c.written.append((name, patch))
+        old = c.nodes.cache[name]
+        ann = {**old["metadata"]["annotations"], **{k: v for k, v in patch.items() if v is not None},
+               "dynpart.io/status-plan": patch["dynpart.io/spec-plan"]}
+        acked = {**old, "metadata": {**old["metadata"], "annotations": ann}}
+        c.nodes.cache[name] = acked
+        c._on_node("MODIFIED", acked)  # handled before the response is read: nothing in flight yet
+        return {}
+    monkeypatch.setattr(controller_module, "patch_node_annotations", acked_at_once)
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+    await c.plan_round()
+    assert [n for n, _ in c.written] == ["n1"]
+    assert c.in_flight == {} and c.reserved["ml/a"][0] == "n1"
+    await c._expire_acks(now=c.clock() + 1000.0)
+    assert len(c.written) == 1 and "PlanNotApplied" not in [r for r, _ in c.posted]
+
+
+def unreadable(spec: dict[str, str]) -> dict[str, Any]:
+    """n1 taken out of dynpart (label off) with a plan its agent never acknowledged."""
+    n1 = reported("n1", spec)
+    n1["metadata"]["labels"]["dynpart.io/gpu-partitioning"] = "off"
+    return n1
+
+
+async def test_the_pods_of_a_plan_on_a_node_that_cannot_be_read_are_not_held(make):
+    spec = {"dynpart.io/spec-plan": "p1", "dynpart.io/spec-mode": "mig", SPEC_TERM: "3", SPEC_PODS: "ml/a"}
+    c = make([unreadable(spec), reported("n2")], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+    assert "n1" in c._awaiting_from_annotations() and "ml/a" not in c.loop.held_pods()
+    await c.plan_round()
+    assert [n for n, _ in c.written] == ["n2"] and c.written[0][1][SPEC_PODS] == "ml/a"
+
+
+async def test_a_plan_in_flight_on_a_node_that_became_unreadable_is_given_up(make):
+    """Nothing can revoke it (the node's layout cannot be read): after ack_timeout_s its pods are
+    planned again, with PlanNotApplied, and not held again from the spec."""
+    spec = {"dynpart.io/spec-plan": "p1", "dynpart.io/spec-mode": "mig", SPEC_TERM: "3", SPEC_PODS: "ml/a"}
+    c = make([unreadable(spec), reported("n2")], Lead(term=3), ack_timeout_s=1.0)
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+    c.loop.written("n1", "p1", ["ml/a"], 0.0)
+    await c._expire_acks(now=10.0)
+    assert c.written == [] and "n1" not in c.in_flight and "ml/a" in c.window.members
+    assert [r for r, _ in c.posted] == ["PlanNotApplied"] and "can no longer be planned" in c.posted[0][1]
+    await c.plan_round()
+    assert [n for n, _ in c.written] == ["n2"]
+
+
+async def test_a_relabelled_node_is_switched_before_it_is_planned(make):
+    """n1 relabelled mig -> mps while its acknowledged spec is MIG (which its agent follows): a
+    spec of the new mode, with no slices and no pods, moves its agent; pods are planned there
+    only once it reports MPS mode."""
+    spec = {"dynpart.io/spec-plan": "p0", "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "1@0"}
+    n1 = reported("n1", spec)
+    n1["metadata"]["labels"]["dynpart.io/gpu-partitioning"] = "mps"
+    c = make([n1], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/gpu-10gb": "1"})
+    await c.plan_round()
+    [(name, patch)] = c.written
+    assert name == "n1" and patch["dynpart.io/spec-mode"] == "mps" and SPEC_PODS not in patch
+    assert patch["dynpart.io/spec-gpu-0-1g.10gb"] is None and c.in_flight["n1"].pods == set()
+    assert [r for r, _ in c.posted][:2] == ["DynpartInvalid", "ModeSwitch"]
+    await c.plan_round()
+    assert len(c.written) == 1, "in flight: written once"
+    # its agent applied it: MPS mode, its GPUs out of MIG mode
+    status = encode_status(NodeLayout(node="n1", mode="mps", gpus=[GpuLayout(index=0)]), patch["dynpart.io/spec-plan"])
+    switched = node("n1", mode="mps", annotations={**{k: v for k, v in patch.items() if v is not None}, **status})
+    c.nodes.cache["n1"] = switched
+    c._on_node("MODIFIED", switched)
+    assert c.in_flight == {}
+    await c.plan_round()
+    assert [n for n, _ in c.written] == ["n1", "n1"] and c.written[1][1][SPEC_PODS] == "ml/a"
+
+
+async def test_a_pod_not_bound_on_the_free_slice_kept_for_it_is_planned_elsewhere(make):
+    """n1's agent reports a free 1g.10gb that the scheduler does not give the pod (a constraint
+    dynpart does not model): once its reservation ends unbound, the next plans leave n1 out for
+    that pod for a while (reservation_s, then doubling), and n2, with an empty GPU, gets it."""
+    t = [1000.0]
+    free = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
+        MigInstance(profile="1g.10gb", start=0), MigInstance(profile="3g.40gb", start=4, used=True)])]), "p0")
+    n2 = node("n2", count=1, annotations=encode_status(NodeLayout(node="n2", mode="mig", gpus=[GpuLayout(index=0)]), "q0"))
+    c = make([node("n1", count=1, annotations=free), n2], Lead(term=3))
+    c.clock = lambda: t[0]
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    await c.plan_round()
+    assert c.reserved["ml/a"][0] == "n1" and c.written == []
+    t[0] += c.settings.reservation_s + c.settings.resync_s  # never bound
+    await c.plan_round()
+    assert [n for n, _ in c.written] == ["n2"] and c.written[0][1][SPEC_PODS] == "ml/a"
+    assert c.loop.avoided(t[0]) == {"ml/a": {"n1"}}
+    assert c.loop.avoided(t[0] + c.settings.reservation_s + 1) == {}, "for a while only"
+
+
+def test_the_back_off_doubles_up_to_a_cap_and_ends_when_the_pod_is_bound():
+    from dynpart.planner.loop import AVOID_MAX_S, PlanningLoop
+
+    loop = PlanningLoop(PlannerSettings(reservation_s=15.0))
+    now, delays = 0.0, []
+    for _ in range(8):
+        loop.reserve("ml/a", "n1", now)
+        now += 16.0
+        loop.reservations(now, lambda key: False)
+        until, delay = loop.avoid[("ml/a", "n1")]
+        delays.append(delay)
+        now = until
+    assert delays == [15.0, 30.0, 60.0, 120.0, 240.0, 480.0, AVOID_MAX_S, AVOID_MAX_S]
+    loop.pod_done("ml/a")
+    assert loop.avoid == {}
+    loop.reserve("ml/b", "n1", 0.0)
+    loop.reservations(1.0, lambda key: True)
+    assert loop.avoid == {}, "bound in time: nothing to avoid"

@@ -99,3 +99,35 @@ async def test_a_new_leader_has_a_higher_term():
     finally:
         tb.cancel()
         await asyncio.gather(tb, return_exceptions=True)
+
+
+def held_by_other(api: FakeLeases, renew_time: str) -> None:
+    api.version += 1
+    api.lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                 "metadata": {"name": "dynpart-planner", "namespace": "dynpart-system", "resourceVersion": str(api.version)},
+                 "spec": {"holderIdentity": "other", "leaseDurationSeconds": 3, "renewTime": renew_time,
+                          "acquireTime": renew_time, "leaseTransitions": 4}}
+
+
+async def test_expiry_is_measured_on_the_standbys_clock_not_the_holders_renew_time():
+    """The holder's clock runs an hour behind: its renewTime looks stale, yet it renews. A standby
+    takes over only once the record has not changed for the lease's duration on its own
+    monotonic clock; a renewTime in the future (a clock ahead) does not keep a dead holder's lease."""
+    api, t = FakeLeases(), [100.0]
+    b = LeaderElector(api, "dynpart-planner", "dynpart-system", "b", lease_s=3,  # type: ignore[arg-type]  # a fake API
+                      clock=lambda: t[0])
+    held_by_other(api, "2000-01-01T00:00:00.000000Z")
+    assert not await b._try(), "first sight of the record: not expired, however old its renewTime"
+    t[0] += 2.0
+    held_by_other(api, "2000-01-01T00:00:02.000000Z")  # renewed (by its clock)
+    t[0] += 2.0
+    assert not await b._try(), "renewed 2 s ago on this clock"
+    t[0] += 3.5
+    assert await b._try() and api.lease["spec"]["holderIdentity"] == "b"
+    assert api.lease["spec"]["leaseTransitions"] == 5
+    c = LeaderElector(api, "dynpart-planner", "dynpart-system", "c", lease_s=3,  # type: ignore[arg-type]  # a fake API
+                      clock=lambda: t[0])
+    held_by_other(api, "2999-01-01T00:00:00.000000Z")  # the holder's clock far ahead, then it died
+    assert not await c._try()
+    t[0] += 3.5
+    assert await c._try() and api.lease["spec"]["holderIdentity"] == "c"
