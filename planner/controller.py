@@ -44,6 +44,7 @@ from dynpart.planner.cluster_view import (
     build_snapshot,
     can_revoke,
     is_batch_candidate,
+    mode_switch,
     planned_patches,
     pod_for_planning,
     pod_key,
@@ -225,9 +226,15 @@ class PlannerController:
             return
         now = self.clock()
         await self._expire_acks(now)
-        if self.loop.due(now, bool(self.window.members) or bool(self._candidates())):
+        if self.loop.due(now, bool(self.window.members) or bool(self._candidates()) or self._switches_wanted()):
             self.loop.begin_round(now)
             await self.plan_round()
+
+    def _switches_wanted(self) -> bool:
+        """A node relabelled to the other mode is sent its switching spec by a round (at the
+        next resync), even when no pod waits: its agent then leaves the old mode while idle."""
+        return any(mode_switch(n) is not None and n.get("metadata", {}).get("name") not in self.loop.in_flight
+                   for n in self.nodes.cache.values())
 
     def _candidates(self) -> list[str]:
         return [object_key(p) for p in self.pods.cache.values() if is_batch_candidate(p)]

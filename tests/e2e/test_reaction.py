@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from dynpart.agent.podresources import KubeletPodResources
-from dynpart.kube.conventions import SPEC_PLAN
+from dynpart.kube.conventions import PARTITIONING_LABEL, SPEC_PLAN
 from dynpart.resources import MpsResource, parse_resource
 from tests.e2e.harness import REPO_ROOT, Harness, PlannerProcess, PodRecord, SimNode, module_planner, percentile, wait_until
 
@@ -269,6 +269,38 @@ async def test_bound_pod_keeps_the_slice_a_plan_would_recarve(e2e_cluster, plann
         print(f"\nbound pod admitted {bound.running_at - released:.2f} s after its release; "  # type: ignore[operator]
               f"{len(destroyed)} 1g instances destroyed before; the 7g pod running: {whole.running_at is not None}")
         assert len(destroyed) <= 6
+        check_run(h)
+    finally:
+        await h.close()
+
+
+async def test_a_node_relabelled_from_mps_to_mig_keeps_its_running_mps_pod(e2e_cluster, planner: PlannerProcess):
+    """An MPS node (2 H100) with a pod running on a 40gb slice is relabelled mig by the admin. The
+    planner sees the agent still in MPS mode, leaves the node out of planning and writes it a
+    switching spec; the agent leaves MPS mode without touching the used slice (its free slices go
+    through the guard) and reports MIG mode. Once the MPS pod ends, MIG pods fill both GPUs."""
+    h = await _harness(e2e_cluster, planner, plugin="builtin")
+    try:
+        node = await h.add_node("switch", H100, "mps", 2)
+        await h.start_agent(node)
+        (mps,) = await h.create_pods([("mps-40", "nvidia.com/gpu-40gb")])
+        await h.wait_running([mps], timeout=RUN_TIMEOUT_S)
+        assert mps.node == node.name
+        await h.core.patch_node(node.name, {"metadata": {"labels": {PARTITIONING_LABEL: "mig"}}})
+        node.mode = "mig"
+
+        async def switched() -> bool:
+            ann = (await h.core.read_node(node.name)).metadata.annotations or {}
+            return ann.get("dynpart.io/status-mode") == "mig"
+        await wait_until(switched, 60, "the agent reporting MIG mode", interval=0.2, describe=h.describe)
+        await asyncio.sleep(2)  # a few passes in MIG mode with the MPS pod running
+        assert mps.failed is None and mps.key in node.holdings
+        check_run(h)
+        await h.delete_pod(mps)
+        recs = await h.create_pods([("mig-7g", "nvidia.com/mig-7g.80gb"), ("mig-3g", "nvidia.com/mig-3g.40gb")])
+        await h.wait_running(recs, timeout=RUN_TIMEOUT_S)
+        assert {r.node for r in recs} == {node.name}
+        assert all(d.mig_current for d in node.driver.devices())
         check_run(h)
     finally:
         await h.close()
