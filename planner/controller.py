@@ -207,7 +207,12 @@ class PlannerController:
             await self.pods.synced.wait()
             log.info("caches synced", extra={"fields": {"nodes": len(self.nodes.cache), "pods": len(self.pods.cache)}})
             while True:
-                await self._step()
+                try:
+                    await self._step()
+                except Exception:  # a bug hit by some object: log it and go on, as a crash loop would not help
+                    metrics.PLAN_ERRORS.labels("internal").inc()
+                    log.exception("planning step failed; the next starts from the caches again")
+                    await asyncio.sleep(1.0)
         finally:
             for t in tasks:
                 t.cancel()

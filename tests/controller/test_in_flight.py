@@ -358,3 +358,29 @@ def test_the_back_off_doubles_up_to_a_cap_and_ends_when_the_pod_is_bound():
     loop.reserve("ml/b", "n1", 0.0)
     loop.reservations(1.0, lambda key: True)
     assert loop.avoid == {}, "bound in time: nothing to avoid"
+
+
+async def test_an_unexpected_error_in_a_step_is_logged_and_the_loop_goes_on(make, monkeypatch, caplog):
+    """A bug that some cluster object triggers (any exception, not a DynpartError) must not end
+    the planner: a crash loop would not plan the other pods either."""
+    import asyncio
+
+    c = make([], Lead(1))
+    c.nodes.synced.set()
+    c.pods.synced.set()
+    monkeypatch.setattr(c.nodes, "run", asyncio.Event().wait)
+    monkeypatch.setattr(c.pods, "run", asyncio.Event().wait)
+    steps = []
+
+    async def step() -> None:
+        steps.append(1)
+        if len(steps) == 1:
+            raise KeyError("a field some object lacks")
+        if len(steps) == 3:
+            raise asyncio.CancelledError
+
+    c._step = step  # type: ignore[method-assign]
+    with pytest.raises(asyncio.CancelledError):
+        await c.run()
+    assert len(steps) == 3
+    assert "planning step failed" in caplog.text and "a field some object lacks" in caplog.text
