@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dynpart.errors import CatalogError, UnknownGpuModel
+from dynpart.errors import CatalogError, UnknownGpuModel, yaml_problem
 from dynpart.kube.conventions import MIG_RESOURCE_PREFIX
 
 # Suffixes a MIG profile name may carry after `<N>g.<M>gb`, as the driver names them: `+me` with
@@ -221,7 +221,7 @@ def _read_yaml(path: Path | str, text: str) -> object:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise CatalogError(f"{path}: not valid YAML: {e}") from None
+        raise CatalogError(yaml_problem(path, e)) from None
 
 
 _default: Catalog | None = None

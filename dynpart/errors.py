@@ -19,6 +19,26 @@ def first_problem(e: ValidationError) -> str:
     return f"{field_path(err['loc'])}: {err['msg']}" if err["loc"] else err["msg"]
 
 
+def yaml_mark(e: Exception) -> tuple[int, int] | None:
+    """(line, column), from 1, where a YAML parse error was found; None if unknown."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    return None if mark is None else (mark.line + 1, mark.column + 1)
+
+
+def yaml_message(e: Exception) -> str:
+    """What is wrong in a YAML parse error, in one line: `not valid YAML: problem (context)`."""
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    text = f"{problem} ({context})" if context else str(problem)
+    return "not valid YAML: " + " ".join(text.split())
+
+
+def yaml_problem(path: object, e: Exception) -> str:
+    """A YAML parse error in one line: `FILE:LINE:COLUMN: not valid YAML: problem (context)`."""
+    mark = yaml_mark(e)
+    return (f"{path}:{mark[0]}:{mark[1]}" if mark else str(path)) + ": " + yaml_message(e)
+
+
 class DynpartError(Exception):
     """Base class: a user-facing error, printed in one line by the CLI (no traceback)."""
 
@@ -29,12 +49,16 @@ class CatalogError(DynpartError):
 
 class UnknownGpuModel(CatalogError):
     def __init__(self, value: str, known: list[str], where: str = "gpu model"):
-        self.value = value
+        self.value, self.known, self.where = value, list(known), where
         super().__init__(
-            f"{where}: unknown GPU model {value!r}; known models: {', '.join(known)}. "
+            f"{where}: unknown GPU model {value!r}; known models: {', '.join(self.known)}. "
             "Add it in a catalog file (see dynpart/data/gpu-catalog.yaml for the schema) "
             "and pass it with --catalog."
         )
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        """Pickled as its arguments, not its message: errors come back from worker processes."""
+        return type(self), (self.value, self.known, self.where)
 
 
 class ResourceNameError(DynpartError):
@@ -50,3 +74,7 @@ class SnapshotError(DynpartError):
         if len(problems) > 5:
             head += f"; ... ({len(problems) - 5} more)"
         super().__init__(f"invalid snapshot: {head}")
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        """Pickled as its problems, not its message: errors come back from worker processes."""
+        return type(self), (self.problems,)

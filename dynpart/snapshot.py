@@ -219,6 +219,8 @@ def full_layout(node: Node, planned: NodeLayout | None) -> NodeLayout:
 
 def parse_snapshot(data: object) -> Snapshot:
     """Validate raw data (e.g. parsed JSON/YAML) into a Snapshot; errors name field and value."""
+    if data is None:  # an empty or blank file
+        raise SnapshotError(["empty: no snapshot document (expected a mapping with nodes and pending)"])
     try:
         return Snapshot.model_validate(data)
     except ValidationError as e:

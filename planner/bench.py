@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
             raise DynpartError(f"--{name.replace('_', '-')} = {getattr(args, name)}: must be positive")
     if not 0 <= args.utilization <= 1:
         raise DynpartError(f"--utilization = {args.utilization}: must be between 0 and 1")
+    if not 0 <= args.time_limit < float("inf"):  # nan fails too
+        raise DynpartError(f"--time-limit = {args.time_limit}: must be a finite number of seconds, 0 or more")
     catalog = load_catalog(args.catalog)
     opts = PlanOptions(policy=args.policy, time_limit_s=args.time_limit)
     times, placed, bounds, solvers, touched, destroyed = [], [], [], [], [], []

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from dynpart.catalog import Catalog, load_catalog
-from dynpart.errors import DynpartError
+from dynpart.errors import DynpartError, yaml_problem
 from dynpart.planner.core import POLICIES, PlanOptions, plan
 from dynpart.snapshot import Plan, Snapshot, parse_snapshot
 
@@ -40,7 +40,9 @@ def _load_snapshot_file(path: str) -> Snapshot:
     try:
         data: object = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise DynpartError(f"snapshot file {path}: not valid YAML/JSON: {e}") from None
+        raise DynpartError(f"snapshot file {yaml_problem(path, e)}") from None
+    if data is None:
+        raise DynpartError(f"snapshot file {path}: the file is empty (expected a YAML/JSON snapshot, see docs/planner.md)")
     return parse_snapshot(data)
 
 

@@ -44,10 +44,12 @@ def packing_request(pod: TracePod) -> tuple[str, int]:
 
 
 def pending_pod(pod: TracePod, resource: str, count: int, priority: int = 0,
-                node_selector: dict[str, str] | None = None) -> PendingPod:
+                node_selector: dict[str, str] | None = None, gpu_spec: bool = True) -> PendingPod:
+    """The pod as the planner's `PendingPod`; `gpu_spec=False` leaves out the trace's GPU models
+    (the replay: its cluster has its own model, not the trace's)."""
     return PendingPod.model_construct(
         name=pod.name, resource=resource, count=count, cpu_milli=pod.cpu_milli, memory_mib=pod.memory_mib,
-        priority=priority, node_selector=node_selector or {}, gpu_models=list(pod.gpu_spec))
+        priority=priority, node_selector=node_selector or {}, gpu_models=list(pod.gpu_spec) if gpu_spec else [])
 
 
 def mps_gpu(index: int, capacity: int, holders: dict[str, int], whole: bool) -> Gpu:

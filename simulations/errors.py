@@ -12,7 +12,11 @@ class SimulationError(DynpartError):
 class TraceError(DynpartError):
     """A trace or cluster file is malformed; the message names the file and line."""
 
-    def __init__(self, path: str, line: int | None, message: str):
-        self.path, self.line = path, line
-        where = f"{path}:{line}" if line is not None else path
+    def __init__(self, path: str, line: int | None, message: str, column: int | None = None):
+        self.path, self.line, self.message, self.column = path, line, message, column
+        where = path if line is None else f"{path}:{line}" if column is None else f"{path}:{line}:{column}"
         super().__init__(f"{where}: {message}")
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        """Pickled as its arguments, not its message: errors come back from worker processes."""
+        return type(self), (self.path, self.line, self.message, self.column)

@@ -185,7 +185,7 @@ models:
     ("models:\n  - {name: X, memory_gb: 8, memory_slices: 2, compute_slices: 2, mig_profiles: "
      "[{name: 1g.4gb, id: 1, nvml: NVML_GPU_INSTANCE_PROFILE_1_SLICE, compute: 1, memory: 1, max: 2, starts: [0, 2]}]}",
      "start 2 does not fit"),
-    ("models: [", "not valid YAML"),
+    ("models: [", r"bad.yaml:1:\d+: not valid YAML: [^\n]*$"),
     ("models:\n  - {name: X, memory_gb: 8, memory_mib: 0}", r"models\[0\] \(X\)\.memory_mib"),
 ])
 def test_malformed_catalog_names_the_problem(tmp_path, body, message):

@@ -32,3 +32,10 @@ def test_help(command, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: dynpart") and len(out.splitlines()) > 3
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_bench_planner_time_limit_must_be_finite_and_not_negative(value, capsys):
+    assert main(["bench", "planner", f"--time-limit={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dynpart: error: --time-limit") and "must be" in err and "\n" not in err

@@ -38,14 +38,17 @@ class StaticPolicy:
                 "and never changes")
 
 
-def balanced_counts(model: GpuModel) -> dict[str, int]:
+def balanced_counts(model: GpuModel) -> dict[str, int] | None:
+    """mig-parted's all-balanced for the model; None when its catalog entry lacks one of the
+    profiles it takes (a 1g, 2g or 3g profile: a catalog file may narrow a model)."""
     by_compute: dict[int, str] = {}
     for p in model.mig_profiles:
         if not p.media_extensions and p.compute not in by_compute:
             by_compute[p.compute] = p.name  # first = smallest memory of that compute size
-    if model.compute_slices >= 7:
-        return {by_compute[1]: 2, by_compute[2]: 1, by_compute[3]: 1}
-    return {by_compute[1]: 2, by_compute[2]: 1}
+    want = {1: 2, 2: 1, 3: 1} if model.compute_slices >= 7 else {1: 2, 2: 1}
+    if any(c not in by_compute for c in want):
+        return None
+    return {by_compute[c]: n for c, n in want.items()}
 
 
 def parse_counts(model: GpuModel, text: str) -> dict[str, int]:
@@ -85,6 +88,9 @@ def _lay_out_mig(st: MigState, layout: dict[str, str]) -> None:
         return
     model = st.info.model
     counts = parse_counts(model, layout[model.name]) if model.name in layout else balanced_counts(model)
+    if counts is None:
+        raise DynpartError(f"static layout for {model.name}: no all-balanced layout (its catalog entry lacks a 1g, "
+                           f"2g or 3g profile); give the model a layout, profile:count,...")
     geometry = place_counts(model, counts)
     if geometry is None:
         raise DynpartError(f"static layout for {model.name}: {counts} has no valid MIG placement")

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from dynpart.catalog import Catalog
-from dynpart.errors import DynpartError
+from dynpart.errors import DynpartError, yaml_mark, yaml_message
 from dynpart.simulations.errors import TraceError
 from dynpart.simulations.inputs.traces import NodeList
 
@@ -177,6 +177,6 @@ def read_cluster(value: str, catalog: Catalog | None = None) -> ClusterSpec:
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise TraceError(value, mark.line + 1 if mark else None, f"not valid YAML: {e}") from None
+        mark = yaml_mark(e)
+        raise TraceError(value, mark and mark[0], yaml_message(e), mark and mark[1]) from None
     return parse_cluster(doc, value, catalog)

@@ -48,6 +48,12 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def check_time_limit(value: float | None) -> None:
+    """--time-limit: the planner's exact-search budget, a finite number of seconds >= 0."""
+    if value is not None and not 0 <= value < float("inf"):  # nan fails too
+        raise SimulationError(f"--time-limit {value}: must be a finite number of seconds, 0 or more")
+
+
 def default_jobs() -> int:
     """The default of --jobs: one process per CPU."""
     return os.cpu_count() or 1

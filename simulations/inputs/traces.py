@@ -191,7 +191,7 @@ def parse_nodes(text: str, path: str = "<nodes>") -> NodeList:
 
 def _read(path: Path | str) -> str:
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8-sig")  # a BOM (Excel) is not part of the header
     except OSError as e:
         raise TraceError(str(path), None, e.strerror or str(e)) from None
     except UnicodeDecodeError as e:

@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dynpart.catalog import Catalog, GpuModel
-from dynpart.errors import DynpartError
+from dynpart.errors import DynpartError, yaml_problem
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec, NodeSpec
 from dynpart.simulations.inputs.traces import MILLI, PodTrace, TracePod
@@ -36,6 +36,7 @@ DEFAULT_MPS_MIX = {"10gb": 50.0, "20gb": 30.0, "40gb": 20.0}
 NODE_CPU_MILLI = 224_000  # an 8-GPU H100 node (DGX-like): 224 CPUs, 2 TiB
 NODE_MEMORY_MIB = 2 << 20
 _MPS_SIZE = re.compile(r"^(\d+)gb$")
+MAX_TIME_S = 1e12  # arrival times and run times beyond this (30,000 years) are a mistake
 
 
 def _parse_mix(value: Any) -> Any:
@@ -58,19 +59,20 @@ class WorkloadSpec(BaseModel):
 
     seed: int = Field(0, ge=0, description="random seed: the same parameters and seed give the same pods")
     pods: int = Field(1200, ge=0, le=200_000, description="pods of the MIG part (0: no MIG part)")
-    rate: float = Field(3.6, gt=0, description="MIG part: mean arrivals per minute (Poisson)")
+    rate: float = Field(3.6, gt=0, allow_inf_nan=False, description="MIG part: mean arrivals per minute (Poisson)")
     mix: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_MIG_MIX),
                                   description="MIG part: profiles asked for, NAME:WEIGHT,... (relative weights)")
     nodes: int = Field(4, ge=0, le=1000, description="MIG part: nodes")
     mps_pods: int = Field(800, ge=0, le=200_000, description="pods of the MPS part (0: no MPS part)")
-    mps_rate: float = Field(2.3, gt=0, description="MPS part: mean arrivals per minute (Poisson)")
+    mps_rate: float = Field(2.3, gt=0, allow_inf_nan=False, description="MPS part: mean arrivals per minute (Poisson)")
     mps_mix: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_MPS_MIX),
                                       description="MPS part: slice sizes asked for, <N>gb:WEIGHT,...")
     mps_nodes: int = Field(2, ge=0, le=1000, description="MPS part: nodes")
     gpus_per_node: int = Field(8, ge=1, le=64, description="GPUs per node (both parts)")
     gpu_model: str = Field("H100-80GB", min_length=1, description="GPU model of every node (a catalog name)")
-    duration_median_s: float = Field(900.0, gt=0, description="median pod run time, s (log-normal)")
-    duration_sigma: float = Field(1.0, ge=0, le=4, description="log-normal shape: the standard deviation of ln(run time)")
+    duration_median_s: float = Field(900.0, gt=0, allow_inf_nan=False, description="median pod run time, s (log-normal)")
+    duration_sigma: float = Field(1.0, ge=0, le=4, allow_inf_nan=False,
+                                  description="log-normal shape: the standard deviation of ln(run time)")
 
     @field_validator("mix", "mps_mix", mode="before")
     @classmethod
@@ -85,6 +87,8 @@ class WorkloadSpec(BaseModel):
             raise ValueError(f"weights must be finite and >= 0: {', '.join(bad)}")
         if v and not sum(v.values()) > 0:
             raise ValueError("at least one weight must be positive")
+        if not math.isfinite(sum(v.values())):
+            raise ValueError("weights too large: their sum must be a finite number")
         return v
 
     def check(self, catalog: Catalog) -> GpuModel:
@@ -201,7 +205,7 @@ def read_workload(value: str | None) -> WorkloadSpec:
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise SimulationError(f"--workload {value}: not valid YAML: {e}") from None
+        raise SimulationError(f"--workload {yaml_problem(value, e)}") from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -233,6 +237,9 @@ def _draw(rng: np.random.Generator, n: int, rate_per_min: float, mix: dict[str, 
     names = list(mix)
     weights = np.array([mix[k] for k in names], dtype=float)
     picks = rng.choice(len(names), size=n, p=weights / weights.sum())
+    if not (arrivals[-1:] <= MAX_TIME_S).all() or not (durations <= MAX_TIME_S).all():  # inf and nan too
+        raise SimulationError(f"--workload: rates and duration_median_s give times over {MAX_TIME_S:g} s "
+                              f"(rate {rate_per_min:g}/min, duration_median_s {spec.duration_median_s:g})")
     return arrivals, durations, [names[i] for i in picks]
 
 

@@ -53,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
         bp.validate(policies[0], args.batch, args.tune)  # baselines place one pod at a time
     if args.jobs < 1:
         raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
+    command_line.check_time_limit(args.time_limit)
     data = command_line.load(args.trace, args.nodes, args.cluster, catalog, default_cluster=None)
+    out = report.out_dir(args.out) if args.out else None  # a bad --out is found before the run
     if not args.json:
         print(data.describe(), file=sys.stderr)
     summaries, curves = [], {}
@@ -87,8 +89,12 @@ def run(args: argparse.Namespace) -> int:
         curves[label] = bp.mean_curve(results)
         all_results[label] = results
     doc = summaries[0] if len(summaries) == 1 else {"runs": summaries}
-    if args.out:
-        out = report.out_dir(args.out)
+    # the results are printed first: a file that cannot be written loses none of them
+    if args.json:
+        print(json.dumps(doc, indent=2), flush=True)
+    else:
+        print(_summary_table(summaries), flush=True)
+    if out is not None:
         report.write_json(out / "summary.json", doc)
         report.write_csv(out / "steps.csv", ["policy", "batch", "seed", "arrived_pct", "allocation_pct"],
                          [(s["policy"], s["batch"], r.seed, round(a, 3), round(b, 4))
@@ -97,11 +103,7 @@ def run(args: argparse.Namespace) -> int:
         plots.packing_curves(curves, out / "allocation.png",
                              f"packing: {data.trace_name or 'synthetic workload'}, seeds {args.seeds}",
                              {k: v for k, v in published.items() if k in ("best-fit", "fgd")})
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print(_summary_table(summaries))
-        if args.out:
+        if not args.json:
             print(f"wrote {args.out}/summary.json, steps.csv, allocation.png")
     return 0
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from dynpart.catalog import Catalog, default_catalog
 from dynpart.planner.loop import PlanningLoop
@@ -84,9 +84,12 @@ def fgd_typical_pods(pods: Sequence[TracePod], popularity_pct: float = 95.0) -> 
 
 class DynpartPacking:
     def __init__(self, workload: list[RequestShare], catalog: Catalog | None = None, batch: int = 1,
-                 time_limit_s: float = 0.05, name: str = "dynpart"):
+                 time_limit_s: float = 0.05, name: str = "dynpart", models: Iterable[str] = ()):
         self.name = name
         self.workload = workload
+        # every GPU model the pods may ask for (all pods' gpu_spec, not only the first batch's): the
+        # catalog knows them all, and a pod asking only for models the cluster lacks is not placed
+        self.models = set(models) | {m for s in workload for m in s.gpu_models}
         self.base_catalog = catalog or default_catalog()
         self.batch = batch
         # the controller's loop, planning for the trace's request distribution; the protocol's GPUs
@@ -101,7 +104,7 @@ class DynpartPacking:
         self.stats: dict[str, float] = {"plan_s": 0.0, "disrupted": 0}
 
     def _start(self, state: PackingState, pods: list[TracePod]) -> PlanningSession:
-        models = set(state.models) | {m for p in pods for m in p.gpu_spec} | {NO_GPU_MODEL}
+        models = set(state.models) | self.models | {m for p in pods for m in p.gpu_spec} | {NO_GPU_MODEL}
         catalog = bridge.catalog_for(models, self.base_catalog)
         nodes = []
         for n, name in enumerate(state.names):

@@ -49,12 +49,13 @@ def policy_factory(job: PackingJob, pods: Sequence[TracePod], catalog: Catalog |
         return BestFit
     if job.policy == "random":
         return Random
+    models = {m for p in pods for m in p.gpu_spec}  # the whole workload's, for the planner's catalog
     if job.policy == "dynpart":
         workload = trace_workload(pods)
-        return lambda seed: DynpartPacking(workload, catalog, job.batch, job.time_limit_s)
+        return lambda seed: DynpartPacking(workload, catalog, job.batch, job.time_limit_s, models=models)
     if job.policy == "fgd":
         typical = fgd_typical_pods(pods)
-        return lambda seed: DynpartPacking(typical, catalog, job.batch, job.time_limit_s, name="fgd")
+        return lambda seed: DynpartPacking(typical, catalog, job.batch, job.time_limit_s, name="fgd", models=models)
     raise SimulationError(f"unknown packing policy {job.policy!r}; expected one of {', '.join(POLICIES)}")
 
 
@@ -89,10 +90,14 @@ def run_jobs(jobs: list[PackingJob], pods: Sequence[TracePod], cluster: ClusterS
         with ProcessPoolExecutor(max_workers=min(n_procs, len(jobs)), initializer=_init_worker,
                                  initargs=(pods, cluster, catalog)) as pool:
             futures = {pool.submit(_run_in_worker, job): i for i, job in enumerate(jobs)}
-            for fut in as_completed(futures):
-                results[futures[fut]] = fut.result()
-                if on_done:
-                    on_done(results[futures[fut]], len(results))
+            try:
+                for fut in as_completed(futures):
+                    results[futures[fut]] = fut.result()
+                    if on_done:
+                        on_done(results[futures[fut]], len(results))
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)  # a job failed: the others not started never run
+                raise
     return [results[i] for i in range(len(jobs))]
 
 

@@ -167,6 +167,9 @@ def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tup
         except DynpartError as e:
             raise SimulationError(str(e)) from None
         mode = args.mode or gpu_nodes[0].mode
+        if args.mode:  # the cluster as replayed (its description names the mode)
+            data.cluster = ClusterSpec(data.cluster.source, tuple(replace(n, mode=args.mode) if n.gpus else n
+                                                                  for n in data.cluster.nodes))
         statics = _statics(forced, model, mode, data.trace) if want_static else []
         return [Part("trace", data.trace, data.cluster, model, mode, statics, bool(forced),
                      note=data.describe())], None
@@ -199,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         raise SimulationError(f"--policy {args.policy!r}: expected some of {', '.join(REPLAY_POLICIES)}")
     if args.jobs < 1:
         raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
+    command_line.check_time_limit(args.time_limit)
     planner = (load_settings(PlannerSettings, args.planner_config, {"plan_time_limit_s": args.time_limit})
                if args.planner_config else
                default_planner_settings().model_copy(update={"plan_time_limit_s": args.time_limit})
@@ -207,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
                          mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay, planner=planner)
     base.check()
     parts, spec = _parts(args, catalog, "static" in policies)
+    out = report.out_dir(args.out) if args.out else None  # a bad --out is found before the run
     jobs: list[Job] = []
     for k, part in enumerate(parts):
         for p in policies:
@@ -237,20 +242,24 @@ def run(args: argparse.Namespace) -> int:
                               "the lowest mean pending time (then p95, then pods never placed)",
         "parts": [d for d, _ in docs], "wall_s": round(wall, 2),
     }
-    if args.out:
-        title = "built-in workload" if spec is not None else parts[0].trace.path.rsplit("/", 1)[-1]
-        _write(report.out_dir(args.out), parts, docs, doc, title)
+    # the results are printed first: a file that cannot be written loses none of them
     if args.json:
-        print(json.dumps(doc, indent=2))
+        print(json.dumps(doc, indent=2), flush=True)
     else:
         print(_table(doc["parts"]))
+        for line in _failed_lines(doc["parts"]):
+            print(line)
         comparison = _comparison(doc["parts"])
         if comparison:
             print()
             print(comparison)
         for line in _static_lines(doc["parts"]):
             print(line)
-        if args.out:
+        sys.stdout.flush()
+    if out is not None:
+        title = "built-in workload" if spec is not None else parts[0].trace.path.rsplit("/", 1)[-1]
+        _write(out, parts, docs, doc, title)
+        if not args.json:
             print(f"wrote {args.out}/summary.json, steps.csv, pods.csv, pending_bars.png, pending_cdf.png, timeline.png")
     return 0
 
@@ -260,14 +269,21 @@ def _run_jobs(jobs: list[Job], parts: list[Part], catalog: Catalog, n_proc: int)
         order = sorted(range(len(jobs)), key=lambda i: (_COST[jobs[i].opts.policy], i))
         out: dict[int, ReplayResult] = {}
         prog = Progress("simulate", len(jobs))
-        with ProcessPoolExecutor(max_workers=min(n_proc, len(jobs))) as pool:
-            futures = {pool.submit(_one, (parts[jobs[i].part].trace.pods, parts[jobs[i].part].cluster, catalog,
-                                          jobs[i].opts)): i for i in order}
-            for f in as_completed(futures):
-                i = futures[f]
-                out[i] = f.result()
-                prog.update(len(out), f"{parts[jobs[i].part].name} {_label(jobs[i])} done ({out[i].wall_s:.0f}s)")
-        prog.close()
+        try:
+            with ProcessPoolExecutor(max_workers=min(n_proc, len(jobs))) as pool:
+                futures = {pool.submit(_one, (parts[jobs[i].part].trace.pods, parts[jobs[i].part].cluster, catalog,
+                                              jobs[i].opts)): i for i in order}
+                try:
+                    for f in as_completed(futures):
+                        i = futures[f]
+                        out[i] = f.result()
+                        prog.update(len(out), f"{parts[jobs[i].part].name} {_label(jobs[i])} done "
+                                              f"({out[i].wall_s:.0f}s)")
+                except BaseException:
+                    pool.shutdown(wait=False, cancel_futures=True)  # a replay failed: run no other
+                    raise
+        finally:
+            prog.close()
         return [out[i] for i in range(len(jobs))]
     results = []
     for j in jobs:
@@ -277,8 +293,10 @@ def _run_jobs(jobs: list[Job], parts: list[Part], catalog: Catalog, n_proc: int)
             _b.total = max(1, int(total))
             _b.update(int(done))
 
-        results.append(run_replay(parts[j.part].trace.pods, parts[j.part].cluster, catalog, j.opts, tick))
-        bar.close()
+        try:
+            results.append(run_replay(parts[j.part].trace.pods, parts[j.part].cluster, catalog, j.opts, tick))
+        finally:
+            bar.close()
     return results
 
 
@@ -322,6 +340,11 @@ def _part_doc(k: int, part: Part, jobs: list[Job], results: list[ReplayResult]) 
             {"geometry": g, "mean_pending_s": s["pending_s"]["mean"], "p95_pending_s": s["pending_s"]["p95"],
              "placed": s["placed"], "never_placed": s["never_placed"], "allocation_mean_pct": s["allocation_mean_pct"]}
             for g, s, _ in statics]
+    failed = [x for x in mine[0][1].runs if x.failed] if mine else []  # the cluster's, the same for every policy
+    if failed:
+        doc["failed_pods"] = {"gpu": sum(1 for x in failed if x.resource is not None),
+                              "cpu_only": sum(1 for x in failed if x.resource is None),
+                              "first": f"{failed[0].pod.name}: {failed[0].failed}"}
     ours = next((s for s in summaries if s["policy"] == "dynpart"), None)
     if ours is not None:
         doc["dynpart_vs"] = {
@@ -342,10 +365,10 @@ def _table(parts: list[dict]) -> str:
         for s in part["policies"]:
             ps = s["pending_s"]
             rows.append(([part["part"].upper()] if several else []) + [
-                _name(s), s["gpu_pods"], s["placed"], s["never_placed"], ps["mean"], ps["p50"], ps["p95"], ps["p99"],
+                _name(s), s["gpu_pods"], s["placed"], s["never_placed"], s["failed"], ps["mean"], ps["p50"], ps["p95"], ps["p99"],
                 s["reconfigurations"], s["used_slices_disrupted"], f"{s['allocation_mean_pct']:.1f}%", f"{s['wall_s']:.1f}"])
     return report.table((["part"] if several else []) + [
-        "policy", "GPU pods", "placed", "never", "mean s", "p50 s", "p95 s", "p99 s", "reconfigs", "disrupted",
+        "policy", "GPU pods", "placed", "never", "failed", "mean s", "p50 s", "p95 s", "p99 s", "reconfigs", "disrupted",
         "alloc mean", "wall s"], rows)
 
 
@@ -365,14 +388,39 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:+.1f}%"
 
 
+def _failed_lines(parts: list[dict]) -> list[str]:
+    """Pods that can never run on the cluster (bigger than any node): not in the pending times;
+    and the trace's GPU models not applied."""
+    out = []
+    for part in parts:
+        f = part.get("failed_pods")
+        if f:
+            where = f"{part['part'].upper()} part: " if len(parts) > 1 else ""
+            what = " and ".join(x for x in (f"{f['gpu']} GPU pod(s)" if f["gpu"] else "",
+                                             f"{f['cpu_only']} CPU-only pod(s)" if f["cpu_only"] else "") if x)
+            out.append(f"{where}failed: {what} can never run on this cluster, left out of the pending times "
+                       f"(e.g. {f['first']})")
+        unapplied = part["policies"][0]["notes"].get("gpu_spec_not_applied") if part["policies"] else None
+        if unapplied:
+            where = f"{part['part'].upper()} part: " if len(parts) > 1 else ""
+            out.append(f"{where}note: the gpu_spec of {unapplied} GPU pod(s) is not applied (a replay cluster has "
+                       "one GPU model)")
+    return out
+
+
 def _static_lines(parts: list[dict]) -> list[str]:
     out = []
     for part in parts:
         cands = part.get("static_contenders", [])
         if len(cands) > 1:
-            tried = ", ".join(f"{c['geometry']} {c['mean_pending_s']:.0f} s" for c in
-                              sorted(cands, key=lambda c: c["mean_pending_s"]))
+            inf = float("inf")  # a layout that placed no pod has no pending time
+            tried = ", ".join(f"{c['geometry']} " + ("-" if c["mean_pending_s"] is None else f"{c['mean_pending_s']:.0f} s")
+                              for c in sorted(cands, key=lambda c: inf if c["mean_pending_s"] is None
+                                              else c["mean_pending_s"]))
             where = f" ({part['part'].upper()} part)" if len(parts) > 1 else ""
+            if all(c["mean_pending_s"] is None for c in cands):
+                out.append(f"static layouts{where}: none of the {len(cands)} tried placed a GPU pod")
+                continue
             out.append(f"best static layout{where}: {part['best_static']}; mean pending of the {len(cands)} "
                        f"tried: {tried}")
     return out

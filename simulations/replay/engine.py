@@ -32,6 +32,7 @@ is that state, not a copy built from another model.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,10 +72,11 @@ class ReplayOptions:
             raise SimulationError(f"--policy {self.policy!r}: expected one of {', '.join(REPLAY_POLICIES)}")
         if self.mapping not in RULES:
             raise SimulationError(f"--mapping {self.mapping!r}: expected one of {', '.join(RULES)}")
-        if self.compress <= 0:
-            raise SimulationError(f"--compress {self.compress}: must be positive")
-        if self.mig_op_delay_s < 0 or self.mps_switch_delay_s < 0:
-            raise SimulationError("reconfiguration delays cannot be negative")
+        if not (math.isfinite(self.compress) and self.compress > 0):
+            raise SimulationError(f"--compress {self.compress}: must be a positive finite number")
+        for option, v in (("--mig-delay", self.mig_op_delay_s), ("--mps-delay", self.mps_switch_delay_s)):
+            if not (math.isfinite(v) and v >= 0):
+                raise SimulationError(f"{option} {v}: must be a finite number of seconds, 0 or more")
 
     def loop(self) -> PlanningLoop:
         """The controller's loop for this policy."""
@@ -249,7 +251,7 @@ class _Replay:
         self.changed = False
         held = self.loop.held_nodes()
         snap = bridge.snapshot([n for n in self.cl.gpu_nodes if n.name not in held],
-                               [bridge.pending_pod(r.pod, r.resource or "", r.count) for r in waiting])
+                               [bridge.pending_pod(r.pod, r.resource or "", r.count, gpu_spec=False) for r in waiting])
         snap = self.loop.prepare(snap, now)
         t0 = time.perf_counter()
         result = self.loop.decide(snap, self.catalog)
@@ -329,7 +331,7 @@ def run_replay(pods: Sequence[TracePod], spec: ClusterSpec, catalog: Catalog, op
     for p in pods:
         if p.creation_time is None or p.deletion_time is None:
             raise SimulationError(f"pod {p.name} (line {p.line}) has no creation/deletion time: replay needs them")
-        if p.gpu_spec:
+        if p.gpu_spec and p.num_gpu:
             ignored["gpu_spec_not_applied"] += 1  # the trace's models are not in a replay cluster
         res, count = request_for(p, cl.model, cl.mode, opts.mapping) if p.num_gpu else (None, 0)
         runs.append(PodRun(p, (p.creation_time - origin) / opts.compress, float(p.deletion_time - p.creation_time),

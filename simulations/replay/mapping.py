@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 from dynpart.catalog import GpuModel
+from dynpart.planner.baselines.static import balanced_counts
 from dynpart.resources import WHOLE_GPU, mig_resource_name, mps_resource_name
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.traces import MILLI, TracePod
@@ -104,7 +105,8 @@ def static_contenders(model: GpuModel, mode: str, sizes: tuple[int, ...] = ()) -
         cap = model.mps_capacity_gb
         return ([f"mps-{n}" for n in MPS_STATIC if cap // n >= 1]
                 + [f"mps-{s}gb" for s in sorted(set(sizes)) if 1 <= s <= cap])
-    return ["all-balanced"] + [f"all-{p.name}" for p in model.mig_profiles if not p.media_extensions]
+    balanced = ["all-balanced"] if balanced_counts(model) is not None else []  # a narrowed model may lack it
+    return balanced + [f"all-{p.name}" for p in model.mig_profiles if not p.media_extensions]
 
 
 def static_fits(name: str, mode: str) -> bool:
@@ -135,6 +137,10 @@ def static_layout(name: str, model: GpuModel, mode: str) -> dict[str, str]:
         raise SimulationError(f"--static-geometry {name!r}: in mps mode use all-balanced, mps-N (N equal slices) or "
                               f"mps-<S>gb (slices of S GB, S in 1..{model.mps_capacity_gb})")
     if name == "all-balanced":
+        if balanced_counts(model) is None:
+            raise SimulationError(f"--static-geometry all-balanced: {model.name} has no all-balanced layout (its "
+                                  "catalog entry lacks a 1g, 2g or 3g profile); profiles: "
+                                  + ", ".join(p.name for p in model.mig_profiles if not p.media_extensions))
         return {}
     if name.startswith("all-"):
         want = name[4:]

@@ -10,6 +10,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dynpart.simulations.errors import SimulationError  # noqa: E402
+
+
+def _save(fig, path: Path) -> None:
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise SimulationError(f"{path}: cannot write: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+
 
 def packing_curves(curves: Mapping[str, Sequence[tuple[float, float]]], path: Path, title: str,
                    published: dict[str, tuple[float, float]] | None = None) -> None:
@@ -33,8 +44,7 @@ def packing_curves(curves: Mapping[str, Sequence[tuple[float, float]]], path: Pa
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _color(label: str) -> str:
@@ -64,8 +74,7 @@ def replay_timelines(panels: Mapping[str, Mapping[str, Mapping[str, Sequence[flo
             ax.legend(fontsize=8, loc="upper left")
         top.set_title(f"{title}: {part}" if len(panels) > 1 else title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def pending_cdf(panels: Mapping[str, Mapping[str, Sequence[float]]], path: Path, title: str) -> None:
@@ -88,8 +97,7 @@ def pending_cdf(panels: Mapping[str, Mapping[str, Sequence[float]]], path: Path,
         ax.legend(fontsize=8, loc="lower right")
         ax.set_title(f"{title}: {part}" if len(panels) > 1 else title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def pending_bars(panels: Mapping[str, Mapping[str, tuple[float, float]]], path: Path, title: str) -> None:
@@ -113,5 +121,4 @@ def pending_bars(panels: Mapping[str, Mapping[str, tuple[float, float]]], path: 
         ax.legend(fontsize=8, loc="upper left", title="plain: mean, hatched: p95", title_fontsize=7)
         ax.set_title(f"{title}: {part}" if len(panels) > 1 else title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,22 +39,32 @@ def _numeric(s: str) -> bool:
 
 
 def out_dir(path: str | Path) -> Path:
+    """The --out directory, created, and checked writable: called before a run, so that a bad
+    --out is found before anything is computed."""
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise SimulationError(f"--out {path}: exists and is not a directory")
     try:
         p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
     except OSError as e:
         raise SimulationError(f"--out {path}: {e.strerror or e}") from None
-    if not p.is_dir():
-        raise SimulationError(f"--out {path}: not a directory")
     return p
 
 
 def write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    try:
+        path.write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as e:
+        raise SimulationError(f"{path}: cannot write: {e.strerror or e}") from None
 
 
 def write_csv(path: Path, headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(headers)
-        w.writerows(rows)
+    try:
+        with path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(headers)
+            w.writerows(rows)
+    except OSError as e:
+        raise SimulationError(f"{path}: cannot write: {e.strerror or e}") from None

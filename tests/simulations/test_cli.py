@@ -3,8 +3,26 @@
 from __future__ import annotations
 
 import json
+import pickle
+
+import pytest
 
 from dynpart.cli import main
+from dynpart.errors import SnapshotError, UnknownGpuModel
+from dynpart.simulations.errors import SimulationError, TraceError
+from dynpart.simulations.packing import experiment
+from dynpart.simulations.replay import cli as replay_cli
+
+from .test_workloads import NARROW_H100
+
+HEADER = ("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,"
+          "scheduled_time\n")
+
+
+def _trace(tmp_path, rows: str, name: str = "pods.csv"):
+    f = tmp_path / name
+    f.write_text(HEADER + rows)
+    return str(f)
 
 
 def test_bench_packing_json_and_files(capsys, tmp_path):
@@ -76,3 +94,146 @@ def test_user_mistakes_are_one_line_errors(capsys, tmp_path):
     assert "creation_time" in capsys.readouterr().err
     assert main(["bench", "packing", "--trace", str(good)]) == 2
     assert "needs a cluster" in capsys.readouterr().err
+
+
+WORKER_ERRORS = {  # built when a test runs
+    "snapshot": lambda: SnapshotError(["pending[0] (openb-pod-0008).gpu_models: unknown GPU model 'T4'"]),
+    "snapshot-2": lambda: SnapshotError(["a: bad", "b: worse"]),
+    "unknown-model": lambda: UnknownGpuModel("T4", ["H100-80GB", "A30-24GB"], where="pending[0].gpu_models"),
+    "trace": lambda: TraceError("pods.csv", 3, "num_gpu = 'one': not an integer"),
+    "trace-no-line": lambda: TraceError("pods.csv", None, "no pods"),
+    "trace-column": lambda: TraceError("cluster.yaml", 2, "not valid YAML: x", 5),
+}
+
+
+@pytest.mark.parametrize("name", WORKER_ERRORS)
+def test_user_errors_pickle_faithfully(name):
+    # they come back from the worker processes of --jobs N pickled
+    error = WORKER_ERRORS[name]()
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error) and vars(back) == vars(error)
+
+
+@pytest.mark.parametrize("name", ["snapshot", "unknown-model", "trace"])
+def test_a_user_error_in_a_worker_process_is_one_clear_line(name, capsys, tmp_path, monkeypatch):
+    error = WORKER_ERRORS[name]()
+
+    def failing(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(replay_cli, "run_replay", failing)  # the workers are forked: they run it too
+    trace = _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,0,100,0\n")
+    assert main(["simulate", "--trace", trace, "--policy", "dynpart,nos", "--jobs", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"dynpart: error: {error}"
+
+
+def test_replay_ignores_the_traces_gpu_models_with_several_processes(capsys, tmp_path):
+    trace = _trace(tmp_path, "p1,1000,1024,1,500,T4,LS,Running,0,100,0\np2,1000,1024,1,1000,T4|A10,LS,Running,5,100,5\n")
+    assert main(["simulate", "--trace", trace, "--policy", "dynpart,nos", "--jobs", "2", "--json"]) == 0
+    (part,) = json.loads(capsys.readouterr().out)["parts"]
+    for s in part["policies"]:
+        assert s["placed"] == 2 and s["notes"] == {"gpu_spec_not_applied": 2}
+
+
+def test_a_narrowed_catalog_model_replays_the_static_layouts_it_has(capsys, tmp_path):
+    cat = tmp_path / "narrow.yaml"
+    cat.write_text(NARROW_H100)
+    trace = _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,0,100,0\np2,1000,1024,1,100,,LS,Running,0,100,0\n")
+    assert main(["--catalog", str(cat), "simulate", "--trace", trace, "--cluster", "1x2xH100-80GB", "--jobs", "1",
+                 "--json"]) == 0
+    (part,) = json.loads(capsys.readouterr().out)["parts"]
+    assert [c["geometry"] for c in part["static_contenders"]] == ["all-1g.10gb", "all-7g.80gb"]
+    assert [s["policy"] for s in part["policies"]] == ["dynpart", "nos", "static"]
+
+
+@pytest.mark.parametrize("command", [["simulate", "--trace", "TRACE", "--jobs", "1"],
+                                     ["bench", "packing", "--seeds", "1", "--jobs", "1"]])
+@pytest.mark.parametrize("out", ["file", "/proc/no-such-dir"])
+def test_a_bad_out_is_found_before_the_run(command, out, capsys, tmp_path, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("ran before --out was checked")
+
+    monkeypatch.setattr(replay_cli, "_run_jobs", never)
+    monkeypatch.setattr(experiment, "run_jobs", never)
+    if out == "file":
+        out = str(tmp_path / "a-file")
+        (tmp_path / "a-file").write_text("")
+    trace = _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,0,100,0\n")
+    assert main([trace if a == "TRACE" else a for a in command] + ["--out", out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"dynpart: error: --out {out}: ")
+
+
+def test_results_are_printed_before_files_are_written(capsys, tmp_path, monkeypatch):
+    from dynpart.simulations.reporting import report
+
+    def full(path, *args, **kwargs):
+        raise SimulationError(f"{path}: cannot write: No space left on device")
+
+    monkeypatch.setattr(report, "write_json", full)
+    trace = _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,0,100,0\n")
+    assert main(["simulate", "--trace", trace, "--policy", "dynpart", "--jobs", "1", "--out", str(tmp_path / "o")]) == 2
+    captured = capsys.readouterr()
+    assert "mean s" in captured.out and "No space left on device" in captured.err
+    assert main(["bench", "packing", "--seeds", "1", "--jobs", "1", "--out", str(tmp_path / "p")]) == 2
+    captured = capsys.readouterr()
+    assert "alloc@130%" in captured.out and "No space left on device" in captured.err
+
+
+def test_pods_that_can_never_be_placed_are_shown(capsys, tmp_path):
+    # 8-GPU pods on 4-GPU nodes: no policy places anything, and the table says why
+    trace = _trace(tmp_path, "g1,1000,1024,8,1000,,LS,Running,0,100,0\ng2,1000,1024,8,1000,,LS,Running,5,100,5\n")
+    assert main(["simulate", "--trace", trace, "--cluster", "2x4xH100-80GB", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[0].split()
+    assert "failed" in header
+    assert "failed: 2 GPU pod(s) can never run on this cluster" in out and "8 GPUs" in out
+    assert "static layouts: none of the 7 tried placed a GPU pod" in out
+    cpu_only = _trace(tmp_path, "c1,1000,1024,0,0,,LS,Running,0,100,0\n", "cpu.csv")
+    assert main(["simulate", "--trace", cpu_only, "--jobs", "1"]) == 0
+
+
+def test_mps_mode_is_the_cluster_described(capsys, tmp_path):
+    trace = _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,0,100,0\n")
+    assert main(["simulate", "--trace", trace, "--mode", "mps", "--policy", "dynpart", "--jobs", "1", "--json"]) == 0
+    (part,) = json.loads(capsys.readouterr().out)["parts"]
+    assert part["cluster_description"] == "8 nodes, 64 GPUs: 8 x 8 H100-80GB (mps)"
+    assert main(["simulate", "--trace", trace, "--mode", "mps", "--policy", "dynpart", "--jobs", "1"]) == 0
+    assert "8 x 8 H100-80GB (mps)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["simulate", "--trace", "TRACE", "--time-limit=-1"], "--time-limit -1.0: must be"),
+    (["simulate", "--trace", "TRACE", "--time-limit", "nan"], "--time-limit nan: must be"),
+    (["bench", "packing", "--seeds", "1", "--time-limit=-1"], "--time-limit -1.0: must be"),
+    (["bench", "packing", "--seeds", "1", "--time-limit", "inf"], "--time-limit inf: must be"),
+    (["simulate", "--trace", "TRACE", "--compress", "nan"], "--compress nan: must be"),
+    (["simulate", "--trace", "TRACE", "--compress", "inf"], "--compress inf: must be"),
+    (["simulate", "--trace", "TRACE", "--mig-delay", "nan"], "--mig-delay nan: must be"),
+    (["simulate", "--trace", "TRACE", "--mps-delay=-inf"], "--mps-delay -inf: must be"),
+    (["simulate", "--workload", "duration_median_s=inf"], "--workload: duration_median_s:"),
+    (["simulate", "--workload", "mix=1g.10gb:1e308,2g.20gb:1e308"], "--workload: mix: weights too large"),
+    (["simulate", "--trace", "TRACE", "--cluster", "BADYAML"], "bad.yaml:2:1: not valid YAML: expected the node"),
+    (["--catalog", "BADYAML", "simulate", "--trace", "TRACE"], "bad.yaml:2:1: not valid YAML: expected the node"),
+    (["explain", "--snapshot", "BADYAML"], "snapshot file BADYAML:2:1: not valid YAML"),
+    (["explain", "--snapshot", "BLANK"], "snapshot file BLANK: the file is empty"),
+])
+def test_bad_numbers_and_files_are_one_line_errors(argv, message, capsys, tmp_path):
+    files = {"TRACE": _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,0,100,0\n"),
+             "BADYAML": str(tmp_path / "bad.yaml"), "BLANK": str(tmp_path / "blank.yaml")}
+    (tmp_path / "bad.yaml").write_text("nodes: [\n")
+    (tmp_path / "blank.yaml").write_text("\n  \n")
+    assert main([files.get(a, a) for a in argv] + (["--jobs", "1"] if argv[0] != "explain" else [])) == 2
+    err = capsys.readouterr().err.strip()
+    for name, path in files.items():
+        message = message.replace(name, path)
+    assert err.startswith("dynpart: error: ") and message in err and "\n" not in err
+
+
+def test_a_trace_saved_with_a_bom_reads(capsys, tmp_path):
+    trace = tmp_path / "excel.csv"
+    trace.write_text(HEADER + "p1,1000,1024,1,1000,,LS,Running,0,100,0\n", encoding="utf-8-sig")
+    assert main(["simulate", "--trace", str(trace), "--policy", "dynpart", "--jobs", "1", "--json"]) == 0
+    (part,) = json.loads(capsys.readouterr().out)["parts"]
+    assert part["policies"][0]["placed"] == 1

@@ -218,3 +218,14 @@ def test_free_at_end_accounts_for_all_unallocated_capacity():
     assert got == {"whole_gpus": round(100 * 5000 / cap, 3), "470": round(100 * 530 / cap, 3),
                    "810": round(100 * 90 / cap, 3)}
     assert abs(sum(got.values()) - 100 * (1 - st.allocation_ratio)) < 0.01
+
+
+def test_a_pod_asking_only_for_models_the_cluster_lacks_fails_in_any_batch(catalog):
+    # the catalog the planner gets knows every model of the workload, not only the first batch's:
+    # a later pod asking for A10 on a T4-only cluster is not placed (FGD counts it failed)
+    st = PackingState(cluster(*[(f"n{i}", 64_000, 2, "T4") for i in range(2)]))
+    a10 = pod("a10", milli=500, spec=("A10",))
+    pol = DynpartPacking(trace_workload([pod("k", milli=500), a10]), catalog)
+    assert pol.place_batch(st, [pod("p1", milli=500)]) == [True]
+    assert pol.place_batch(st, [a10]) == [False]
+    assert pol.place_batch(st, [pod("t4", milli=500, spec=("T4",))]) == [True]

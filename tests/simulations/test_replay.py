@@ -125,6 +125,17 @@ def test_pods_that_never_fit_fail_and_cpu_pods_are_placed(catalog):
     assert s["failed"] == 1 and s["cpu_only_pods"]["placed"] == 1
 
 
+def test_gpu_spec_is_not_applied_in_replay(catalog):
+    # the trace's models (T4) are not the replay cluster's: pods run on its H100s, and the GPU
+    # pods whose gpu_spec was left aside are counted under notes
+    pods = [pod("a", milli=100, spec=("T4",)), pod("b", milli=500, spec=("T4", "A10")), pod("c", milli=100),
+            pod("cpu", gpus=0, spec=("T4",))]
+    for policy in ("dynpart", "nos"):
+        r = run_replay(pods, cluster(("n0", 64_000, 1, "H100-80GB"), mode="mig"), catalog, ReplayOptions(policy=policy))
+        assert all(x.start is not None for x in r.runs), policy
+        assert summary(r)["notes"] == {"gpu_spec_not_applied": 2}
+
+
 def test_replay_needs_times_and_one_model(catalog):
     with pytest.raises(SimulationError, match="no creation/deletion time"):
         run_replay([pod("a", t0=None, t1=None)], synthetic_mig_cluster(1), catalog, ReplayOptions())

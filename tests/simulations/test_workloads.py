@@ -92,6 +92,12 @@ def test_inline_and_yaml_parameters(tmp_path):
     ("mix=1g.5gb:3", "mix: '1g.5gb' is not a MIG profile of H100-80GB"),
     ("mix=1g.10gb:-1", "mix: weights must be"),
     ("mix=1g.10gb:0", "mix: at least one weight"),
+    ("mix=1g.10gb:1e308,2g.20gb:1e308", "mix: weights too large"),
+    ("duration_median_s=inf", "duration_median_s: Input should be a finite number"),
+    ("duration_sigma=nan", "duration_sigma:"),
+    ("rate=nan", "rate:"),
+    ("rate=1e-300", "rates and duration_median_s give times over"),
+    ("duration_median_s=1e300", "rates and duration_median_s give times over"),
     ("mix=1g.10gb", "mix: '1g.10gb': expected NAME:WEIGHT"),
     ("mps_mix=100gb:1", "mps_mix: '100gb'"),
     ("mps_mix=big:1", "mps_mix: 'big'"),
@@ -157,6 +163,32 @@ def test_static_contenders(catalog):
         static_layout(name, h100, "mig")
     assert static_fits("all-balanced", "mps") and static_fits("all-7g", "mig") and not static_fits("all-7g", "mps")
     assert static_fits("mps-4", "mps") and not static_fits("mps-4", "mig")
+
+
+def test_a_narrowed_model_without_balanced_profiles_has_no_all_balanced(tmp_path):
+    # a catalog file may give a model only some of its profiles: all-balanced (1g, 2g and 3g)
+    # is then not a contender, and forcing it is a one-line error; the other layouts still run
+    from dynpart.catalog import load_catalog
+    f = tmp_path / "narrow.yaml"
+    f.write_text(NARROW_H100)
+    h100 = load_catalog([f]).resolve("H100-80GB")
+    assert static_contenders(h100, "mig") == ["all-1g.10gb", "all-7g.80gb"]
+    with pytest.raises(SimulationError, match="H100-80GB has no all-balanced layout"):
+        static_layout("all-balanced", h100, "mig")
+    assert static_layout("all-balanced", h100, "mps") == {}
+
+
+NARROW_H100 = """models:
+  - name: H100-80GB
+    memory_gb: 80
+    memory_mib: 81559
+    memory_slices: 8
+    compute_slices: 7
+    mig_profiles:
+      - {name: 1g.10gb, id: 19, nvml: NVML_GPU_INSTANCE_PROFILE_1_SLICE, compute: 1, memory: 1, max: 7,
+         starts: [0, 1, 2, 3, 4, 5, 6]}
+      - {name: 7g.80gb, id: 0, nvml: NVML_GPU_INSTANCE_PROFILE_7_SLICE, compute: 7, memory: 8, max: 1, starts: [0]}
+"""
 
 
 def _s(mean, p95, never=0):
