@@ -306,9 +306,10 @@ class Agent:
         advertised again."""
         if self.plugins is None or not self.plugins.withdrawn:
             return
-        if self._builtin:
-            try:
-                await self.plugins.update(advertise(self.views()))
+        if self._builtin or self.plugins.servers:
+            lists = advertise(self.views())
+            try:  # NVIDIA's plugin serving the node: the agent's own lists only the MPS slices left
+                await self.plugins.update(lists if self._builtin else _mps_only(lists))
             except DeviceListError as e:  # lists not refreshed: a destroyed device could come back
                 log.warning("node %s: withdrawn devices stay withdrawn this pass: %s", self.node, e)
                 return
@@ -341,7 +342,7 @@ class Agent:
                                                for gi in self.driver.gpu_instances(d.index) if gi.profile_id in by_id))
             elif self._mps_plugin is not None and self._mps_plugin.live.get(d.index):
                 sizes, numbers = self._mps_plugin.view(d.index)
-                view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.healthy)
+                view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.serves(d.uuid))
             out.append(view)
         return out
 

@@ -71,6 +71,8 @@ class MpsPluginAgent:
         self.live: dict[int, Slices] = {}  # GPU index -> its slices, as advertised
         self.daemon_error: str | None = None
         self._daemon_gpus: list[str] | None = None  # the GPUs the daemon was last made to run for
+        self.uncovered: set[str] = set()  # UUIDs of GPUs with MPS slices the daemon does not run for
+        self._uuids: dict[int, str] = {}  # GPU index -> UUID, as the last pass read them
 
     def view(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(sizes, numbers) of GPU `index`'s slices, for its GpuView."""
@@ -81,11 +83,16 @@ class MpsPluginAgent:
     def healthy(self) -> bool:
         return self.daemon_error is None
 
+    def serves(self, gpu_uuid: str) -> bool:
+        """Whether a pod given a slice of this GPU finds the MPS daemon running for it."""
+        return self.daemon_error is None and gpu_uuid not in self.uncovered
+
     async def apply(self, desired: dict[int, list[int]] | None, drain: tuple[int, ...] = ()) -> PassResult:
         """One pass. `desired` None: no spec, observe only. `drain`: GPUs whose idle slices go
         (`reconcile.drained_mps`)."""
         devices = self.driver.devices()
         index_of = {d.uuid: d.index for d in devices}
+        self._uuids = {d.index: d.uuid for d in devices}
         assigned = await self.pods.list()
         used: dict[int, Slices] = {}
         whole: dict[int, list[str]] = {}
@@ -209,13 +216,21 @@ class MpsPluginAgent:
             self._daemon_gpus = None
 
     async def _daemon(self, gpus: list[str], in_use: bool) -> list[str]:
+        self.uncovered = set()
         if self.daemon is None or not any(self.live.values()):
             self.daemon_error = None
             return []
+        errors: list[str] = []
         if (in_use and self._daemon_gpus is not None and set(gpus) != set(self._daemon_gpus)
                 and await self.daemon.alive()):
-            # a GPU entered MIG mode (the node leaves MPS mode): restarting the daemon for the
-            # others would end the CUDA contexts of the pods using slices; it changes once they are gone
+            # GPUs entered or left MIG mode: restarting the daemon for the new set would end the CUDA
+            # contexts of the pods using slices, so it changes once they are gone; until then the
+            # slices of a GPU it does not run for are listed Unhealthy (no pod gets one)
+            self.uncovered = set(gpus) - set(self._daemon_gpus)
+            if self.uncovered and any(self.live.get(g) for g, u in self._uuids.items() if u in self.uncovered):
+                errors.append(f"the MPS daemon runs for {', '.join(self._daemon_gpus)} and is not restarted while "
+                              f"pods use MPS slices: the slices of {', '.join(sorted(self.uncovered))} are listed "
+                              "Unhealthy until it can be")
             gpus = self._daemon_gpus
         try:
             await self.daemon.ensure(gpus, self.pipe_dir, self.log_dir)
@@ -224,4 +239,4 @@ class MpsPluginAgent:
             self.daemon_error = str(e)
             return [f"MPS control daemon: {e}; the MPS slices are listed Unhealthy (not allocatable) until it runs"]
         self.daemon_error = None
-        return []
+        return errors

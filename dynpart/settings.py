@@ -23,7 +23,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from dynpart.errors import DynpartError
+from dynpart.errors import DynpartError, yaml_problem
 from dynpart.kube.conventions import LEASE_NAME, SYSTEM_NAMESPACE
 from dynpart.snapshot import RequestShare
 
@@ -176,7 +176,7 @@ class ConfigFileSource(YamlConfigSettingsSource):
         try:
             values: object = super()._read_file(file_path)
         except yaml.YAMLError as e:
-            raise DynpartError(f"config file {self.shown}: not valid YAML: {e}") from None
+            raise DynpartError(f"config file {yaml_problem(self.shown, e)}") from None
         if not isinstance(values, dict):
             raise DynpartError(f"config file {self.shown}: must be a mapping of setting: value")
         return values

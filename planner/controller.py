@@ -35,7 +35,7 @@ from dynpart.kube.conventions import (
     STATUS_PREFIX,
 )
 from dynpart.kube.errors import APIConflictError, APIError
-from dynpart.kube.patching import patch_node_annotations
+from dynpart.kube.patching import patch_node_annotations, read_node
 from dynpart.kube.recording import EventRecorder, QueuedPoster, posting_to
 from dynpart.kube.watching import Informer, object_key
 from dynpart.planner import metrics
@@ -256,6 +256,16 @@ class PlannerController:
                 self.loop.forget_node(name)
                 continue
             spec_plan = (node["metadata"].get("annotations") or {}).get(SPEC_PLAN)
+            if spec_plan != flight.plan_id:
+                # the cache can lag (a watch stalled or relisting): replaced only if the API
+                # server says so, else the pods would go elsewhere while the agent applies our plan
+                try:
+                    node = await read_node(self.core, name)
+                    spec_plan = (node.get("metadata", {}).get("annotations") or {}).get(SPEC_PLAN)
+                except APIError as e:
+                    log.info("could not read the node; will look again", extra={"fields": {"node": name,
+                                                                                         "error": str(e)}})
+                    continue
             if spec_plan != flight.plan_id:
                 # another writer (a leader meanwhile) replaced the plan: never revoke theirs; the
                 # node's spec as it is now decides (_awaiting_from_annotations reads it again)

@@ -25,6 +25,7 @@ from dynpart.planner.core import PlanningSession, PlanOptions, plan
 from dynpart.planner.demand import DemandTracker, known_to
 from dynpart.planner.drain import Drain, drain_target, is_empty, with_drain_flags, without_gpus
 from dynpart.planner.policy import PolicyName
+from dynpart.resources import WHOLE_GPU
 from dynpart.scheduling import NodeSelectorRequirement, NodeSelectorTerm
 from dynpart.settings import PlannerSettings
 from dynpart.snapshot import NodeLayout, PendingPod, Plan, Snapshot
@@ -221,8 +222,8 @@ class PlanningLoop:
                 want.setdefault((node, res), []).append(key)
         ended = []
         for (node, res), keys in sorted(want.items()):
-            if node not in slices:
-                continue
+            if node not in slices or res == WHOLE_GPU:
+                continue  # no report, or whole GPUs, which a node's report of its slices does not count
             free = max(0, slices[node].get(res, 0) - bound.get((node, res), 0))
             for key in sorted(keys)[free:]:
                 if key in reserved:

@@ -352,12 +352,13 @@ def test_notes_label_nodes_in_the_right_order(tmp_path):
 
 
 def test_planner_rbac_is_minimal(default):
-    """What the planner calls: informers (list+watch) on pods and nodes, a merge patch of a
-    node's annotations, a POST of a core/v1 Event, and its Lease (read, replace, create)."""
+    """What the planner calls: informers (list+watch) on pods and nodes, a node read (before an
+    overdue plan is judged replaced), a merge patch of a node's annotations, a POST of a core/v1
+    Event, and its Lease (read, replace, create)."""
     cr = find(default, "ClusterRole", "dynpart-planner")
     assert rules(cr) == {
         ("", "pods", ()): {"list", "watch"},
-        ("", "nodes", ()): {"list", "watch", "patch"},
+        ("", "nodes", ()): {"get", "list", "watch", "patch"},
         ("", "events", ()): {"create"},
     }
     role = find(default, "Role", "dynpart-planner-leader-election")

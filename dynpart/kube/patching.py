@@ -24,3 +24,11 @@ async def patch_node_annotations(core: client.CoreV1Api, name: str, annotations:
         resp = await raw_api(core).patch_node(name, {"metadata": metadata}, _content_type=MERGE_PATCH,
                                               _preload_content=False)
     return await read_json(resp, what)
+
+
+async def read_node(core: client.CoreV1Api, name: str) -> Obj:
+    """The node as the API server has it now (not an informer's cache)."""
+    what = f"read node {name}"
+    with api_errors(what):
+        resp = await raw_api(core).read_node(name, _preload_content=False)
+    return await read_json(resp, what)

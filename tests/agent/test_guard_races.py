@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.guard import SliceGuard
 from dynpart.agent.kube import FakePluginPods
 from dynpart.agent.loop import Agent
+from dynpart.agent.mig_agent import MigAgent
 from dynpart.agent.podresources import FakePodResources, PodResourcesError
 
 from .conftest import ROUND_80GIB, Rig, make_rig, mig_spec, mps_spec
@@ -312,3 +314,54 @@ async def test_with_nvidias_plugin_leaving_mps_mode_still_withdraws_and_rechecks
     assert [d.id for d in rig.plugins.advertised()["nvidia.com/gpu-10gb"]] == [ids[0]]  # still served
     assert rig.node_api.allocatable["nvidia.com/mig-1g.10gb"] == "3"  # NVIDIA's count left alone
     assert rig.node_api.allocatable["nvidia.com/gpu-10gb"] == "1"
+
+
+async def test_leftovers_of_a_stopped_switch_pass_are_not_advertised_again(monkeypatch):
+    """NVIDIA's plugin serves MIG nodes: a node switched from MPS removes its free MPS slices
+    (guarded), then the MIG part of the pass stops (PodResources unavailable). The next pass must
+    not advertise those slices again: they are gone from the node's MPS configuration."""
+    rig = make_rig(count=1, mig_enabled=False, **ROUND_80GIB).with_plugins()
+    assert rig.plugins is not None
+    agent = rig.agent(withdraw_settle_s=0, plugin_pods=FakePluginPods())
+    rig.node_api.set_annotations(mps_spec({0: [10, 10]}, plan="m1"))
+    assert (await agent.reconcile_once()).plan_id == "m1"
+    apply = MigAgent.apply
+    failing = [True]
+
+    async def flaky(self: MigAgent, *args: Any, **kw: Any) -> Any:
+        if failing[0]:
+            raise PodResourcesError("kubelet PodResources API: UNAVAILABLE (kubelet restarting)")
+        return await apply(self, *args, **kw)
+
+    monkeypatch.setattr(MigAgent, "apply", flaky)
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="g1"), "dynpart.io/spec-gpu-0-10gb": None})
+    assert (await agent.reconcile_once()).failed
+    assert (await agent.reconcile_once()).failed
+    assert not any(rig.plugins.advertised().values()) and rig.plugins.withdrawn == set()
+    failing[0] = False
+    await agent.reconcile_once()
+    assert not any(rig.plugins.advertised().values())
+
+
+async def test_a_gpu_joining_under_running_mps_pods_is_listed_unhealthy_until_the_daemon_restarts(mps2: PluginRig):
+    """GPU 1 of an MPS node leaves MIG mode (an operator's reset) while a pod uses a slice of GPU 0:
+    the daemon is not restarted under that pod, so GPU 1's new slices, which it does not serve,
+    are listed Unhealthy (no pod gets one) until the pod ends and the daemon runs for both."""
+    rig = mps2
+    rig.driver.set_mig_mode(1, True)
+    agent = rig.agent()
+    rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
+    await rig.settle(agent, "m1")
+    await rig.kubelet.admit("ns/a", "nvidia.com/gpu-40gb")
+    rig.driver.set_mig_mode(1, False)
+    rig.node_api.set_annotations(mps_spec({0: [40, 40], 1: [40, 40]}, plan="m2"))
+    report = await agent.reconcile_once()
+    assert any("the slices of GPU-fake-0001 are listed Unhealthy" in e for e in report.errors), report.errors
+    assert rig.daemon.gpus == ("GPU-fake-0000",)
+    health = {d.id: d.healthy for d in rig.plugins.advertised()["nvidia.com/gpu-40gb"]}
+    assert health == {"GPU-fake-0000::0": True, "GPU-fake-0000::1": True,
+                      "GPU-fake-0001::0": False, "GPU-fake-0001::1": False}
+    rig.kubelet.release("ns/a")
+    await rig.settle(agent, "m2")
+    assert rig.daemon.gpus == ("GPU-fake-0000", "GPU-fake-0001")
+    assert all(d.healthy for d in rig.plugins.advertised()["nvidia.com/gpu-40gb"])

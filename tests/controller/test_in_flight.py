@@ -48,6 +48,7 @@ def make(monkeypatch):
         return {}
 
     monkeypatch.setattr(controller_module, "patch_node_annotations", fake_patch)
+    server: dict[str, dict[str, Any]] = {}  # what a GET answers (default: the cache)
 
     def build(nodes: list[dict[str, Any]], lead: Lead, ack_timeout_s: float = 60.0) -> PlannerController:
         c = PlannerController(client.ApiClient(), PlannerSettings(ack_timeout_s=ack_timeout_s), CAT, leadership=lead)
@@ -57,6 +58,11 @@ def make(monkeypatch):
             events.append((reason, message))
         c._event = event  # type: ignore[method-assign]  # records instead of posting
         c.written, c.posted = written, events  # type: ignore[attr-defined]  # the test reads them
+        c.server = server  # type: ignore[attr-defined]  # the test sets it
+
+        async def fake_read(core, name):
+            return server.get(name) or c.nodes.cache[name]
+        monkeypatch.setattr(controller_module, "read_node", fake_read)
         return c
     return build
 
@@ -241,6 +247,19 @@ async def test_a_plan_in_flight_that_another_writer_replaced_is_not_revoked(make
     assert c._awaiting_from_annotations() == {"n1"} and c.in_flight["n1"].plan_id == "p2"
 
 
+async def test_a_plan_replaced_only_in_a_stale_cache_is_neither_released_nor_revoked(make):
+    """The node watch lags: the cache shows another spec, the API server still has ours. Released
+    on the cache's word, its pods would be planned elsewhere while the agent may still apply our
+    plan: it is revoked as any overdue plan is, from the node as the API server has it."""
+    c = make([reported("n1")], Lead(term=5))
+    c.loop.written("n1", "p1", ["ml/a"], 0.0)
+    c.server["n1"] = reported("n1", {"dynpart.io/spec-plan": "p1", SPEC_TERM: "5", SPEC_PODS: "ml/a"})
+    c.nodes.cache["n1"] = replaced_by_another_leader()
+    await c._expire_acks(now=1000.0)
+    ((name, patch),) = c.written
+    assert name == "n1" and patch["dynpart.io/spec-revokes"] == "p1" and c.in_flight["n1"].revoking
+
+
 async def test_an_acknowledgement_seen_before_the_write_returned_counts(make, monkeypatch):
     """The node watch delivers the agent's acknowledgement while plan_round still awaits the
     patch's response: the plan is acknowledged once recorded, not held and then revoked."""
@@ -384,3 +403,53 @@ async def test_an_unexpected_error_in_a_step_is_logged_and_the_loop_goes_on(make
         await c.run()
     assert len(steps) == 3
     assert "planning step failed" in caplog.text and "a field some object lacks" in caplog.text
+
+
+async def test_a_whole_gpu_pod_keeps_its_reservation_after_the_acknowledgement(monkeypatch):
+    """A node's report counts its slices, not its whole GPUs: a pod planned onto a whole GPU must
+    not lose its reservation (and be backed off the node, and planned onto another) as soon as
+    the node acknowledges, while the scheduler has not bound it yet."""
+    from dynpart.annotations import SPEC_PLAN
+    from dynpart.snapshot import MpsSlice
+
+    written: list[tuple[str, dict[str, str | None]]] = []
+    t = [1000.0]
+
+    def mps_node(name: str) -> dict[str, Any]:
+        status = encode_status(NodeLayout(node=name, mode="mps", gpus=[GpuLayout(index=0, mps=[MpsSlice(size=10)])]),
+                               "p0")
+        return node(name, mode="mps", count=1, annotations={**status, SPEC_PLAN: "p0"})
+
+    c = PlannerController(client.ApiClient(), PlannerSettings(), CAT, leadership=Lead(1))
+
+    async def fake_patch(core, name, patch, resource_version=None):
+        written.append((name, dict(patch)))
+        ann = c.nodes.cache[name]["metadata"]["annotations"]
+        for k, v in patch.items():
+            if v is None:
+                ann.pop(k, None)
+            else:
+                ann[k] = v
+        return {}
+
+    async def event(obj, reason, message, warning=False):
+        pass
+
+    monkeypatch.setattr(controller_module, "patch_node_annotations", fake_patch)
+    c.clock = lambda: t[0]  # type: ignore[method-assign]
+    c._event = event  # type: ignore[method-assign]
+    c.nodes.cache.update({"n1": mps_node("n1"), "n2": mps_node("n2")})
+    c.pods.cache["ml/w"] = pod("w", {"nvidia.com/gpu": "1"})
+    await c.plan_round()
+    ((target, patch),) = written
+    ann = c.nodes.cache[target]["metadata"]["annotations"]
+    for k in [k for k in ann if k.startswith("dynpart.io/status")]:
+        del ann[k]
+    ann.update(encode_status(NodeLayout(node=target, mode="mps", gpus=[GpuLayout(index=0)]), patch[SPEC_PLAN]))
+    t[0] += 2
+    c._on_node("MODIFIED", c.nodes.cache[target])  # acknowledged: the GPU is whole, the pod reserved there
+    assert c.loop.reserved.get("ml/w", ("",))[0] == target
+    written.clear()
+    t[0] += 1  # the scheduler has not bound it yet
+    await c.plan_round()
+    assert written == [] and c.loop.reserved["ml/w"][0] == target and not c.loop.avoid
