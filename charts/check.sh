@@ -65,6 +65,8 @@ bad_values=(
     "--set-string admissionPolicy.enabled=yes"
     "--set metrics.host="
     "--set networkPolicy.metricsFrom[0].namespace=monitoring"
+    "--set planner.extraEnv[0].value=42"
+    "--set agent.extraEnv[0].name=not-a-variable"
 )
 for args in "${bad_values[@]}"; do
     # shellcheck disable=SC2086

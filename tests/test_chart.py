@@ -562,3 +562,24 @@ def test_dockerfile_matches_the_chart(default):
     assert (str(pod_sc["runAsUser"]), str(pod_sc["runAsGroup"])) == user.groups()
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert (chart["apiVersion"], chart["version"], chart["appVersion"]) == ("v2", "0.1.0", "0.1.0")
+
+
+def test_extra_env_reaches_the_settings(tmp_path, monkeypatch):
+    """`extraEnv`: an admin sets what the values do not expose (every setting has its variable,
+    docs/configuration.md); the variable overrides the ConfigMap's value."""
+    from dynpart.settings import PlannerSettings, load_settings
+
+    objs = render("--set", "planner.extraEnv[0].name=DYNPART_PLANNER_RESERVATION_S",
+                  "--set-string", "planner.extraEnv[0].value=42",
+                  "--set", "agent.extraEnv[0].name=DYNPART_AGENT_WITHDRAW_SETTLE_S",
+                  "--set-string", "agent.extraEnv[0].value=1.5")
+    (planner,) = find(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "DYNPART_PLANNER_RESERVATION_S", "value": "42"} in planner["env"]
+    (tmp_path / "planner.yaml").write_text(find(objs, "ConfigMap", "dynpart-planner")["data"]["planner.yaml"])
+    for e in planner["env"]:
+        monkeypatch.setenv(e["name"], e.get("value", "dynpart-planner-abc"))
+    assert load_settings(PlannerSettings, tmp_path / "planner.yaml").reservation_s == 42
+    ns, s = _agent_settings(objs, tmp_path, monkeypatch, environ={"DYNPART_AGENT_WITHDRAW_SETTLE_S": "1.5"})
+    (agent,) = find(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "DYNPART_AGENT_WITHDRAW_SETTLE_S", "value": "1.5"} in agent["env"]
+    assert s.withdraw_settle_s == 1.5
