@@ -524,11 +524,15 @@ class PlannerController:
         # the reason is about the nodes this round saw: say so when some were left out
         left_out = (" (nodes still applying an earlier plan, or whose agent has not reported yet, were not "
                     "considered)" if awaiting else "")
+        avoided = self.loop.avoided(now)
         for u in result.unplaced:
             metrics.PODS_UNPLACEABLE.inc()
-            log.info("pod not placed", extra={"fields": {"pod": u.pod, "reason": u.reason + left_out}})
+            # the affinity term the back-off adds (PlanningLoop.avoiding) is dynpart's, not the pod's
+            kept_off = (f"; dynpart keeps it off node(s) {', '.join(sorted(avoided[u.pod]))} for a while, where the "
+                        "slice planned for it was not taken by the scheduler" if u.pod in avoided else "")
+            log.info("pod not placed", extra={"fields": {"pod": u.pod, "reason": u.reason + kept_off + left_out}})
             await self._event(pods_by_key.get(u.pod), "Unplaceable",
-                              f"dynpart cannot place this pod: {u.reason}{left_out}", warning=True)
+                              f"dynpart cannot place this pod: {u.reason}{kept_off}{left_out}", warning=True)
 
     async def _switch_modes(self, switching: dict[str, str], awaiting: set[str]) -> None:
         """Nodes relabelled to the other mode whose agent the acknowledged spec keeps in the old

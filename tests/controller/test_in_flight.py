@@ -453,3 +453,19 @@ async def test_a_whole_gpu_pod_keeps_its_reservation_after_the_acknowledgement(m
     t[0] += 1  # the scheduler has not bound it yet
     await c.plan_round()
     assert written == [] and c.loop.reserved["ml/w"][0] == target and not c.loop.avoid
+
+
+async def test_a_pod_kept_off_its_only_node_is_told_why(make):
+    """One node: when the back-off keeps the pod off it, the Unplaceable Event names dynpart's
+    back-off, not only an affinity the pod never had."""
+    t = [1000.0]
+    free = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
+        MigInstance(profile="1g.10gb", start=0), MigInstance(profile="3g.40gb", start=4, used=True)])]), "p0")
+    c = make([node("n1", count=1, annotations=free)], Lead(term=3))
+    c.clock = lambda: t[0]
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    await c.plan_round()
+    t[0] += c.settings.reservation_s + c.settings.resync_s  # never bound
+    await c.plan_round()
+    (message,) = [m for r, m in c.posted if r == "Unplaceable"]
+    assert "dynpart keeps it off node(s) n1 for a while" in message, message
