@@ -108,16 +108,10 @@ class SliceGuard:
             else:
                 unused[i] = candidates[i]
         if unused and self.node_pods is not None:
-            bound = await self.node_pods.bound()
-            needs = waiting_for(bound, assigned) if bound else {}
-            if needs:
+            needs = waiting_for(await self.node_pods.bound(), assigned)
+            if needs:  # free now: what is still advertised and no pod took
                 listed = self.advertised() or set()
-                held = set(holders)
-                now_free = {r: [i for i in devs if (i in listed or i in unused) and i not in held]
-                            for r, devs in (free or {}).items()}
-                for r in set(unused.values()):
-                    now_free.setdefault(r, [])
-                    now_free[r] += [i for i, res in unused.items() if res == r and i not in now_free[r]]
+                now_free = {r: [i for i in devs if i in listed and i not in holders] for r, devs in (free or {}).items()}
                 out.needed = to_keep(unused, now_free, needs)
         out.destroyable = [i for i in unused if i not in out.needed]
         # sealed before anything is readmitted: an Allocate that lands while the kubelet reads the

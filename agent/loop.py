@@ -206,9 +206,7 @@ class Agent:
             mode = self._mode(node, layout.mode if layout else None)
             self._drain = spec.drain if layout is not None else ()
             self._builtin = self.plugins is not None and (mode == "mps" or self.plugin_pods is None)
-            # withdraw only what it serves: the node's devices, or (NVIDIA's plugin serving a node
-            # switched from MPS to MIG) the MPS slices it still lists until they are gone
-            self.guard.plugins = self.plugins if self._builtin or self._serves_leftovers() else None
+            self.guard.plugins = self.plugins if self._serving() else None  # withdraw only what it serves
             if mode == "mig":
                 if self._mig is None:
                     self._mig = MigAgent(self.driver, self.pods, model, guard=self.guard)
@@ -294,9 +292,16 @@ class Agent:
                               for g in result.gpus if g.mps}
         return [f"leaving MPS mode: {e}" for e in result.errors]
 
-    def _serves_leftovers(self) -> bool:
-        """Whether the built-in plugin, on a node NVIDIA's plugin serves, still lists MPS slices."""
-        return self.plugins is not None and any(self.plugins.advertised().values())
+    def _serving(self) -> bool:
+        """Whether the agent's own plugin serves devices: the node's, or, on a node NVIDIA's plugin
+        serves, the MPS slices left from MPS mode until they are gone."""
+        return self.plugins is not None and (self._builtin or bool(self.plugins.servers))
+
+    def _own_lists(self) -> dict[str, list[PluginDevice]]:
+        """What the agent's own plugin lists: the node's devices, or with NVIDIA's plugin serving
+        the node, only the MPS slices left."""
+        lists = advertise(self.views())
+        return lists if self._builtin else _mps_only(lists)
 
     async def _readmit_leftovers(self) -> None:
         """A pass ends with nothing withdrawn (each withdrawn device destroyed, or readmitted), unless
@@ -306,10 +311,9 @@ class Agent:
         advertised again."""
         if self.plugins is None or not self.plugins.withdrawn:
             return
-        if self._builtin or self.plugins.servers:
-            lists = advertise(self.views())
-            try:  # NVIDIA's plugin serving the node: the agent's own lists only the MPS slices left
-                await self.plugins.update(lists if self._builtin else _mps_only(lists))
+        if self._serving():
+            try:
+                await self.plugins.update(self._own_lists())
             except DeviceListError as e:  # lists not refreshed: a destroyed device could come back
                 log.warning("node %s: withdrawn devices stay withdrawn this pass: %s", self.node, e)
                 return
@@ -359,14 +363,14 @@ class Agent:
             # no longer an MPS node: NVIDIA's plugin serves its MIG devices and whole GPUs; the MPS
             # slices left (in use, or kept for a bound pod) stay listed until they are gone
             try:
-                await self.plugins.update(_mps_only(advertise(self.views())))
+                await self.plugins.update(self._own_lists())
             except DeviceListError as e:
                 waiting.append(f"the device plugin refused the device lists: {e}")
             if self.publish_allocatable:
                 await self._publish()
         if self.plugins is not None and self._builtin:
             try:
-                await self.plugins.update(advertise(self.views()))
+                await self.plugins.update(self._own_lists())
             except DeviceListError as e:
                 return [*waiting, f"the device plugin refused the device lists: {e}"]
             if not await self.plugins.written():
@@ -402,7 +406,7 @@ class Agent:
         devices the kubelet's device manager already holds (never more): the scheduler sees new
         slices before the kubelet's next status write, and withdrawn ones leave at once. True if
         the kubelet holds every healthy advertised device (the node now shows them all)."""
-        if self.plugins is None or not (self._builtin or self.plugins.servers):
+        if self.plugins is None or not self._serving():
             return True
         async with self._publish_lock:
             if held is None:

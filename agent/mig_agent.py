@@ -75,12 +75,8 @@ class MigAgent:
 
     async def observe(self) -> _Observed:
         devices = self.driver.devices()
+        # (an MPS slice `<uuid>::<n>` counts under its GPU: a pod using one holds the GPU)
         holders = pods_by_device(await self.pods.list())
-        # MPS slices a GPU still carries (from MPS mode) hold it as a pod holding it whole does
-        for device_id in list(holders):
-            base, sep, _ = device_id.partition("::")
-            if sep:
-                holders.setdefault(base, []).extend(p for p in holders[device_id] if p not in holders[base])
         states: list[MigGpuState] = []
         raw: dict[tuple[int, int], GpuInstanceInfo] = {}
         for d in devices:
@@ -120,9 +116,7 @@ class MigAgent:
 
     async def _gpu_users(self, device: DeviceInfo) -> list[str]:
         users = [f"pid {p}" for p in self.driver.processes(device.index)] + list(self.mps_left.get(device.index, ()))
-        held = pods_by_device(await self.pods.list())
-        return users + [f"pod {p}" for d, pods in held.items() if d == device.uuid or d.startswith(device.uuid + "::")
-                        for p in pods]
+        return users + [f"pod {p}" for p in pods_by_device(await self.pods.list()).get(device.uuid, [])]
 
     async def apply(self, desired: dict[int, list[tuple[str, int]]] | None, drain: tuple[int, ...] = ()) -> PassResult:
         """One pass. `desired` None: no spec, observe only. `drain`: GPUs whose idle instances go

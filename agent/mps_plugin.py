@@ -72,7 +72,6 @@ class MpsPluginAgent:
         self.daemon_error: str | None = None
         self._daemon_gpus: list[str] | None = None  # the GPUs the daemon was last made to run for
         self.uncovered: set[str] = set()  # UUIDs of GPUs with MPS slices the daemon does not run for
-        self._uuids: dict[int, str] = {}  # GPU index -> UUID, as the last pass read them
 
     def view(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(sizes, numbers) of GPU `index`'s slices, for its GpuView."""
@@ -92,7 +91,6 @@ class MpsPluginAgent:
         (`reconcile.drained_mps`)."""
         devices = self.driver.devices()
         index_of = {d.uuid: d.index for d in devices}
-        self._uuids = {d.index: d.uuid for d in devices}
         assigned = await self.pods.list()
         used: dict[int, Slices] = {}
         whole: dict[int, list[str]] = {}
@@ -120,7 +118,7 @@ class MpsPluginAgent:
         for d in devices:
             if d.mig_current and d.index not in used:
                 self.live.pop(d.index, None)
-        errors += await self._daemon([d.uuid for d in devices if not d.mig_current], in_use=bool(used))
+        errors += await self._daemon({d.uuid: d.index for d in devices if not d.mig_current}, in_use=bool(used))
         gpus = []
         for d in devices:
             held = used.get(d.index, {})
@@ -215,7 +213,8 @@ class MpsPluginAgent:
             await self.daemon.stop()
             self._daemon_gpus = None
 
-    async def _daemon(self, gpus: list[str], in_use: bool) -> list[str]:
+    async def _daemon(self, gpus: dict[str, int], in_use: bool) -> list[str]:
+        """Keep the daemon running for the non-MIG GPUs (`gpus`: UUID -> index) while slices exist."""
         self.uncovered = set()
         if self.daemon is None or not any(self.live.values()):
             self.daemon_error = None
@@ -227,14 +226,16 @@ class MpsPluginAgent:
             # contexts of the pods using slices, so it changes once they are gone; until then the
             # slices of a GPU it does not run for are listed Unhealthy (no pod gets one)
             self.uncovered = set(gpus) - set(self._daemon_gpus)
-            if self.uncovered and any(self.live.get(g) for g, u in self._uuids.items() if u in self.uncovered):
+            if any(self.live.get(gpus[u]) for u in self.uncovered):
                 errors.append(f"the MPS daemon runs for {', '.join(self._daemon_gpus)} and is not restarted while "
                               f"pods use MPS slices: the slices of {', '.join(sorted(self.uncovered))} are listed "
                               "Unhealthy until it can be")
-            gpus = self._daemon_gpus
+            running = self._daemon_gpus
+        else:
+            running = list(gpus)
         try:
-            await self.daemon.ensure(gpus, self.pipe_dir, self.log_dir)
-            self._daemon_gpus = list(gpus)
+            await self.daemon.ensure(running, self.pipe_dir, self.log_dir)
+            self._daemon_gpus = running
         except MpsDaemonError as e:
             self.daemon_error = str(e)
             return [f"MPS control daemon: {e}; the MPS slices are listed Unhealthy (not allocatable) until it runs"]
