@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="seconds between passes when nothing changes (default 10)")
     run.add_argument("--pod-resources-socket", metavar="PATH",
                      help="kubelet PodResources socket (with --fake-gpus and no socket there: no pod holds a device)")
-    run.add_argument("--capacity-gb", type=int, help="MPS capacity of one GPU in GB (default: the model's memory)")
+    run.add_argument("--capacity-gb", type=int, help="MPS capacity of one GPU in GB (default: the memory NVML reports, in GiB; "
+                     "it can only lower it)")
     run.add_argument("--device-plugin", choices=["builtin", "nvidia"],
                      help="builtin: the agent advertises the slices itself (default); nvidia: NVIDIA's device plugin "
                           "on MIG nodes (MPS nodes are always served by the agent's own)")

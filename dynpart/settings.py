@@ -107,8 +107,8 @@ class PlannerSettings(CommonSettings):
 
 
 def default_planner_settings() -> PlannerSettings:
-    """The planner's defaults, without reading the environment or a file: what a simulation
-    plans with unless told otherwise (`dynpart simulate --planner-config`)."""
+    """The planner's defaults and the `DYNPART_PLANNER_*` environment, without a file: what a
+    simulation plans with unless told otherwise (`dynpart simulate --planner-config`)."""
     return PlannerSettings.model_validate({})
 
 

@@ -117,9 +117,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mps-delay", type=float, default=d.mps_switch_delay_s,
                    help=f"seconds per MPS configuration change of a GPU (default {d.mps_switch_delay_s:g})")
     p.add_argument("--planner-config", metavar="YAML",
-                   help="the planner's settings file (the `--config` of `dynpart planner run`, with its "
-                        "DYNPART_PLANNER_* environment): the replay runs the controller's loop with them (batch "
-                        "window, resync, exact-search budget, workload); default: the planner's defaults")
+                   help="the planner's settings file (the `--config` of `dynpart planner run`): the replay runs "
+                        "the controller's loop with them (batch window, resync, exact-search budget, workload); "
+                        "default: the planner's defaults; DYNPART_PLANNER_* variables apply either way")
     p.add_argument("--time-limit", type=float,
                    help=f"override the planner's exact-search budget per plan, deterministic seconds (default "
                         f"{d.planner.plan_time_limit_s:g})")
