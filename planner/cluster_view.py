@@ -470,8 +470,9 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             switch = None if switching_too else mode_switch(node)
             if switch is not None:
                 problems.append((node, _switch_message(name, *switch)))
-                if _spec_holds_mode(node, switch[0]):
-                    switching[name] = switch[1]
+                target = switch_target(node)
+                if target is not None:
+                    switching[name] = target
                 continue
             view = node_view(node, by_node.get(name, []), catalog)
         except DynpartError as e:
@@ -515,6 +516,13 @@ def _switch_message(name: str, reported: str, labelled: str) -> str:
     return (f"node {name}: its agent runs it in {reported.upper()} mode but its label "
             f"{PARTITIONING_LABEL}={labelled} asks for {labelled.upper()}: left out of planning until its agent "
             f"reports {labelled.upper()} mode (GPUs still in the old mode cannot take the new mode's slices)")
+
+
+def switch_target(node: dict[str, Any]) -> str | None:
+    """The labelled mode a switching spec must move the node's agent to (`mode_switch`, and its
+    acknowledged spec keeps it in the old mode), or None: no spec to write."""
+    switch = mode_switch(node)
+    return switch[1] if switch is not None and _spec_holds_mode(node, switch[0]) else None
 
 
 def _spec_holds_mode(node: dict[str, Any], reported: str) -> bool:

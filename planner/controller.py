@@ -44,13 +44,13 @@ from dynpart.planner.cluster_view import (
     build_snapshot,
     can_revoke,
     is_batch_candidate,
-    mode_switch,
     planned_patches,
     pod_for_planning,
     pod_key,
     reported_slices,
     revoking_patch,
     slice_requests,
+    switch_target,
     switching_patch,
 )
 from dynpart.planner.loop import InFlight, PlanningLoop
@@ -238,7 +238,7 @@ class PlannerController:
     def _switches_wanted(self) -> bool:
         """A node relabelled to the other mode is sent its switching spec by a round (at the
         next resync), even when no pod waits: its agent then leaves the old mode while idle."""
-        return any(mode_switch(n) is not None and n.get("metadata", {}).get("name") not in self.loop.in_flight
+        return any(switch_target(n) is not None and n.get("metadata", {}).get("name") not in self.loop.in_flight
                    for n in self.nodes.cache.values())
 
     def _candidates(self) -> list[str]:

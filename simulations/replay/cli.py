@@ -393,16 +393,15 @@ def _failed_lines(parts: list[dict]) -> list[str]:
     and the trace's GPU models not applied."""
     out = []
     for part in parts:
+        where = f"{part['part'].upper()} part: " if len(parts) > 1 else ""
         f = part.get("failed_pods")
         if f:
-            where = f"{part['part'].upper()} part: " if len(parts) > 1 else ""
             what = " and ".join(x for x in (f"{f['gpu']} GPU pod(s)" if f["gpu"] else "",
                                              f"{f['cpu_only']} CPU-only pod(s)" if f["cpu_only"] else "") if x)
             out.append(f"{where}failed: {what} can never run on this cluster, left out of the pending times "
                        f"(e.g. {f['first']})")
         unapplied = part["policies"][0]["notes"].get("gpu_spec_not_applied") if part["policies"] else None
         if unapplied:
-            where = f"{part['part'].upper()} part: " if len(parts) > 1 else ""
             out.append(f"{where}note: the gpu_spec of {unapplied} GPU pod(s) is not applied (a replay cluster has "
                        "one GPU model)")
     return out
