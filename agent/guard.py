@@ -4,10 +4,11 @@ carved) stops existing: `SliceGuard`, shared by the MIG and MPS passes.
 1. Keep what bound pods need: pods the scheduler bound to this node that the kubelet has not
    admitted yet hold no device in PodResources, but will ask for one; for each resource the
    guard keeps that many free advertised devices (`keep`, from `NodePods`).
-2. Withdraw (built-in plugin only): the device leaves ListAndWatch and `release` returns once
-   the new lists are written to the kubelet's streams, then waits `settle_s` (an admission that
-   chose the device just before the kubelet read the new list still calls Allocate, which the
-   plugin serves and records).
+2. Withdraw (built-in plugin only): the device leaves ListAndWatch and `release` goes on once
+   the kubelet dropped it (PodResources), then waits `settle_s` (an admission that chose the
+   device just before the kubelet read the new list still calls Allocate, which the plugin
+   serves and records). A device the kubelet still lists when the plugin's wait runs out is
+   kept (readmitted): the kubelet may still give it to a pod; the next pass tries again.
 3. Re-check: a fresh PodResources list and the plugin's record of Allocate calls; a device found
    in use is advertised again (readmitted) and kept. The bound pods are read again too: until the
    lower allocatable reached the scheduler, it could bind more pods for these devices (1 was read
@@ -28,6 +29,9 @@ from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.nodepods import Need, NodePods, to_keep, waiting_for
 from dynpart.agent.podresources import PodResources
 
+UNCONFIRMED = ("was withdrawn, but the kubelet still listed it when the wait ran out (it could still give it to a "
+               "pod); kept, tried again at the next pass")
+
 
 @dataclass
 class Released:
@@ -35,10 +39,12 @@ class Released:
     in_use: dict[str, list[str]] = field(default_factory=dict)  # device id -> who took it (readmitted)
     # device id -> why: pods bound while it was being withdrawn need it (readmitted)
     needed: dict[str, str] = field(default_factory=dict)
+    # withdrawn, but the kubelet still listed them when the wait ran out (readmitted; next pass)
+    unconfirmed: list[str] = field(default_factory=list)
 
     @property
     def kept(self) -> set[str]:
-        return set(self.in_use) | set(self.needed)
+        return set(self.in_use) | set(self.needed) | set(self.unconfirmed)
 
 
 class SliceGuard:
@@ -87,7 +93,7 @@ class SliceGuard:
         if self.plugins is None:
             return Released(destroyable=ids)
         since = time.monotonic()
-        await self.plugins.withdraw(*ids)
+        unconfirmed = await self.plugins.withdraw(*ids)
         if self.on_withdrawn is not None:
             await self.on_withdrawn()
         if self.settle_s > 0:
@@ -96,9 +102,11 @@ class SliceGuard:
         holders: dict[str, list[str]] = {}
         for a in assigned:
             holders.setdefault(a.device_id, []).append(f"pod {a.pod}")
-        out = Released()
+        out = Released(unconfirmed=[i for i in ids if i in unconfirmed])
         unused: dict[str, str] = {}
         for i in ids:
+            if i in unconfirmed:
+                continue
             users = list(dict.fromkeys(holders.get(i, [])))
             last = self.plugins.last_allocated(i)
             if last is not None and last >= since - self.settle_s:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from dynpart.agent import metrics
 from dynpart.agent.driver.interface import IN_USE, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
-from dynpart.agent.guard import SliceGuard
+from dynpart.agent.guard import UNCONFIRMED, SliceGuard
 from dynpart.agent.podresources import PodResources, pods_by_device
 from dynpart.agent.reconcile import Destroy, Instance, MigGpuState, drained_mig, reconcile_mig
 from dynpart.catalog import GpuModel
@@ -260,6 +260,7 @@ class MigAgent:
             metrics.IN_USE_KEPT.inc()
         for device, why in released.needed.items():
             errors.append(f"{labels[device]} {why}; the plan's change of that GPU waits until they are admitted")
+        errors += [f"{labels[device]} {UNCONFIRMED}" for device in released.unconfirmed]
         return set(released.destroyable), errors
 
     async def _restore(self, device_id: str | None) -> None:

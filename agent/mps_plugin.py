@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 from dynpart.agent.deviceplugin.devices import mps_device_id
 from dynpart.agent.driver.interface import DeviceInfo, GpuDriver
-from dynpart.agent.guard import Released, SliceGuard
+from dynpart.agent.guard import UNCONFIRMED, Released, SliceGuard
 from dynpart.agent.mig_agent import PassResult
 from dynpart.agent.mps_daemon import MpsDaemon, MpsDaemonError
 from dynpart.agent.podresources import PodResources
@@ -194,6 +194,7 @@ class MpsPluginAgent:
                 errors.append(f"{label(i)} was taken ({', '.join(users)}) just before it was to be removed; kept")
             for i, why in released.needed.items():
                 errors.append(f"{label(i)} {why}; the plan's change of that GPU waits until they are admitted")
+            errors += [f"{label(i)} {UNCONFIRMED}" for i in released.unconfirmed]
             # everything not released stays: recompute around it
             dropped = set(released.destroyable)
             whole_kept.update(gpu_of[i] for i in released.kept if i in gpu_of)

@@ -226,6 +226,9 @@ def _join_errors(errors: list[str] | tuple[str, ...]) -> str:
     for i, line in enumerate(lines):
         candidate = line if not text else text + "\n" + line
         if len(candidate) > MAX_ERROR_CHARS:
+            if not text:  # the first problem alone is too long: cut it, never drop it
+                more = f" ... ({len(lines) - 1} more)" if len(lines) > 1 else " ..."
+                return line[: MAX_ERROR_CHARS - len(more)] + more
             return text + f"\n... ({len(lines) - i} more)"
         text = candidate
     return text
@@ -275,6 +278,8 @@ class DecodedStatus:
     problems: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     heartbeat: datetime | None = None
+    # a slice or mode key could not be read: `layout` may lack a slice that is in use
+    layout_incomplete: bool = False
 
     def __iter__(self) -> Iterator[NodeLayout | str | list[str] | None]:
         return iter((self.layout, self.plan_id, self.problems))
@@ -528,7 +533,9 @@ def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, nod
     problems: list[str] = []
     ours = _ours(annotations)
     plan_id = _decode_plan(ours, STATUS_PLAN, problems)
-    layout = _decode_slices(ours, model, STATUS_PREFIX, STATUS_MODE, node, capacity, True, problems)
+    slice_problems: list[str] = []
+    layout = _decode_slices(ours, model, STATUS_PREFIX, STATUS_MODE, node, capacity, True, slice_problems)
+    problems.extend(slice_problems)
     errors: list[str] = []
     raw_errors = ours.get(STATUS_ERROR)
     if raw_errors is not None:
@@ -545,7 +552,7 @@ def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, nod
             heartbeat = datetime.strptime(raw_beat, _HEARTBEAT_FORMAT).replace(tzinfo=UTC)
         except ValueError:
             problems.append(_bad(STATUS_HEARTBEAT, raw_beat, "a heartbeat is a UTC time like 2025-01-31T12:00:00Z"))
-    return DecodedStatus(layout, plan_id, problems, errors, heartbeat)
+    return DecodedStatus(layout, plan_id, problems, errors, heartbeat, bool(slice_problems))
 
 
 __all__ = [

@@ -147,7 +147,9 @@ def pending_pod(pod: dict[str, Any]) -> PendingPod:
     if not isinstance(selector, dict):
         raise DynpartError(f"pod {name}: spec.nodeSelector = {selector!r}: not a mapping")
     selector = dict(selector)
-    models = [selector.pop(GPU_PRODUCT_LABEL)] if GPU_PRODUCT_LABEL in selector else []
+    # the scheduler matches the label exactly (a catalog family spans several products); the
+    # model it names also tells the workload objective which GPUs the pod can use
+    models = [selector[GPU_PRODUCT_LABEL]] if GPU_PRODUCT_LABEL in selector else []
     try:
         return PendingPod(
             name=name, resource=resource, count=count,
@@ -255,7 +257,12 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     if model is None:
         return NodeView(None, None, problems)
     status = decode_status(annotations, model, node=name)
-    problems.extend(status.problems)
+    problems.extend(f"node {name}: {p}" for p in status.problems)
+    if status.layout_incomplete:
+        # a slice the planner cannot read may be in use: planning around it could plan over it
+        return NodeView(None, status.plan_id, [*problems, f"node {name}: left out of planning until every "
+                                               f"{STATUS_PREFIX}* annotation of its agent reads: a slice the planner "
+                                               "cannot read may be in use"])
     reported = {g.index: g for g in status.layout.gpus} if status.layout is not None else {}
     count = described.count if described.count is not None else _labelled_count(name, labels, problems)
     count = max([count, *(i + 1 for i in reported)])

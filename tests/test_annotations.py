@@ -505,3 +505,13 @@ def test_malformed_drain_is_reported(value):
             "dynpart.io/spec-drain": value}
     decoded = decode_spec(spec, H100)
     assert decoded.drain == () and any("dynpart.io/spec-drain" in p for p in decoded.problems)
+
+
+def test_a_status_error_too_long_for_the_annotation_is_cut_not_dropped():
+    from dynpart.annotations import MAX_ERROR_CHARS, STATUS_ERROR
+
+    layout = NodeLayout(node="n1", mode="mig", gpus=[])
+    first = "GPU 0: " + "x" * (MAX_ERROR_CHARS + 100)
+    text = encode_status(layout, None, [first, "GPU 1: short"])[STATUS_ERROR]
+    assert len(text) <= MAX_ERROR_CHARS and text.startswith("GPU 0: xxx") and text.endswith("(1 more)")
+    assert encode_status(layout, None, ["GPU 1: short", first])[STATUS_ERROR] == "GPU 1: short\n... (1 more)"

@@ -360,13 +360,16 @@ class DevicePluginManager:
             self._wanted = wanted
             await self._apply()
 
-    async def withdraw(self, *device_ids: str) -> None:
+    async def withdraw(self, *device_ids: str) -> set[str]:
         """Stop advertising these devices; returns once the kubelet dropped them (its PodResources
         no longer lists them; without `held`: once the new lists are written to its streams), or
-        after `confirm_timeout_s`."""
+        after `confirm_timeout_s`. Returns those the kubelet still held then: it may still give
+        them to a pod, so they must not be sealed nor destroyed."""
         async with self._lock:
             self.withdrawn |= set(device_ids)
             await self._apply()
+            still = {i for ids in self.leaving.values() for i in ids}
+            return {i for i in device_ids if i in still}
 
     async def readmit(self, *device_ids: str) -> None:
         """Advertise withdrawn devices again (they were not destroyed after all)."""

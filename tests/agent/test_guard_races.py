@@ -49,9 +49,9 @@ def record_withdrawals(plugins: DevicePluginManager) -> list[tuple[str, ...]]:
     withdraw = plugins.withdraw
     seen: list[tuple[str, ...]] = []
 
-    async def recording(*ids: str) -> None:
+    async def recording(*ids: str) -> set[str]:
         seen.append(ids)
-        await withdraw(*ids)
+        return await withdraw(*ids)
 
     plugins.withdraw = recording  # type: ignore[method-assign]
     return seen
@@ -63,11 +63,11 @@ def bind_during_withdrawal(rig: PluginRig, pod: str, requests: dict[str, int]) -
     withdraw = rig.plugins.withdraw
     seen: list[tuple[str, ...]] = []
 
-    async def binding(*ids: str) -> None:
+    async def binding(*ids: str) -> set[str]:
         seen.append(ids)
         if len(seen) == 1:
             rig.node_pods.bind(pod, requests)
-        await withdraw(*ids)
+        return await withdraw(*ids)
 
     rig.plugins.withdraw = binding  # type: ignore[method-assign]
     return seen
@@ -149,9 +149,10 @@ async def test_a_whole_gpu_taken_during_its_withdrawal_is_not_sliced():
     assert rig.plugins is not None
     withdraw = rig.plugins.withdraw
 
-    async def taken(*ids: str) -> None:
-        await withdraw(*ids)
+    async def taken(*ids: str) -> set[str]:
+        unconfirmed = await withdraw(*ids)
         rig.pods.assign("ns/whole", WHOLE, uuid)  # admitted with the device the kubelet chose before
+        return unconfirmed
 
     rig.plugins.withdraw = taken  # type: ignore[method-assign]
     rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
@@ -365,3 +366,23 @@ async def test_a_gpu_joining_under_running_mps_pods_is_listed_unhealthy_until_th
     await rig.settle(agent, "m2")
     assert rig.daemon.gpus == ("GPU-fake-0000", "GPU-fake-0001")
     assert all(d.healthy for d in rig.plugins.advertised()["nvidia.com/gpu-40gb"])
+
+
+async def test_a_slice_the_kubelet_still_lists_after_the_wait_is_kept(mig: PluginRig):
+    """A loaded kubelet reads the shorter list later than the plugin waits for it: until it did,
+    it can still give the device to a pod, so the device is neither sealed nor destroyed."""
+    agent = mig.agent()
+    mig.plugins.confirm_timeout_s = 0.3
+    mig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1"]}, plan="p1"))
+    await mig.settle(agent, "p1")
+    both = {mig.uuid_at(0, 0), mig.uuid_at(0, 1)}
+    mig.kubelet.receive_delay_s[MIG_1G] = 1.5  # it processes this plugin's next list late
+    mig.node_api.set_annotations({**mig_spec({0: ["1g.10gb@0"]}, plan="p2"), "dynpart.io/spec-gpu-0-1g.10gb": None})
+    report = await agent.reconcile_once()
+    assert any("the kubelet still listed it when the wait ran out" in e for e in report.errors), report.errors
+    assert report.plan_id == "p1"
+    assert len(mig.driver.layout(0)) == 2 and not mig.plugins.sealed
+    # what it still held is still served: the pod it gives it to is admitted
+    await mig.kubelet.admit("ns/a", MIG_1G)
+    await mig.kubelet.admit("ns/b", MIG_1G)
+    assert mig.kubelet.admission_errors == [] and set(mig.kubelet.held()[MIG_1G]) == both

@@ -53,7 +53,8 @@ def test_pending_pod_fields():
     p = pending_pod(pod("a", {"nvidia.com/mig-2g.20gb": "2", "cpu": "1500m", "memory": "2Gi"},
                         nodeSelector={"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "pool": "x"}, priority=5))
     assert (p.name, p.resource, p.count, p.cpu_milli, p.memory_mib, p.priority) == ("ml/a", "nvidia.com/mig-2g.20gb", 2, 1500, 2048, 5)
-    assert p.node_selector == {"pool": "x"} and p.gpu_models == ["NVIDIA-A100-SXM4-80GB"]
+    assert p.node_selector == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB", "pool": "x"}
+    assert p.gpu_models == ["NVIDIA-A100-SXM4-80GB"]
     with pytest.raises(DynpartError, match="asks for 2 GPU slice resources"):
         pending_pod(pod("b", {"nvidia.com/mig-1g.10gb": "1", "nvidia.com/gpu-10gb": "1"}))
 
@@ -248,3 +249,43 @@ def test_free_slices_beyond_the_allocatable_count_are_not_planned_for_pods():
     view = build_snapshot([n1], [pod("a", {"nvidia.com/mig-1g.10gb": "1"})], CAT)
     assert all(m.used for m in view.snapshot.nodes[0].gpus[0].mig if m.profile == "1g.10gb")
     assert any("2 nvidia.com/mig-1g.10gb slice(s) reported, 0 allocatable" in m for _, m in view.problems)
+
+
+def test_a_product_selector_matches_the_label_exactly_not_the_catalog_family():
+    """The kube-scheduler binds only where the label equals the selector's value: a node of
+    another product of the same catalog family (A100-40GB: SXM4 and PCIe) is no candidate."""
+    from dynpart.planner.core import plan
+
+    nodes = [node("a-pcie", product="NVIDIA-A100-PCIE-40GB", count=1),
+             node("b-sxm", product="NVIDIA-A100-SXM4-40GB", count=1)]
+    wants = pod("sxm-only", {"nvidia.com/mig-3g.20gb": "1"}, nodeSelector={"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB"})
+    view = build_snapshot(nodes, [wants], CAT)
+    result = plan(view.snapshot, view.catalog)
+    assert [(x.pod, x.node) for x in result.placements] == [("ml/sxm-only", "b-sxm")]
+    view = build_snapshot(nodes[:1], [wants], CAT)
+    result = plan(view.snapshot, view.catalog)
+    assert not result.placements and "nodeSelector nvidia.com/gpu.product" in result.unplaced[0].reason
+
+
+@pytest.mark.parametrize("status, why", [
+    ({"dynpart.io/status-gpu-0-7g.80gb-used": "1@0;pod=ml/x"}, "is not a non-negative integer"),  # a newer agent's format
+    ({"dynpart.io/status-gpu-0-1g.20gb-used": "1@0"}, "has no MIG profile '1g.20gb'"),  # a narrowed catalog
+    ({"dynpart.io/status-gpu-0-7g.80gb-busy": "1@0"}, "neither 'free' nor 'used'"),
+])
+def test_a_node_whose_status_slices_cannot_all_be_read_is_not_planned(status, why):
+    """A slice the planner cannot read may be in use: planning the node around it would plan
+    over it. The node is left out, the problem names it; the other nodes are planned."""
+    from dynpart.planner.core import plan
+
+    product = "NVIDIA-A100-SXM4-40GB" if "1g.20gb" in str(status) else "NVIDIA-H100-80GB-HBM3"
+    bad = node("n1", product=product, count=1,
+               annotations={"dynpart.io/status-plan": "p1", "dynpart.io/status-mode": "mig", **status})
+    good = node("n2", count=1)
+    wants = pod("w", {"nvidia.com/mig-1g.10gb": "1"})
+    view = build_snapshot([bad, good], [wants], CAT)
+    assert [n.name for n in view.snapshot.nodes] == ["n2"]
+    messages = [m for obj, m in view.problems if obj is bad]
+    assert any(m.startswith("node n1: annotation") and why in m for m in messages), messages
+    assert any("node n1: left out of planning" in m for m in messages), messages
+    assert view.acks["n1"] == "p1"
+    assert [(x.pod, x.node) for x in plan(view.snapshot, view.catalog).placements] == [("ml/w", "n2")]
