@@ -34,6 +34,9 @@ class BoundPod:
     key: str  # namespace/name
     requests: dict[str, int]  # GPU resource name -> devices the pod needs at admission
     phase: str = "Pending"
+    # resources a plain init container asks more of than the other containers: PodResources
+    # lists no plain init container's devices, so what it uses cannot be seen while it runs
+    init_only: frozenset[str] = frozenset()
 
 
 class NodePods(Protocol):
@@ -81,10 +84,25 @@ def requests_of(pod: Mapping[str, Any]) -> dict[str, int]:
     return {r: n for r, n in out.items() if n > 0}
 
 
+def init_only(pod: Mapping[str, Any]) -> frozenset[str]:
+    """The resources of `requests_of` that a plain init container asks more of than the pod's
+    other containers together (the kubelet's PodResources List never shows its devices)."""
+    spec = pod.get("spec") or {}
+    plain = [c for c in spec.get("initContainers") or [] if c.get("restartPolicy") != "Always"]
+    if not plain:
+        return frozenset()
+    shown = {**pod, "spec": {**spec, "initContainers": [c for c in spec.get("initContainers") or [] if c not in plain]}}
+    seen, wanted = requests_of(shown), requests_of(pod)
+    return frozenset(r for r, n in wanted.items() if n > seen.get(r, 0))
+
+
 @dataclass(frozen=True)
 class Need:
     count: int
     pods: tuple[str, ...]
+    # a pod not yet running whose plain init container may hold a device no PodResources List
+    # shows: which one is unknown, so every device of the resource stays
+    unseen: tuple[str, ...] = ()
 
 
 def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -> dict[str, Need]:
@@ -93,15 +111,19 @@ def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -
     holding: set[tuple[str, str]] = {(a.pod, a.resource) for a in assigned}
     count: dict[str, int] = {}
     pods: dict[str, list[str]] = {}
+    unseen: dict[str, list[str]] = {}
     for p in bound:
         if p.phase in TERMINAL_PHASES:
             continue
         for resource, n in sorted(p.requests.items()):
+            if p.phase == "Pending" and resource in p.init_only:
+                unseen.setdefault(resource, []).append(p.key)
+                count.setdefault(resource, 0)
             if (p.key, resource) in holding:
                 continue
             count[resource] = count.get(resource, 0) + n
             pods.setdefault(resource, []).append(p.key)
-    return {r: Need(count[r], tuple(pods[r])) for r in sorted(count)}
+    return {r: Need(count[r], tuple(pods.get(r, ())), tuple(unseen.get(r, ()))) for r in sorted(count)}
 
 
 def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], needs: Mapping[str, Need]) -> dict[str, str]:
@@ -113,6 +135,11 @@ def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], ne
     for resource, need in needs.items():
         mine = [i for i, r in candidates.items() if r == resource]
         if not mine:
+            continue
+        if need.unseen:
+            for device in mine:
+                kept[device] = (f"kept while pod(s) {', '.join(need.unseen)} start: an init container may use a "
+                                f"{resource} device, and the kubelet does not list init containers' devices")
             continue
         others = len(set(free.get(resource, ())) - set(mine))
         n = max(0, min(len(mine), need.count - others))
@@ -130,8 +157,8 @@ class FakeNodePods:
         self.pods: dict[str, BoundPod] = {}
         self.calls = 0
 
-    def bind(self, key: str, requests: dict[str, int], phase: str = "Pending") -> None:
-        self.pods[key] = BoundPod(key, dict(requests), phase)
+    def bind(self, key: str, requests: dict[str, int], phase: str = "Pending", init_only: frozenset[str] = frozenset()) -> None:
+        self.pods[key] = BoundPod(key, dict(requests), phase, init_only)
 
     def remove(self, key: str) -> None:
         self.pods.pop(key, None)
@@ -163,8 +190,9 @@ class KubeNodePods:
             phase = (pod.get("status") or {}).get("phase") or "Pending"
             try:
                 requests = requests_of(pod)
+                hidden = init_only(pod)
             except ValueError:
                 continue  # the API server validates quantities; a pod it let through is not ours to judge
             if requests and phase not in TERMINAL_PHASES:
-                out.append(BoundPod(f"{meta.get('namespace')}/{meta.get('name')}", requests, phase))
+                out.append(BoundPod(f"{meta.get('namespace')}/{meta.get('name')}", requests, phase, hidden))
         return out

@@ -149,22 +149,22 @@ class ContainerAllocation:
     mounts: tuple[MountSpec, ...] = ()
 
 
-def _unique(items: Iterable[str]) -> list[str]:
-    return list(dict.fromkeys(items))
-
-
 def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_PIPE_DIRECTORY,
                          mps_pipe_container: str = MPS_PIPE_DIRECTORY) -> ContainerAllocation:
     """The env vars and mounts for a container given `devices` (all of one resource, as the kubelet
     asks per resource): NVIDIA_VISIBLE_DEVICES names the MIG or GPU UUIDs (the NVIDIA container
     runtime does the rest). MPS slices also get their memory limit per GPU
-    (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<GPU UUID>=<N>G`, slices on one GPU summed), a thread share
-    proportional to the memory share (the largest over the GPUs), and the MPS pipe directory."""
+    (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<N>G`, slices on one GPU summed), a thread share
+    proportional to the memory share (the largest over the GPUs), and the MPS pipe directory.
+    The limit names the GPUs by the CUDA ordinal the container sees, not by UUID (NVIDIA's plugin
+    moved to ordinals in v0.15.0 because limits set by UUID were not applied): the container's
+    GPUs are numbered in PCI bus order (`CUDA_DEVICE_ORDER=PCI_BUS_ID`), which is NVML's index
+    order, so the i-th of its GPUs by index is ordinal i."""
     if not devices:
         return ContainerAllocation(envs={})
     if any(d.kind == "mig" for d in devices):
         return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(d.id for d in devices)})
-    gpus = _unique(d.gpu_uuid for d in devices)
+    gpus = [u for _, u in sorted({(d.gpu_index, d.gpu_uuid) for d in devices})]
     envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpus)}
     if all(d.kind == "gpu" for d in devices):
         return ContainerAllocation(envs=envs)
@@ -175,7 +175,8 @@ def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_P
     for d in devices:
         total = per_gpu[d.gpu_uuid]
         share = max(share, min(100, max(1, round(100 * total / d.gpu_memory_gb))) if d.gpu_memory_gb else 100)
-    envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{u}={per_gpu[u]}G" for u in gpus)
+    envs["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{n}={per_gpu[u]}G" for n, u in enumerate(gpus))
     envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
     envs["CUDA_MPS_PIPE_DIRECTORY"] = mps_pipe_container
     return ContainerAllocation(envs=envs, mounts=(MountSpec(mps_pipe_host, mps_pipe_container),))

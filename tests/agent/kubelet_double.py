@@ -41,6 +41,7 @@ class Assignment:
     container: str
     resource: str
     ids: list[str]
+    plain_init: bool = False  # a plain init container's: the real List leaves it out
 
 
 @dataclass
@@ -246,13 +247,15 @@ class KubeletDouble:
             return await self.preferred(resource, free, [], n)
         return free[:n]
 
-    async def admit(self, pod: str, resource: str, n: int = 1, container: str = "main") -> Any:
+    async def admit(self, pod: str, resource: str, n: int = 1, container: str = "main", plain_init: bool = False) -> Any:
         """Admit a pod's container: choose, Allocate, record (the Allocate response is returned).
-        A refused Allocate is an admission error too."""
+        A refused Allocate is an admission error too. `plain_init`: a plain init container's
+        (not restartable), whose devices PodResources List never shows."""
         ids = await self.choose(resource, n)
-        return await self.complete_admission(pod, resource, ids, container)
+        return await self.complete_admission(pod, resource, ids, container, plain_init)
 
-    async def complete_admission(self, pod: str, resource: str, ids: list[str], container: str = "main") -> Any:
+    async def complete_admission(self, pod: str, resource: str, ids: list[str], container: str = "main",
+                                 plain_init: bool = False) -> Any:
         """The second half of `admit` (a test can do something between the pick and Allocate)."""
         try:
             response = await self.allocate(resource, ids)
@@ -260,7 +263,7 @@ class KubeletDouble:
             message = f"UnexpectedAdmissionError: Allocate {resource} {ids}: {e.code().name}: {e.details()}"
             self.admission_errors.append(message)
             raise AdmissionError(message) from None
-        self.assignments.append(Assignment(pod, container, resource, list(ids)))
+        self.assignments.append(Assignment(pod, container, resource, list(ids), plain_init))
         return response
 
     def release(self, pod: str) -> None:
@@ -272,6 +275,8 @@ class KubeletDouble:
         async def list_pods(request: Any, context: Any) -> Any:
             by_pod: dict[str, dict[str, list[Assignment]]] = {}
             for a in self.assignments:
+                if a.plain_init:  # the kubelet lists only containers and restartable init containers
+                    continue
                 by_pod.setdefault(a.pod, {}).setdefault(a.container, []).append(a)
             pods = []
             for pod, containers in by_pod.items():

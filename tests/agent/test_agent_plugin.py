@@ -263,7 +263,7 @@ async def test_mps_slices_are_served_by_the_plugin(mps: PluginRig):
     assert mps.node_api.allocatable == {"nvidia.com/gpu-10gb": "2", "nvidia.com/gpu-20gb": "1", "nvidia.com/gpu-40gb": "2"}
     response = await mps.kubelet.admit("ns/a", "nvidia.com/gpu-10gb")
     envs = dict(response.container_responses[0].envs)
-    assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "GPU-fake-0000=10G" and envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-fake-0000"
+    assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=10G" and envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-fake-0000"
     held = mps.kubelet.assignments[0].ids[0]
     # re-planned while one 10 GB slice is used: it keeps its id, the rest of GPU 0 is re-cut
     mps.node_api.set_annotations({**mps_spec({0: [40, 20, 10]}, plan="m2")})

@@ -101,9 +101,12 @@ def test_whole_and_sliced_never_both_in_a_list():
 
 
 def test_container_allocation_mps_sums_per_gpu():
-    by = advertise([MPS_GPU, GpuView(index=4, uuid="GPU-4", memory_gb=40, mps=(10,))])
+    """The limit names each GPU by the ordinal the container sees (its GPUs in PCI bus order,
+    NVML's index order), whatever order the kubelet lists the devices in."""
+    by = advertise([MPS_GPU, GpuView(index=0, uuid="GPU-0", memory_gb=40, mps=(10,))])
     a = container_allocation(by["nvidia.com/gpu-10gb"], "/run/mps", "/mps")
-    assert a.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-1,GPU-4", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "GPU-1=20G,GPU-4=10G",
+    assert a.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-0,GPU-1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                      "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10G,1=20G",
                       "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PIPE_DIRECTORY": "/mps"}
     assert [(m.host_path, m.container_path) for m in a.mounts] == [("/run/mps", "/mps")]
 
@@ -156,7 +159,8 @@ async def test_allocate_mig_whole_and_mps(kubelet, plugins):
     whole = await kubelet.allocate("nvidia.com/gpu", ["GPU-2"])
     assert dict(whole.container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": "GPU-2"}
     mps = (await kubelet.allocate("nvidia.com/gpu-10gb", ["GPU-1::1"])).container_responses[0]
-    assert dict(mps.envs) == {"NVIDIA_VISIBLE_DEVICES": "GPU-1", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "GPU-1=10G",
+    assert dict(mps.envs) == {"NVIDIA_VISIBLE_DEVICES": "GPU-1", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10G",
+                              "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                               "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "12", "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps"}
     assert [(m.host_path, m.container_path) for m in mps.mounts] == [("/tmp/nvidia-mps", "/tmp/nvidia-mps")]
     pre = await kubelet.plugins["nvidia.com/gpu"].stub.PreStartContainer(protocol.messages()["PreStartContainerRequest"](

@@ -386,3 +386,22 @@ async def test_a_slice_the_kubelet_still_lists_after_the_wait_is_kept(mig: Plugi
     await mig.kubelet.admit("ns/a", MIG_1G)
     await mig.kubelet.admit("ns/b", MIG_1G)
     assert mig.kubelet.admission_errors == [] and set(mig.kubelet.held()[MIG_1G]) == both
+
+
+async def test_a_slice_a_starting_pods_init_container_holds_is_kept(mig: PluginRig):
+    """PodResources List leaves out plain init containers: the device one holds looks free. While
+    the pod starts, no device of that resource goes."""
+    agent = mig.agent()
+    mig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1"]}, plan="p1"))
+    await mig.settle(agent, "p1")
+    await mig.kubelet.admit("ns/init", MIG_1G, container="setup", plain_init=True)
+    held = mig.kubelet.assignments[0].ids[0]
+    mig.node_pods.bind("ns/init", {MIG_1G: 1}, init_only=frozenset({MIG_1G}))
+    mig.node_api.set_annotations({**mig_spec({0: ["2g.20gb@2"]}, plan="p2"), "dynpart.io/spec-gpu-0-1g.10gb": None})
+    report = await agent.reconcile_once()
+    assert any("an init container may use" in e for e in report.errors), report.errors
+    assert held in {mig.uuid_at(0, start) for _, start in mig.driver.layout(0) if start in (0, 1)}
+    # started: its containers run, the init container is done; the plan goes ahead
+    mig.kubelet.release("ns/init")
+    mig.node_pods.remove("ns/init")
+    await mig.settle(agent, "p2")

@@ -11,7 +11,7 @@ import pytest
 
 from dynpart.agent.mps_daemon import MpsDaemonError, ProcessMpsDaemon
 from dynpart.agent.mps_plugin import assign_slices
-from dynpart.agent.nodepods import BoundPod, FakeNodePods, Need, requests_of, to_keep, waiting_for
+from dynpart.agent.nodepods import BoundPod, FakeNodePods, Need, init_only, requests_of, to_keep, waiting_for
 from dynpart.agent.podresources import AssignedDevice
 
 MIG = "nvidia.com/mig-1g.10gb"
@@ -56,6 +56,23 @@ def test_to_keep_keeps_only_what_is_short():
     assert to_keep({"MIG-1": MIG}, free, needs) == {}  # two others stay free
     assert list(to_keep({"MIG-1": MIG, "MIG-2": MIG, "MIG-3": MIG}, free, needs)) == ["MIG-2", "MIG-3"]
     assert to_keep({"MIG-1": MIG}, free, {"nvidia.com/gpu": Need(1, ("ns/x",))}) == {}
+
+
+def test_a_device_a_starting_pods_init_container_may_hold_is_never_given_up():
+    """The kubelet's PodResources List shows no plain init container's devices: while a pod whose
+    init container asks for more of R than its containers starts, any free-looking R device may
+    be the one it uses, so none goes."""
+    starting = pod([c({"cpu": "1"})], init=[c({MIG: "1"})])
+    assert init_only(starting) == {MIG}
+    assert init_only(pod([c({MIG: "2"})], init=[c({MIG: "1"})])) == frozenset()  # its containers reuse them
+    assert init_only(pod([c({MIG: "1"})], init=[c({MIG: "1"}, restart="Always")])) == frozenset()  # a sidecar is listed
+    admitted = [AssignedDevice("ns/other", "main", MIG, "MIG-9")]
+    bound = [BoundPod("ns/p", {MIG: 1}, "Pending", init_only(starting))]
+    needs = waiting_for(bound, [*admitted, AssignedDevice("ns/p", "main", "nvidia.com/gpu-10gb", "GPU-1::0")])
+    kept = to_keep({"MIG-1": MIG, "MIG-2": MIG}, {MIG: ["MIG-1", "MIG-2", "MIG-3"]}, needs)
+    assert list(kept) == ["MIG-1", "MIG-2"] and "init container" in kept["MIG-1"] and "ns/p" in kept["MIG-1"]
+    # once it runs, its init containers are done: only what is short stays
+    assert waiting_for([BoundPod("ns/p", {MIG: 1}, "Running", init_only(starting))], admitted) == {MIG: Need(1, ("ns/p",))}
 
 
 async def test_fake_node_pods():

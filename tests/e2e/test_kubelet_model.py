@@ -104,7 +104,8 @@ async def test_admission_through_the_agents_plugin(kubelet: KubeletModel, driver
         # MPS: the slice's memory limit in the Allocate response
         assert await kubelet.admit_pod(pod("m", "nvidia.com/gpu-20gb"))
         mps = kubelet.allocations[-1]
-        assert mps.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "GPU-fake-0001=20G", mps.envs
+        assert mps.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20G", mps.envs
+        assert mps.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-fake-0001", mps.envs
         assert mps.device_ids == ["GPU-fake-0001::1"]
 
         # the agent's real PodResources client

@@ -115,8 +115,9 @@ def check_run(h: Harness) -> dict[str, int]:
             if isinstance(kind, MpsResource):
                 mps += 1
                 gpu = a.device_ids[0].split("::", 1)[0]
-                limit = f"{gpu}={kind.size * len(a.device_ids)}G"
+                limit = f"0={kind.size * len(a.device_ids)}G"  # one GPU: the container's ordinal 0
                 assert a.envs.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT") == limit, (a.pod, a.envs)
+                assert a.envs.get("NVIDIA_VISIBLE_DEVICES") == gpu, (a.pod, a.envs)
                 assert a.envs.get("CUDA_MPS_PIPE_DIRECTORY") and a.mounts, (a.pod, a.envs, a.mounts)
     transient = sum(len(n.kubelet.used_withdrawn) for n in h.nodes.values() if n.kubelet)
     return {"listandwatch_messages_checked": messages, "mps_allocations_checked": mps,
