@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="seconds between passes when nothing changes (default 10)")
     run.add_argument("--pod-resources-socket", metavar="PATH",
                      help="kubelet PodResources socket (with --fake-gpus and no socket there: no pod holds a device)")
-    run.add_argument("--capacity-gb", type=int, help="MPS capacity of one GPU in GB (default: the memory NVML reports, in GiB; "
+    run.add_argument("--capacity-gb", dest="mps_capacity_gb", type=int, metavar="GB",
+                     help="MPS capacity of one GPU in GB (default: the memory NVML reports, in GiB; "
                      "it can only lower it)")
     run.add_argument("--device-plugin", choices=["builtin", "nvidia"],
                      help="builtin: the agent advertises the slices itself (default); nvidia: NVIDIA's device plugin "
@@ -155,7 +156,7 @@ def _print_probe(report: ProbeReport, reads: list[str] | None, as_json: bool) ->
 
 
 _SETTINGS = ("kubeconfig", "node_name", "report_interval_s", "pod_resources_socket", "fake_gpus", "metrics_port",
-             "log_level", "log_json", "device_plugin", "device_plugin_dir")
+             "log_level", "log_json", "device_plugin", "device_plugin_dir", "mps_capacity_gb")
 
 
 def run_agent(args: argparse.Namespace) -> int:
@@ -223,7 +224,7 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     from dynpart.agent.nodepods import KubeNodePods
     from dynpart.agent.podresources import FakePodResources
 
-    capacity = args.capacity_gb or settings.mps_capacity_gb
+    capacity = settings.mps_capacity_gb
     plugins = DevicePluginManager(settings.device_plugin_dir, mps=MpsSettings(pipe_dir_host=settings.mps_pipe_dir),
                                   held=pods.allocatable)
     daemon = ProcessMpsDaemon()

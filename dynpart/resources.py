@@ -59,6 +59,9 @@ def parse_resource(name: str) -> SliceResource:
         size = int(m.group(1))
         if size <= 0:
             raise ResourceNameError(f"resource {name!r}: an MPS slice must be at least 1 unit")
+        if m.group(1) != str(size):  # the agent advertises the canonical name only: it would never bind
+            raise ResourceNameError(f"resource {name!r}: write the size without leading zeros, "
+                                    f"{mps_resource_name(size)} (the name the agent advertises)")
         return MpsResource(size=size)
     raise ResourceNameError(
         f"resource {name!r} is not a GPU slice resource; expected nvidia.com/mig-<profile> "

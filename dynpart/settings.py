@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     YamlConfigSettingsSource,
 )
 
@@ -35,7 +36,7 @@ class KubeSettings(BaseModel):
     """How a component talks to the API server: the one place for the knobs of dynpart.kube
     (back-off of watches and retried calls, Event de-duplication)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     backoff_initial_s: float = Field(default=0.2, gt=0, description="first wait before listing again after a "
                                      "watch ends or a call fails")
@@ -72,7 +73,8 @@ class CommonSettings(BaseSettings):
 
 
 class PlannerSettings(CommonSettings):
-    model_config = SettingsConfigDict(env_prefix="DYNPART_PLANNER_", env_nested_delimiter=NESTED, extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="DYNPART_PLANNER_", env_nested_delimiter=NESTED, extra="forbid",
+                                      allow_inf_nan=False)
 
     batch_idle_s: float = Field(default=0.5, gt=0, description="close a batch after this long without a new pod")
     batch_timeout_s: float = Field(default=3.0, gt=0, description="close a batch at the latest this long after its first pod")
@@ -105,15 +107,32 @@ class PlannerSettings(CommonSettings):
     lease_retry_s: float = Field(default=1.0, gt=0, description="how often a standby tries")
     identity: str = Field(default_factory=socket.gethostname, description="this replica's name in the Lease")
 
+    @model_validator(mode="after")
+    def _consistent(self) -> PlannerSettings:
+        # the leader writes only while its last renewal is younger than 2/3 of the lease
+        # (dynpart.kube.leases): renewing less often than half the lease leaves it unable to write
+        if self.lease_renew_s * 2 > self.lease_duration_s:
+            raise ValueError(f"lease_renew_s = {self.lease_renew_s:g} must be at most half of lease_duration_s = "
+                             f"{self.lease_duration_s} (the leader stops writing 2/3 of the lease after a renewal)")
+        if self.lease_retry_s >= self.lease_duration_s:
+            raise ValueError(f"lease_retry_s = {self.lease_retry_s:g} must be shorter than lease_duration_s = "
+                             f"{self.lease_duration_s}")
+        if self.batch_idle_s > self.batch_timeout_s:
+            raise ValueError(f"batch_idle_s = {self.batch_idle_s:g} must be at most batch_timeout_s = "
+                             f"{self.batch_timeout_s:g} (a batch closes at the latest after batch_timeout_s)")
+        return self
+
 
 def default_planner_settings() -> PlannerSettings:
     """The planner's defaults and the `DYNPART_PLANNER_*` environment, without a file: what a
-    simulation plans with unless told otherwise (`dynpart simulate --planner-config`)."""
-    return PlannerSettings.model_validate({})
+    simulation plans with unless told otherwise (`dynpart simulate --planner-config`). A bad
+    variable is a DynpartError naming it."""
+    return load_settings(PlannerSettings)
 
 
 class AgentSettings(CommonSettings):
-    model_config = SettingsConfigDict(env_prefix="DYNPART_AGENT_", env_nested_delimiter=NESTED, extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="DYNPART_AGENT_", env_nested_delimiter=NESTED, extra="forbid",
+                                      allow_inf_nan=False)
 
     node_name: str = Field(default="", description="the node this agent manages (downward API: spec.nodeName)")
     report_interval_s: float = Field(default=10.0, gt=0, description="status heartbeat period")
@@ -200,16 +219,32 @@ def load_settings(cls: type[S], file: str | Path | None = None, flags: Mapping[s
     try:
         with _reading(file):
             return cls(**given)
+    except SettingsError as e:  # a variable the sources cannot parse (e.g. a list that is not JSON)
+        hint = (" (in an environment variable a list or mapping setting is JSON, e.g. '[\"extra.yaml\"]')"
+                if "EnvSettingsSource" in str(e) else "")
+        raise DynpartError(f"settings: {e}{hint}") from None
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(x) for x in err["loc"]]
         field = ".".join(loc)
         var = f"{cls.model_config.get('env_prefix', '')}{NESTED.join(loc).upper()}"
-        env = f" (environment variable {var})" if field else ""
+        top = f"{cls.model_config.get('env_prefix', '')}{loc[0].upper()}" if loc else ""
+        # where the value came from, in the sources' order of precedence
+        environ = {k.upper() for k in os.environ}
+        if loc and loc[0] in given:
+            env = " (command-line flag)"
+        elif var in environ or top in environ:
+            env = f" (environment variable {var if var in environ else top})"
+        elif file is not None:
+            env = f" (config file {file})"
+        else:
+            env = ""
         given = err.get("input")
         if (field and isinstance(given, str) and given.startswith(("tcp://", "udp://", "sctp://"))
                 and any(k.upper() == var and v == given for k, v in os.environ.items())):
             # the kubelet's service links: <SERVICE>_PORT=tcp://<ip>:<port> for every Service
             env += (" (this looks like a Kubernetes service link: a Service whose name makes this variable "
                     "exists in the pod's namespace; set enableServiceLinks: false on the pod)")
+        if not field:  # a check across settings: its message names them
+            raise DynpartError(f"settings: {err['msg'].removeprefix('Value error, ')}") from None
         raise DynpartError(f"setting {field} = {given!r}: {err['msg']}{env}") from None

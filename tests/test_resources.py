@@ -71,3 +71,9 @@ def test_parse_is_total(text):
         parse_resource(text)
     except ResourceNameError:
         pass
+
+
+def test_an_mps_size_with_leading_zeros_is_refused_with_the_name_to_use():
+    """nvidia.com/gpu-0010gb would be planned as 10 GB but never bind: the agent advertises gpu-10gb."""
+    with pytest.raises(ResourceNameError, match=r"'nvidia.com/gpu-0010gb'.*nvidia.com/gpu-10gb"):
+        parse_resource("nvidia.com/gpu-0010gb")

@@ -85,7 +85,8 @@ class Job:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    d = ReplayOptions()
+    # for the flags' defaults only: the planner's settings (the environment) are read when it runs
+    d = ReplayOptions(planner=PlannerSettings.model_construct())
     p = sub.add_parser("simulate", help="replay pods over time on a MIG/MPS cluster: dynpart, nos, best static layout",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", metavar="CSV", help="openb pod list with creation/deletion times "

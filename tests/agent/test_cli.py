@@ -126,7 +126,7 @@ def test_device_plugin_setting_is_checked():
     from dynpart.errors import DynpartError
     from dynpart.settings import AgentSettings, load_settings
 
-    with pytest.raises(DynpartError, match=r"setting device_plugin = 'nebuly': .*'builtin' or 'nvidia'.*DYNPART_AGENT_DEVICE_PLUGIN"):
+    with pytest.raises(DynpartError, match=r"setting device_plugin = 'nebuly': .*'builtin' or 'nvidia'.*command-line flag"):
         load_settings(AgentSettings, flags={"device_plugin": "nebuly"})
 
 
@@ -146,7 +146,7 @@ async def test_the_agent_is_built_for_its_device_plugin(tmp_path):
     from dynpart.catalog import default_catalog
     from dynpart.settings import AgentSettings, load_settings
 
-    args = argparse.Namespace(capacity_gb=None)
+    args = argparse.Namespace(mps_capacity_gb=None)
     catalog = default_catalog()
     api = client.ApiClient()
     try:

@@ -1,4 +1,5 @@
 import gc
+import re
 
 import pytest
 
@@ -73,7 +74,7 @@ def test_kube_settings_nest_in_file_and_environment(tmp_path, monkeypatch):
     assert (s.kube.backoff_initial_s, s.kube.backoff_max_s, s.kube.event_repeat_s) == (0.2, 30, 120)
     f.write_text("kube: {backoff_max_s: 0}\n")
     with pytest.raises(DynpartError, match=r"setting kube.backoff_max_s = 0: Input should be greater than 0 "
-                                           r"\(environment variable DYNPART_PLANNER_KUBE__BACKOFF_MAX_S\)"):
+                                           r"\(config file .*planner.yaml\)"):
         load_settings(PlannerSettings, f)
 
 
@@ -114,3 +115,45 @@ def test_config_file_problems_name_the_file(tmp_path):
     with pytest.raises(DynpartError, match=r"config file .*planner.yaml:2:1: not valid YAML") as e:
         load_settings(PlannerSettings, f)
     assert "\n" not in str(e.value)  # one line, as the CLI prints it
+
+
+def test_a_setting_error_names_where_the_value_came_from(tmp_path, monkeypatch):
+    f = tmp_path / "planner.yaml"
+    f.write_text("resync_s: 0\n")
+    with pytest.raises(DynpartError, match=r"setting resync_s = 0: .* \(config file .*planner.yaml\)"):
+        load_settings(PlannerSettings, f)
+    with pytest.raises(DynpartError, match=r"setting resync_s = -1: .* \(command-line flag\)"):
+        load_settings(PlannerSettings, flags={"resync_s": -1})
+    monkeypatch.setenv("DYNPART_PLANNER_KUBE__BACKOFF_MAX_S", "0")
+    with pytest.raises(DynpartError, match=r"\(environment variable DYNPART_PLANNER_KUBE__BACKOFF_MAX_S\)"):
+        load_settings(PlannerSettings)
+    monkeypatch.delenv("DYNPART_PLANNER_KUBE__BACKOFF_MAX_S")
+    monkeypatch.setenv("DYNPART_PLANNER_CATALOG_FILES", "extra.yaml")
+    with pytest.raises(DynpartError, match=r"catalog_files.*is JSON"):
+        load_settings(PlannerSettings)
+
+
+@pytest.mark.parametrize("values, why", [
+    ({"lease_duration_s": 3, "lease_renew_s": 2.5}, "lease_renew_s = 2.5 must be at most half of lease_duration_s = 3"),
+    ({"lease_duration_s": 5}, "lease_renew_s = 4 must be at most half"),
+    ({"lease_retry_s": 20}, "lease_retry_s = 20 must be shorter than lease_duration_s = 15"),
+    ({"batch_idle_s": 5}, "batch_idle_s = 5 must be at most batch_timeout_s = 3"),
+    ({"lease_renew_s": float("inf")}, "lease_renew_s = inf: Input should be a finite number"),
+    ({"demand_half_life_s": float("inf")}, "demand_half_life_s = inf: Input should be a finite number"),
+])
+def test_settings_that_contradict_or_never_end_are_refused(values, why):
+    with pytest.raises(DynpartError, match=re.escape(why)):
+        load_settings(PlannerSettings, flags=values)
+
+
+def test_a_bad_planner_variable_is_one_line_for_every_command(monkeypatch, capsys):
+    """The simulator reads the planner's settings from the environment: a bad variable is a
+    one-line error when it runs, and no command's --help breaks."""
+    from dynpart.cli import main
+
+    monkeypatch.setenv("DYNPART_PLANNER_BATCH_IDLE_S", "-1")
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert main(["simulate", "--mode", "mig", "--workload", "pods=5", "--policy", "dynpart"]) == 2
+    assert "setting batch_idle_s = '-1'" in capsys.readouterr().err
