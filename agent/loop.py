@@ -145,6 +145,12 @@ class Agent:
         if self._model is None or states != self._mig_states:
             try:
                 capability, unread = read_capability(self.driver, self.catalog)
+                if self.capacity_gb:
+                    # the memory reported is what MPS slices may take: the planner derives its MPS
+                    # capacity from the same report, so it plans no slice this agent would refuse
+                    capability = capability.model_copy(update={"kinds": tuple(
+                        k.model_copy(update={"memory_mib": min(k.memory_mib, self.capacity_gb * 1024)})
+                        for k in capability.kinds)})
                 choice = node_model(capability, self.catalog)
             except DynpartError as e:
                 raise DynpartError(f"node {self.node}: {e}") from None

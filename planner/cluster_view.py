@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dynpart.annotations import annotation_patch, decode_status, encode_spec, is_pod_key
-from dynpart.capability import CapabilityError, decode_capability, model_catalog, node_model
+from dynpart.capability import MAX_GPUS, CapabilityError, decode_capability, model_catalog, node_model
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
 from dynpart.kube.conventions import (
@@ -82,20 +82,37 @@ def parse_quantity(value: Any) -> float:
 
 
 def _container_requests(pod: dict[str, Any]) -> dict[str, float]:
-    """Effective requests: sum over containers, at least the largest init container (the
-    scheduler's rule). Extended resources count from limits when requests omit them."""
+    """Effective requests, as the scheduler counts them (Kubernetes' PodRequests): the containers
+    and the sidecars (restartable init containers) summed, at least what each plain init container
+    needs beside the sidecars started before it, plus the pod's overhead. Extended resources
+    count from limits when requests omit them."""
     def of(c: dict[str, Any]) -> dict[str, float]:
         res = c.get("resources") or {}
         return {name: parse_quantity(q) for name, q in {**(res.get("limits") or {}),
                                                          **(res.get("requests") or {})}.items()}
+
+    def add(into: dict[str, float], more: Mapping[str, float]) -> None:
+        for name, q in more.items():
+            into[name] = into.get(name, 0) + q
+
     spec = pod.get("spec", {})
     total: dict[str, float] = {}
     for c in spec.get("containers") or []:
-        for name, q in of(c).items():
-            total[name] = total.get(name, 0) + q
+        add(total, of(c))
+    sidecars: dict[str, float] = {}
+    init_peak: dict[str, float] = {}
     for c in spec.get("initContainers") or []:
-        for name, q in of(c).items():
-            total[name] = max(total.get(name, 0), q)
+        if c.get("restartPolicy") == "Always":
+            add(sidecars, of(c))
+            continue
+        running = dict(sidecars)
+        add(running, of(c))
+        for name, q in running.items():
+            init_peak[name] = max(init_peak.get(name, 0), q)
+    add(total, sidecars)
+    for name, q in init_peak.items():
+        total[name] = max(total.get(name, 0), q)
+    add(total, {name: parse_quantity(q) for name, q in (spec.get("overhead") or {}).items()})
     return total
 
 
@@ -341,10 +358,14 @@ def _labelled_count(name: str, labels: Mapping[str, Any], problems: list[str]) -
     lists the GPUs: with GPU Operator's MIG strategy `single`, GPU feature discovery sets it to 0
     on a MIG node with mixed profiles or to the number of MIG devices, not of GPUs."""
     try:
-        return int(labels.get(GPU_COUNT_LABEL, 0))
+        count = int(labels.get(GPU_COUNT_LABEL, 0))
     except ValueError:
-        problems.append(f"node {name}: label {GPU_COUNT_LABEL}={labels.get(GPU_COUNT_LABEL)!r} is not a number")
+        count = -1
+    if not 0 <= count <= MAX_GPUS:
+        problems.append(f"node {name}: label {GPU_COUNT_LABEL}={labels.get(GPU_COUNT_LABEL)!r} is not a GPU count "
+                        f"(0 to {MAX_GPUS}); no GPU planned until its agent reports them")
         return 0
+    return count
 
 
 def _without_mode_conflicts(name: str, gpus: list[Gpu], mode: str, bound: Counter[str], described: NodeGpus,
@@ -615,14 +636,15 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         items = spec.get(key)
         if not isinstance(items, list):
             return items  # ill-typed: kept, so the round reports it as it would on the full object
-        return [{"name": c.get("name"), "resources": c.get("resources")} if isinstance(c, dict) else c for c in items]
+        return [{k: c[k] for k in ("name", "resources", "restartPolicy") if k in c} if isinstance(c, dict) else c
+                for c in items]
 
     conditions = status.get("conditions")
     return {
         "kind": "Pod",
         "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp",
                                          "deletionTimestamp") if k in md},
-        "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations") if k in spec},
+        "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead") if k in spec},
                  **({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}}
                     if (required := _field(spec, "affinity", "nodeAffinity",
                                            "requiredDuringSchedulingIgnoredDuringExecution")) is not None else {}),

@@ -408,8 +408,14 @@ def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: d
         caps = [gpus[g].capacity for g in node.gpus]
         if not caps or max(caps) < req.size:
             return 4, f"a {req.size} slice is bigger than every MPS GPU (largest {max(caps, default=0)})"
-    if req.kind == KIND_MIG and req.count > len(node.gpus) * node.model.memory_slices:
-        return 5, f"{req.count} slices do not fit on one node"
-    if req.kind == KIND_GPU and req.count > len(node.gpus):
-        return 5, f"{req.count} whole GPUs asked; nodes have at most {len(node.gpus)}"
+    # the most of the pod's slices one node could ever hold, every GPU of it carved for them
+    if req.kind == KIND_MIG:
+        most = len(node.gpus) * node.model.profiles_by_name[str(req.profile)].max
+    elif req.kind == KIND_MPS:
+        most = sum(gpus[g].capacity // req.size for g in node.gpus)
+    else:
+        most = len(node.gpus)
+    if req.count > most:
+        return 5, (f"{req.count} x {req.resource} asked, more than one node can ever hold "
+                   f"(e.g. node {node.name}: at most {most}, every GPU carved for them)")
     return None

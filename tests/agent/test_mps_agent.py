@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dynpart.annotations import SPEC_MODE, SPEC_PLAN, decode_status
 
-from .conftest import H100, ROUND_80GIB, Rig, make_rig, mps_spec
+from .conftest import CATALOG, H100, ROUND_80GIB, Rig, make_rig, mps_spec
 
 
 def mps_rig(count: int = 2, **kw) -> Rig:
@@ -98,3 +98,26 @@ async def test_a_drained_gpu_loses_each_slice_as_it_frees():
     await rig.agent().reconcile_once()
     status = decode_status(rig.node_api.annotations, H100, capacity=80)
     assert [g.index for g in status.layout.gpus] == [1]
+
+
+async def test_a_lower_mps_capacity_is_what_the_planner_plans_with():
+    """DYNPART_AGENT_MPS_CAPACITY_GB=40: the capability report offers 40 GiB for slices, so the
+    planner, which reads the same report, plans no slice the agent would refuse."""
+    from dynpart.planner.cluster_view import build_snapshot
+    from dynpart.planner.core import plan
+
+    rig = mps_rig(1)
+    await rig.agent(capacity_gb=40).reconcile_once()
+    node = {"metadata": {"name": "node-1", "labels": {"dynpart.io/gpu-partitioning": "mps"},
+                         "annotations": dict(rig.node_api.annotations)},
+            "status": {"allocatable": {"cpu": "16", "memory": "64Gi"}}}
+    pods = [{"metadata": {"name": f"w{i}", "namespace": "ml"},
+             "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu-20gb": "1"}}}]},
+             "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                             "reason": "Unschedulable"}]}} for i in range(3)]
+    view = build_snapshot([node], pods, CATALOG)
+    result = plan(view.snapshot, view.catalog)
+    assert len(result.placements) == 2 and len(result.unplaced) == 1
+    rig.node_api.set_annotations(mps_spec({0: [20, 20]}, plan="m1"))
+    report = await rig.agent(capacity_gb=40).reconcile_once()
+    assert report.plan_id == "m1" and report.errors == []

@@ -235,6 +235,22 @@ def test_the_gpu_count_label_and_a_suffixed_product_serve_until_the_agent_report
     assert [g.index for g in seen.gpus] == [0, 1, 2] and seen.gpu_model == "H100-80GB"
 
 
+@pytest.mark.parametrize("label", ["300", "-1", "eight"])
+def test_a_gpu_count_label_that_is_no_count_plans_no_gpu_and_says_so(label):
+    """A node labelled with 300 GPUs once made every round fail (GPU index 256 has no key)."""
+    from dynpart.planner.cluster_view import planned_patches
+    from dynpart.planner.core import plan
+
+    bad, good = node("n1", count=1), node("n2", count=1)
+    bad["metadata"]["labels"]["nvidia.com/gpu.count"] = label
+    view = build_snapshot([bad, good], [pod("w", {"nvidia.com/mig-1g.10gb": "1"}), pod("v", {"nvidia.com/mig-7g.80gb": "1"})], CAT)
+    assert [len(n.gpus) for n in view.snapshot.nodes] == [0, 1]
+    assert any("is not a GPU count (0 to 64)" in m for _, m in view.problems)
+    result = plan(view.snapshot, view.catalog)
+    assert [x.node for x in result.placements] == ["n2"]
+    assert len(planned_patches(view.snapshot, result, {"n1": bad, "n2": good}, "r1")) == 1
+
+
 def test_free_slices_beyond_the_allocatable_count_are_not_planned_for_pods():
     """The device plugin withdrew an unhealthy 1g.10gb: allocatable says 1 of the 2 reported."""
     status = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
@@ -289,3 +305,42 @@ def test_a_node_whose_status_slices_cannot_all_be_read_is_not_planned(status, wh
     assert any("node n1: left out of planning" in m for m in messages), messages
     assert view.acks["n1"] == "p1"
     assert [(x.pod, x.node) for x in plan(view.snapshot, view.catalog).placements] == [("ml/w", "n2")]
+
+
+def test_requests_count_sidecars_and_the_pod_overhead_as_the_scheduler_does():
+    """Kubernetes' PodRequests: containers plus sidecars (restartable init containers), at least
+    each plain init container beside the sidecars started before it, plus the overhead; a bound
+    pod's requests leave that much less on its node."""
+    from dynpart.planner.cluster_view import pod_for_planning
+
+    sidecar = {"name": "s", "restartPolicy": "Always", "resources": {"requests": {"cpu": "2", "memory": "4Gi"}}}
+    setup = {"name": "i", "resources": {"requests": {"cpu": "2500m"}}}
+    wants = pod("a", {"nvidia.com/mig-1g.10gb": "1", "cpu": "1", "memory": "1Gi"}, initContainers=[sidecar],
+                overhead={"cpu": "250m", "memory": "120Mi"})
+    p = pending_pod(pod_for_planning(wants))
+    assert (p.cpu_milli, p.memory_mib) == (3250, 1024 + 4096 + 120)
+    # a plain init container after the sidecar runs beside it: 2 + 2.5 CPUs at the peak
+    peak = pod("b", {"nvidia.com/mig-1g.10gb": "1", "cpu": "1"}, initContainers=[sidecar, setup])
+    assert pending_pod(pod_for_planning(peak)).cpu_milli == 4500
+    before = pod("c", {"nvidia.com/mig-1g.10gb": "1", "cpu": "1"}, initContainers=[setup, sidecar])
+    assert pending_pod(pod_for_planning(before)).cpu_milli == 3000
+    bound = pod("bound", {"cpu": "1"}, phase="Running", node="n1", unschedulable=False, initContainers=[sidecar],
+                overhead={"cpu": "250m"})
+    view = build_snapshot([node("n1", cpu="4")], [pod_for_planning(bound)], CAT)
+    assert view.snapshot.nodes[0].cpu_milli_free == 750
+
+
+@pytest.mark.parametrize("resource, count, most", [
+    ("nvidia.com/mig-3g.40gb", 3, 2), ("nvidia.com/mig-1g.10gb", 8, 7), ("nvidia.com/mig-1g.10gb.me", 2, 1),
+    ("nvidia.com/mig-7g.80gb", 2, 1), ("nvidia.com/gpu", 2, 1)])
+def test_a_pod_no_node_can_ever_hold_is_told_so_not_to_wait_for_space(resource, count, most):
+    from dynpart.planner.core import plan
+
+    mode = "mps" if resource == "nvidia.com/gpu" else "mig"
+    view = build_snapshot([node(f"n{i}", mode=mode, count=1) for i in range(3)], [pod("a", {resource: str(count)})], CAT)
+    [why] = plan(view.snapshot, view.catalog).unplaced
+    assert why.reason.startswith(f"{count} x {resource} asked, more than one node can ever hold (e.g. node n0: at most "
+                                 f"{most}"), why.reason
+    mps = build_snapshot([node("m0", mode="mps", count=2)], [pod("b", {"nvidia.com/gpu-40gb": "5"})], CAT)
+    [why] = plan(mps.snapshot, mps.catalog).unplaced
+    assert "at most 2" in why.reason or "at most 4" in why.reason, why.reason

@@ -273,6 +273,21 @@ def test_the_controller_learns_the_distribution_from_the_pods_it_sees():
     assert got_models[("nvidia.com/mig-7g.80gb", ())] == 0.5
 
 
+def test_the_learned_distribution_keeps_its_heaviest_kinds_and_one_kind_per_set_of_nodes():
+    from dynpart.planner.demand import DemandTracker
+    t = DemandTracker(half_life_s=100, max_kinds=3)
+    one, two = Toleration(key="a", operator="Exists"), Toleration(key="b", operator="Exists")
+    t.observe([PendingPod(name=f"x{i}", resource="nvidia.com/mig-1g.10gb", tolerations=[one, two]) for i in range(3)]
+              + [PendingPod(name="y", resource="nvidia.com/mig-1g.10gb", tolerations=[two, one])], now=0)
+    assert [s.weight for s in t.workload()] == [4.0]  # the same tolerations in another order: one kind
+    # pods that differ only in CPU: each a kind; the workload keeps the 3 heaviest
+    t.observe([PendingPod(name=f"c{i}-{j}", resource="nvidia.com/mig-2g.20gb", cpu_milli=100 * i)
+               for i in range(1, 40) for j in range(i % 4)], now=0)
+    kept = t.workload()
+    assert len(kept) == 3 and sorted(s.weight for s in kept) == [3.0, 3.0, 4.0]
+    assert len(t._weights) <= 4 * 3
+
+
 def test_a_learned_share_whose_models_left_the_cluster_does_not_stop_the_planning():
     # a round learns a pod accepting G or H; later the round's catalog knows only G (the H nodes
     # left): the share keeps G, and a share naming only H is dropped instead of failing the plan
