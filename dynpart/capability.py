@@ -217,12 +217,23 @@ def _compare(kind: GpuKind, base: GpuModel) -> tuple[list[MigProfile], list[str]
         notes.append(f"the driver reports {kind.memory_slices} memory / {kind.compute_slices} compute slices, "
                      f"the catalog {base.memory_slices} / {base.compute_slices}")
     driver = {p.name: p for p in kind.profiles}
+    renamed: set[str] = set()
     out: list[MigProfile] = []
     for want in base.mig_profiles:
         got = driver.get(want.name)
         if got is None:
-            notes.append(f"{want.name}: in the catalog, not offered by the driver; not planned")
-            continue
+            # one profile, another name (drivers name memory sizes differently: 7g.79gb for 7g.80gb,
+            # 1g.23gb for 1g.24gb): the same NVML profile and shape is the catalog's, under the driver's name
+            same = [p for p in kind.profiles if p.name not in base.profiles_by_name and p.name not in renamed
+                    and f"NVML_GPU_INSTANCE_PROFILE_{p.nvml}" == want.nvml
+                    and (p.compute, p.memory) == (want.compute, want.memory)]
+            if not same:
+                notes.append(f"{want.name}: in the catalog, not offered by the driver; not planned")
+                continue
+            got = same[0]
+            renamed.add(got.name)
+            notes.append(f"{want.name}: the driver names it {got.name}; planned as {got.name} (pods ask for "
+                         f"nvidia.com/mig-{got.name.replace('+', '.')})")
         diffs = []
         for label, theirs, ours in (("GI profile id", got.id, want.gi_profile_id),
                                     ("compute slices", got.compute, want.compute),
@@ -236,7 +247,7 @@ def _compare(kind: GpuKind, base: GpuModel) -> tuple[list[MigProfile], list[str]
             notes.append(f"{want.name}: the driver reports " + ", ".join(diffs) + "; the driver's values are used")
         out.append(_profile(got, want.max if base.nvml_counts_unreliable else None))
     for name in driver:
-        if name not in base.profiles_by_name:
+        if name not in base.profiles_by_name and name not in renamed:
             notes.append(f"{name}: offered by the driver, not in the catalog's {base.name} (the allow-list); "
                          "not planned")
     return out, notes

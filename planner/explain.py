@@ -96,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
             pod = live.get(args.pod)
             if pod is None:
                 raise DynpartError(f"pod {args.pod} not found")
+            own = [m for obj, m in problems if obj is pod]
+            if own:  # a pod dynpart cannot plan: why
+                raise DynpartError("; ".join(own))
             phase = pod.get("status", {}).get("phase")
             node = pod.get("spec", {}).get("nodeName")
             raise DynpartError(f"pod {args.pod} is {phase}{' on node ' + node if node else ''}: dynpart only plans "
@@ -104,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {message}")
     result = plan(snapshot, catalog, PlanOptions(policy=args.policy))
     pods = [args.pod] if args.pod else [p.name for p in snapshot.pending]
+    if args.pod and args.pod not in {p.name for p in snapshot.pending}:
+        describe(result, args.pod)  # raises: not a pending pod of the snapshot
     if args.json:
         print(json.dumps({"stats": result.stats.model_dump(),
                           "placements": [p.model_dump() for p in result.placements if p.pod in pods],

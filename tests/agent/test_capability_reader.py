@@ -52,3 +52,25 @@ def test_a_gpu_without_a_product_name_is_a_clear_error_not_a_crash():
         read_capability(driver, CATALOG)
     report = probe(driver, CATALOG)  # the probe says so and goes on
     assert not report.ok and "not usable" in report.mismatches[0]
+
+
+@pytest.mark.parametrize("model, renames", [
+    ("A100-80GB", {"7g.80gb": "7g.79gb"}),  # an older driver's name (the facts file, section 1)
+    ("GB200-186GB", {"1g.23gb": "1g.24gb", "1g.23gb+me": "1g.24gb+me", "3g.93gb": "3g.95gb"}),
+])
+def test_a_profile_the_driver_names_otherwise_is_planned_under_the_drivers_name(model, renames):
+    """What the driver reports wins: the same NVML profile and shape under another name is the
+    catalog's profile, planned (by the agent and the planner, from one report) as the driver
+    names it, which is what its pods ask for."""
+    from dynpart.capability import node_model
+
+    catalog = load_catalog()
+    base = catalog.models[model]
+    driver = base.model_copy(update={"mig_profiles": tuple(
+        p.model_copy(update={"name": renames.get(p.name, p.name)}) for p in base.mig_profiles)})
+    cap, _ = read_capability(FakeNvml(driver, 1, name=base.products[0].replace("\\", "")), catalog)
+    choice = node_model(cap, catalog)
+    names = [p.name for p in choice.model.mig_profiles]
+    assert len(names) == len(base.mig_profiles) and set(renames.values()) <= set(names)
+    assert not set(renames) & set(names)
+    assert any(f"{old}: the driver names it {new}" in d for old, new in renames.items() for d in choice.disagreements)

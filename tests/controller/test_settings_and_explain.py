@@ -45,6 +45,31 @@ def test_explain_on_a_snapshot_file(capsys):
     assert "ml/too-big: not placed: a 100 slice is bigger than every MPS GPU (largest 80)" in out
 
 
+def test_explain_of_a_pod_not_pending_there_fails_in_text_and_json(capsys):
+    for extra in ([], ["--json"]):
+        assert main(["explain", "--snapshot", "examples/snapshot.yaml", "ns/nobody", *extra]) == 2
+        assert "pod ns/nobody is not among the pending pods planned" in capsys.readouterr().err
+
+
+def test_explain_on_the_live_cluster_says_why_dynpart_cannot_plan_a_pod(capsys, monkeypatch):
+    from dynpart.catalog import default_catalog
+    from dynpart.planner import explain
+    from dynpart.planner.cluster_view import build_snapshot
+
+    bad = {"metadata": {"name": "bad", "namespace": "ml"},
+           "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/mig-5g.20gb": "1"}}}]},
+           "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                           "reason": "Unschedulable"}]}}
+
+    async def live(kubeconfig, catalog):
+        view = build_snapshot([], [bad], default_catalog())
+        return view.snapshot, view.catalog, view.problems, {"ml/bad": bad}
+
+    monkeypatch.setattr(explain, "_live_snapshot", live)
+    assert main(["explain", "ml/bad"]) == 2
+    assert "5g.20gb" in capsys.readouterr().err
+
+
 def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path):
     # an earlier test's unclosed aiohttp session may log to stderr when collected: not ours to count
     gc.collect()
