@@ -137,7 +137,8 @@ class PlanningLoop:
 
     def forget_leader_state(self) -> None:
         """Leadership lost: what this replica wrote or reserved as leader may have been replaced
-        by another leader's writes. The batch and the demand learnt stay (a standby keeps them)."""
+        by another leader's writes. The batch and the demand learnt as leader stay (a standby
+        observes nothing more, so both are old if it leads again)."""
         self.in_flight.clear()
         self.reserved.clear()
         self.drains.clear()

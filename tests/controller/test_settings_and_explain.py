@@ -35,6 +35,9 @@ def test_a_workload_setting_naming_an_unknown_model_stops_the_planner_at_start(t
     assert main(["planner", "run", "--config", str(f)]) == 2
     err = capsys.readouterr().err
     assert "setting workload: workload[1].gpu_models: unknown GPU model 'H900'" in err and err.count("\n") == 1
+    f.write_text("workload:\n- {resource: nvidia.com/mig-5g.20gb}\n")  # a profile no GPU offers: as for a pod
+    assert main(["planner", "run", "--config", str(f)]) == 2
+    assert "workload[0].resource = 'nvidia.com/mig-5g.20gb': MIG profile '5g.20gb' is not offered" in capsys.readouterr().err
 
 
 def test_explain_on_a_snapshot_file(capsys):
