@@ -50,7 +50,8 @@ class KubeSettings(BaseModel):
     event_repeat_s: float = Field(default=3600.0, gt=0, description="the same Event (object, reason, message) is "
                                   "posted again at most this often")
     event_memory: int = Field(default=4096, ge=1, description="(object, reason) pairs the Event de-duplication "
-                              "remembers; the least recently recorded are forgotten first")
+                              "remembers, each for event_repeat_s; while that many are, Events about further pairs "
+                              "are dropped (the planner counts them in dynpart_events_dropped_total)")
 
 
 class CommonSettings(BaseSettings):
@@ -138,7 +139,8 @@ class AgentSettings(CommonSettings):
     report_interval_s: float = Field(default=10.0, gt=0, description="status heartbeat period")
     fake_gpus: str | None = Field(default=None, description="MODEL:N — a fake NVML driver (tests, demos)")
     mps_capacity_gb: int | None = Field(default=None, gt=0, description="MPS capacity of one GPU in GB "
-                                        "(default: the memory NVML reports, in GiB; only lowers it)")
+                                        "(default: the memory NVML reports, in GiB; only lowers it; the "
+                                        "capability report offers this much memory, so the planner plans with it)")
     pod_resources_socket: str = Field(default="/var/lib/kubelet/pod-resources/kubelet.sock", description="kubelet PodResources API socket")
     node_lock_file: str = Field(default="/var/lib/dynpart/agent.lock", description="a file on the node's "
                                 "filesystem: one agent at a time acts on the node's GPUs (empty: no lock)")

@@ -13,14 +13,15 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Protocol
 
 from kubernetes_asyncio import client
+from prometheus_client import Gauge
 
 from dynpart.annotations import decode_fencing
 from dynpart.catalog import Catalog
-from dynpart.errors import DynpartError
+from dynpart.errors import DynpartError, ResourceNameError
 from dynpart.kube.client import Obj
 from dynpart.kube.conventions import (
     PARTITIONING_LABEL,
@@ -28,6 +29,7 @@ from dynpart.kube.conventions import (
     SPEC_PLAN,
     SPEC_PODS,
     SPEC_TERM,
+    STATUS_CAPABILITY,
     STATUS_ERROR,
     STATUS_HEARTBEAT,
     STATUS_MODE,
@@ -35,6 +37,7 @@ from dynpart.kube.conventions import (
     STATUS_PREFIX,
 )
 from dynpart.kube.errors import APIConflictError, APIError
+from dynpart.kube.events import object_reference
 from dynpart.kube.patching import patch_node_annotations, read_node
 from dynpart.kube.recording import EventRecorder, QueuedPoster, posting_to
 from dynpart.kube.watching import Informer, object_key
@@ -44,6 +47,7 @@ from dynpart.planner.cluster_view import (
     build_snapshot,
     can_revoke,
     is_batch_candidate,
+    node_gpu_model,
     planned_patches,
     pod_for_planning,
     pod_key,
@@ -55,6 +59,7 @@ from dynpart.planner.cluster_view import (
 )
 from dynpart.planner.loop import InFlight, PlanningLoop
 from dynpart.probing import Liveness
+from dynpart.resources import MigResource, MpsResource, parse_resource
 from dynpart.settings import PlannerSettings
 
 log = logging.getLogger("dynpart.planner")
@@ -95,11 +100,18 @@ class PlannerController:
         self.wake = asyncio.Event()
         self.leading = asyncio.Event()
         # posted in the background: a round placing hundreds of pods must not wait for the API server
-        self.events = EventRecorder(QueuedPoster(posting_to(self.core, PLANNER_COMPONENT)), settings.kube)
+        self.events = EventRecorder(
+            QueuedPoster(posting_to(self.core, PLANNER_COMPONENT), on_drop=metrics.EVENTS_DROPPED.labels("queue_full").inc),
+            settings.kube, on_drop=metrics.EVENTS_DROPPED.labels("memory_full").inc)
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
         self._reserved_for: dict[str, str] = {}  # pod -> the plan id it was last reserved for (once per plan)
         self._term_seen: int | None = None  # the leader term the state above was built under
+        # for the gauges (refresh_gauges): the pods the last round could not plan, the catalog it
+        # planned with, and per node its capability report with how it differs from the catalog
+        self._invalid_pods: set[str] = set()
+        self._round_catalog = catalog
+        self._disagreements: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._ids = itertools.count(1)
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
                               settings=settings.kube, on_beat=lambda: self.liveness.beat("watch nodes"))
@@ -127,6 +139,7 @@ class PlannerController:
         that another leader has since replaced."""
         if not leader:
             self._forget_leader_state()
+            self.clear_gauges()  # a standby exports none: another replica's are the cluster's now
         (self.leading.set if leader else self.leading.clear)()
         self.wake.set()
 
@@ -153,6 +166,8 @@ class PlannerController:
                 self.wake.set()
         else:
             self.loop.pod_done(key)
+            if kind == "DELETED" or (pod.get("spec") or {}).get("nodeName"):
+                self.events.forget(pod)  # no Event is posted about it again: room for others
 
     def _on_node(self, kind: str, node: Obj) -> None:
         name = node["metadata"]["name"]
@@ -163,6 +178,8 @@ class PlannerController:
         # pods still waiting may fit now, or only now be planned on it, so they join the batch.
         status = None if kind == "DELETED" else {k: v for k, v in ann.items()
                                                  if k.startswith(STATUS_PREFIX) and k != STATUS_HEARTBEAT}
+        if kind == "DELETED":
+            self.events.forget(node)
         if status != self._status.get(name):
             if status is None:
                 self._status.pop(name, None)
@@ -228,12 +245,82 @@ class PlannerController:
         except TimeoutError:
             pass
         if not self.leading.is_set():
+            self.clear_gauges()
             return
         now = self.clock()
         await self._expire_acks(now)
         if self.loop.due(now, bool(self.window.members) or bool(self._candidates()) or self._switches_wanted()):
             self.loop.begin_round(now)
             await self.plan_round()
+        self.refresh_gauges(self.clock())
+
+    # --- gauges ---------------------------------------------------------------------------
+
+    def refresh_gauges(self, now: float) -> None:
+        """Set the gauges from the caches as they are now (every step of the leader, whether or
+        not a round runs): the pods waiting, the request distribution decayed to `now`, and the
+        nodes whose capability report differs from the catalog. A pod's resource is its label
+        only when dynpart can plan it, else `invalid`: a pod can ask for any name."""
+        label = self._resource_label()
+        pending: Counter[str] = Counter()
+        for key, pod in self.pods.cache.items():
+            if is_batch_candidate(pod):
+                wanted = slice_requests(pod)
+                pending[metrics.INVALID if key in self._invalid_pods or len(wanted) != 1 else label(next(iter(wanted)))] += 1
+        _set_gauge(metrics.PENDING_PODS, pending)
+        weights: dict[str, float] = {}
+        if self.settings.workload:
+            shares = [(share.resource, share.weight) for share in self.settings.workload]
+        else:  # what the rounds learnt, decayed since the last one (pure: the rounds' own decay is theirs)
+            demand = self.loop.demand
+            decay = 0.5 ** (max(0.0, now - self.loop.prepared_at) / demand.half_life_s)
+            shares = [(share.resource, share.weight * decay) for share in demand.workload()
+                      if share.weight * decay >= demand.floor]
+        for resource, weight in shares:
+            weights[label(resource)] = weights.get(label(resource), 0.0) + weight
+        _set_gauge(metrics.WORKLOAD_WEIGHT, weights)
+        disagreements: Counter[str] = Counter()
+        for name, node in self.nodes.cache.items():
+            md = node.get("metadata") or {}
+            report = (md.get("annotations") or {}).get(STATUS_CAPABILITY)
+            if not isinstance(report, str):
+                continue
+            seen = self._disagreements.get(name)
+            if seen is None or seen[0] != report:  # read a report once, not at every step
+                try:
+                    notes = node_gpu_model(name, md.get("labels") or {}, md.get("annotations") or {}, self.catalog).disagreements
+                except Exception:  # a report the round reports as a problem: no disagreement to count
+                    notes = ()
+                seen = self._disagreements[name] = (report, notes)
+            if seen[1]:
+                disagreements[name] = len(seen[1])
+        for name in [n for n in self._disagreements if n not in self.nodes.cache]:
+            del self._disagreements[name]
+        _set_gauge(metrics.CATALOG_DISAGREEMENTS, disagreements)
+
+    def _resource_label(self) -> Callable[[str], str]:
+        """A resource's label value: itself when a GPU of the last round's catalog offers it (a MIG
+        profile it knows, an MPS slice no bigger than its largest GPU, a whole GPU), else `invalid`."""
+        profiles = self._round_catalog.mig_profile_names()
+        largest = max((m.mps_capacity_gb for m in self._round_catalog.models.values()), default=0)
+        labels: dict[str, str] = {}
+
+        def label(resource: str) -> str:
+            if resource not in labels:
+                try:
+                    res = parse_resource(resource)
+                    ok = not ((isinstance(res, MigResource) and res.profile not in profiles)
+                              or (isinstance(res, MpsResource) and res.size > largest))
+                except ResourceNameError:
+                    ok = False
+                labels[resource] = resource if ok else metrics.INVALID
+            return labels[resource]
+        return label
+
+    @staticmethod
+    def clear_gauges() -> None:
+        for gauge in (metrics.PENDING_PODS, metrics.WORKLOAD_WEIGHT, metrics.CATALOG_DISAGREEMENTS):
+            gauge.clear()
 
     def _switches_wanted(self) -> bool:
         """A node relabelled to the other mode is sent its switching spec by a round (at the
@@ -428,23 +515,18 @@ class PlannerController:
         await self._adopt()
         view = build_snapshot(nodes, pods, self.catalog, awaiting, self.loop.held_pods(), self._reservations())
         snapshot = view.snapshot
+        self._round_catalog = view.catalog
+        self._invalid_pods = {object_key(obj) for obj, _ in view.problems if object_reference(obj)["kind"] == "Pod"}
         for obj, message in view.problems:
             metrics.PLAN_ERRORS.labels("bad_object").inc()
             log.warning(message)
             await self._event(obj, "DynpartInvalid", message, warning=True)
         await self._report_disagreements(view.disagreements)
         await self._switch_modes(view.switching, awaiting)
-        by_resource = Counter(p.resource for p in snapshot.pending)
-        metrics.PENDING_PODS.clear()
-        for res, n in by_resource.items():
-            metrics.PENDING_PODS.labels(res).set(n)
         if not snapshot.pending:
             return
         # the objective's request distribution: the requests seen lately, decayed (planner/demand.py)
         snapshot = self.loop.prepare(snapshot, self.clock())
-        metrics.WORKLOAD_WEIGHT.clear()
-        for share in snapshot.workload:
-            metrics.WORKLOAD_WEIGHT.labels(share.resource).inc(share.weight)
         started = time.perf_counter()
         try:
             result = await asyncio.to_thread(self.loop.decide, snapshot, view.catalog)
@@ -555,12 +637,10 @@ class PlannerController:
                               f"run it in {mode.upper()} mode (slices in use stay until their pods end)")
 
     async def _report_disagreements(self, by_node: dict[str, tuple[str, ...]]) -> None:
-        """How agents' capability reports differ from the catalog: a gauge per node and an Event
-        on the node (posted again only when the message changes or after event_repeat_s). The
-        driver's values are planned with; nothing is refused."""
-        metrics.CATALOG_DISAGREEMENTS.clear()
+        """How agents' capability reports differ from the catalog: an Event on the node (posted
+        again only when the message changes or after event_repeat_s; the gauge is refresh_gauges').
+        The driver's values are planned with; nothing is refused."""
         for name, notes in by_node.items():
-            metrics.CATALOG_DISAGREEMENTS.labels(name).set(len(notes))
             await self._event(self.nodes.cache.get(name) or {"kind": "Node", "metadata": {"name": name}},
                               "CatalogDisagreement", "the GPU driver and the catalog differ (the driver's values are "
                               "planned with): " + "; ".join(notes), warning=True)
@@ -568,3 +648,11 @@ class PlannerController:
     async def _event(self, obj: Obj | None, reason: str, message: str, warning: bool = False) -> None:
         if obj is not None:
             await self.events.record(obj, reason, message, warning)
+
+
+def _set_gauge(gauge: Gauge, values: Mapping[str, float]) -> None:
+    """The gauge's series become `values` (label -> value): the others are removed."""
+    for label in {v for m in gauge.collect() for s in m.samples for v in s.labels.values()} - set(values):
+        gauge.remove(label)
+    for label, value in values.items():
+        gauge.labels(label).set(value)

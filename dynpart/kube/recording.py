@@ -3,9 +3,14 @@ same finding every round, and an Event for each would bury the ones that matter.
 
 `EventRecorder` posts an Event about an object once per reason and message: the same message
 again only after `event_repeat_s` (the API server forgets Events after an hour by default, and
-a lasting condition should stay visible), a new message at once. It remembers at most
-`event_memory` (object, reason) pairs; the least recently recorded are forgotten first, so its
-memory is bounded however many objects come and go."""
+a lasting condition should stay visible), a new message at once. What it remembers is forgotten
+by age (`event_repeat_s` after it was posted: the next one is posted anyway), or when the caller
+says the object is gone (`forget`), never to make room: evicting a pair still within its period
+would post it again, and with more objects than the bound, recorded in the same order each round,
+every pair would be evicted before it comes round again (every Event posted every round). When
+`event_memory` (object, reason) pairs are remembered, an Event about a further pair is dropped
+(counted in `dropped`) until some are forgotten: its memory, and the Events it posts per period,
+stay bounded however many objects come and go."""
 
 from __future__ import annotations
 
@@ -39,13 +44,16 @@ class QueuedPoster:
     """Posts Events from a bounded queue with a few concurrent workers (client-go's recorder
     does the same): a controller never waits for the API server to take an Event, so a round
     that places hundreds of pods does not stall planning. When the queue is full the Event is
-    dropped (counted in `dropped`): Events are advice, the plan is what matters."""
+    dropped (counted in `dropped`, and `on_drop` called, e.g. a metric's inc): Events are advice,
+    the plan is what matters."""
 
-    def __init__(self, post: PostEvent, workers: int = 4, maxsize: int = 10_000):
+    def __init__(self, post: PostEvent, workers: int = 4, maxsize: int = 10_000,
+                 on_drop: Callable[[], None] | None = None):
         self._post = post
         self._workers = workers
         self._queue: asyncio.Queue[tuple[Obj, str, str, bool]] = asyncio.Queue(maxsize)
         self._tasks: list[asyncio.Task[None]] = []
+        self._on_drop = on_drop
         self.dropped = 0
 
     async def __call__(self, obj: Obj, reason: str, message: str, warning: bool) -> None:
@@ -55,6 +63,8 @@ class QueuedPoster:
             self._queue.put_nowait((obj, reason, message, warning))
         except asyncio.QueueFull:
             self.dropped += 1
+            if self._on_drop is not None:
+                self._on_drop()
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.warning("event queue full: %d Events dropped so far", self.dropped)
 
@@ -79,31 +89,79 @@ class _Posted:
     at: float
 
 
+Key = tuple[str, str, str]  # the object: kind, namespace, name
+
+
 class EventRecorder:
+    """`on_drop` is called for each Event dropped because `event_memory` pairs are remembered
+    (e.g. a metric's inc); the first such drop in each `event_repeat_s` is logged."""
+
     def __init__(self, post: PostEvent, settings: KubeSettings | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, on_drop: Callable[[], None] | None = None):
         settings = settings or KubeSettings()
         self._post = post
         self.repeat_s = settings.event_repeat_s
         self.memory = settings.event_memory
         self._clock = clock
-        self._posted: OrderedDict[tuple[str, str, str, str], _Posted] = OrderedDict()
+        self._on_drop = on_drop
+        # (object, reason) -> the last Event posted, the oldest first: forgotten from the front
+        self._posted: OrderedDict[tuple[Key, str], _Posted] = OrderedDict()
+        self._reasons: dict[Key, set[str]] = {}  # the reasons remembered per object (for `forget`)
+        self.dropped = 0
+        self._logged_at: float | None = None
 
     def __len__(self) -> int:
         return len(self._posted)
 
-    async def record(self, obj: Obj, reason: str, message: str, warning: bool = False) -> bool:
-        """Post this Event unless it was posted less than `repeat_s` ago; whether it was posted."""
+    @staticmethod
+    def _object(obj: Obj) -> Key:
         ref = object_reference(obj)
-        key = (str(ref["kind"]), str(ref.get("namespace", "")), str(ref["name"]), reason)
+        return str(ref["kind"]), str(ref.get("namespace", "")), str(ref["name"])
+
+    async def record(self, obj: Obj, reason: str, message: str, warning: bool = False) -> bool:
+        """Post this Event unless it was posted less than `repeat_s` ago, or it is about a new
+        (object, reason) pair while `memory` pairs are remembered; whether it was posted."""
+        who = self._object(obj)
+        key = (who, reason)
         now = self._clock()
+        self._expire(now)
         last = self._posted.get(key)
-        if last is not None:
-            self._posted.move_to_end(key)  # recorded again: the last to be forgotten
-            if last.message == message and now - last.at < self.repeat_s:
-                return False
+        if last is not None and last.message == message:
+            return False  # posted less than repeat_s ago (else it expired above)
+        if last is None and len(self._posted) >= self.memory:
+            self._drop(now)
+            return False
         self._posted[key] = _Posted(message, now)
-        while len(self._posted) > self.memory:
-            self._posted.popitem(last=False)
+        self._posted.move_to_end(key)  # the most recently posted: the last to expire
+        self._reasons.setdefault(who, set()).add(reason)
         await self._post(obj, reason, message, warning)
         return True
+
+    def forget(self, obj: Obj) -> None:
+        """Forget the Events posted about `obj` (it is gone, or will never be recorded again: a pod
+        bound to its node): room for others, and an object of that name made later is new."""
+        who = self._object(obj)
+        for reason in self._reasons.pop(who, ()):
+            self._posted.pop((who, reason), None)
+
+    def _expire(self, now: float) -> None:
+        """Forget the pairs posted `repeat_s` ago or longer: their next Event is posted anyway."""
+        while self._posted:
+            (who, reason), first = next(iter(self._posted.items()))
+            if now - first.at < self.repeat_s:
+                return
+            del self._posted[(who, reason)]
+            reasons = self._reasons.get(who)
+            if reasons is not None:
+                reasons.discard(reason)
+                if not reasons:
+                    del self._reasons[who]
+
+    def _drop(self, now: float) -> None:
+        self.dropped += 1
+        if self._on_drop is not None:
+            self._on_drop()
+        if self._logged_at is None or now - self._logged_at >= self.repeat_s:
+            self._logged_at = now
+            log.warning("Event de-duplication remembers %d (object, reason) pairs (kube.event_memory): Events about "
+                        "further pairs are dropped until some are forgotten (%d dropped so far)", self.memory, self.dropped)

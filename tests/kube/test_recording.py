@@ -19,14 +19,14 @@ def pod(name: str, namespace: str = "ml") -> dict:
     return {"metadata": {"name": name, "namespace": namespace}, "spec": {"containers": []}}
 
 
-def recorder(repeat_s: float = 60.0, memory: int = 100) -> tuple[EventRecorder, list[tuple], Clock]:
+def recorder(repeat_s: float = 60.0, memory: int = 100, on_drop=None) -> tuple[EventRecorder, list[tuple], Clock]:
     posted: list[tuple] = []
     clock = Clock()
 
     async def post(obj, reason, message, warning):
         posted.append((obj["metadata"]["name"], reason, message, warning))
 
-    return EventRecorder(post, KubeSettings(event_repeat_s=repeat_s, event_memory=memory), clock), posted, clock
+    return EventRecorder(post, KubeSettings(event_repeat_s=repeat_s, event_memory=memory), clock, on_drop), posted, clock
 
 
 async def test_the_same_event_is_posted_once_per_period():
@@ -58,21 +58,55 @@ async def test_a_listed_and_a_watched_object_are_the_same_object():
     assert len(posted) == 1
 
 
-async def test_memory_is_bounded_least_recently_recorded_forgotten_first():
-    rec, posted, _ = recorder(memory=3)
+async def test_more_objects_than_the_memory_never_post_a_repeat_within_the_period():
+    """Each round records the same pods in the same order: with more pods than `event_memory`,
+    forgetting the least recently recorded would forget every pair before it comes round again,
+    and every Event would be posted every round (4097 pods over 4 rounds: 16,388 Events)."""
+    dropped: list[int] = []
+    rec, posted, clock = recorder(repeat_s=60, memory=3, on_drop=lambda: dropped.append(1))
+    for rnd in range(4):
+        clock.now = rnd * 10
+        for name in "abcd":
+            await rec.record(pod(name), "Unplaceable", "no room")
+    assert [p[0] for p in posted] == ["a", "b", "c"]  # d: dropped while the memory is full, never a repeat
+    assert rec.dropped == len(dropped) == 4 and len(rec) == 3
+    clock.now = 60  # a period later: forgotten by age, posted again
     for name in "abcd":
+        await rec.record(pod(name), "Unplaceable", "no room")
+    assert [p[0] for p in posted] == ["a", "b", "c"] * 2 and rec.dropped == 5
+
+
+async def test_a_backlog_above_the_default_memory_is_posted_once_per_period():
+    """The reviewer's case: 4097 pods waiting (kube.event_memory is 4096), four rounds a resync apart."""
+    rec, posted, clock = recorder(repeat_s=KubeSettings().event_repeat_s, memory=KubeSettings().event_memory)
+    pods = [pod(f"p{i}") for i in range(4097)]
+    for rnd in range(4):
+        clock.now = rnd * 15.0
+        for p in pods:
+            await rec.record(p, "Unplaceable", "dynpart cannot place this pod: no room", True)
+    assert len(posted) == 4096 and len({p[0] for p in posted}) == 4096 and rec.dropped == 4
+
+
+async def test_pairs_are_forgotten_by_age_or_when_the_object_goes():
+    rec, posted, clock = recorder(repeat_s=60, memory=3)
+    for name in "abc":
         await rec.record(pod(name), "R", "m")
-    assert len(rec) == 3 and len(posted) == 4
-    await rec.record(pod("b"), "R", "m")  # remembered: not posted, and now the most recent
-    assert len(posted) == 4
-    await rec.record(pod("e"), "R", "m")  # forgets c, the least recently recorded
-    await rec.record(pod("b"), "R", "m")
-    assert len(posted) == 5
-    await rec.record(pod("c"), "R", "m")  # forgotten: posted again
-    assert len(posted) == 6 and len(rec) == 3
-    for i in range(1000):
+        clock.now += 10  # a at 0, b at 10, c at 20
+    clock.now = 65  # a's period is over: forgotten, room for d
+    await rec.record(pod("d"), "R", "m")
+    assert [p[0] for p in posted] == ["a", "b", "c", "d"] and len(rec) == 3 and rec.dropped == 0
+    await rec.record(pod("b"), "R", "m")  # b still within its period: not posted
+    await rec.record(pod("e"), "R", "m")  # full: dropped
+    assert len(posted) == 4 and rec.dropped == 1
+    rec.forget(pod("b"))  # the pod went: its pairs go
+    await rec.record(pod("e"), "R", "m")
+    assert [p[0] for p in posted] == ["a", "b", "c", "d", "e"] and len(rec) == 3
+    await rec.record(pod("c"), "R", "new message")  # a new message of a remembered pair: posted, full or not
+    assert posted[-1] == ("c", "R", "new message", False) and len(rec) == 3
+    clock.now = 10_000
+    for i in range(1000):  # however many objects come and go, the memory stays bounded
         await rec.record(pod(f"p{i}"), "R", "m")
-    assert len(rec) == 3
+    assert len(rec) == 3 and len(rec._reasons) == 3
 
 
 async def test_queued_posting_never_makes_the_caller_wait():
@@ -87,13 +121,14 @@ async def test_queued_posting_never_makes_the_caller_wait():
         await gate.wait()  # the API server is slow
         posted.append(message)
 
-    poster = QueuedPoster(slow_post, workers=2, maxsize=3)
+    drops: list[int] = []
+    poster = QueuedPoster(slow_post, workers=2, maxsize=3, on_drop=lambda: drops.append(1))
     for i in range(5):
         await asyncio.wait_for(poster({"kind": "Pod", "metadata": {"name": f"p{i}"}}, "R", f"m{i}", False), 0.1)
     await asyncio.sleep(0)  # the workers take the first two; three wait in the queue
     assert posted == [] and poster.dropped == 0
     await poster({"kind": "Pod", "metadata": {"name": "p5"}}, "R", "m5", False)
-    assert poster.dropped == 1  # the queue was full: dropped, not waited for
+    assert poster.dropped == len(drops) == 1  # the queue was full: dropped (and counted), not waited for
     gate.set()
     await poster.drain()
     assert sorted(posted) == ["m0", "m1", "m2", "m3", "m4"]
