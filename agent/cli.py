@@ -217,7 +217,7 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     """The agent, its own device plugin (served until `stack` closes; MPS nodes always, MIG nodes
     with `device_plugin: builtin`) and, with `device_plugin: nvidia`, the restarts of NVIDIA's
     plugin on MIG nodes."""
-    from dynpart.agent.deviceplugin.server import DevicePluginManager, MpsSettings
+    from dynpart.agent.deviceplugin.server import AllocateSettings, DevicePluginManager
     from dynpart.agent.kube import KubeNodeApi, KubePluginPods, lease_term_reader
     from dynpart.agent.loop import Agent
     from dynpart.agent.mps_daemon import ProcessMpsDaemon
@@ -225,8 +225,8 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     from dynpart.agent.podresources import FakePodResources
 
     capacity = settings.mps_capacity_gb
-    plugins = DevicePluginManager(settings.device_plugin_dir, mps=MpsSettings(pipe_dir_host=settings.mps_pipe_dir),
-                                  held=pods.allocatable)
+    allocate = AllocateSettings(pipe_dir_host=settings.mps_pipe_dir, device_list=settings.device_list_strategy)
+    plugins = DevicePluginManager(settings.device_plugin_dir, allocate=allocate, held=pods.allocatable)
     daemon = ProcessMpsDaemon()
     stack.push_async_callback(daemon.stop)  # after the plugin stopped listing MPS slices (exits run last first)
     await stack.enter_async_context(plugins)

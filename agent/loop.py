@@ -59,7 +59,7 @@ from dynpart.kube.conventions import (
 from dynpart.kube.recording import EventRecorder
 from dynpart.kube.retrying import retrying
 from dynpart.probing import Liveness
-from dynpart.resources import MpsResource, is_slice_resource, mig_resource_name, parse_resource
+from dynpart.resources import MpsResource, is_slice_resource, known_resource, mig_resource_name
 from dynpart.settings import KubeSettings
 from dynpart.snapshot import GpuLayout, Mode, NodeLayout
 
@@ -156,9 +156,8 @@ class Agent:
                 raise DynpartError(f"node {self.node}: {e}") from None
             if choice.model != self._model:
                 self._mig = None  # built for the old model
-                if self._mps_plugin is not None:
-                    self._mps_plugin.capacity_gb = min(self.capacity_gb or choice.model.mps_capacity_gb,
-                                                       choice.model.mps_capacity_gb)
+                if self._mps_plugin is not None:  # (a lower capacity_gb is in the model's already)
+                    self._mps_plugin.capacity_gb = choice.model.mps_capacity_gb
                 for note in [*unread, *choice.disagreements]:
                     log.warning("node %s: %s", self.node, note)
             self._model, self._mig_states = choice.model, states
@@ -192,9 +191,8 @@ class Agent:
         node = await self.node_api.get()
         try:
             model = self.model()
-            # never more than the memory NVML reports (the model's MPS capacity is derived from it)
-            capacity = min(self.capacity_gb or model.mps_capacity_gb, model.mps_capacity_gb)
-            self._capacity = capacity
+            # the memory NVML reports, or less (capacity_gb): the model's MPS capacity is derived from it
+            capacity = self._capacity = model.mps_capacity_gb
             await self._readmit_leftovers()
             spec = decode_spec(node.annotations, model, node=self.node, capacity=capacity)
             layout = spec.layout
@@ -227,7 +225,7 @@ class Agent:
                                        "serves, and this agent runs none")
                 if self._mps_plugin is None:
                     self._mps_plugin = MpsPluginAgent(self.driver, self.pods, capacity, guard=self.guard,
-                                                      daemon=self.mps_daemon, pipe_dir=self.plugins.mps.pipe_dir_host,
+                                                      daemon=self.mps_daemon, pipe_dir=self.plugins.allocate.pipe_dir_host,
                                                       log_dir=self.mps_log_dir)
                 desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
                 result = await self._mps_plugin.apply(desired_mps, spec.drain)
@@ -421,7 +419,7 @@ class Agent:
             advertised = self.plugins.advertised()  # after the awaits: a withdrawal meanwhile counts
             counts = _publishable(advertised, held, node.allocatable)
             if not self._builtin:  # NVIDIA's plugin publishes the rest: only the MPS slices left are ours
-                counts = {r: n for r, n in counts.items() if isinstance(parse_resource(r), MpsResource)}
+                counts = {r: n for r, n in counts.items() if isinstance(known_resource(r), MpsResource)}
             # absent: 0; a capacity below the count is raised with it (the kubelet's own capacity,
             # unhealthy devices included, is left alone)
             patch = {r: n for r, n in counts.items()
@@ -627,7 +625,7 @@ def _publishable(advertised: dict[str, list[PluginDevice]], held: dict[str, list
     """Resource -> healthy devices both advertised and held by the kubelet's device manager, for
     every resource the plugin serves and every GPU slice resource the node lists (0 when the
     plugin serves it no more)."""
-    out = {r: 0 for r in node_allocatable if is_slice_resource(r)}
+    out = {r: 0 for r in node_allocatable if known_resource(r) is not None}
     for resource, devices in advertised.items():
         have = set(held.get(resource, ()))
         out[resource] = sum(1 for d in devices if d.healthy and d.id in have)

@@ -29,7 +29,7 @@ from dynpart.agent.mig_agent import PassResult
 from dynpart.agent.mps_daemon import MpsDaemon, MpsDaemonError
 from dynpart.agent.podresources import PodResources
 from dynpart.agent.reconcile import drained_mps, reconcile_mps
-from dynpart.resources import WHOLE_GPU, MpsResource, is_slice_resource, mps_resource_name, parse_resource
+from dynpart.resources import WHOLE_GPU, MpsResource, known_resource, mps_resource_name
 from dynpart.snapshot import GpuLayout, MpsSlice
 
 log = logging.getLogger("dynpart.agent.mps")
@@ -96,13 +96,13 @@ class MpsPluginAgent:
         whole: dict[int, list[str]] = {}
         held_ids: set[str] = set()
         for a in assigned:
-            if not is_slice_resource(a.resource):
+            res = known_resource(a.resource)
+            if res is None:
                 continue
             base, _, n = a.device_id.partition("::")
             gpu = index_of.get(base)
             if gpu is None:
                 continue  # a MIG device: not an MPS slice
-            res = parse_resource(a.resource)
             if isinstance(res, MpsResource) and n.isdigit():
                 used.setdefault(gpu, {})[int(n)] = res.size
                 held_ids.add(a.device_id)

@@ -34,8 +34,8 @@ class BoundPod:
     key: str  # namespace/name
     requests: dict[str, int]  # GPU resource name -> devices the pod needs at admission
     phase: str = "Pending"
-    # resources a plain init container asks more of than the other containers: PodResources
-    # lists no plain init container's devices, so what it uses cannot be seen while it runs
+    # resources a plain init container asks for: PodResources lists no plain init container's
+    # devices, so what it uses cannot be seen while it runs
     init_only: frozenset[str] = frozenset()
 
 
@@ -61,39 +61,40 @@ def _container_requests(c: Mapping[str, Any], where: str) -> dict[str, int]:
 
 
 def requests_of(pod: Mapping[str, Any]) -> dict[str, int]:
-    """The GPU devices a pod needs at admission, as the kubelet counts them: the containers' sum
-    (restartable init containers, i.e. sidecars, included), or the largest plain init container
-    if that is more."""
+    """The GPU devices a pod needs at admission, as the kubelet counts them (Kubernetes'
+    PodRequests): the containers and the sidecars (restartable init containers) summed, or, if
+    more, what a plain init container needs beside the sidecars started before it."""
     meta = pod.get("metadata") or {}
     where = f"pod {meta.get('namespace')}/{meta.get('name')}"
     spec = pod.get("spec") or {}
     total: dict[str, int] = {}
-    init_max: dict[str, int] = {}
+    sidecars: dict[str, int] = {}
+    init_peak: dict[str, int] = {}
     for c in spec.get("initContainers") or []:
         req = _container_requests(c, where)
         if c.get("restartPolicy") == "Always":
             for r, n in req.items():
-                total[r] = total.get(r, 0) + n
+                sidecars[r] = sidecars.get(r, 0) + n
         else:
-            for r, n in req.items():
-                init_max[r] = max(init_max.get(r, 0), n)
+            for r in set(req) | set(sidecars):
+                init_peak[r] = max(init_peak.get(r, 0), req.get(r, 0) + sidecars.get(r, 0))
     for c in spec.get("containers") or []:
         for r, n in _container_requests(c, where).items():
             total[r] = total.get(r, 0) + n
-    out = {r: max(total.get(r, 0), init_max.get(r, 0)) for r in set(total) | set(init_max)}
+    for r, n in sidecars.items():
+        total[r] = total.get(r, 0) + n
+    out = {r: max(total.get(r, 0), init_peak.get(r, 0)) for r in set(total) | set(init_peak)}
     return {r: n for r, n in out.items() if n > 0}
 
 
 def init_only(pod: Mapping[str, Any]) -> frozenset[str]:
-    """The resources of `requests_of` that a plain init container asks more of than the pod's
-    other containers together (the kubelet's PodResources List never shows its devices)."""
+    """The GPU resources a plain init container asks for: the kubelet's PodResources List never
+    shows its devices, so while it may run (the pod is Pending) which device it holds is unknown."""
+    meta = pod.get("metadata") or {}
+    where = f"pod {meta.get('namespace')}/{meta.get('name')}"
     spec = pod.get("spec") or {}
-    plain = [c for c in spec.get("initContainers") or [] if c.get("restartPolicy") != "Always"]
-    if not plain:
-        return frozenset()
-    shown = {**pod, "spec": {**spec, "initContainers": [c for c in spec.get("initContainers") or [] if c not in plain]}}
-    seen, wanted = requests_of(shown), requests_of(pod)
-    return frozenset(r for r, n in wanted.items() if n > seen.get(r, 0))
+    return frozenset(r for c in spec.get("initContainers") or [] if c.get("restartPolicy") != "Always"
+                     for r, n in _container_requests(c, where).items() if n > 0)
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,11 @@ MAX_GPU_INDEX = 255
 MAX_PLAN_ID = 128
 MAX_ERROR_CHARS = 4096
 MAX_TERM = 999_999  # _INT's six digits
-# spec-pods: a node holds at most a few hundred pods (the kubelet's maxPods, 110 by default),
-# of ~100 characters each; the node's annotations together must stay under 256 KiB
+# spec-pods: a node holds at most a few hundred pods (the kubelet's maxPods, 110 by default), of
+# ~100 characters each. Written up to 32 KiB (what agents before 64 KiB was read accept), read up
+# to 64 KiB; the node's annotations together must stay under 256 KiB
 MAX_PODS_CHARS = 64 * 1024
+WRITE_PODS_CHARS = 32 * 1024
 _POD_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?/[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", re.ASCII)
 
 _PLAN_ID = re.compile(rf"[!-~]{{1,{MAX_PLAN_ID}}}", re.ASCII)  # printable ASCII, no space
@@ -196,10 +198,10 @@ def encode_spec(layout: NodeLayout, plan_id: str, *, term: int | None = None,
         if bad:
             raise ValueError(f"pod name {bad[0]!r} is not namespace/name")
         text = ",".join(names)
-        if len(text) > MAX_PODS_CHARS:
-            # never a spec its agent refuses: the names that fit (a pod left out is only not held
-            # back as in flight by a leader that takes over before the plan is acknowledged)
-            text = text[: text.rfind(",", 0, MAX_PODS_CHARS + 1)]
+        if len(text) > WRITE_PODS_CHARS:
+            # never a spec its agent refuses: the names that fit (docs/protocol.md: what a pod left
+            # out loses)
+            text = text[: text.rfind(",", 0, WRITE_PODS_CHARS + 1)]
         out[SPEC_PODS] = text
     drain = sorted({g.index for g in layout.gpus if g.drain})
     if drain:

@@ -69,6 +69,15 @@ def parse_resource(name: str) -> SliceResource:
     )
 
 
+def known_resource(name: str) -> SliceResource | None:
+    """The slice resource `name` is, or None: not one, or one written so that `parse_resource`
+    refuses it (e.g. nvidia.com/gpu-010gb), which nothing dynpart advertises."""
+    try:
+        return parse_resource(name) if is_slice_resource(name) else None
+    except ResourceNameError:
+        return None
+
+
 def mig_profile_suffix(written: str) -> str:
     """A profile suffix as written in a resource name or annotation key, back as the driver
     names it: `.me` -> `+me`, `.me.all` -> `+me.all`, `.gfx` -> `+gfx`, `-me` -> `-me`."""

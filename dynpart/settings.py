@@ -50,8 +50,9 @@ class KubeSettings(BaseModel):
     event_repeat_s: float = Field(default=3600.0, gt=0, description="the same Event (object, reason, message) is "
                                   "posted again at most this often")
     event_memory: int = Field(default=4096, ge=1, description="(object, reason) pairs the Event de-duplication "
-                              "remembers, each for event_repeat_s; while that many are, Events about further pairs "
-                              "are dropped (the planner counts them in dynpart_events_dropped_total)")
+                              "remembers, each for event_repeat_s; while that many are, warnings about further pods "
+                              "(a backlog of waiting pods) are dropped, counted in dynpart_events_dropped_total; what "
+                              "a plan did and node Events are always posted")
 
 
 class CommonSettings(BaseSettings):
@@ -77,7 +78,8 @@ class PlannerSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="DYNPART_PLANNER_", env_nested_delimiter=NESTED, extra="forbid",
                                       allow_inf_nan=False)
 
-    batch_idle_s: float = Field(default=0.5, gt=0, description="close a batch after this long without a new pod")
+    batch_idle_s: float = Field(default=0.5, gt=0, description="close a batch after this long without a new pod "
+                                "(at most batch_timeout_s)")
     batch_timeout_s: float = Field(default=3.0, gt=0, description="close a batch at the latest this long after its first pod")
     ack_timeout_s: float = Field(default=60.0, gt=0, description="give up waiting for an agent's acknowledgement")
     reservation_s: float = Field(default=15.0, ge=0, description="after a node acknowledges a plan, how long the "
@@ -104,8 +106,10 @@ class PlannerSettings(CommonSettings):
     lease_name: str = Field(default=LEASE_NAME, description="coordination.k8s.io Lease name")
     lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="namespace of the Lease")
     lease_duration_s: int = Field(default=15, ge=2, description="a standby takes over after this long without renewal")
-    lease_renew_s: float = Field(default=4.0, gt=0, description="how often the leader renews")
-    lease_retry_s: float = Field(default=1.0, gt=0, description="how often a standby tries")
+    lease_renew_s: float = Field(default=4.0, gt=0, description="how often the leader renews (at most half of "
+                                 "lease_duration_s)")
+    lease_retry_s: float = Field(default=1.0, gt=0, description="how often a standby tries (less than "
+                                 "lease_duration_s)")
     identity: str = Field(default_factory=socket.gethostname, description="this replica's name in the Lease")
 
     @model_validator(mode="after")
@@ -155,6 +159,13 @@ class AgentSettings(CommonSettings):
     device_plugin_dir: str = Field(default="/var/lib/kubelet/device-plugins", description="the agent's own device "
                                    "plugin: the kubelet's device-plugin directory (kubelet.sock and the plugins' "
                                    "sockets)")
+    device_list_strategy: Literal["envvar", "volume-mounts"] = Field(
+        default="envvar", description="the agent's own device plugin: how Allocate names a container's GPUs or MIG "
+        "devices to the NVIDIA container runtime, as NVIDIA's plugin's DEVICE_LIST_STRATEGY: `envvar` "
+        "(NVIDIA_VISIBLE_DEVICES lists them; a pod can set that variable itself) or `volume-mounts` (one /dev/null "
+        "mount per device under /var/run/nvidia-container-devices; needs the runtime's "
+        "accept-nvidia-visible-devices-as-volume-mounts=true, as GPU Operator sets it, and is what a runtime that "
+        "refuses the variable from unprivileged pods needs)")
     mps_pipe_dir: str = Field(default="/var/lib/dynpart/mps", description="MPS: host directory of the MPS control "
                               "daemon's pipes, mounted into MPS pods (the same path inside the agent)")
     mps_log_dir: str = Field(default="/var/lib/dynpart/mps-log", description="MPS: the MPS control daemon's logs")

@@ -90,7 +90,7 @@ class RequestShare(_Model):
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
     node_affinity: list[NodeSelectorTerm] = []
-    weight: float = Field(default=1.0, gt=0)
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
 
 
 class Snapshot(_Model):
@@ -255,8 +255,18 @@ def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuMode
             problems.append(f"pending[{i}] ({pod.name}).name = {pod.name!r}: duplicate pod name")
         seen_pods.add(pod.name)
         problems.extend(pod_problems(f"pending[{i}] ({pod.name}).", pod, catalog, known_profiles))
-    for i, share in enumerate(snapshot.workload):  # checked as a pod asking for it would be
-        problems.extend(pod_problems(f"workload[{i}].", share, catalog, known_profiles))
+    for i, share in enumerate(snapshot.workload):
+        # a MIG profile no model offers is no error here: a share learnt for a node that left (or
+        # named as a driver names it) only counts for no node
+        try:
+            parse_resource(share.resource)
+        except ResourceNameError as e:
+            problems.append(f"workload[{i}].resource: {e}")
+        for m in share.gpu_models:
+            try:
+                catalog.resolve(m, where=f"workload[{i}].gpu_models")
+            except DynpartError as e:
+                problems.append(str(e))
     if problems:
         raise SnapshotError(problems)
     return models
@@ -304,10 +314,8 @@ def node_problems(where: str, node: Node, catalog: Catalog) -> tuple[GpuModel | 
     return model, problems
 
 
-def pod_problems(where: str, pod: PendingPod | RequestShare, catalog: Catalog,
-                 known_profiles: AbstractSet[str]) -> list[str]:
-    """What is wrong with one pending pod (or one share of the workload) on its own; `where` as
-    for `node_problems`."""
+def pod_problems(where: str, pod: PendingPod, catalog: Catalog, known_profiles: AbstractSet[str]) -> list[str]:
+    """What is wrong with one pending pod on its own; `where` as for `node_problems`."""
     problems: list[str] = []
     try:
         res = parse_resource(pod.resource)

@@ -63,6 +63,7 @@ from dynpart.resources import MigResource, MpsResource, parse_resource
 from dynpart.settings import PlannerSettings
 
 log = logging.getLogger("dynpart.planner")
+GAUGES_EVERY_S = 1.0  # the gauges read every pod in the cache: at most this often, not at every wake
 
 __all__ = ["InFlight", "PlannerController"]
 
@@ -112,6 +113,8 @@ class PlannerController:
         self._invalid_pods: set[str] = set()
         self._round_catalog = catalog
         self._disagreements: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._gauges_at: float | None = None  # when refresh_gauges last ran (it reads every pod)
+        self._gauges_set = False
         self._ids = itertools.count(1)
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
                               settings=settings.kube, on_beat=lambda: self.liveness.beat("watch nodes"))
@@ -252,15 +255,17 @@ class PlannerController:
         if self.loop.due(now, bool(self.window.members) or bool(self._candidates()) or self._switches_wanted()):
             self.loop.begin_round(now)
             await self.plan_round()
-        self.refresh_gauges(self.clock())
+        if self._gauges_at is None or self.clock() - self._gauges_at >= GAUGES_EVERY_S or not self._gauges_set:
+            self.refresh_gauges(self.clock())
 
     # --- gauges ---------------------------------------------------------------------------
 
     def refresh_gauges(self, now: float) -> None:
-        """Set the gauges from the caches as they are now (every step of the leader, whether or
-        not a round runs): the pods waiting, the request distribution decayed to `now`, and the
+        """Set the gauges from the caches as they are now (the leader's steps, at most every
+        GAUGES_EVERY_S, whether or not a round runs): the pods waiting, the request distribution decayed to `now`, and the
         nodes whose capability report differs from the catalog. A pod's resource is its label
         only when dynpart can plan it, else `invalid`: a pod can ask for any name."""
+        self._gauges_at, self._gauges_set = now, True
         label = self._resource_label()
         pending: Counter[str] = Counter()
         for key, pod in self.pods.cache.items():
@@ -317,10 +322,9 @@ class PlannerController:
             return labels[resource]
         return label
 
-    @staticmethod
-    def clear_gauges() -> None:
-        for gauge in (metrics.PENDING_PODS, metrics.WORKLOAD_WEIGHT, metrics.CATALOG_DISAGREEMENTS):
-            gauge.clear()
+    def clear_gauges(self) -> None:
+        metrics.clear_cluster_gauges()
+        self._gauges_set = False  # set again at the next leader step
 
     def _switches_wanted(self) -> bool:
         """A node relabelled to the other mode is sent its switching spec by a round (at the

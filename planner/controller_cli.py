@@ -10,6 +10,7 @@ import signal
 from dynpart.catalog import Catalog, load_catalog
 from dynpart.errors import DynpartError, SnapshotError
 from dynpart.logs import setup_logging
+from dynpart.resources import MigResource, parse_resource
 from dynpart.settings import PlannerSettings, load_settings
 from dynpart.snapshot import Snapshot, validate_snapshot
 
@@ -62,6 +63,13 @@ def check_workload(settings: PlannerSettings, catalog: Catalog) -> None:
         validate_snapshot(Snapshot.model_construct(nodes=[], pending=[], workload=list(settings.workload)), catalog)
     except SnapshotError as e:
         raise DynpartError("setting workload: " + "; ".join(e.problems)) from None
+    known = catalog.mig_profile_names()
+    for i, share in enumerate(settings.workload):
+        kind = parse_resource(share.resource)
+        if isinstance(kind, MigResource) and kind.profile not in known:
+            # perhaps a driver's own name (docs/protocol.md): it counts where a node offers it
+            log.warning("setting workload[%d].resource = %r: MIG profile %r is offered by no GPU model of the "
+                        "catalog; it counts only on nodes whose driver offers it", i, share.resource, kind.profile)
 
 
 async def _main(settings: PlannerSettings, catalog: Catalog) -> None:

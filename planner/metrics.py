@@ -6,8 +6,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 PLAN_SECONDS = Histogram("dynpart_plan_seconds", "Time to compute one plan",
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-# PENDING_PODS, WORKLOAD_WEIGHT and CATALOG_DISAGREEMENTS are set from the controller's caches at every
-# step of the leader (PlannerController.refresh_gauges); a standby exports none of their series.
+# PENDING_PODS, WORKLOAD_WEIGHT and CATALOG_DISAGREEMENTS are set from the controller's caches by the
+# leader's steps, at most once a second (PlannerController.refresh_gauges); a standby exports none.
 # resource: the slice resource asked for, or INVALID for a pod dynpart cannot plan (a pod can ask for
 # any name: the label's values stay bounded)
 INVALID = "invalid"
@@ -34,3 +34,9 @@ WORKLOAD_WEIGHT = Gauge("dynpart_workload_weight", "The request distribution the
 EVENTS_DROPPED = Counter("dynpart_events_dropped_total", "Events not posted: cause memory_full (kube.event_memory "
                          "(object, reason) pairs remembered) or queue_full (the API server too slow to take them)",
                          ["cause"])
+
+
+def clear_cluster_gauges() -> None:
+    """The gauges a standby does not export (set by the leader from its caches)."""
+    for gauge in (PENDING_PODS, WORKLOAD_WEIGHT, CATALOG_DISAGREEMENTS):
+        gauge.clear()

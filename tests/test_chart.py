@@ -243,9 +243,10 @@ def test_agent_command_line_and_settings(default, full, tmp_path, monkeypatch):
     assert s.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
     assert s.catalog_files == []
     assert (s.device_plugin, s.device_plugin_dir, s.publish_allocatable) == ("builtin", "/var/lib/kubelet/device-plugins", True)
+    assert s.device_list_strategy == "envvar"
     assert (s.nvidia_plugin_namespace, s.nvidia_plugin_selector) == ("gpu-operator", "app=nvidia-device-plugin-daemonset")
     ns, s = _agent_settings(full, tmp_path, monkeypatch)
-    assert s.catalog_files == ["/etc/dynpart/catalog/extra.yaml"]
+    assert s.catalog_files == ["/etc/dynpart/catalog/extra.yaml"] and s.device_list_strategy == "volume-mounts"
     assert (s.report_interval_s, s.log_level, s.log_json, s.metrics_port) == (5, "DEBUG", False, 9100)
     assert s.metrics_host == "::"
 

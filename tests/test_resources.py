@@ -77,3 +77,18 @@ def test_an_mps_size_with_leading_zeros_is_refused_with_the_name_to_use():
     """nvidia.com/gpu-0010gb would be planned as 10 GB but never bind: the agent advertises gpu-10gb."""
     with pytest.raises(ResourceNameError, match=r"'nvidia.com/gpu-0010gb'.*nvidia.com/gpu-10gb"):
         parse_resource("nvidia.com/gpu-0010gb")
+
+
+def test_known_resource_is_none_for_what_nothing_of_dynpart_advertises():
+    from dynpart.resources import known_resource
+
+    assert known_resource("nvidia.com/gpu-10gb") == MpsResource(size=10)
+    assert known_resource("nvidia.com/gpu-010gb") is None  # a slice name, but one no agent advertises
+    assert known_resource("cpu") is None and known_resource("nvidia.com/mig-1g.10gb") == MigResource(profile="1g.10gb")
+
+
+def test_an_allocatable_key_nothing_advertises_does_not_stop_the_agent_publishing():
+    from dynpart.agent.loop import _publishable
+
+    assert _publishable({}, {}, {"nvidia.com/gpu-010gb": "3", "nvidia.com/gpu-10gb": "2", "cpu": "8"}) == {
+        "nvidia.com/gpu-10gb": 0}

@@ -149,25 +149,36 @@ class ContainerAllocation:
     mounts: tuple[MountSpec, ...] = ()
 
 
+# NVIDIA's device-list strategies (its plugin's DEVICE_LIST_STRATEGY): the device ids in
+# NVIDIA_VISIBLE_DEVICES, or one /dev/null mount per id under this directory, with the variable
+# naming the directory (the runtime then takes the devices only from mounts, which a pod cannot
+# forge, where it is set with accept-nvidia-visible-devices-as-volume-mounts=true)
+DeviceList = Literal["envvar", "volume-mounts"]
+DEVICE_LIST_MOUNTS = "/var/run/nvidia-container-devices"
+
+
 def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_PIPE_DIRECTORY,
-                         mps_pipe_container: str = MPS_PIPE_DIRECTORY) -> ContainerAllocation:
+                         mps_pipe_container: str = MPS_PIPE_DIRECTORY,
+                         device_list: DeviceList = "envvar") -> ContainerAllocation:
     """The env vars and mounts for a container given `devices` (all of one resource, as the kubelet
     asks per resource): NVIDIA_VISIBLE_DEVICES names the MIG or GPU UUIDs (the NVIDIA container
     runtime does the rest). MPS slices also get their memory limit per GPU
     (`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<ordinal>=<N>G`, slices on one GPU summed), a thread share
     proportional to the memory share (the largest over the GPUs), and the MPS pipe directory.
     The limit names the GPUs by the CUDA ordinal the container sees, not by UUID (NVIDIA's plugin
-    moved to ordinals in v0.15.0 because limits set by UUID were not applied): the container's
+    moved its limits to device indices in v0.15.0 because limits set by UUID were not applied;
+    its daemon sets them by host index, a client's variable counts the client's GPUs): the container's
     GPUs are numbered in PCI bus order (`CUDA_DEVICE_ORDER=PCI_BUS_ID`), which is NVML's index
     order, so the i-th of its GPUs by index is ordinal i."""
     if not devices:
         return ContainerAllocation(envs={})
     if any(d.kind == "mig" for d in devices):
-        return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(d.id for d in devices)})
+        return _visible([d.id for d in devices], device_list)
     gpus = [u for _, u in sorted({(d.gpu_index, d.gpu_uuid) for d in devices})]
-    envs = {"NVIDIA_VISIBLE_DEVICES": ",".join(gpus)}
+    visible = _visible(gpus, device_list)
     if all(d.kind == "gpu" for d in devices):
-        return ContainerAllocation(envs=envs)
+        return visible
+    envs = dict(visible.envs)
     per_gpu: dict[str, int] = {}
     share = 0
     for d in devices:
@@ -179,7 +190,15 @@ def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_P
     envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{n}={per_gpu[u]}G" for n, u in enumerate(gpus))
     envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
     envs["CUDA_MPS_PIPE_DIRECTORY"] = mps_pipe_container
-    return ContainerAllocation(envs=envs, mounts=(MountSpec(mps_pipe_host, mps_pipe_container),))
+    return ContainerAllocation(envs=envs, mounts=(*visible.mounts, MountSpec(mps_pipe_host, mps_pipe_container)))
+
+
+def _visible(ids: list[str], device_list: DeviceList) -> ContainerAllocation:
+    """How the NVIDIA container runtime is told which GPUs or MIG devices the container gets."""
+    if device_list == "volume-mounts":
+        return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": DEVICE_LIST_MOUNTS},
+                                   mounts=tuple(MountSpec("/dev/null", f"{DEVICE_LIST_MOUNTS}/{i}") for i in ids))
+    return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": ",".join(ids)})
 
 
 def packed_first(available: Iterable[str], devices: Iterable[PluginDevice], used_per_gpu: Mapping[int, int]) -> list[str]:

@@ -38,6 +38,7 @@ from typing import Any
 from dynpart.agent.deviceplugin import protocol
 from dynpart.agent.deviceplugin.devices import (
     MPS_PIPE_DIRECTORY,
+    DeviceList,
     PluginDevice,
     check_exclusive,
     container_allocation,
@@ -73,16 +74,20 @@ class _NotServed:
 
 
 @dataclass(frozen=True)
-class MpsSettings:
+class AllocateSettings:
+    """What Allocate hands a container besides its devices: the MPS pipe directory, and how the
+    devices are named to the NVIDIA container runtime (`devices.DeviceList`)."""
+
     pipe_dir_host: str = MPS_PIPE_DIRECTORY
     pipe_dir_container: str = MPS_PIPE_DIRECTORY
+    device_list: DeviceList = "envvar"
 
 
 class PluginServer:
     """The DevicePlugin service for one resource name."""
 
     def __init__(self, resource: str, plugin_dir: str, devices: Iterable[PluginDevice] = (), *,
-                 preferred: PreferredHook | None = None, mps: MpsSettings | None = None,
+                 preferred: PreferredHook | None = None, allocate: AllocateSettings | None = None,
                  withdrawn: set[str] | None = None, sealed: set[str] | None = None,
                  allocated: dict[str, float] | None = None, serve: bool = True):
         self.resource = resource
@@ -91,7 +96,7 @@ class PluginServer:
         self.endpoint = socket_name(resource)
         self.socket_path = os.path.join(plugin_dir, self.endpoint)
         self.preferred = preferred
-        self.mps = mps or MpsSettings()
+        self.allocate = allocate or AllocateSettings()
         # withdrawn: no longer listed, still served by Allocate (the kubelet may have picked it just
         # before it read the new list; the agent then keeps it). sealed: about to be destroyed, refused.
         self.withdrawn = withdrawn if withdrawn is not None else set()
@@ -277,7 +282,8 @@ class PluginServer:
             now = time.monotonic()
             for i in ids:
                 self.allocated[i] = now
-            a = container_allocation([by_id[i] for i in ids], self.mps.pipe_dir_host, self.mps.pipe_dir_container)
+            a = container_allocation([by_id[i] for i in ids], self.allocate.pipe_dir_host,
+                                     self.allocate.pipe_dir_container, self.allocate.device_list)
             responses.append(msgs["ContainerAllocateResponse"](
                 envs=a.envs, mounts=[msgs["Mount"](host_path=m.host_path, container_path=m.container_path,
                                                    read_only=m.read_only) for m in a.mounts]))
@@ -291,12 +297,12 @@ class DevicePluginManager:
     """The plugins of one node: `update()` after each pass, `withdraw()` before destroying."""
 
     def __init__(self, plugin_dir: str = protocol.DEVICE_PLUGIN_DIR, *, preferred: PreferredHook | None = None,
-                 mps: MpsSettings | None = None, poll_s: float = 0.1, register_timeout_s: float = 5.0,
+                 allocate: AllocateSettings | None = None, poll_s: float = 0.1, register_timeout_s: float = 5.0,
                  held: HeldHook | None = None, confirm_timeout_s: float = 2.0, serve: bool = True):
         self.plugin_dir = plugin_dir
         self.kubelet_socket = os.path.join(plugin_dir, protocol.KUBELET_SOCKET_NAME)
         self.preferred = preferred
-        self.mps = mps or MpsSettings()
+        self.allocate = allocate or AllocateSettings()
         self.poll_s = poll_s
         self.register_timeout_s = register_timeout_s
         self.serve = serve  # False: no socket, no registration (see the module doc)
@@ -441,7 +447,7 @@ class DevicePluginManager:
             if server is None:
                 if not devices and held_back:
                     continue  # nothing to serve yet
-                server = PluginServer(resource, self.plugin_dir, devices, preferred=self.preferred, mps=self.mps,
+                server = PluginServer(resource, self.plugin_dir, devices, preferred=self.preferred, allocate=self.allocate,
                                       withdrawn=self.withdrawn, sealed=self.sealed, allocated=self.allocated,
                                       serve=self.serve)
                 self.servers[resource] = server

@@ -8,9 +8,10 @@ by age (`event_repeat_s` after it was posted: the next one is posted anyway), or
 says the object is gone (`forget`), never to make room: evicting a pair still within its period
 would post it again, and with more objects than the bound, recorded in the same order each round,
 every pair would be evicted before it comes round again (every Event posted every round). When
-`event_memory` (object, reason) pairs are remembered, an Event about a further pair is dropped
-(counted in `dropped`) until some are forgotten: its memory, and the Events it posts per period,
-stay bounded however many objects come and go."""
+`event_memory` (object, reason) pairs are remembered, a warning about a further pod is dropped
+(counted in `dropped`) until some are forgotten: the Events that pile up with a backlog of waiting
+pods stay bounded however many come and go, while what a plan did and Events about nodes (as many
+as the cluster has) are always posted."""
 
 from __future__ import annotations
 
@@ -128,7 +129,9 @@ class EventRecorder:
         last = self._posted.get(key)
         if last is not None and last.message == message:
             return False  # posted less than repeat_s ago (else it expired above)
-        if last is None and len(self._posted) >= self.memory:
+        if last is None and len(self._posted) >= self.memory and warning and who[0] == "Pod":
+            # only what piles up is dropped: a warning about one more waiting pod; what a plan did
+            # (SlicePlanned) and every node's Event are posted (and remembered) all the same
             self._drop(now)
             return False
         self._posted[key] = _Posted(message, now)

@@ -255,7 +255,7 @@ async def test_mps_slices_are_served_by_the_plugin(mps: PluginRig):
     await mps.settle(agent, "m1")
     assert "nvidia.com/device-plugin.config" not in mps.node_api.labels
     assert mps.daemon.running and mps.daemon.gpus == ("GPU-fake-0000", "GPU-fake-0001")
-    assert mps.daemon.dirs == (mps.plugins.mps.pipe_dir_host, "/var/log/nvidia-mps")
+    assert mps.daemon.dirs == (mps.plugins.allocate.pipe_dir_host, "/var/log/nvidia-mps")
     assert sorted(mps.kubelet.plugins["nvidia.com/gpu-10gb"].ids) == ["GPU-fake-0000::1", "GPU-fake-0000::2"]
     assert mps.kubelet.plugins["nvidia.com/gpu-20gb"].ids == ["GPU-fake-0000::0"]
     assert mps.kubelet.plugins["nvidia.com/gpu-40gb"].ids == ["GPU-fake-0001::0", "GPU-fake-0001::1"]

@@ -159,7 +159,7 @@ async def test_the_agent_is_built_for_its_device_plugin(tmp_path):
                                      None, stack)
                 assert isinstance(agent.node_pods, KubeNodePods) and agent.node_pods.node == "n1"
                 assert agent.plugins is not None and agent.plugins.plugin_dir == str(tmp_path / "dp")
-                assert agent.plugins.mps.pipe_dir_host == "/var/lib/dynpart/mps" and agent.plugins.held is not None
+                assert agent.plugins.allocate.pipe_dir_host == "/var/lib/dynpart/mps" and agent.plugins.held is not None
                 assert isinstance(agent.mps_daemon, ProcessMpsDaemon)
                 assert pods.on_allocatable is not None  # fake GPUs without a kubelet
                 if mode == "builtin":

@@ -111,6 +111,20 @@ def test_container_allocation_mps_sums_per_gpu():
     assert [(m.host_path, m.container_path) for m in a.mounts] == [("/run/mps", "/mps")]
 
 
+def test_volume_mounts_name_the_devices_by_mounts_a_pod_cannot_forge():
+    """NVIDIA's DEVICE_LIST_STRATEGY=volume-mounts: one /dev/null mount per device id under
+    /var/run/nvidia-container-devices, the variable naming that directory (its plugin's apiMounts)."""
+    by = advertise(GPUS)
+    mig = container_allocation(by["nvidia.com/mig-1g.10gb"][:1], device_list="volume-mounts")
+    assert mig.envs == {"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"}
+    assert [(m.host_path, m.container_path) for m in mig.mounts] == [("/dev/null", "/var/run/nvidia-container-devices/MIG-a")]
+    mps = container_allocation(by["nvidia.com/gpu-10gb"], "/run/mps", "/mps", device_list="volume-mounts")
+    assert mps.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
+    assert mps.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20G"
+    assert [(m.host_path, m.container_path) for m in mps.mounts] == [
+        ("/dev/null", "/var/run/nvidia-container-devices/GPU-1"), ("/run/mps", "/mps")]
+
+
 # --- over gRPC ----------------------------------------------------------------------------------
 
 

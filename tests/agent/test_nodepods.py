@@ -64,8 +64,11 @@ def test_a_device_a_starting_pods_init_container_may_hold_is_never_given_up():
     be the one it uses, so none goes."""
     starting = pod([c({"cpu": "1"})], init=[c({MIG: "1"})])
     assert init_only(starting) == {MIG}
-    assert init_only(pod([c({MIG: "2"})], init=[c({MIG: "1"})])) == frozenset()  # its containers reuse them
+    assert init_only(pod([c({MIG: "2"})], init=[c({MIG: "1"})])) == {MIG}
     assert init_only(pod([c({MIG: "1"})], init=[c({MIG: "1"}, restart="Always")])) == frozenset()  # a sidecar is listed
+    # a plain init container after a sidecar runs beside it: both devices at once
+    assert requests_of(pod([c({"cpu": "1"})], init=[c({MIG: "1"}, restart="Always"), c({MIG: "1"})])) == {MIG: 2}
+    assert requests_of(pod([c({"cpu": "1"})], init=[c({MIG: "1"}), c({MIG: "1"}, restart="Always")])) == {MIG: 1}
     admitted = [AssignedDevice("ns/other", "main", MIG, "MIG-9")]
     bound = [BoundPod("ns/p", {MIG: 1}, "Pending", init_only(starting))]
     needs = waiting_for(bound, [*admitted, AssignedDevice("ns/p", "main", "nvidia.com/gpu-10gb", "GPU-1::0")])

@@ -344,3 +344,28 @@ def test_a_pod_no_node_can_ever_hold_is_told_so_not_to_wait_for_space(resource, 
     mps = build_snapshot([node("m0", mode="mps", count=2)], [pod("b", {"nvidia.com/gpu-40gb": "5"})], CAT)
     [why] = plan(mps.snapshot, mps.catalog).unplaced
     assert "at most 2" in why.reason or "at most 4" in why.reason, why.reason
+
+
+def test_a_learned_share_of_a_profile_only_a_departed_node_offered_does_not_stop_the_rounds():
+    """A pod asked for a driver's own profile name (7g.79gb) on a node that then left: the share
+    learnt for it counts for no node, and the next round plans as before."""
+    from dynpart.annotations import STATUS_CAPABILITY
+    from dynpart.capability import encode_capability
+    from dynpart.planner.loop import PlanningLoop
+    from dynpart.settings import PlannerSettings
+    from tests.test_capability import kind_of, node_of
+
+    a100 = CAT.resolve("A100-80GB")
+    renamed = a100.model_copy(update={"mig_profiles": tuple(
+        p.model_copy(update={"name": "7g.79gb"}) if p.name == "7g.80gb" else p for p in a100.mig_profiles)})
+    cap = encode_capability(node_of(kind_of(renamed, "NVIDIA Foo 80GB"), gpus=1))
+    status = encode_status(NodeLayout(node="a1", mode="mig", gpus=[GpuLayout(index=0)]), "p0")
+    foo = node("a1", product="NVIDIA Foo 80GB", count=1, annotations={**status, STATUS_CAPABILITY: cap})
+    h100 = node("h1", count=1)
+    loop = PlanningLoop(PlannerSettings())
+    view = build_snapshot([foo, h100], [pod("x", {"nvidia.com/mig-7g.79gb": "1"})], CAT)
+    assert [p.node for p in loop.decide(loop.prepare(view.snapshot, 0.0), view.catalog).placements] == ["a1"]
+    view = build_snapshot([h100], [pod("y", {"nvidia.com/mig-1g.10gb": "1"})], CAT)
+    snapshot = loop.prepare(view.snapshot, 60.0)
+    assert "nvidia.com/mig-7g.79gb" in {s.resource for s in snapshot.workload}
+    assert [p.pod for p in loop.decide(snapshot, view.catalog).placements] == ["ml/y"]

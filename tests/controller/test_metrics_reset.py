@@ -61,7 +61,7 @@ def make(monkeypatch):
         return {}
 
     monkeypatch.setattr(controller_module, "patch_node_annotations", fake_patch)
-    PlannerController.clear_gauges()  # the gauges are the process's: another test may have set them
+    metrics.clear_cluster_gauges()  # the gauges are the process's: another test may have set them
     made: list[PlannerController] = []
 
     def build(nodes: list[dict[str, Any]], **settings: Any) -> PlannerController:
@@ -75,7 +75,7 @@ def make(monkeypatch):
         made.append(c)
         return c
     yield build
-    PlannerController.clear_gauges()
+    metrics.clear_cluster_gauges()
 
 
 def add(c: PlannerController, p: dict[str, Any], kind: str = "ADDED") -> None:
@@ -134,6 +134,9 @@ async def test_a_node_that_goes_or_agrees_again_loses_its_disagreement_series(ma
     assert set(series(metrics.CATALOG_DISAGREEMENTS)) == {"n1", "n2"}
     del c.nodes.cache["n2"]
     c.nodes.cache["n1"] = reported("n1", encode_capability(node_of(kind_of(H100, "NVIDIA H100 80GB HBM3"), gpus=2)))
+    await c._step()  # within GAUGES_EVERY_S of the last refresh: not read again (it reads every pod)
+    assert set(series(metrics.CATALOG_DISAGREEMENTS)) == {"n1", "n2"}
+    c.time[0] += controller_module.GAUGES_EVERY_S
     await c._step()
     assert series(metrics.CATALOG_DISAGREEMENTS) == {}
 

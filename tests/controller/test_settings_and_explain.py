@@ -26,7 +26,7 @@ def test_bad_settings_name_the_setting(tmp_path):
         load_settings(PlannerSettings, f)
 
 
-def test_a_workload_setting_naming_an_unknown_model_stops_the_planner_at_start(tmp_path, capsys):
+def test_a_workload_setting_naming_an_unknown_model_stops_the_planner_at_start(tmp_path, capsys, monkeypatch):
     f = tmp_path / "planner.yaml"
     f.write_text("workload:\n- {resource: nvidia.com/mig-1g.10gb, gpu_models: [H100-80GB]}\n"
                  "- {resource: nvidia.com/gpu, gpu_models: [H900]}\n")
@@ -35,9 +35,19 @@ def test_a_workload_setting_naming_an_unknown_model_stops_the_planner_at_start(t
     assert main(["planner", "run", "--config", str(f)]) == 2
     err = capsys.readouterr().err
     assert "setting workload: workload[1].gpu_models: unknown GPU model 'H900'" in err and err.count("\n") == 1
-    f.write_text("workload:\n- {resource: nvidia.com/mig-5g.20gb}\n")  # a profile no GPU offers: as for a pod
-    assert main(["planner", "run", "--config", str(f)]) == 2
-    assert "workload[0].resource = 'nvidia.com/mig-5g.20gb': MIG profile '5g.20gb' is not offered" in capsys.readouterr().err
+    # a profile no catalog model offers may be a driver's own name: said, not refused
+    from dynpart.catalog import default_catalog
+    from dynpart.planner import controller_cli
+    from dynpart.planner.controller_cli import check_workload
+
+    f.write_text("workload:\n- {resource: nvidia.com/mig-7g.79gb}\n- {resource: nvidia.com/gpu-10gb, weight: .inf}\n")
+    with pytest.raises(DynpartError, match=r"workload.1.weight = inf: Input should be a finite number"):
+        load_settings(PlannerSettings, f)
+    f.write_text("workload:\n- {resource: nvidia.com/mig-7g.79gb}\n")
+    said: list[str] = []
+    monkeypatch.setattr(controller_cli.log, "warning", lambda fmt, *a: said.append(fmt % a))
+    check_workload(load_settings(PlannerSettings, f), default_catalog())
+    assert len(said) == 1 and "MIG profile '7g.79gb' is offered by no GPU model of the catalog" in said[0]
 
 
 def test_explain_on_a_snapshot_file(capsys):

@@ -67,12 +67,12 @@ async def test_more_objects_than_the_memory_never_post_a_repeat_within_the_perio
     for rnd in range(4):
         clock.now = rnd * 10
         for name in "abcd":
-            await rec.record(pod(name), "Unplaceable", "no room")
+            await rec.record(pod(name), "Unplaceable", "no room", True)
     assert [p[0] for p in posted] == ["a", "b", "c"]  # d: dropped while the memory is full, never a repeat
     assert rec.dropped == len(dropped) == 4 and len(rec) == 3
     clock.now = 60  # a period later: forgotten by age, posted again
     for name in "abcd":
-        await rec.record(pod(name), "Unplaceable", "no room")
+        await rec.record(pod(name), "Unplaceable", "no room", True)
     assert [p[0] for p in posted] == ["a", "b", "c"] * 2 and rec.dropped == 5
 
 
@@ -90,23 +90,35 @@ async def test_a_backlog_above_the_default_memory_is_posted_once_per_period():
 async def test_pairs_are_forgotten_by_age_or_when_the_object_goes():
     rec, posted, clock = recorder(repeat_s=60, memory=3)
     for name in "abc":
-        await rec.record(pod(name), "R", "m")
+        await rec.record(pod(name), "R", "m", True)
         clock.now += 10  # a at 0, b at 10, c at 20
     clock.now = 65  # a's period is over: forgotten, room for d
-    await rec.record(pod("d"), "R", "m")
+    await rec.record(pod("d"), "R", "m", True)
     assert [p[0] for p in posted] == ["a", "b", "c", "d"] and len(rec) == 3 and rec.dropped == 0
-    await rec.record(pod("b"), "R", "m")  # b still within its period: not posted
-    await rec.record(pod("e"), "R", "m")  # full: dropped
+    await rec.record(pod("b"), "R", "m", True)  # b still within its period: not posted
+    await rec.record(pod("e"), "R", "m", True)  # full: dropped
     assert len(posted) == 4 and rec.dropped == 1
     rec.forget(pod("b"))  # the pod went: its pairs go
-    await rec.record(pod("e"), "R", "m")
+    await rec.record(pod("e"), "R", "m", True)
     assert [p[0] for p in posted] == ["a", "b", "c", "d", "e"] and len(rec) == 3
-    await rec.record(pod("c"), "R", "new message")  # a new message of a remembered pair: posted, full or not
-    assert posted[-1] == ("c", "R", "new message", False) and len(rec) == 3
+    await rec.record(pod("c"), "R", "new message", True)  # a new message of a remembered pair: posted, full or not
+    assert posted[-1] == ("c", "R", "new message", True) and len(rec) == 3
     clock.now = 10_000
     for i in range(1000):  # however many objects come and go, the memory stays bounded
-        await rec.record(pod(f"p{i}"), "R", "m")
+        await rec.record(pod(f"p{i}"), "R", "m", True)
     assert len(rec) == 3 and len(rec._reasons) == 3
+
+
+async def test_with_the_memory_full_of_waiting_pods_what_a_plan_did_and_node_events_are_posted():
+    rec, posted, _ = recorder(repeat_s=60, memory=2)
+    for name in "abc":
+        await rec.record(pod(name), "Unplaceable", "no room", True)
+    assert [p[0] for p in posted] == ["a", "b"] and rec.dropped == 1
+    await rec.record(pod("c"), "SlicePlanned", "on node n1")
+    await rec.record({"kind": "Node", "metadata": {"name": "n1"}}, "LayoutPlanned", "plan p1")
+    await rec.record({"kind": "Node", "metadata": {"name": "n1"}}, "PlanRevoked", "plan p1", True)
+    assert [p[:2] for p in posted[2:]] == [("c", "SlicePlanned"), ("n1", "LayoutPlanned"), ("n1", "PlanRevoked")]
+    assert not await rec.record({"kind": "Node", "metadata": {"name": "n1"}}, "LayoutPlanned", "plan p1")  # a repeat
 
 
 async def test_queued_posting_never_makes_the_caller_wait():
