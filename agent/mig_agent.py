@@ -6,9 +6,14 @@ observe again. Safety rules carried out here:
   (a whole GPU before MIG mode is enabled on it too);
 - whether an instance is in use is asked again (NVML processes and a fresh PodResources list)
   right before it is destroyed; the driver's own IN_USE refusal is the last guard;
-- MIG mode is enabled only on a GPU the spec wants partitioned, after checking it is idle;
+- MIG mode is enabled only on a GPU the spec wants partitioned, after checking it is idle; an
+  enable the driver left pending because the GPU was not idle (a client such as DCGM holds it)
+  is asked again at later passes while the GPU is idle; one that waits for a GPU reset is not;
 - a creation that needs the slices of an instance that could not be destroyed is skipped;
-- nothing is changed while the driver's GI profile ids disagree with the catalog's.
+- nothing is changed while the driver's GI profile ids disagree with the catalog's;
+- a plan is not acknowledged while a GPU it carves has its MIG mode pending, or while an
+  instance of a GI profile the catalog does not know keeps one of its instances from being made
+  (the status cannot show such an instance to the planner).
 Every failure becomes an error line for the status; none stops the pass.
 """
 
@@ -18,10 +23,19 @@ import logging
 from dataclasses import dataclass, field
 
 from dynpart.agent import metrics
-from dynpart.agent.driver.interface import IN_USE, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
+from dynpart.agent.driver.interface import (
+    IN_USE,
+    RESET_REQUIRED,
+    DeviceInfo,
+    GpuDriver,
+    GpuDriverError,
+    GpuInstanceInfo,
+    MigModePending,
+    mig_pending_reason,
+)
 from dynpart.agent.guard import UNCONFIRMED, SliceGuard
 from dynpart.agent.podresources import PodResources, pods_by_device
-from dynpart.agent.reconcile import Destroy, Instance, MigGpuState, drained_mig, reconcile_mig
+from dynpart.agent.reconcile import Destroy, Instance, MigGpuState, drained_mig, reconcile_mig, unknown_blocks
 from dynpart.catalog import GpuModel
 from dynpart.mig import slot_mask
 from dynpart.resources import WHOLE_GPU, mig_resource_name
@@ -72,6 +86,9 @@ class MigAgent:
         # GPU index -> the MPS slices it still carries from MPS mode (set by the agent before each
         # pass): such a GPU counts as in use, so MIG mode is not enabled under them
         self.mps_left: dict[int, list[str]] = {}
+        # GPU UUID -> the activation status the driver gave when MIG mode was last enabled there
+        # and stayed pending (IN_USE: asked again while idle; RESET_REQUIRED...: waits for a reset)
+        self._activation: dict[str, str] = {}
 
     async def observe(self) -> _Observed:
         devices = self.driver.devices()
@@ -94,8 +111,11 @@ class MigAgent:
             else:
                 users = [f"pid {p}" for p in self.driver.processes(d.index)] + users
                 users += [u for u in self.mps_left.get(d.index, ()) if u not in users]
-            states.append(MigGpuState(d.index, d.mig_current, d.mig_pending and not d.mig_current,
-                                      tuple(instances), tuple(users)))
+            pending = d.mig_pending and not d.mig_current
+            if not pending:
+                self._activation.pop(d.uuid, None)  # active (or given up): what the driver said is stale
+            states.append(MigGpuState(d.index, d.mig_current, pending, tuple(instances), tuple(users),
+                                      self._activation.get(d.uuid) if pending else None))
         return _Observed(devices, states, raw)
 
     def _check_catalog(self, observed: _Observed) -> list[str]:
@@ -130,16 +150,23 @@ class MigAgent:
             if any("GI profile id" in p or "compute slices" in p for p in problems):
                 errors.append("MIG changes are suspended until the catalog matches the driver")
             else:
-                errors.extend(await self._act(drained_mig(desired, observed.states, drain), observed))
+                wanted = drained_mig(desired, observed.states, drain)
+                errors.extend(await self._act(wanted, observed))
                 observed = await self.observe()
-            # a GPU the spec wants carved whose MIG mode waits for a GPU reset cannot hold the plan
-            # whatever the agent does: the plan is not acknowledged (the planner revokes it after
-            # its ack time-out and leaves that GPU out, as the capability report says why)
-            pending = [s.index for s in observed.states if s.mig_pending and desired.get(s.index)]
-            if pending:
-                applied = False
-                errors.append(f"plan not applied: MIG mode of GPU(s) {', '.join(map(str, pending))} is pending "
-                              "until the GPU is reset (nvidia-smi -r, or a reboot)")
+                # an instance the catalog does not know is not in the status: the planner sees its
+                # slices free, so a plan it keeps from being carried out cannot be acknowledged
+                blocked = unknown_blocks(wanted, observed.states, self.model)
+                if blocked:
+                    applied = False
+                    errors.extend(f"plan not applied: {b}" for b in blocked)
+            # a GPU the spec wants carved whose MIG mode is pending cannot hold the plan now: the
+            # plan is not acknowledged (the planner revokes it after its ack time-out and leaves
+            # that GPU out while the capability report shows it pending)
+            for s in observed.states:
+                if s.mig_pending:  # (a GPU the spec leaves empty: the planner leaves it out while pending)
+                    wanted_there = bool(desired.get(s.index))
+                    applied = applied and not wanted_there
+                    errors.append(f"{'plan not applied: ' if wanted_there else ''}{mig_pending_reason(s.index, s.activation)}")
         return PassResult([self._layout(s) for s in observed.states], errors, applied=applied)
 
     async def _act(self, desired: dict[int, list[tuple[str, int]]], observed: _Observed) -> list[str]:
@@ -167,14 +194,21 @@ class MigAgent:
                 continue
             try:
                 self.driver.set_mig_mode(e.gpu, True)
+            except MigModePending as ex:  # left pending: the pass's status line says why (`apply`)
+                log.info("GPU %d: MIG mode enable left pending, activation status %s", e.gpu, ex.code)
+                self._activation[uuid] = ex.code
+                skip.add(e.gpu)
+                await self._restore(uuid)
+                continue
             except GpuDriverError as ex:
                 errors.append(f"GPU {e.gpu}: enabling MIG mode failed: {ex}")
                 skip.add(e.gpu)
                 await self._restore(uuid)
                 continue
+            self._activation.pop(uuid, None)
             now = {d.index: d for d in self.driver.devices()}[e.gpu]
-            if not now.mig_current:
-                errors.append(f"GPU {e.gpu}: MIG mode is enabled but pending until the GPU is reset")
+            if not now.mig_current:  # activated, says the driver, yet pending: only a reset can help
+                self._activation[uuid] = RESET_REQUIRED
                 skip.add(e.gpu)
         not_destroyed: list[Destroy] = []
         instances = {(s.index, i.gi_id): i for s in observed.states for i in s.instances}

@@ -5,7 +5,10 @@ its compute instance), destroy the free ones it lacks, create the missing ones a
 placements. An instance in use (a process on it, or a pod holding its device) is never
 destroyed: when the spec wants it gone it is kept and reported, and a wanted instance that
 would overlap it is not created (reported too). MIG mode is enabled only on a GPU the spec
-wants partitioned, and only when nothing runs on it.
+wants partitioned, and only when nothing runs on it. A GPU whose MIG mode enable is pending is
+asked again (once per pass) while it is idle, unless the driver said only a GPU reset applies
+it. An instance of a GI profile the model does not know is left alone; a wanted instance it
+keeps from being created is reported by `unknown_blocks` (the plan cannot be acknowledged).
 
 MPS (`reconcile_mps`): the slices of each GPU are the spec's, plus any slice pods still hold;
 what then does not fit in the GPU's capacity is left out and reported.
@@ -19,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from dynpart.agent.driver.interface import IN_USE
 from dynpart.catalog import GpuModel
 from dynpart.mig import MigRules, slot_mask
 
@@ -43,14 +47,27 @@ class Instance:
     def label(self) -> str:
         return f"{self.profile or f'profile id {self.profile_id}'}@{self.start}"
 
+    @property
+    def described(self) -> str:
+        """The instance as the driver knows it (for one whose profile the catalog does not know)."""
+        return f"GPU instance {self.gi_id} (GI profile id {self.profile_id}, placement start {self.start} size {self.size})"
+
 
 @dataclass(frozen=True)
 class MigGpuState:
     index: int
     mig_enabled: bool
-    mig_pending: bool = False  # MIG mode after the next reset
+    mig_pending: bool = False  # MIG mode enabled, pending (not active yet)
     instances: tuple[Instance, ...] = ()
     users: tuple[str, ...] = ()  # processes/pods on the GPU as a whole
+    # why the pending mode is not active, as the driver said when last asked (NVML activation
+    # status: IN_USE, RESET_REQUIRED, ...); None: not asked since the agent started
+    activation: str | None = None
+
+    @property
+    def retry_enable(self) -> bool:
+        """A pending enable that asking again may activate (not one that waits for a GPU reset)."""
+        return self.mig_pending and self.activation in (None, IN_USE)
 
 
 @dataclass(frozen=True)
@@ -119,17 +136,7 @@ def reconcile_mig(desired: Mapping[int, Iterable[tuple[str, int]]], gpus: Iterab
                 out.errors.append(f"GPU {index}: {model.name} does not support MIG; the spec's instances are ignored")
             continue
         if not gpu.mig_enabled:
-            if not want:
-                continue
-            if gpu.mig_pending:
-                out.errors.append(f"GPU {index}: MIG mode is enabled but pending until the GPU is reset; "
-                                  "reset the GPU (or reboot) to apply the spec")
-            elif gpu.users:
-                out.errors.append(f"GPU {index}: MIG mode is disabled and the GPU is in use ({', '.join(gpu.users)}); "
-                                  "MIG mode will be enabled when it is idle")
-            else:
-                out.enable.append(EnableMig(index))
-                out.create.extend(Create(index, p, s) for p, s in sorted(want, key=lambda x: (x[1], x[0])))
+            _reconcile_mig_off(gpu, want, out)
             continue
         _reconcile_gpu(gpu, want, rules, out)
     out.destroy.sort(key=lambda d: (d.gpu, d.start))
@@ -137,18 +144,43 @@ def reconcile_mig(desired: Mapping[int, Iterable[tuple[str, int]]], gpus: Iterab
     return out
 
 
+def _reconcile_mig_off(gpu: MigGpuState, want: set[tuple[str, int]], out: MigActions) -> None:
+    """A GPU out of MIG mode. MIG mode is enabled when the spec wants the GPU carved and nothing
+    uses it. A pending enable is asked again while the GPU is idle (once per pass), also when the
+    spec no longer wants the GPU carved: the planner leaves a GPU whose MIG mode is pending out
+    of its plans until it is active, so no later spec would ask. Not when the driver said that
+    only a GPU reset applies it: that is reported, not asked again."""
+    index = gpu.index
+    if gpu.mig_pending and not gpu.retry_enable:
+        if want:  # (why, and what to do: the caller's status line, `mig_pending_reason`)
+            out.errors.append(f"GPU {index}: MIG mode enable is pending until the GPU is reset; the spec's instances "
+                              "there are created once it is active")
+        return
+    if not want and not gpu.mig_pending:
+        return
+    if gpu.users:
+        if want:
+            state = "MIG mode enable is pending" if gpu.mig_pending else "MIG mode is disabled"
+            out.errors.append(f"GPU {index}: {state} and the GPU is in use ({', '.join(gpu.users)}); "
+                              "MIG mode will be enabled when it is idle")
+        return
+    out.enable.append(EnableMig(index))
+    out.create.extend(Create(index, p, s) for p, s in sorted(want, key=lambda x: (x[1], x[0])))
+
+
 def _reconcile_gpu(gpu: MigGpuState, want: set[tuple[str, int]], rules: MigRules, out: MigActions) -> None:
     index = gpu.index
     kept: list[tuple[str, int]] = []  # instances staying, in catalog terms
-    blocked = 0  # memory slices of staying instances the catalog cannot name
+    unknown: list[Instance] = []  # staying instances the catalog cannot name
     staying: list[Instance] = []
     have: set[tuple[str, int]] = set()
     for inst in sorted(gpu.instances, key=lambda i: (i.start, i.gi_id)):
         key = (inst.profile, inst.start) if inst.profile is not None else None
         if key is None:
-            out.errors.append(f"GPU {index}: GPU instance {inst.gi_id} has GI profile id {inst.profile_id}, which the "
-                              f"catalog does not know for {rules.model.name}; left alone (fix the catalog)")
-            blocked |= slot_mask(inst.start, inst.size)
+            out.errors.append(f"GPU {index}: {inst.described} has a GI profile the catalog does not know for "
+                              f"{rules.model.name} (made outside dynpart, or a profile left out of the node's list); "
+                              "left alone, and not reported to the planner: destroy it or add its profile")
+            unknown.append(inst)
             staying.append(inst)
             continue
         if key in want and key not in have:
@@ -167,8 +199,13 @@ def _reconcile_gpu(gpu: MigGpuState, want: set[tuple[str, int]], rules: MigRules
     for profile, start in sorted(want - have, key=lambda x: (x[1], x[0])):
         broken = rules.violations([*kept, (profile, start)])
         p = rules.index.get(profile)
-        if not broken and p is not None and blocked & rules.mask(p, start):
-            broken = ["it overlaps a GPU instance of unknown profile"]
+        if not broken and p is not None:
+            hit = [i for i in unknown if slot_mask(i.start, i.size) & rules.mask(p, start)]
+            if hit:
+                out.errors.append(f"GPU {index}: cannot create {profile}@{start}: it overlaps {hit[0].described}, "
+                                  "of a GI profile the catalog does not know; the plan is not acknowledged while "
+                                  "that instance is there")
+                continue
         if broken:
             mask = slot_mask(start, rules.memory[p]) if p is not None else 0
             in_the_way = [i for i in staying if i.used and slot_mask(i.start, i.size) & mask]
@@ -178,6 +215,33 @@ def _reconcile_gpu(gpu: MigGpuState, want: set[tuple[str, int]], rules: MigRules
             continue
         kept.append((profile, start))
         out.create.append(Create(index, profile, start))
+
+
+def unknown_blocks(desired: Mapping[int, Iterable[tuple[str, int]]], gpus: Iterable[MigGpuState],
+                   model: GpuModel) -> list[str]:
+    """Why the plan cannot be acknowledged because of instances of a GI profile the model does
+    not know (left alone, and invisible to the planner, which sees their slices as free): one
+    line per wanted instance that is missing from a GPU in MIG mode (`gpus`: after the pass) where
+    such instances are, unless an instance the model knows is in its way (reported as any such
+    conflict). Names the unknown instances it overlaps, else all those of the GPU (another rule
+    of the driver's, such as one `+me` instance per GPU or the compute-slice total, refused it)."""
+    if not model.supports_mig:
+        return []
+    rules = MigRules.of(model)
+    out = []
+    for gpu in sorted(gpus, key=lambda g: g.index):
+        unknown = [i for i in gpu.instances if i.profile is None]
+        if not gpu.mig_enabled or not unknown:
+            continue
+        known = [(i.profile, i.start) for i in gpu.instances if i.profile is not None]
+        for profile, start in sorted(set(desired.get(gpu.index, ())) - set(known), key=lambda x: (x[1], x[0])):
+            p = rules.index.get(profile)
+            if p is None or rules.violations([*known, (profile, start)]):
+                continue
+            hit = [i for i in unknown if slot_mask(i.start, i.size) & rules.mask(p, start)] or unknown
+            out.append(f"GPU {gpu.index}: {profile}@{start} could not be created next to "
+                       f"{', '.join(i.described for i in hit)}, of a GI profile the catalog does not know")
+    return out
 
 
 def drained_mig(desired: Mapping[int, Iterable[tuple[str, int]]], gpus: Iterable[MigGpuState],

@@ -15,10 +15,12 @@ from dynpart.agent.driver.interface import (
     INVALID_ARGUMENT,
     NOT_FOUND,
     NOT_SUPPORTED,
+    RESET_REQUIRED,
     DeviceInfo,
     DriverVersions,
     GpuDriverError,
     GpuInstanceInfo,
+    MigModePending,
     ProfileInfo,
 )
 from dynpart.catalog import GpuModel, MigProfile
@@ -38,7 +40,7 @@ class FakeOp:
     gi_id: int | None = None
     profile: str | None = None
     start: int | None = None
-    result: str = "ok"  # or the error code
+    result: str = "ok"  # or the error code; set_mig_mode left pending: "pending:<activation status>"
 
 
 @dataclass
@@ -59,6 +61,7 @@ class _FakeGpu:
     mig_pending: bool
     gis: dict[int, _FakeGi] = field(default_factory=dict)
     pids: set[int] = field(default_factory=set)  # processes on the whole GPU (MIG off)
+    holders: set[str] = field(default_factory=set)  # clients holding it open that are not compute processes
     next_gi: int = 1
 
 
@@ -66,10 +69,18 @@ class FakeNvml:
     """An in-memory GPU driver for one GPU model, enforcing: legal starts and sizes, no
     memory-slice overlap, per-profile max counts, one `+me` instance, the compute-slice total,
     one full compute instance per GI, IN_USE when destroying a CI with processes or a GI with
-    a CI, MIG mode changes refused while the GPU is busy, and state lost on `reboot()` (MIG
-    mode too on Hopper and later). Every mutating call is logged in `ops`.
+    a CI, and state lost on `reboot()` (MIG mode too on Hopper and later). Every mutating call
+    is logged in `ops`.
 
-    Test controls: `attach`/`detach` processes, `crash_after(n)`, `before_op` (a hook called
+    MIG mode changes as NVML's nvmlDeviceSetMigMode makes them: the call succeeds and the mode is
+    applied at once on an idle GPU; on a GPU that is not idle (compute processes, or a client
+    such as DCGM that `hold` plays) the new mode is left pending and MigModePending(IN_USE) is
+    raised, the activation status a real driver returns; asking again once the GPU is idle
+    applies it. With `mode_needs_reset` the mode is left pending with RESET_REQUIRED until
+    `reset(i)`. Disabling MIG mode while GPU instances exist is refused (IN_USE).
+
+    Test controls: `attach`/`detach` processes, `hold`/`release` (a client that is not a
+    compute process: `processes()` does not list it), `crash_after(n)`, `before_op` (a hook called
     before each mutating call with the FakeOp about to be tried), `reset(i)`, `reboot()`."""
 
     def __init__(self, model: GpuModel, count: int = 1, *, mig_enabled: bool = True,
@@ -86,7 +97,7 @@ class FakeNvml:
         # Ampere keeps MIG mode across a reboot; Hopper and later lose it (facts file section 1).
         self.mig_persists = model.name.startswith("A") if mig_persists is None else mig_persists
         # A MIG mode change that stays pending until `reset()` (as when the driver cannot reset
-        # the GPU by itself, e.g. under a hypervisor).
+        # the GPU by itself, e.g. under a hypervisor: activation status RESET_REQUIRED).
         self.mode_needs_reset = mode_needs_reset
         # True: list GPU-instance profiles only in MIG mode. A real H100 and H200 on driver 580
         # list them whatever the mode (tests/fixtures/nvml); this plays a driver that does not.
@@ -114,6 +125,15 @@ class FakeNvml:
         if gi.ci is None:
             raise GpuDriverError(NOT_FOUND, f"GPU {index} GI {gi_id} has no compute instance to run on")
         gi.pids.add(pid)
+
+    def hold(self, index: int, client: str = "dcgm") -> None:
+        """A client that keeps GPU `index` open without computing on it (DCGM, dcgm-exporter,
+        GPU feature discovery, a device plugin): not in `processes()`, yet the GPU is not idle, so
+        a MIG mode change is left pending (activation status IN_USE)."""
+        self._gpu(index).holders.add(client)
+
+    def release(self, index: int, client: str = "dcgm") -> None:
+        self._gpu(index).holders.discard(client)
 
     def detach(self, index: int, pid: int) -> None:
         gpu = self._gpu(index)
@@ -163,13 +183,20 @@ class FakeNvml:
         op = self._begin(FakeOp("set_mig_mode", index, profile="enable" if enabled else "disable"))
         if not self.model.supports_mig:
             self._fail(op, NOT_SUPPORTED, f"GPU {index} ({self.model.name}) does not support MIG")
-        if enabled and (gpu.pids or any(g.pids for g in gpu.gis.values())):
-            self._fail(op, IN_USE, f"GPU {index} is busy (processes {sorted(gpu.pids)}); MIG mode not changed")
         if not enabled and gpu.gis:
             self._fail(op, IN_USE, f"GPU {index} still has GPU instances; MIG mode not changed")
         gpu.mig_pending = enabled
-        if not self.mode_needs_reset:
-            gpu.mig_current = enabled
+        if enabled == gpu.mig_current:
+            return  # nothing to activate (a pending change the other way is cancelled)
+        activation = None
+        if self.mode_needs_reset:
+            activation = RESET_REQUIRED
+        elif gpu.pids or gpu.holders or any(g.pids for g in gpu.gis.values()):
+            activation = IN_USE  # the driver could not unbind the GPU: not idle
+        if activation is not None:
+            op.result = f"pending:{activation}"
+            raise MigModePending(index, enabled, activation)
+        gpu.mig_current = enabled
 
     def gpu_instances(self, index: int) -> list[GpuInstanceInfo]:
         gpu = self._gpu(index)

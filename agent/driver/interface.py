@@ -20,6 +20,7 @@ INSUFFICIENT_RESOURCES = "INSUFFICIENT_RESOURCES"
 INVALID_ARGUMENT = "INVALID_ARGUMENT"
 NOT_FOUND = "NOT_FOUND"
 NOT_SUPPORTED = "NOT_SUPPORTED"
+RESET_REQUIRED = "RESET_REQUIRED"
 
 
 class GpuDriverError(DynpartError):
@@ -28,6 +29,41 @@ class GpuDriverError(DynpartError):
     def __init__(self, code: str, message: str):
         self.code = code
         super().__init__(message)
+
+
+def mig_pending_reason(index: int, code: str | None, enabled: bool = True) -> str:
+    """Why GPU `index`'s MIG mode change is pending, given the activation status NVML returned
+    when it was last asked (`code`; None: not asked since the agent started), and what to do."""
+    mode = f"MIG mode {'enable' if enabled else 'disable'}"
+    if code is None:
+        return (f"GPU {index}: {mode} is pending (why is not known: the driver was not asked since this agent "
+                "started); the agent asks again once the GPU is idle, else a GPU reset (nvidia-smi -r) or a reboot "
+                "applies it")
+    if code == IN_USE:
+        return (f"GPU {index}: {mode} is pending: the driver could not activate it because the GPU is not idle "
+                "(activation status IN_USE); with no pod and no compute process on it, another client most likely "
+                "holds it open, e.g. DCGM (nv-hostengine), dcgm-exporter, GPU feature discovery or a device plugin: "
+                "stop those clients on this node (the agent asks again at each pass) or reset the GPU "
+                "(nvidia-smi -r) with them stopped")
+    return (f"GPU {index}: {mode} is pending until the GPU is reset (activation status {code}); reset the GPU "
+            "(nvidia-smi -r) or reboot to apply it")
+
+
+class MigModePending(GpuDriverError):
+    """`set_mig_mode` succeeded but the driver did not activate the new MIG mode: it stays
+    pending (nvmlDeviceSetMigMode returned SUCCESS with an activation status). `code` is that
+    status: IN_USE (the GPU is not idle, e.g. held by a monitoring client: ask again once it is),
+    RESET_REQUIRED (only a GPU reset or a reboot applies it), or another NVML error name."""
+
+    def __init__(self, index: int, enabled: bool, code: str):
+        self.index = index
+        self.enabled = enabled
+        super().__init__(code, mig_pending_reason(index, code, enabled))
+
+    @property
+    def retryable(self) -> bool:
+        """Asking again can succeed (once the GPU is idle) without a GPU reset."""
+        return self.code == IN_USE
 
 
 class NvmlUnavailable(GpuDriverError):
@@ -82,7 +118,10 @@ class GpuDriver(Protocol):
 
     def devices(self) -> list[DeviceInfo]: ...
 
-    def set_mig_mode(self, index: int, enabled: bool) -> None: ...
+    def set_mig_mode(self, index: int, enabled: bool) -> None:
+        """Change GPU `index`'s MIG mode. Raises MigModePending when the call succeeded but the new
+        mode was not activated (it stays pending; `code` says why), GpuDriverError when it failed."""
+        ...
 
     def gpu_instances(self, index: int) -> list[GpuInstanceInfo]: ...
 

@@ -20,6 +20,7 @@ from dynpart.agent.driver.interface import (
     DriverVersions,
     GpuDriverError,
     GpuInstanceInfo,
+    MigModePending,
     NvmlUnavailable,
     ProfileInfo,
 )
@@ -172,9 +173,13 @@ class RealNvml:
     def set_mig_mode(self, index: int, enabled: bool) -> None:
         nv = self._nv
         mode = nv.NVML_DEVICE_MIG_ENABLE if enabled else nv.NVML_DEVICE_MIG_DISABLE
-        # The return value is the activation status: not SUCCESS means the new mode is pending
-        # (a GPU reset is needed); devices() shows it as mig_pending != mig_current.
-        self._call(nv.nvmlDeviceSetMigMode, self._handle(index), mode)
+        # pynvml returns the activation status (nvml.h): SUCCESS, the new mode is active; else it
+        # is pending (devices() shows mig_pending != mig_current) and the status says why: IN_USE,
+        # the GPU was not idle (another client holds it: idle it and ask again); RESET_REQUIRED,
+        # only a GPU reset (or a VM reboot) applies it.
+        status = self._call(nv.nvmlDeviceSetMigMode, self._handle(index), mode)
+        if status:  # (None from a binding that does not return it: taken as activated)
+            raise MigModePending(index, enabled, self._codes.get(int(status), f"UNKNOWN ({int(status)})"))
 
     def gpu_instances(self, index: int) -> list[GpuInstanceInfo]:
         nv = self._nv

@@ -15,7 +15,9 @@ from dynpart.agent.driver.interface import (
     INVALID_ARGUMENT,
     NOT_FOUND,
     NOT_SUPPORTED,
+    RESET_REQUIRED,
     GpuDriverError,
+    MigModePending,
 )
 from dynpart.mig import Placement, feasible_geometries, is_valid_geometry, maximal_geometries
 
@@ -87,12 +89,39 @@ def test_mig_mode_rules():
     d = FakeNvml(H100, mig_enabled=False)
     assert code_of(d.create_gpu_instance, 0, 0, 0, 8) == NOT_SUPPORTED
     d.attach(0, 7)
-    assert code_of(d.set_mig_mode, 0, True) == IN_USE
+    assert code_of(d.set_mig_mode, 0, True) == IN_USE  # activation status: left pending (below)
     d.detach(0, 7)
     d.set_mig_mode(0, True)
     assert d.devices()[0].mig_current
     create(d, 0, "7g.80gb", 0)
     assert code_of(d.set_mig_mode, 0, False) == IN_USE  # instances exist
+    assert d.devices()[0].mig_current and d.devices()[0].mig_pending  # refused: nothing changed
+
+
+def test_mig_mode_on_a_gpu_held_open_stays_pending_as_nvml_leaves_it():
+    """nvmlDeviceSetMigMode on a GPU that is not idle returns SUCCESS with activation status
+    IN_USE and leaves the mode pending; a client such as DCGM holds a GPU without a compute
+    process, so processes() lists nothing. Asking again once it lets go activates the mode."""
+    d = FakeNvml(A100, 2, mig_enabled=False)
+    d.hold(0, "dcgm-exporter")
+    assert d.processes(0) == []
+    with pytest.raises(MigModePending) as e:
+        d.set_mig_mode(0, True)
+    assert e.value.code == IN_USE and e.value.retryable
+    assert "DCGM" in str(e.value) and "dcgm-exporter" in str(e.value) and "reset the GPU" in str(e.value)
+    gpu0 = d.devices()[0]
+    assert (gpu0.mig_current, gpu0.mig_pending) == (False, True)  # pending, not refused
+    assert [(o.op, o.result) for o in d.ops] == [("set_mig_mode", "pending:IN_USE")]
+    assert code_of(d.create_gpu_instance, 0, A100.profile("7g.40gb").gi_profile_id, 0, 8) == NOT_SUPPORTED
+    d.set_mig_mode(1, True)  # the other GPU is idle: at once
+    assert d.devices()[1].mig_current
+    d.release(0, "dcgm-exporter")
+    d.set_mig_mode(0, True)
+    assert (d.devices()[0].mig_current, d.devices()[0].mig_pending) == (True, True)
+    # a compute process makes it busy too: pending again, IN_USE
+    h = FakeNvml(H100, mig_enabled=False)
+    h.attach(0, 9)
+    assert code_of(h.set_mig_mode, 0, True) == IN_USE and h.devices()[0].mig_pending
 
 
 def test_reboot_and_reset():
@@ -105,7 +134,9 @@ def test_reboot_and_reset():
     a.reboot()
     assert a.gpu_instances(0) == [] and a.devices()[0].mig_current  # Ampere: MIG mode kept
     r = FakeNvml(H100, mig_enabled=False, mode_needs_reset=True)
-    r.set_mig_mode(0, True)
+    with pytest.raises(MigModePending) as e:  # SUCCESS, activation status RESET_REQUIRED
+        r.set_mig_mode(0, True)
+    assert e.value.code == RESET_REQUIRED and not e.value.retryable and "pending until the GPU is reset" in str(e.value)
     assert (r.devices()[0].mig_current, r.devices()[0].mig_pending) == (False, True)
     r.reset(0)
     assert r.devices()[0].mig_current

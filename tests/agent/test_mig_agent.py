@@ -4,19 +4,24 @@ mode only when asked and idle."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynpart.agent.driver.fake import FakeNvml, SimulatedCrash
+from dynpart.agent.driver.interface import MigModePending
+from dynpart.agent.driver.nvml import RealNvml
+from dynpart.agent.driver.nvml_recording import fresh_pynvml
 from dynpart.agent.mig_agent import MigAgent
 from dynpart.agent.podresources import FakePodResources
-from dynpart.annotations import STATUS_ERROR, STATUS_PLAN, decode_status
+from dynpart.annotations import STATUS_ERROR, STATUS_PLAN, annotation_patch, decode_status
 from dynpart.capability import decode_capability
 from dynpart.mig import MigRules, feasible_geometries, slot_mask
 
 from .conftest import A100, H100, Rig, make_rig, mig_spec, placements
+from .nvml_c_double import SimulatedNvmlLibrary
 
 DESTROYS = ("destroy_ci", "destroy_gi")
 
@@ -141,16 +146,123 @@ async def test_enables_mig_mode_only_when_asked_and_idle():
 async def test_mig_mode_pending_reset():
     rig = make_rig(A100, 1, mig_enabled=False, mode_needs_reset=True)
     rig.node_api.set_annotations(mig_spec({0: ["7g.40gb@0"]}))
-    report = await rig.agent().reconcile_once()
-    assert any("pending until the GPU is reset" in e for e in report.errors)
+    agent = rig.agent()
+    report = await agent.reconcile_once()
+    assert any("pending until the GPU is reset (activation status RESET_REQUIRED)" in e for e in report.errors)
     # the node cannot hold the plan: not acknowledged, and the capability report says why
     assert report.plan_id is None and "dynpart.io/status-plan" not in rig.node_api.annotations
     assert decode_capability(rig.node_api.annotations["dynpart.io/status-capability"]).gpus[0].mig == "on-pending"
-    report = await rig.agent().reconcile_once()  # no second attempt, the same advice
+    for _ in range(3):  # the driver said only a reset applies it: not asked again, the same advice
+        report = await agent.reconcile_once()
+        assert any("pending until the GPU is reset" in e for e in report.errors) and report.plan_id is None
     assert [o.op for o in rig.driver.ops] == ["set_mig_mode"]
+    # a new agent process does not know why it is pending: it asks once, then no more
+    agent = rig.agent()
+    await agent.reconcile_once()
+    await agent.reconcile_once()
+    assert [o.op for o in rig.driver.ops] == ["set_mig_mode"] * 2
     rig.driver.reset(0)
-    report = await rig.agent().reconcile_once()
+    report = await agent.reconcile_once()
     assert report.errors == [] and rig.driver.layout(0) == [("7g.40gb", 0)] and report.plan_id == "p1"
+
+
+async def test_mig_mode_left_pending_by_a_gpu_held_open_is_asked_again_each_pass():
+    """A monitoring client (DCGM, dcgm-exporter, GFD) holds the GPU without a compute process:
+    nvmlDeviceSetMigMode succeeds but the mode stays pending (activation status IN_USE). The
+    agent asks again, once a pass, and the plan is applied once the client lets go."""
+    rig = make_rig(A100, 1, mig_enabled=False)
+    rig.driver.hold(0, "dcgm-exporter")
+    rig.node_api.set_annotations(mig_spec({0: ["3g.20gb@0", "3g.20gb@4"]}))
+    agent = rig.agent()
+
+    def asks() -> list[str]:
+        return [o.result for o in rig.driver.ops if o.op == "set_mig_mode"]
+
+    for n in range(1, 4):
+        report = await agent.reconcile_once()
+        assert asks() == ["pending:IN_USE"] * n  # once a pass, no more
+        assert report.plan_id is None and STATUS_PLAN not in rig.node_api.annotations
+        status_error = rig.node_api.annotations[STATUS_ERROR]
+        assert "plan not applied: GPU 0: MIG mode enable is pending" in status_error
+        assert "activation status IN_USE" in status_error and "DCGM" in status_error
+        assert "pending until the GPU is reset" not in status_error
+    assert decode_capability(rig.node_api.annotations["dynpart.io/status-capability"]).gpus[0].mig == "on-pending"
+    rig.driver.release(0, "dcgm-exporter")
+    report = await agent.reconcile_once()
+    assert asks()[-1] == "ok" and rig.driver.devices()[0].mig_current
+    assert report.errors == [] and report.plan_id == "p1"
+    assert rig.driver.layout(0) == [("3g.20gb", 0), ("3g.20gb", 4)]
+
+
+async def test_a_pending_gpu_with_a_process_or_pod_is_not_asked_again():
+    rig = make_rig(A100, 1, mig_enabled=False)
+    rig.driver.hold(0)
+    rig.node_api.set_annotations(mig_spec({0: ["7g.40gb@0"]}))
+    agent = rig.agent()
+    await agent.reconcile_once()
+    assert len(rig.driver.ops) == 1 and rig.driver.devices()[0].mig_pending
+    rig.driver.release(0)
+    rig.driver.attach(0, 4242)  # a process, then also a pod holding the whole GPU
+    rig.pods.assign("ns/whole", "nvidia.com/gpu", rig.driver.devices()[0].uuid)
+    for _ in range(2):
+        report = await agent.reconcile_once()
+        assert len(rig.driver.ops) == 1, "a GPU in use was asked to change its MIG mode"
+        assert any("MIG mode enable is pending and the GPU is in use (pid 4242, pod ns/whole)" in e
+                   for e in report.errors), report.errors
+        assert report.plan_id is None
+    rig.driver.detach(0, 4242)
+    rig.pods.release("ns/whole")
+    report = await agent.reconcile_once()
+    assert report.plan_id == "p1" and rig.driver.layout(0) == [("7g.40gb", 0)]
+
+
+async def test_a_pending_enable_is_asked_again_after_the_planner_gave_the_gpu_up():
+    """The planner revokes a plan its agent did not acknowledge and leaves a GPU whose MIG mode
+    is pending out of its plans: the spec no longer wants it carved, yet the enable the agent
+    asked for is completed once the GPU is idle, and the revoking plan is acknowledged."""
+    rig = make_rig(A100, 2, mig_enabled=False)
+    rig.driver.hold(1, "nv-hostengine")
+    rig.node_api.set_annotations(mig_spec({0: ["7g.40gb@0"], 1: ["7g.40gb@0"]}, plan="p1"))
+    agent = rig.agent()
+    report = await agent.reconcile_once()
+    assert report.plan_id is None and rig.driver.layout(0) == [("7g.40gb", 0)]
+    revocation = mig_spec({0: ["7g.40gb@0"]}, plan="p2")  # GPU 1 left empty
+    rig.node_api.set_annotations(annotation_patch(rig.node_api.annotations, revocation))
+    report = await agent.reconcile_once()
+    assert report.plan_id == "p2"  # GPU 1 is not wanted carved: the plan holds
+    assert any(e.startswith("GPU 1: MIG mode enable is pending: ") and "activation status IN_USE" in e
+               for e in report.errors), report.errors
+    assert [o.result for o in rig.driver.ops if o.op == "set_mig_mode" and o.device == 1] == ["pending:IN_USE"] * 2
+    rig.driver.release(1, "nv-hostengine")
+    report = await agent.reconcile_once()
+    assert rig.driver.devices()[1].mig_current and report.errors == [] and report.plan_id == "p2"
+    assert rig.driver.layout(1) == []
+
+
+def test_real_nvml_reports_the_activation_status_of_set_mig_mode():
+    """RealNvml down to nvidia-ml-py's ctypes call: nvmlDeviceSetMigMode answers SUCCESS and
+    writes the activation status; anything but SUCCESS is MigModePending with its name."""
+
+    class SetMigModeLibrary(SimulatedNvmlLibrary):
+        activation = 0
+
+        def c_nvmlDeviceSetMigMode(self, handle, mode, activation_status) -> int:
+            activation_status._obj.value = self.activation
+            return 0
+
+    lib = SetMigModeLibrary(A100, "NVIDIA A100-SXM4-40GB", 40960, mig=False)
+    nv = fresh_pynvml()
+    nv.nvmlLib = lib
+    driver = RealNvml(nv)
+    driver.set_mig_mode(0, True)  # activated
+    for status, code in ((nv.NVML_ERROR_IN_USE, "IN_USE"), (nv.NVML_ERROR_RESET_REQUIRED, "RESET_REQUIRED")):
+        lib.activation = status
+        with pytest.raises(MigModePending) as e:
+            driver.set_mig_mode(0, True)
+        assert e.value.code == code and e.value.retryable == (code == "IN_USE")
+    assert "pending until the GPU is reset" in str(e.value)
+    assert lib.calls.count("nvmlDeviceSetMigMode") == 3
+    driver.close()
 
 
 async def test_catalog_mismatch_suspends_changes(rig: Rig):
@@ -282,3 +394,57 @@ async def test_a_drained_gpu_loses_each_instance_as_it_frees(rig: Rig):
     await rig.agent().reconcile_once()
     assert rig.driver.layout(0) == [] and rig.driver.layout(1) == [("3g.40gb", 0), ("3g.40gb", 4)]
     assert not [o for o in rig.driver.ops if o.op == "create_gi"]
+
+
+# --- instances of a GI profile the catalog does not know ----------------------------------------
+
+
+async def test_a_plan_an_unknown_instance_blocks_is_not_acknowledged():
+    """An instance whose GI profile the planning model lacks (made outside dynpart, or a profile
+    left out of the node's list) is left alone and cannot be shown in the status, so the planner
+    sees its slices free: a plan wanting an instance there is not acknowledged, and the status
+    names the instance, its GI profile id and placement."""
+    narrow = H100.model_copy(update={"mig_profiles": tuple(p for p in H100.mig_profiles if p.name != "1g.10gb+me")})
+    driver = FakeNvml(H100, 1)  # the driver offers every profile
+    me = H100.profile("1g.10gb+me")
+    gi = driver.create_gpu_instance(0, me.gi_profile_id, 0, me.memory)  # e.g. nvidia-smi mig -cgi
+    driver.create_compute_instance(0, gi, me.compute)
+    agent = MigAgent(driver, FakePodResources(), narrow)
+    result = await agent.apply(None)
+    assert result.gpus[0].mig == []  # what the status format can carry: nothing of it
+
+    result = await agent.apply({0: placements("2g.20gb@0", "2g.20gb@2", "3g.40gb@4")})
+    assert not result.applied
+    assert driver.layout(0) == [("1g.10gb+me", 0), ("2g.20gb", 2), ("3g.40gb", 4)]  # the rest is done
+    assert touched(driver, 0, {gi}) == []
+    where = f"GPU instance {gi} (GI profile id {me.gi_profile_id}, placement start 0 size 1)"
+    assert f"plan not applied: GPU 0: 2g.20gb@0 could not be created next to {where}" in "\n".join(result.errors)
+    assert any(f"cannot create 2g.20gb@0: it overlaps {where}" in e for e in result.errors)
+
+    # a plan around it is acknowledged (the instance is still reported, not blocking anything)
+    result = await agent.apply({0: placements("2g.20gb@2", "3g.40gb@4")})
+    assert result.applied and not any(e.startswith("plan not applied") for e in result.errors)
+    # once it is gone, the first plan is carried out
+    driver.destroy_compute_instance(0, gi, 0)
+    driver.destroy_gpu_instance(0, gi)
+    result = await agent.apply({0: placements("2g.20gb@0", "2g.20gb@2", "3g.40gb@4")})
+    assert result.applied and result.errors == []
+    assert driver.layout(0) == [("2g.20gb", 0), ("2g.20gb", 2), ("3g.40gb", 4)]
+
+
+async def test_an_unknown_instance_is_named_in_the_status_and_the_plan_not_acknowledged(rig: Rig):
+    """The same through the agent's loop and the node's annotations (a GI profile id the
+    catalog does not have at all)."""
+    g = rig.carve(1, "3g.40gb@4")
+    unknown = next(gi for gi in rig.driver.gpu_instances(1) if gi.gi_id == g["3g.40gb@4"])
+    rig.driver.gpu_instances = lambda i, real=rig.driver.gpu_instances: [  # type: ignore[method-assign]
+        replace(gi, profile_id=77) if (i, gi.gi_id) == (1, unknown.gi_id) else gi for gi in real(i)]
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"], 1: ["4g.40gb@0", "3g.40gb@4"]}, plan="p1"))
+    report = await rig.agent().reconcile_once()
+    assert rig.driver.layout(0) == [("7g.80gb", 0)] and ("4g.40gb", 0) in rig.driver.layout(1)
+    assert report.plan_id is None and STATUS_PLAN not in rig.node_api.annotations
+    error = rig.node_api.annotations[STATUS_ERROR]
+    assert (f"plan not applied: GPU 1: 3g.40gb@4 could not be created next to GPU instance {unknown.gi_id} "
+            "(GI profile id 77, placement start 4 size 4)") in error
+    status = decode_status(rig.node_api.annotations, H100, node="node-1")
+    assert [(m.profile, m.start) for m in status.layout.gpus[1].mig] == [("4g.40gb", 0)]
