@@ -19,8 +19,11 @@ Every failure becomes an error line for the status; none stops the pass.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from dynpart.agent import metrics
 from dynpart.agent.driver.interface import (
@@ -41,6 +44,7 @@ from dynpart.mig import slot_mask
 from dynpart.resources import WHOLE_GPU, mig_resource_name
 from dynpart.snapshot import GpuLayout, MigInstance
 
+T = TypeVar("T")
 log = logging.getLogger("dynpart.agent.mig")
 
 
@@ -193,7 +197,7 @@ class MigAgent:
                 skip.add(e.gpu)
                 continue
             try:
-                self.driver.set_mig_mode(e.gpu, True)
+                await self._nvml(self.driver.set_mig_mode, e.gpu, True)
             except MigModePending as ex:  # left pending: the pass's status line says why (`apply`)
                 log.info("GPU %d: MIG mode enable left pending, activation status %s", e.gpu, ex.code)
                 self._activation[uuid] = ex.code
@@ -238,8 +242,8 @@ class MigAgent:
                 continue
             try:
                 for ci in gi.compute_instances:
-                    self.driver.destroy_compute_instance(d.gpu, d.gi_id, ci)
-                self.driver.destroy_gpu_instance(d.gpu, d.gi_id)
+                    await self._nvml(self.driver.destroy_compute_instance, d.gpu, d.gi_id, ci)
+                await self._nvml(self.driver.destroy_gpu_instance, d.gpu, d.gi_id)
                 metrics.INSTANCES_DESTROYED.inc()
                 log.info("GPU %d: destroyed %s (GI %d)", d.gpu, d.label, d.gi_id)
             except GpuDriverError as ex:
@@ -250,8 +254,8 @@ class MigAgent:
                 await self._restore(gi.uuid)
         for incomplete in actions.complete:
             try:
-                self.driver.create_compute_instance(incomplete.gpu, incomplete.gi_id,
-                                                    self.model.profile(incomplete.profile).compute)
+                await self._nvml(self.driver.create_compute_instance, incomplete.gpu, incomplete.gi_id,
+                                 self.model.profile(incomplete.profile).compute)
             except GpuDriverError as ex:
                 errors.append(f"GPU {incomplete.gpu}: creating the compute instance of "
                               f"{incomplete.profile}@{incomplete.start} failed: {ex}")
@@ -265,17 +269,25 @@ class MigAgent:
                 errors.append(f"GPU {c.gpu}: {c.profile}@{c.start} not created: {blocking[0].label} is still there")
                 continue
             try:
-                gi_id = self.driver.create_gpu_instance(c.gpu, p.gi_profile_id, c.start, p.memory)
+                gi_id = await self._nvml(self.driver.create_gpu_instance, c.gpu, p.gi_profile_id, c.start, p.memory)
             except GpuDriverError as ex:
                 errors.append(f"GPU {c.gpu}: creating {c.profile}@{c.start} failed: {ex}")
                 continue
             try:
-                self.driver.create_compute_instance(c.gpu, gi_id, p.compute)
+                await self._nvml(self.driver.create_compute_instance, c.gpu, gi_id, p.compute)
                 metrics.INSTANCES_CREATED.inc()
                 log.info("GPU %d: created %s@%d (GI %d)", c.gpu, c.profile, c.start, gi_id)
             except GpuDriverError as ex:  # the next pass completes the GI (or removes it)
                 errors.append(f"GPU {c.gpu}: creating the compute instance of {c.profile}@{c.start} failed: {ex}")
         return errors
+
+    @staticmethod
+    async def _nvml(call: Callable[..., T], *args: Any) -> T:
+        """A driver call that changes the GPUs, in a thread: creating or destroying an instance or
+        changing MIG mode takes a real driver up to seconds, and the agent's device plugin shares
+        this event loop (the kubelet's Allocate and GetPreferredAllocation wait on it). The pass
+        itself still awaits each call in turn."""
+        return await asyncio.to_thread(call, *args)
 
     async def _guard(self, candidates: dict[str, str], free: dict[str, list[str]], labels: dict[str, str],
                      when: str) -> tuple[set[str], list[str]]:

@@ -473,3 +473,36 @@ async def test_a_stopping_agent_publishes_zero_for_what_its_plugin_served(mps: P
     stop.set()
     await asyncio.wait_for(task, 5)
     assert rig.node_api.allocatable == {"nvidia.com/gpu-40gb": "0", "nvidia.com/gpu": "0"}
+
+
+async def test_the_kubelet_is_answered_while_the_driver_creates_instances(rig: PluginRig):
+    """Creating a MIG instance takes a real driver up to seconds; the plugin shares the agent's
+    event loop, so the driver calls run in a thread: an Allocate meanwhile is answered at once."""
+    import threading
+    import time
+
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0"]}, plan="p1"))
+    await rig.settle(agent, "p1")
+    existing = rig.uuid_at(0, 0)
+    slow = rig.driver.create_gpu_instance
+
+    creating = threading.Event()
+    since: list[float] = []
+
+    def create(*args: Any) -> int:
+        since.append(time.monotonic())
+        creating.set()
+        time.sleep(0.8)
+        return slow(*args)
+
+    rig.driver.create_gpu_instance = create  # type: ignore[method-assign]
+    rig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1", "1g.10gb@2"]}, plan="p2"))
+    applying = asyncio.create_task(agent.reconcile_once())
+    while not creating.is_set():
+        await asyncio.sleep(0.01)
+    await rig.kubelet.allocate(MIG_1G, [existing])
+    waited = time.monotonic() - since[0]  # from the moment the driver started creating
+    await applying
+    assert waited < 0.5, f"Allocate answered {waited:.2f} s after the driver started creating"
+    await rig.settle(agent, "p2")
