@@ -39,6 +39,7 @@ from dynpart.resources import (
     MpsResource,
     WholeGpuResource,
     is_slice_resource,
+    known_resource,
     mig_resource_name,
     mps_resource_name,
     parse_resource,
@@ -207,6 +208,8 @@ class ClusterView:
     # nodes left out while their agent runs them in another mode than their label's, whose
     # acknowledged spec keeps the agent there: node -> the labelled mode, for a switching spec
     switching: dict[str, str] = field(default_factory=dict)
+    # objects planned all the same, with advice for their owner (e.g. an MPS pod without hostIPC)
+    warnings: list[tuple[dict[str, Any], str]] = field(default_factory=list)
 
 
 @dataclass
@@ -380,7 +383,7 @@ def _without_mode_conflicts(name: str, gpus: list[Gpu], mode: str, bound: Counte
         out = [g for g in gpus if g.index not in described.in_mig]
         why = "are in MIG mode (or switching it); MPS slices cannot be made there until MIG mode is off"
     else:
-        mps_bound = any(isinstance(_resource(res), MpsResource) for res in bound)
+        mps_bound = any(isinstance(known_resource(res), MpsResource) for res in bound)
         if not mps_bound:
             return gpus
         out = [g for g in gpus if g.mig or (described.not_mig is not None and g.index not in described.not_mig)]
@@ -390,13 +393,6 @@ def _without_mode_conflicts(name: str, gpus: list[Gpu], mode: str, bound: Counte
     if dropped:
         problems.append(f"node {name}: GPU(s) {', '.join(map(str, dropped))} {why}: left out of planning")
     return out
-
-
-def _resource(name: str) -> object:
-    try:
-        return parse_resource(name)
-    except DynpartError:
-        return None
 
 
 def mode_switch(node: dict[str, Any]) -> tuple[str, str] | None:
@@ -518,12 +514,17 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                 disagreements[name] = view.disagreements
     pending: list[PendingPod] = []
     candidates: dict[str, dict[str, Any]] = {}
+    warnings: list[tuple[dict[str, Any], str]] = []
     for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
         try:
             if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods or pod_key(pod) in reserved:
                 continue
             pending.append(pending_pod(pod))
             candidates[pod_key(pod)] = pod
+            if isinstance(known_resource(pending[-1].resource), MpsResource) and not _field(pod, "spec", "hostIPC"):
+                warnings.append((pod, f"pod {pod_key(pod)} asks for an MPS slice ({pending[-1].resource}) without "
+                                      "hostIPC: true: the MPS control daemon's shared memory is the host's, so its "
+                                      "CUDA cannot reach the MPS server (planned all the same)"))
         except DynpartError as e:
             problems.append((pod, str(e)))
         except (AttributeError, TypeError, ValueError, KeyError) as e:  # a field of the wrong type
@@ -537,7 +538,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     for name, message in invalid:
         obj = candidates.get(name) or node_objs.get(name) or {"metadata": {"name": name}}
         problems.append((obj, f"{'pod' if name in candidates else 'node'} {name} left out of planning: {message}"))
-    return ClusterView(snapshot, acks, problems, catalog, disagreements, switching)
+    return ClusterView(snapshot, acks, problems, catalog, disagreements, switching,
+                       [(pod, w) for pod, w in warnings if pod_key(pod) in {p.name for p in snapshot.pending}])
 
 
 def _switch_message(name: str, reported: str, labelled: str) -> str:
@@ -644,7 +646,8 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp",
                                          "deletionTimestamp") if k in md},
-        "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead") if k in spec},
+        "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead", "hostIPC")
+                    if k in spec},
                  **({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}}
                     if (required := _field(spec, "affinity", "nodeAffinity",
                                            "requiredDuringSchedulingIgnoredDuringExecution")) is not None else {}),

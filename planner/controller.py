@@ -525,6 +525,8 @@ class PlannerController:
             metrics.PLAN_ERRORS.labels("bad_object").inc()
             log.warning(message)
             await self._event(obj, "DynpartInvalid", message, warning=True)
+        for obj, message in view.warnings:
+            await self._event(obj, "MpsNeedsHostIPC", message, warning=True)
         await self._report_disagreements(view.disagreements)
         await self._switch_modes(view.switching, awaiting)
         if not snapshot.pending:

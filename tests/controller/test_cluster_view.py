@@ -369,3 +369,15 @@ def test_a_learned_share_of_a_profile_only_a_departed_node_offered_does_not_stop
     snapshot = loop.prepare(view.snapshot, 60.0)
     assert "nvidia.com/mig-7g.79gb" in {s.resource for s in snapshot.workload}
     assert [p.pod for p in loop.decide(snapshot, view.catalog).placements] == ["ml/y"]
+
+
+def test_an_mps_pod_without_host_ipc_is_planned_and_its_owner_told_why_it_will_not_reach_mps():
+    from dynpart.planner.cluster_view import pod_for_planning
+
+    without = pod_for_planning(pod("a", {"nvidia.com/gpu-10gb": "1"}))
+    with_ipc = pod_for_planning(pod("b", {"nvidia.com/gpu-10gb": "1"}, hostIPC=True))
+    mig = pod_for_planning(pod("c", {"nvidia.com/mig-1g.10gb": "1"}))
+    view = build_snapshot([node("m", mode="mps", count=1)], [without, with_ipc, mig], CAT)
+    assert {p.name for p in view.snapshot.pending} == {"ml/a", "ml/b", "ml/c"}
+    assert [(obj["metadata"]["name"], "hostIPC: true" in m) for obj, m in view.warnings] == [("a", True)]
+    assert not view.problems

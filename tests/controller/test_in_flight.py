@@ -321,7 +321,7 @@ async def test_a_relabelled_node_is_switched_before_it_is_planned(make):
     n1 = reported("n1", spec)
     n1["metadata"]["labels"]["dynpart.io/gpu-partitioning"] = "mps"
     c = make([n1], Lead(term=3))
-    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/gpu-10gb": "1"})
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/gpu-10gb": "1"}, hostIPC=True)
     await c.plan_round()
     [(name, patch)] = c.written
     assert name == "n1" and patch["dynpart.io/spec-mode"] == "mps" and SPEC_PODS not in patch
