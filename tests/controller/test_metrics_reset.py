@@ -154,7 +154,8 @@ async def test_a_pod_cannot_add_a_label_value_of_its_own(make):
     c.time[0] += 1
     await c._step()
     assert series(metrics.PENDING_PODS) == {"invalid": 53.0, MIG_1G: 1.0}
-    assert set(series(metrics.WORKLOAD_WEIGHT)) <= {"invalid", MIG_1G}
+    weights = series(metrics.WORKLOAD_WEIGHT)
+    assert set(weights) <= {"invalid", MIG_1G} and weights.get(MIG_1G) == 1.0, weights
 
 
 async def test_the_configured_workload_is_exported_without_a_round(make):
