@@ -493,7 +493,7 @@ async def test_the_kubelet_is_answered_while_the_driver_creates_instances(rig: P
     def create(*args: Any) -> int:
         since.append(time.monotonic())
         creating.set()
-        time.sleep(0.8)
+        time.sleep(1.2)
         return slow(*args)
 
     rig.driver.create_gpu_instance = create  # type: ignore[method-assign]
@@ -504,5 +504,6 @@ async def test_the_kubelet_is_answered_while_the_driver_creates_instances(rig: P
     await rig.kubelet.allocate(MIG_1G, [existing])
     waited = time.monotonic() - since[0]  # from the moment the driver started creating
     await applying
-    assert waited < 0.5, f"Allocate answered {waited:.2f} s after the driver started creating"
+    # (blocked, it waits for both creates: 2.4 s; the margin is for a loaded machine)
+    assert waited < 1.0, f"Allocate answered {waited:.2f} s after the driver started creating"
     await rig.settle(agent, "p2")
