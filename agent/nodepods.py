@@ -23,7 +23,7 @@ from kubernetes_asyncio import client
 from dynpart.agent.podresources import AssignedDevice
 from dynpart.kube.client import read_json
 from dynpart.kube.errors import api_errors
-from dynpart.resources import is_slice_resource
+from dynpart.resources import is_slice_resource, pod_requests
 from dynpart.settings import KubeSettings
 
 TERMINAL_PHASES = ("Succeeded", "Failed")
@@ -61,30 +61,13 @@ def _container_requests(c: Mapping[str, Any], where: str) -> dict[str, int]:
 
 
 def requests_of(pod: Mapping[str, Any]) -> dict[str, int]:
-    """The GPU devices a pod needs at admission, as the kubelet counts them (Kubernetes'
-    PodRequests): the containers and the sidecars (restartable init containers) summed, or, if
-    more, what a plain init container needs beside the sidecars started before it."""
+    """The GPU devices a pod needs at admission, as the kubelet counts them (`pod_requests`:
+    containers and sidecars summed, or, if more, a plain init container beside the sidecars
+    started before it)."""
     meta = pod.get("metadata") or {}
     where = f"pod {meta.get('namespace')}/{meta.get('name')}"
-    spec = pod.get("spec") or {}
-    total: dict[str, int] = {}
-    sidecars: dict[str, int] = {}
-    init_peak: dict[str, int] = {}
-    for c in spec.get("initContainers") or []:
-        req = _container_requests(c, where)
-        if c.get("restartPolicy") == "Always":
-            for r, n in req.items():
-                sidecars[r] = sidecars.get(r, 0) + n
-        else:
-            for r in set(req) | set(sidecars):
-                init_peak[r] = max(init_peak.get(r, 0), req.get(r, 0) + sidecars.get(r, 0))
-    for c in spec.get("containers") or []:
-        for r, n in _container_requests(c, where).items():
-            total[r] = total.get(r, 0) + n
-    for r, n in sidecars.items():
-        total[r] = total.get(r, 0) + n
-    out = {r: max(total.get(r, 0), init_peak.get(r, 0)) for r in set(total) | set(init_peak)}
-    return {r: n for r, n in out.items() if n > 0}
+    out = pod_requests(pod.get("spec") or {}, lambda c: _container_requests(c, where))
+    return {r: int(n) for r, n in out.items() if n > 0}
 
 
 def init_only(pod: Mapping[str, Any]) -> frozenset[str]:

@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -90,3 +91,31 @@ def mig_resource_name(profile: str) -> str:
 
 def mps_resource_name(size: int) -> str:
     return f"{MPS_RESOURCE_PREFIX}{size}gb"
+
+
+def pod_requests(spec: Mapping[str, Any], of: Callable[[Mapping[str, Any]], Mapping[str, float]]) -> dict[str, float]:
+    """A pod's effective requests as the scheduler and the kubelet count them (Kubernetes'
+    PodRequests, without the overhead): the containers and the sidecars (restartable init
+    containers) summed, at least what each plain init container needs beside the sidecars
+    started before it. `of`: one container's requests."""
+    def add(into: dict[str, float], more: Mapping[str, float]) -> None:
+        for name, q in more.items():
+            into[name] = into.get(name, 0) + q
+
+    total: dict[str, float] = {}
+    for c in spec.get("containers") or []:
+        add(total, of(c))
+    sidecars: dict[str, float] = {}
+    init_peak: dict[str, float] = {}
+    for c in spec.get("initContainers") or []:
+        if c.get("restartPolicy") == "Always":
+            add(sidecars, of(c))
+            continue
+        running = dict(sidecars)
+        add(running, of(c))
+        for name, q in running.items():
+            init_peak[name] = max(init_peak.get(name, 0), q)
+    add(total, sidecars)
+    for name, q in init_peak.items():
+        total[name] = max(total.get(name, 0), q)
+    return total

@@ -43,6 +43,7 @@ from dynpart.resources import (
     mig_resource_name,
     mps_resource_name,
     parse_resource,
+    pod_requests,
 )
 from dynpart.scheduling import Taint
 from dynpart.snapshot import (
@@ -83,37 +84,17 @@ def parse_quantity(value: Any) -> float:
 
 
 def _container_requests(pod: dict[str, Any]) -> dict[str, float]:
-    """Effective requests, as the scheduler counts them (Kubernetes' PodRequests): the containers
-    and the sidecars (restartable init containers) summed, at least what each plain init container
-    needs beside the sidecars started before it, plus the pod's overhead. Extended resources
-    count from limits when requests omit them."""
-    def of(c: dict[str, Any]) -> dict[str, float]:
+    """Effective requests, as the scheduler counts them (`pod_requests`), plus the pod's
+    overhead. Extended resources count from limits when requests omit them."""
+    def of(c: Mapping[str, Any]) -> dict[str, float]:
         res = c.get("resources") or {}
         return {name: parse_quantity(q) for name, q in {**(res.get("limits") or {}),
                                                          **(res.get("requests") or {})}.items()}
 
-    def add(into: dict[str, float], more: Mapping[str, float]) -> None:
-        for name, q in more.items():
-            into[name] = into.get(name, 0) + q
-
     spec = pod.get("spec", {})
-    total: dict[str, float] = {}
-    for c in spec.get("containers") or []:
-        add(total, of(c))
-    sidecars: dict[str, float] = {}
-    init_peak: dict[str, float] = {}
-    for c in spec.get("initContainers") or []:
-        if c.get("restartPolicy") == "Always":
-            add(sidecars, of(c))
-            continue
-        running = dict(sidecars)
-        add(running, of(c))
-        for name, q in running.items():
-            init_peak[name] = max(init_peak.get(name, 0), q)
-    add(total, sidecars)
-    for name, q in init_peak.items():
-        total[name] = max(total.get(name, 0), q)
-    add(total, {name: parse_quantity(q) for name, q in (spec.get("overhead") or {}).items()})
+    total = pod_requests(spec, of)
+    for name, q in (spec.get("overhead") or {}).items():
+        total[name] = total.get(name, 0) + parse_quantity(q)
     return total
 
 
