@@ -244,9 +244,13 @@ class KubePluginPods:
             pods = await read_json(resp, f"device-plugin pods on node {self.node}")
         names = [str((p.get("metadata") or {}).get("name")) for p in pods.get("items") or []]
         for name in names:
+            what = f"delete pod {self.namespace}/{name}"
             try:
-                with api_errors(f"delete pod {self.namespace}/{name}"):
-                    await self._v1.delete_namespaced_pod(name, self.namespace, _preload_content=False)
+                with api_errors(what):
+                    deleted = await self._v1.delete_namespaced_pod(name, self.namespace, _preload_content=False)
+                # the client raises for an error status only when it reads the body itself: a 403
+                # or a 500 must not read as a restart (the caller would never ask again)
+                await read_json(deleted, what)
             except APINotFoundError:
                 pass  # already going
         return names

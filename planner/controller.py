@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -36,7 +37,7 @@ from dynpart.kube.conventions import (
     STATUS_PLAN,
     STATUS_PREFIX,
 )
-from dynpart.kube.errors import APIConflictError, APIError
+from dynpart.kube.errors import APIConflictError, APIError, APITransportError
 from dynpart.kube.events import object_reference
 from dynpart.kube.patching import patch_node_annotations, read_node
 from dynpart.kube.recording import EventRecorder, QueuedPoster, posting_to
@@ -75,6 +76,8 @@ class Leadership(Protocol):
 
     def can_write(self) -> bool: ...
 
+    def write_time_left_s(self) -> float: ...
+
 
 class Unelected:
     """The only replica (leader election off): always leads, writes no term."""
@@ -83,6 +86,9 @@ class Unelected:
 
     def can_write(self) -> bool:
         return True
+
+    def write_time_left_s(self) -> float:
+        return math.inf
 
 
 class PlannerController:
@@ -102,7 +108,8 @@ class PlannerController:
         self.leading = asyncio.Event()
         # posted in the background: a round placing hundreds of pods must not wait for the API server
         self.events = EventRecorder(
-            QueuedPoster(posting_to(self.core, PLANNER_COMPONENT), on_drop=metrics.EVENTS_DROPPED.labels("queue_full").inc),
+            QueuedPoster(posting_to(self.core, PLANNER_COMPONENT), on_drop=metrics.EVENTS_DROPPED.labels("queue_full").inc,
+                         may_post=lambda: self.leadership.can_write()),
             settings.kube, on_drop=metrics.EVENTS_DROPPED.labels("memory_full").inc)
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
@@ -378,7 +385,7 @@ class PlannerController:
                 self._release(name, flight, now)
                 continue
             try:
-                await patch_node_annotations(self.core, name, patch, node["metadata"].get("resourceVersion"))
+                await self._patch_as_leader(name, patch, node["metadata"].get("resourceVersion"))
             except APIError as e:  # a conflict included: the node changed, its next state decides
                 log.info("could not revoke the plan; will try again", extra={"fields": {"node": name, "error": str(e)}})
                 continue
@@ -438,8 +445,8 @@ class PlannerController:
             if node is None or not self.leadership.can_write():
                 continue
             try:
-                await patch_node_annotations(self.core, name, {SPEC_TERM: str(self.leadership.term)},
-                                             node["metadata"].get("resourceVersion"))
+                await self._patch_as_leader(name, {SPEC_TERM: str(self.leadership.term)},
+                                            node["metadata"].get("resourceVersion"))
             except APIError as e:
                 log.info("could not adopt the node's plan; will try again", extra={"fields": {"node": name, "error": str(e)}})
                 continue
@@ -567,8 +574,7 @@ class PlannerController:
                             extra={"fields": {"plan": plan_id, "written": sorted(written)}})
                 return
             try:
-                await patch_node_annotations(self.core, layout.node, patch,
-                                             node_obj["metadata"].get("resourceVersion"))
+                await self._patch_as_leader(layout.node, patch, node_obj["metadata"].get("resourceVersion"))
             except APIConflictError as e:
                 metrics.PLAN_ERRORS.labels("conflict").inc()
                 log.info("node changed while planning; will re-plan", extra={"fields": {"node": layout.node, "error": str(e)}})
@@ -632,8 +638,8 @@ class PlannerController:
                 continue
             plan_id = self._new_plan_id()
             try:
-                await patch_node_annotations(self.core, name, switching_patch(node, mode, plan_id, self.leadership.term),
-                                             node["metadata"].get("resourceVersion"))
+                await self._patch_as_leader(name, switching_patch(node, mode, plan_id, self.leadership.term),
+                                            node["metadata"].get("resourceVersion"))
             except APIError as e:
                 log.info("could not switch the node's mode; will try again", extra={"fields": {"node": name, "error": str(e)}})
                 continue
@@ -650,6 +656,22 @@ class PlannerController:
             await self._event(self.nodes.cache.get(name) or {"kind": "Node", "metadata": {"name": name}},
                               "CatalogDisagreement", "the GPU driver and the catalog differ (the driver's values are "
                               "planned with): " + "; ".join(notes), warning=True)
+
+    async def _patch_as_leader(self, name: str, patch: dict[str, str | None], resource_version: str | None) -> Obj:
+        """A spec write that lands while this replica can prove it leads, or not at all from its
+        side: a request that answers later is abandoned (APITransportError), since it could land
+        after a standby took over and adopted what it found (a deposed leader's late write)."""
+        left = self.leadership.write_time_left_s()
+        if left <= 0:
+            raise APITransportError(f"patch node {name}: this replica cannot prove it still leads")
+        call = patch_node_annotations(self.core, name, patch, resource_version)
+        if math.isinf(left):
+            return await call
+        try:
+            return await asyncio.wait_for(call, timeout=left)
+        except TimeoutError:
+            raise APITransportError(f"patch node {name}: no answer within the {left:.1f} s this replica can still "
+                                    "prove it leads") from None
 
     async def _event(self, obj: Obj | None, reason: str, message: str, warning: bool = False) -> None:
         if obj is not None:

@@ -157,6 +157,11 @@ def test_agent_daemonset(default):
     assert {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"} in c["volumeMounts"]
     assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"], vols["state"], vols["device-plugins"]]
     assert pod["hostIPC"] is True  # the MPS control daemon and its clients share memory
+    # restarting an agent ends its node's MPS clients: never on its own
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    # the MPS control daemon and servers live in the container: an OOM kill ends every MPS client
+    assert "memory" not in c["resources"].get("limits", {})
+    assert {"name": "state", "mountPath": "/var/lib/dynpart"} in c["volumeMounts"]
     assert "device-plugin-config" not in vols and c["args"] == ["agent", "run", "--config", "/etc/dynpart/agent.yaml",
                                                                 "--node", "$(NODE_NAME)"]  # no ConfigMap of MPS configs
 
@@ -529,6 +534,38 @@ def test_pod_monitor_scrapes_the_agents(full):
     assert not pm["spec"]["selector"]["matchLabels"].items() <= planner.items()
 
 
+def test_agent_state_dir_is_what_the_agent_uses(tmp_path):
+    """The node lock and the MPS pipe and log directories live under agent.stateDir, mounted at
+    the same path as on the host (MPS pods mount the pipe directory from the host)."""
+    from dynpart.settings import AgentSettings, load_settings
+
+    objs = render("--set", "agent.stateDir=/srv/dynpart", "--set", "agent.hostIPC=false",
+                  "--set", "agent.updateStrategy.type=RollingUpdate")
+    pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["state"]["hostPath"]["path"] == "/srv/dynpart"
+    assert {"name": "state", "mountPath": "/srv/dynpart"} in pod["containers"][0]["volumeMounts"]
+    assert pod["hostIPC"] is False and find(objs, "DaemonSet")["spec"]["updateStrategy"] == {"type": "RollingUpdate"}
+    (tmp_path / "agent.yaml").write_text(find(objs, "ConfigMap", "dynpart-agent")["data"]["agent.yaml"])
+    s = load_settings(AgentSettings, tmp_path / "agent.yaml")
+    assert (s.node_lock_file, s.mps_pipe_dir, s.mps_log_dir) == (
+        "/srv/dynpart/agent.lock", "/srv/dynpart/mps", "/srv/dynpart/mps-log")
+
+
+def test_agent_without_privileges_keeps_what_mps_needs(tmp_path):
+    """privileged: false drops every capability but SETUID and SETGID (the MPS control daemon
+    starts each server under its client's ids), and NOTES say whether MPS and MIG can work."""
+    objs = render("--set", "agent.privileged=false")
+    sc = find(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SETUID", "SETGID"]}
+    notes = render_notes(tmp_path / "default", "--set", "agent.privileged=false")
+    assert "(it does)" not in notes and "(they are)" in notes
+    bare = render_notes(tmp_path / "bare", "--set", "agent.privileged=false", "--set", "agent.capabilities={SYS_ADMIN}")
+    assert "includes SYS_ADMIN (it does)" in bare and "they are missing" in bare
+    assert "delete pod -l app.kubernetes.io/component=agent" in notes  # OnDelete: how to upgrade
+    assert "runtimeClassName: nvidia" in notes
+
+
 def test_full_values_options(full, tmp_path):
     from dynpart.catalog import load_catalog
 
@@ -539,7 +576,7 @@ def test_full_values_options(full, tmp_path):
     assert "runtimeClassName" not in pod
     sc = pod["containers"][0]["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
-    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN", "SETUID", "SETGID"]}
     assert pod["containers"][0]["image"] == "registry.example.com/gpu/dynpart:0.1.0-test"
     extra = find(full, "ConfigMap", "dynpart-catalog")["data"]["extra.yaml"]
     (tmp_path / "extra.yaml").write_text(extra)

@@ -19,7 +19,12 @@ def object_reference(obj: Obj) -> Obj:
     """The involvedObject of an Event about `obj` (a listed object has no `kind`: told by its spec)."""
     md = obj.get("metadata", {})
     kind = obj.get("kind") or ("Pod" if "containers" in (obj.get("spec") or {}) else "Node")
-    ref = {"kind": kind, "apiVersion": "v1", "name": md.get("name"), "uid": md.get("uid")}
+    uid = md.get("uid")
+    if not uid and kind == "Node":
+        # the kubelet's convention for a node it does not read (uid = the node's name): `kubectl
+        # describe node` finds events by the node's uid or by its name in the uid; by none, never
+        uid = md.get("name")
+    ref = {"kind": kind, "apiVersion": "v1", "name": md.get("name"), "uid": uid}
     if md.get("namespace"):
         ref["namespace"] = md["namespace"]
     return ref

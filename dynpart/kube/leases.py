@@ -48,6 +48,7 @@ class LeaderElector:
         self.term = 0
         self._valid_until = 0.0  # monotonic time until which this replica can prove it leads
         self._term_read = 0
+        self._duration_read = lease_s  # leaseDurationSeconds of the record the last attempt read
         self.clock = clock
         self._observed: tuple[object, ...] | None = None  # the lease record last read
         self._observed_at = 0.0  # when (this replica's monotonic clock) it last changed
@@ -58,8 +59,19 @@ class LeaderElector:
         writing before another replica may take over (clock rates and request latency aside)."""
         return self.lease_s * 2 / 3
 
+    def _proven_s(self) -> float:
+        """How long the last won attempt proves leadership: within the shorter of this replica's
+        lease and the one the record it replaced had (standbys time the lease by the record)."""
+        return min(self.lease_s, self._duration_read) * 2 / 3
+
     def can_write(self) -> bool:
         return self.is_leader and self.clock() < self._valid_until
+
+    def write_time_left_s(self) -> float:
+        """How long a write started now may take and still land while this replica can prove it
+        leads (0 when it cannot): a write that would land later must be abandoned, or it could
+        land after a standby took over."""
+        return max(0.0, self._valid_until - self.clock()) if self.is_leader else 0.0
 
     def _set(self, leader: bool) -> None:
         if leader != self.is_leader:
@@ -86,7 +98,7 @@ class LeaderElector:
             try:
                 with api_errors(f"create lease {self.namespace}/{self.name}"):
                     await raw_api(self.api).create_namespaced_lease(self.namespace, body)
-                self._term_read = 0
+                self._term_read, self._duration_read = 0, self.lease_s
                 return True
             except APIConflictError:
                 return False
@@ -95,7 +107,9 @@ class LeaderElector:
         duration = spec.get("leaseDurationSeconds") or self.lease_s
         unchanged_s = self._observe(spec)
         if holder == self.identity:
-            spec["renewTime"] = _now()
+            # the whole record, as client-go writes it: a replica back with another lease duration
+            # (same identity) must not go on leading by its own while standbys time the record's
+            spec.update(renewTime=_now(), leaseDurationSeconds=self.lease_s)
         elif not holder or unchanged_s > duration:
             spec.update(holderIdentity=self.identity, acquireTime=_now(), renewTime=_now(),
                         leaseDurationSeconds=self.lease_s, leaseTransitions=(spec.get("leaseTransitions") or 0) + 1)
@@ -105,6 +119,7 @@ class LeaderElector:
         try:
             await self._replace(lease)
             self._term_read = int(spec.get("leaseTransitions") or 0)
+            self._duration_read = int(duration)
             return True
         except APIConflictError:
             return False
@@ -143,7 +158,7 @@ class LeaderElector:
                     won = False
                 if won:
                     # the server may have applied the renewal at any time after the request left
-                    self._valid_until = started + self.margin_s
+                    self._valid_until = started + self._proven_s()
                     self.term = self._term_read
                     self._set(True)
                 elif not self.can_write():

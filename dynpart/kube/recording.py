@@ -46,11 +46,14 @@ class QueuedPoster:
     does the same): a controller never waits for the API server to take an Event, so a round
     that places hundreds of pods does not stall planning. When the queue is full the Event is
     dropped (counted in `dropped`, and `on_drop` called, e.g. a metric's inc): Events are advice,
-    the plan is what matters."""
+    the plan is what matters. `may_post` is asked before each post: an Event queued by a leader
+    that has lost the lease since is not posted (a standby writes nothing; `withheld` counts them)."""
 
     def __init__(self, post: PostEvent, workers: int = 4, maxsize: int = 10_000,
-                 on_drop: Callable[[], None] | None = None):
+                 on_drop: Callable[[], None] | None = None, may_post: Callable[[], bool] | None = None):
         self._post = post
+        self._may_post = may_post
+        self.withheld = 0
         self._workers = workers
         self._queue: asyncio.Queue[tuple[Obj, str, str, bool]] = asyncio.Queue(maxsize)
         self._tasks: list[asyncio.Task[None]] = []
@@ -73,6 +76,9 @@ class QueuedPoster:
         while True:
             item = await self._queue.get()
             try:
+                if self._may_post is not None and not self._may_post():
+                    self.withheld += 1
+                    continue
                 await self._post(*item)
             except Exception as e:  # an Event that cannot be posted is logged, never fatal
                 log.warning("could not post Event %s: %s", item[1], e)

@@ -5,6 +5,8 @@ a leader that cannot prove it leads writes nothing."""
 
 from __future__ import annotations
 
+import asyncio
+import math
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from kubernetes_asyncio import client
 
 from dynpart.annotations import SPEC_PODS, SPEC_TERM, decode_spec, encode_status
 from dynpart.catalog import default_catalog
+from dynpart.kube.errors import APITransportError
 from dynpart.planner import controller as controller_module
 from dynpart.planner.cluster_view import build_snapshot, planned_patches
 from dynpart.planner.controller import InFlight, PlannerController
@@ -30,6 +33,9 @@ class Lead:
 
     def can_write(self) -> bool:
         return self.writes
+
+    def write_time_left_s(self) -> float:
+        return math.inf if self.writes else 0.0
 
 
 def reported(name: str, spec: dict[str, str] | None = None, status_plan: str | None = "p0") -> dict[str, Any]:
@@ -469,3 +475,34 @@ async def test_a_pod_kept_off_its_only_node_is_told_why(make):
     await c.plan_round()
     (message,) = [m for r, m in c.posted if r == "Unplaceable"]
     assert "dynpart keeps it off node(s) n1 for a while" in message, message
+
+
+async def test_a_spec_write_that_would_land_after_the_leadership_proof_is_abandoned(make, monkeypatch):
+    """A write answered after the time this replica can still prove it leads is abandoned (and
+    fails as a transport error, which every write site handles): landing later, it could land
+    after a standby took over and adopted it as an earlier leader's spec."""
+    c = make([reported("n1")], Lead(term=3))
+
+    class Expiring(Lead):
+        def write_time_left_s(self) -> float:
+            return 0.2
+
+    c.leadership = Expiring(term=3)
+    landed: list[str] = []
+
+    async def slow_patch(core, name, patch, resource_version=None):
+        await asyncio.sleep(2)
+        landed.append(name)
+        return {}
+
+    monkeypatch.setattr(controller_module, "patch_node_annotations", slow_patch)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(APITransportError, match="no answer within the 0.2 s this replica can still prove it leads"):
+        await c._patch_as_leader("n1", {"dynpart.io/spec-term": "3"}, None)
+    assert asyncio.get_running_loop().time() - started < 1.0 and landed == []
+    c._to_adopt.add("n1")
+    await c._adopt()
+    assert c._to_adopt == {"n1"}  # not adopted: tried again while it leads
+    c.leadership = Lead(term=3, writes=False)
+    with pytest.raises(APITransportError, match="cannot prove it still leads"):
+        await c._patch_as_leader("n1", {"dynpart.io/spec-term": "3"}, None)

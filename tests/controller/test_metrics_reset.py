@@ -34,6 +34,9 @@ class Lead:
     def can_write(self) -> bool:
         return True
 
+    def write_time_left_s(self) -> float:
+        return float("inf")
+
 
 def series(gauge: Gauge | Counter) -> dict[str, float]:
     """The gauge's series: its one label's value -> the value."""

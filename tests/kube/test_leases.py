@@ -50,15 +50,19 @@ def elector(api: FakeLeases, identity: str) -> LeaderElector:
                          lease_s=3, renew_s=0.2, retry_s=0.1)
 
 
+async def until_it_writes(a: LeaderElector) -> None:
+    for _ in range(100):
+        if a.can_write():
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_a_hung_renewal_stops_writes_before_the_lease_may_be_taken_over():
     api = FakeLeases()
     a = elector(api, "a")
     task = asyncio.create_task(a.run())
     try:
-        for _ in range(100):
-            if a.can_write():
-                break
-            await asyncio.sleep(0.02)
+        await until_it_writes(a)
         assert a.can_write() and a.term == 0
         api.hang = True  # the API server stops answering this replica
         hung_at = time.monotonic()
@@ -131,3 +135,28 @@ async def test_expiry_is_measured_on_the_standbys_clock_not_the_holders_renew_ti
     assert not await c._try()
     t[0] += 3.5
     assert await c._try() and api.lease["spec"]["holderIdentity"] == "c"
+
+
+async def test_a_holder_back_with_a_longer_lease_writes_it_and_leads_no_longer_than_the_record_said():
+    """A replica that holds the lease under its identity and comes back with a longer lease
+    duration (a fixed --identity, a StatefulSet) writes its duration into the record, as client-go
+    does, and its first renewal proves leadership only within the duration standbys were timing
+    (the record's): else it would write past the moment a standby may take over."""
+    api = FakeLeases()
+    api.lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                 "metadata": {"name": "dynpart-planner", "namespace": "dynpart-system", "resourceVersion": "1"},
+                 "spec": {"holderIdentity": "a", "leaseDurationSeconds": 3, "leaseTransitions": 4,
+                          "renewTime": "2026-01-01T00:00:00.000000Z", "acquireTime": "2026-01-01T00:00:00.000000Z"}}
+    a = LeaderElector(api, "dynpart-planner", "dynpart-system", "a",  # type: ignore[arg-type]  # a fake API
+                      lease_s=6, renew_s=10, retry_s=0.1)
+    before = a.clock()
+    task = asyncio.create_task(a.run())
+    try:
+        await until_it_writes(a)
+        assert a.can_write() and a.term == 4
+        assert api.lease["spec"]["leaseDurationSeconds"] == 6  # standbys now time 6 s
+        # proven for 2/3 of the 3 s the standbys were timing when it renewed, not of its own 6 s
+        assert a._valid_until - before <= 3 * 2 / 3 + 0.05, a._valid_until - before
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -144,3 +144,35 @@ async def test_queued_posting_never_makes_the_caller_wait():
     gate.set()
     await poster.drain()
     assert sorted(posted) == ["m0", "m1", "m2", "m3", "m4"]
+
+
+async def test_events_queued_by_a_deposed_leader_are_not_posted():
+    """An Event queued while leading and taken from the queue after the lease was lost is not
+    posted: a standby writes nothing (docs/protocol.md)."""
+    import asyncio
+
+    from dynpart.kube.recording import QueuedPoster
+
+    posted: list[str] = []
+    leading = True
+
+    async def post(obj, reason, message, warning):
+        posted.append(message)
+
+    poster = QueuedPoster(post, workers=1, may_post=lambda: leading)
+    await poster({"kind": "Pod", "metadata": {"name": "a"}}, "SlicePlanned", "while leading", False)
+    await poster.drain()
+    leading = False
+    await poster({"kind": "Pod", "metadata": {"name": "b"}}, "SlicePlanned", "queued, then the lease went", False)
+    await asyncio.wait_for(poster.drain(), 1)
+    assert posted == ["while leading"] and poster.withheld == 1
+
+
+def test_a_node_event_names_the_node_as_kubectl_describe_node_finds_it():
+    """`kubectl describe node` finds Events by the node's uid, or by the node's name as the uid
+    (the kubelet's convention): an Event about a node known only by name carries its name there."""
+    from dynpart.kube.events import object_reference
+
+    assert object_reference({"kind": "Node", "metadata": {"name": "gpu-1"}})["uid"] == "gpu-1"
+    assert object_reference({"kind": "Node", "metadata": {"name": "gpu-1", "uid": "u-1"}})["uid"] == "u-1"
+    assert object_reference({"metadata": {"name": "p", "namespace": "ml"}, "spec": {"containers": []}})["uid"] is None
