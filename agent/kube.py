@@ -189,7 +189,8 @@ class KubeNodeApi:
 
     async def watch(self) -> AsyncIterator[NodeView]:
         """The node as listed, then at each change: dynpart.kube's informer with a field selector
-        (it lists and watches again, backing off, whenever the watch ends or fails)."""
+        (it watches again from the last resourceVersion when the watch ends, and lists again,
+        backing off, when the watch fails or its resourceVersion is too old)."""
         changes: asyncio.Queue[NodeView] = asyncio.Queue()
 
         def on_change(kind: str, obj: Obj) -> None:

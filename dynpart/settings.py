@@ -38,15 +38,20 @@ class KubeSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    backoff_initial_s: float = Field(default=0.2, gt=0, description="first wait before listing again after a "
-                                     "watch ends or a call fails")
-    backoff_max_s: float = Field(default=10.0, gt=0, description="longest wait between two attempts")
+    backoff_initial_s: float = Field(default=0.2, gt=0, description="first wait before trying again after a call "
+                                     "or a watch fails (a watch waits between half and all of each wait, at random, "
+                                     "and starts from this one again after 2 minutes without a failure)")
+    backoff_max_s: float = Field(default=10.0, gt=0, description="longest wait between two attempts (a longer "
+                                 "Retry-After of the API server, up to 60 s, is waited for)")
     backoff_multiplier: float = Field(default=2.0, ge=1, description="each failed attempt multiplies the wait by this")
-    watch_timeout_s: int = Field(default=300, gt=0, description="a watch is renewed (list, then watch) this often")
+    watch_timeout_s: int = Field(default=300, gt=0, description="the API server ends a watch after between this and "
+                                 "twice this (at random); it is started again from the last resourceVersion seen, "
+                                 "and the objects are listed again only when that is too old or the watch failed")
     request_timeout_s: float = Field(default=30.0, gt=0, description="every API call but a watch gives up after "
                                      "this long (the client's default is to wait for ever)")
-    watch_idle_timeout_s: float = Field(default=60.0, gt=0, description="a watch that receives nothing for this long "
-                                        "past its renewal time is dropped and listed again")
+    watch_idle_timeout_s: float = Field(default=120.0, gt=0, description="a watch that receives nothing for this long "
+                                        "(the API server sends a bookmark about every minute) is dropped and started "
+                                        "again")
     event_repeat_s: float = Field(default=3600.0, gt=0, description="the same Event (object, reason, message) is "
                                   "posted again at most this often")
     event_memory: int = Field(default=4096, ge=1, description="(object, reason) pairs the Event de-duplication "

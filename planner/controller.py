@@ -223,7 +223,8 @@ class PlannerController:
     # --- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        # a watch lists again at least every watch_timeout_s; the loop turns at least every resync_s
+        # a watch beats at each list page, watch start and event (bookmarks too), and a silent one is
+        # dropped after watch_idle_timeout_s and started again; the loop turns at least every resync_s
         kube = self.settings.kube
         for watch in ("watch nodes", "watch pods"):
             self.liveness.expect(watch, kube.watch_timeout_s + kube.watch_idle_timeout_s + kube.backoff_max_s)

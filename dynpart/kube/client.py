@@ -3,17 +3,22 @@ JSON body of a call made with `_preload_content=False`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 from typing import Any, cast
 
 import aiohttp
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client import rest
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynpart.errors import DynpartError
 from dynpart.kube.errors import APIError, api_errors, status_error
 from dynpart.settings import KubeSettings
+
+log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]  # a Kubernetes object as the API serves it (JSON)
 
@@ -22,41 +27,100 @@ async def api_client(kubeconfig: str | None = None, settings: KubeSettings | Non
     """A client whose every call has a time bound (`request_timeout`): kubernetes-asyncio's
     default is to wait for ever, so a hung call would hold a lease renewal or a watch for good."""
     path = kubeconfig or os.environ.get("KUBECONFIG")
+    credentials = None
     try:
         if path:
             cfg = client.Configuration()
-            await config.load_kube_config(config_file=path, client_configuration=cfg)
+            loader = await config.load_kube_config(config_file=path, client_configuration=cfg)
+            credentials = _Credentials.of(loader, cfg)
             api = client.ApiClient(configuration=cfg)
         else:
+            # the service account's token file is read again every minute (the loader's hook)
             config.load_incluster_config()  # type: ignore[no-untyped-call]  # kubernetes-asyncio leaves it unannotated
             api = client.ApiClient()
     except (config.ConfigException, OSError) as e:
         where = f"kubeconfig {path}" if path else "the in-cluster service account (no --kubeconfig, no $KUBECONFIG)"
         raise DynpartError(f"cannot connect to Kubernetes with {where}: {e}") from None
     await api.rest_client.close()  # replaced by one that bounds every call
-    api.rest_client = _BoundedRestClient(api.configuration, settings or KubeSettings())
+    api.rest_client = _BoundedRestClient(api.configuration, settings or KubeSettings(), credentials)
     return api
+
+
+class _Credentials:
+    """A kubeconfig user's token from an exec credential plugin (EKS, GKE, AKS kubeconfigs), or
+    from a gcp or oidc auth provider: it expires, and kubernetes-asyncio's loader reads it once.
+    Before each call the loader runs again when the token expired (it returns at once while the
+    token is valid: the plugin's expirationTimestamp, less 5 minutes); after a 401 the plugin runs
+    again (a token without an expiry, or refused before it), and the call is retried once with
+    the new token, as client-go does."""
+
+    def __init__(self, loader: Any, cfg: client.Configuration):
+        self._loader, self._cfg = loader, cfg
+        self._lock = asyncio.Lock()
+        # the loader's user (kubernetes-asyncio's own refresh_token reads it so)
+        self._exec = "exec" in (loader._user or {})
+
+    @classmethod
+    def of(cls, loader: Any, cfg: client.Configuration) -> _Credentials | None:
+        """The credentials of `cfg`, when they may need renewing; they renew before each call."""
+        if loader.provider not in ("gcp", "oidc") and "exec" not in (loader._user or {}):
+            return None  # a static token, a client certificate, a password
+        credentials = cls(loader, cfg)
+        cfg.refresh_api_key_hook = credentials._before_call  # awaited before each call
+        return credentials
+
+    async def _before_call(self, cfg: client.Configuration) -> None:
+        if self._exec and not hasattr(self._loader, "exec_plugin_expiry"):
+            return  # no expiry: the token holds until a 401
+        async with self._lock:
+            await self._load(cfg)
+
+    async def _load(self, cfg: client.Configuration) -> None:
+        """Run the loader (when its token expired) and take its token; on failure keep the old one
+        (the API server answers 401, which callers handle)."""
+        try:
+            await self._loader._load_authentication()  # what load_kube_config ran
+        except Exception as e:
+            log.warning("cannot renew the Kubernetes credentials: %s", e)
+            return
+        token = getattr(self._loader, "token", None)
+        if token:
+            cfg.api_key["BearerToken"] = token
+
+    async def after_401(self, sent: str | None) -> str | None:
+        """The Authorization to retry a call the API server refused (401) with `sent`; None: none
+        newer (the call's 401 stands)."""
+        async with self._lock:
+            current = self._cfg.api_key.get("BearerToken")
+            if current == sent and self._exec:
+                if hasattr(self._loader, "exec_plugin_expiry"):
+                    del self._loader.exec_plugin_expiry  # the plugin runs again
+                await self._load(self._cfg)
+                current = self._cfg.api_key.get("BearerToken")
+        return str(current) if current and current != sent else None
 
 
 def request_timeout(query_params: object, settings: KubeSettings) -> aiohttp.ClientTimeout:
     """The time bound of one call: a whole call `request_timeout_s`; a watch (a stream the server
     ends after its `timeoutSeconds`) is dropped when nothing arrives for `watch_idle_timeout_s`
-    past the renewal time, so a half-open connection cannot leave a cache stale for ever."""
+    (a healthy watch that asks for bookmarks receives one about every minute), so a half-open
+    connection cannot leave a cache stale for long."""
     # the client passes a list of pairs (its stubs say a dict): read both
     params = dict(query_params) if isinstance(query_params, list | tuple | dict) else {}
     if params.get("watch") in (True, "true", "True"):
         connect = settings.request_timeout_s
-        return aiohttp.ClientTimeout(connect=connect, sock_connect=connect,
-                                     sock_read=settings.watch_timeout_s + settings.watch_idle_timeout_s)
+        return aiohttp.ClientTimeout(connect=connect, sock_connect=connect, sock_read=settings.watch_idle_timeout_s)
     return aiohttp.ClientTimeout(total=settings.request_timeout_s)
 
 
 class _BoundedRestClient(rest.RESTClientObject):
     """kubernetes-asyncio's REST client with a default time bound on every call."""
 
-    def __init__(self, configuration: client.Configuration, settings: KubeSettings):
+    def __init__(self, configuration: client.Configuration, settings: KubeSettings,
+                 credentials: _Credentials | None = None):
         super().__init__(configuration)
         self._settings = settings
+        self._credentials = credentials
 
     async def request(self, method: str, url: str, query_params: dict[str, Any] | None = None,
                       headers: dict[str, Any] | None = None, body: object = None,
@@ -64,9 +128,30 @@ class _BoundedRestClient(rest.RESTClientObject):
                       _request_timeout: float | tuple[float] | aiohttp.ClientTimeout | None = None) -> object:
         if _request_timeout is None:
             _request_timeout = request_timeout(query_params, self._settings)
-        return await super().request(method, url, query_params=query_params, headers=headers, body=body,
-                                     post_params=post_params, _preload_content=_preload_content,
-                                     _request_timeout=_request_timeout)
+        for retry in (True, False):  # a 401 is retried once, with renewed credentials
+            try:
+                r = await super().request(method, url, query_params=query_params, headers=headers, body=body,
+                                          post_params=post_params, _preload_content=_preload_content,
+                                          _request_timeout=_request_timeout)
+            except ApiException as e:  # a preloaded answer's error status
+                if not (retry and e.status == 401 and await self._renewed(headers)):
+                    raise
+                continue
+            status = getattr(r, "status", None)  # a raw answer's
+            if not (retry and not _preload_content and status == 401 and await self._renewed(headers)):
+                return r
+            cast(aiohttp.ClientResponse, r).release()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _renewed(self, headers: dict[str, Any] | None) -> bool:
+        """After a 401: put renewed credentials in `headers`; False when there are none."""
+        if self._credentials is None or headers is None:
+            return False
+        fresh = await self._credentials.after_401(headers.get("authorization"))
+        if fresh is None:
+            return False
+        headers["authorization"] = fresh
+        return True
 
 
 def raw_api(api: object) -> Any:

@@ -4,11 +4,17 @@ wait, multiplier, longest wait); every loop that talks to the API server backs o
     async for attempt in retrying(settings, "list nodes"):
         with attempt:
             body = await list_nodes()
+
+A loop with no one call to retry (the informer's list and watch) takes its waits from `Backoff`.
 """
 
 from __future__ import annotations
 
+import email.utils
 import logging
+import random
+import time
+from collections.abc import Callable
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_never, wait_exponential
 
@@ -38,3 +44,50 @@ def retrying(settings: KubeSettings, what: str, *,
 
     return AsyncRetrying(wait=backoff(settings), retry=retry_if_exception_type(retry_on), stop=stop_never,
                          before_sleep=warn, reraise=True)
+
+
+class Backoff:
+    """The waits of a loop that never gives up and retries no one call (an informer's list and
+    watch), as client-go's Reflector waits between its ListAndWatch runs: `backoff(settings)` after
+    each failure in a row, each wait drawn at random between half and all of it (so that the
+    agents of many nodes, failing together, do not come back together), back to the first wait
+    once `reset_after_s` passed without a failure (a healthy run), and never less than the API
+    server's Retry-After."""
+
+    def __init__(self, settings: KubeSettings, *, reset_after_s: float, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._wait = backoff(settings)
+        self._state = RetryCallState(AsyncRetrying(), None, (), {})  # its attempt_number: failures in a row
+        self._reset_after_s = reset_after_s
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._last_failure: float | None = None
+
+    def next(self, retry_after: float | None = None) -> float:
+        """The wait after one more failure; `retry_after`: what the API server asked for."""
+        now = self._clock()
+        if self._last_failure is not None and now - self._last_failure >= self._reset_after_s:
+            self._state.attempt_number = 1
+        elif self._last_failure is not None:
+            self._state.attempt_number += 1
+        self._last_failure = now
+        wait = self._wait(self._state) * (0.5 + 0.5 * self._rng.random())
+        return max(wait, min(retry_after or 0.0, RETRY_AFTER_MAX_S))
+
+
+RETRY_AFTER_MAX_S = 60.0  # a longer Retry-After is taken as this: a wrong one must not stop a watch for long
+
+
+def retry_after(value: str | None) -> float | None:
+    """A Retry-After header (seconds, or an HTTP date) in seconds from now; None: none or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())

@@ -1,20 +1,26 @@
-"""Watching: a small informer that lists, then watches from the list's resourceVersion, keeps
-a cache of objects by key, lists again whenever the watch ends (its timeout, 410 Gone, an
-error), and calls back on change. The one watch of dynpart: the planner's nodes and pods, and
-each agent's own node (with a field selector) go through it."""
+"""Watching: a small informer, as client-go's Reflector: lists (page by page), then watches from
+the list's resourceVersion, keeps a cache of objects by key, and calls back on change. When the
+server ends a watch (its timeout) or the connection drops, it watches again from the last
+resourceVersion seen (of an event or a BOOKMARK); it lists again only when that is too old (410
+Gone) or the watch failed. Failures back off exponentially, with jitter, as long as they follow
+one another. The one watch of dynpart: the planner's nodes and pods, and each agent's own node
+(with a field selector) go through it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import random
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
-from kubernetes_asyncio import watch
+import aiohttp
 
 from dynpart.kube.client import Obj, read_json
-from dynpart.kube.errors import APIError, APIGoneError, api_errors
-from dynpart.kube.retrying import retrying
+from dynpart.kube.errors import APIError, APIGoneError, APITransportError, api_errors, status_error
+from dynpart.kube.retrying import Backoff, retry_after
 from dynpart.settings import KubeSettings
 
 log = logging.getLogger(__name__)
@@ -28,27 +34,28 @@ def object_key(obj: Obj) -> str:
     return f"{ns}/{md.get('name')}" if ns else str(md.get("name"))
 
 
-class _RawWatch(watch.Watch):
-    """A watch whose events keep the object as the API server sent it: the client would build a
-    model object for each event (parsing every field and timestamp) that the informer throws
-    away for `raw_object` (a fifth of a planner's CPU under a burst of pods)."""
-
-    def unmarshal_event(self, data: str | bytes, response_type: str | None) -> Any:
-        return super().unmarshal_event(data, None)
+class _ListFailed(Exception):
+    """The list failed (its cause attached): the informer lists again after the back-off."""
 
 
 class Informer:
     """Cache of one resource kind. `list_fn` is e.g. CoreV1Api.list_node or
-    CoreV1Api.list_pod_for_all_namespaces; `on_change(type, obj)` runs after each change.
-    Selectors narrow what is listed and watched; `settings` gives the watch timeout and the
-    back-off between failed lists."""
+    CoreV1Api.list_pod_for_all_namespaces; `on_change(type, obj)` runs after each change (a list
+    reports each object that changed as MODIFIED and each that vanished as DELETED; BOOKMARKs are
+    not reported). Selectors narrow what is listed and watched; `settings` gives the watch
+    timeout, the back-off between failures; `rng` draws the watch timeouts and the jitter."""
+
+    page_size = 500  # objects a list asks for at once (client-go's pager)
+    healthy_after_s = 120.0  # a failure this long after the last one backs off from the start again
+    short_watch_s = 1.0  # a watch that ends sooner with nothing in it failed (client-go: "very short watch")
 
     def __init__(self, list_fn: Callable[..., Awaitable[Any]], on_change: Callable[[str, Obj], None],
                  *, name: str, label_selector: str | None = None, field_selector: str | None = None,
                  settings: KubeSettings | None = None, transform: Callable[[Obj], Obj] | None = None,
-                 on_beat: Callable[[], None] | None = None):
+                 on_beat: Callable[[], None] | None = None, rng: random.Random | None = None):
         self.list_fn = list_fn
-        # called on every list and watch event, bookmarks included: liveness of the watch
+        # called on every list page, watch start and watch event, bookmarks included: liveness of
+        # the watch (a silent watch is dropped after watch_idle_timeout_s and started again)
         self.on_beat = on_beat or (lambda: None)
         # what the cache keeps of each object (the planner keeps only what planning reads)
         self.transform = transform or (lambda obj: obj)
@@ -56,57 +63,142 @@ class Informer:
         self.name = name
         self.kwargs = {k: v for k, v in (("label_selector", label_selector), ("field_selector", field_selector)) if v}
         self.settings = settings or KubeSettings()
+        self.rng = rng or random.Random()
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # the back-off's (tests record it)
         self.cache: dict[str, Obj] = {}
         self.synced = asyncio.Event()
+        self.resource_version = ""  # the last one seen: of the list, of an event or of a bookmark
+        self._retry_after: float | None = None  # the last failed call's Retry-After
+
+    async def _read(self, resp: object, what: str) -> Obj:
+        """`read_json`, keeping the Retry-After of a 429 or 503."""
+        raw = cast(aiohttp.ClientResponse, resp)
+        if raw.status in (429, 503):
+            self._retry_after = retry_after(raw.headers.get("Retry-After"))
+        return await read_json(resp, what)
 
     async def _relist(self) -> str:
+        """List every object, `page_size` at a time, into the cache: those that changed are reported
+        MODIFIED, those that vanished DELETED. Returns the list's resourceVersion. A list whose
+        continue token expired (410: it took longer than the API server keeps one) starts over."""
         what = f"list {self.name}"
-        with api_errors(what):
-            resp = await self.list_fn(_preload_content=False, **self.kwargs)
-        body = await read_json(resp, what)
-        self.on_beat()
-        fresh = {object_key(o): self.transform(o) for o in body.get("items", [])}
-        for key in set(self.cache) - set(fresh):
+        seen: set[str] = set()
+        token = ""
+        while True:
+            page: dict[str, Any] = {"limit": self.page_size, **({"_continue": token} if token else {})}
+            with api_errors(what):
+                resp = await self.list_fn(_preload_content=False, **self.kwargs, **page)
+            try:
+                body = await self._read(resp, what)
+            except APIGoneError:
+                if not token:
+                    raise
+                log.info("list %s: its continue token expired; listing from the start", self.name)
+                seen.clear()
+                token = ""
+                continue
+            self.on_beat()
+            for item in body.get("items") or []:
+                obj = self.transform(item)
+                key = object_key(obj)
+                seen.add(key)
+                if self.cache.get(key, {}).get("metadata", {}).get("resourceVersion") != obj["metadata"].get("resourceVersion"):
+                    self.cache[key] = obj
+                    self.on_change("MODIFIED", obj)
+            metadata = body.get("metadata") or {}
+            token = str(metadata.get("continue") or "")
+            if not token:
+                break
+        for key in set(self.cache) - seen:
             self.on_change("DELETED", self.cache.pop(key))
-        for key, obj in fresh.items():
-            if self.cache.get(key, {}).get("metadata", {}).get("resourceVersion") != obj["metadata"].get("resourceVersion"):
-                self.cache[key] = obj
-                self.on_change("MODIFIED", obj)
         self.synced.set()
-        return str(body.get("metadata", {}).get("resourceVersion", ""))
+        return str(metadata.get("resourceVersion", ""))
 
     async def _watch(self, resource_version: str) -> None:
-        """Apply the watch's events until it ends (the server closes it after the timeout)."""
-        with api_errors(f"watch {self.name}"):
-            async with _RawWatch() as w:
-                async for event in w.stream(self.list_fn, resource_version=resource_version,
-                                            timeout_seconds=self.settings.watch_timeout_s,
-                                            allow_watch_bookmarks=True, **self.kwargs):
-                    kind, obj = event["type"], event["raw_object"]
+        """Apply the watch's events until the server ends it (after its timeoutSeconds, drawn
+        between watch_timeout_s and twice that, as client-go does, so that watches do not all end
+        together). Raises APIGoneError when `resource_version` is too old to watch from."""
+        what = f"watch {self.name}"
+        timeout = int(self.settings.watch_timeout_s * (1 + self.rng.random()))
+        started, lines = time.monotonic(), 0
+        with api_errors(what):
+            resp = await self.list_fn(watch=True, resource_version=resource_version, timeout_seconds=timeout,
+                                      allow_watch_bookmarks=True, _preload_content=False, **self.kwargs)
+            raw = cast(aiohttp.ClientResponse, resp)
+            try:
+                if not 200 <= raw.status <= 299:
+                    await self._read(resp, what)  # raises the class of the status
+                self.on_beat()
+                while line := await raw.content.readline():
+                    lines += 1
                     self.on_beat()
-                    if kind == "BOOKMARK":
-                        continue
-                    obj = self.transform(obj)
-                    key = object_key(obj)
-                    if kind == "DELETED":
-                        self.cache.pop(key, None)
-                    else:
-                        self.cache[key] = obj
-                    self.on_change(kind, obj)
+                    self._apply(line, what)
+            except BaseException:
+                raw.close()  # not read to its end: the connection cannot be used again
+                raise
+            raw.release()
+        if not lines and time.monotonic() - started < self.short_watch_s:
+            raise APIError(f"{what}: the API server ended the watch at once")
+
+    def _apply(self, line: bytes, what: str) -> None:
+        """One line of a watch: an event, a bookmark, or an error (a Status)."""
+        try:
+            event = json.loads(line)
+            kind, obj = event["type"], event["object"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise APIError(f"{what}: not a watch event ({e}): {line[:200]!r}") from None
+        if kind == "ERROR":  # a Status: 410 Expired when the resourceVersion is too old
+            raise status_error(int(obj.get("code") or 500), f"{obj.get('reason')}: {obj.get('message')}", what)
+        resource_version = obj.get("metadata", {}).get("resourceVersion")
+        if kind != "BOOKMARK":
+            obj = self.transform(obj)
+            key = object_key(obj)
+            if kind == "DELETED":
+                self.cache.pop(key, None)
+            else:
+                self.cache[key] = obj
+        if resource_version:
+            self.resource_version = str(resource_version)
+        if kind != "BOOKMARK":
+            self.on_change(kind, obj)
 
     async def run(self) -> None:
-        """List and watch until cancelled. A failed list is retried with back-off; after a watch
-        ends, the informer lists again after the initial back-off."""
+        """List and watch until cancelled. After a watch ends, watch again from the last
+        resourceVersion; after a failure, back off (`Backoff`), then list again, or watch again
+        when the watch failed only for want of an answer or a 429 (Too Many Requests)."""
+        backoff = Backoff(self.settings, reset_after_s=self.healthy_after_s, rng=self.rng)
+        listed = False
         while True:
+            self._retry_after = None
             try:
-                async for attempt in retrying(self.settings, f"list {self.name}", logger=log):
-                    with attempt:
-                        resource_version = await self._relist()
-                await self._watch(resource_version)
-            except APIGoneError:
-                pass  # the list's resourceVersion is too old to watch from: list again
+                if not listed:
+                    try:
+                        self.resource_version = await self._relist()
+                    except Exception as e:
+                        raise _ListFailed() from e
+                    listed = True
+                await self._watch(self.resource_version)
+                continue  # the server ended the watch: watch again from where it was
+            except _ListFailed as failed:
+                cause = failed.__cause__ or failed
+                wait = backoff.next(self._retry_after)
+                if isinstance(cause, APIError):
+                    log.warning("list %s failed (%s); listing again in %.1fs", self.name, cause, wait)
+                else:
+                    log.error("list %s failed; listing again in %.1fs", self.name, wait, exc_info=cause)
+            except APIGoneError as e:  # too old to watch from: list again
+                listed = False
+                wait = backoff.next(self._retry_after)
+                log.info("watch %s: %s; listing again in %.1fs", self.name, e, wait)
             except APIError as e:
-                log.warning("watch %s: %s; relisting in %.1fs", self.name, e, self.settings.backoff_initial_s)
+                # no answer (the connection dropped or went silent) or 429: the resourceVersion
+                # still holds; any other failure lists again
+                listed = isinstance(e, APITransportError) or e.status == 429
+                wait = backoff.next(self._retry_after)
+                log.warning("watch %s failed (%s); %s again in %.1fs", self.name, e,
+                            "watching" if listed else "listing", wait)
             except Exception:  # keep the informer alive: a dead one would leave its cache silently stale
-                log.exception("watch %s failed; relisting in %.1fs", self.name, self.settings.backoff_initial_s)
-            await asyncio.sleep(self.settings.backoff_initial_s)
+                listed = False
+                wait = backoff.next(self._retry_after)
+                log.exception("watch %s failed; listing again in %.1fs", self.name, wait)
+            await self.sleep(wait)

@@ -159,7 +159,8 @@ def parse_cluster(doc: Any, source: str = "<cluster>", catalog: Catalog | None =
     return ClusterSpec(source, tuple(nodes))
 
 
-_INLINE = re.compile(r"^(\d+)x(\d+)x([A-Za-z0-9._+-]+?)(?::(mig|mps))?$")
+# any word after the colon: parse_cluster names a mode that is neither mig nor mps
+_INLINE = re.compile(r"^(\d+)x(\d+)x([A-Za-z0-9._+-]+?)(?::([A-Za-z0-9_-]*))?$")
 
 
 def read_cluster(value: str, catalog: Catalog | None = None) -> ClusterSpec:
@@ -168,7 +169,7 @@ def read_cluster(value: str, catalog: Catalog | None = None) -> ClusterSpec:
     if m and not Path(value).exists():
         n, g, model, mode = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
         return parse_cluster({"nodes": [{"count": n, "gpus": g, "gpu_model": model,
-                                         **({"mode": mode} if mode else {})}]}, value, catalog)
+                                         **({"mode": mode} if mode is not None else {})}]}, value, catalog)
     try:
         text = Path(value).read_text()
     except OSError as e:

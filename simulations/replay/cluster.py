@@ -54,6 +54,10 @@ class ReplayCluster:
             self.model: GpuModel = catalog.resolve(models.pop(), where=f"{spec.source}: gpu_model")
         except DynpartError as e:
             raise SimulationError(str(e)) from None
+        modes = {n.mode for n in gpu_specs}
+        if mode is None and len(modes) > 1:
+            raise SimulationError(f"{spec.source}: replay needs GPU nodes of one mode; found {', '.join(sorted(modes))} "
+                                  "(or give --mode to replay them all in one)")
         # modes are checked where they are read (cluster files, --mode): "mig" or "mps"
         self.mode: Mode = "mig" if (mode or gpu_specs[0].mode) == "mig" else "mps"
         if self.mode == "mig" and not self.model.supports_mig:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import email.utils
+import random
+import time
+
 import pytest
 from tenacity import AsyncRetrying, RetryCallState
 
 from dynpart.kube.errors import APIServerError, APITransportError
-from dynpart.kube.retrying import backoff, retrying
+from dynpart.kube.retrying import RETRY_AFTER_MAX_S, Backoff, backoff, retry_after, retrying
 from dynpart.settings import KubeSettings
 
 
@@ -59,3 +63,31 @@ async def test_other_errors_are_not_retried():
 
 async def _server_error() -> None:
     raise APIServerError("x: 500")
+
+
+def test_backoff_of_a_loop_doubles_with_jitter_and_starts_again_after_a_healthy_run():
+    """The informer's waits (client-go's Reflector back-off): each failure in a row doubles the wait,
+    drawn between half and all of it; a failure after reset_after_s without one starts again from
+    the first wait; a Retry-After is waited out (up to a minute)."""
+    now = [0.0]
+    b = Backoff(KubeSettings(backoff_initial_s=1, backoff_multiplier=2, backoff_max_s=8), reset_after_s=120,
+                rng=random.Random(3), clock=lambda: now[0])
+    got = []
+    for _ in range(6):
+        got.append(b.next())
+        now[0] += 10  # failing again 10 s later: still failing
+    for wait, nominal in zip(got, [1, 2, 4, 8, 8, 8], strict=True):
+        assert nominal / 2 <= wait <= nominal, got
+    assert len(set(got)) == len(got)
+    now[0] += 120  # two minutes without a failure
+    assert 0.5 <= b.next() <= 1
+    assert 1 <= b.next() <= 2
+    assert b.next(retry_after=30) == 30
+    assert b.next(retry_after=3600) == RETRY_AFTER_MAX_S == 60
+
+
+def test_retry_after_reads_seconds_and_dates():
+    assert retry_after("5") == 5 and retry_after("0") == 0 and retry_after(None) is None
+    assert retry_after("soon") is None
+    in_a_minute = email.utils.formatdate(time.time() + 60, usegmt=True)
+    assert 55 <= (retry_after(in_a_minute) or 0) <= 61

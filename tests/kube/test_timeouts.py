@@ -6,17 +6,64 @@ import asyncio
 import socket
 
 import pytest
+from aiohttp import web
+from kubernetes_asyncio import client
 
 from dynpart.kube.client import api_client, request_timeout
+from dynpart.kube.watching import Informer
 from dynpart.settings import KubeSettings
+
+from .fakes import FakeAPIServer
 
 
 def test_a_call_is_bounded_as_a_whole_and_a_watch_by_silence():
+    """A watch is dropped after watch_idle_timeout_s of silence, however long its timeout: a healthy
+    one receives a bookmark about every minute."""
     s = KubeSettings(request_timeout_s=7, watch_timeout_s=300, watch_idle_timeout_s=60)
     call = request_timeout([("labelSelector", "x")], s)
     assert call.total == 7
     watch = request_timeout([("watch", True), ("timeoutSeconds", 300)], s)
-    assert watch.total is None and watch.sock_read == 360 and watch.sock_connect == 7
+    assert watch.total is None and watch.sock_read == 60 and watch.sock_connect == 7
+    assert request_timeout([("watch", True)], KubeSettings(watch_timeout_s=3000)).sock_read == 120
+
+
+def is_watch(request: web.Request) -> bool:
+    return request.query.get("watch", "").lower() == "true"
+
+
+async def test_a_silent_watch_is_dropped_and_started_again_from_where_it_was(tmp_path):
+    """A watch that the API server holds open and never writes to (half-open) is dropped after
+    watch_idle_timeout_s, not after its timeout, and watched again from the list's
+    resourceVersion without listing again."""
+    async with FakeAPIServer() as server:
+        async def nodes(request: web.Request) -> web.StreamResponse:
+            if not is_watch(request):
+                return web.json_response({"kind": "NodeList", "metadata": {"resourceVersion": "10"},
+                                          "items": [{"metadata": {"name": "a", "resourceVersion": "1"}}]})
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await server.closing.wait()  # silent
+            return resp
+
+        server.handlers[("GET", "/api/v1/nodes")] = nodes
+        settings = KubeSettings(watch_timeout_s=300, watch_idle_timeout_s=0.3, backoff_initial_s=0.01)
+        api = await api_client(server.kubeconfig(tmp_path), settings)
+        informer = Informer(client.CoreV1Api(api).list_node, lambda kind, obj: None, name="nodes", settings=settings)
+        task = asyncio.create_task(informer.run())
+        try:
+            for _ in range(300):
+                if sum(map(is_watch, server.requests)) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+            await asyncio.wait([task])
+            await api.close()
+        watches = [r.query for r in server.requests if is_watch(r)]
+        assert len(watches) >= 2, "the silent watch was not dropped in 3 s"
+        assert len(server.requests) - len(watches) == 1  # one list
+        assert [w["resourceVersion"] for w in watches[:2]] == ["10", "10"]
+        assert all(w["allowWatchBookmarks"].lower() == "true" and 300 <= int(w["timeoutSeconds"]) < 600 for w in watches)
 
 
 async def test_a_server_that_never_answers_fails_the_call_in_time(tmp_path):
@@ -33,8 +80,6 @@ users: [{{name: u, user: {{token: t}}}}]
 contexts: [{{name: x, context: {{cluster: c, user: u}}}}]
 current-context: x
 """)
-    from kubernetes_asyncio import client
-
     api = await api_client(str(kubeconfig), KubeSettings(request_timeout_s=0.5))
     try:
         started = asyncio.get_running_loop().time()

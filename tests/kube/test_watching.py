@@ -1,14 +1,18 @@
-"""The informer: lists, watches from the list's resourceVersion, lists again when the watch ends,
-backs off while listing fails, and outlives a failing callback."""
+"""The informer: lists (page by page), watches from the list's resourceVersion, watches again from
+the last resourceVersion when a watch ends, lists again on 410 Gone or a failed watch, backs off
+exponentially while failures follow one another (a Retry-After included), and outlives a failing
+callback."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import random
 
 from dynpart.kube.watching import Informer
 from dynpart.settings import KubeSettings
 
-from .fakes import FakeResponse
+from .fakes import FakeResponse, status
 
 FAST = KubeSettings(backoff_initial_s=0.001, backoff_max_s=0.002)
 
@@ -17,27 +21,41 @@ def node(name: str, rv: str) -> dict:
     return {"metadata": {"name": name, "resourceVersion": rv}}
 
 
-class FakeNodes:
-    """`list_node`: answers each list from `lists` (a status and items) and each watch from
-    `watches` (events; then the server closes the watch)."""
+def bookmark(rv: str) -> dict:
+    return {"type": "BOOKMARK", "object": {"kind": "Node", "metadata": {"resourceVersion": rv}}}
 
-    def __init__(self, lists, watches):
+
+class FakeNodes:
+    """`list_node`: answers each list from `lists` (a status and items; the last one repeats) and
+    each watch from `watches` (a FakeResponse, or events and then the server closes the watch);
+    once `watches` runs out, a watch stays open and silent."""
+
+    def __init__(self, lists, watches=()):
         self.lists, self.watches, self.calls = list(lists), list(watches), []
 
     async def list_node(self, **kwargs):
         self.calls.append(kwargs)
         if kwargs.get("watch"):
-            return FakeResponse(200, events=self.watches.pop(0) if self.watches else [])
-        status, items = self.lists.pop(0) if len(self.lists) > 1 else self.lists[0]
-        return FakeResponse(status, {"metadata": {"resourceVersion": "10"}, "items": items}, reason="Why")
+            answer = self.watches.pop(0) if self.watches else FakeResponse(200, hang=True)
+            return answer if isinstance(answer, FakeResponse) else FakeResponse(200, events=answer)
+        code, items = self.lists.pop(0) if len(self.lists) > 1 else self.lists[0]
+        return FakeResponse(code, {"metadata": {"resourceVersion": "10"}, "items": items}, reason="Why")
+
+    def listed(self) -> list[dict]:
+        return [c for c in self.calls if not c.get("watch")]
+
+    def watched(self) -> list[dict]:
+        return [c for c in self.calls if c.get("watch")]
 
 
-async def run_until(informer: Informer, predicate, timeout: float = 5.0) -> None:
+async def run_until(informer: Informer, predicate, timeout: float = 4.0) -> None:
     task = asyncio.create_task(informer.run())
     try:
         for _ in range(int(timeout / 0.01)):
             if predicate():
                 return
+            if task.done():
+                task.result()
             await asyncio.sleep(0.01)
         raise AssertionError("timed out")
     finally:
@@ -45,26 +63,155 @@ async def run_until(informer: Informer, predicate, timeout: float = 5.0) -> None
         await asyncio.wait([task])
 
 
-async def test_list_then_watch_then_list_again():
-    api = FakeNodes([(200, [node("a", "1")])], [[{"type": "MODIFIED", "object": node("a", "11")},
-                                                 {"type": "ADDED", "object": node("b", "12")}]])
+def recording_sleeps(informer: Informer) -> list[float]:
+    """The informer's back-off waits, recorded and not waited."""
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    informer.sleep = sleep
+    return waits
+
+
+async def test_a_watch_that_ends_is_started_again_from_the_last_resource_version():
+    """The server ends each watch (its timeout): the informer watches again from the last
+    resourceVersion seen, of an event or a bookmark, without listing; bookmarks are not reported;
+    each watch asks for bookmarks and for a timeout drawn between watch_timeout_s and twice that."""
+    api = FakeNodes([(200, [node("a", "1")])], [
+        [{"type": "MODIFIED", "object": node("a", "11")}, {"type": "ADDED", "object": node("b", "12")}],
+        [bookmark("20")],
+        [{"type": "DELETED", "object": node("b", "21")}, bookmark("30")],
+    ])
     seen = []
     informer = Informer(api.list_node, lambda kind, obj: seen.append((kind, obj["metadata"]["name"])),
-                        name="nodes", field_selector="metadata.name=a", settings=FAST)
-    await run_until(informer, lambda: len([c for c in api.calls if not c.get("watch")]) >= 2)
-    assert seen[:3] == [("MODIFIED", "a"), ("MODIFIED", "a"), ("ADDED", "b")]
-    watch = next(c for c in api.calls if c.get("watch"))
-    assert watch["resource_version"] == "10" and watch["field_selector"] == "metadata.name=a"
-    assert watch["timeout_seconds"] == 300
-    assert informer.synced.is_set()
+                        name="nodes", field_selector="metadata.name=a", settings=FAST, rng=random.Random(7))
+    await run_until(informer, lambda: len(api.watched()) >= 4)
+    assert len(api.listed()) == 1
+    assert [w["resource_version"] for w in api.watched()] == ["10", "12", "20", "30"]
+    assert seen == [("MODIFIED", "a"), ("MODIFIED", "a"), ("ADDED", "b"), ("DELETED", "b")]
+    assert set(informer.cache) == {"a"} and informer.synced.is_set()
+    watch = api.watched()[0]
+    assert watch["field_selector"] == "metadata.name=a" and watch["allow_watch_bookmarks"] is True
+    timeouts = [w["timeout_seconds"] for w in api.watched()]
+    assert all(300 <= t < 600 for t in timeouts) and len(set(timeouts)) > 1, timeouts
+
+
+async def test_410_gone_lists_again_and_reports_what_vanished():
+    api = FakeNodes([(200, [node("a", "1"), node("b", "2")]), (200, [node("a", "3")])],
+                    [[{"type": "ERROR", "object": status(410, "Expired", "too old resource version: 10 (40)")}]])
+    seen = []
+    informer = Informer(api.list_node, lambda kind, obj: seen.append((kind, obj["metadata"]["name"])),
+                        name="nodes", settings=FAST)
+    await run_until(informer, lambda: len(api.watched()) >= 2)
+    assert len(api.listed()) == 2
+    assert sorted(seen[2:]) == [("DELETED", "b"), ("MODIFIED", "a")]
+    assert set(informer.cache) == {"a"} and informer.cache["a"]["metadata"]["resourceVersion"] == "3"
+
+
+class PagedNodes:
+    """`list_node` whose lists come in pages of two: the continue token names the next page;
+    `expire` pages answer 410 once (the continue token expired)."""
+
+    def __init__(self, names, expire=()):
+        self.names, self.expire, self.calls = names, set(expire), []
+
+    async def list_node(self, **kwargs):
+        self.calls.append(kwargs)
+        if kwargs.get("watch"):
+            return FakeResponse(200, hang=True)
+        start = int(kwargs.get("_continue") or 0)
+        if start in self.expire:
+            self.expire.discard(start)
+            return FakeResponse(410, status(410, "Expired", "continue token expired"), reason="Gone")
+        limit = kwargs.get("limit") or len(self.names)
+        end = start + limit
+        metadata = {"resourceVersion": "50"} | ({"continue": str(end)} if end < len(self.names) else {})
+        return FakeResponse(200, {"metadata": metadata, "items": [node(n, "1") for n in self.names[start:end]]})
+
+
+async def listed_in_pages(api: PagedNodes) -> tuple[Informer, list[tuple[str, str]], list[dict]]:
+    """An informer listing `api` two objects a page, run until it watches: it, what it reported,
+    the list calls."""
+    seen: list[tuple[str, str]] = []
+    informer = Informer(api.list_node, lambda kind, obj: seen.append((kind, obj["metadata"]["name"])),
+                        name="nodes", settings=FAST)
+    informer.page_size = 2
+    await run_until(informer, lambda: any(c.get("watch") for c in api.calls))
+    return informer, seen, [c for c in api.calls if not c.get("watch")]
+
+
+async def test_a_list_is_read_page_by_page(caplog):
+    api = PagedNodes(["a", "b", "c", "d", "e"])
+    informer, seen, lists = await listed_in_pages(api)
+    assert [(c.get("limit"), c.get("_continue")) for c in lists] == [(2, None), (2, "2"), (2, "4")]
+    assert set(informer.cache) == {"a", "b", "c", "d", "e"} and len(seen) == 5
+    assert api.calls[-1]["resource_version"] == "50"
+    assert Informer.page_size == 500
+
+
+async def test_a_list_whose_continue_token_expired_starts_over(caplog):
+    api = PagedNodes(["a", "b", "c", "d", "e"], expire=[4])
+    informer, seen, lists = await listed_in_pages(api)
+    assert [c.get("_continue") for c in lists] == [None, "2", "4", None, "2", "4"]
+    assert set(informer.cache) == {"a", "b", "c", "d", "e"}
+    assert sorted(seen) == [("MODIFIED", n) for n in "abcde"]  # nothing reported twice, nothing DELETED
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_failed_watches_back_off_exponentially_and_list_again():
+    """A watch refused (403) or failing in its stream (an ERROR event) backs off as a failed list
+    does: each wait doubles, drawn between half and all of it, up to backoff_max_s."""
+    forbidden = FakeResponse(403, status(403, "Forbidden", "cannot watch nodes"), reason="Forbidden")
+    error = [{"type": "ERROR", "object": status(500, "InternalError", "etcd")}]
+    api = FakeNodes([(200, [node("a", "1")])], [forbidden, error] * 4)
+    informer = Informer(api.list_node, lambda kind, obj: None, name="nodes",
+                        settings=KubeSettings(backoff_initial_s=1, backoff_multiplier=2, backoff_max_s=8))
+    waits = recording_sleeps(informer)
+    await run_until(informer, lambda: len(waits) >= 6)
+    for wait, nominal in zip(waits, [1, 2, 4, 8, 8, 8], strict=False):
+        assert nominal / 2 <= wait <= nominal, waits
+    assert len(set(waits)) == len(waits)  # jitter: no two informers (agents) come back in step
+    assert len(api.listed()) >= 6  # after a failed watch, the informer lists again
+
+
+async def test_a_429_is_waited_out_as_the_server_asks_then_watched_again():
+    throttled = FakeResponse(429, status(429, "TooManyRequests"), reason="Too Many Requests",
+                             headers={"Retry-After": "7"})
+    api = FakeNodes([(200, [node("a", "1")])], [throttled])
+    informer = Informer(api.list_node, lambda kind, obj: None, name="nodes", settings=FAST)
+    waits = recording_sleeps(informer)
+    await run_until(informer, lambda: len(api.watched()) >= 2)
+    assert waits == [7.0]
+    assert len(api.listed()) == 1 and [w["resource_version"] for w in api.watched()] == ["10", "10"]
+
+
+async def test_a_throttled_list_waits_as_the_server_asks(caplog):
+    class Throttled(FakeNodes):
+        async def list_node(self, **kwargs):
+            if not kwargs.get("watch") and len(self.listed()) == 0:
+                self.calls.append(kwargs)
+                return FakeResponse(429, status(429, "TooManyRequests"), reason="Too Many Requests",
+                                    headers={"Retry-After": "3"})
+            return await super().list_node(**kwargs)
+
+    api = Throttled([(200, [node("a", "1")])])
+    informer = Informer(api.list_node, lambda kind, obj: None, name="nodes", settings=FAST)
+    waits = recording_sleeps(informer)
+    await run_until(informer, lambda: "a" in informer.cache)
+    assert waits == [3.0]
+    assert any("list nodes failed" in r.message and "429" in r.message for r in caplog.records)
 
 
 async def test_failed_lists_back_off_and_the_cache_survives(caplog):
-    api = FakeNodes([(200, [node("a", "1")]), (500, []), (503, []), (200, [node("a", "1"), node("b", "2")])], [])
+    api = FakeNodes([(200, [node("a", "1")]), (500, []), (503, []), (200, [node("a", "1"), node("b", "2")])],
+                    [[]])  # the first watch ends at once, with nothing: it failed
     informer = Informer(api.list_node, lambda kind, obj: None, name="nodes", settings=FAST)
     await run_until(informer, lambda: "b" in informer.cache)
     assert set(informer.cache) == {"a", "b"}
     assert sum("list nodes failed" in r.message for r in caplog.records) == 2
+    assert sum("ended the watch at once" in r.message for r in caplog.records) == 1
 
 
 async def test_a_failing_callback_does_not_stop_the_informer():

@@ -118,6 +118,19 @@ def test_cluster_yaml_and_inline_spec(catalog, tmp_path):
         read_cluster(str(tmp_path / "nope.yaml"), catalog)
     with pytest.raises(ValueError, match="expected MiB or a quantity"):
         parse_memory_mib("1 lightyear")
+    # a typo in the inline mode is named, as in a YAML file (not taken for a missing file)
+    with pytest.raises(TraceError, match=r"8x8xH100-80GB:mgi: nodes\[0\]: mode 'mgi': expected mig or mps"):
+        read_cluster("8x8xH100-80GB:mgi", catalog)
+
+
+def test_a_replay_cluster_of_two_modes_is_refused_unless_a_mode_is_given(catalog):
+    from dynpart.simulations.replay.cluster import ReplayCluster
+
+    mixed = parse_cluster({"nodes": [{"count": 1, "gpu_model": "H100-80GB", "gpus": 8, "mode": "mps"},
+                                     {"count": 1, "gpu_model": "H100-80GB", "gpus": 8, "mode": "mig"}]}, "c.yaml", catalog)
+    with pytest.raises(SimulationError, match="c.yaml: replay needs GPU nodes of one mode; found mig, mps"):
+        ReplayCluster(mixed, catalog, None)
+    assert ReplayCluster(mixed, catalog, "mig").mode == "mig"
 
 
 def test_seeds():

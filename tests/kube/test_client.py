@@ -1,0 +1,113 @@
+"""Connecting with a kubeconfig whose user is an exec credential plugin (EKS, GKE, AKS): its token
+expires, and the client must not send it for ever."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from dynpart.kube.client import api_client, read_json
+
+from .fakes import FakeAPIServer, status
+
+PLUGIN = """
+import json, pathlib, sys
+state = pathlib.Path(sys.argv[1])
+n = int(state.read_text()) + 1 if state.exists() else 1
+state.write_text(str(n))
+out = {"token": f"token-{n}"}
+if sys.argv[2] != "-":
+    out["expirationTimestamp"] = sys.argv[2]
+print(json.dumps({"apiVersion": "client.authentication.k8s.io/v1beta1", "kind": "ExecCredential", "status": out}))
+"""
+
+
+def exec_user(tmp_path: Path, expiry: str) -> tuple[str, Path]:
+    """A kubeconfig user running the plugin above (token-1, token-2, ... with `expiry`, "-": none),
+    and the file counting its runs."""
+    plugin, runs = tmp_path / "plugin.py", tmp_path / "runs"
+    plugin.write_text(PLUGIN)
+    args = json.dumps([str(plugin), str(runs), expiry])
+    return (f"{{exec: {{apiVersion: client.authentication.k8s.io/v1beta1, command: {json.dumps(sys.executable)}, "
+            f"args: {args}}}}}"), runs
+
+
+def serve_nodes(server: FakeAPIServer, valid: set[str]) -> list[str]:
+    """Node reads and lists answered for a token in `valid` (401 otherwise); the Authorization of
+    each request, in order."""
+    sent: list[str] = []
+
+    async def nodes(request: web.Request) -> web.StreamResponse:
+        sent.append(request.headers.get("Authorization", ""))
+        if sent[-1] not in valid:
+            return web.json_response(status(401, "Unauthorized"), status=401)
+        if request.path == "/api/v1/nodes":
+            return web.json_response({"kind": "NodeList", "metadata": {"resourceVersion": "1"}, "items": []})
+        return web.json_response({"kind": "Node", "metadata": {"name": "n"}})
+
+    server.handlers[("GET", "/api/v1/nodes/n")] = nodes
+    server.handlers[("GET", "/api/v1/nodes")] = nodes
+    return sent
+
+
+async def test_an_expiring_exec_token_is_renewed_before_a_call(tmp_path):
+    """A token that expires (within the loader's 5 minutes of margin) is renewed before the call."""
+    soon = (datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    user, runs = exec_user(tmp_path, soon)
+    async with FakeAPIServer() as server:
+        sent = serve_nodes(server, {f"Bearer token-{n}" for n in range(1, 10)})
+        api = await api_client(server.kubeconfig(tmp_path, user))
+        try:
+            core = client.CoreV1Api(api)
+            await core.read_node("n")
+            await core.read_node("n")
+        finally:
+            await api.close()
+    assert sent == ["Bearer token-2", "Bearer token-3"]  # token-1: when the kubeconfig was loaded
+    assert runs.read_text() == "3"
+
+
+async def test_a_refused_exec_token_is_renewed_and_the_call_retried_once(tmp_path):
+    """A token without expiry holds until the API server refuses it (401): then the plugin runs
+    again and the call is retried once with the new token; calls refused together run it once."""
+    user, runs = exec_user(tmp_path, "-")
+    async with FakeAPIServer() as server:
+        valid = {"Bearer token-1"}
+        sent = serve_nodes(server, valid)
+        api = await api_client(server.kubeconfig(tmp_path, user))
+        try:
+            core = client.CoreV1Api(api)
+            await core.read_node("n")
+            await core.read_node("n")
+            assert sent == ["Bearer token-1"] * 2 and runs.read_text() == "1"  # no expiry: no renewal
+
+            valid.clear()
+            valid.add("Bearer token-2")  # e.g. revoked
+            await core.read_node("n")
+            assert sent[2:] == ["Bearer token-1", "Bearer token-2"]
+
+            valid.clear()
+            valid.add("Bearer token-3")  # a raw answer (the informer's calls) too
+            body = await read_json(await core.list_node(_preload_content=False))
+            assert body["kind"] == "NodeList" and sent[4:] == ["Bearer token-2", "Bearer token-3"]
+
+            valid.clear()
+            valid.add("Bearer token-4")
+            await asyncio.gather(core.read_node("n"), core.read_node("n"))
+            assert runs.read_text() == "4" and sent[-2:] == ["Bearer token-4"] * 2
+
+            valid.clear()  # never accepted: the 401 stands after one retry
+            del sent[:]
+            with pytest.raises(ApiException) as refused:
+                await core.read_node("n")
+            assert refused.value.status == 401 and sent == ["Bearer token-4", "Bearer token-5"]
+        finally:
+            await api.close()
