@@ -11,6 +11,7 @@ User mistakes (`DynpartError`) print one line on stderr and exit 2, without a tr
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -78,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("dynpart: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of stdout went away (`dynpart catalog X | head`): what it wanted it has; keep
+        # the interpreter's final flush of stdout from failing again (Python's documented recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell tool killed by the signal reports
 
 
 if __name__ == "__main__":

@@ -221,6 +221,8 @@ def parse_snapshot(data: object) -> Snapshot:
     """Validate raw data (e.g. parsed JSON/YAML) into a Snapshot; errors name field and value."""
     if data is None:  # an empty or blank file
         raise SnapshotError(["empty: no snapshot document (expected a mapping with nodes and pending)"])
+    if not isinstance(data, dict):  # a list, a string: there is no field to name
+        raise SnapshotError([f"the document is a {type(data).__name__}, not a mapping with nodes and pending"])
     try:
         return Snapshot.model_validate(data)
     except ValidationError as e:

@@ -8,11 +8,9 @@ import logging
 import signal
 
 from dynpart.catalog import Catalog, load_catalog
-from dynpart.errors import DynpartError, SnapshotError
 from dynpart.logs import setup_logging
-from dynpart.resources import MigResource, parse_resource
+from dynpart.planner.demand import check_workload
 from dynpart.settings import PlannerSettings, load_settings
-from dynpart.snapshot import Snapshot, validate_snapshot
 
 log = logging.getLogger("dynpart.planner")
 
@@ -51,25 +49,10 @@ def run_planner(args: argparse.Namespace) -> int:
     settings = load_settings(PlannerSettings, args.config, flags)
     setup_logging(settings.log_level, settings.log_json)
     catalog = load_catalog(settings.catalog_files)
-    check_workload(settings, catalog)
+    for warning in check_workload(settings.workload, catalog):
+        log.warning("%s; it counts only on nodes whose driver offers it", warning)
     asyncio.run(_main(settings, catalog))
     return 0
-
-
-def check_workload(settings: PlannerSettings, catalog: Catalog) -> None:
-    """The `workload` setting against the catalog, before anything runs: a resource or GPU
-    model there that does not exist would fail every plan."""
-    try:
-        validate_snapshot(Snapshot.model_construct(nodes=[], pending=[], workload=list(settings.workload)), catalog)
-    except SnapshotError as e:
-        raise DynpartError("setting workload: " + "; ".join(e.problems)) from None
-    known = catalog.mig_profile_names()
-    for i, share in enumerate(settings.workload):
-        kind = parse_resource(share.resource)
-        if isinstance(kind, MigResource) and kind.profile not in known:
-            # perhaps a driver's own name (docs/protocol.md): it counts where a node offers it
-            log.warning("setting workload[%d].resource = %r: MIG profile %r is offered by no GPU model of the "
-                        "catalog; it counts only on nodes whose driver offers it", i, share.resource, kind.profile)
 
 
 async def _main(settings: PlannerSettings, catalog: Catalog) -> None:

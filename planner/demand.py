@@ -11,13 +11,33 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from dynpart.catalog import Catalog
-from dynpart.errors import CatalogError
+from dynpart.errors import CatalogError, DynpartError, SnapshotError
+from dynpart.resources import MigResource, parse_resource
 from dynpart.scheduling import NodeSelectorTerm, Toleration
-from dynpart.snapshot import PendingPod, RequestShare
+from dynpart.snapshot import PendingPod, RequestShare, Snapshot, validate_snapshot
 
 # resource, count, CPU, memory, and the nodes it may use: GPU models, nodeSelector, tolerations, required affinity
 Kind = tuple[str, int, int, int, tuple[str, ...], tuple[tuple[str, str], ...], tuple[Toleration, ...],
              tuple[NodeSelectorTerm, ...]]
+
+
+def check_workload(workload: Sequence[RequestShare], catalog: Catalog) -> list[str]:
+    """The `workload` setting against the catalog, before anything runs: a resource or GPU model
+    there that does not exist would fail every plan (raised). Returned: what is doubtful, each MIG
+    profile no catalog model offers (perhaps a driver's own name, docs/protocol.md: the controller
+    counts it where a node's driver offers it; the simulator refuses it)."""
+    try:
+        validate_snapshot(Snapshot.model_construct(nodes=[], pending=[], workload=list(workload)), catalog)
+    except SnapshotError as e:
+        raise DynpartError("setting workload: " + "; ".join(e.problems)) from None
+    known = catalog.mig_profile_names()
+    doubtful = []
+    for i, share in enumerate(workload):
+        kind = parse_resource(share.resource)
+        if isinstance(kind, MigResource) and kind.profile not in known:
+            doubtful.append(f"setting workload[{i}].resource = {share.resource!r}: MIG profile {kind.profile!r} is "
+                            "offered by no GPU model of the catalog")
+    return doubtful
 
 
 class DemandTracker:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from dynpart.catalog import Catalog, load_catalog
-from dynpart.errors import DynpartError, yaml_problem
+from dynpart.errors import DynpartError, SnapshotError, yaml_problem
 from dynpart.planner.core import POLICIES, PlanOptions, plan
 from dynpart.snapshot import Plan, Snapshot, parse_snapshot
 
@@ -43,7 +43,10 @@ def _load_snapshot_file(path: str) -> Snapshot:
         raise DynpartError(f"snapshot file {yaml_problem(path, e)}") from None
     if data is None:
         raise DynpartError(f"snapshot file {path}: the file is empty (expected a YAML/JSON snapshot, see docs/planner.md)")
-    return parse_snapshot(data)
+    try:
+        return parse_snapshot(data)
+    except SnapshotError as e:
+        raise DynpartError(f"snapshot file {path}: " + "; ".join(e.problems)) from None
 
 
 async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
@@ -80,7 +83,7 @@ def describe(result: Plan, pod: str) -> str:
         if u.pod == pod:
             return f"{pod}: not placed: {u.reason}"
     raise DynpartError(f"pod {pod} is not among the pending pods planned (it must be Pending and Unschedulable "
-                       "and ask for a nvidia.com/mig-* or nvidia.com/gpu-*gb resource)")
+                       "and ask for a nvidia.com/mig-*, nvidia.com/gpu-*gb or nvidia.com/gpu resource)")
 
 
 def run(args: argparse.Namespace) -> int:

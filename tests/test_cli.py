@@ -39,3 +39,16 @@ def test_bench_planner_time_limit_must_be_finite_and_not_negative(value, capsys)
     assert main(["bench", "planner", f"--time-limit={value}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dynpart: error: --time-limit") and "must be" in err and "\n" not in err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(monkeypatch, capsys):
+    """`dynpart catalog H100-80GB | head -1`: the pipe closes while the command writes; it ends
+    with 141 (as a shell tool killed by SIGPIPE does), no traceback."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone
+    with open(write_end, "w", buffering=1) as stdout:  # line-buffered, as on a terminal
+        monkeypatch.setattr("sys.stdout", stdout)
+        assert main(["catalog", "H100-80GB"]) == 141
+    assert "Traceback" not in capsys.readouterr().err

@@ -29,6 +29,19 @@ class Inputs:
         return (f"trace {self.trace.path}: {self.trace.rows} rows read, {len(self.trace.pods)} pods used, 0 ignored\n"
                 f"cluster {self.cluster.source}: {self.cluster.describe()}")
 
+    def models_nowhere(self) -> str | None:
+        """A line naming the GPU models that pods' `gpu_spec` accept and no node of the cluster has
+        (a typo, or another cluster's model), and how many pods accept none that it has: they can
+        only fail. None when every model named is there."""
+        present = {n.model for n in self.cluster.nodes if n.gpus}
+        named = {m for p in self.trace.pods if p.num_gpu for m in p.gpu_spec}
+        absent = sorted(named - present)
+        if not absent:
+            return None
+        stranded = sum(1 for p in self.trace.pods if p.num_gpu and p.gpu_spec and not present.intersection(p.gpu_spec))
+        return (f"trace {self.trace.path}: gpu_spec names GPU model(s) {', '.join(absent)} that no node of the "
+                f"cluster has; {stranded} pod(s) accept no model it has and will fail")
+
 
 def parse_seeds(text: str) -> list[int]:
     """'42-51', '42,43,50' or '7'."""

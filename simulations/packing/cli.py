@@ -58,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     out = report.out_dir(args.out) if args.out else None  # a bad --out is found before the run
     if not args.json:
         print(data.describe(), file=sys.stderr)
+    nowhere = data.models_nowhere()
+    if nowhere:
+        print(nowhere, file=sys.stderr)  # with --json too: the figures count these pods as failed
     summaries, curves = [], {}
     all_results = {}
     for pol in policies:

@@ -33,6 +33,7 @@ from typing import Any
 
 from dynpart.catalog import Catalog, GpuModel, load_catalog
 from dynpart.errors import DynpartError
+from dynpart.planner.demand import check_workload
 from dynpart.resources import MpsResource, parse_resource
 from dynpart.settings import PlannerSettings, default_planner_settings, load_settings
 from dynpart.simulations.errors import SimulationError
@@ -195,6 +196,19 @@ def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tup
     return parts, spec
 
 
+def _check_workload(planner: PlannerSettings, catalog: Catalog, config: str | None) -> None:
+    """The planner's `workload` setting, before any replay: as `dynpart planner run` checks it,
+    and a MIG profile no catalog model offers is an error here (a simulated node's driver offers
+    only its catalog model's profiles, so that share would count nowhere)."""
+    source = config or "the environment (DYNPART_PLANNER_WORKLOAD)"
+    try:
+        doubtful = check_workload(planner.workload, catalog)
+    except DynpartError as e:
+        raise SimulationError(f"{source}: {e}") from None
+    if doubtful:
+        raise SimulationError(f"{source}: {doubtful[0]} (a simulated node offers only its catalog model's profiles)")
+
+
 def run(args: argparse.Namespace) -> int:
     catalog: Catalog = load_catalog(args.catalog)
     policies = [s.strip() for s in args.policy.split(",") if s.strip()]
@@ -208,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
                if args.planner_config else
                default_planner_settings().model_copy(update={"plan_time_limit_s": args.time_limit})
                if args.time_limit is not None else default_planner_settings())
+    _check_workload(planner, catalog, args.planner_config)
     base = ReplayOptions(mode=args.mode if args.trace else None, mapping=args.mapping, compress=args.compress,
                          mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay, planner=planner)
     base.check()

@@ -37,16 +37,13 @@ def test_a_workload_setting_naming_an_unknown_model_stops_the_planner_at_start(t
     assert "setting workload: workload[1].gpu_models: unknown GPU model 'H900'" in err and err.count("\n") == 1
     # a profile no catalog model offers may be a driver's own name: said, not refused
     from dynpart.catalog import default_catalog
-    from dynpart.planner import controller_cli
-    from dynpart.planner.controller_cli import check_workload
+    from dynpart.planner.demand import check_workload
 
     f.write_text("workload:\n- {resource: nvidia.com/mig-7g.79gb}\n- {resource: nvidia.com/gpu-10gb, weight: .inf}\n")
     with pytest.raises(DynpartError, match=r"workload.1.weight = inf: Input should be a finite number"):
         load_settings(PlannerSettings, f)
     f.write_text("workload:\n- {resource: nvidia.com/mig-7g.79gb}\n")
-    said: list[str] = []
-    monkeypatch.setattr(controller_cli.log, "warning", lambda fmt, *a: said.append(fmt % a))
-    check_workload(load_settings(PlannerSettings, f), default_catalog())
+    said = check_workload(load_settings(PlannerSettings, f).workload, default_catalog())
     assert len(said) == 1 and "MIG profile '7g.79gb' is offered by no GPU model of the catalog" in said[0]
 
 
@@ -195,3 +192,14 @@ def test_a_bad_planner_variable_is_one_line_for_every_command(monkeypatch, capsy
     assert e.value.code == 0
     assert main(["simulate", "--mode", "mig", "--workload", "pods=5", "--policy", "dynpart"]) == 2
     assert "setting batch_idle_s = '-1'" in capsys.readouterr().err
+
+
+def test_explain_names_the_snapshot_file_and_what_is_wrong_with_it(tmp_path, capsys):
+    f = tmp_path / "snap.yaml"
+    f.write_text("- a\n")
+    assert main(["explain", "--snapshot", str(f)]) == 2
+    assert capsys.readouterr().err.strip() == (f"dynpart: error: snapshot file {f}: the document is a list, not a "
+                                               "mapping with nodes and pending")
+    f.write_text("nodes: 3\n")
+    assert main(["explain", "--snapshot", str(f)]) == 2
+    assert f"snapshot file {f}: nodes = 3: Input should be a valid list" in capsys.readouterr().err

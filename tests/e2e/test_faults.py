@@ -8,10 +8,10 @@ whose GPUs hold used instances, and an MPS node; wave 2 needs GPUs re-carved on 
 - `etcd_restart`: etcd stopped and started again on its data;
 - `watch_cut_delay`: the planner's and the agents' connections (watches included) cut three
   times, then half a second of latency each way, then cut again (tests/e2e/proxy.py);
-- `gone_410`: the components' connections cut, the answers to their next lists held back by the
-  proxy while etcd is compacted past those lists' revisions: the watches they then start get
-  410 Gone (checked to have reached the planner's and the agents' watches; the API server runs
-  without its watch cache in this scenario, see the test);
+- `gone_410`: the components' connections cut, the requests they send next (watches again from
+  the resourceVersion they had) held back by the proxy while etcd is compacted past it: those
+  watches get 410 Gone (checked to have reached the planner's and the agents' watches; the API
+  server runs without its watch cache in this scenario, see the test) and the informers list again;
 - `conflict_storm`: three writers patch an annotation of their own (`example.com/x`) on every GPU
   node as fast as they can (~100/s) for 8 s: the planner's resourceVersion-guarded writes meet
   409 Conflicts (checked: at least one);
@@ -719,9 +719,10 @@ async def test_watch_cut_delay(control_plane):
 
 
 async def test_gone_410(control_plane):
-    """The components' connections are cut; the answers to the lists they send next are held
-    `hold_s` by the proxy, and meanwhile etcd's history is compacted past those lists' revisions:
-    the watches they start from them ask for a compacted resourceVersion and get 410 Gone. The API
+    """The components' connections are cut; the requests they send next (their informers watch
+    again from the last resourceVersion they saw, as client-go's Reflector does) are held `hold_s`
+    by the proxy, and meanwhile etcd's history is compacted past it: those watches ask for a
+    compacted resourceVersion and get 410 Gone, and the informers list again. The API
     server runs without its watch cache in this scenario (restarted with --watch-cache=false, and
     back after it), so that etcd's compaction reaches the watches: the cache would serve a watch
     from its own ~75 s of history instead, and answer 410 only to one older than that."""
@@ -741,10 +742,10 @@ async def test_gone_410(control_plane):
                 async def inject() -> None:
                     await asyncio.sleep(0.3)
                     for p in proxies:
-                        p.delay(hold_s, "down", spare_handshake=True)
+                        p.delay(hold_s, "up", spare_handshake=True)
                         p.cut()
                     began = time.monotonic()
-                    await asyncio.sleep(0.7)  # the lists are answered (the answers held)
+                    await asyncio.sleep(0.7)  # the watches are sent again (and held)
                     for k in range(3):  # a watch from revision R starts at R + 1: compact past that
                         await run.h.core.create_namespaced_config_map(
                             run.h.namespace, {"metadata": {"name": f"churn-{k}-{int(time.time() * 1000)}"}})

@@ -237,3 +237,18 @@ def test_a_trace_saved_with_a_bom_reads(capsys, tmp_path):
     assert main(["simulate", "--trace", str(trace), "--policy", "dynpart", "--jobs", "1", "--json"]) == 0
     (part,) = json.loads(capsys.readouterr().out)["parts"]
     assert part["policies"][0]["placed"] == 1
+
+
+def test_simulate_checks_the_planners_workload_setting_before_any_replay(tmp_path, capsys):
+    """As `dynpart planner run` does; and a MIG profile no catalog model offers is refused, since a
+    simulated node offers only its catalog model's profiles (the share would count nowhere)."""
+    from dynpart.cli import main
+
+    f = tmp_path / "planner.yaml"
+    f.write_text("workload:\n- {resource: nvidia.com/mig-5g.20gb, weight: 5}\n")
+    assert main(["simulate", "--planner-config", str(f), "--mode", "mig"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}: setting workload[0].resource = 'nvidia.com/mig-5g.20gb': MIG profile '5g.20gb' is offered by no" in err
+    f.write_text("workload:\n- {resource: nvidia.com/foo}\n")
+    assert main(["simulate", "--planner-config", str(f), "--mode", "mig"]) == 2
+    assert f"{f}: setting workload: workload[0].resource: resource 'nvidia.com/foo' is not" in capsys.readouterr().err

@@ -139,3 +139,20 @@ def test_seeds():
     for bad in ("x", "5-3", "1,1", ""):
         with pytest.raises(SimulationError):
             parse_seeds(bad)
+
+
+def test_models_no_node_has_are_named(catalog, tmp_path):
+    """A gpu_spec naming a model the cluster lacks (a typo: P1OO) is said, with the pods that
+    accept no model it has: nothing is skipped silently."""
+    from dynpart.simulations.inputs.command_line import load
+
+    pods = tmp_path / "pods.csv"
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+                    "a,1000,1024,1,500,P1OO\nb,1000,1024,1,500,P1OO|T4\nc,1000,1024,1,500,T4\nd,1000,1024,0,0,\n")
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,65536,2,T4\n")
+    data = load(str(pods), str(nodes), None, catalog, default_cluster=None)
+    assert data.models_nowhere() == (f"trace {pods}: gpu_spec names GPU model(s) P1OO that no node of the cluster "
+                                     "has; 1 pod(s) accept no model it has and will fail")
+    pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\na,1000,1024,1,500,T4\n")
+    assert load(str(pods), str(nodes), None, catalog, default_cluster=None).models_nowhere() is None
