@@ -28,6 +28,9 @@ async def api_client(kubeconfig: str | None = None, settings: KubeSettings | Non
     default is to wait for ever, so a hung call would hold a lease renewal or a watch for good."""
     path = kubeconfig or os.environ.get("KUBECONFIG")
     credentials = None
+    if path and not os.path.isfile(path):
+        # else the client says "Invalid kube-config file. Expected key current-context"
+        raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {path}: no such file")
     try:
         if path:
             cfg = client.Configuration()

@@ -111,3 +111,13 @@ async def test_a_refused_exec_token_is_renewed_and_the_call_retried_once(tmp_pat
             assert refused.value.status == 401 and sent == ["Bearer token-4", "Bearer token-5"]
         finally:
             await api.close()
+
+
+async def test_a_kubeconfig_that_does_not_exist_is_named():
+    import pytest
+
+    from dynpart.errors import DynpartError
+    from dynpart.kube.client import api_client
+
+    with pytest.raises(DynpartError, match=r"^cannot connect to Kubernetes with kubeconfig /no/such.yaml: no such file$"):
+        await api_client("/no/such.yaml")
