@@ -26,9 +26,14 @@ ENV PATH=/opt/dynpart/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     MPLCONFIGDIR=/tmp/matplotlib
 COPY --from=build /opt/dynpart /opt/dynpart
+# tini as PID 1: the agent starts the MPS control daemon with `-d`, which forks; when the daemon
+# ends, it is reaped by PID 1, which dynpart is not written to be (a zombie per daemon restart)
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 dynpart \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin dynpart
 USER 10001:10001
-ENTRYPOINT ["dynpart"]
+ENTRYPOINT ["tini", "--", "dynpart"]
 CMD ["--help"]

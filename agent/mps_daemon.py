@@ -2,7 +2,9 @@
 plugin): MPS slices are advertised only while it runs, since a client without it gets no limits.
 
 - `MpsDaemon`: `ensure(gpu_uuids, pipe_dir, log_dir)` (start it, or restart it if it died or its
-  GPUs changed; raises MpsDaemonError if it cannot run), `alive()`, `stop()`;
+  GPUs changed; raises MpsDaemonError if it cannot run), `alive()`, `stop()`. The GPUs are given
+  in NVML index order, the order the daemon numbers them for its clients (CUDA_VISIBLE_DEVICES):
+  a client's memory limit names its GPUs by that number (`devices.allocate_response`);
 - `ProcessMpsDaemon`: `nvidia-cuda-mps-control -d` with CUDA_VISIBLE_DEVICES (the GPU UUIDs),
   CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY, as NVIDIA's mps-control-daemon does: `-d`
   forks a daemon and returns, so whether it runs is asked through its control pipe
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -23,6 +26,22 @@ from dynpart.errors import DynpartError
 log = logging.getLogger("dynpart.agent.mps")
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
+
+# the daemon's logs (control.log, server.log) on the host's disk: rotated when the daemon starts
+LOG_MAX_BYTES = 16 << 20
+_OUTPUT_MAX = 64 << 10  # of a control command's answer
+
+
+def rotate_logs(log_dir: str, max_bytes: int = LOG_MAX_BYTES) -> None:
+    """Keep the daemon's logs bounded: a log past `max_bytes` becomes `<name>.1` (replacing the
+    previous one) before the daemon starts writing again. The daemon appends and never rotates."""
+    for name in ("control.log", "server.log"):
+        path = os.path.join(log_dir, name)
+        try:
+            if os.path.getsize(path) > max_bytes:
+                os.replace(path, path + ".1")
+        except OSError:
+            continue  # absent, or not ours to move: the daemon writes as before
 
 
 class MpsDaemonError(DynpartError):
@@ -55,7 +74,7 @@ class FakeMpsDaemon:
         self.running = False
 
     async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
-        wanted = tuple(sorted(gpu_uuids))
+        wanted = tuple(gpu_uuids)
         if self.running and wanted == self.gpus and self.dirs == (pipe_dir, log_dir):
             return
         self.running = False
@@ -91,20 +110,23 @@ class ProcessMpsDaemon:
                 "CUDA_MPS_LOG_DIRECTORY": logs}
 
     async def _run(self, *args: str, stdin: str | None = None) -> tuple[int, str]:
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                self.binary, *args, env=self._env(), stdin=asyncio.subprocess.PIPE if stdin is not None else None,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        except OSError as e:
-            raise MpsDaemonError(f"{self.binary}: {e.strerror or e}") from None
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(stdin.encode() if stdin is not None else None),
-                                            self.timeout_s)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise MpsDaemonError(f"{self.binary} {' '.join(args)}: no answer in {self.timeout_s:.0f}s") from None
-        return proc.returncode or 0, out.decode(errors="replace").strip()
+        # the output goes to a file, not a pipe: `-d` forks a daemon that may keep the output open,
+        # and reading a pipe to its end would then wait for the daemon to exit
+        with tempfile.TemporaryFile() as out:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    self.binary, *args, env=self._env(), stdin=asyncio.subprocess.PIPE if stdin is not None else None,
+                    stdout=out, stderr=asyncio.subprocess.STDOUT)
+            except OSError as e:
+                raise MpsDaemonError(f"{self.binary}: {e.strerror or e}") from None
+            try:
+                await asyncio.wait_for(proc.communicate(stdin.encode() if stdin is not None else None), self.timeout_s)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                raise MpsDaemonError(f"{self.binary} {' '.join(args)}: no answer in {self.timeout_s:.0f}s") from None
+            out.seek(0)
+            return proc.returncode or 0, out.read(_OUTPUT_MAX).decode(errors="replace").strip()
 
     async def alive(self) -> bool:
         if self.dirs is None:
@@ -123,7 +145,7 @@ class ProcessMpsDaemon:
                 log.warning("stopping the MPS control daemon: %s", e)
 
     async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
-        wanted = tuple(sorted(gpu_uuids))
+        wanted = tuple(gpu_uuids)
         same = wanted == self.gpus and self.dirs == (pipe_dir, log_dir)
         if same and await self.alive():
             return
@@ -141,6 +163,7 @@ class ProcessMpsDaemon:
                 os.makedirs(d, exist_ok=True)
             except OSError as e:
                 raise MpsDaemonError(f"MPS directory {d}: {e.strerror}") from None
+        rotate_logs(log_dir)
         code, out = await self._run("-d")
         if code != 0:
             raise MpsDaemonError(f"{self.binary} -d exited with {code}: {out or 'no output'}")

@@ -221,11 +221,12 @@ class MpsPluginAgent:
             self.daemon_error = None
             return []
         errors: list[str] = []
-        if (in_use and self._daemon_gpus is not None and set(gpus) != set(self._daemon_gpus)
-                and await self.daemon.alive()):
+        if in_use and self._daemon_gpus is not None and set(gpus) != set(self._daemon_gpus):
             # GPUs entered or left MIG mode: restarting the daemon for the new set would end the CUDA
             # contexts of the pods using slices, so it changes once they are gone; until then the
-            # slices of a GPU it does not run for are listed Unhealthy (no pod gets one)
+            # slices of a GPU it does not run for are listed Unhealthy (no pod gets one). Whether it
+            # answers does not matter: one that is slow to answer must not be told to quit
+            # (ensure restarts it for the same GPUs only if it is gone)
             self.uncovered = set(gpus) - set(self._daemon_gpus)
             if any(self.live.get(gpus[u]) for u in self.uncovered):
                 errors.append(f"the MPS daemon runs for {', '.join(self._daemon_gpus)} and is not restarted while "
@@ -233,7 +234,7 @@ class MpsPluginAgent:
                               "Unhealthy until it can be")
             running = self._daemon_gpus
         else:
-            running = list(gpus)
+            running = sorted(gpus, key=lambda u: gpus[u])  # NVML index order: the clients' device numbers
         try:
             await self.daemon.ensure(running, self.pipe_dir, self.log_dir)
             self._daemon_gpus = running

@@ -593,7 +593,7 @@ def test_bad_catalog_is_refused():
 def test_dockerfile_matches_the_chart(default):
     text = (ROOT / "Dockerfile").read_text()
     assert "ARG PYTHON_IMAGE=python:3.11-slim" in text
-    assert 'ENTRYPOINT ["dynpart"]' in text
+    assert 'ENTRYPOINT ["tini", "--", "dynpart"]' in text  # PID 1 reaps the MPS daemon the agent forks
     user = re.search(r"^USER (\d+):(\d+)$", text, re.M)
     assert user, "the image must run as a numeric non-root user"
     pod_sc = find(default, "Deployment")["spec"]["template"]["spec"]["securityContext"]

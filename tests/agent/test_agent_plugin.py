@@ -507,3 +507,31 @@ async def test_the_kubelet_is_answered_while_the_driver_creates_instances(rig: P
     # (blocked, it waits for both creates: 2.4 s; the margin is for a loaded machine)
     assert waited < 1.0, f"Allocate answered {waited:.2f} s after the driver started creating"
     await rig.settle(agent, "p2")
+
+
+async def test_a_slow_daemon_is_not_told_to_quit_while_pods_use_slices():
+    """The GPUs change (one leaves MIG mode) while pods use MPS slices, and the daemon is slow to
+    answer (its control command timed out): the daemon is kept for its GPUs, never stopped for the
+    new set, which would end the pods' CUDA contexts; and its GPUs go in NVML index order."""
+    from dynpart.agent.mps_daemon import FakeMpsDaemon
+    from dynpart.agent.mps_plugin import MpsPluginAgent
+
+    class Slow(FakeMpsDaemon):
+        stops = 0
+
+        async def alive(self) -> bool:
+            return False  # no answer in time
+
+        async def stop(self) -> None:
+            self.stops += 1
+            await super().stop()
+
+    daemon = Slow()
+    agent = MpsPluginAgent(None, None, 79, daemon=daemon)  # type: ignore[arg-type]  # only the daemon is used
+    agent.live = {0: {0: 10}, 1: {0: 10}}
+    assert await agent._daemon({"GPU-z": 0, "GPU-a": 1}, in_use=True) == []
+    assert daemon.starts == [("GPU-z", "GPU-a")]  # index order, not the UUIDs' alphabetical one
+    agent.live[2] = {0: 10}
+    await agent._daemon({"GPU-z": 0, "GPU-a": 1, "GPU-m": 2}, in_use=True)
+    assert daemon.stops == 0 and daemon.gpus == ("GPU-z", "GPU-a")
+    assert agent.uncovered == {"GPU-m"}

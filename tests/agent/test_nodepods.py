@@ -3,6 +3,7 @@ numbering of MPS slices, and the MPS control daemon's supervision with a stand-i
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import textwrap
@@ -102,7 +103,7 @@ FAKE_CONTROL = textwrap.dedent("""\
     pidfile="$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
     if [ "$1" = "-d" ]; then
       [ -n "$FAIL" ] && { echo "cannot start: $FAIL"; exit 3; }
-      sleep 300 >/dev/null 2>&1 &
+      if [ -n "$KEEP_OUTPUT" ]; then sleep 300 & else sleep 300 >/dev/null 2>&1 & fi  # a daemon may keep it
       echo $! > "$pidfile"
       echo "$CUDA_VISIBLE_DEVICES" >> "$CUDA_MPS_LOG_DIRECTORY/starts"
       exit 0
@@ -127,21 +128,22 @@ async def test_process_daemon_starts_restarts_and_stops(control, tmp_path):
     pipe, logs = str(tmp_path / "pipe"), str(tmp_path / "log")
     daemon = ProcessMpsDaemon(control, timeout_s=5)
     assert not await daemon.alive()
+    # in NVML index order, the order the daemon numbers them for its clients (their memory limits)
     await daemon.ensure(["GPU-b", "GPU-a"], pipe, logs)
     assert await daemon.alive()
-    await daemon.ensure(["GPU-a", "GPU-b"], pipe, logs)  # running for these GPUs: nothing to do
+    await daemon.ensure(["GPU-b", "GPU-a"], pipe, logs)  # running for these GPUs: nothing to do
     starts = (tmp_path / "log" / "starts").read_text().split()
-    assert starts == ["GPU-a,GPU-b"]
+    assert starts == ["GPU-b,GPU-a"]
     pid = int((tmp_path / "pipe" / "nvidia-cuda-mps-control.pid").read_text())
     os.kill(pid, 9)  # it died
     for _ in range(50):
         if not await daemon.alive():
             break
     assert not await daemon.alive()
-    await daemon.ensure(["GPU-a", "GPU-b"], pipe, logs)
+    await daemon.ensure(["GPU-b", "GPU-a"], pipe, logs)
     assert await daemon.alive() and daemon.restarts == 1
     await daemon.ensure(["GPU-a"], pipe, logs)  # its GPUs changed: stopped and started again
-    assert (tmp_path / "log" / "starts").read_text().split() == ["GPU-a,GPU-b", "GPU-a,GPU-b", "GPU-a"]
+    assert (tmp_path / "log" / "starts").read_text().split() == ["GPU-b,GPU-a", "GPU-b,GPU-a", "GPU-a"]
     await daemon.stop()
     assert not await daemon.alive()
 
@@ -153,3 +155,26 @@ async def test_process_daemon_reports_why_it_cannot_run(control, tmp_path, monke
     with pytest.raises(MpsDaemonError, match="/nonexistent/nvidia-cuda-mps-control: No such file"):
         await ProcessMpsDaemon("/nonexistent/nvidia-cuda-mps-control").ensure(["GPU-a"], str(tmp_path / "p"),
                                                                             str(tmp_path / "l"))
+
+
+async def test_a_daemon_that_keeps_the_output_open_starts_at_once(control, tmp_path, monkeypatch):
+    """`-d` forks a daemon that may keep the command's output open: its start is not taken for a
+    command that never answers (the output goes to a file, not a pipe read to its end)."""
+    monkeypatch.setenv("KEEP_OUTPUT", "1")
+    daemon = ProcessMpsDaemon(control, timeout_s=3)
+    started = asyncio.get_running_loop().time()
+    await daemon.ensure(["GPU-a"], str(tmp_path / "pipe"), str(tmp_path / "log"))
+    assert await daemon.alive() and asyncio.get_running_loop().time() - started < 2
+    await daemon.stop()
+
+
+def test_the_daemons_logs_are_rotated_when_it_starts(tmp_path):
+    from dynpart.agent.mps_daemon import rotate_logs
+
+    (tmp_path / "control.log").write_bytes(b"x" * 100)
+    (tmp_path / "server.log").write_bytes(b"y" * 10)
+    (tmp_path / "control.log.1").write_bytes(b"old")
+    rotate_logs(str(tmp_path), max_bytes=50)
+    assert (tmp_path / "control.log.1").read_bytes() == b"x" * 100 and not (tmp_path / "control.log").exists()
+    assert (tmp_path / "server.log").read_bytes() == b"y" * 10  # under the bound: kept
+    rotate_logs(str(tmp_path / "absent"), max_bytes=50)  # nothing there: nothing to do
