@@ -166,6 +166,7 @@ class PlannerController:
         self.loop.forget_leader_state()
         self._reserved_for.clear()
         self._to_adopt.clear()
+        self.events.clear()  # Events queued as leader may have been withheld (QueuedPoster.may_post)
 
     # --- watches --------------------------------------------------------------------------
 

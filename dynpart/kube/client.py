@@ -20,6 +20,8 @@ from dynpart.settings import KubeSettings
 
 log = logging.getLogger(__name__)
 
+_RENEW_TIMEOUT_S = 60.0  # an exec credential plugin's run
+
 Obj = dict[str, Any]  # a Kubernetes object as the API serves it (JSON)
 
 
@@ -28,8 +30,9 @@ async def api_client(kubeconfig: str | None = None, settings: KubeSettings | Non
     default is to wait for ever, so a hung call would hold a lease renewal or a watch for good."""
     path = kubeconfig or os.environ.get("KUBECONFIG")
     credentials = None
-    if path and not os.path.isfile(path):
-        # else the client says "Invalid kube-config file. Expected key current-context"
+    if path and not any(os.path.isfile(os.path.expanduser(p)) for p in path.split(os.pathsep) if p):
+        # else the client says "Invalid kube-config file. Expected key current-context" (a list of
+        # files, as $KUBECONFIG may hold, and ~ are the client's to read: one file must exist)
         raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {path}: no such file")
     try:
         if path:
@@ -82,9 +85,11 @@ class _Credentials:
         """Run the loader (when its token expired) and take its token; on failure keep the old one
         (the API server answers 401, which callers handle)."""
         try:
-            await self._loader._load_authentication()  # what load_kube_config ran
+            # what load_kube_config ran; a plugin that never returns (an interactive login) must
+            # not hold every call for good
+            await asyncio.wait_for(self._loader._load_authentication(), _RENEW_TIMEOUT_S)
         except Exception as e:
-            log.warning("cannot renew the Kubernetes credentials: %s", e)
+            log.warning("cannot renew the Kubernetes credentials: %s", str(e) or type(e).__name__)
             return
         token = getattr(self._loader, "token", None)
         if token:

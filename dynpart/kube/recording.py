@@ -120,6 +120,12 @@ class EventRecorder:
     def __len__(self) -> int:
         return len(self._posted)
 
+    def clear(self) -> None:
+        """Forget every Event posted (a replica that stopped leading: what it queued may not have
+        been posted, and as leader again it must post anew)."""
+        self._posted.clear()
+        self._reasons.clear()
+
     @staticmethod
     def _object(obj: Obj) -> Key:
         ref = object_reference(obj)

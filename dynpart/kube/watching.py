@@ -78,14 +78,17 @@ class Informer:
         return await read_json(resp, what)
 
     async def _relist(self) -> str:
-        """List every object, `page_size` at a time, into the cache: those that changed are reported
-        MODIFIED, those that vanished DELETED. Returns the list's resourceVersion. A list whose
-        continue token expired (410: it took longer than the API server keeps one) starts over."""
+        """List every object, `page_size` at a time, then apply the whole list to the cache at once
+        (a reader between two pages must not see a mix of two moments): objects that changed are
+        reported MODIFIED, those that vanished DELETED. Returns the list's resourceVersion. A list
+        whose continue token expired (410: it took longer than the API server keeps one) is read
+        again whole, in one page, as client-go's pager does."""
         what = f"list {self.name}"
-        seen: set[str] = set()
+        fresh: dict[str, Obj] = {}
         token = ""
+        limit: int | None = self.page_size
         while True:
-            page: dict[str, Any] = {"limit": self.page_size, **({"_continue": token} if token else {})}
+            page: dict[str, Any] = {**({"limit": limit} if limit else {}), **({"_continue": token} if token else {})}
             with api_errors(what):
                 resp = await self.list_fn(_preload_content=False, **self.kwargs, **page)
             try:
@@ -93,23 +96,23 @@ class Informer:
             except APIGoneError:
                 if not token:
                     raise
-                log.info("list %s: its continue token expired; listing from the start", self.name)
-                seen.clear()
-                token = ""
+                log.info("list %s: its continue token expired; listing again in one page", self.name)
+                fresh.clear()
+                token, limit = "", None
                 continue
             self.on_beat()
             for item in body.get("items") or []:
                 obj = self.transform(item)
-                key = object_key(obj)
-                seen.add(key)
-                if self.cache.get(key, {}).get("metadata", {}).get("resourceVersion") != obj["metadata"].get("resourceVersion"):
-                    self.cache[key] = obj
-                    self.on_change("MODIFIED", obj)
+                fresh[object_key(obj)] = obj
             metadata = body.get("metadata") or {}
             token = str(metadata.get("continue") or "")
             if not token:
                 break
-        for key in set(self.cache) - seen:
+        for key, obj in fresh.items():
+            if self.cache.get(key, {}).get("metadata", {}).get("resourceVersion") != obj["metadata"].get("resourceVersion"):
+                self.cache[key] = obj
+                self.on_change("MODIFIED", obj)
+        for key in set(self.cache) - set(fresh):
             self.on_change("DELETED", self.cache.pop(key))
         self.synced.set()
         return str(metadata.get("resourceVersion", ""))
@@ -133,6 +136,12 @@ class Informer:
                     lines += 1
                     self.on_beat()
                     self._apply(line, what)
+            except TimeoutError:
+                # silent for watch_idle_timeout_s (no bookmark where the server sends none, or a
+                # half-open connection): an end like the server's, watched again from where it was
+                raw.close()
+                log.info("watch %s: nothing for %gs; watching again", self.name, self.settings.watch_idle_timeout_s)
+                return
             except BaseException:
                 raw.close()  # not read to its end: the connection cannot be used again
                 raise

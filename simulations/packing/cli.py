@@ -92,11 +92,10 @@ def run(args: argparse.Namespace) -> int:
         curves[label] = bp.mean_curve(results)
         all_results[label] = results
     doc = summaries[0] if len(summaries) == 1 else {"runs": summaries}
-    # the results are printed first: a file that cannot be written loses none of them
-    if args.json:
-        print(json.dumps(doc, indent=2), flush=True)
-    else:
-        print(_summary_table(summaries), flush=True)
+    # the results are printed first: a file that cannot be written loses none of them (and a
+    # reader that goes away loses none of the files)
+    shown = report.Results()
+    shown.print(json.dumps(doc, indent=2) if args.json else _summary_table(summaries))
     if out is not None:
         report.write_json(out / "summary.json", doc)
         report.write_csv(out / "steps.csv", ["policy", "batch", "seed", "arrived_pct", "allocation_pct"],
@@ -107,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
                              f"packing: {data.trace_name or 'synthetic workload'}, seeds {args.seeds}",
                              {k: v for k, v in published.items() if k in ("best-fit", "fgd")})
         if not args.json:
-            print(f"wrote {args.out}/summary.json, steps.csv, allocation.png")
+            shown.print(f"wrote {args.out}/summary.json, steps.csv, allocation.png")
+    shown.finish()
     return 0
 
 

@@ -258,25 +258,22 @@ def run(args: argparse.Namespace) -> int:
                               "the lowest mean pending time (then p95, then pods never placed)",
         "parts": [d for d, _ in docs], "wall_s": round(wall, 2),
     }
-    # the results are printed first: a file that cannot be written loses none of them
+    # the results are printed first: a file that cannot be written loses none of them (and a
+    # reader that goes away loses none of the files)
+    shown = report.Results()
     if args.json:
-        print(json.dumps(doc, indent=2), flush=True)
+        shown.print(json.dumps(doc, indent=2))
     else:
-        print(_table(doc["parts"]))
-        for line in _failed_lines(doc["parts"]):
-            print(line)
         comparison = _comparison(doc["parts"])
-        if comparison:
-            print()
-            print(comparison)
-        for line in _static_lines(doc["parts"]):
-            print(line)
-        sys.stdout.flush()
+        shown.print(_table(doc["parts"]), *_failed_lines(doc["parts"]), *(["", comparison] if comparison else []),
+                      *_static_lines(doc["parts"]))
     if out is not None:
         title = "built-in workload" if spec is not None else parts[0].trace.path.rsplit("/", 1)[-1]
         _write(out, parts, docs, doc, title)
         if not args.json:
-            print(f"wrote {args.out}/summary.json, steps.csv, pods.csv, pending_bars.png, pending_cdf.png, timeline.png")
+            shown.print(f"wrote {args.out}/summary.json, steps.csv, pods.csv, pending_bars.png, pending_cdf.png, "
+                          "timeline.png")
+    shown.finish()
     return 0
 
 

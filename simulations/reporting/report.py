@@ -5,12 +5,38 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from dynpart.simulations.errors import SimulationError
+
+
+class Results:
+    """Prints the results on stdout before the files are written, surviving a reader that goes
+    away (`dynpart simulate --out d | head`): the files are still written, then `finish` raises
+    BrokenPipeError (the command ends with 141, as a shell tool killed by SIGPIPE)."""
+
+    def __init__(self) -> None:
+        self.reader_gone = False
+
+    def print(self, *lines: str) -> None:
+        if self.reader_gone:
+            return
+        try:
+            for line in lines:
+                print(line)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            self.reader_gone = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not fail
+
+    def finish(self) -> None:
+        if self.reader_gone:
+            raise BrokenPipeError("the reader of the results went away")
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

@@ -506,3 +506,14 @@ async def test_a_spec_write_that_would_land_after_the_leadership_proof_is_abando
     c.leadership = Lead(term=3, writes=False)
     with pytest.raises(APITransportError, match="cannot prove it still leads"):
         await c._patch_as_leader("n1", {"dynpart.io/spec-term": "3"}, None)
+
+
+async def test_losing_the_lease_forgets_the_events_posted_as_leader(make):
+    """An Event queued while leading may be withheld once the lease is lost (QueuedPoster): leading
+    again, the replica must post it anew, not take it for posted an hour long."""
+    c = make([reported("n1")], Lead(term=3))
+    c.events = controller_module.EventRecorder(lambda *a: asyncio.sleep(0))
+    await c.events.record({"kind": "Node", "metadata": {"name": "n1"}}, "LayoutPlanned", "plan p1")
+    assert len(c.events) == 1
+    c.set_leading(False)
+    assert len(c.events) == 0

@@ -121,3 +121,21 @@ async def test_a_kubeconfig_that_does_not_exist_is_named():
 
     with pytest.raises(DynpartError, match=r"^cannot connect to Kubernetes with kubeconfig /no/such.yaml: no such file$"):
         await api_client("/no/such.yaml")
+
+
+async def test_a_kubeconfig_list_or_a_home_path_is_the_clients_to_read(tmp_path, monkeypatch):
+    """$KUBECONFIG may list files (`a:b`) and a path may start with ~: one existing file is enough
+    for the client, which merges them and expands ~ itself."""
+    import os
+
+    from dynpart.kube.client import api_client
+
+    config = tmp_path / "kc.yaml"
+    config.write_text("apiVersion: v1\nkind: Config\ncurrent-context: c\nclusters:\n- name: k\n  cluster:\n"
+                      "    server: https://127.0.0.1:6443\n    insecure-skip-tls-verify: true\ncontexts:\n- name: c\n"
+                      "  context: {cluster: k, user: u}\nusers:\n- name: u\n  user: {token: t}\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for value in (f"{tmp_path / 'absent.yaml'}{os.pathsep}{config}", "~/kc.yaml"):
+        api = await api_client(value)
+        assert api.configuration.host == "https://127.0.0.1:6443"
+        await api.close()

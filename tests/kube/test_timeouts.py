@@ -31,10 +31,10 @@ def is_watch(request: web.Request) -> bool:
     return request.query.get("watch", "").lower() == "true"
 
 
-async def test_a_silent_watch_is_dropped_and_started_again_from_where_it_was(tmp_path):
+async def test_a_silent_watch_is_dropped_and_started_again_from_where_it_was(tmp_path, caplog):
     """A watch that the API server holds open and never writes to (half-open) is dropped after
     watch_idle_timeout_s, not after its timeout, and watched again from the list's
-    resourceVersion without listing again."""
+    resourceVersion without listing again: as a watch the server ended (no warning, no back-off)."""
     async with FakeAPIServer() as server:
         async def nodes(request: web.Request) -> web.StreamResponse:
             if not is_watch(request):
@@ -64,6 +64,7 @@ async def test_a_silent_watch_is_dropped_and_started_again_from_where_it_was(tmp
         assert len(server.requests) - len(watches) == 1  # one list
         assert [w["resourceVersion"] for w in watches[:2]] == ["10", "10"]
         assert all(w["allowWatchBookmarks"].lower() == "true" and 300 <= int(w["timeoutSeconds"]) < 600 for w in watches)
+        assert not [r for r in caplog.records if r.name == "dynpart.kube.watching" and r.levelname == "WARNING"]
 
 
 async def test_a_server_that_never_answers_fails_the_call_in_time(tmp_path):

@@ -252,3 +252,19 @@ def test_simulate_checks_the_planners_workload_setting_before_any_replay(tmp_pat
     f.write_text("workload:\n- {resource: nvidia.com/foo}\n")
     assert main(["simulate", "--planner-config", str(f), "--mode", "mig"]) == 2
     assert f"{f}: setting workload: workload[0].resource: resource 'nvidia.com/foo' is not" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_loses_none_of_the_files(tmp_path, monkeypatch):
+    """`dynpart bench packing --out d | head`: the table's reader goes away; the files are written
+    all the same, and the command ends with 141 (a shell tool killed by SIGPIPE)."""
+    import os
+
+    from dynpart.cli import main
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "w", buffering=1) as stdout:
+        monkeypatch.setattr("sys.stdout", stdout)
+        assert main(["bench", "packing", "--policy", "best-fit", "--seeds", "1", "--jobs", "1",
+                     "--out", str(tmp_path / "out")]) == 141
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["allocation.png", "steps.csv", "summary.json"]
