@@ -40,6 +40,9 @@ MAX_CAPABILITY_BYTES = 16 * 1024
 MAX_GPUS = 64
 MAX_PROFILES = 64
 MAX_SLICES = 32
+# the MPS clients per GPU of a model the catalog lacks: every GPU a current driver runs is Volta
+# or later (NVIDIA's MPS guide: 48 client CUDA contexts per device)
+MPS_MAX_CLIENTS = 48
 
 MigState = Literal["on", "off", "on-pending", "off-pending", "unsupported"]
 _Small = Annotated[int, Field(ge=0, le=MAX_SLICES)]
@@ -285,7 +288,8 @@ def _kind_model(kind: GpuKind, mig_known: bool, catalog: Catalog) -> NodeModel:
     model = GpuModel(name=family, memory_gb=memory_gb, memory_mib=kind.memory_mib, products=products,
                      memory_slices=slices[0],
                      compute_slices=slices[1], mig_profiles=tuple(profiles),
-                     nvml_counts_unreliable=base.nvml_counts_unreliable if base else False)
+                     nvml_counts_unreliable=base.nvml_counts_unreliable if base else False,
+                     mps_max_clients=base.mps_max_clients if base else MPS_MAX_CLIENTS)
     if base is not None and _same(model, base):
         return NodeModel(base, tuple(notes))
     # a name of its own (two nodes with one product may report different profiles, e.g. two

@@ -80,6 +80,10 @@ class GpuModel(BaseModel):
     # profiles for that reason): the catalog's `max` wins over the driver's, and a difference is
     # not a disagreement.
     nvml_counts_unreliable: bool = False
+    # MPS: the most client processes an MPS server serves on one GPU (48 from Volta on, 16 before;
+    # NVIDIA's MPS guide): more slices than that on a GPU leave the extra pods unable to start
+    # CUDA. None: no bound (the packing benchmark's GPUs, shared by milli as in FGD's protocol).
+    mps_max_clients: int | None = Field(default=None, ge=1)
     # Set on a model built from a node agent's capability report (`dynpart.capability`) that
     # differs from the catalog: the catalog model (or, for a GPU the catalog lacks, the product)
     # it describes. Pods selecting that model accept it.

@@ -23,17 +23,19 @@ class MpsPiece:
         return self.used or self.pod is not None
 
 
-MpsKey = tuple[int, tuple[tuple[int, bool], ...], bool, bool]
+MpsKey = tuple[int, tuple[tuple[int, bool], ...], bool, bool, int | None]
 
 
 class MpsState:
     """One MPS GPU; implements `GpuState` (planner/state.py)."""
 
-    __slots__ = ("info", "cap", "slices", "whole_pod", "changed", "destroyed", "created")
+    __slots__ = ("info", "cap", "max_slices", "slices", "whole_pod", "changed", "destroyed", "created")
 
     def __init__(self, info: GpuInfo):
         self.info = info
         self.cap = info.capacity
+        # the most clients an MPS server serves on one GPU (catalog `mps_max_clients`; None: no bound)
+        self.max_slices = info.model.mps_max_clients
         self.slices = [MpsPiece(s, True, pod, True) for s, pod in info.used_mps]
         self.slices += [MpsPiece(s, False, None, True) for s in info.free_mps]
         self.whole_pod = info.whole_pod
@@ -43,14 +45,14 @@ class MpsState:
 
     def clone(self) -> MpsState:
         c = MpsState.__new__(MpsState)
-        c.info, c.cap, c.whole_pod = self.info, self.cap, self.whole_pod
+        c.info, c.cap, c.max_slices, c.whole_pod = self.info, self.cap, self.max_slices, self.whole_pod
         c.changed, c.destroyed, c.created = self.changed, self.destroyed, self.created
         c.slices = [MpsPiece(s.size, s.used, s.pod, s.existing) for s in self.slices]
         return c
 
     def key(self) -> MpsKey:
         return (self.cap, tuple(sorted((s.size, s.hard) for s in self.slices)), self.changed,
-                self.whole_pod is not None)
+                self.whole_pod is not None, self.max_slices)
 
     def has_pod(self) -> bool:
         return self.whole_pod is not None or any(s.hard for s in self.slices)
@@ -86,6 +88,16 @@ class MpsState:
                 unallocated += self.slices[k].size
                 if unallocated >= size:
                     break
+        if self.max_slices is not None:
+            # one more client than the MPS server serves: room by count too, from the smallest free
+            # slices (or none, when the slices pods hold are that many already)
+            over = len(self.slices) - len(destroy) + 1 - self.max_slices
+            if over > 0:
+                spare = sorted((k for k, s in enumerate(self.slices) if not s.hard and k not in destroy),
+                               key=lambda k: (self.slices[k].size, k))
+                if len(spare) < over:
+                    return None
+                destroy += spare[:over]
         return CreateSlice((len(destroy) + touch, empty, leftover, 0), 0, tuple(sorted(destroy)))
 
     def apply(self, ask: SliceRef, option: Option, pod: str) -> None:

@@ -126,8 +126,11 @@ def _nos_mps_sizes(st: MpsState, lacking: list[int]) -> None:
     if st.whole_pod is not None:
         return
     room = st.cap - sum(s.size for s in st.slices if s.hard)
-    sizes = []
+    clients = st.max_slices - sum(1 for s in st.slices if s.hard) if st.max_slices is not None else None
+    sizes: list[int] = []
     for size in list(lacking):
+        if clients is not None and len(sizes) >= clients:
+            break
         if size <= room:
             sizes.append(size)
             room -= size
