@@ -39,11 +39,14 @@ def run(args: argparse.Namespace) -> int:
     model = catalog.resolve(args.model, where="model")
     geometries = maximal_geometries(model) if model.supports_mig else []
     if args.json:
-        print(json.dumps({"name": model.name, "profiles": [p.model_dump(by_alias=True) for p in model.mig_profiles],
+        print(json.dumps({"name": model.name, "mps_capacity_gb": model.mps_capacity_gb,
+                          "mps_max_clients": model.mps_max_clients,
+                          "profiles": [p.model_dump(by_alias=True) for p in model.mig_profiles],
                           "maximal_geometries": [dict(g) for g in geometries]}, indent=2))
         return 0
     measured = f" (NVML reports {model.memory_mib} MiB)" if model.memory_mib else ""
-    print(f"{model.name}: {model.memory_gb} GB{measured}, MPS capacity {model.mps_capacity_gb} GB, "
+    clients = f" (at most {model.mps_max_clients} slices a GPU)" if model.mps_max_clients else ""
+    print(f"{model.name}: {model.memory_gb} GB{measured}, MPS capacity {model.mps_capacity_gb} GB{clients}, "
           f"{model.compute_slices} compute / {model.memory_slices} memory slices")
     for p in model.mig_profiles:
         print(f"  {p.name:<12} id {p.gi_profile_id:>2}  {p.resource_name:<28} max {p.max}  starts {list(p.starts)}")

@@ -213,3 +213,15 @@ def test_mps_capacity_follows_the_memory_nvml_reports_where_measured():
     assert (cat.models["H200-141GB"].memory_mib, cat.models["H200-141GB"].mps_capacity_gb) == (143771, 140)
     # not measured: the nominal size
     assert (cat.models["A100-80GB"].memory_mib, cat.models["A100-80GB"].mps_capacity_gb) == (None, 80)
+
+
+def test_dynpart_catalog_shows_the_mps_bounds(capsys):
+    import json
+
+    from dynpart.cli import main
+
+    assert main(["catalog", "H100-80GB"]) == 0
+    assert "MPS capacity 79 GB (at most 48 slices a GPU)" in capsys.readouterr().out.splitlines()[0]
+    assert main(["catalog", "H100-80GB", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["mps_capacity_gb"], doc["mps_max_clients"]) == (79, 48)
