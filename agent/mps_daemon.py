@@ -112,7 +112,11 @@ class ProcessMpsDaemon:
     async def _run(self, *args: str, stdin: str | None = None) -> tuple[int, str]:
         # the output goes to a file, not a pipe: `-d` forks a daemon that may keep the output open,
         # and reading a pipe to its end would then wait for the daemon to exit
-        with tempfile.TemporaryFile() as out:
+        try:  # beside the daemon's logs (a host directory), not the container's small /tmp
+            out = tempfile.TemporaryFile(dir=self.dirs[1] if self.dirs else None)
+        except OSError as e:
+            raise MpsDaemonError(f"a file for {self.binary}'s output: {e.strerror or e}") from None
+        with out:
             try:
                 proc = await asyncio.create_subprocess_exec(
                     self.binary, *args, env=self._env(), stdin=asyncio.subprocess.PIPE if stdin is not None else None,

@@ -239,6 +239,9 @@ class MpsPluginAgent:
             await self.daemon.ensure(running, self.pipe_dir, self.log_dir)
             self._daemon_gpus = running
         except MpsDaemonError as e:
+            # what it was asked to run for, as the daemon itself now has it: a later pass with
+            # slices in use must not take a difference for a change of GPUs (and stop it)
+            self._daemon_gpus = running
             self.daemon_error = str(e)
             return [f"MPS control daemon: {e}; the MPS slices are listed Unhealthy (not allocatable) until it runs"]
         self.daemon_error = None

@@ -138,8 +138,12 @@ class Informer:
                     self._apply(line, what)
             except TimeoutError:
                 # silent for watch_idle_timeout_s (no bookmark where the server sends none, or a
-                # half-open connection): an end like the server's, watched again from where it was
+                # half-open connection): after events, an end like the server's, watched again from
+                # where it was; a watch that never said anything failed (backed off, said), so that
+                # a server that accepts watches and stalls them is not asked again and again
                 raw.close()
+                if not lines:
+                    raise APITransportError(f"{what}: nothing in {self.settings.watch_idle_timeout_s:g}s") from None
                 log.info("watch %s: nothing for %gs; watching again", self.name, self.settings.watch_idle_timeout_s)
                 return
             except BaseException:

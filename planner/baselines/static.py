@@ -103,7 +103,7 @@ def _lay_out_mps(st: MpsState, layout: dict[str, str]) -> None:
         return
     if "mps_size" in layout:  # as many slices of one size as fit
         size = int(layout["mps_size"])
-        st.replace_free_slices([size] * (st.cap // size))
+        st.replace_free_slices([size] * min(st.cap // size, st.max_slices or st.cap))
         return
-    parts = int(layout.get("mps", "4"))
-    st.replace_free_slices([st.cap // parts] * parts)
+    parts = int(layout.get("mps", "4"))  # equal parts, no more than the MPS server serves
+    st.replace_free_slices([st.cap // parts] * min(parts, st.max_slices or parts))

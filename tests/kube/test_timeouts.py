@@ -31,6 +31,25 @@ def is_watch(request: web.Request) -> bool:
     return request.query.get("watch", "").lower() == "true"
 
 
+async def two_watches(server: FakeAPIServer, tmp_path, backoff_initial_s: float) -> list:
+    """Run a node informer against `server` (watches dropped after 0.3 s of silence) until it has
+    sent two watches, or 3 s; the query of each watch it sent."""
+    settings = KubeSettings(watch_timeout_s=300, watch_idle_timeout_s=0.3, backoff_initial_s=backoff_initial_s)
+    api = await api_client(server.kubeconfig(tmp_path), settings)
+    informer = Informer(client.CoreV1Api(api).list_node, lambda kind, obj: None, name="nodes", settings=settings)
+    task = asyncio.create_task(informer.run())
+    try:
+        for _ in range(300):
+            if sum(map(is_watch, server.requests)) >= 2:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.wait([task])
+        await api.close()
+    return [r.query for r in server.requests if is_watch(r)]
+
+
 async def test_a_silent_watch_is_dropped_and_started_again_from_where_it_was(tmp_path, caplog):
     """A watch that the API server holds open and never writes to (half-open) is dropped after
     watch_idle_timeout_s, not after its timeout, and watched again from the list's
@@ -46,24 +65,32 @@ async def test_a_silent_watch_is_dropped_and_started_again_from_where_it_was(tmp
             return resp
 
         server.handlers[("GET", "/api/v1/nodes")] = nodes
-        settings = KubeSettings(watch_timeout_s=300, watch_idle_timeout_s=0.3, backoff_initial_s=0.01)
-        api = await api_client(server.kubeconfig(tmp_path), settings)
-        informer = Informer(client.CoreV1Api(api).list_node, lambda kind, obj: None, name="nodes", settings=settings)
-        task = asyncio.create_task(informer.run())
-        try:
-            for _ in range(300):
-                if sum(map(is_watch, server.requests)) >= 2:
-                    break
-                await asyncio.sleep(0.01)
-        finally:
-            task.cancel()
-            await asyncio.wait([task])
-            await api.close()
-        watches = [r.query for r in server.requests if is_watch(r)]
+        watches = await two_watches(server, tmp_path, backoff_initial_s=0.01)
         assert len(watches) >= 2, "the silent watch was not dropped in 3 s"
         assert len(server.requests) - len(watches) == 1  # one list
         assert [w["resourceVersion"] for w in watches[:2]] == ["10", "10"]
         assert all(w["allowWatchBookmarks"].lower() == "true" and 300 <= int(w["timeoutSeconds"]) < 600 for w in watches)
+        # silent from the start: a failed watch (said, backed off), yet its resourceVersion holds
+        assert [r for r in caplog.records if r.name == "dynpart.kube.watching" and r.levelname == "WARNING"]
+
+
+async def test_a_watch_silent_after_events_is_watched_again_at_once(tmp_path, caplog):
+    """A watch that delivered an event and then went silent for watch_idle_timeout_s (a server
+    that sends no bookmarks) ends like one the server ended: watched again from the event's
+    resourceVersion, no warning."""
+    async with FakeAPIServer() as server:
+        async def nodes(request: web.Request) -> web.StreamResponse:
+            if not is_watch(request):
+                return web.json_response({"kind": "NodeList", "metadata": {"resourceVersion": "10"}, "items": []})
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await resp.write(b'{"type": "ADDED", "object": {"metadata": {"name": "a", "resourceVersion": "11"}}}\n')
+            await server.closing.wait()  # then silent
+            return resp
+
+        server.handlers[("GET", "/api/v1/nodes")] = nodes
+        watches = await two_watches(server, tmp_path, backoff_initial_s=5)
+        assert [w["resourceVersion"] for w in watches[:2]] == ["10", "11"]  # no 5 s back-off in between
         assert not [r for r in caplog.records if r.name == "dynpart.kube.watching" and r.levelname == "WARNING"]
 
 
