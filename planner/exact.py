@@ -125,9 +125,9 @@ class _MpsModel:
         changed = m.new_bool_var(f"c{g}")
         m.add(hard_total + sum(st.slices[k].size * v for k, v in self.keep.items())
               + sum(s * v for s, v in self.new.items()) <= st.cap)
-        if st.max_slices is not None:  # the MPS server's clients per GPU (a GPU past it: nothing more)
-            hard_count = sum(1 for s in st.slices if s.hard)
-            m.add(hard_count + sum(self.keep.values()) + sum(self.new.values()) <= max(st.max_slices, hard_count))
+        clients_left = st.clients_left()  # the MPS server's clients per GPU (a GPU past it: nothing more)
+        if clients_left is not None:
+            m.add(sum(self.keep.values()) + sum(self.new.values()) <= clients_left)
         for v in self.keep.values():
             m.add_implication(v.negated(), changed)
         for s, v in self.new.items():

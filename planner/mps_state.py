@@ -72,7 +72,7 @@ class MpsState:
             k = len(self.slices)
             return TakeWholeGpu((k + (touch if k else 0), empty, 0, 0), tuple(range(k)))
         size = ask.size
-        if self._at_client_bound():
+        if self.clients_left() == 0:
             return None
         for k, s in enumerate(self.slices):
             if not s.hard and s.size == size:
@@ -122,16 +122,18 @@ class MpsState:
     def free_slots(self, ask: SliceRef) -> list[int]:
         if isinstance(ask, WholeGpuRef):
             return [0] if not self.slices and self.whole_pod is None else []
-        if isinstance(ask, MpsSliceRef) and not self._at_client_bound():
+        if isinstance(ask, MpsSliceRef):
             free = [k for k, s in enumerate(self.slices) if s.size == ask.size and not s.hard]
-            if self.max_slices is not None:  # a GPU laid out past the bound: up to it only
-                free = free[:self.max_slices - sum(1 for s in self.slices if s.hard)]
-            return free
+            left = self.clients_left()  # a GPU laid out past the bound: up to it only
+            return free if left is None else free[:left]
         return []
 
-    def _at_client_bound(self) -> bool:
-        """Whether the pods on it are as many as its MPS server serves (another cannot start CUDA)."""
-        return self.max_slices is not None and sum(1 for s in self.slices if s.hard) >= self.max_slices
+    def clients_left(self) -> int | None:
+        """How many more pods its MPS server serves (`max_slices` less the slices pods hold: one
+        more cannot start CUDA); None: no bound."""
+        if self.max_slices is None:
+            return None
+        return max(0, self.max_slices - sum(1 for s in self.slices if s.hard))
 
     def bind(self, slot: int, ask: SliceRef, pod: str) -> None:
         if isinstance(ask, WholeGpuRef):

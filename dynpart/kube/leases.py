@@ -65,7 +65,7 @@ class LeaderElector:
         return min(self.lease_s, self._duration_read) * 2 / 3
 
     def can_write(self) -> bool:
-        return self.is_leader and self.clock() < self._valid_until
+        return self.write_time_left_s() > 0
 
     def write_time_left_s(self) -> float:
         """How long a write started now may take and still land while this replica can prove it

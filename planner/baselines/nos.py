@@ -126,7 +126,7 @@ def _nos_mps_sizes(st: MpsState, lacking: list[int]) -> None:
     if st.whole_pod is not None:
         return
     room = st.cap - sum(s.size for s in st.slices if s.hard)
-    clients = st.max_slices - sum(1 for s in st.slices if s.hard) if st.max_slices is not None else None
+    clients = st.clients_left()
     sizes: list[int] = []
     for size in list(lacking):
         if clients is not None and len(sizes) >= clients:
