@@ -87,6 +87,34 @@ def _real_driver() -> GpuDriver:
     return RealNvml()
 
 
+# how long `agent run` waits for the NVIDIA driver at start: after a reboot GPU Operator's driver
+# container may still be building and loading it (minutes); exiting at once would put the agent
+# in CrashLoopBackOff, whose back-off (up to 5 minutes) adds to the wait
+DRIVER_WAIT_S = 900.0
+
+
+async def _wait_for_driver(wait_s: float = DRIVER_WAIT_S, first_s: float = 2.0) -> GpuDriver:
+    """The host's driver, once NVML can be started (retried with back-off up to `wait_s`)."""
+    import logging
+
+    from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+    from dynpart.agent.driver.interface import NvmlUnavailable
+
+    log = logging.getLogger("dynpart.agent")
+
+    def waiting(state: Any) -> None:
+        log.warning("NVML is not available yet (%s); trying again in %.0f s", state.outcome.exception(),
+                    state.next_action.sleep if state.next_action else 0)
+
+    async for attempt in AsyncRetrying(retry=retry_if_exception_type(NvmlUnavailable),
+                                       wait=wait_exponential(multiplier=first_s, max=30),
+                                       stop=stop_after_delay(wait_s), reraise=True, before_sleep=waiting):
+        with attempt:
+            return _real_driver()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 def _driver(args: argparse.Namespace, catalog: Catalog) -> GpuDriver:
     return _fake_driver(args.fake_gpus, catalog) if args.fake_gpus else _real_driver()
 
@@ -181,17 +209,18 @@ async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
     from dynpart.agent.podresources import FakePodResources, KubeletPodResources
 
     catalog = load_catalog(settings.catalog_files)
-    driver = _fake_driver(settings.fake_gpus, catalog) if settings.fake_gpus else _real_driver()
-    pods: PodResources
-    if settings.fake_gpus and not os.path.exists(settings.pod_resources_socket):
-        pods = FakePodResources()
-    else:
-        pods = KubeletPodResources(settings.pod_resources_socket)
     from dynpart.probing import Liveness, serve
 
     liveness = Liveness()
     if settings.metrics_port and not args.once:
         serve(settings.metrics_host, settings.metrics_port, liveness)  # /metrics and /healthz
+    driver = _fake_driver(settings.fake_gpus, catalog) if settings.fake_gpus else (
+        _real_driver() if args.once else await _wait_for_driver())
+    pods: PodResources
+    if settings.fake_gpus and not os.path.exists(settings.pod_resources_socket):
+        pods = FakePodResources()
+    else:
+        pods = KubeletPodResources(settings.pod_resources_socket)
     api_client = await connect(settings.kubeconfig, settings.kube)
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -241,6 +270,7 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
                                               settings.nvidia_plugin_selector)
     return Agent(settings.node_name, node_api=KubeNodeApi(api_client, settings.node_name, settings.kube),
                  driver=driver, pods=pods, catalog=catalog,
-                 interval_s=settings.report_interval_s, capacity_gb=capacity, kube=settings.kube,
+                 interval_s=settings.report_interval_s, heartbeat_s=settings.heartbeat_interval_s,
+                 capacity_gb=capacity, kube=settings.kube,
                  liveness=liveness, leader_term=lease_term_reader(api_client, settings.planner_lease_name,
                                                                   settings.planner_lease_namespace), **extra)

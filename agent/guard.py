@@ -130,6 +130,12 @@ class SliceGuard:
             await self.plugins.readmit(*out.kept)
         return out
 
+    async def destroyed(self, ids: Iterable[str]) -> None:
+        """These devices were destroyed: forgotten by the plugin at once (`forget`)."""
+        ids = list(ids)
+        if ids and self.plugins is not None:
+            await self.plugins.forget(*ids)
+
     async def restore(self, ids: Iterable[str]) -> None:
         """Advertise again what could not be destroyed after all (e.g. the driver said IN_USE)."""
         ids = list(ids)

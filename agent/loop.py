@@ -33,7 +33,7 @@ from dynpart.agent import metrics
 from dynpart.agent.capability_reader import mig_state, read_capability
 from dynpart.agent.deviceplugin.devices import DeviceListError, GpuView, MigDeviceView, PluginDevice, advertise, packed_first
 from dynpart.agent.deviceplugin.server import DevicePluginManager
-from dynpart.agent.driver.interface import GpuDriver
+from dynpart.agent.driver.interface import GpuDriver, GpuDriverError
 from dynpart.agent.guard import SliceGuard
 from dynpart.agent.kube import NodeApi, NodeView, PluginPods
 from dynpart.agent.mig_agent import MigAgent, PassResult
@@ -65,6 +65,18 @@ from dynpart.snapshot import GpuLayout, Mode, NodeLayout
 
 log = logging.getLogger("dynpart.agent")
 
+# NVML errors that only a new container cures: the kernel driver was unloaded, reloaded or
+# upgraded under the agent (GPU Operator's driver container restarting), and the libnvidia-ml
+# mounted into this container no longer matches it (nvmlInit keeps failing)
+DRIVER_REPLACED = frozenset({"LIB_RM_VERSION_MISMATCH", "DRIVER_NOT_LOADED"})
+# passes in a row failing so before the agent exits for the kubelet to start it again
+DRIVER_REPLACED_PASSES = 3
+
+
+class DriverReplaced(DynpartError):
+    """The NVIDIA driver changed under the agent: it exits, and its new container gets the new
+    driver's library."""
+
 
 @dataclass
 class PassReport:
@@ -78,7 +90,7 @@ class PassReport:
 
 class Agent:
     def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver, pods: PodResources, catalog: Catalog,
-                 interval_s: float = 10.0, capacity_gb: int | None = None,
+                 interval_s: float = 10.0, heartbeat_s: float = 300.0, capacity_gb: int | None = None,
                  kube: KubeSettings | None = None, now: Callable[[], datetime] = lambda: datetime.now(UTC),
                  liveness: Liveness | None = None, leader_term: Callable[[], Awaitable[int | None]] | None = None,
                  plugins: DevicePluginManager | None = None, node_pods: NodePods | None = None,
@@ -106,11 +118,14 @@ class Agent:
                                 on_withdrawn=self._publish if plugins is not None and publish_allocatable else None)
         self._mps_plugin: MpsPluginAgent | None = None
         self._capacity: int = 0
-        self._restarted_for: dict[str, int] | None = None  # the MIG counts NVIDIA's plugin was restarted for
+        # the MIG devices (resource, UUID) NVIDIA's plugin was restarted for, or found listing
+        self._restarted_for: frozenset[tuple[str, str]] | None = None
+        self._driver_replaced = 0  # passes in a row that failed with a DRIVER_REPLACED error
         self._waiting = False
         self._cleared_plan: str | None = None  # the last spec plan id the fencing check let through
         self._heartbeat_at = -float("inf")  # time.monotonic() of the last status write with a heartbeat
         self._drain: tuple[int, ...] = ()  # the GPUs the spec applied last drains
+        self.unhealthy: dict[int, str] = {}  # GPU index -> why the driver says it is unhealthy (last views())
         # early publishing (publish_allocatable): what the node's allocatable should show (the last
         # _publish's counts); a node that shows otherwise (the kubelet's own status write after its
         # restart, with no device yet) or a plugin's new registration wakes the publisher
@@ -126,6 +141,10 @@ class Agent:
         self.pods = pods
         self.catalog = catalog
         self.interval_s = interval_s
+        # a status write that would only move the heartbeat is made this seldom: every Node write
+        # goes to etcd whole and to every Node watcher of the cluster (the kubelet writes its own
+        # unchanged node status only every 5 minutes for the same reason, KEP-589)
+        self.heartbeat_s = max(heartbeat_s, interval_s)
         self.capacity_gb = capacity_gb
         self.now = now
         self._model: GpuModel | None = None
@@ -152,6 +171,8 @@ class Agent:
                         k.model_copy(update={"memory_mib": min(k.memory_mib, self.capacity_gb * 1024)})
                         for k in capability.kinds)})
                 choice = node_model(capability, self.catalog)
+            except GpuDriverError as e:
+                raise GpuDriverError(e.code, f"node {self.node}: {e}") from None
             except DynpartError as e:
                 raise DynpartError(f"node {self.node}: {e}") from None
             if choice.model != self._model:
@@ -217,6 +238,16 @@ class Agent:
                 desired_mig = None if layout is None else {g.index: [(m.profile, m.start) for m in g.mig]
                                                            for g in layout.gpus}
                 left_errors = await self._leave_mps() if layout is not None else []
+                if desired_mig is not None and self.plugin_pods is not None and not self._builtin:
+                    by_index = sorted(i for _, i in _mig_ids(await self.pods.allocatable()) if not i.startswith("MIG-"))
+                    if by_index:
+                        # a pod's MIG device could not be told from PodResources: one bound and not
+                        # yet running would look free, and its instance could be destroyed
+                        desired_mig = None
+                        left_errors.append(
+                            f"NVIDIA's device plugin names MIG devices by index ({', '.join(by_index[:4])}): the agent "
+                            "cannot tell which MIG device a pod holds, so it changes none; set NVIDIA's plugin's "
+                            "deviceIDStrategy to uuid (the default)")
                 result = await self._mig.apply(desired_mig, spec.drain)
                 result.errors[:0] = left_errors
             else:
@@ -232,7 +263,11 @@ class Agent:
         except DynpartError as e:
             # Not safe to act or to describe the GPUs: keep the last status, report the error.
             log.error("node %s: %s", self.node, e)
+            if isinstance(e, GpuDriverError):
+                self._driver_replaced = self._driver_replaced + 1 if e.code in DRIVER_REPLACED else 0
+                await self._all_unhealthy(e)
             return await self._report_failure(node, str(e))
+        self._driver_replaced = 0
         try:
             self.model()  # a MIG mode changed by this pass changes what the driver lists: report it now
         except DynpartError as e:
@@ -243,11 +278,16 @@ class Agent:
             waiting = await self._serve(mode, result, layout, node)
         except DynpartError as e:  # the node is as the pass left it; say why nothing is acknowledged
             log.error("node %s: serving the devices: %s", self.node, e)
+            if isinstance(e, GpuDriverError):
+                await self._all_unhealthy(e)
             errors.append(f"serving the devices: {e}")
             waiting = ["the devices could not be served (see the error above)"] if layout is not None else []
         applied = result.applied and layout is not None and not waiting
         if result.applied and layout is not None and waiting:
             errors += [f"plan {spec.plan_id} is not acknowledged yet: {w}" for w in waiting]
+        for index, why in sorted(self.unhealthy.items()):
+            errors.append(f"GPU {index} is unhealthy ({why}): its devices are advertised Unhealthy and no pod gets "
+                          "them until it is reset")
         self._waiting = bool(waiting)
         self._used_per_gpu = {g.index: sum(m.used for m in g.mig) + sum(x.used for x in g.mps) for g in result.gpus}
         ack = spec.plan_id if applied else node.annotations.get(STATUS_PLAN)
@@ -259,8 +299,13 @@ class Agent:
         if self._disagreements:
             await self._event("CatalogDisagreement", "the driver and the catalog differ (the driver's values are "
                               "used): " + "; ".join(self._disagreements), True)
+        for reason, clash in _nvidia_components(node, mode, self._builtin):
+            await self._event(reason, clash, True)
         for error in errors:
             log.warning("node %s: %s", self.node, error)
+        if self.unhealthy:
+            await self._event("GpuUnhealthy", "; ".join(f"GPU {i}: {why}" for i, why in sorted(self.unhealthy.items()))
+                              + ": its devices are advertised Unhealthy until it is reset", True)
         if spec.problems:
             await self._event("DynpartInvalidSpec", "ignored malformed annotations: " + "; ".join(spec.problems), True)
         if result.errors:
@@ -334,15 +379,25 @@ class Agent:
         advertised = self.plugins.advertised().get(resource, []) if self.plugins is not None else []
         return packed_first(available, advertised, self._used_per_gpu)
 
+    def _mig_devices(self) -> frozenset[tuple[str, str]]:
+        """(resource, UUID) of the MIG devices (GPU instances with their compute instance) of a
+        known profile, as NVIDIA's plugin enumerates them. A UUID may come back under another
+        profile: an instance re-made at the same place (its GI id) can get the destroyed one's."""
+        names = {p.gi_profile_id: p.name for p in (self._model.mig_profiles if self._model else ())}
+        return frozenset((mig_resource_name(names[gi.profile_id]), gi.uuid)
+                         for d in self.driver.devices() if d.mig_current
+                         for gi in self.driver.gpu_instances(d.index) if gi.uuid and gi.profile_id in names)
+
     def views(self) -> list[GpuView]:
         """What to advertise, from what the driver reports: MIG devices (those with a compute
         instance) of GPUs in MIG mode, the MPS slices the agent applied, else the whole GPU."""
         by_id = {p.gi_profile_id: p.name for p in (self._model.mig_profiles if self._model else ())}
         out = []
+        unhealthy: dict[int, str] = {}
         for d in self.driver.devices():
             problem = self.driver.health(d.index)
             if problem:
-                log.warning("node %s: GPU %d is unhealthy: %s", self.node, d.index, problem)
+                unhealthy[d.index] = problem
             view = GpuView(index=d.index, uuid=d.uuid, memory_gb=self._capacity or d.memory_mib // 1024,
                            mig_enabled=d.mig_current, healthy=problem is None)
             if d.mig_current:
@@ -352,6 +407,7 @@ class Agent:
                 sizes, numbers = self._mps_plugin.view(d.index)
                 view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.serves(d.uuid))
             out.append(view)
+        self.unhealthy = unhealthy
         return out
 
     async def _serve(self, mode: Mode, result: PassResult, layout: NodeLayout | None, node: NodeView) -> list[str]:
@@ -392,17 +448,26 @@ class Agent:
             if self.publish_allocatable:
                 await self._publish(held)
         elif self.plugin_pods is not None and mode == "mig":
+            # NVIDIA's plugin reads the MIG devices once, at its start: after any change of them (a
+            # re-carve that keeps the counts, instances re-made after a reset) it is restarted.
+            # Listed now: the node's capacity per resource (unhealthy devices included) and the ids
+            # the kubelet holds healthy (PodResources), which name MIG UUIDs (deviceIDStrategy uuid)
             counts = _mig_counts(result.gpus)
-            if self._restarted_for is None and _node_mig_counts(node) == counts:
-                self._restarted_for = counts  # NVIDIA's plugin already lists this layout
-            if counts != self._restarted_for:
+            devices = self._mig_devices()
+            stale = sorted(f"{i} ({r})" for r, i in _mig_ids(await self.pods.allocatable()) - devices
+                           if i.startswith("MIG-"))
+            if self._restarted_for is None and _node_mig_counts(node) == counts and not stale:
+                self._restarted_for = devices  # NVIDIA's plugin already lists this layout
+            if devices != self._restarted_for:
                 names = await self.plugin_pods.restart()
-                self._restarted_for = counts
+                self._restarted_for = devices
                 log.info("node %s: MIG devices changed; restarted NVIDIA's device plugin (%s)", self.node,
                          ", ".join(names) or "no pod found")
             if _node_mig_counts(node) != counts:
-                waiting.append("NVIDIA's device plugin has not published the MIG devices yet (node allocatable "
+                waiting.append("NVIDIA's device plugin has not published the MIG devices yet (node capacity "
                                f"{_fmt(_node_mig_counts(node))}, applied {_fmt(counts)})")
+            elif stale:
+                waiting.append("NVIDIA's device plugin still lists MIG devices that are gone: " + ", ".join(stale))
         return waiting if layout is not None and result.applied else []
 
     async def _publish(self, held: dict[str, list[str]] | None = None) -> bool:
@@ -480,6 +545,21 @@ class Agent:
     async def _post_event(self, _node: Obj, reason: str, message: str, warning: bool) -> None:
         await self.node_api.event(reason, message, warning)
 
+    async def _all_unhealthy(self, error: GpuDriverError) -> None:
+        """NVML cannot read the GPUs (one fell off the bus, the driver is gone): every device the
+        agent's plugin serves is advertised Unhealthy, so that the kubelet gives none to a new pod
+        (NVIDIA's plugin does the same when NVML fails). The next pass that reads the GPUs again
+        advertises their real health."""
+        if self.plugins is None or not self._serving():
+            return
+        log.warning("node %s: the GPUs cannot be read (%s): advertising every device Unhealthy", self.node, error.code)
+        await self.plugins.set_unhealthy()
+        if self.publish_allocatable:
+            try:
+                await self._publish()
+            except Exception as e:  # the kubelet's own status write follows
+                log.warning("node %s: publishing the allocatable devices: %s", self.node, e)
+
     async def _report_failure(self, node: NodeView, error: str) -> PassReport:
         status = {k: v for k, v in node.annotations.items() if k.startswith(STATUS_PREFIX)}
         status[STATUS_ERROR] = error
@@ -489,9 +569,9 @@ class Agent:
 
     async def _write(self, node: NodeView, status: dict[str, str]) -> None:
         patch = annotation_patch(node.annotations, status, prefix=STATUS_PREFIX)
-        if set(patch) == {STATUS_HEARTBEAT} and time.monotonic() - self._heartbeat_at < self.interval_s:
-            # passes every retry_s while a plan waits: a Node write per pass that changes only the
-            # heartbeat would go to every Node watcher of the cluster; once per interval is enough
+        if set(patch) == {STATUS_HEARTBEAT} and time.monotonic() - self._heartbeat_at < self.heartbeat_s:
+            # a pass every interval (every retry_s while a plan waits): a Node write per pass that
+            # changes only the heartbeat would go to every Node watcher of the cluster
             return
         if patch:
             await self.node_api.patch(annotations=patch)
@@ -521,6 +601,11 @@ class Agent:
                     log.error("node %s: pass failed: %s", self.node, e)
                 except Exception:  # keep the agent alive; the next pass starts from the real state
                     log.exception("node %s: pass failed", self.node)
+                if self._driver_replaced >= DRIVER_REPLACED_PASSES:
+                    raise DriverReplaced(
+                        f"node {self.node}: the NVIDIA driver was unloaded, reloaded or upgraded under the agent (NVML "
+                        f"answered {' or '.join(sorted(DRIVER_REPLACED))} {self._driver_replaced} passes in a row): "
+                        "exiting, so that the kubelet starts the agent again with the new driver's library")
                 waits = [asyncio.create_task(wake.wait()), asyncio.create_task(stop.wait())]
                 # an applied plan waiting for the kubelet or a device plugin is looked at again soon
                 timeout = min(self.retry_s, self.interval_s) if self._waiting else self.interval_s
@@ -578,6 +663,32 @@ class Agent:
                             if last is not None:
                                 wake.set()
                             last = spec
+
+
+# GPU Operator's per-node switches of its components (set to "false" to keep one off a node)
+DEPLOY_MIG_MANAGER = "nvidia.com/gpu.deploy.mig-manager"
+DEPLOY_DEVICE_PLUGIN = "nvidia.com/gpu.deploy.device-plugin"
+
+
+def _nvidia_components(node: NodeView, mode: Mode, builtin: bool) -> list[tuple[str, str]]:
+    """Warnings for GPU Operator components the node's labels leave on where they fight the
+    agent: mig-manager re-applies its own MIG layout at each of its starts (destroying the
+    agent's free instances), and NVIDIA's device plugin registers the same resource names as the
+    agent's own plugin, replacing it at the kubelet. A label can read "true" while the component is
+    off for the whole cluster (ClusterPolicy), so this warns and does not refuse."""
+    out = []
+    mig_manager, device_plugin = node.labels.get(DEPLOY_MIG_MANAGER, "false"), node.labels.get(DEPLOY_DEVICE_PLUGIN, "false")
+    if mode == "mig" and mig_manager != "false":
+        out.append(("MigManagerNotOff",
+                    f"{DEPLOY_MIG_MANAGER}={mig_manager}: if GPU Operator's mig-manager runs on this node it "
+                    "re-applies its own MIG layout at each start and destroys the instances dynpart made; label the "
+                    f"node {DEPLOY_MIG_MANAGER}=false"))
+    if builtin and device_plugin != "false":
+        out.append(("NvidiaDevicePluginNotOff",
+                    f"{DEPLOY_DEVICE_PLUGIN}={device_plugin}: if NVIDIA's device plugin runs on this node it "
+                    "registers the resources dynpart's own plugin serves and replaces it at the kubelet; label the "
+                    f"node {DEPLOY_DEVICE_PLUGIN}=false (or use devicePlugin.mode nvidia on MIG nodes)"))
+    return out
 
 
 def _mps_only(advertised: dict[str, list[PluginDevice]]) -> dict[str, list[PluginDevice]]:
@@ -648,9 +759,16 @@ def _mig_counts(gpus: list[GpuLayout]) -> dict[str, int]:
     return out
 
 
+def _mig_ids(held: dict[str, list[str]]) -> set[tuple[str, str]]:
+    """(resource, id) of the MIG devices among what the kubelet holds."""
+    return {(r, i) for r, ids in held.items() if r.startswith(MIG_RESOURCE_PREFIX) for i in ids}
+
+
 def _node_mig_counts(node: NodeView) -> dict[str, int]:
+    """The node's MIG devices per resource, healthy or not (status.capacity: the kubelet counts
+    an unhealthy device there and not in allocatable)."""
     out = {}
-    for r, v in node.allocatable.items():
+    for r, v in node.capacity.items():
         if r.startswith(MIG_RESOURCE_PREFIX):
             try:
                 n = int(v)

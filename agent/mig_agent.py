@@ -9,7 +9,9 @@ observe again. Safety rules carried out here:
 - MIG mode is enabled only on a GPU the spec wants partitioned, after checking it is idle; an
   enable the driver left pending because the GPU was not idle (a client such as DCGM holds it)
   is asked again at later passes while the GPU is idle; one that waits for a GPU reset is not;
-- a creation that needs the slices of an instance that could not be destroyed is skipped;
+- a creation that needs the slices of an instance that could not be destroyed is skipped; one the
+  driver refused to destroy with nothing using it (a client such as DCGM holds it) is reported
+  used for `HELD_OPEN_S`;
 - nothing is changed while the driver's GI profile ids disagree with the catalog's;
 - a plan is not acknowledged while a GPU it carves has its MIG mode pending, or while an
   instance of a GI profile the catalog does not know keeps one of its instances from being made
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -46,6 +49,11 @@ from dynpart.snapshot import GpuLayout, MigInstance
 
 T = TypeVar("T")
 log = logging.getLogger("dynpart.agent.mig")
+
+# how long an instance the driver refused to destroy (IN_USE, with no process and no pod on it)
+# is reported used: its holder (DCGM, a leaked handle) usually stays, and the planner would
+# otherwise plan over it at every round; after this it is tried again
+HELD_OPEN_S = 600.0
 
 
 @dataclass
@@ -93,6 +101,9 @@ class MigAgent:
         # GPU UUID -> the activation status the driver gave when MIG mode was last enabled there
         # and stayed pending (IN_USE: asked again while idle; RESET_REQUIRED...: waits for a reset)
         self._activation: dict[str, str] = {}
+        # MIG device UUID -> time.monotonic() until which it is reported used: the driver refused to
+        # destroy it (IN_USE) while no process and no pod used it
+        self._held_open: dict[str, float] = {}
 
     async def observe(self) -> _Observed:
         devices = self.driver.devices()
@@ -110,6 +121,9 @@ class MigAgent:
                     gi_users = [f"pid {p}" for p in self.driver.processes(d.index, gi.gi_id)] if gi.compute_instances else []
                     if gi.uuid:
                         gi_users += [f"pod {p}" for p in holders.get(gi.uuid, [])]
+                        if self._held_open.get(gi.uuid, 0.0) > time.monotonic():
+                            gi_users.append("a client that is not a compute process (the driver refused to destroy "
+                                            "it: IN_USE)")
                     instances.append(Instance(gi.gi_id, profile.name if profile else None, gi.profile_id, gi.start,
                                               gi.size, bool(gi.compute_instances), tuple(gi_users)))
             else:
@@ -246,10 +260,19 @@ class MigAgent:
                 await self._nvml(self.driver.destroy_gpu_instance, d.gpu, d.gi_id)
                 metrics.INSTANCES_DESTROYED.inc()
                 log.info("GPU %d: destroyed %s (GI %d)", d.gpu, d.label, d.gi_id)
+                if gi.uuid:
+                    self._held_open.pop(gi.uuid, None)
+                    if self.guard is not None:  # before a creation can give its id to a new instance
+                        await self.guard.destroyed([gi.uuid])
             except GpuDriverError as ex:
                 errors.append(f"GPU {d.gpu}: destroying {d.label} failed: {ex}")
                 if ex.code == IN_USE:
                     metrics.IN_USE_KEPT.inc()
+                    if gi.uuid:
+                        # no process and no pod, yet the driver refuses: a client that is not a compute
+                        # process holds it open (DCGM, a leaked handle). Reported used for a while, so
+                        # that plans stop counting on it instead of failing on it again and again
+                        self._held_open[gi.uuid] = time.monotonic() + HELD_OPEN_S
                 not_destroyed.append(d)
                 await self._restore(gi.uuid)
         for incomplete in actions.complete:

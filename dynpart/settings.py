@@ -145,7 +145,11 @@ class AgentSettings(CommonSettings):
                                       allow_inf_nan=False)
 
     node_name: str = Field(default="", description="the node this agent manages (downward API: spec.nodeName)")
-    report_interval_s: float = Field(default=10.0, gt=0, description="status heartbeat period")
+    report_interval_s: float = Field(default=10.0, gt=0, description="period of the agent's passes (the driver read, "
+                                     "the status written when it changed); a spec change starts one at once")
+    heartbeat_interval_s: float = Field(default=300.0, gt=0, description="a status write that would only move "
+                                        "`status-heartbeat` is made at most this often (at least every "
+                                        "report_interval_s): each Node write reaches etcd and every Node watcher")
     fake_gpus: str | None = Field(default=None, description="MODEL:N — a fake NVML driver (tests, demos)")
     mps_capacity_gb: int | None = Field(default=None, gt=0, description="MPS capacity of one GPU in GB "
                                         "(default: the memory NVML reports, in GiB; only lowers it; the "

@@ -134,11 +134,22 @@ def test_planner_config_is_valid_planner_settings(default, full, tmp_path, monke
     assert pooled.node_affinity[0].match_expressions[0].values == ("z1",)
 
 
+def test_agent_may_stay_during_driver_upgrades():
+    ds = find(render("--set", "agent.leaveDuringDriverUpgrade=false"), "DaemonSet")
+    terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
+        {"key": PARTITIONING_LABEL, "operator": "In", "values": ["mig", "mps"]}]}]
+
+
 def test_agent_daemonset(default):
     ds = find(default, "DaemonSet")
     pod = ds["spec"]["template"]["spec"]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-    assert terms == [{"matchExpressions": [{"key": PARTITIONING_LABEL, "operator": "In", "values": ["mig", "mps"]}]}]
+    assert terms == [{"matchExpressions": [
+        {"key": PARTITIONING_LABEL, "operator": "In", "values": ["mig", "mps"]},
+        # off the node while GPU Operator's upgrade controller swaps the driver (agent.leaveDuringDriverUpgrade)
+        {"key": "nvidia.com/gpu-driver-upgrade-state", "operator": "NotIn",
+         "values": ["pod-restart-required", "validation-required"]}]}]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["runtimeClassName"] == "nvidia" and pod["priorityClassName"] == "system-node-critical"
     (c,) = pod["containers"]

@@ -32,7 +32,7 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dynpart.agent.deviceplugin import protocol
@@ -125,6 +125,11 @@ class PluginServer:
 
     def socket_exists(self) -> bool:
         return os.path.exists(self.socket_path)
+
+    def forget(self, gone: set[str]) -> None:
+        """Destroyed devices: Allocate no longer knows them (they are listed no more already)."""
+        for i in gone:
+            self._known.pop(i, None)
 
     async def set_devices(self, devices: Iterable[PluginDevice]) -> bool:
         """Replace the advertised list; True (and a ListAndWatch message) if it changed."""
@@ -383,6 +388,26 @@ class DevicePluginManager:
             self.withdrawn -= set(device_ids)
             self.sealed -= set(device_ids)
             await self._apply()
+
+    async def forget(self, *device_ids: str) -> None:
+        """These withdrawn devices were destroyed: drop them from every record at once, not at the
+        next `update`. A driver may give a new device the id of one just destroyed (a MIG instance
+        re-created at the same GPU-instance id), which must not inherit its withdrawal or seal;
+        and no later list may bring back a destroyed one from the lists wanted before."""
+        gone = set(device_ids)
+        async with self._lock:
+            self.withdrawn -= gone
+            self.sealed -= gone
+            self._wanted = {r: [d for d in ds if d.id not in gone] for r, ds in self._wanted.items()}
+            for s in self.servers.values():
+                s.forget(gone)
+
+    async def set_unhealthy(self) -> None:
+        """Every device listed Unhealthy (the GPUs cannot be read); the next `update` says again
+        which are healthy."""
+        async with self._lock:
+            self._wanted = {r: [replace(d, healthy=False) for d in ds] for r, ds in self._wanted.items()}
+            await self._apply(wait=False)
 
     async def written(self, timeout_s: float = 1.0) -> bool:
         """Whether every open ListAndWatch stream has written its current list (waiting up to

@@ -4,12 +4,13 @@ section 1), so that the agent can be tested without a GPU; `FakeOp`, its log of 
 
 from __future__ import annotations
 
-import itertools
+import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
 from dynpart.agent.driver.interface import (
+    GPU_IS_LOST,
     IN_USE,
     INSUFFICIENT_RESOURCES,
     INVALID_ARGUMENT,
@@ -51,6 +52,7 @@ class _FakeGi:
     ci: int | None = None  # the one full compute instance
     uuid: str | None = None
     pids: set[int] = field(default_factory=set)
+    holders: set[str] = field(default_factory=set)  # clients holding the MIG device open, not computing
 
 
 @dataclass
@@ -62,7 +64,6 @@ class _FakeGpu:
     gis: dict[int, _FakeGi] = field(default_factory=dict)
     pids: set[int] = field(default_factory=set)  # processes on the whole GPU (MIG off)
     holders: set[str] = field(default_factory=set)  # clients holding it open that are not compute processes
-    next_gi: int = 1
 
 
 class FakeNvml:
@@ -70,7 +71,13 @@ class FakeNvml:
     memory-slice overlap, per-profile max counts, one `+me` instance, the compute-slice total,
     one full compute instance per GI, IN_USE when destroying a CI with processes or a GI with
     a CI, and state lost on `reboot()` (MIG mode too on Hopper and later). Every mutating call
-    is logged in `ops`.
+    is logged in `ops`. A GPU instance's id follows from its placement, as `nvidia-smi mig -lgi`
+    shows on 8-slice GPUs (A100, H100: the whole GPU 0, a 4-slice instance 1 + start / 4, a
+    2-slice one 3 + start / 2, a 1-slice one 7 + start; other GPUs: the lowest free id), so ids are
+    reused; its MIG device UUID is derived from the GPU's UUID, the GI id and the CI id, so an
+    instance re-created at the same place gets the UUID of the one destroyed, even under another
+    profile (3g.40gb@0 -> 4g.40gb@0). Real MIG UUIDs are name-based; that a driver reuses them so
+    is not confirmed on hardware: it is the harder case for the agent.
 
     MIG mode changes as NVML's nvmlDeviceSetMigMode makes them: the call succeeds and the mode is
     applied at once on an idle GPU; on a GPU that is not idle (compute processes, or a client
@@ -80,8 +87,11 @@ class FakeNvml:
     `reset(i)`. Disabling MIG mode while GPU instances exist is refused (IN_USE).
 
     Test controls: `attach`/`detach` processes, `hold`/`release` (a client that is not a
-    compute process: `processes()` does not list it), `crash_after(n)`, `before_op` (a hook called
-    before each mutating call with the FakeOp about to be tried), `reset(i)`, `reboot()`."""
+    compute process: `processes()` does not list it; on a GPU it keeps MIG mode changes pending,
+    on a GPU instance its destroy refused with IN_USE), `lose(i)` (the GPU fell off the bus:
+    every call on it, and `devices()`, fail with GPU_IS_LOST until `reset(i)`), `crash_after(n)`,
+    `before_op` (a hook called before each mutating call with the FakeOp about to be tried),
+    `reset(i)`, `reboot()`."""
 
     def __init__(self, model: GpuModel, count: int = 1, *, mig_enabled: bool = True,
                  mig_persists: bool | None = None, mode_needs_reset: bool = False, name: str | None = None,
@@ -104,11 +114,11 @@ class FakeNvml:
         self.profiles_need_mig = profiles_need_mig
         self._by_id = {p.gi_profile_id: p for p in model.mig_profiles}
         self._gpus = [_FakeGpu(i, f"GPU-fake-{i:04d}", mig_enabled, mig_enabled) for i in range(count)]
-        self._serial = itertools.count(1)
         self.ops: list[FakeOp] = []
         self.before_op: Callable[[FakeOp], None] | None = None
         self._crash_in: int | None = None
-        self.unhealthy: dict[int, str] = {}  # GPU index -> why (test control)
+        self.unhealthy: dict[int, str] = {}  # GPU index -> why health() says it is unhealthy (test control)
+        self.lost: set[int] = set()  # GPUs fallen off the bus (`lose`)
 
     # --- test controls ---
 
@@ -126,14 +136,22 @@ class FakeNvml:
             raise GpuDriverError(NOT_FOUND, f"GPU {index} GI {gi_id} has no compute instance to run on")
         gi.pids.add(pid)
 
-    def hold(self, index: int, client: str = "dcgm") -> None:
-        """A client that keeps GPU `index` open without computing on it (DCGM, dcgm-exporter,
-        GPU feature discovery, a device plugin): not in `processes()`, yet the GPU is not idle, so
-        a MIG mode change is left pending (activation status IN_USE)."""
-        self._gpu(index).holders.add(client)
+    def hold(self, index: int, client: str = "dcgm", gi_id: int | None = None) -> None:
+        """A client that keeps GPU `index` (or its GPU instance `gi_id`) open without computing on
+        it (DCGM, dcgm-exporter, GPU feature discovery, a device plugin, a leaked handle): not in
+        `processes()`, yet the GPU is not idle, so a MIG mode change is left pending (activation
+        status IN_USE); a held GPU instance cannot be destroyed (IN_USE)."""
+        gpu = self._gpu(index)
+        (gpu.holders if gi_id is None else self._gi(gpu, gi_id).holders).add(client)
 
-    def release(self, index: int, client: str = "dcgm") -> None:
-        self._gpu(index).holders.discard(client)
+    def release(self, index: int, client: str = "dcgm", gi_id: int | None = None) -> None:
+        gpu = self._gpu(index)
+        (gpu.holders if gi_id is None else self._gi(gpu, gi_id).holders).discard(client)
+
+    def lose(self, index: int) -> None:
+        """GPU `index` falls off the bus (Xid 79): NVML answers GPU_IS_LOST for it until a reset."""
+        self._gpu(index)
+        self.lost.add(index)
 
     def detach(self, index: int, pid: int) -> None:
         gpu = self._gpu(index)
@@ -142,17 +160,21 @@ class FakeNvml:
             gi.pids.discard(pid)
 
     def health(self, index: int) -> str | None:
+        if index in self.lost:  # (as RealNvml.health: the handle cannot be read)
+            return "NVML cannot read it: GPU is lost"
         self._gpu(index)
         return self.unhealthy.get(index)
 
     def reset(self, index: int) -> None:
-        """A GPU reset: instances lost, a pending MIG mode applied."""
+        """A GPU reset: instances lost, a pending MIG mode applied, a lost GPU back."""
+        self.lost.discard(index)
         gpu = self._gpu(index)
         gpu.gis.clear()
         gpu.pids.clear()
         gpu.mig_current = gpu.mig_pending
 
     def reboot(self) -> None:
+        self.lost.clear()
         for gpu in self._gpus:
             gpu.gis.clear()
             gpu.pids.clear()
@@ -175,6 +197,8 @@ class FakeNvml:
         return DriverVersions("fake", "fake", "fake")
 
     def devices(self) -> list[DeviceInfo]:
+        for index in sorted(self.lost):  # (RealNvml reads every GPU: one lost fails the whole list)
+            self._gpu(index)
         return [DeviceInfo(g.index, self.name, g.uuid, self.memory_mib, self.model.supports_mig,
                            g.mig_current, g.mig_pending) for g in self._gpus]
 
@@ -218,8 +242,7 @@ class FakeNvml:
         broken = self.rules.violations([*existing, (profile.name, start)])
         if broken:
             self._fail(op, INSUFFICIENT_RESOURCES, f"GPU {index}: {profile.name}@{start}: {broken[0]}")
-        gi_id = gpu.next_gi
-        gpu.next_gi += 1
+        gi_id = self._gi_id(gpu, start, profile.memory)
         gpu.gis[gi_id] = _FakeGi(gi_id, profile, start)
         op.gi_id = gi_id
         return gi_id
@@ -236,7 +259,7 @@ class FakeNvml:
         if gi.ci is not None:
             self._fail(op, INSUFFICIENT_RESOURCES, f"GPU {index} GI {gi_id} already has a compute instance")
         gi.ci = 0
-        gi.uuid = f"MIG-fake-{index}-{next(self._serial):06d}"
+        gi.uuid = f"MIG-{uuidlib.uuid5(uuidlib.NAMESPACE_OID, f'{gpu.uuid}/{gi_id}/{gi.ci}')}"
         return gi.ci
 
     def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
@@ -247,6 +270,8 @@ class FakeNvml:
             self._fail(op, NOT_FOUND, f"GPU {index}: no compute instance {ci_id} in GI {gi_id}")
         if gi.pids:
             self._fail(op, IN_USE, f"GPU {index} GI {gi_id}: processes {sorted(gi.pids)} are running on it")
+        if gi.holders:
+            self._fail(op, IN_USE, f"GPU {index} GI {gi_id}: held open by {', '.join(sorted(gi.holders))}")
         gi.ci = None
         gi.uuid = None
 
@@ -256,8 +281,8 @@ class FakeNvml:
         op = self._begin(FakeOp("destroy_gi", index, gi_id, gi.profile.name if gi else None, gi.start if gi else None))
         if gi is None:
             self._fail(op, NOT_FOUND, f"GPU {index}: no GPU instance {gi_id}")
-        if gi.ci is not None or gi.pids:
-            self._fail(op, IN_USE, f"GPU {index} GI {gi_id} still has a compute instance")
+        if gi.ci is not None or gi.pids or gi.holders:
+            self._fail(op, IN_USE, f"GPU {index} GI {gi_id} still has a compute instance or is held open")
         del gpu.gis[gi_id]
 
     def processes(self, index: int, gi_id: int | None = None) -> list[int]:
@@ -291,9 +316,18 @@ class FakeNvml:
 
     # --- internals ---
 
+    def _gi_id(self, gpu: _FakeGpu, start: int, size: int) -> int:
+        if self.model.memory_slices == 8 and size in (1, 2, 4, 8):
+            gi_id = {8: 0, 4: 1 + start // 4, 2: 3 + start // 2, 1: 7 + start}[size]
+            if gi_id not in gpu.gis:  # (always, the placement rules holding)
+                return gi_id
+        return next(i for i in range(len(gpu.gis) + 1) if i not in gpu.gis)
+
     def _gpu(self, index: int) -> _FakeGpu:
         if not 0 <= index < len(self._gpus):
             raise GpuDriverError(INVALID_ARGUMENT, f"no GPU with index {index}")
+        if index in self.lost:
+            raise GpuDriverError(GPU_IS_LOST, f"GPU {index} is lost (fallen off the bus): reset it or reboot")
         return self._gpus[index]
 
     def _gi(self, gpu: _FakeGpu, gi_id: int) -> _FakeGi:

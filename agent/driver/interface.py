@@ -15,6 +15,7 @@ from typing import Protocol
 from dynpart.errors import DynpartError
 
 # Error codes (NVML_ERROR_* without the prefix) that the agent reacts to.
+GPU_IS_LOST = "GPU_IS_LOST"
 IN_USE = "IN_USE"
 INSUFFICIENT_RESOURCES = "INSUFFICIENT_RESOURCES"
 INVALID_ARGUMENT = "INVALID_ARGUMENT"

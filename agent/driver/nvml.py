@@ -28,8 +28,10 @@ from dynpart.agent.driver.interface import (
 T = TypeVar("T")
 
 # NVML errors after which its state is useless until nvmlShutdown/nvmlInit (nvml.h): the driver
-# was reloaded or lost a GPU, or NVML was shut down under us
-_REINIT = frozenset({"UNINITIALIZED", "GPU_IS_LOST", "DRIVER_NOT_LOADED", "LIB_RM_VERSION_MISMATCH", "RESET_REQUIRED"})
+# was reloaded or lost a GPU, or NVML was shut down under us. Not RESET_REQUIRED: that one GPU
+# needs a reset, the others' handles are fine (and a re-init costs seconds per GPU without
+# persistence mode)
+_REINIT = frozenset({"UNINITIALIZED", "GPU_IS_LOST", "DRIVER_NOT_LOADED", "LIB_RM_VERSION_MISMATCH"})
 
 # compute slices of a full-GI compute instance -> NVML_COMPUTE_INSTANCE_PROFILE_* name
 _CI_PROFILE = {1: "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE", 2: "NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE",
@@ -297,17 +299,46 @@ class RealNvml:
         self._call(nv.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, arr, ctypes.byref(count))
         return [(int(p.start), int(p.size)) for p in arr[: count.value]]
 
+    def _recovery_action(self, handle: Any) -> str | None:
+        """The recovery action the driver asks for after an error on the GPU (field
+        NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, drivers from R550; set after an Xid that leaves the
+        GPU unusable: GPU_RESET, NODE_REBOOT, DRAIN_P2P, DRAIN_AND_RESET), None when none is
+        asked or the driver cannot say."""
+        nv = self._nv
+        field = getattr(nv, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
+        if field is None:
+            return None
+        try:
+            values = nv.nvmlDeviceGetFieldValues(handle, [field])
+        except Exception:  # an older driver or binding, a recording without the call: not known
+            return None
+        for v in values:
+            if getattr(v, "nvmlReturn", 1) != nv.NVML_SUCCESS:
+                return None
+            action = int(v.value.uiVal)
+            if action == getattr(nv, "NVML_GPU_RECOVERY_ACTION_NONE", 0):
+                return None
+            names = {getattr(nv, n): n.removeprefix("NVML_GPU_RECOVERY_ACTION_") for n in dir(nv)
+                     if n.startswith("NVML_GPU_RECOVERY_ACTION_") and isinstance(getattr(nv, n), int)}
+            return names.get(action, str(action))
+        return None
+
     def health(self, index: int) -> str | None:
-        """Unhealthy when NVML cannot read the GPU any more (lost, fallen off the bus), when memory
-        rows wait for remapping or their remapping failed (Ampere and later), or when pages wait
-        for retirement (before Hopper: a real H100 and H200 answer NOT_SUPPORTED to page
-        retirement, tests/fixtures/nvml). Not read: XID events, as NVIDIA's plugin watches them."""
+        """Unhealthy when NVML cannot read the GPU any more (lost, fallen off the bus), when the
+        driver asks for a recovery action after an error (a GPU reset, a reboot: the Xids that
+        leave a GPU unusable set it), when memory rows wait for remapping or their remapping
+        failed (Ampere and later), or when pages wait for retirement (before Hopper: a real H100
+        and H200 answer NOT_SUPPORTED to page retirement, tests/fixtures/nvml). Not read: the Xid
+        events themselves."""
         nv = self._nv
         try:
             h = nv.nvmlDeviceGetHandleByIndex(index)
             nv.nvmlDeviceGetUUID(h)
         except nv.NVMLError as e:
             return f"NVML cannot read it: {e}"
+        action = self._recovery_action(h)
+        if action is not None:
+            return f"the driver asks for a recovery action ({action}) after an error on it (an Xid)"
         try:
             _corrected, _uncorrected, rows_pending, remap_failed = nv.nvmlDeviceGetRemappedRows(h)
         except nv.NVMLError:

@@ -37,6 +37,7 @@ class SimulatedNvmlLibrary:
         self.by_id = {p.gi_profile_id: p for p in model.mig_profiles}
         self.calls: list[str] = []
         self.remapped_rows = (0, 0, 0, 0)  # corrected, uncorrected, remapping pending, remapping failed
+        self.recovery_action: int | None = None  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION; None: field not supported
 
     def __getattr__(self, name: str) -> Callable[..., int]:
         if name.startswith("_"):
@@ -136,6 +137,16 @@ class SimulatedNvmlLibrary:
                                     failed: Any) -> int:
         for out, value in zip((corrected, uncorrected, pending, failed), self.remapped_rows):
             _put(out, value)
+        return SUCCESS
+
+    def c_nvmlDeviceGetFieldValues(self, handle: Any, count: Any, values: Any) -> int:
+        # each value's own return code says whether the field is known (nvml.h); 230:
+        # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION, an unsigned int
+        for v in values._obj[: count.value]:
+            if v.fieldId == 230 and self.recovery_action is not None:
+                v.nvmlReturn, v.valueType, v.value.uiVal = SUCCESS, 1, self.recovery_action
+            else:
+                v.nvmlReturn = NOT_SUPPORTED
         return SUCCESS
 
     def c_nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any, pending: Any) -> int:

@@ -126,11 +126,14 @@ async def test_advertises_what_the_driver_holds_and_acks_once_the_kubelet_has_it
                                                           [("GPU-fake-0001", "Healthy")]]
     assert rig.node_api.allocatable == {MIG_1G: "2", "nvidia.com/mig-3g.40gb": "1", "nvidia.com/gpu": "1"}
     # health from the driver: GPU 1 lost -> Unhealthy, and published at once as 0
-    rig.driver.unhealthy[1] = "fell off the bus"
+    rig.driver.unhealthy[1] = "memory rows wait for remapping: the GPU needs a reset"
     await agent.reconcile_once()
     await rig.kubelet.wait_for_devices("nvidia.com/gpu", [("GPU-fake-0001", "Unhealthy")])
-    await agent.reconcile_once()
+    report = await agent.reconcile_once()
     assert rig.node_api.allocatable["nvidia.com/gpu"] == "0"
+    # said in the status and in an Event, once
+    assert any(e.startswith("GPU 1 is unhealthy (memory rows wait") for e in report.errors)
+    assert [e[0] for k, e in rig.node_api.events if k == "event" and e[0] == "GpuUnhealthy"] == ["GpuUnhealthy"]
     replay_exclusive(rig.kubelet)
 
 

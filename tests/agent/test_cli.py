@@ -49,7 +49,7 @@ def test_probe_finds_catalog_mismatches():
     report = probe(driver, CATALOG)
     assert not report.ok
     assert report.mismatches == ["3g.40gb: the driver reports starts [0] (catalog [0, 4]); the driver's values are used"]
-    assert any("instance GI 1: 7g.80gb@0" in line for line in report.lines)
+    assert any("instance GI 0: 7g.80gb@0" in line for line in report.lines)
 
 
 def test_probe_mig_off_and_unknown_model():
@@ -170,3 +170,27 @@ async def test_the_agent_is_built_for_its_device_plugin(tmp_path):
                         "gpu-operator", "app=nvidia-device-plugin-daemonset")
     finally:
         await api.close()
+
+
+async def test_the_agent_waits_for_the_driver_at_start(monkeypatch, caplog):
+    """After a reboot the driver may still be loading: the agent waits (and says so) rather than
+    exiting into CrashLoopBackOff; it gives up after the wait."""
+    from dynpart.agent import cli as agent_cli
+
+    tries = []
+    driver = FakeNvml(H100, 1)
+
+    def real_driver():  # type: ignore[no-untyped-def]
+        tries.append(1)
+        if len(tries) < 3:
+            raise NvmlUnavailable("NVML not available: no NVIDIA driver on this host (pynvml: Driver Not Loaded)")
+        return driver
+    monkeypatch.setattr(agent_cli, "_real_driver", real_driver)
+    assert await agent_cli._wait_for_driver(wait_s=10, first_s=0.01) is driver and len(tries) == 3
+    assert "NVML is not available yet" in caplog.text
+
+    def no_driver():  # type: ignore[no-untyped-def]
+        raise NvmlUnavailable("no driver")
+    monkeypatch.setattr(agent_cli, "_real_driver", no_driver)
+    with pytest.raises(NvmlUnavailable, match="no driver"):
+        await agent_cli._wait_for_driver(wait_s=0.05, first_s=0.01)

@@ -246,6 +246,24 @@ async def test_the_lease_reader_fences_nothing_only_without_a_lease_or_the_right
 
 
 
+async def test_an_idle_node_moves_its_heartbeat_once_per_heartbeat_interval():
+    """Passes every interval on an idle node write nothing but the heartbeat, and that at most once
+    per heartbeat_s: at 1,000 nodes a write per pass would be 100 Node writes a second."""
+    rig = make_rig()
+    clock = [NOW]
+    agent = rig.agent(interval_s=0.01, heartbeat_s=300)
+    agent.now = lambda: clock[0]
+    await agent.reconcile_once()
+    writes = len([e for kind, e in rig.node_api.events if kind == "annotations"])
+    for _ in range(5):
+        clock[0] += timedelta(seconds=30)
+        await agent.reconcile_once()
+    assert len([e for kind, e in rig.node_api.events if kind == "annotations"]) == writes
+    agent._heartbeat_at -= 300  # (as if 300 s had passed)
+    await agent.reconcile_once()
+    assert len([e for kind, e in rig.node_api.events if kind == "annotations"]) == writes + 1
+
+
 async def test_a_waiting_plan_reads_the_lease_once_and_rewrites_its_heartbeat_once_per_interval():
     """A plan that waits (here for a pod to leave the instance in its way) is looked at every
     retry_s: the Lease is read once for it, and a Node write that would only move the heartbeat

@@ -222,12 +222,18 @@ def test_probe_command_replays_a_recording(capsys, tmp_path):
     assert "no such directory" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("rows", "why"), [((0, 0, 0, 0), None),
-                                           ((0, 1, 1, 0), "memory rows wait for remapping: the GPU needs a reset"),
-                                           ((0, 9, 0, 1), "a memory row could not be remapped")])
-def test_health_reads_row_remapping(rows, why):
+@pytest.mark.parametrize(("rows", "action", "why"), [
+    ((0, 0, 0, 0), None, None),
+    ((0, 1, 1, 0), None, "memory rows wait for remapping: the GPU needs a reset"),
+    ((0, 9, 0, 1), None, "a memory row could not be remapped"),
+    # after an Xid that leaves a GPU unusable, the driver names the action that recovers it
+    ((0, 0, 0, 0), 0, None),
+    ((0, 0, 0, 0), 1, "recovery action (GPU_RESET)"),
+    ((0, 0, 0, 0), 2, "recovery action (NODE_REBOOT)")])
+def test_health_reads_row_remapping_and_the_recovery_action(rows, action, why):
     lib = SimulatedNvmlLibrary(CATALOG.resolve("H100-80GB"), "NVIDIA H100 80GB HBM3", 81559)
     lib.remapped_rows = rows
+    lib.recovery_action = action
     with record_nvml(lib) as (driver, _):
         health = driver.health(0)
     assert health == why if why is None else why in health

@@ -128,7 +128,7 @@ async def test_withdrawn_and_stopped_resources(kubelet: KubeletModel, driver: Fa
     uuids = carve(driver, 0, ("1g.10gb", 0), ("1g.10gb", 1))
     async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
         await plugins.update(advertise(views(driver)))
-        await kubelet.wait_devices(MIG1, sorted(uuids))
+        await kubelet.wait_devices(MIG1, uuids)  # (in GPU-instance order, as advertised)
         await plugins.withdraw(uuids[0])  # written to the kubelet's stream before withdraw returns,
         # read by the kubelet a moment later (its stream is its own task, as in the real kubelet)
         await kubelet.wait_for(lambda: kubelet.resources[MIG1].healthy == {uuids[1]})

@@ -1,0 +1,209 @@
+"""What a real GPU node does to the agent over months, played on FakeNvml and the kubelet double:
+a GPU that falls off the bus, a driver replaced under the agent, an instance a monitoring client
+holds open, a re-carve whose new instance gets the destroyed one's UUID, and NVIDIA's plugin
+(re-carves that keep the counts, an unhealthy MIG device, ids by index)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from dynpart.agent.driver.fake import FakeNvml
+from dynpart.agent.driver.interface import GpuDriverError
+from dynpart.agent.kube import FakeNodeApi, FakePluginPods
+from dynpart.agent.loop import DRIVER_REPLACED_PASSES, Agent, DriverReplaced
+from dynpart.agent.nodepods import FakeNodePods
+from dynpart.agent.podresources import FakePodResources
+from dynpart.annotations import STATUS_ERROR, decode_status
+
+from .conftest import CATALOG, H100, NOW, mig_spec
+from .test_agent_plugin import PluginRig, _rig
+
+MIG_1G = "nvidia.com/mig-1g.10gb"
+MIG_3G = "nvidia.com/mig-3g.40gb"
+MIG_4G = "nvidia.com/mig-4g.40gb"
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[PluginRig]:
+    async for r in _rig():
+        yield r
+
+
+async def test_a_lost_gpu_makes_every_device_unhealthy_until_the_gpus_can_be_read(rig: PluginRig):
+    """NVML answers GPU_IS_LOST for a GPU fallen off the bus and cannot list the GPUs at all: the
+    kubelet must stop giving the node's devices to pods (the lists stayed Healthy before)."""
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p1"))
+    await rig.settle(agent, "p1")
+    rig.driver.lose(1)
+    report = await agent.reconcile_once()
+    assert report.failed and "lost" in report.errors[0]
+    await rig.kubelet.wait_for(lambda: all(h == "Unhealthy" for p in rig.kubelet.plugins.values()
+                                           for _, h in p.devices))
+    await agent.reconcile_once()
+    assert rig.node_api.allocatable[MIG_3G] == "0" and rig.node_api.allocatable["nvidia.com/mig-7g.80gb"] == "0"
+    rig.driver.reset(1)  # the GPU is back, its instances gone
+    for _ in range(20):
+        await agent.reconcile_once()
+        if rig.kubelet.plugins[MIG_3G].devices and all(h == "Healthy" for _, h in rig.kubelet.plugins[MIG_3G].devices):
+            break
+        await asyncio.sleep(0.05)
+    assert [h for _, h in rig.kubelet.plugins[MIG_3G].devices] == ["Healthy", "Healthy"]
+
+
+async def test_a_recarve_that_reuses_the_destroyed_instances_uuid_is_advertised(rig: PluginRig):
+    """A new GPU instance takes the id of the one just destroyed, and with it its MIG UUID: the new
+    device must not inherit the old one's withdrawal, nor the plan be acknowledged without it."""
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"]}, plan="p1"))
+    await rig.settle(agent, "p1")
+    old = rig.uuid_at(0, 0)
+    rig.node_api.set_annotations(mig_spec({0: ["4g.40gb@0", "3g.40gb@4"]}, plan="p2"))
+    await rig.settle(agent, "p2")
+    assert rig.uuid_at(0, 0) == old  # the fake reuses it, as name-based UUIDs would
+    assert not rig.plugins.withdrawn and not rig.plugins.sealed
+    assert rig.kubelet.plugins[MIG_4G].ids == [old]
+    assert rig.node_api.allocatable[MIG_4G] == "1"
+    await rig.kubelet.admit("ns/a", MIG_4G)  # and a pod gets it
+
+
+async def test_an_instance_held_open_is_reported_used_and_not_tried_again(rig: PluginRig):
+    """The driver refuses to destroy an instance that no process and no pod uses (DCGM holds it):
+    it is reported used, so that the planner stops counting on it, and the plan is not acknowledged."""
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"]}, plan="p1"))
+    await rig.settle(agent, "p1")
+    rig.driver.hold(0, "dcgm", gi_id=rig.driver.gi_at(0, 0))
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p2") | {"dynpart.io/spec-gpu-0-3g.40gb": None})
+    report = await agent.reconcile_once()
+    assert report.plan_id == "p1" and any("destroying 3g.40gb@0 failed" in e for e in report.errors)
+    status = decode_status(rig.node_api.annotations, H100, node="node-1")
+    held = [m for g in status.layout.gpus for m in g.mig if m.start == 0]
+    assert held and held[0].used
+    destroys = sum(op.op == "destroy_ci" for op in rig.driver.ops)
+    await agent.reconcile_once()
+    assert sum(op.op == "destroy_ci" for op in rig.driver.ops) == destroys  # not tried again at every pass
+    assert rig.kubelet.plugins[MIG_3G].ids  # still served: a pod may use it
+
+
+async def test_the_agent_exits_when_the_driver_is_replaced_under_it():
+    """After a driver upgrade nvmlInit keeps failing with the old library: only a new container
+    mounts the new one, so the agent exits instead of failing for ever with a live probe."""
+    driver = FakeNvml(H100, 1)
+    node_api = FakeNodeApi("node-1")
+    agent = Agent("node-1", node_api=node_api, driver=driver, pods=FakePodResources(), catalog=CATALOG,
+                  now=lambda: NOW, interval_s=0.01)
+
+    def replaced() -> list:
+        raise GpuDriverError("LIB_RM_VERSION_MISMATCH", "nvmlInit: RM has detected an NVML/RM version mismatch")
+    await agent.reconcile_once()
+    driver.devices = replaced  # type: ignore[method-assign]
+    with pytest.raises(DriverReplaced, match="starts the agent again"):
+        await asyncio.wait_for(agent.run(), timeout=10)
+    assert agent._driver_replaced == DRIVER_REPLACED_PASSES
+    assert "version mismatch" in node_api.annotations[STATUS_ERROR]
+
+
+async def test_another_nvml_failure_does_not_end_the_agent():
+    driver = FakeNvml(H100, 1)
+    agent = Agent("node-1", node_api=FakeNodeApi("node-1"), driver=driver, pods=FakePodResources(), catalog=CATALOG,
+                  now=lambda: NOW, interval_s=0.01)
+    driver.lose(0)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    stop.set()
+    await task
+
+
+def _nvidia_agent(driver: FakeNvml, pods: FakePodResources) -> tuple[Agent, FakeNodeApi, FakePluginPods]:
+    node_api = FakeNodeApi("node-1")
+    plugin_pods = FakePluginPods()
+    agent = Agent("node-1", node_api=node_api, driver=driver, pods=pods, catalog=CATALOG, now=lambda: NOW,
+                  plugin_pods=plugin_pods, node_pods=FakeNodePods())
+    return agent, node_api, plugin_pods
+
+
+def _nvidia_lists(driver: FakeNvml, pods: FakePodResources, node_api: FakeNodeApi) -> None:
+    """What NVIDIA's plugin lists after a restart: the driver's MIG devices now."""
+    by_id = {p.gi_profile_id: p.name for p in driver.model.mig_profiles}
+    lists: dict[str, list[str]] = {}
+    for gi in driver.gpu_instances(0):
+        if gi.uuid:
+            lists.setdefault(f"nvidia.com/mig-{by_id[gi.profile_id]}", []).append(gi.uuid)
+    pods.devices = lists
+    node_api.set_allocatable({r: len(ids) for r, ids in lists.items()})
+
+
+async def test_nvidias_plugin_is_restarted_after_a_recarve_that_keeps_the_counts():
+    driver, pods = FakeNvml(H100, 1), FakePodResources()
+    agent, node_api, plugin_pods = _nvidia_agent(driver, pods)
+    node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "3g.40gb@4"]}, plan="p1"))
+    await agent.reconcile_once()
+    _nvidia_lists(driver, pods, node_api)
+    assert (await agent.reconcile_once()).plan_id == "p1" and plugin_pods.restarts == 1
+    # the 1g moves from slot 0 to slot 6: same counts, another MIG device
+    node_api.set_annotations(mig_spec({0: ["1g.10gb@6", "3g.40gb@0"]}, plan="p2"))
+    report = await agent.reconcile_once()
+    assert plugin_pods.restarts == 2 and report.plan_id == "p1"
+    assert any("still lists MIG devices that are gone" in w for w in report.waiting)
+    # an agent that starts now (the last one crashed before its restart took effect): the counts
+    # match the layout, the ids the kubelet holds do not
+    restarter = FakePluginPods()
+    again = Agent("node-1", node_api=node_api, driver=driver, pods=pods, catalog=CATALOG, now=lambda: NOW,
+                  plugin_pods=restarter, node_pods=FakeNodePods())
+    await again.reconcile_once()
+    assert restarter.restarts == 1
+    _nvidia_lists(driver, pods, node_api)
+    assert (await agent.reconcile_once()).plan_id == "p2" and plugin_pods.restarts == 2
+
+
+async def test_an_unhealthy_mig_device_does_not_freeze_the_node_with_nvidias_plugin():
+    """NVIDIA's plugin marks a MIG device Unhealthy after an Xid: the kubelet keeps it in the node's
+    capacity, not in allocatable. The plan is still acknowledged."""
+    driver, pods = FakeNvml(H100, 1), FakePodResources()
+    agent, node_api, _ = _nvidia_agent(driver, pods)
+    node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1"]}, plan="p1"))
+    await agent.reconcile_once()
+    _nvidia_lists(driver, pods, node_api)
+    node_api.allocatable[MIG_1G] = "1"  # one of the two is unhealthy
+    pods.devices[MIG_1G] = pods.devices[MIG_1G][:1]
+    assert (await agent.reconcile_once()).plan_id == "p1"
+
+
+async def test_mig_devices_named_by_index_suspend_mig_changes():
+    """deviceIDStrategy=index: PodResources names MIG devices `0:1`, which the agent cannot map to
+    an instance, so a bound pod's instance could look free: nothing is changed."""
+    driver, pods = FakeNvml(H100, 1), FakePodResources()
+    agent, node_api, _ = _nvidia_agent(driver, pods)
+    node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"]}, plan="p1"))
+    await agent.reconcile_once()
+    pods.devices = {MIG_3G: ["0:0", "0:1"]}
+    node_api.set_allocatable({MIG_3G: 2})
+    node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p2") | {"dynpart.io/spec-gpu-0-3g.40gb": None})
+    report = await agent.reconcile_once()
+    assert [p for p, _ in driver.layout(0)] == ["3g.40gb", "3g.40gb"] and report.plan_id != "p2"
+    assert any("deviceIDStrategy" in e for e in report.errors)
+
+
+async def test_gpu_operator_components_left_on_are_warned_about(rig: PluginRig):
+    """mig-manager re-applies its own layout at each start, NVIDIA's plugin replaces the agent's at
+    the kubelet: a node label that leaves them on gets one Warning Event each."""
+    rig.node_api.labels.update({"nvidia.com/gpu.deploy.mig-manager": "true",
+                                "nvidia.com/gpu.deploy.device-plugin": "true"})
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p1"))
+    await rig.settle(agent, "p1")
+    await agent.reconcile_once()
+    warned = [(reason, m) for kind, (reason, m, warning) in ((k, e) for k, e in rig.node_api.events if k == "event")
+              if reason.endswith("NotOff") and warning]
+    assert [r for r, _ in warned] == ["MigManagerNotOff", "NvidiaDevicePluginNotOff"]
+    assert "mig-manager" in warned[0][1] and "device plugin" in warned[1][1]
+    rig.node_api.labels.update({"nvidia.com/gpu.deploy.mig-manager": "false",
+                                "nvidia.com/gpu.deploy.device-plugin": "false"})
+    await agent.reconcile_once()
+    assert len([e for k, e in rig.node_api.events if k == "event" and e[0].endswith("NotOff")]) == 2
