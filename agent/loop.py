@@ -414,8 +414,10 @@ class Agent:
         """Advertise (built-in plugin) or restart NVIDIA's plugin; return what an acknowledgement of
         the plan still waits for (empty: nothing, or no plan)."""
         waiting: list[str] = []
-        truthful = self.plugins is not None or self.plugin_pods is not None
-        if truthful and layout is not None and result.applied:
+        # whatever serves the devices, a plan the GPUs do not hold is not acknowledged: an instance
+        # kept for a pod (in use, or bound and not yet admitted) blocks part of it, and the planner
+        # revokes it after its time-out and plans again from what the status shows
+        if layout is not None and result.applied:
             missing = _not_held(mode, layout, result.gpus, self._drain)
             if missing:
                 waiting.append("the GPUs do not hold it: " + "; ".join(missing))

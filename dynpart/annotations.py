@@ -19,7 +19,10 @@ in resource names, `+` as `.` (annotation names allow `[A-Za-z0-9._-]` only): `1
 profile: a key splits as `gpu-<index>-<profile>[-free|-used]`, where `<profile>` may end in `-me`.
 
 Decoding is strict and total: a malformed key or value, or an instance that breaks the GPU's
-MIG rules, is reported as a sentence in `problems` and ignored; decoding never raises.
+MIG rules, is reported as a sentence in `problems` and ignored; decoding never raises. A key under
+`spec-`/`status-` that is neither one of the fixed keys nor a slice key (`gpu-...`) is another
+version's (a newer planner or agent): it is listed in `unknown`, not in `problems`, so it never
+makes a spec refused or a status unreadable (docs/protocol.md, "Versions").
 """
 
 from __future__ import annotations
@@ -272,6 +275,7 @@ class DecodedSpec:
     term: int | None = None  # the writer's leader term (None: not written, e.g. no leader election)
     pods: tuple[str, ...] = ()  # the pods the plan puts on the node
     drain: tuple[int, ...] = ()  # the GPUs to drain: each slice destroyed once nothing uses it
+    unknown: list[str] = field(default_factory=list)  # keys of another version, ignored (module docstring)
 
     def __iter__(self) -> Iterator[NodeLayout | str | list[str] | None]:
         return iter((self.layout, self.plan_id, self.problems))
@@ -289,6 +293,13 @@ class DecodedStatus:
     heartbeat: datetime | None = None
     # a slice or mode key could not be read: `layout` may lack a slice that is in use
     layout_incomplete: bool = False
+    unknown: list[str] = field(default_factory=list)  # keys of another version, ignored (module docstring)
+    # MIG GPUs holding instances of profiles the model lacks (an agent that plans with another
+    # model: a capability report this reader cannot read), their keys well formed, left out of
+    # `layout`: GPU -> those profiles. Their instances' shapes are unknown, so such a GPU can
+    # only be kept as it is (`kept_spec`); the other GPUs read as usual.
+    foreign: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    kept_spec: dict[str, str] = field(default_factory=dict)  # the spec keys that keep `foreign` as it is
 
     def __iter__(self) -> Iterator[NodeLayout | str | list[str] | None]:
         return iter((self.layout, self.plan_id, self.problems))
@@ -315,6 +326,7 @@ class _Item:
     starts: tuple[int, ...] = ()
     size: int = 0  # MPS
     count: int = 0
+    known: bool = True  # False: a MIG profile the model lacks, read only where `foreign` is asked for
 
     @property
     def mode(self) -> Mode:
@@ -322,9 +334,10 @@ class _Item:
 
 
 def _parse_slice_key(key: str, value: object, name: str, with_state: bool,
-                     model: GpuModel, problems: list[str]) -> _Item | None:
+                     model: GpuModel, problems: list[str], foreign_ok: bool = False) -> _Item | None:
     """`name` is the key without its `spec-`/`status-` prefix: `gpu-<i>-<slice>[-<state>]`;
-    `<slice>` may itself contain one `-`, that of a `-me` profile (`gpu-0-1g.24gb-me-free`)."""
+    `<slice>` may itself contain one `-`, that of a `-me` profile (`gpu-0-1g.24gb-me-free`).
+    `foreign_ok`: a well-formed key of a MIG profile the model lacks is returned (`known` False)."""
     parts = name.split("-")
     want = 4 if with_state else 3
     if len(parts) == want + 1 and parts[3] == _NO_ME:
@@ -349,9 +362,10 @@ def _parse_slice_key(key: str, value: object, name: str, with_state: bool,
         return None
     if m := _MIG_SLICE.fullmatch(token):
         profile = m.group(1) + mig_profile_suffix(m.group(2) or "")
-        if profile not in model.profiles_by_name:
-            known = ", ".join(p.replace("+", ".") for p in model.profiles_by_name) or "none"
-            problems.append(_bad(key, value, f"{model.name} has no MIG profile {profile!r} (profiles: {known})"))
+        known = profile in model.profiles_by_name
+        if not known and not foreign_ok:
+            names = ", ".join(p.replace("+", ".") for p in model.profiles_by_name) or "none"
+            problems.append(_bad(key, value, f"{model.name} has no MIG profile {profile!r} (profiles: {names})"))
             return None
         vm = _MIG_VALUE.fullmatch(value)
         if vm is None:
@@ -373,7 +387,7 @@ def _parse_slice_key(key: str, value: object, name: str, with_state: bool,
         if len(set(starts)) != len(starts):
             problems.append(_bad(key, value, "a start is listed twice"))
             return None
-        return _Item(key, value, gpu, state, profile=profile, starts=starts)
+        return _Item(key, value, gpu, state, profile=profile, starts=starts, known=known)
     if m := _MPS_SLICE.fullmatch(token):
         if not _POSITIVE.fullmatch(value):
             problems.append(_bad(key, value, "an MPS value must be a positive integer count of slices"))
@@ -385,9 +399,11 @@ def _parse_slice_key(key: str, value: object, name: str, with_state: bool,
 
 
 def _decode_slices(annotations: Mapping[str, object], model: GpuModel, prefix: str, mode_key: str,
-                   node: str, capacity: int | None,
-                   with_state: bool, problems: list[str]) -> NodeLayout | None:
-    """The per-GPU layout carried by the slice keys under `prefix` (shared by spec and status)."""
+                   node: str, capacity: int | None, with_state: bool, problems: list[str],
+                   unknown: list[str], foreign: dict[int, list[_Item]] | None = None) -> NodeLayout | None:
+    """The per-GPU layout carried by the slice keys under `prefix` (shared by spec and status).
+    With `foreign` (a status), the GPUs holding instances of MIG profiles the model lacks are put
+    there, with all their keys, instead of in the layout."""
     mode_value = annotations.get(mode_key)
     mode: Mode | None = None
     if mode_value is not None:
@@ -399,7 +415,13 @@ def _decode_slices(annotations: Mapping[str, object], model: GpuModel, prefix: s
     for key in sorted(annotations):
         if not key.startswith(prefix) or key in _RESERVED:
             continue
-        item = _parse_slice_key(key, annotations[key], key[len(prefix):], with_state, model, problems)
+        if not key[len(prefix):].startswith("gpu-"):
+            # another version's key (not a slice: no slice can hide behind it): reported, ignored
+            unknown.append(f"annotation {_show(key)}: not a key this dynpart version knows (written by a newer "
+                           "planner or agent?); ignored")
+            continue
+        item = _parse_slice_key(key, annotations[key], key[len(prefix):], with_state, model, problems,
+                                foreign_ok=foreign is not None)
         if item is not None:
             items.append(item)
     if mode is None:
@@ -421,6 +443,9 @@ def _decode_slices(annotations: Mapping[str, object], model: GpuModel, prefix: s
             continue
         by_gpu[item.gpu].append(item)
     for gpu, gitems in sorted(by_gpu.items()):
+        if foreign is not None and not all(it.known for it in gitems):
+            foreign[gpu] = gitems  # an instance of unknown shape: nothing of the GPU can be checked
+            continue
         if mode == "mig":
             mig = _accept_mig(gitems, model, problems)
             if mig:
@@ -498,8 +523,10 @@ def decode_spec(annotations: Mapping[str, str] | None, model: GpuModel, *, node:
     problems: list[str] = []
     ours = _ours(annotations)
     plan_id = _decode_plan(ours, SPEC_PLAN, problems)
-    layout = _decode_slices(ours, model, SPEC_PREFIX, SPEC_MODE, node, capacity, False, problems)
-    return DecodedSpec(layout, plan_id, problems, *decode_fencing(ours, problems), drain=_decode_drain(ours, problems))
+    unknown: list[str] = []
+    layout = _decode_slices(ours, model, SPEC_PREFIX, SPEC_MODE, node, capacity, False, problems, unknown)
+    return DecodedSpec(layout, plan_id, problems, *decode_fencing(ours, problems), drain=_decode_drain(ours, problems),
+                       unknown=unknown)
 
 
 def _decode_drain(annotations: Mapping[str, object], problems: list[str]) -> tuple[int, ...]:
@@ -543,7 +570,10 @@ def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, nod
     ours = _ours(annotations)
     plan_id = _decode_plan(ours, STATUS_PLAN, problems)
     slice_problems: list[str] = []
-    layout = _decode_slices(ours, model, STATUS_PREFIX, STATUS_MODE, node, capacity, True, slice_problems)
+    unknown: list[str] = []
+    foreign: dict[int, list[_Item]] = {}
+    layout = _decode_slices(ours, model, STATUS_PREFIX, STATUS_MODE, node, capacity, True, slice_problems,
+                            unknown, foreign)
     problems.extend(slice_problems)
     errors: list[str] = []
     raw_errors = ours.get(STATUS_ERROR)
@@ -561,7 +591,20 @@ def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, nod
             heartbeat = datetime.strptime(raw_beat, _HEARTBEAT_FORMAT).replace(tzinfo=UTC)
         except ValueError:
             problems.append(_bad(STATUS_HEARTBEAT, raw_beat, "a heartbeat is a UTC time like 2025-01-31T12:00:00Z"))
-    return DecodedStatus(layout, plan_id, problems, errors, heartbeat, bool(slice_problems))
+    return DecodedStatus(layout, plan_id, problems, errors, heartbeat, bool(slice_problems), unknown,
+                         {gpu: tuple(sorted({it.profile or "" for it in items if not it.known}))
+                          for gpu, items in foreign.items()},
+                         _kept_spec(foreign))
+
+
+def _kept_spec(foreign: Mapping[int, list[_Item]]) -> dict[str, str]:
+    """The spec keys asking for the instances a status reports on these GPUs, used or free: a spec
+    that keeps the GPUs as they are."""
+    starts: dict[str, set[int]] = defaultdict(set)
+    for gpu, items in foreign.items():
+        for it in items:
+            starts[spec_key(gpu, slice_token(it.profile or ""))].update(it.starts)
+    return {key: f"{len(ss)}@{','.join(map(str, sorted(ss)))}" for key, ss in sorted(starts.items())}
 
 
 __all__ = [

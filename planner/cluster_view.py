@@ -172,6 +172,8 @@ class NodeView:
     problems: list[str] = field(default_factory=list)
     model: GpuModel | None = None  # the model the node is planned with
     disagreements: tuple[str, ...] = ()  # between its agent's capability report and the catalog
+    skew: list[str] = field(default_factory=list)  # annotations of another dynpart version, ignored
+    kept: dict[str, str] = field(default_factory=dict)  # spec keys keeping GPUs not planned as they are
 
 
 @dataclass
@@ -191,6 +193,10 @@ class ClusterView:
     switching: dict[str, str] = field(default_factory=dict)
     # objects planned all the same, with advice for their owner (e.g. an MPS pod without hostIPC)
     warnings: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    # nodes carrying annotations of another dynpart version (ignored): what an operator should know
+    skew: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    # node -> spec keys that keep GPUs this planner cannot read as they are (every spec carries them)
+    kept: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -259,15 +265,25 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         return NodeView(None, None, problems)
     status = decode_status(annotations, model, node=name)
     problems.extend(f"node {name}: {p}" for p in status.problems)
+    skew = [f"node {name}: {u}" for u in status.unknown]
     if status.layout_incomplete:
         # a slice the planner cannot read may be in use: planning around it could plan over it
         return NodeView(None, status.plan_id, [*problems, f"node {name}: left out of planning until every "
                                                f"{STATUS_PREFIX}* annotation of its agent reads: a slice the planner "
-                                               "cannot read may be in use"])
+                                               "cannot read may be in use"], skew=skew)
     reported = {g.index: g for g in status.layout.gpus} if status.layout is not None else {}
     count = described.count if described.count is not None else _labelled_count(name, labels, problems)
-    count = max([count, *(i + 1 for i in reported)])
+    count = max([count, *(i + 1 for i in reported), *(i + 1 for i in status.foreign)])
+    if status.foreign:
+        # its agent plans with another model (a capability report this planner cannot read, or
+        # another catalog): the shapes of those instances are unknown, so their GPUs are not
+        # planned, and every spec keeps them as they are; the other GPUs are planned as usual
+        names = sorted({p for profiles in status.foreign.values() for p in profiles})
+        problems.append(f"node {name}: GPU(s) {', '.join(map(str, sorted(status.foreign)))} hold MIG instances "
+                        f"this planner's {model.name} model cannot read ({', '.join(names)}; "
+                        f"{_why_foreign(annotations)}): left out of planning and kept as they are")
     bound_slices: Counter[str] = Counter()
+    placed_slices: Counter[str] = Counter()  # of pods bound to the node (not reserved or nominated)
     cpu_used = mem_used = 0.0
     for pod in bound_pods:
         if pod.get("status", {}).get("phase") in TERMINAL_PHASES:
@@ -277,8 +293,12 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         mem_used += req.get("memory", 0)
         for res, n in slice_requests(pod).items():
             bound_slices[res] += n
+            if (pod.get("spec") or {}).get("nodeName") == name:
+                placed_slices[res] += n
     gpus = []
     for i in range(count):
+        if i in status.foreign:
+            continue
         g = reported.get(i)
         if mode == "mig":
             gpus.append(Gpu(index=i, mig=[MigInstance(profile=m.profile, start=m.start, used=m.used)
@@ -286,7 +306,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         else:
             gpus.append(Gpu(index=i, mps=[MpsSlice(size=s.size, used=s.used) for s in (g.mps if g else [])],
                             whole_pod=g.whole_pod if g else None))
-    kept = _protect_bound_slices(gpus, bound_slices, mode, described.not_mig)
+    kept = _protect_bound_slices(gpus, bound_slices, mode, described.not_mig, placed_slices)
     held_whole = sorted({g.index for g in gpus} - {g.index for g in kept})
     if held_whole:
         problems.append(f"node {name}: GPU(s) {', '.join(map(str, held_whole))} serve a pod whole (nvidia.com/gpu, MIG "
@@ -312,7 +332,20 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         return NodeView(None, status.plan_id, [f"node {name}: spec.taints: {e.errors()[0]['msg']}"])
     view = Node(name=name, mode=mode, gpu_model=model.name, cpu_milli_free=cpu_free, memory_mib_free=mem_free,
                 labels=dict(labels), gpus=gpus, unschedulable=bool(node_spec.get("unschedulable")), taints=taints)
-    return NodeView(view, status.plan_id, problems, model, disagreements)
+    return NodeView(view, status.plan_id, problems, model, disagreements, skew, dict(status.kept_spec))
+
+
+def _why_foreign(annotations: Mapping[str, Any]) -> str:
+    """Why a node's agent may name profiles the planner's model lacks."""
+    report = annotations.get(STATUS_CAPABILITY)
+    if report is None:
+        return "its agent has not reported what its GPUs can do"
+    try:
+        decode_capability(report if isinstance(report, str) else "")
+    except CapabilityError:
+        return ("its agent's capability report cannot be read here, e.g. a newer agent's version: the node is "
+                "planned from the catalog")
+    return "profiles this planner's catalog leaves out"
 
 
 def _unallocatable_as_used(name: str, gpus: list[Gpu], alloc: Mapping[str, Any], problems: list[str]) -> None:
@@ -409,12 +442,17 @@ def reported_slices(node: dict[str, Any], catalog: Catalog) -> Counter[str] | No
 
 
 def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
-                          not_mig: frozenset[int] | None = None) -> list[Gpu]:
-    """Mark free slices as used until each resource has at least as many used as pods bound.
-    Returns the GPUs left to plan: on a MIG node, a GPU that a whole-GPU pod holds (one the node
-    serves uncarved) is not the planner's to carve, so it is left out of the node's GPUs. Which
-    GPUs those are: the ones the agent reports out of MIG mode (`not_mig`; the device plugin
-    serves no other whole), else, without a report, the first ones without instances."""
+                          not_mig: frozenset[int] | None = None, placed: Counter[str] | None = None) -> list[Gpu]:
+    """Mark free slices as used until each resource has at least as many used as pods bound
+    (`bound`: bound, reserved or nominated there). When pods bound to the node (`placed`) are
+    more than the slices its agent reports used, the status has not caught up with the kubelet,
+    which gave them devices the planner cannot name: every free slice of that resource there
+    counts as used until the agent reports which (else a plan could carve away the one a pod
+    just started on). Returns the GPUs left to plan: on a MIG node, a GPU that a whole-GPU pod
+    holds (one the node serves uncarved) is not the planner's to carve, so it is left out of the
+    node's GPUs. Which GPUs those are: the ones the agent reports out of MIG mode (`not_mig`;
+    the device plugin serves no other whole), else, without a report, the first ones without
+    instances."""
     for res, n in bound.items():
         try:
             kind = parse_resource(res)
@@ -437,8 +475,10 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
             matching = [m for g in gpus for m in g.mig if m.profile == kind.profile]
         else:
             matching = [s for g in gpus for s in g.mps if s.size == kind.size]
-        missing = n - sum(1 for it in matching if it.used)
-        for it in [it for it in matching if not it.used][: max(0, missing)]:
+        reported = sum(1 for it in matching if it.used)
+        unseen = (placed or Counter())[res] > reported
+        unused = [it for it in matching if not it.used]
+        for it in unused if unseen else unused[: max(0, n - reported)]:
             it.used = True
     return gpus
 
@@ -456,16 +496,15 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     by_node: dict[str, list[dict[str, Any]]] = {}
     reserved = reserved or {}
     for pod in pods:
-        n = _field(pod, "spec", "nodeName")
-        if not (isinstance(n, str) and n):
-            n = reserved.get(pod_key(pod))
-        if isinstance(n, str) and n:
+        for n in _holding_nodes(pod, reserved):
             by_node.setdefault(n, []).append(pod)
     views: list[Node] = []
     acks: dict[str, str | None] = {}
     models: list[GpuModel] = []
     disagreements: dict[str, tuple[str, ...]] = {}
     switching: dict[str, str] = {}
+    skew: list[tuple[dict[str, Any], str]] = []
+    kept: dict[str, dict[str, str]] = {}
     for node in sorted(nodes, key=lambda n: str(_field(n, "metadata", "name") or "")):
         name = str(_field(node, "metadata", "name") or "")
         labels = _field(node, "metadata", "labels")
@@ -487,10 +526,13 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             problems.append((node, f"node {name} left out of planning: cannot read it ({type(e).__name__}: {e})"))
             continue
         problems.extend((node, p) for p in view.problems)
+        skew.extend((node, p) for p in view.skew)
         acks[name] = view.status_plan
         if view.node is not None and view.model is not None:
             views.append(view.node)
             models.append(view.model)
+            if view.kept:
+                kept[name] = view.kept
             if view.disagreements:
                 disagreements[name] = view.disagreements
     pending: list[PendingPod] = []
@@ -520,7 +562,27 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
         obj = candidates.get(name) or node_objs.get(name) or {"metadata": {"name": name}}
         problems.append((obj, f"{'pod' if name in candidates else 'node'} {name} left out of planning: {message}"))
     return ClusterView(snapshot, acks, problems, catalog, disagreements, switching,
-                       [(pod, w) for pod, w in warnings if pod_key(pod) in {p.name for p in snapshot.pending}])
+                       [(pod, w) for pod, w in warnings if pod_key(pod) in {p.name for p in snapshot.pending}],
+                       skew, kept)
+
+
+def _holding_nodes(pod: dict[str, Any], reserved: Mapping[str, str]) -> set[str]:
+    """The nodes whose slices the pod counts against as if bound there: the node it is bound to;
+    else the one a dynpart reservation keeps a slice on, and the one the scheduler nominated it to
+    after preempting pods there for it (`status.nominatedNodeName`: the slice their end frees is
+    the preemptor's, so no plan may carve it away or give it to another pod)."""
+    bound = _field(pod, "spec", "nodeName")
+    if isinstance(bound, str) and bound:
+        return {bound}
+    out = set()
+    mine = reserved.get(pod_key(pod))
+    if mine:
+        out.add(mine)
+    nominated = _field(pod, "status", "nominatedNodeName")
+    if (isinstance(nominated, str) and nominated and _field(pod, "status", "phase") == "Pending"
+            and not _field(pod, "metadata", "deletionTimestamp")):
+        out.add(nominated)
+    return out
 
 
 def _switch_message(name: str, reported: str, labelled: str) -> str:
@@ -568,7 +630,8 @@ def planned_patches(snapshot: Snapshot, result: Plan, nodes: Mapping[str, dict[s
     the node's whole desired layout (planned GPUs, the others as they are) under a plan id of its
     own (`<plan_id>.<k>` for the k-th node written: an id names one node's layout, never two) and
     the leader's `term`, with the pods the plan puts there, as a merge patch against the
-    annotations the node has (`nodes`: the objects by name)."""
+    annotations the node has (`nodes`: the objects by name). GPUs left out as unreadable are
+    added by `keeping_unread`."""
     snap_nodes = {n.name: n for n in snapshot.nodes}
     out = []
     for k, write in enumerate(node_writes(result)):
@@ -576,6 +639,22 @@ def planned_patches(snapshot: Snapshot, result: Plan, nodes: Mapping[str, dict[s
         spec = encode_spec(full_layout(snap_nodes[layout.node], layout), f"{plan_id}.{k}", term=term, pods=write.pods)
         current = nodes[layout.node].get("metadata", {}).get("annotations")
         out.append((layout, annotation_patch(current, spec)))
+    return out
+
+
+def keeping_unread(patch: Mapping[str, str | None], node: dict[str, Any],
+                   kept: Mapping[str, str]) -> dict[str, str | None]:
+    """A spec patch for `node` that also keeps as they are the GPUs the planner left out as
+    unreadable (`kept`: their spec keys, `ClusterView.kept`): a spec without them would want them
+    empty."""
+    current = _field(node, "metadata", "annotations")
+    current = current if isinstance(current, dict) else {}
+    out = dict(patch)
+    for key, value in kept.items():
+        if current.get(key) == value:
+            out.pop(key, None)  # there already (the patch would have removed it)
+        else:
+            out[key] = value
     return out
 
 
@@ -589,6 +668,7 @@ def revoking_patch(node: dict[str, Any], catalog: Catalog, plan_id: str,
     if not view.snapshot.nodes:
         return None
     spec = encode_spec(full_layout(view.snapshot.nodes[0], None), plan_id, term=term)
+    spec.update(view.kept.get(view.snapshot.nodes[0].name, {}))
     current = _field(node, "metadata", "annotations")
     old = current.get(SPEC_PLAN) if isinstance(current, dict) else None
     if isinstance(old, str):
@@ -625,8 +705,8 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
     conditions = status.get("conditions")
     return {
         "kind": "Pod",
-        "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp",
-                                         "deletionTimestamp") if k in md},
+        "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation",
+                                         "creationTimestamp", "deletionTimestamp") if k in md},
         "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead", "hostIPC")
                     if k in spec},
                  **({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}}

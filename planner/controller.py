@@ -9,7 +9,10 @@ Everything that decides lives in pure modules (`cluster_view`, `batching`, `core
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import hashlib
 import itertools
+import json
 import logging
 import math
 import time
@@ -29,6 +32,7 @@ from dynpart.kube.conventions import (
     PLANNER_COMPONENT,
     SPEC_PLAN,
     SPEC_PODS,
+    SPEC_REVOKES,
     SPEC_TERM,
     STATUS_CAPABILITY,
     STATUS_ERROR,
@@ -48,6 +52,7 @@ from dynpart.planner.cluster_view import (
     build_snapshot,
     can_revoke,
     is_batch_candidate,
+    keeping_unread,
     node_gpu_model,
     planned_patches,
     pod_for_planning,
@@ -58,13 +63,14 @@ from dynpart.planner.cluster_view import (
     switch_target,
     switching_patch,
 )
-from dynpart.planner.loop import InFlight, PlanningLoop
+from dynpart.planner.loop import InFlight, PlanningLoop, PodBackOff
 from dynpart.probing import Liveness
 from dynpart.resources import MigResource, MpsResource, parse_resource
 from dynpart.settings import PlannerSettings
 
 log = logging.getLogger("dynpart.planner")
 GAUGES_EVERY_S = 1.0  # the gauges read every pod in the cache: at most this often, not at every wake
+LIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"  # the pods watched
 
 __all__ = ["InFlight", "PlannerController"]
 
@@ -113,7 +119,10 @@ class PlannerController:
             settings.kube, on_drop=metrics.EVENTS_DROPPED.labels("memory_full").inc)
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
-        self._reserved_for: dict[str, str] = {}  # pod -> the plan id it was last reserved for (once per plan)
+        # nodes with a late unacknowledged spec of an earlier leader whose pods another plan holds
+        self._to_revoke: set[str] = set()
+        self._reserved_for: dict[str, set[str]] = {}  # pod -> the plan ids it was reserved for (once per plan)
+        self._gone: list[tuple[Obj, InFlight]] = []  # plans in flight on deleted nodes, their pods not yet told
         self._term_seen: int | None = None  # the leader term the state above was built under
         # for the gauges (refresh_gauges): the pods the last round could not plan, the catalog it
         # planned with, and per node its capability report with how it differs from the catalog
@@ -121,12 +130,18 @@ class PlannerController:
         self._round_catalog = catalog
         self._disagreements: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._gauges_at: float | None = None  # when refresh_gauges last ran (it reads every pod)
+        # what the last round logged: a lasting problem or unplaced pod is logged (at INFO or
+        # WARNING) when it appears or changes, not once a round
+        self._problems_logged: set[str] = set()
+        self._unplaced_logged: dict[str, str] = {}  # pod -> the reason logged
         self._gauges_set = False
         self._ids = itertools.count(1)
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
                               settings=settings.kube, on_beat=lambda: self.liveness.beat("watch nodes"))
+        # pods that ended are not kept (they hold nothing): one that ends arrives as DELETED
         self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods", settings=settings.kube,
-                             transform=pod_for_planning, on_beat=lambda: self.liveness.beat("watch pods"))
+                             field_selector=LIVE_PODS, transform=pod_for_planning,
+                             on_beat=lambda: self.liveness.beat("watch pods"))
 
     @property
     def window(self) -> BatchWindow:
@@ -166,6 +181,8 @@ class PlannerController:
         self.loop.forget_leader_state()
         self._reserved_for.clear()
         self._to_adopt.clear()
+        self._to_revoke.clear()
+        self._gone.clear()
         self.events.clear()  # Events queued as leader may have been withheld (QueuedPoster.may_post)
 
     # --- watches --------------------------------------------------------------------------
@@ -173,7 +190,7 @@ class PlannerController:
     def _on_pod(self, kind: str, pod: Obj) -> None:
         key = pod_key(pod)
         if kind != "DELETED" and is_batch_candidate(pod):
-            if self.loop.pod_waiting(key, self.clock()):
+            if self.loop.pod_waiting(key, self.clock(), _pod_version(pod)):
                 self.wake.set()
         else:
             self.loop.pod_done(key)
@@ -191,6 +208,12 @@ class PlannerController:
                                                  if k.startswith(STATUS_PREFIX) and k != STATUS_HEARTBEAT}
         if kind == "DELETED":
             self.events.forget(node)
+            self._to_adopt.discard(name)
+            self._to_revoke.discard(name)
+            # nothing applies its plan now, and a node made later under its name is a new one
+            flight = self.loop.node_gone(name, now)
+            if flight is not None and flight.pods:
+                self._gone.append((node, flight))  # told at the next step (_expire_acks)
         if status != self._status.get(name):
             if status is None:
                 self._status.pop(name, None)
@@ -205,7 +228,7 @@ class PlannerController:
         if flight is None:
             return
         for key in flight.pods:  # their slices exist now: theirs until the scheduler binds them
-            self._reserved_for[key] = flight.plan_id
+            self._reserved_for.setdefault(key, set()).add(flight.plan_id)
         metrics.PLAN_ACKS.inc()
         metrics.PLAN_ACK_SECONDS.observe(now - flight.sent_at)
         log.info("plan acknowledged", extra={"fields": {"node": name, "plan": flight.plan_id,
@@ -350,6 +373,18 @@ class PlannerController:
         never be applied after they went. A revocation that is not acknowledged either stays in
         flight: the node is left out until its agent answers, and nothing is written again."""
         self._check_term()
+        gone, self._gone = self._gone, []
+        for name in [n for n in self.loop.in_flight if n not in self.nodes.cache]:
+            # gone from the cache without its deletion seen here (it has always been, so far), a
+            # revocation included (overdue() never returns one): nothing can apply it any more
+            lost = self.loop.node_gone(name, now)
+            self.wake.set()
+            if lost is not None and lost.pods:
+                gone.append(({"kind": "Node", "metadata": {"name": name}}, lost))
+        for obj, lost in gone:
+            log.info("node deleted with a plan in flight", extra={"fields": {
+                "node": obj["metadata"]["name"], "plan": lost.plan_id, "pods": sorted(lost.pods)}})
+            await self._not_applied(obj, lost, "the node was deleted", waited=False)
         for name, flight in self.loop.overdue(now):
             node = self.nodes.cache.get(name)
             if node is None:  # the node is gone: so is its plan
@@ -406,11 +441,12 @@ class PlannerController:
         self.loop.facts_changed(flight.pods, now)
         self.wake.set()
 
-    async def _not_applied(self, node: Obj, flight: InFlight, why: str) -> None:
+    async def _not_applied(self, node: Obj, flight: InFlight, why: str, waited: bool = True) -> None:
+        when = f" within {self.settings.ack_timeout_s:g} s" if waited else ""
         for key in flight.pods:
             await self._event(self.pods.cache.get(key), "PlanNotApplied",
                               f"dynpart planned this pod on node {node['metadata']['name']} (plan {flight.plan_id}), "
-                              f"but the node's agent did not apply that plan within {self.settings.ack_timeout_s:g} s "
+                              f"but the node's agent did not apply that plan{when} "
                               f"({' '.join(why.split())[:300]}); it is planned again", warning=True)
 
     def _awaiting_from_annotations(self) -> set[str]:
@@ -419,8 +455,12 @@ class PlannerController:
         back), and those whose agent has not reported yet: what is on their GPUs is unknown, so
         planning them could only guess. An unacknowledged spec of an earlier leader (an older term,
         which agents refuse to apply) is adopted: its term is rewritten to this leader's, so that
-        its agent applies it and its pods stay where they were planned."""
+        its agent applies it and its pods stay where they were planned; unless another plan holds
+        or reserves one of its pods (a deposed leader's write that landed late): it is revoked then,
+        never applied beside that plan. Specs are taken newest first, so a pod two of them name
+        stays with the newer."""
         out = set(self.in_flight)
+        found: list[tuple[str, str, int | None, tuple[str, ...], bool]] = []
         for node in self.nodes.cache.values():
             ann = node["metadata"].get("annotations") or {}
             name = node["metadata"]["name"]
@@ -428,20 +468,32 @@ class PlannerController:
                 out.add(name)
             elif ann.get(SPEC_PLAN) and ann.get(SPEC_PLAN) != ann.get(STATUS_PLAN):
                 out.add(name)
-                if name not in self.in_flight and not can_revoke(node, self.catalog):
-                    continue  # its plan could never be revoked: its pods are not held for it
+                if name in self.in_flight or not can_revoke(node, self.catalog):
+                    continue  # known; or its plan could never be revoked: its pods are not held for it
                 term, pods = decode_fencing(ann, [])
-                if name not in self.in_flight:
-                    self.loop.written(name, ann[SPEC_PLAN], pods, self.clock())
-                mine = self.leadership.term
-                if mine is not None and (term is None or term < mine):
-                    self._to_adopt.add(name)
+                # a revocation (spec-revokes) is in flight as one: never revoked in turn
+                found.append((name, ann[SPEC_PLAN], term, pods, SPEC_REVOKES in ann))
+        mine, now = self.leadership.term, self.clock()
+        for name, plan_id, term, pods, revokes in sorted(found, key=lambda f: _newness(f[2], f[1]), reverse=True):
+            older = mine is not None and (term is None or term < mine)
+            if older:
+                held = self.loop.held_pods() | {k for k, (n, _) in self.reserved.items() if n != name}
+                if held.intersection(pods):
+                    self._to_adopt.discard(name)
+                    self._to_revoke.add(name)
+                    continue
+            self._to_revoke.discard(name)
+            self.loop.written(name, plan_id, pods, now, revoking=revokes)
+            if older:
+                self._to_adopt.add(name)
         return out
 
     async def _adopt(self) -> None:
         """Rewrite the term of the earlier leaders' unacknowledged specs (nothing else: the plan id,
-        layout and pods stay). The write carries the node's resourceVersion: a spec that changed
-        meanwhile is read again and adopted on the next round."""
+        layout and pods stay), and revoke those whose pods another plan holds. The write carries the
+        node's resourceVersion: a spec that changed meanwhile is read again on the next round."""
+        for name in sorted(self._to_revoke):
+            await self._revoke_late(name)
         for name in sorted(self._to_adopt):
             node = self.nodes.cache.get(name)
             if node is None or not self.leadership.can_write():
@@ -457,25 +509,64 @@ class PlannerController:
                 "node": name, "plan": (node["metadata"].get("annotations") or {}).get(SPEC_PLAN),
                 "term": self.leadership.term}})
 
+    async def _revoke_late(self, name: str) -> None:
+        """Replace an earlier leader's unacknowledged spec whose pods another plan holds (written
+        late, after this leader planned them elsewhere) by the node's reported layout: its agent
+        refuses it for its older term, and adopting it would put those pods on two nodes."""
+        node = self.nodes.cache.get(name)
+        if node is None or not self.leadership.can_write():
+            return
+        ann = node["metadata"].get("annotations") or {}
+        late = ann.get(SPEC_PLAN)
+        term, pods = decode_fencing(ann, [])
+        plan_id = self._new_plan_id()
+        patch = revoking_patch(node, self.catalog, plan_id, self.leadership.term)
+        if patch is None:
+            return  # it cannot be read any more: nothing to revoke with, and nothing held for it
+        try:
+            await self._patch_as_leader(name, patch, node["metadata"].get("resourceVersion"))
+        except APIError as e:
+            log.info("could not revoke the late plan; will try again", extra={"fields": {"node": name, "error": str(e)}})
+            return
+        self._to_revoke.discard(name)
+        now = self.clock()
+        self._written(name, plan_id, (), now, revoking=True)
+        self.loop.facts_changed(pods, now)  # those no other plan holds are planned again
+        self.wake.set()
+        held = sorted(self.loop.held_pods().union(self.reserved).intersection(pods))
+        log.info("revoked an earlier leader's late plan", extra={"fields": {"node": name, "plan": late, "term": term,
+                                                                            "held_elsewhere": held}})
+        await self._event(node, "PlanRevoked", f"plan {late} of an earlier leader (term {term}) was written late: "
+                          f"{', '.join(held)} already planned elsewhere; replaced by plan {plan_id}, the node's layout as "
+                          "its agent last reported it", warning=True)
+
     def _reservations(self) -> dict[str, str]:
         """The reservations still standing: pod -> node. One ends when its pod is bound (or gone)
         or after reservation_s; the pod is then planned like any other if it still waits. Pods
         named by an acknowledged spec that this replica never saw acknowledged (it restarted, or
-        took over as leader) are reserved too, once per plan: what is in flight lives in the
-        cluster, not in one process."""
+        took over as leader) are reserved too, once per plan, and only on the newest acknowledged
+        spec naming them (an older one's slice went to other pods long ago, or its plan was taken
+        over by the newer): what is in flight lives in the cluster, not in one process."""
         now = self.clock()
+        newest: dict[str, tuple[tuple[int, int, str], str, str]] = {}  # pod -> (newness, plan id, node)
         for node in self.nodes.cache.values():
             ann = node["metadata"].get("annotations") or {}
             plan_id = ann.get(SPEC_PLAN)
             if not plan_id or plan_id != ann.get(STATUS_PLAN) or SPEC_PODS not in ann:
                 continue
-            for key in decode_fencing(ann, [])[1]:
-                pod = self.pods.cache.get(key)
-                if key in self.reserved or self._reserved_for.get(key) == plan_id or pod is None:
-                    continue
-                if not (pod.get("spec") or {}).get("nodeName"):
-                    self.loop.reserve(key, node["metadata"]["name"], now)
-                    self._reserved_for[key] = plan_id
+            term, pods = decode_fencing(ann, [])
+            order = _newness(term, plan_id)
+            for key in pods:
+                if key not in newest or order > newest[key][0]:
+                    newest[key] = (order, plan_id, node["metadata"]["name"])
+        held = self.loop.held_pods()  # planned again since, a plan in flight (newer) has them
+        for key, (_, plan_id, name) in sorted(newest.items()):
+            pod = self.pods.cache.get(key)
+            if key in self.reserved or key in held or plan_id in self._reserved_for.get(key, ()) or pod is None:
+                continue
+            if not (pod.get("spec") or {}).get("nodeName"):
+                self.loop.reserve(key, name, now)
+                self._reserved_for.setdefault(key, set()).add(plan_id)
 
         def bound_or_gone(key: str) -> bool:
             pod = self.pods.cache.get(key)
@@ -527,29 +618,44 @@ class PlannerController:
         awaiting = self._awaiting_from_annotations()
         await self._adopt()
         view = build_snapshot(nodes, pods, self.catalog, awaiting, self.loop.held_pods(), self._reservations())
+        await self._tell_backoffs()
         snapshot = view.snapshot
         self._round_catalog = view.catalog
         self._invalid_pods = {object_key(obj) for obj, _ in view.problems if object_reference(obj)["kind"] == "Pod"}
-        for obj, message in view.problems:
-            metrics.PLAN_ERRORS.labels("bad_object").inc()
-            log.warning(message)
-            await self._event(obj, "DynpartInvalid", message, warning=True)
+        logged, self._problems_logged = self._problems_logged, {m for _, m in [*view.problems, *view.skew]}
+        metrics.PLAN_ERRORS.labels("bad_object").inc(len(view.problems))
+        # a lasting problem is found every round: logged when it appears, its Event de-duplicated;
+        # annotations of another dynpart version are ignored, but said
+        for _, message in [*view.problems, *view.skew]:
+            (log.debug if message in logged else log.warning)(message)
+        for reason, found in (("DynpartInvalid", view.problems), ("VersionSkew", view.skew)):
+            for obj, message in _per_object(found):
+                await self._event(obj, reason, message, warning=True)
         for obj, message in view.warnings:
             await self._event(obj, "MpsNeedsHostIPC", message, warning=True)
         await self._report_disagreements(view.disagreements)
         await self._switch_modes(view.switching, awaiting)
         if not snapshot.pending:
             return
-        # the objective's request distribution: the requests seen lately, decayed (planner/demand.py)
+        # the objective's request distribution: the requests seen lately, decayed (planner/demand.py);
+        # the pods backing off (PlanningLoop.backing_off) left out
         snapshot = self.loop.prepare(snapshot, self.clock())
+        if not snapshot.pending:
+            return
         started = time.perf_counter()
+        # the thread plans with copies of the drains: the event loop may change the loop's own
+        # meanwhile (a lost lease clears them), and a round that outlived its lease keeps nothing
+        state = self.loop.drain_state()
         try:
-            result = await asyncio.to_thread(self.loop.decide, snapshot, view.catalog)
+            result = await asyncio.to_thread(self.loop.decide_with, snapshot, view.catalog, state)
         except DynpartError as e:
             # build_snapshot leaves out every object that fails validation on its own, so this is a
             # problem between objects (say two nodes of one name): skip the round, never crash-loop
             metrics.PLAN_ERRORS.labels("invalid_snapshot").inc()
             log.error("planning round skipped: %s", e)
+            return
+        if not self.loop.commit(state):
+            log.info("plan dropped: the lease was lost while planning", extra={"fields": {"pending": len(snapshot.pending)}})
             return
         metrics.PLAN_SECONDS.observe(time.perf_counter() - started)
         metrics.PLANS.inc()
@@ -568,6 +674,7 @@ class PlannerController:
         for layout, patch in planned_patches(snapshot, result, nodes_by_name, plan_id, self.leadership.term):
             node_plan = str(patch[SPEC_PLAN])  # `<plan_id>.<k>`: one id per node written
             node_obj = nodes_by_name[layout.node]
+            patch = keeping_unread(patch, node_obj, view.kept.get(layout.node, {}))
             if not self.leadership.can_write():
                 # no proof of leadership any more (a renewal overdue): another replica may lead
                 # now; it recovers what was written from the annotations and plans the rest
@@ -617,18 +724,35 @@ class PlannerController:
             waiting = "after its agent applies the new layout" if pl.node in written else "on free slices"
             await self._event(pods_by_key.get(pl.pod), "SlicePlanned", f"dynpart plans this pod on node {pl.node} "
                               f"({slices}) {waiting}")
-        # the reason is about the nodes this round saw: say so when some were left out
-        left_out = (" (nodes still applying an earlier plan, or whose agent has not reported yet, were not "
-                    "considered)" if awaiting else "")
+        # The Event's message is the pod's state, the same from round to round while it lasts (the
+        # recorder posts a changed message at once): nothing in it that changes with other pods'
+        # plans, such as the nodes left out of this round while their agent applies a plan.
         avoided = self.loop.avoided(now)
+        reasons, self._unplaced_logged = self._unplaced_logged, {}
         for u in result.unplaced:
             metrics.PODS_UNPLACEABLE.inc()
             # the affinity term the back-off adds (PlanningLoop.avoiding) is dynpart's, not the pod's
             kept_off = (f"; dynpart keeps it off node(s) {', '.join(sorted(avoided[u.pod]))} for a while, where the "
                         "slice planned for it was not taken by the scheduler" if u.pod in avoided else "")
-            log.info("pod not placed", extra={"fields": {"pod": u.pod, "reason": u.reason + kept_off + left_out}})
-            await self._event(pods_by_key.get(u.pod), "Unplaceable",
-                              f"dynpart cannot place this pod: {u.reason}{kept_off}{left_out}", warning=True)
+            reason = self._unplaced_logged[u.pod] = u.reason + kept_off
+            (log.debug if reasons.get(u.pod) == reason else log.info)("pod not placed", extra={"fields": {
+                "pod": u.pod, "reason": reason, "nodes_left_out": len(awaiting)}})
+            await self._event(pods_by_key.get(u.pod), "Unplaceable", f"dynpart cannot place this pod: {reason}",
+                              warning=True)
+
+    async def _tell_backoffs(self) -> None:
+        """A Warning Event on each pod whose reservations lapsed so often that it is left out of the
+        plans for a while (PlanningLoop.backing_off): something else keeps it pending."""
+        backing_off = self.loop.take_backoffs_started()
+        if not backing_off:
+            return
+        wall, now = time.time(), self.clock()
+        for key, b in backing_off:
+            at = dt.datetime.fromtimestamp(wall + b.until - now, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            nodes = ", ".join(b.nodes)
+            log.info("pod backed off: its reservations lapsed", extra={"fields": {
+                "pod": key, "lapses": b.lapses, "nodes": nodes, "for_s": b.delay}})
+            await self._event(self.pods.cache.get(key), "SlicesNotTaken", _backoff_message(b, nodes, at), warning=True)
 
     async def _switch_modes(self, switching: dict[str, str], awaiting: set[str]) -> None:
         """Nodes relabelled to the other mode whose agent the acknowledged spec keeps in the old
@@ -678,6 +802,42 @@ class PlannerController:
     async def _event(self, obj: Obj | None, reason: str, message: str, warning: bool = False) -> None:
         if obj is not None:
             await self.events.record(obj, reason, message, warning)
+
+
+def _backoff_message(b: PodBackOff, nodes: str, at: str) -> str:
+    return (f"dynpart kept GPU slices for this pod {b.lapses} times (node(s) {nodes}) and the scheduler bound it "
+            "to none of them: something other than GPU slices keeps it pending (volumes, node or pod affinity, "
+            "topology spread constraints, host ports, other resources; its PodScheduled condition says what). "
+            f"dynpart plans it again after {b.delay:g} s, at {at}, and twice as long after each further time "
+            "(at most an hour); at once if it changes")
+
+
+def _newness(term: int | None, plan_id: str) -> tuple[int, int, str]:
+    """How recent a spec is: by the writer's leader term, then by the wall-clock milliseconds a
+    plan id starts with (`_new_plan_id`; 0 when it does not)."""
+    try:
+        written = int(plan_id.split("-", 1)[0], 16)
+    except ValueError:
+        written = 0
+    return (-1 if term is None else term, written, plan_id)
+
+
+def _pod_version(pod: Obj) -> str:
+    """What identifies a pod's spec as planned (its uid, generation and the parts planning reads):
+    a pod that changes is no longer the one whose reservations lapsed (PlanningLoop.pod_waiting)."""
+    md = pod.get("metadata") or {}
+    spec = json.dumps(pod.get("spec"), sort_keys=True, default=str)
+    return f"{md.get('uid')}/{md.get('generation')}/{hashlib.sha256(spec.encode()).hexdigest()[:16]}"
+
+
+def _per_object(found: Iterable[tuple[Obj, str]]) -> list[tuple[Obj, str]]:
+    """One message per object, its findings joined in their order: the recorder keeps one message
+    per (object, reason), so two Events of one reason on an object would replace each other and
+    both be posted again every round."""
+    by_key: dict[str, tuple[Obj, list[str]]] = {}
+    for obj, message in found:
+        by_key.setdefault(f"{object_reference(obj)['kind']}:{object_key(obj)}", (obj, []))[1].append(message)
+    return [(obj, "; ".join(messages)) for obj, messages in by_key.values()]
 
 
 def _set_gauge(gauge: Gauge, values: Mapping[str, float]) -> None:

@@ -82,12 +82,13 @@ class DynpartPolicy:
                       opts.minimise_changes, cache.terms)
 
     def unplaced_reason(self, problem: Problem, req: Request) -> str:
-        # would it fit on an otherwise untouched cluster (only used slices fixed)?
+        # would it fit on an otherwise untouched cluster (only used slices fixed)? No node
+        # count: the nodes a round sees change with the plans in flight, and a reason
+        # that changes with them would post the pod's Unplaceable Event again every round
         if self._fit_alone.get(req.idx, False):
-            return (f"no room left for {req.count} x {req.resource} on its {len(req.candidates)} candidate "
-                        "node(s): the space went to pods of higher priority or to other pending pods")
-        return (f"no room for {req.resource} on its {len(req.candidates)} candidate node(s) without "
-                "moving or destroying slices in use")
+            return (f"no room left for {req.count} x {req.resource} on the nodes it may use: the space went to "
+                    "pods of higher priority or to other pending pods")
+        return f"no room for {req.resource} on the nodes it may use without moving or destroying slices in use"
 
 
 def _improve_by_windows(problem: Problem, states: list[GpuState], placed: Placements,

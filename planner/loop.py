@@ -17,7 +17,7 @@ asking for whole GPUs that no plan could place for `drain_after_s` has GPUs drai
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dynpart.catalog import Catalog
 from dynpart.planner.batching import BatchWindow
@@ -35,6 +35,14 @@ from dynpart.snapshot import NodeLayout, PendingPod, Plan, Snapshot
 # at most this long. (A slice the agent reports free may be one the scheduler cannot give: a
 # device the plugin withdrew as unhealthy, a pod constraint dynpart does not model.)
 AVOID_MAX_S = 600.0
+# A pod whose reservations lapsed this many times, on any nodes, is kept pending by something the
+# planner does not model (a volume in another zone, pod affinity, topology spread, host ports,
+# another resource): every plan made for it reconfigures a GPU for nothing. It is then left out of
+# the plans for POD_BACKOFF_MIN_S, twice as long after each further lapse, at most POD_BACKOFF_MAX_S,
+# until it is bound, gone or changed.
+POD_LAPSES = 3
+POD_BACKOFF_MIN_S = 60.0
+POD_BACKOFF_MAX_S = 3600.0
 
 
 @dataclass
@@ -53,6 +61,28 @@ class NodeWrite:
     node: str
     layout: NodeLayout
     pods: tuple[str, ...]  # the pods the plan puts on the node (on new or free slices)
+
+
+@dataclass
+class PodBackOff:
+    """The reservations of one pod that lapsed, and its pod-wide back-off (POD_LAPSES)."""
+    lapses: int = 0
+    nodes: list[str] = field(default_factory=list)  # where they lapsed, each once, in order
+    until: float = float("-inf")  # not planned before this
+    delay: float = 0.0  # the last back-off, s
+
+
+@dataclass
+class DrainState:
+    """What the drains decide with and change: copies, so that a round planning in a thread never
+    sees the event loop change them (a lost lease clears them), and a round whose lease was lost
+    meanwhile is dropped whole (`PlanningLoop.commit`)."""
+    drains: dict[str, Drain]
+    flagged: dict[str, set[int]]
+    in_flight: frozenset[str]  # nodes with a plan in flight
+    first_seen: dict[str, float]  # pending pod -> when a round first saw it
+    now: float  # the round's time (`prepare`)
+    epoch: int  # PlanningLoop.epoch when copied
 
 
 def node_writes(result: Plan) -> list[NodeWrite]:
@@ -90,12 +120,23 @@ class PlanningLoop:
         self.drains: dict[str, Drain] = {}  # pod -> the GPUs drained for it
         self.drain_flagged: dict[str, set[int]] = {}  # node -> GPUs its spec drains, as last decided
         self.avoid: dict[tuple[str, str], tuple[float, float]] = {}  # (pod, node) -> (until, back-off s)
+        self.lapsed: dict[str, PodBackOff] = {}  # pod -> its lapsed reservations (POD_LAPSES)
+        self.backoffs_started: list[str] = []  # pods whose pod-wide back-off started, not yet told
+        self.versions: dict[str, str] = {}  # waiting pod -> its version, as the caller tells (`pod_waiting`)
+        self.epoch = 0  # counts the leader states forgotten (`forget_leader_state`)
+        self.gone_since: set[str] = set()  # nodes gone since the last `drain_state` (`commit` drops theirs)
 
     # --- events ---------------------------------------------------------------------------
 
-    def pod_waiting(self, key: str, now: float) -> bool:
+    def pod_waiting(self, key: str, now: float, version: str | None = None) -> bool:
         """The scheduler found no room for the pod: it joins the batch. True if it is new there.
-        A pod a plan in flight or a reservation holds waits for its slice, not for a plan."""
+        A pod a plan in flight or a reservation holds waits for its slice, not for a plan.
+        `version`: what identifies the pod's spec (uid, generation...): a pod that changed starts
+        again without lapsed reservations (POD_LAPSES)."""
+        if version is not None:
+            if self.versions.get(key, version) != version:
+                self.lapsed.pop(key, None)
+            self.versions[key] = version
         if key in self.window.members or key in self.reserved or key in self.held_pods():
             return False
         self.window.add(key, now)
@@ -105,6 +146,8 @@ class PlanningLoop:
         """The pod is bound, gone or no longer waits for a slice."""
         self.window.discard(key)
         self.first_seen.pop(key, None)
+        self.lapsed.pop(key, None)
+        self.versions.pop(key, None)
         for pair in [p for p in self.avoid if p[0] == key]:
             del self.avoid[pair]
 
@@ -135,10 +178,29 @@ class PlanningLoop:
     def forget_node(self, node: str) -> None:
         self.in_flight.pop(node, None)
 
+    def node_gone(self, node: str, now: float) -> InFlight | None:
+        """The node was deleted (or left dynpart): nothing applies its plan in flight, its drains
+        and reservations hold nothing, and a node made later under its name is a new one. Their
+        pods join the batch (no back-off: the node, not the pod, failed). Returns the plan that
+        was in flight there, if any."""
+        flight = self.in_flight.pop(node, None)
+        self.gone_since.add(node)
+        self.drain_flagged.pop(node, None)
+        for key in [k for k, d in self.drains.items() if d.node == node]:
+            del self.drains[key]
+        freed = [k for k, (n, _) in self.reserved.items() if n == node]
+        for key in freed:
+            del self.reserved[key]
+        for pair in [p for p in self.avoid if p[1] == node]:
+            del self.avoid[pair]
+        self.facts_changed([*(flight.pods if flight is not None else ()), *freed], now)
+        return flight
+
     def forget_leader_state(self) -> None:
         """Leadership lost: what this replica wrote or reserved as leader may have been replaced
         by another leader's writes. The batch and the demand learnt as leader stay (a standby
         observes nothing more, so both are old if it leads again)."""
+        self.epoch += 1  # a round planning meanwhile commits nothing (`commit`)
         self.in_flight.clear()
         self.reserved.clear()
         self.drains.clear()
@@ -186,6 +248,7 @@ class PlanningLoop:
             elif now > until:
                 del self.reserved[key]
                 self._back_off(key, node, now)
+                self._lapse(key, node, now)
             else:
                 out[key] = node
         return out
@@ -197,6 +260,29 @@ class PlanningLoop:
         previous = self.avoid.get((key, node))
         delay = min(AVOID_MAX_S, 2 * previous[1] if previous else max(self.settings.reservation_s, 1.0))
         self.avoid[(key, node)] = (now + delay, delay)
+
+    def _lapse(self, key: str, node: str, now: float) -> None:
+        """A reservation of the pod lapsed unbound: after POD_LAPSES of them, wherever, the pod is
+        left out of the plans for a while (`backing_off`), and `backoffs_started` says so once."""
+        b = self.lapsed.setdefault(key, PodBackOff())
+        b.lapses += 1
+        if node not in b.nodes:
+            b.nodes.append(node)
+        if b.lapses >= POD_LAPSES:
+            b.delay = min(POD_BACKOFF_MAX_S, 2 * b.delay if b.delay else POD_BACKOFF_MIN_S)
+            b.until = now + b.delay
+            self.backoffs_started.append(key)
+
+    def backing_off(self, now: float) -> dict[str, PodBackOff]:
+        """Pod -> its pod-wide back-off, for the pods left out of the plans now (`_lapse`)."""
+        return {key: b for key, b in self.lapsed.items() if now < b.until}
+
+    def take_backoffs_started(self) -> list[tuple[str, PodBackOff]]:
+        """The pod-wide back-offs started since the last call (each said once, e.g. by an Event)."""
+        out = [(key, replace(self.lapsed[key], nodes=list(self.lapsed[key].nodes)))
+               for key in dict.fromkeys(self.backoffs_started) if key in self.lapsed]
+        self.backoffs_started.clear()
+        return out
 
     def avoided(self, now: float) -> dict[str, set[str]]:
         """Pod -> the nodes its plan leaves out now (`_back_off`)."""
@@ -246,44 +332,73 @@ class PlanningLoop:
         self.prepared_at = now
         workload = self.settings.workload or self.demand.workload()
         avoided = self.avoided(now)
-        pending = [avoiding(p, avoided[p.name]) if p.name in avoided else p for p in snapshot.pending]
+        backing_off = self.backing_off(now)
+        pending = [avoiding(p, avoided[p.name]) if p.name in avoided else p
+                   for p in snapshot.pending if p.name not in backing_off]
         return snapshot.model_copy(update={"workload": workload, "pending": pending})
 
     def decide(self, snapshot: Snapshot, catalog: Catalog, session: PlanningSession | None = None) -> Plan:
-        """The plan of a prepared snapshot (pure; the controller runs it in a thread). With a
-        `session` (a caller planning the same cluster again and again keeps one: its nodes are the
-        cluster, the snapshot's are not read), the same plan without compiling the cluster again."""
+        """The plan of a prepared snapshot. With a `session` (a caller planning the same cluster
+        again and again keeps one: its nodes are the cluster, the snapshot's are not read), the same
+        plan without compiling the cluster again. A caller planning in another thread calls
+        `drain_state`, `decide_with` there and `commit` instead."""
         if session is not None:  # the packing protocol: no pod waits, nothing drains
             return session.plan(snapshot.pending, snapshot.workload, self.options, validate=False)
+        state = self.drain_state()
+        result = self.decide_with(snapshot, catalog, state)
+        self.commit(state)
+        return result
+
+    def drain_state(self) -> DrainState:
+        """A copy of what `decide_with` reads and changes, taken where the loop's state changes."""
+        self.gone_since.clear()
+        return DrainState(dict(self.drains),
+                          {k: set(v) for k, v in self.drain_flagged.items()}, frozenset(self.in_flight),
+                          dict(self.first_seen), self.prepared_at, self.epoch)
+
+    def commit(self, state: DrainState) -> bool:
+        """Keep what a round decided about drains, unless the leader state was forgotten since its
+        copy (the lease lost: what it decided is another leader's business). True if kept."""
+        if state.epoch != self.epoch:
+            return False
+        # a node deleted meanwhile (`node_gone`) keeps nothing
+        self.drains = {k: d for k, d in state.drains.items() if d.node not in self.gone_since}
+        self.drain_flagged = {k: v for k, v in state.flagged.items() if k not in self.gone_since}
+        return True
+
+    def decide_with(self, snapshot: Snapshot, catalog: Catalog, state: DrainState) -> Plan:
+        """The plan of a prepared snapshot, pure over it and `state` (which it updates; nothing
+        else of the loop is read but its settings): the controller runs it in a thread."""
         if not self.settings.workload:  # (the settings' was checked against the catalog at start)
             snapshot = snapshot.model_copy(update={"workload": known_to(snapshot.workload, catalog)})
         pending = {p.name for p in snapshot.pending}
         nodes = {n.name: n for n in snapshot.nodes}
-        for key, d in list(self.drains.items()):
-            if key not in pending or (d.node not in nodes and d.node not in self.in_flight):
-                del self.drains[key]  # its pod was planned, bound or left (or its node did)
-        result = plan(self._draining(snapshot), catalog, self.options)
-        if self._start_drains(snapshot, result, catalog):
-            result = plan(self._draining(snapshot), catalog, self.options)
-        return self._flag(result, snapshot)
+        for key, d in list(state.drains.items()):
+            if key not in pending or (d.node not in nodes and d.node not in state.in_flight):
+                del state.drains[key]  # its pod was planned, bound or left (or its node did)
+        result = plan(self._draining(snapshot, state), catalog, self.options)
+        if self._start_drains(snapshot, result, catalog, state):
+            result = plan(self._draining(snapshot, state), catalog, self.options)
+        return self._flag(result, snapshot, state)
 
-    def _still_draining(self, snapshot: Snapshot) -> dict[str, set[int]]:
+    @staticmethod
+    def _still_draining(snapshot: Snapshot, state: DrainState) -> dict[str, set[int]]:
         """Node -> the drained GPUs not yet empty (an empty one is planned again, the drain's
         pod, the oldest, first)."""
         nodes = {n.name: n for n in snapshot.nodes}
         out: dict[str, set[int]] = {}
-        for d in self.drains.values():
+        for d in state.drains.values():
             node = nodes.get(d.node)
             if node is not None and not all(is_empty(g) for g in node.gpus if g.index in d.gpus):
                 out.setdefault(d.node, set()).update(d.gpus)
         return out
 
-    def _draining(self, snapshot: Snapshot) -> Snapshot:
-        for name, gpus in sorted(self._still_draining(snapshot).items()):
+    def _draining(self, snapshot: Snapshot, state: DrainState) -> Snapshot:
+        for name, gpus in sorted(self._still_draining(snapshot, state).items()):
             snapshot = without_gpus(snapshot, name, tuple(sorted(gpus)))
         return snapshot
 
-    def _start_drains(self, snapshot: Snapshot, result: Plan, catalog: Catalog) -> bool:
+    def _start_drains(self, snapshot: Snapshot, result: Plan, catalog: Catalog, state: DrainState) -> bool:
         """Drain for each pod asking for whole GPUs that waited `drain_after_s` and that this plan
         left out too, oldest first, on GPUs no other drain holds, while the drains hold at most
         `drain_max_gpus` GPUs (without that cap, a queue of whole-GPU pods drains ever more GPUs
@@ -291,36 +406,36 @@ class PlanningLoop:
         of an older one that the cap holds back. True if one started."""
         if self.settings.drain_after_s <= 0 or self.options.policy != "dynpart" or not result.unplaced:
             return False
-        now = self.prepared_at
+        now = state.now
         left_out = {u.pod for u in result.unplaced}
-        taken = {(d.node, g) for d in self.drains.values() for g in d.gpus}
+        taken = {(d.node, g) for d in state.drains.values() for g in d.gpus}
         started = False
         for pod in snapshot.pending:  # oldest first
-            if (pod.name in left_out and pod.name not in self.drains
-                    and now - self.first_seen.get(pod.name, now) >= self.settings.drain_after_s):
+            if (pod.name in left_out and pod.name not in state.drains
+                    and now - state.first_seen.get(pod.name, now) >= self.settings.drain_after_s):
                 target = drain_target(snapshot, pod, catalog, taken)
                 if target is None:
                     continue
                 if taken and len(taken) + len(target.gpus) > self.settings.drain_max_gpus:
                     break
-                self.drains[pod.name] = target
+                state.drains[pod.name] = target
                 taken.update((target.node, g) for g in target.gpus)
                 started = True
         return started
 
-    def _flag(self, result: Plan, snapshot: Snapshot) -> Plan:
+    def _flag(self, result: Plan, snapshot: Snapshot, state: DrainState) -> Plan:
         """The plan with the drain flags of the nodes' specs brought to what the drains want."""
-        want_all = self._still_draining(snapshot)
-        for name in sorted(set(self.drain_flagged) | set(want_all)):
+        want_all = self._still_draining(snapshot, state)
+        for name in sorted(set(state.flagged) | set(want_all)):
             if not any(n.name == name for n in snapshot.nodes):
                 continue  # held while its agent applies a plan: flagged in a later round
             want = want_all.get(name, set())
-            result = with_drain_flags(result, snapshot, name, want, self.drain_flagged.get(name, set()))
+            result = with_drain_flags(result, snapshot, name, want, state.flagged.get(name, set()))
             layout = result.layout_of(name)
             if layout is not None and layout.changed:
                 if want:
-                    self.drain_flagged[name] = set(want)
+                    state.flagged[name] = set(want)
                 else:
-                    self.drain_flagged.pop(name, None)
+                    state.flagged.pop(name, None)
         return result
 

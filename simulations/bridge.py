@@ -24,7 +24,9 @@ TRACE_GPU_MEMORY_GB = {"T4": 16, "P100": 16, "V100M16": 16, "V100M32": 32, "A10"
 
 
 def catalog_for(models: Iterable[str], base: Catalog) -> Catalog:
-    """The base catalog plus a plain (MPS-only) entry for each model it does not know."""
+    """The packing protocol's catalog: the base catalog plus a plain (MPS-only) entry for each
+    model it does not know, every model without a bound on the pods sharing one GPU (the
+    protocol shares a GPU by milli alone, whatever its model: no MPS server's client limit)."""
     extra = []
     for m in sorted(set(models)):
         if not m:
@@ -33,7 +35,7 @@ def catalog_for(models: Iterable[str], base: Catalog) -> Catalog:
             base.resolve(m)
         except DynpartError:
             extra.append(GpuModel(name=m, memory_gb=TRACE_GPU_MEMORY_GB.get(m, 16)))
-    return base.extended(Catalog(extra)) if extra else base
+    return Catalog([m.model_copy(update={"mps_max_clients": None}) for m in [*base.models.values(), *extra]])
 
 
 def packing_request(pod: TracePod) -> tuple[str, int]:

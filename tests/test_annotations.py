@@ -222,7 +222,6 @@ BAD = [
     ("dynpart.io/spec-gpu-0-100gb", "1", "does not fit"),
     ("dynpart.io/spec-gpu-0", "1", "unknown key"),
     ("dynpart.io/spec-gpu-0-1g.10gb-free", "1@0", "unknown key"),
-    ("dynpart.io/spec-foo", "1", "unknown key"),
     ("dynpart.io/spec-plan", "has space", "plan id"),
     ("dynpart.io/spec-mode", "both", "'mig' or 'mps'"),
 ]
@@ -285,6 +284,49 @@ def test_status_problems():
     assert "'busy' is neither" in text and "heartbeat" in text and "overlaps" in text
     assert d.layout.gpus[0].mig == [MigInstance(profile="1g.10gb", start=0, used=False)]
     assert d.plan_id == "p" and d.heartbeat is None
+
+
+# --- versions: what another version writes ------------------------------------------------------
+
+
+def test_a_key_of_another_version_is_listed_apart_and_refuses_nothing():
+    """A newer planner's extra spec key must not make an older agent refuse the spec, and a newer
+    agent's extra status key must not make an older planner leave the node out: both are listed in
+    `unknown`, never in `problems`. A key of the slice form stays strict (it may hide a slice)."""
+    layout = NodeLayout(node="n1", mode="mig", gpus=[mig(0, "1g.10gb@0", used=("1g.10gb@0",))])
+    spec = {**encode_spec(layout, "p1", term=3, pods=["ml/a"]), "dynpart.io/spec-priority": "high"}
+    d = decode_spec(spec, H100, node="n1")
+    assert d.problems == [] and d.layout == canonical_layout(layout) and d.pods == ("ml/a",)
+    assert len(d.unknown) == 1 and "'dynpart.io/spec-priority'" in d.unknown[0]
+    status = {**encode_status(layout, "p1"), "dynpart.io/status-driver": "580.65"}
+    st = decode_status(status, H100, node="n1")
+    assert st.problems == [] and not st.layout_incomplete and st.layout == canonical_layout(layout, keep_used=True)
+    assert len(st.unknown) == 1 and "'dynpart.io/status-driver'" in st.unknown[0]
+    # known keys stay strict: a malformed value, or a slice-shaped key that cannot be read
+    assert decode_spec({**spec, "dynpart.io/spec-term": "x"}, H100).problems
+    assert decode_status({**status, "dynpart.io/status-gpu-0-1g.10gb-busy": "1@0"}, H100).layout_incomplete
+    assert decode_status({**status, "dynpart.io/status-gpu-1-1g.10gb-used": "2@0"}, H100).layout_incomplete
+
+
+def test_a_status_gpu_with_a_profile_the_model_lacks_is_kept_apart_as_it_is():
+    """An agent planning with another model (its capability report unreadable here) reports a
+    profile under a name this model lacks: that GPU is set apart, with the spec keys that keep it as
+    it is; the node's other GPUs read as usual. In a spec such a key stays a problem."""
+    status = {**encode_status(NodeLayout(node="n1", mode="mig", gpus=[mig(0, "3g.40gb@4", used=("3g.40gb@4",))]),
+                              "p1"),
+              "dynpart.io/status-gpu-1-7g.79gb-used": "1@0",
+              "dynpart.io/status-gpu-2-1g.10gb-free": "1@0", "dynpart.io/status-gpu-2-1g.12gb-used": "2@1,2"}
+    d = decode_status(status, H100)
+    assert d.problems == [] and not d.layout_incomplete
+    assert [g.index for g in d.layout.gpus] == [0]
+    assert d.foreign == {1: ("7g.79gb",), 2: ("1g.12gb",)}
+    assert d.kept_spec == {"dynpart.io/spec-gpu-1-7g.79gb": "1@0", "dynpart.io/spec-gpu-2-1g.10gb": "1@0",
+                           "dynpart.io/spec-gpu-2-1g.12gb": "2@1,2"}
+    # malformed, it is still unreadable
+    bad = decode_status({**status, "dynpart.io/status-gpu-1-7g.79gb-used": "1@x"}, H100)
+    assert bad.layout_incomplete and any("start 'x'" in p for p in bad.problems)
+    assert any("no MIG profile '7g.79gb'" in p
+               for p in decode_spec({SPEC_MODE: "mig", "dynpart.io/spec-gpu-1-7g.79gb": "1@0"}, H100).problems)
 
 
 def test_annotation_patch():

@@ -4,6 +4,7 @@ section 1), so that the agent can be tested without a GPU; `FakeOp`, its log of 
 
 from __future__ import annotations
 
+import itertools
 import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from dynpart.agent.driver.interface import (
 )
 from dynpart.catalog import GpuModel, MigProfile
 from dynpart.mig import MigRules
+
+_DRIVERS = itertools.count()  # FakeNvml instances made: each is another machine
 
 
 class SimulatedCrash(BaseException):
@@ -113,6 +116,10 @@ class FakeNvml:
         # list them whatever the mode (tests/fixtures/nvml); this plays a driver that does not.
         self.profiles_need_mig = profiles_need_mig
         self._by_id = {p.gi_profile_id: p for p in model.mig_profiles}
+        # real GPU UUIDs are unique the world over, so MIG UUIDs derived from them are unique across
+        # nodes too; the fake's GPU UUIDs repeat on every fake node (GPU-fake-0000): its MIG UUIDs
+        # are derived in a namespace of this driver's own
+        self._machine = uuidlib.uuid5(uuidlib.NAMESPACE_OID, f"dynpart-fake-nvml-{next(_DRIVERS)}")
         self._gpus = [_FakeGpu(i, f"GPU-fake-{i:04d}", mig_enabled, mig_enabled) for i in range(count)]
         self.ops: list[FakeOp] = []
         self.before_op: Callable[[FakeOp], None] | None = None
@@ -259,7 +266,7 @@ class FakeNvml:
         if gi.ci is not None:
             self._fail(op, INSUFFICIENT_RESOURCES, f"GPU {index} GI {gi_id} already has a compute instance")
         gi.ci = 0
-        gi.uuid = f"MIG-{uuidlib.uuid5(uuidlib.NAMESPACE_OID, f'{gpu.uuid}/{gi_id}/{gi.ci}')}"
+        gi.uuid = f"MIG-{uuidlib.uuid5(self._machine, f'{gpu.uuid}/{gi_id}/{gi.ci}')}"
         return gi.ci
 
     def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
@@ -310,8 +317,8 @@ class FakeNvml:
     def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
         self._gpu(index)
         p = self._by_id.get(profile_id)
-        if p is None:
-            raise GpuDriverError(INVALID_ARGUMENT, f"GPU {index}: no GPU instance profile id {profile_id}")
+        if p is None:  # (nvml.h: NOT_SUPPORTED for a profile the device does not support)
+            raise GpuDriverError(NOT_SUPPORTED, f"GPU {index}: no GPU instance profile id {profile_id}")
         return [(s, p.memory) for s in p.starts]
 
     # --- internals ---

@@ -18,6 +18,7 @@ The shell ranks nothing: where a pod goes is the planner's decision.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -131,6 +132,24 @@ class DynpartPacking:
 
     def _plan(self, state: PackingState, pods: list[TracePod]) -> dict[str, bool]:
         assert self.session is not None
+        # the protocol matches a pod's GPU models to the node list's by name, exactly; the planner
+        # resolves names through the catalog (H100-80GB would match a node model H100): it is
+        # given the node models the protocol accepts, and a pod none of whose models is in the
+        # cluster fails without a plan
+        models = set(state.models)
+        out: dict[str, bool] = {}
+        asked: list[TracePod] = []
+        for pod in pods:
+            if pod.gpu_spec:
+                exact = tuple(m for m in pod.gpu_spec if m in models)
+                if not exact:
+                    out[pod.name] = False
+                    continue
+                pod = dataclasses.replace(pod, gpu_spec=exact)
+            asked.append(pod)
+        pods = asked
+        if not pods:
+            return out
         pending = [bridge.pending_pod(p, *bridge.packing_request(p)) for p in pods]
         # one round per batch, on the protocol's clock (arrivals counted): the batch is all it plans
         now = float(self.arrived)
@@ -148,7 +167,6 @@ class DynpartPacking:
             self.stats["disrupted"] += len(bad)
             raise AssertionError(f"plan moved used slices: {bad[:3]}")
         by_name = {p.name: p for p in pods}
-        out: dict[str, bool] = {}
         for pl in result.placements:
             pod = by_name[pl.pod]
             want = "whole" if not pod.is_share else str(pod.gpu_milli)

@@ -1,5 +1,5 @@
-"""The packing protocol's pod list: every trace pod, tuned to a ratio of the GPU capacity with
-seeded draws, then shuffled with the same seed."""
+"""The packing protocol's pod list: the trace's pods, tuned to a ratio of the GPU capacity with
+seeded draws (appended below it, removed above it), then shuffled with the same seed."""
 
 from __future__ import annotations
 
@@ -8,26 +8,40 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.traces import TracePod
 
 
 def tuned(pods: Sequence[TracePod], capacity_milli: int, ratio: float, rng: np.random.Generator) -> list[TracePod]:
-    """All pods, then pods drawn uniformly with replacement from the same list and appended
-    while the total requested GPU milli stays <= ratio x capacity (the first draw that would
-    exceed it ends the list). Copies get unique names `<name>#<k>`."""
-    out = list(pods)
+    """The pod list brought to `ratio` x capacity of GPU demand, as the authors' simulator does
+    (`TunePodsByNodeTotalResource`): below it, pods drawn uniformly with replacement from the list
+    are appended while the total stays <= the target (the first draw that would exceed it ends
+    the list); above it, pods drawn uniformly are removed until the total is <= the target.
+    Copies get names `<name>#<k>` unique in the list."""
     total = sum(p.gpu_demand for p in pods)
+    if total <= 0:
+        raise SimulationError("the pod list asks for no GPU: the protocol brings its GPU demand to a share of the "
+                              "cluster's GPU capacity, which it never reaches")
     limit = ratio * capacity_milli
+    if total > limit:
+        out = list(pods)
+        while total > limit:
+            total -= out.pop(int(rng.integers(len(out)))).gpu_demand
+        return out
+    out = list(pods)
+    names = {p.name for p in pods}
     k = 0
     while True:
         p = pods[int(rng.integers(len(pods)))]
         if total + p.gpu_demand > limit:
             break
         k += 1
-        out.append(dataclasses.replace(p, name=f"{p.name}#{k}"))
+        name = f"{p.name}#{k}"
+        while name in names:  # (a trace's own name of that form)
+            name += "#"
+        names.add(name)
+        out.append(dataclasses.replace(p, name=name))
         total += p.gpu_demand
-        if k > 50 * len(pods) + 1000 and not p.gpu_demand:
-            break  # a list of CPU-only pods never reaches a GPU demand target
     return out
 
 

@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Any
@@ -34,7 +35,7 @@ from typing import Any
 from dynpart.catalog import Catalog, GpuModel, load_catalog
 from dynpart.errors import DynpartError
 from dynpart.planner.demand import check_workload
-from dynpart.resources import MpsResource, parse_resource
+from dynpart.resources import MigResource, MpsResource, parse_resource
 from dynpart.settings import PlannerSettings, default_planner_settings, load_settings
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs import command_line, workloads
@@ -209,6 +210,19 @@ def _check_workload(planner: PlannerSettings, catalog: Catalog, config: str | No
         raise SimulationError(f"{source}: {doubtful[0]} (a simulated node offers only its catalog model's profiles)")
 
 
+def _check_workload_profiles(planner: PlannerSettings, parts: Sequence[Any], config: str | None) -> None:
+    """A MIG profile of the `workload` setting that no GPU of the replayed cluster offers (a
+    profile of another model: 1g.5gb on H100s) would count nowhere: refused, as a typo would be."""
+    offered = {p.name for part in parts if part.mode == "mig" for p in part.model.mig_profiles}
+    models = sorted({part.model.name for part in parts if part.mode == "mig"})
+    for i, share in enumerate(planner.workload):
+        kind = parse_resource(share.resource)
+        if isinstance(kind, MigResource) and kind.profile not in offered:
+            where = f"the replayed MIG GPUs ({', '.join(models)})" if models else "the replay (no MIG part)"
+            raise SimulationError(f"{config or 'the environment (DYNPART_PLANNER_WORKLOAD)'}: workload[{i}].resource = "
+                                  f"{share.resource!r}: MIG profile {kind.profile!r} is not offered by {where}")
+
+
 def run(args: argparse.Namespace) -> int:
     catalog: Catalog = load_catalog(args.catalog)
     policies = [s.strip() for s in args.policy.split(",") if s.strip()]
@@ -227,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
                          mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay, planner=planner)
     base.check()
     parts, spec = _parts(args, catalog, "static" in policies)
+    _check_workload_profiles(planner, parts, args.planner_config)
     out = report.out_dir(args.out) if args.out else None  # a bad --out is found before the run
     jobs: list[Job] = []
     for k, part in enumerate(parts):

@@ -64,7 +64,9 @@ def request_for(pod: TracePod, model: GpuModel, mode: str, rule: str = "compute"
         return mig_resource_name(profile), pod.num_gpu
     if not pod.is_share:
         return WHOLE_GPU, pod.num_gpu
-    return mps_resource_name(max(1, math.ceil(pod.gpu_milli * model.mps_capacity_gb / MILLI - 1e-9))), 1
+    # the whole GB within its share, at least 1: k pods of 1/k share fit a GPU, as they did on the
+    # traced cluster (rounded up, two half-GPU pods would not fit the 79 GiB of an H100)
+    return mps_resource_name(max(1, math.floor(pod.gpu_milli * model.mps_capacity_gb / MILLI + 1e-9))), 1
 
 
 def _named(pod: TracePod, model: GpuModel, mode: str) -> str:

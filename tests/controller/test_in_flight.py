@@ -517,3 +517,229 @@ async def test_losing_the_lease_forgets_the_events_posted_as_leader(make):
     assert len(c.events) == 1
     c.set_leading(False)
     assert len(c.events) == 0
+
+
+# --- reviews: ping-pong, deleted nodes, late specs, the planning thread, ended pods ----------------
+
+
+def acked(name: str, plan_id: str, pods: str = "ml/x", term: int | None = None) -> dict[str, Any]:
+    """A node whose agent acknowledged `plan_id`, which put `pods` on its free 1g.10gb."""
+    status = encode_status(NodeLayout(node=name, mode="mig", gpus=[GpuLayout(index=0, mig=[
+        MigInstance(profile="1g.10gb", start=0)])]), plan_id)
+    spec = {"dynpart.io/spec-plan": plan_id, "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "1@0",
+            SPEC_PODS: pods, **({SPEC_TERM: str(term)} if term is not None else {})}
+    return node(name, annotations={**status, **spec})
+
+
+async def test_a_pod_two_acknowledged_specs_name_is_reserved_once_on_the_newer(make):
+    """x is named by a's older spec and b's newer one (its reservation on a lapsed, it was planned
+    on b): reserved once, on b, never again on a then b then a... after each lapse."""
+    t = [0.0]
+    c = make([acked("a", "19a0000000-1.0"), acked("b", "19b0000000-4.0")], Lead(term=3))
+    c.clock = lambda: t[0]
+    c.pods.cache["ml/x"] = pod("x", {"nvidia.com/mig-1g.10gb": "1"})
+    seen = []
+    for _ in range(6):
+        seen.append(c._reservations().get("ml/x"))
+        t[0] += c.settings.reservation_s + 1
+    assert seen == ["b", None, None, None, None, None]
+    assert c._reserved_for["ml/x"] == {"19b0000000-4.0"}
+    # a higher term is newer whatever the clocks of the replicas that wrote the ids
+    c = make([acked("a", "19f0000000-1.0", term=5), acked("b", "19b0000000-4.0", term=4)], Lead(term=5))
+    c.pods.cache["ml/x"] = pod("x", {"nvidia.com/mig-1g.10gb": "1"})
+    assert c._reservations() == {"ml/x": "a"}
+
+
+async def test_a_node_deleted_with_a_revocation_in_flight_can_be_planned_when_it_comes_back(make):
+    """The revocation waits for an agent that will never answer; the node is deleted and made again
+    under its name: the new node is planned (it was left out for as long as the replica led)."""
+    t = [0.0]
+    old = reported("n1", {"dynpart.io/spec-plan": "rev1"})
+    c = make([old], Lead(term=3))
+    c.clock = lambda: t[0]
+    c.in_flight["n1"] = InFlight("rev1", 0.0, set(), revoking=True)
+    del c.nodes.cache["n1"]
+    c._on_node("DELETED", old)
+    t[0] = 3600.0
+    await c._expire_acks(t[0])
+    fresh = node("n1", count=1, annotations=encode_status(NodeLayout(node="n1", mode="mig", gpus=[]), None))
+    c.nodes.cache["n1"] = fresh
+    c._on_node("ADDED", fresh)
+    assert c.in_flight == {} and c._awaiting_from_annotations() == set()
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    await c.plan_round()
+    assert [n for n, _ in c.written] == ["n1"]
+
+
+async def test_a_node_deleted_with_a_plan_in_flight_gives_its_pods_back_at_once(make):
+    """Nothing will apply the plan: its pods join the batch now, each told why (PlanNotApplied),
+    the reservations on the node end without a back-off, and nothing is revoked or waited for."""
+    n1, n2 = reported("n1", {"dynpart.io/spec-plan": "p1", SPEC_PODS: "ml/a"}), reported("n2")
+    c = make([n1, n2], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    c.pods.cache["ml/b"] = pod("b", {"nvidia.com/mig-1g.10gb": "1"})
+    c.loop.written("n1", "p1", ["ml/a"], 0.0)
+    c.loop.reserve("ml/b", "n1", 0.0)
+    del c.nodes.cache["n1"]
+    c._on_node("DELETED", n1)
+    assert c.in_flight == {} and c.reserved == {} and {"ml/a", "ml/b"} <= c.window.members
+    await c._expire_acks(now=1.0)
+    assert c.written == [] and [r for r, _ in c.posted] == ["PlanNotApplied"]
+    assert "node n1 (plan p1)" in c.posted[0][1] and "the node was deleted" in c.posted[0][1]
+    assert c.loop.avoid == {} and c.loop.lapsed == {}
+
+
+async def test_a_late_spec_of_an_earlier_leader_for_pods_planned_elsewhere_is_revoked_not_adopted(make):
+    """This leader (term 3) has x in flight on b. A deposed leader's (term 2) spec for x lands late
+    on a: adopting it would have a's agent apply it too, x planned on two nodes. It is revoked."""
+    late = reported("a", {"dynpart.io/spec-plan": "l1.0", SPEC_TERM: "2", SPEC_PODS: "ml/x"})
+    mine = reported("b", {"dynpart.io/spec-plan": "l2.0", SPEC_TERM: "3", SPEC_PODS: "ml/x"})
+    c = make([late, mine], Lead(term=3))
+    assert c._awaiting_from_annotations() == {"a", "b"}
+    await c._adopt()
+    [(name, patch)] = c.written
+    assert name == "a" and patch["dynpart.io/spec-revokes"] == "l1.0" and patch[SPEC_TERM] == "3"
+    assert patch[SPEC_PODS] is None
+    assert c.in_flight["a"].revoking and c.in_flight["a"].pods == set() and c.in_flight["b"].pods == {"ml/x"}
+    assert [r for r, _ in c.posted] == ["PlanRevoked"] and "ml/x already planned elsewhere" in c.posted[0][1]
+    # a pod reserved elsewhere counts as held too; a late spec whose pods nobody holds is adopted
+    c = make([reported("a", {"dynpart.io/spec-plan": "l1.0", SPEC_TERM: "2", SPEC_PODS: "ml/x,ml/y"})], Lead(term=3))
+    c.loop.reserve("ml/y", "b", 0.0)
+    c._awaiting_from_annotations()
+    assert c._to_revoke == {"a"} and c._to_adopt == set() and "a" not in c.in_flight
+    c = make([reported("a", {"dynpart.io/spec-plan": "l1.0", SPEC_TERM: "2", SPEC_PODS: "ml/y"})], Lead(term=3))
+    c._awaiting_from_annotations()
+    assert c._to_adopt == {"a"} and c.in_flight["a"].pods == {"ml/y"}
+
+
+async def test_an_unacknowledged_revocation_found_after_a_failover_is_not_revoked_again(make):
+    """A new leader finds a revocation its agent has not acknowledged (spec-revokes): it is in
+    flight as a revocation, left waiting for its agent, never revoked in turn after ack_timeout_s."""
+    spec = {"dynpart.io/spec-plan": "r1", "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "1@0",
+            SPEC_TERM: "3", "dynpart.io/spec-revokes": "p1"}
+    c = make([reported("n1", spec)], Lead(term=3), ack_timeout_s=1.0)
+    assert c._awaiting_from_annotations() == {"n1"} and c.in_flight["n1"].revoking
+    await c._expire_acks(now=c.clock() + 1000.0)
+    assert c.written == [] and c.posted == []
+
+
+async def test_drains_decided_while_the_lease_was_lost_are_kept_by_no_one(make, monkeypatch):
+    """The plan runs in a thread; meanwhile the event loop learns the lease is lost and clears the
+    loop's leader state. The round neither writes nor brings its drain decisions back (the thread
+    planned with copies, not with the dictionaries the event loop cleared)."""
+    from dynpart.planner.drain import Drain
+
+    c = make([reported("n1")], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+    c.loop.drain_flagged["n9"] = {0}
+    seen = []
+    decide_with = c.loop.decide_with
+
+    def planning_thread(snapshot, catalog, state):
+        c.set_leading(False)  # as the event loop would, while the thread plans
+        seen.append(dict(state.flagged))
+        state.drains["ml/z"] = Drain("ml/z", "n1", (1,))
+        return decide_with(snapshot, catalog, state)
+
+    monkeypatch.setattr(c.loop, "decide_with", planning_thread)
+    await c.plan_round()
+    assert seen == [{"n9": {0}}], "the thread's copy is not cleared under it"
+    assert c.written == [] and c.loop.drains == {} and c.loop.drain_flagged == {}
+
+
+async def test_pods_that_ended_are_not_watched_and_one_that_ends_is_let_go(make):
+    """The pod watch leaves out Succeeded and Failed pods (they hold nothing, and were cached for
+    ever); a pod that ends then arrives as DELETED: its reservation ends, with no back-off."""
+    from dynpart.planner.controller import LIVE_PODS
+
+    c = make([reported("n1")], Lead(term=3))
+    assert c.pods.kwargs["field_selector"] == LIVE_PODS == "status.phase!=Succeeded,status.phase!=Failed"
+    a = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    c.pods.cache["ml/a"] = a
+    c.loop.reserve("ml/a", "n1", c.clock())
+    assert c._reservations() == {"ml/a": "n1"}
+    del c.pods.cache["ml/a"]
+    c._on_pod("DELETED", {**a, "status": {"phase": "Failed"}})
+    assert c._reservations() == {} and c.loop.avoid == {} and c.loop.lapsed == {}
+
+
+def test_a_pod_whose_reservations_keep_lapsing_is_left_out_pod_wide_for_a_while():
+    """Something the planner does not model (a volume in another zone...) keeps the pod from
+    binding wherever its slices are made: after POD_LAPSES lapses, on any nodes, it is left out of
+    the plans for POD_BACKOFF_MIN_S, twice as long after each further lapse, at most an hour; said
+    once per back-off; a change of the pod, or its binding, starts it again from nothing."""
+    from dynpart.planner.loop import POD_BACKOFF_MAX_S, POD_BACKOFF_MIN_S, POD_LAPSES, PlanningLoop
+    from dynpart.snapshot import PendingPod, Snapshot
+
+    loop = PlanningLoop(PlannerSettings(reservation_s=15.0))
+    snap = Snapshot(nodes=[], pending=[PendingPod(name="ml/a", resource="nvidia.com/mig-1g.10gb")])
+    loop.pod_waiting("ml/a", 0.0, version="v1")
+    now, delays = 0.0, []
+    for i in range(12):
+        assert [p.name for p in loop.prepare(snap, now).pending] == ["ml/a"]
+        loop.reserve("ml/a", f"n{i % 4}", now)
+        now += 16.0
+        loop.reservations(now, lambda key: False)
+        started = loop.take_backoffs_started()
+        if i + 1 < POD_LAPSES:
+            assert not started and not loop.backing_off(now)
+            continue
+        [(key, b)] = started
+        assert key == "ml/a" and b.lapses == i + 1 and b.nodes[:3] == ["n0", "n1", "n2"]
+        delays.append(b.delay)
+        assert loop.prepare(snap, now).pending == [] and loop.prepare(snap, b.until - 0.1).pending == []
+        now = b.until
+    assert delays[:4] == [POD_BACKOFF_MIN_S, 2 * POD_BACKOFF_MIN_S, 4 * POD_BACKOFF_MIN_S, 8 * POD_BACKOFF_MIN_S]
+    assert max(delays) == delays[-1] == POD_BACKOFF_MAX_S == 3600.0
+    assert loop.take_backoffs_started() == []
+    loop.pod_waiting("ml/a", now, version="v1")
+    assert loop.lapsed["ml/a"].lapses == 12, "the same pod: its lapses stay"
+    loop.pod_waiting("ml/a", now, version="v2")
+    assert "ml/a" not in loop.lapsed, "changed: from nothing again"
+    loop.reserve("ml/a", "n0", now)
+    loop.reservations(now + 16.0, lambda key: False)
+    loop.pod_done("ml/a")
+    assert "ml/a" not in loop.lapsed
+
+
+async def test_a_pod_that_never_binds_where_its_slices_are_made_is_told_and_left_alone(make):
+    """The controller posts one SlicesNotTaken Warning when the pod-wide back-off starts, saying
+    that something else keeps the pod pending and when it is planned again; meanwhile no plan
+    reconfigures a GPU for it."""
+    from dynpart.planner.loop import POD_BACKOFF_MIN_S
+
+    t = [1000.0]
+    free = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0)]), "p0")
+    c = make([node(f"n{i}", count=1, annotations={**free, "dynpart.io/spec-plan": "p0"}) for i in range(4)], Lead(term=3))
+    c.clock = lambda: t[0]
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    for _ in range(3):  # planned, acknowledged at once, never bound
+        await c.plan_round()
+        name, patch = c.written[-1]
+        c.in_flight.clear()
+        c.loop.reserve("ml/a", name, t[0])
+        t[0] += c.settings.reservation_s + 1
+    written = len(c.written)
+    await c.plan_round()
+    [message] = [m for r, m in c.posted if r == "SlicesNotTaken"]
+    assert "kept GPU slices for this pod 3 times" in message and "something other than GPU slices" in message
+    assert f"plans it again after {POD_BACKOFF_MIN_S:g} s, at " in message
+    t[0] += POD_BACKOFF_MIN_S / 2
+    await c.plan_round()
+    assert len(c.written) == written and [r for r, _ in c.posted].count("SlicesNotTaken") == 1
+    t[0] += POD_BACKOFF_MIN_S
+    await c.plan_round()
+    assert len(c.written) == written + 1, "planned again once the back-off is over"
+
+
+async def test_a_plan_keeps_the_gpus_it_cannot_read_as_they_are(make):
+    """GPU 0 holds an instance under a name the planner's model lacks (a newer agent's report it
+    cannot read): the plan written for GPU 1 asks for GPU 0's instances as they are, not for
+    GPU 0 empty."""
+    status = {**encode_status(NodeLayout(node="n1", mode="mig", gpus=[]), "p0"), "dynpart.io/spec-plan": "p0",
+              "dynpart.io/status-gpu-0-7g.79gb-used": "1@0", "dynpart.io/status-capability": '{"v": 2}'}
+    c = make([node("n1", count=2, annotations=status)], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+    await c.plan_round()
+    [(name, patch)] = c.written
+    assert patch["dynpart.io/spec-gpu-0-7g.79gb"] == "1@0" and patch["dynpart.io/spec-gpu-1-3g.40gb"]

@@ -414,7 +414,11 @@ class SimNode:
         if len(free) < count:
             return None
         holdings = []
-        for dev_id, gpu, gi_id in sorted(free, key=lambda d: (d[1], d[0]))[:count]:
+        # as the kubelet takes what the agent's plugin prefers (GetPreferredAllocation,
+        # `packed_first`): the GPUs with the most devices held first, then by index, then as listed
+        held = Counter(h.gpu for hs in self.holdings.values() for h in hs)
+        order = sorted(range(len(free)), key=lambda i: (-held[free[i][1]], free[i][1], i))
+        for dev_id, gpu, gi_id in [free[i] for i in order][:count]:
             h = Holding(resource, dev_id, gpu, gi_id)
             if isinstance(parse_resource(resource), MigResource):
                 h.pid = next(_pids)

@@ -129,3 +129,24 @@ def test_a_pod_asking_for_more_gpus_than_the_cap_drains_alone_and_none_overtakes
     round_at(lp, later, 150.0)
     round_at(lp, later, 300.0)
     assert list(lp.drains) == ["ml/first"]
+
+
+def test_a_round_planned_from_a_copy_keeps_nothing_of_a_lost_lease_or_a_deleted_node():
+    """The controller plans in a thread with a copy of the drains (`drain_state`, `decide_with`)
+    and keeps what it decided (`commit`) only if the lease was not lost meanwhile, and without the
+    drains of a node deleted meanwhile: the event loop may clear them while the thread plans."""
+    lp = loop()
+    snap = Snapshot(nodes=[BUSY], pending=[WHOLE])
+    round_at(lp, snap, 0.0)
+    prepared = lp.prepare(snap, 100.0)
+    state = lp.drain_state()
+    lp.forget_leader_state()  # the lease lost while the thread plans
+    lp.decide_with(prepared, CAT, state)
+    assert state.drains and not lp.commit(state) and not lp.drains and not lp.drain_flagged
+    state = lp.drain_state()
+    lp.decide_with(prepared, CAT, state)
+    lp.node_gone("n0", 100.0)  # deleted while the thread plans
+    assert lp.commit(state) and not lp.drains and not lp.drain_flagged
+    state = lp.drain_state()
+    lp.decide_with(prepared, CAT, state)
+    assert lp.commit(state) and list(lp.drains) == ["ml/big"] and lp.drain_flagged == {"n0": {1}}

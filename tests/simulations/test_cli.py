@@ -252,6 +252,11 @@ def test_simulate_checks_the_planners_workload_setting_before_any_replay(tmp_pat
     f.write_text("workload:\n- {resource: nvidia.com/foo}\n")
     assert main(["simulate", "--planner-config", str(f), "--mode", "mig"]) == 2
     assert f"{f}: setting workload: workload[0].resource: resource 'nvidia.com/foo' is not" in capsys.readouterr().err
+    # a profile of another model than the replayed one (A100-40GB's 1g.5gb on the built-in H100s)
+    f.write_text("workload:\n- {resource: nvidia.com/mig-1g.10gb}\n- {resource: nvidia.com/mig-1g.5gb}\n")
+    assert main(["simulate", "--planner-config", str(f), "--mode", "mig"]) == 2
+    assert ("workload[1].resource = 'nvidia.com/mig-1g.5gb': MIG profile '1g.5gb' is not offered by the replayed "
+            "MIG GPUs (H100-80GB)") in capsys.readouterr().err
 
 
 def test_a_reader_that_goes_away_loses_none_of_the_files(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dynpart.simulations import bridge
+from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.synthetic import synthetic_cluster, synthetic_trace
 from dynpart.simulations.packing.dynpart_packing import NO_GPU_SHARE, DynpartPacking, fgd_typical_pods, trace_workload
 from dynpart.simulations.packing.experiment import PackingJob, run_job, summarise
@@ -30,6 +31,34 @@ def test_tuned_workload_stays_under_the_target_and_keeps_every_pod():
     shuffled = packing_workload(pods, cap, 1.3, seed=42)
     assert shuffled == packing_workload(pods, cap, 1.3, seed=42)
     assert Counter(p.name for p in shuffled) != Counter(p.name for p in packing_workload(pods, cap, 1.3, seed=43))
+
+
+def test_a_list_above_the_target_is_tuned_down_and_copies_never_take_a_traces_own_name():
+    """The authors' simulator removes random pods from a list whose demand is above the target
+    (multigpu40/50 are); a copy's `<name>#<k>` must not collide with a pod the trace names so."""
+    pods = [pod(f"p{i}", gpus=2) for i in range(100)]  # 200,000 milli of demand
+    down = tuned(pods, 100 * 1000, 1.3, np.random.default_rng(1))
+    assert sum(p.gpu_demand for p in down) <= 130_000 and len(down) == 65
+    assert {p.name for p in down} <= {p.name for p in pods}  # a subset, no copies
+    named = [pod("x", milli=500), pod("x#1", milli=500)]
+    up = tuned(named, 10 * 1000, 1.3, np.random.default_rng(1))
+    assert len({p.name for p in up}) == len(up) and sum(p.gpu_demand for p in up) <= 13_000
+    with pytest.raises(SimulationError, match="asks for no GPU"):
+        tuned([pod("c", gpus=0)], 10 * 1000, 1.3, np.random.default_rng(1))
+
+
+def test_packing_matches_gpu_models_by_their_exact_name_and_bounds_no_mps_clients():
+    """The protocol takes a pod's gpu_spec as node-list names, exactly: `H100-80GB` is not `H100`,
+    though the catalog resolves both to one model (it used to crash). And it shares a GPU by milli
+    alone: 100 pods of 10 milli fit one GPU, whatever an MPS server's client limit is."""
+    spec = cluster(("n1", 1 << 30, 1, "H100"))
+    state = PackingState(spec)
+    policy = DynpartPacking(trace_workload([pod("a", milli=10)]))
+    pods = [pod("other-name", milli=500, spec=("H100-80GB",)), pod("lower", milli=500, spec=("h100",)),
+            pod("exact", milli=500, spec=("H100", "T4"))]
+    assert policy.place_batch(state, pods) == [False, False, True]
+    tiny = [pod(f"t{i}", milli=5, cpu=1, mem=1) for i in range(100)]
+    assert all(policy.place_batch(state, tiny))
 
 
 class Recording:

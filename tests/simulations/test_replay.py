@@ -153,7 +153,10 @@ def test_mapping_rules(catalog):
     assert mig_profile_for(h100, 810) == "7g.80gb"
     assert mig_profile_for(h100, 200, "memory") == "1g.20gb"  # 2/8 memory slices, 1 compute
     assert request_for(pod("w", gpus=2), h100, "mig") == ("nvidia.com/mig-7g.80gb", 2)
-    assert request_for(pod("s", milli=470), h100, "mps") == ("nvidia.com/gpu-38gb", 1)  # ceil(0.47 x 79)
+    assert request_for(pod("s", milli=470), h100, "mps") == ("nvidia.com/gpu-37gb", 1)  # floor(0.47 x 79)
+    # two half-GPU pods fit one GPU, as on the traced cluster (rounded up: 40 + 40 > 79)
+    assert request_for(pod("s", milli=500), h100, "mps") == ("nvidia.com/gpu-39gb", 1)
+    assert request_for(pod("s", milli=5), h100, "mps") == ("nvidia.com/gpu-1gb", 1)
     assert request_for(pod("w", gpus=4), h100, "mps") == ("nvidia.com/gpu", 4)
     assert static_layout("all-7g", h100, "mig") == {"H100-80GB": "7g.80gb:1"}
     assert static_layout("mps-2", h100, "mps") == {"mps": "2"}
