@@ -32,3 +32,33 @@ RTX_PRO_6000 = GpuModel(
 )
 RTX_PRO_6000_NVML_NAME = "NVIDIA RTX PRO 6000 Blackwell Server Edition"
 RTX_PRO_6000_MEMORY_MIB = 97_887  # below the nominal 96 GiB, as real GPUs report (an assumption)
+
+
+# Two made-up MIG GPUs on which the rules that no real model makes bind do bind. On every catalog
+# model (and on RTX_PRO_6000) a profile's max count is the number of its starts that fit side by
+# side (or 1 for the `+me` ones, which the one-media-instance rule already caps) and the compute
+# slices of any non-overlapping set add up to no more than the GPU has: a driver double, or
+# MigRules, without those two rules would pass every test built on them alone.
+
+# The per-profile max count binds: four 1g.6gb fit side by side, two are allowed.
+CAPPED_1G = GpuModel(
+    name="Test-capped-1g", memory_gb=24, memory_slices=4, compute_slices=4,
+    mig_profiles=(
+        _p("1g.6gb", 14, "1_SLICE", 1, 1, 2, [0, 1, 2, 3]),
+        _p("2g.12gb", 5, "2_SLICE", 2, 2, 2, [0, 2]),
+        _p("4g.24gb", 0, "4_SLICE", 4, 4, 1, [0]),
+    ),
+)
+
+# The compute-slice total binds: 8 memory slices but 6 compute slices, every max count equal to
+# the number of starts that fit side by side, so only the compute total refuses 7 x 1g, 4 x 2g,
+# 2 x 4g, 4g + 2 x 2g.
+SHORT_COMPUTE = GpuModel(
+    name="Test-short-compute", memory_gb=80, memory_slices=8, compute_slices=6,
+    mig_profiles=(
+        _p("1g.10gb", 19, "1_SLICE", 1, 1, 8, [0, 1, 2, 3, 4, 5, 6, 7]),
+        _p("2g.20gb", 14, "2_SLICE", 2, 2, 4, [0, 2, 4, 6]),
+        _p("4g.40gb", 5, "4_SLICE", 4, 4, 2, [0, 4]),
+        _p("6g.80gb", 0, "6_SLICE", 6, 8, 1, [0]),
+    ),
+)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,7 +17,9 @@ from dynpart.agent.driver.interface import (
     GpuDriverError,
     MigModePending,
 )
-from dynpart.mig import Placement, feasible_geometries, is_valid_geometry, maximal_geometries
+from dynpart.mig import feasible_geometries, maximal_geometries
+from tests.gpus import CAPPED_1G, RTX_PRO_6000, SHORT_COMPUTE
+from tests.test_mig import _brute_force_valid
 
 from .conftest import A100, CATALOG, H100
 
@@ -63,6 +63,40 @@ def test_max_count():
     create(d2, 0, "3g.20gb", 0)
     create(d2, 0, "3g.20gb", 4)
     assert len(d2.layout(0)) == 2
+
+
+def test_a_profile_past_its_max_count_is_refused_though_its_slices_are_free():
+    """On every real GPU a profile's max count is as many as fit side by side, so the test above
+    cannot tell the rule from the overlap rule; CAPPED_1G (tests/gpus.py) allows two 1g.6gb of the
+    four that fit."""
+    d = FakeNvml(CAPPED_1G)
+    create(d, 0, "1g.6gb", 0)
+    create(d, 0, "1g.6gb", 1)
+    p = CAPPED_1G.profile("1g.6gb")
+    assert code_of(d.create_gpu_instance, 0, p.gi_profile_id, 2, 1) == INSUFFICIENT_RESOURCES
+    assert code_of(d.create_gpu_instance, 0, p.gi_profile_id, 3, 1) == INSUFFICIENT_RESOURCES
+    create(d, 0, "2g.12gb", 2)  # the free slices themselves are fine
+    assert d.layout(0) == [("1g.6gb", 0), ("1g.6gb", 1), ("2g.12gb", 2)]
+    assert [o.result for o in d.ops if o.op == "create_gi"] == [
+        "ok", "ok", INSUFFICIENT_RESOURCES, INSUFFICIENT_RESOURCES, "ok"]
+
+
+def test_instances_past_the_compute_slices_are_refused_though_memory_is_free():
+    """On every real GPU the compute slices of non-overlapping instances never add up to more than
+    it has; SHORT_COMPUTE (tests/gpus.py) has 8 memory slices and 6 compute slices."""
+    d = FakeNvml(SHORT_COMPUTE)
+    create(d, 0, "4g.40gb", 0)
+    create(d, 0, "2g.20gb", 4)  # 6 of 6 compute slices
+    p = SHORT_COMPUTE.profile("2g.20gb")
+    assert code_of(d.create_gpu_instance, 0, p.gi_profile_id, 6, 2) == INSUFFICIENT_RESOURCES
+    one = SHORT_COMPUTE.profile("1g.10gb")
+    assert code_of(d.create_gpu_instance, 0, one.gi_profile_id, 7, 1) == INSUFFICIENT_RESOURCES
+    assert d.layout(0) == [("4g.40gb", 0), ("2g.20gb", 4)]
+    d.destroy_compute_instance(0, d.gi_at(0, 4), 0)
+    d.destroy_gpu_instance(0, d.gi_at(0, 4))
+    create(d, 0, "1g.10gb", 6)
+    create(d, 0, "1g.10gb", 7)  # 4 + 1 + 1: back within the 6
+    assert d.layout(0) == [("4g.40gb", 0), ("1g.10gb", 6), ("1g.10gb", 7)]
 
 
 def test_compute_instance_rules():
@@ -153,37 +187,55 @@ def test_crash_after():
     d.create_compute_instance(0, gi, 7)  # one crash only
 
 
-@pytest.mark.parametrize("model", [m for m in CATALOG.models.values() if m.supports_mig], ids=lambda m: m.name)
-def test_every_maximal_geometry_can_be_created_in_any_order(model):
-    """With explicit placements, the creation order does not matter (unlike nos/mig-parted)."""
+MADE_UP = [CAPPED_1G, SHORT_COMPUTE]  # where the max-count and compute-total rules bind (tests/gpus.py)
+MIG_MODELS = [*(m for m in CATALOG.models.values() if m.supports_mig), RTX_PRO_6000, *MADE_UP]
+
+
+@pytest.mark.parametrize("model", MIG_MODELS, ids=lambda m: m.name)
+def test_every_maximal_geometry_can_be_created_and_then_takes_no_more_instances(model):
+    """The fake accepts one placement of every maximal geometry (the search's answer, `MigRules.
+    can_add`) and then refuses every profile at every legal start, as the driver would (maximal:
+    no profile fits in any placement), in agreement with the brute-force reading of the rules.
+    (The fake checks the whole set on each create, so the order of creation cannot matter to it.)"""
     for counts in maximal_geometries(model):
-        geometry = None
-        for g in feasible_geometries(model, [n for n, _ in counts]):
-            if sorted((n for n, _ in g)) == sorted(n for n, c in counts for _ in range(c)):
-                geometry = sorted(g, key=lambda x: x.start)
-                break
-        assert geometry is not None
-        for order in itertools.islice(itertools.permutations(geometry), 0, None, 97):
-            d = FakeNvml(model)
-            for placement in order:
-                create(d, 0, placement.profile, placement.start)
-            assert d.layout(0) == [(p.profile, p.start) for p in geometry]
+        wanted = sorted(n for n, c in counts for _ in range(c))
+        geometry = next(sorted(g, key=lambda x: x.start) for g in feasible_geometries(model, [n for n, _ in counts])
+                        if sorted(n for n, _ in g) == wanted)
+        d = FakeNvml(model)
+        for placement in geometry:
+            create(d, 0, placement.profile, placement.start)
+        assert d.layout(0) == [(p.profile, p.start) for p in geometry]
+        assert _brute_force_valid(model, geometry), counts
+        for p in model.mig_profiles:
+            for start in p.starts:
+                assert not _brute_force_valid(model, [*geometry, (p.name, start)]), (counts, p.name, start)
+                assert code_of(d.create_gpu_instance, 0, p.gi_profile_id, start, p.memory) == INSUFFICIENT_RESOURCES
+        assert d.layout(0) == [(p.profile, p.start) for p in geometry]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.data())
-def test_fake_accepts_exactly_the_valid_geometries(data):
-    model = data.draw(st.sampled_from([H100, A100, CATALOG.resolve("A30-24GB")]))
-    geometries = feasible_geometries(model)
-    g = data.draw(st.sampled_from(geometries))
+def test_fake_accepts_exactly_what_a_brute_force_reading_of_the_rules_accepts(data):
+    """Creates in a drawn order, legal starts or not, each checked against `_brute_force_valid`
+    (tests/test_mig.py: the rules written out without MigRules, which the fake itself calls):
+    accepted exactly when the instances so far plus the new one are valid; refused with
+    INVALID_ARGUMENT for a start the profile does not have, else INSUFFICIENT_RESOURCES."""
+    model = data.draw(st.sampled_from(MIG_MODELS) | st.sampled_from(MADE_UP), label="model")  # made-up ones: half
+    legal = [(p.name, s) for p in model.mig_profiles for s in p.starts]
+    anywhere = [(p.name, s) for p in model.mig_profiles for s in range(model.memory_slices - p.memory + 1)]
+    tries = data.draw(st.lists(st.one_of(st.sampled_from(legal), st.sampled_from(anywhere)), max_size=16), label="tries")
     d = FakeNvml(model)
-    for p in sorted(g, key=lambda p: -p.start):
-        create(d, 0, p.profile, p.start)
-    extra = data.draw(st.sampled_from(model.mig_profiles))
-    start = data.draw(st.sampled_from(extra.starts))
-    valid = is_valid_geometry(model, [*g, Placement(extra.name, start)])
-    try:
-        d.create_gpu_instance(0, extra.gi_profile_id, start, extra.memory)
-        assert valid
-    except GpuDriverError as e:
-        assert not valid and e.code == INSUFFICIENT_RESOURCES
+    held: list[tuple[str, int]] = []
+    for name, start in tries:
+        p = model.profile(name)
+        valid = _brute_force_valid(model, [*held, (name, start)])
+        try:
+            gi = d.create_gpu_instance(0, p.gi_profile_id, start, p.memory)
+        except GpuDriverError as e:
+            assert not valid, (held, name, start, e)
+            assert e.code == (INSUFFICIENT_RESOURCES if start in p.starts else INVALID_ARGUMENT), (held, name, start)
+            continue
+        assert valid, (held, name, start)
+        d.create_compute_instance(0, gi, p.compute)
+        held.append((name, start))
+    assert d.layout(0) == sorted(held, key=lambda x: (x[1], x[0]))

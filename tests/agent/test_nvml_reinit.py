@@ -10,34 +10,62 @@ import pytest
 
 from dynpart.agent.driver.interface import GpuDriverError
 
+_MESSAGES = {1: "Uninitialized", 3: "Not Supported", 15: "GPU is lost"}  # pynvml's texts
+
 
 class _NVMLError(Exception):
     def __init__(self, value: int):
         self.value = value
-        super().__init__(f"NVML error {value}")
+        super().__init__(_MESSAGES.get(value, f"NVML error {value}"))
 
 
 def fake_pynvml() -> types.ModuleType:
+    """Two GPUs. One put in `state["lost"]` has fallen off the bus (Xid 79): every call on it
+    fails with GPU_IS_LOST, and it stays lost across nvmlShutdown/nvmlInit, as a real one does
+    until a GPU reset or a reboot; the other GPU answers throughout."""
     nv = types.ModuleType("pynvml")
     nv.NVMLError = _NVMLError  # type: ignore[attr-defined]  # module attributes set by hand
+    nv.NVMLError_NotSupported = type("NotSupported", (_NVMLError,), {})  # type: ignore[attr-defined]
     nv.NVML_ERROR_UNINITIALIZED = 1  # type: ignore[attr-defined]  # as in nvml.h
+    nv.NVML_ERROR_NOT_SUPPORTED = 3  # type: ignore[attr-defined]  # as in nvml.h
     nv.NVML_ERROR_GPU_IS_LOST = 15  # type: ignore[attr-defined]  # as in nvml.h
-    state = {"inits": 0, "shutdowns": 0, "lost": False}
+    nv.NVML_DEVICE_MIG_DISABLE, nv.NVML_DEVICE_MIG_ENABLE = 0, 1  # type: ignore[attr-defined]  # as in nvml.h
+    lost: set[int] = set()
+    state = {"inits": 0, "shutdowns": 0, "lost": lost}
     nv.state = state  # type: ignore[attr-defined]  # the test reads it
 
     def init() -> None:
-        state["inits"] += 1
-        state["lost"] = False
+        state["inits"] += 1  # (a lost GPU stays lost: a re-init does not bring it back)
 
     def shutdown() -> None:
         state["shutdowns"] += 1
 
     def count() -> int:
-        if state["lost"]:
-            raise _NVMLError(15)
         return 2
 
+    def handle(index: int) -> str:
+        if index in lost:
+            raise _NVMLError(15)
+        return f"gpu{index}"
+
+    def on_gpu(value: object) -> object:
+        def call(h: str, *args: object) -> object:
+            if int(h.removeprefix("gpu")) in lost:
+                raise _NVMLError(15)
+            return value
+        return call
+
+    def not_supported(h: str) -> object:
+        raise nv.NVMLError_NotSupported(3)
+
     nv.nvmlInit, nv.nvmlShutdown, nv.nvmlDeviceGetCount = init, shutdown, count  # type: ignore[attr-defined]  # see above
+    nv.nvmlDeviceGetHandleByIndex = handle  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetName = on_gpu("NVIDIA H100 80GB HBM3")  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetUUID = on_gpu("GPU-f270ccfa")  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetMemoryInfo = on_gpu(types.SimpleNamespace(total=81559 << 20))  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetMigMode = on_gpu((0, 0))  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetRemappedRows = on_gpu((0, 0, 0, 0))  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetRetiredPagesPendingStatus = not_supported  # type: ignore[attr-defined]  # as on an H100
     return nv
 
 
@@ -48,12 +76,24 @@ def test_nvml_is_started_again_after_the_gpu_is_lost(monkeypatch: pytest.MonkeyP
 
     driver = RealNvml()
     assert driver._call(nv.nvmlDeviceGetCount) == 2 and nv.state["inits"] == 1
-    nv.state["lost"] = True  # the driver loses the GPU (or is reloaded)
+    assert [d.index for d in driver.devices()] == [0, 1] and driver.health(1) is None
+    nv.state["lost"].add(1)  # GPU 1 falls off the bus
     with pytest.raises(GpuDriverError) as e:
-        driver._call(nv.nvmlDeviceGetCount)
+        driver._call(nv.nvmlDeviceGetHandleByIndex, 1)
     assert e.value.code == "GPU_IS_LOST"
-    assert driver._call(nv.nvmlDeviceGetCount) == 2, "the next call starts NVML again"
+    assert driver._call(nv.nvmlDeviceGetHandleByIndex, 0) == "gpu0", "the next call starts NVML again"
     assert (nv.state["inits"], nv.state["shutdowns"]) == (2, 1)
+    # started again, NVML still cannot reach the lost GPU, and the driver says so every time
+    with pytest.raises(GpuDriverError) as e:
+        driver._call(nv.nvmlDeviceGetHandleByIndex, 1)
+    assert e.value.code == "GPU_IS_LOST"
+    with pytest.raises(GpuDriverError) as e:
+        driver.devices()  # (one lost GPU fails the whole list, as FakeNvml.devices plays it)
+    assert e.value.code == "GPU_IS_LOST"
+    assert (nv.state["inits"], nv.state["shutdowns"]) == (3, 2)  # started again before each of them
+    assert driver.health(1) == "NVML cannot read it: GPU is lost"
+    assert driver.health(0) is None  # the other GPU is fine
+    assert driver._call(nv.nvmlDeviceGetCount) == 2 and (nv.state["inits"], nv.state["shutdowns"]) == (4, 3)
 
 
 def test_processes_of_a_gpu_instance_are_read_on_every_compute_instance():

@@ -8,7 +8,7 @@ from dynpart.catalog import default_catalog
 from dynpart.mig import geometry_violations
 from dynpart.resources import MigResource, MpsResource, parse_resource
 from dynpart.scheduling import affinity_admits, untolerated_taint
-from dynpart.snapshot import Plan, Snapshot, full_layout, gpu_capacity
+from dynpart.snapshot import MpsSlice, Plan, Snapshot, full_layout, gpu_capacity
 
 
 def check_plan(snap: Snapshot, plan: Plan) -> None:
@@ -32,6 +32,7 @@ def check_plan(snap: Snapshot, plan: Plan) -> None:
                         assert (inst.profile, inst.start) in kept, f"used {inst} on {node.name}/{gl.index} moved"
             else:
                 assert sum(s.size for s in gl.mps) <= gpu_capacity(cur, model)
+                check_mps_clients(model.mps_max_clients, cur.mps, gl.mps, f"{node.name}/{gl.index}")
                 used_before = Counter(s.size for s in cur.mps if s.used)
                 used_after = Counter(s.size for s in gl.mps if s.used)
                 assert used_before == used_after, f"used MPS slices changed on {node.name}/{gl.index}"
@@ -72,3 +73,19 @@ def check_plan(snap: Snapshot, plan: Plan) -> None:
     assert set(taken) <= placed
     assert {u.pod for u in plan.unplaced} | placed == set(pods)
     assert plan.stats.placed == len(placed) <= plan.stats.placed_upper_bound
+
+
+def check_mps_clients(limit: int | None, before: list[MpsSlice], after: list[MpsSlice], where: str) -> None:
+    """An MPS server serves at most `limit` clients (catalog `mps_max_clients`; None: no bound):
+    a GPU holds at most that many slices, and at most that many held by pods (in use, or planned
+    for one). A GPU already past it (laid out before the bound, or by hand) may keep what it has
+    but gets no new slice, and no pod beyond what it serves already."""
+    if limit is None:
+        return
+    held_before = sum(1 for s in before if s.used or s.pod)
+    held_after = sum(1 for s in after if s.used or s.pod)
+    assert held_after <= max(limit, held_before), (
+        f"{where}: {held_after} slices held by pods, its MPS server serves {limit} (it held {held_before})")
+    kept_only = Counter(s.size for s in after) <= Counter(s.size for s in before)
+    assert len(after) <= limit or kept_only, (
+        f"{where}: {len(after)} slices (from {len(before)}), its MPS server serves {limit}: new slices past the bound")
