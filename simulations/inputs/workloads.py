@@ -273,8 +273,8 @@ def generate(spec: WorkloadSpec, catalog: Catalog) -> list[WorkloadPart]:
         pods = []
         for i, (t, d, name) in enumerate(zip(arrivals, durations, picks)):
             gb = int(name[:-2])
-            # rounded down, so that the GB the replay reads back from the fraction (rounded up) is `gb`
-            milli = min(MILLI, gb * MILLI // model.mps_capacity_gb)
+            # rounded up, so that the GB the replay reads back from the fraction (rounded down) is `gb`
+            milli = min(MILLI, -(-gb * MILLI // model.mps_capacity_gb))
             cpu = 2000 * max(1, math.ceil(gb / 10))
             pods.append(TracePod(f"mps-{i:05d}", cpu, cpu // 1000 * 8192, 1, milli, (),
                                  int(t), int(t) + int(d), i + 1, name))
