@@ -325,9 +325,8 @@ class FakeNvml:
 
     def _gi_id(self, gpu: _FakeGpu, start: int, size: int) -> int:
         if self.model.memory_slices == 8 and size in (1, 2, 4, 8):
-            gi_id = {8: 0, 4: 1 + start // 4, 2: 3 + start // 2, 1: 7 + start}[size]
-            if gi_id not in gpu.gis:  # (always, the placement rules holding)
-                return gi_id
+            # one id per placement: instances on the GPU never overlap, so never the same id
+            return {8: 0, 4: 1 + start // 4, 2: 3 + start // 2, 1: 7 + start}[size]
         return next(i for i in range(len(gpu.gis) + 1) if i not in gpu.gis)
 
     def _gpu(self, index: int) -> _FakeGpu:

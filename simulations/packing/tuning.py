@@ -23,12 +23,11 @@ def tuned(pods: Sequence[TracePod], capacity_milli: int, ratio: float, rng: np.r
         raise SimulationError("the pod list asks for no GPU: the protocol brings its GPU demand to a share of the "
                               "cluster's GPU capacity, which it never reaches")
     limit = ratio * capacity_milli
+    out = list(pods)
     if total > limit:
-        out = list(pods)
         while total > limit:
             total -= out.pop(int(rng.integers(len(out)))).gpu_demand
         return out
-    out = list(pods)
     names = {p.name for p in pods}
     k = 0
     while True:
