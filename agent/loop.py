@@ -41,7 +41,7 @@ from dynpart.agent.mps_daemon import MpsDaemon
 from dynpart.agent.mps_plugin import MpsPluginAgent
 from dynpart.agent.nodepods import NodePods
 from dynpart.agent.podresources import PodResources
-from dynpart.annotations import DecodedSpec, annotation_patch, decode_spec, encode_status, format_heartbeat, is_plan_id
+from dynpart.annotations import MAX_GPU_INDEX, DecodedSpec, annotation_patch, decode_spec, encode_status, format_heartbeat, is_plan_id
 from dynpart.capability import encode_capability, node_model
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
@@ -55,6 +55,7 @@ from dynpart.kube.conventions import (
     STATUS_HEARTBEAT,
     STATUS_PLAN,
     STATUS_PREFIX,
+    STATUS_UNHEALTHY,
 )
 from dynpart.kube.recording import EventRecorder
 from dynpart.kube.retrying import retrying
@@ -125,7 +126,8 @@ class Agent:
         self._cleared_plan: str | None = None  # the last spec plan id the fencing check let through
         self._heartbeat_at = -float("inf")  # time.monotonic() of the last status write with a heartbeat
         self._drain: tuple[int, ...] = ()  # the GPUs the spec applied last drains
-        self.unhealthy: dict[int, str] = {}  # GPU index -> why the driver says it is unhealthy (last views())
+        self.unhealthy: dict[int, str] = {}  # GPU index -> why the driver says it is unhealthy (last pass)
+        self._indices: set[int] = set()  # the GPU indices the driver has listed
         # early publishing (publish_allocatable): what the node's allocatable should show (the last
         # _publish's counts); a node that shows otherwise (the kubelet's own status write after its
         # restart, with no device yet) or a plugin's new registration wakes the publisher
@@ -263,10 +265,15 @@ class Agent:
         except DynpartError as e:
             # Not safe to act or to describe the GPUs: keep the last status, report the error.
             log.error("node %s: %s", self.node, e)
+            unhealthy = None
             if isinstance(e, GpuDriverError):
                 self._driver_replaced = self._driver_replaced + 1 if e.code in DRIVER_REPLACED else 0
                 await self._all_unhealthy(e)
-            return await self._report_failure(node, str(e))
+                # no GPU can be read: the planner is told that none can take a slice (every one
+                # the driver listed, and every one the last status reported)
+                unhealthy = self._indices | _status_gpus(node.annotations)
+                self.unhealthy = {i: f"NVML cannot read the GPUs ({e.code})" for i in sorted(unhealthy)}
+            return await self._report_failure(node, str(e), unhealthy)
         self._driver_replaced = 0
         try:
             self.model()  # a MIG mode changed by this pass changes what the driver lists: report it now
@@ -285,6 +292,12 @@ class Agent:
         applied = result.applied and layout is not None and not waiting
         if result.applied and layout is not None and waiting:
             errors += [f"plan {spec.plan_id} is not acknowledged yet: {w}" for w in waiting]
+        if not self._serving():
+            # NVIDIA's plugin serves the node (it reads health itself): read it for the planner
+            try:
+                self.unhealthy = self._health()
+            except GpuDriverError as e:
+                log.warning("node %s: reading the GPUs' health: %s", self.node, e)
         for index, why in sorted(self.unhealthy.items()):
             errors.append(f"GPU {index} is unhealthy ({why}): its devices are advertised Unhealthy and no pod gets "
                           "them until it is reset")
@@ -292,7 +305,7 @@ class Agent:
         self._used_per_gpu = {g.index: sum(m.used for m in g.mig) + sum(x.used for x in g.mps) for g in result.gpus}
         ack = spec.plan_id if applied else node.annotations.get(STATUS_PLAN)
         status = encode_status(NodeLayout(node=self.node, mode=mode, gpus=result.gpus),
-                               _valid_or_none(ack), errors, self.now())
+                               _valid_or_none(ack), errors, self.now(), unhealthy=self.unhealthy)
         if self._capability is not None:
             status[STATUS_CAPABILITY] = self._capability
         await self._write(node, status)
@@ -395,6 +408,7 @@ class Agent:
         out = []
         unhealthy: dict[int, str] = {}
         for d in self.driver.devices():
+            self._indices.add(d.index)
             problem = self.driver.health(d.index)
             if problem:
                 unhealthy[d.index] = problem
@@ -408,6 +422,16 @@ class Agent:
                 view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.serves(d.uuid))
             out.append(view)
         self.unhealthy = unhealthy
+        return out
+
+    def _health(self) -> dict[int, str]:
+        """GPU index -> why the driver says it is unhealthy, for each GPU that is."""
+        out = {}
+        for d in self.driver.devices():
+            self._indices.add(d.index)
+            problem = self.driver.health(d.index)
+            if problem:
+                out[d.index] = problem
         return out
 
     async def _serve(self, mode: Mode, result: PassResult, layout: NodeLayout | None, node: NodeView) -> list[str]:
@@ -562,9 +586,11 @@ class Agent:
             except Exception as e:  # the kubelet's own status write follows
                 log.warning("node %s: publishing the allocatable devices: %s", self.node, e)
 
-    async def _report_failure(self, node: NodeView, error: str) -> PassReport:
+    async def _report_failure(self, node: NodeView, error: str, unhealthy: set[int] | None = None) -> PassReport:
         status = {k: v for k, v in node.annotations.items() if k.startswith(STATUS_PREFIX)}
         status[STATUS_ERROR] = error
+        if unhealthy:
+            status[STATUS_UNHEALTHY] = ",".join(map(str, sorted(i for i in unhealthy if 0 <= i <= MAX_GPU_INDEX)))
         status[STATUS_HEARTBEAT] = format_heartbeat(self.now())
         await self._write(node, status)
         return PassReport(None, status.get(STATUS_PLAN), [error], status, failed=True)
@@ -697,6 +723,17 @@ def _mps_only(advertised: dict[str, list[PluginDevice]]) -> dict[str, list[Plugi
     """The MPS slices among the devices to advertise (what the built-in plugin keeps serving on a
     node that NVIDIA's plugin serves)."""
     return {r: ds for r, ds in advertised.items() if ds and all(d.kind == "mps" for d in ds)}
+
+
+def _status_gpus(annotations: dict[str, str]) -> set[int]:
+    """The GPU indices a status names in its slice keys (`status-gpu-<i>-...`)."""
+    out = set()
+    for key in annotations:
+        if key.startswith(STATUS_PREFIX + "gpu-"):
+            index = key[len(STATUS_PREFIX + "gpu-"):].split("-", 1)[0]
+            if index.isascii() and index.isdigit() and len(index) <= 3:
+                out.add(int(index))
+    return out
 
 
 def _valid_or_none(plan_id: str | None) -> str | None:

@@ -51,6 +51,7 @@ from dynpart.kube.conventions import (
     STATUS_MODE,
     STATUS_PLAN,
     STATUS_PREFIX,
+    STATUS_UNHEALTHY,
 )
 from dynpart.mig import MigRules
 from dynpart.resources import mig_profile_suffix
@@ -78,7 +79,8 @@ _HEARTBEAT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 
 SliceState = Literal["free", "used"]
 _RESERVED = frozenset({SPEC_PLAN, SPEC_MODE, SPEC_TERM, SPEC_PODS, SPEC_REVOKES, SPEC_DRAIN,
-                       STATUS_PLAN, STATUS_MODE, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_CAPABILITY})
+                       STATUS_PLAN, STATUS_MODE, STATUS_ERROR, STATUS_HEARTBEAT, STATUS_CAPABILITY,
+                       STATUS_UNHEALTHY})
 
 
 # --- keys -------------------------------------------------------------------------------------
@@ -216,12 +218,18 @@ def encode_spec(layout: NodeLayout, plan_id: str, *, term: int | None = None,
 
 
 def encode_status(layout: NodeLayout, plan_id: str | None, errors: list[str] | tuple[str, ...] = (),
-                  heartbeat: datetime | None = None) -> dict[str, str]:
+                  heartbeat: datetime | None = None, unhealthy: Iterable[int] = ()) -> dict[str, str]:
     """The `dynpart.io/status-*` annotations the agent writes: every instance or slice on the
-    node as free or used, the plan id it applied (None: none yet), its errors, a heartbeat."""
+    node as free or used, the plan id it applied (None: none yet), its errors, a heartbeat, the
+    GPUs the driver reports unhealthy."""
     out: dict[str, str] = {STATUS_MODE: layout.mode}
     if plan_id is not None:
         out[STATUS_PLAN] = _check_plan_id(plan_id)
+    sick = sorted(set(unhealthy))
+    if sick:
+        if not all(0 <= i <= MAX_GPU_INDEX for i in sick):
+            raise ValueError(f"unhealthy GPU indices {sick} are not all in 0..{MAX_GPU_INDEX}")
+        out[STATUS_UNHEALTHY] = ",".join(map(str, sick))
     for gpu in layout.gpus:
         for (token, state), value in _slice_values(gpu, layout.mode, with_state=True).items():
             out[status_key(gpu.index, token, state)] = value
@@ -300,6 +308,7 @@ class DecodedStatus:
     # only be kept as it is (`kept_spec`); the other GPUs read as usual.
     foreign: dict[int, tuple[str, ...]] = field(default_factory=dict)
     kept_spec: dict[str, str] = field(default_factory=dict)  # the spec keys that keep `foreign` as it is
+    unhealthy: tuple[int, ...] = ()  # GPUs the driver reports unhealthy (`status-unhealthy`)
 
     def __iter__(self) -> Iterator[NodeLayout | str | list[str] | None]:
         return iter((self.layout, self.plan_id, self.problems))
@@ -531,12 +540,17 @@ def decode_spec(annotations: Mapping[str, str] | None, model: GpuModel, *, node:
 
 def _decode_drain(annotations: Mapping[str, object], problems: list[str]) -> tuple[int, ...]:
     """The GPUs the spec drains; a malformed value is reported (and the agent refuses the spec)."""
-    raw = annotations.get(SPEC_DRAIN)
+    return _decode_gpu_list(annotations, SPEC_DRAIN, "drained GPUs", problems)
+
+
+def _decode_gpu_list(annotations: Mapping[str, object], key: str, what: str, problems: list[str]) -> tuple[int, ...]:
+    """GPU indices, comma separated, sorted; a malformed value is reported and read as none."""
+    raw = annotations.get(key)
     if raw is None:
         return ()
     parts = raw.split(",") if isinstance(raw, str) and len(raw) <= 4 * (MAX_GPU_INDEX + 1) else None
     if parts is None or not all(_INT.fullmatch(p) and int(p) <= MAX_GPU_INDEX for p in parts):
-        problems.append(_bad(SPEC_DRAIN, raw, f"drained GPUs are indices in 0..{MAX_GPU_INDEX}, comma separated"))
+        problems.append(_bad(key, raw, f"{what} are indices in 0..{MAX_GPU_INDEX}, comma separated"))
         return ()
     return tuple(sorted({int(p) for p in parts}))
 
@@ -591,10 +605,25 @@ def decode_status(annotations: Mapping[str, str] | None, model: GpuModel, *, nod
             heartbeat = datetime.strptime(raw_beat, _HEARTBEAT_FORMAT).replace(tzinfo=UTC)
         except ValueError:
             problems.append(_bad(STATUS_HEARTBEAT, raw_beat, "a heartbeat is a UTC time like 2025-01-31T12:00:00Z"))
+    unhealthy = _decode_gpu_list(ours, STATUS_UNHEALTHY, "unhealthy GPUs", problems)
     return DecodedStatus(layout, plan_id, problems, errors, heartbeat, bool(slice_problems), unknown,
                          {gpu: tuple(sorted({it.profile or "" for it in items if not it.known}))
                           for gpu, items in foreign.items()},
-                         _kept_spec(foreign))
+                         _kept_spec(foreign), unhealthy)
+
+
+def keeping_spec(layout: NodeLayout | None, gpus: Iterable[int]) -> dict[str, str]:
+    """The spec keys asking for what `layout` (a decoded status) holds on these GPUs, used or
+    free: a spec with them keeps those GPUs as they are (a GPU without a slice needs no key)."""
+    if layout is None:
+        return {}
+    chosen = set(gpus)
+    out: dict[str, str] = {}
+    for gpu in layout.gpus:
+        if gpu.index in chosen:
+            for (token, _), value in _slice_values(gpu, layout.mode, with_state=False).items():
+                out[spec_key(gpu.index, token)] = value
+    return out
 
 
 def _kept_spec(foreign: Mapping[int, list[_Item]]) -> dict[str, str]:
@@ -610,6 +639,6 @@ def _kept_spec(foreign: Mapping[int, list[_Item]]) -> dict[str, str]:
 __all__ = [
     "DecodedSpec", "DecodedStatus", "PARTITIONING_LABEL", "PREFIX", "SPEC_DRAIN", "SPEC_MODE", "SPEC_PLAN", "SPEC_PODS",
     "SPEC_PREFIX", "SPEC_TERM", "STATUS_CAPABILITY", "STATUS_ERROR", "STATUS_HEARTBEAT", "STATUS_MODE",
-    "STATUS_PLAN", "STATUS_PREFIX", "annotation_patch", "canonical_layout", "decode_fencing", "decode_spec",
-    "decode_status", "encode_spec", "encode_status", "format_heartbeat", "is_plan_id",
+    "STATUS_PLAN", "STATUS_PREFIX", "STATUS_UNHEALTHY", "annotation_patch", "canonical_layout", "decode_fencing", "decode_spec",
+    "decode_status", "encode_spec", "encode_status", "format_heartbeat", "is_plan_id", "keeping_spec",
 ]

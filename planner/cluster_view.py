@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dynpart.annotations import annotation_patch, decode_status, encode_spec, is_pod_key
+from dynpart.annotations import annotation_patch, decode_status, encode_spec, is_pod_key, keeping_spec
 from dynpart.capability import MAX_GPUS, CapabilityError, decode_capability, model_catalog, node_model
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
@@ -29,9 +29,11 @@ from dynpart.kube.conventions import (
     SPEC_PLAN,
     SPEC_REVOKES,
     STATUS_CAPABILITY,
+    STATUS_ERROR,
     STATUS_MODE,
     STATUS_PLAN,
     STATUS_PREFIX,
+    STATUS_UNHEALTHY,
 )
 from dynpart.planner.loop import node_writes
 from dynpart.resources import (
@@ -312,6 +314,18 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         problems.append(f"node {name}: GPU(s) {', '.join(map(str, held_whole))} serve a pod whole (nvidia.com/gpu, MIG "
                         "mode off); left out of MIG planning while the pod runs")
     gpus = _without_mode_conflicts(name, kept, mode, bound_slices, described, problems)
+    kept_spec = dict(status.kept_spec)
+    sick = sorted(set(status.unhealthy) & {g.index for g in gpus})
+    if sick:
+        # the driver reports them unhealthy (a lost GPU, an Xid that needs a reset): their devices
+        # are Unhealthy at the kubelet, so a slice planned there would never serve its pod, and
+        # their agent cannot change them; every spec keeps them as they are until they recover.
+        # Left out after the bound pods were matched with the used slices, so that the pods on
+        # them still account for their slices
+        gpus = [g for g in gpus if g.index not in sick]
+        kept_spec.update(keeping_spec(status.layout, sick))
+        problems.append(f"node {name}: GPU(s) {', '.join(map(str, sick))} reported unhealthy by its agent "
+                        f"({STATUS_UNHEALTHY}; why: its {STATUS_ERROR}): left out of planning and kept as they are")
     if mode == "mig" and described.reset_pending:
         # its agent could not hold a plan there (docs/protocol.md): not planned until a reset
         gpus = [g for g in gpus if g.index not in described.reset_pending]
@@ -332,7 +346,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         return NodeView(None, status.plan_id, [f"node {name}: spec.taints: {e.errors()[0]['msg']}"])
     view = Node(name=name, mode=mode, gpu_model=model.name, cpu_milli_free=cpu_free, memory_mib_free=mem_free,
                 labels=dict(labels), gpus=gpus, unschedulable=bool(node_spec.get("unschedulable")), taints=taints)
-    return NodeView(view, status.plan_id, problems, model, disagreements, skew, dict(status.kept_spec))
+    return NodeView(view, status.plan_id, problems, model, disagreements, skew, kept_spec)
 
 
 def _why_foreign(annotations: Mapping[str, Any]) -> str:

@@ -29,6 +29,10 @@ STATUS_ERROR = STATUS_PREFIX + "error"
 STATUS_HEARTBEAT = STATUS_PREFIX + "heartbeat"
 # What the node's GPUs can do, as NVML says (dynpart/capability.py): the planner plans from it.
 STATUS_CAPABILITY = STATUS_PREFIX + "capability"
+# The GPUs (indices, comma separated) the driver reports unhealthy (a lost GPU, an Xid that needs a
+# reset): their devices are advertised Unhealthy, so the planner leaves them out and keeps them as
+# they are until the agent stops listing them.
+STATUS_UNHEALTHY = STATUS_PREFIX + "unhealthy"
 
 # Opt-in node label: the node's GPUs are partitioned by dynpart, in this mode (mig or mps).
 PARTITIONING_LABEL = PREFIX + "gpu-partitioning"

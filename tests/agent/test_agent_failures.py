@@ -41,6 +41,8 @@ async def test_a_lost_gpu_makes_every_device_unhealthy_until_the_gpus_can_be_rea
     rig.driver.lose(1)
     report = await agent.reconcile_once()
     assert report.failed and "lost" in report.errors[0]
+    # the planner is told that no GPU of the node can take a slice (NVML cannot say which is lost)
+    assert rig.node_api.annotations["dynpart.io/status-unhealthy"] == "0,1"
     await rig.kubelet.wait_for(lambda: all(h == "Unhealthy" for p in rig.kubelet.plugins.values()
                                            for _, h in p.devices))
     await agent.reconcile_once()
@@ -52,6 +54,7 @@ async def test_a_lost_gpu_makes_every_device_unhealthy_until_the_gpus_can_be_rea
             break
         await asyncio.sleep(0.05)
     assert [h for _, h in rig.kubelet.plugins[MIG_3G].devices] == ["Healthy", "Healthy"]
+    assert "dynpart.io/status-unhealthy" not in rig.node_api.annotations
 
 
 async def test_a_recarve_that_reuses_the_destroyed_instances_uuid_is_advertised(rig: PluginRig):
@@ -173,6 +176,17 @@ async def test_an_unhealthy_mig_device_does_not_freeze_the_node_with_nvidias_plu
     node_api.allocatable[MIG_1G] = "1"  # one of the two is unhealthy
     pods.devices[MIG_1G] = pods.devices[MIG_1G][:1]
     assert (await agent.reconcile_once()).plan_id == "p1"
+    assert "dynpart.io/status-unhealthy" not in node_api.annotations
+
+
+async def test_with_nvidias_plugin_the_agent_still_tells_the_planner_which_gpus_are_unhealthy():
+    """NVIDIA's plugin reads health for the kubelet; the planner learns it from the agent's status."""
+    driver, pods = FakeNvml(H100, 2), FakePodResources()
+    agent, node_api, _ = _nvidia_agent(driver, pods)
+    driver.unhealthy[1] = "the driver asks for a recovery action (RESET) after an error on it (an Xid)"
+    report = await agent.reconcile_once()
+    assert node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+    assert any(e.startswith("GPU 1 is unhealthy (the driver asks") for e in report.errors)
 
 
 async def test_mig_devices_named_by_index_suspend_mig_changes():

@@ -134,6 +134,11 @@ async def test_advertises_what_the_driver_holds_and_acks_once_the_kubelet_has_it
     # said in the status and in an Event, once
     assert any(e.startswith("GPU 1 is unhealthy (memory rows wait") for e in report.errors)
     assert [e[0] for k, e in rig.node_api.events if k == "event" and e[0] == "GpuUnhealthy"] == ["GpuUnhealthy"]
+    # and to the planner, which plans nothing there until it recovers
+    assert rig.node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+    del rig.driver.unhealthy[1]
+    await agent.reconcile_once()
+    assert "dynpart.io/status-unhealthy" not in rig.node_api.annotations
     replay_exclusive(rig.kubelet)
 
 

@@ -476,3 +476,45 @@ def test_a_preemptor_nominated_to_a_node_keeps_the_slice_its_victims_free():
     # a preemptor that ended (or is being deleted) holds nothing
     gone = {**preemptor, "status": {**preemptor["status"], "phase": "Failed"}}
     assert not build_snapshot([n1], [*running, gone, other], CAT).snapshot.nodes[0].gpus[0].mig[2].used
+
+
+def test_a_gpu_its_agent_reports_unhealthy_is_kept_as_it_is_and_the_rest_planned():
+    """A GPU the driver reports unhealthy (an Xid that needs a reset) has its devices Unhealthy at
+    the kubelet: a slice planned there would never serve its pod. It is left out of planning, its
+    free slices are neither counted nor planned away, and every spec keeps it as it is."""
+    from dynpart.planner.cluster_view import keeping_unread, planned_patches, revoking_patch
+    from dynpart.planner.core import plan
+
+    layout = NodeLayout(node="n1", mode="mig", gpus=[
+        GpuLayout(index=0, mig=[MigInstance(profile="3g.40gb", start=0), MigInstance(profile="3g.40gb", start=4,
+                                                                                      used=True)]),
+        GpuLayout(index=1)])
+    status = {**encode_status(layout, "p1", ["GPU 0 is unhealthy (an Xid)"], unhealthy=[0]), "dynpart.io/spec-plan": "p1"}
+    n1 = node("n1", count=2, annotations=status)
+    bound = pod("b", {"nvidia.com/mig-3g.40gb": "1"}, phase="Running", node="n1", unschedulable=False)
+    pending = [pod("w", {"nvidia.com/mig-3g.40gb": "1"}), pod("x", {"nvidia.com/mig-7g.80gb": "1"})]
+    view = build_snapshot([n1], [bound, *pending], CAT)
+    [planned] = view.snapshot.nodes
+    assert [g.index for g in planned.gpus] == [1]
+    assert view.kept == {"n1": {"dynpart.io/spec-gpu-0-3g.40gb": "2@0,4"}}
+    assert any("GPU(s) 0 reported unhealthy by its agent" in m for _, m in view.problems), view.problems
+    result = plan(view.snapshot, view.catalog)
+    # the free 3g.40gb on GPU 0 is not given to `w`: both pods want GPU 1, one gets it
+    assert {s.gpu for p in result.placements for s in p.slices} == {1} and len(result.placements) == 1
+    [(_, patch)] = planned_patches(view.snapshot, result, {"n1": n1}, "p2")
+    patch = keeping_unread(patch, n1, view.kept["n1"])
+    assert patch["dynpart.io/spec-gpu-0-3g.40gb"] == "2@0,4"
+    revocation = revoking_patch(n1, CAT, "p3")
+    assert revocation is not None and revocation["dynpart.io/spec-gpu-0-3g.40gb"] == "2@0,4"
+    # healthy again: planned as usual, its free 3g.40gb given to a pod
+    del n1["metadata"]["annotations"]["dynpart.io/status-unhealthy"]
+    view = build_snapshot([n1], [bound, *pending], CAT)
+    assert [g.index for g in view.snapshot.nodes[0].gpus] == [0, 1] and not view.kept
+
+
+def test_an_unhealthy_list_that_cannot_be_read_is_reported_and_plans_as_before():
+    status = {**encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0)]), "p1"),
+              "dynpart.io/status-unhealthy": "0;1"}
+    view = build_snapshot([node("n1", count=2, annotations=status)], [], CAT)
+    assert [g.index for g in view.snapshot.nodes[0].gpus] == [0, 1]
+    assert any("dynpart.io/status-unhealthy" in m and "comma separated" in m for _, m in view.problems), view.problems
