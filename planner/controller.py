@@ -41,7 +41,7 @@ from dynpart.kube.conventions import (
     STATUS_PLAN,
     STATUS_PREFIX,
 )
-from dynpart.kube.errors import APIConflictError, APIError, APITransportError
+from dynpart.kube.errors import APIConflictError, APIError, APIServerError, APITransportError
 from dynpart.kube.events import object_reference
 from dynpart.kube.patching import patch_node_annotations, read_node
 from dynpart.kube.recording import EventRecorder, QueuedPoster, posting_to
@@ -693,10 +693,13 @@ class PlannerController:
                 self.wake.set()
                 continue
             except APIError as e:
-                metrics.PLAN_ERRORS.labels("patch_failed").inc()
-                log.warning("could not write node plan", extra={"fields": {"node": layout.node, "error": str(e)}})
-                not_written.add(layout.node)
-                continue
+                landed = await self._landed(layout.node, node_plan, e)
+                if landed is False:
+                    metrics.PLAN_ERRORS.labels("patch_failed").inc()
+                    log.warning("could not write node plan", extra={"fields": {"node": layout.node, "error": str(e),
+                                                                              "landed": landed}})
+                    not_written.add(layout.node)
+                    continue
             written.add(layout.node)
             self._written(layout.node, node_plan, placed_on.get(layout.node, ()), self.clock())
             metrics.NODE_PLANS.inc()
@@ -782,6 +785,30 @@ class PlannerController:
             await self._event(self.nodes.cache.get(name) or {"kind": "Node", "metadata": {"name": name}},
                               "CatalogDisagreement", "the GPU driver and the catalog differ (the driver's values are "
                               "planned with): " + "; ".join(notes), warning=True)
+
+    async def _landed(self, name: str, node_plan: str, error: APIError) -> bool | None:
+        """Whether a spec write that failed reached the node all the same. A refusal (4xx) did not;
+        without an answer (a connection cut, a time-out) or after a server failure (5xx) the
+        patch may have been applied: the node is read again, from the API server, since the
+        cache can lag for seconds (a watch relisting after 410 Gone) and a round meanwhile would
+        plan the write's pods a second time. True: the node has the plan (it is in flight like any
+        written one); False: it has not; None: the node cannot be read either, and the write is
+        taken as landed, the safe side: in flight until its agent acknowledges it, or until the
+        acknowledgement's time-out reads the node again and releases the pods (`_expire_acks`)."""
+        if not isinstance(error, (APITransportError, APIServerError)):
+            return False
+        try:
+            node = await read_node(self.core, name)
+        except APIError as e:
+            log.warning("a plan's write got no answer and the node cannot be read: taken as written until its "
+                        "agent acknowledges it or the acknowledgement's time-out", extra={"fields": {
+                            "node": name, "plan": node_plan, "error": str(error), "read_error": str(e)}})
+            return None
+        landed = (node.get("metadata", {}).get("annotations") or {}).get(SPEC_PLAN) == node_plan
+        if landed:
+            log.info("a plan's write got no answer but reached the node", extra={"fields": {
+                "node": name, "plan": node_plan, "error": str(error)}})
+        return landed
 
     async def _patch_as_leader(self, name: str, patch: dict[str, str | None], resource_version: str | None) -> Obj:
         """A spec write that lands while this replica can prove it leads, or not at all from its

@@ -743,3 +743,41 @@ async def test_a_plan_keeps_the_gpus_it_cannot_read_as_they_are(make):
     await c.plan_round()
     [(name, patch)] = c.written
     assert patch["dynpart.io/spec-gpu-0-7g.79gb"] == "1@0" and patch["dynpart.io/spec-gpu-1-3g.40gb"]
+
+
+@pytest.mark.parametrize("outcome", ["landed", "lost", "unreadable"])
+async def test_a_spec_write_without_an_answer_is_looked_up_before_its_pods_are_planned_again(make, monkeypatch,
+                                                                                            outcome):
+    """A connection cut while the patch is on its way: it may have been applied. The cache can lag
+    for seconds (a watch relisting after 410 Gone), and a round planning from it would put the
+    pod on a second node while the first plan could still be applied. The node is read from the
+    API server: a plan that landed is in flight like any other, one that did not is forgotten, and
+    one that cannot be looked up is taken as landed (in flight until acknowledged or timed out)."""
+    from dynpart.kube.errors import APIServerError
+
+    c = make([reported("n1"), reported("n2")], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+    tries: list[str] = []
+
+    async def cut_patch(core, name, patch, resource_version=None):
+        tries.append(name)
+        if outcome != "lost" and len(tries) == 1:  # applied, then the answer lost
+            ann = {**c.nodes.cache[name]["metadata"]["annotations"], **{k: v for k, v in patch.items() if v}}
+            c.server[name] = {**c.nodes.cache[name], "metadata": {**c.nodes.cache[name]["metadata"], "annotations": ann}}
+        raise APITransportError(f"patch node {name}: connection reset")
+
+    async def unreadable(core, name):
+        raise APIServerError(f"read node {name}: 503")
+
+    monkeypatch.setattr(controller_module, "patch_node_annotations", cut_patch)
+    if outcome == "unreadable":
+        monkeypatch.setattr(controller_module, "read_node", unreadable)
+    await c.plan_round()
+    first = tries[0]
+    if outcome == "lost":
+        assert c.in_flight == {} and c.posted == []
+    else:
+        assert set(c.in_flight) == {first} and c.in_flight[first].pods == {"ml/a"}
+        assert [r for r, _ in c.posted] == ["LayoutPlanned", "SlicePlanned"]
+    await c.plan_round()  # the cache still shows neither node with the spec
+    assert tries == ([first, first] if outcome == "lost" else [first])  # planned again only when it did not land
