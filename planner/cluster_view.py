@@ -95,6 +95,15 @@ def _container_requests(pod: dict[str, Any]) -> dict[str, float]:
 
     spec = pod.get("spec", {})
     total = pod_requests(spec, of)
+    # pod-level resources (PodLevelResources, on by default from Kubernetes 1.34): the pod's CPU,
+    # memory and huge pages replace the containers' sum, as in the scheduler's PodRequests; no
+    # extended resource may be set there
+    pod_level = _field(spec, "resources", "requests") or {}
+    if not isinstance(pod_level, dict):
+        raise DynpartError(f"spec.resources.requests {pod_level!r} is not a mapping of quantities")
+    for name, q in pod_level.items():
+        if name in ("cpu", "memory") or name.startswith("hugepages-"):
+            total[name] = parse_quantity(q)
     for name, q in (spec.get("overhead") or {}).items():
         total[name] = total.get(name, 0) + parse_quantity(q)
     return total
@@ -721,8 +730,8 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation",
                                          "creationTimestamp", "deletionTimestamp") if k in md},
-        "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead", "hostIPC")
-                    if k in spec},
+        "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead", "hostIPC",
+                                         "resources") if k in spec},
                  **({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}}
                     if (required := _field(spec, "affinity", "nodeAffinity",
                                            "requiredDuringSchedulingIgnoredDuringExecution")) is not None else {}),

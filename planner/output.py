@@ -11,9 +11,9 @@ from dynpart.snapshot import NodeLayout, PlacedSlice, Plan, PlanStats, PodPlacem
 def slices_of(problem: Problem, states: list[GpuState], req: Request, gids: tuple[int, ...]) -> list[PlacedSlice]:
     """The pod's slices, by GPU index on its node, as `Plan` placements list them."""
     out: list[PlacedSlice] = []
-    for gid in gids:
+    for gid in dict.fromkeys(gids):  # each GPU once; two MPS slices of one size on it are two
         out.extend(states[gid].slices_held_by(req.name))
-    return sorted(set(out), key=PlacedSlice.sort_key) if len(out) > 1 else out
+    return sorted(out, key=PlacedSlice.sort_key) if len(out) > 1 else out
 
 
 def build_plan(problem: Problem, policy: PlanningPolicy, result: PolicyResult, bound: int, solve_s: float) -> Plan:

@@ -356,6 +356,16 @@ def test_requests_count_sidecars_and_the_pod_overhead_as_the_scheduler_does():
                 overhead={"cpu": "250m"})
     view = build_snapshot([node("n1", cpu="4")], [pod_for_planning(bound)], CAT)
     assert view.snapshot.nodes[0].cpu_milli_free == 750
+    # pod-level resources (Kubernetes 1.34 on) replace the containers' CPU and memory; the
+    # overhead is still added, and the slices still come from the containers
+    whole = pod("d", {"nvidia.com/mig-1g.10gb": "1", "cpu": "1"}, overhead={"cpu": "250m"})
+    whole["spec"]["resources"] = {"requests": {"cpu": "8", "memory": "32Gi"}, "limits": {"cpu": "8", "memory": "32Gi"}}
+    p = pending_pod(pod_for_planning(whole))
+    assert (p.cpu_milli, p.memory_mib, p.resource, p.count) == (8250, 32 * 1024, "nvidia.com/mig-1g.10gb", 1)
+    bound = pod("bound", {"nvidia.com/mig-1g.10gb": "1"}, phase="Running", node="n1", unschedulable=False)
+    bound["spec"]["resources"] = {"requests": {"cpu": "3"}}
+    view = build_snapshot([node("n1", cpu="4")], [pod_for_planning(bound)], CAT)
+    assert view.snapshot.nodes[0].cpu_milli_free == 1000
 
 
 @pytest.mark.parametrize("resource, count, most", [

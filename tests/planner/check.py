@@ -59,6 +59,8 @@ def check_plan(snap: Snapshot, plan: Plan) -> None:
         res = parse_resource(pod.resource)
         assert node.mode == ("mig" if isinstance(res, MigResource) else "mps")
         assert taken[pl.pod] == pod.count, f"{pl.pod} got {taken[pl.pod]} slices, asked {pod.count}"
+        # the placement names each of them (a replay binds what it names; two MPS slices of one size are two)
+        assert len(pl.slices) == pod.count, f"{pl.pod}: placement names {len(pl.slices)} slices, asked {pod.count}"
         layout = layouts[pl.node]
         mine = [i for g in layout.gpus for i in [*g.mig, *g.mps] if i.pod == pl.pod]
         if isinstance(res, MigResource):
