@@ -9,6 +9,7 @@ topology spread (they rank or spread nodes, and the planner's own objective choo
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
@@ -65,11 +66,9 @@ class NodeSelectorRequirement(_Model):
         if op in ("Gt", "Lt"):
             if n != 1:
                 raise ValueError(f"requirement on {self.key!r}: operator {op} needs exactly one value")
-            try:
-                int(self.values[0])
-            except ValueError:
+            if _go_int64(self.values[0]) is None:
                 raise ValueError(f"requirement on {self.key!r}: operator {op} needs an integer, "
-                                 f"got {self.values[0]!r}") from None
+                                 f"got {self.values[0]!r}")
         return self
 
     def matches(self, value: str | None) -> bool:
@@ -85,12 +84,23 @@ class NodeSelectorRequirement(_Model):
             return value is None
         if value is None:
             return False
-        try:
-            have = int(value)
-        except ValueError:
+        have, want = _go_int64(value), _go_int64(self.values[0])
+        if have is None or want is None:
             return False  # a label that is not an integer meets neither Gt nor Lt
-        want = int(self.values[0])
         return have > want if op == "Gt" else have < want
+
+
+_GO_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+
+
+def _go_int64(text: str) -> int | None:
+    """`text` as Go's strconv.ParseInt(text, 10, 64) reads it (what the scheduler's Gt/Lt use):
+    an optional sign and ASCII digits, within int64; None otherwise (Python's int() would also
+    take `1_000`, spaces and other scripts' digits)."""
+    if not _GO_INT.fullmatch(text):
+        return None
+    n = int(text)
+    return n if -(1 << 63) <= n < (1 << 63) else None
 
 
 class NodeSelectorTerm(_Model):

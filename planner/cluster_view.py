@@ -47,7 +47,7 @@ from dynpart.resources import (
     parse_resource,
     pod_requests,
 )
-from dynpart.scheduling import Taint
+from dynpart.scheduling import Taint, affinity_admits
 from dynpart.snapshot import (
     Gpu,
     MigInstance,
@@ -208,6 +208,11 @@ class ClusterView:
     skew: list[tuple[dict[str, Any], str]] = field(default_factory=list)
     # node -> spec keys that keep GPUs this planner cannot read as they are (every spec carries them)
     kept: dict[str, dict[str, str]] = field(default_factory=dict)
+    # pending pods asking for GPU resources that no dynpart node can ever take (its mode, the
+    # pod's nodeSelector or required node affinity): meant for other nodes (a static MIG pool, a
+    # plain GPU pool), left out of planning and of the learnt request distribution without an
+    # Event; (pod, why) for the log
+    elsewhere: list[tuple[dict[str, Any], str]] = field(default_factory=list)
 
 
 @dataclass
@@ -561,11 +566,18 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     pending: list[PendingPod] = []
     candidates: dict[str, dict[str, Any]] = {}
     warnings: list[tuple[dict[str, Any], str]] = []
+    elsewhere: list[tuple[dict[str, Any], str]] = []
+    hosts = _DynpartNodes(nodes)
     for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
         try:
             if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods or pod_key(pod) in reserved:
                 continue
-            pending.append(pending_pod(pod))
+            wants = pending_pod(pod)
+            why_not = hosts.why_none_admits(wants)
+            if why_not is not None:
+                elsewhere.append((pod, f"pod {wants.name} is not planned: {why_not}"))
+                continue
+            pending.append(wants)
             candidates[pod_key(pod)] = pod
             if isinstance(known_resource(pending[-1].resource), MpsResource) and not _field(pod, "spec", "hostIPC"):
                 warnings.append((pod, f"pod {pod_key(pod)} asks for an MPS slice ({pending[-1].resource}) without "
@@ -586,7 +598,43 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
         problems.append((obj, f"{'pod' if name in candidates else 'node'} {name} left out of planning: {message}"))
     return ClusterView(snapshot, acks, problems, catalog, disagreements, switching,
                        [(pod, w) for pod, w in warnings if pod_key(pod) in {p.name for p in snapshot.pending}],
-                       skew, kept)
+                       skew, kept, elsewhere)
+
+
+class _DynpartNodes:
+    """The nodes labelled for dynpart (all of them: those left out of this round too), to tell a
+    pod meant for them from one meant for other nodes, as the scheduler's NodeAffinity filter
+    (nodeSelector, required node affinity) and dynpart's modes decide. Answers are cached per
+    constraint signature: a round asks for every pending pod."""
+
+    def __init__(self, nodes: list[dict[str, Any]]):
+        self.by_mode: dict[str, list[tuple[str, dict[str, str]]]] = {"mig": [], "mps": []}
+        for node in nodes:
+            labels = _field(node, "metadata", "labels")
+            if isinstance(labels, dict) and labels.get(PARTITIONING_LABEL) in self.by_mode:
+                self.by_mode[labels[PARTITIONING_LABEL]].append((str(_field(node, "metadata", "name") or ""),
+                                                                 {str(k): str(v) for k, v in labels.items()}))
+        self._seen: dict[tuple[object, ...], str | None] = {}
+
+    def why_none_admits(self, pod: PendingPod) -> str | None:
+        """Why no dynpart node can ever take the pod, or None when one can."""
+        mode = "mig" if isinstance(known_resource(pod.resource), MigResource) else "mps"
+        key = (mode, tuple(sorted(pod.node_selector.items())), tuple(t.model_dump_json() for t in pod.node_affinity))
+        if key not in self._seen:
+            self._seen[key] = self._why(mode, pod)
+        return self._seen[key]
+
+    def _why(self, mode: str, pod: PendingPod) -> str | None:
+        nodes = self.by_mode[mode]
+        if not nodes:
+            return (f"no node is labelled {PARTITIONING_LABEL}={mode}, the mode that serves {pod.resource}"
+                    if any(self.by_mode.values()) else f"no node is labelled {PARTITIONING_LABEL}")
+        for name, labels in nodes:
+            if all(labels.get(k) == v for k, v in pod.node_selector.items()) and \
+                    affinity_admits(pod.node_affinity, labels, name):
+                return None
+        return (f"no {PARTITIONING_LABEL}={mode} node matches its nodeSelector and required node affinity "
+                "(meant for other nodes)")
 
 
 def _holding_nodes(pod: dict[str, Any], reserved: Mapping[str, str]) -> set[str]:

@@ -622,12 +622,15 @@ class PlannerController:
         snapshot = view.snapshot
         self._round_catalog = view.catalog
         self._invalid_pods = {object_key(obj) for obj, _ in view.problems if object_reference(obj)["kind"] == "Pod"}
-        logged, self._problems_logged = self._problems_logged, {m for _, m in [*view.problems, *view.skew]}
+        logged = self._problems_logged
+        self._problems_logged = {m for _, m in [*view.problems, *view.skew, *view.elsewhere]}
         metrics.PLAN_ERRORS.labels("bad_object").inc(len(view.problems))
         # a lasting problem is found every round: logged when it appears, its Event de-duplicated;
         # annotations of another dynpart version are ignored, but said
         for _, message in [*view.problems, *view.skew]:
             (log.debug if message in logged else log.warning)(message)
+        for _, message in view.elsewhere:  # other nodes' pods: no Event, said once in the log
+            (log.debug if message in logged else log.info)(message)
         for reason, found in (("DynpartInvalid", view.problems), ("VersionSkew", view.skew)):
             for obj, message in _per_object(found):
                 await self._event(obj, reason, message, warning=True)

@@ -50,7 +50,9 @@ def _load_snapshot_file(path: str) -> Snapshot:
 
 
 async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
-                         ) -> tuple[Snapshot, Catalog, list[tuple[Obj, str]], dict[str, Obj]]:
+                         ) -> tuple[Snapshot, Catalog, list[tuple[Obj, str]], dict[str, Obj], list[tuple[Obj, str]]]:
+    """The snapshot a planning round would see now, its catalog, the problems it found, the pods
+    by key, and the pods meant for other nodes (with why)."""
     from kubernetes_asyncio import client
 
     from dynpart.annotations import PARTITIONING_LABEL
@@ -65,7 +67,8 @@ async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
     finally:
         await api.close()
     view = build_snapshot(nodes["items"], pods["items"], catalog)
-    return view.snapshot, view.catalog, view.problems, {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in pods["items"]}
+    by_key = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in pods["items"]}
+    return view.snapshot, view.catalog, view.problems, by_key, view.elsewhere
 
 
 def describe(result: Plan, pod: str) -> str:
@@ -94,12 +97,12 @@ def run(args: argparse.Namespace) -> int:
     if args.snapshot:
         snapshot, problems, live = _load_snapshot_file(args.snapshot), [], {}
     else:
-        snapshot, catalog, problems, live = asyncio.run(_live_snapshot(args.kubeconfig, catalog))
+        snapshot, catalog, problems, live, elsewhere = asyncio.run(_live_snapshot(args.kubeconfig, catalog))
         if args.pod and args.pod not in {p.name for p in snapshot.pending}:
             pod = live.get(args.pod)
             if pod is None:
                 raise DynpartError(f"pod {args.pod} not found")
-            own = [m for obj, m in problems if obj is pod]
+            own = [m for obj, m in [*problems, *elsewhere] if obj is pod]
             if own:  # a pod dynpart cannot plan: why
                 raise DynpartError("; ".join(own))
             phase = pod.get("status", {}).get("phase")

@@ -65,6 +65,13 @@ def test_required_node_affinity():
     assert affinity_admits([NodeSelectorTerm(match_expressions=(_req("pool", "DoesNotExist"),))], labels, "n")
     assert not affinity_admits([NodeSelectorTerm(match_expressions=(_req("gen", "Lt", "4"),))], labels, "n")
     assert not affinity_admits([NodeSelectorTerm(match_expressions=(_req("zone", "Gt", "1"),))], labels, "n")
+    # Gt/Lt read labels as Go's strconv.ParseInt does: no `_`, no spaces, within int64
+    gt = NodeSelectorTerm(match_expressions=(_req("gen", "Gt", "3"),))
+    for label, admits in (("1_000", False), (" 5", False), ("+5", True), ("٥", False), (str(1 << 63), False),
+                          (str((1 << 63) - 1), True)):
+        assert affinity_admits([gt], {"gen": label}, "n") is admits, label
+    with pytest.raises(ValidationError, match="needs an integer"):
+        _req("gen", "Gt", "1_0")
     by_name = NodeSelectorTerm(match_fields=(_req("metadata.name", "In", "m"),))
     assert not affinity_admits([by_name], labels, "n") and affinity_admits([one, by_name], {}, "m")  # any term
     for bad, why in (({"key": "k", "operator": "In"}, "at least one value"),

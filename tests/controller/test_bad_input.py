@@ -68,12 +68,30 @@ def test_a_pod_whose_namespace_is_not_a_name_is_left_out():
     assert patches
 
 
-def test_unknown_gpu_product_in_a_selector_is_left_out_with_its_reason():
-    bad = pod("bad", {"nvidia.com/mig-1g.10gb": "1"}, nodeSelector={"nvidia.com/gpu.product": "NVIDIA-Nope"})
-    _, result, _, problems, _ = run_round(NODES, [bad, *GOOD])
+def test_a_gpu_product_no_dynpart_node_carries_is_another_pools_pod_not_a_problem():
+    """A pod selecting a product no dynpart node has (an L4 pool, a static MIG pool) can never run
+    on dynpart's nodes: it is left out without a DynpartInvalid Event, nor does it count in the
+    learnt request distribution; a product a labelled node carries but the catalog lacks is still
+    that node's problem (the node is left out with its reason)."""
+    other = pod("other", {"nvidia.com/mig-1g.10gb": "1"}, nodeSelector={"nvidia.com/gpu.product": "NVIDIA-Nope"})
+    whole = pod("whole", {"nvidia.com/gpu": "1"}, nodeSelector={"pool": "plain"})
+    _, result, _, problems, _ = run_round(NODES, [other, whole, *GOOD])
     assert {p.pod for p in result.placements} == {"ml/good-1g", "ml/good-mps"}
-    (message,) = _left_out(problems, "bad")
-    assert "gpu_models" in message and "'NVIDIA-Nope'" in message
+    assert not _left_out(problems, "other") and not _left_out(problems, "whole")
+    view = build_snapshot(NODES, [other, whole, *GOOD], CAT)
+    assert [(o["metadata"]["name"], why) for o, why in view.elsewhere] == [
+        ("other", "pod ml/other is not planned: no dynpart.io/gpu-partitioning=mig node matches its nodeSelector and "
+                  "required node affinity (meant for other nodes)"),
+        ("whole", "pod ml/whole is not planned: no dynpart.io/gpu-partitioning=mps node matches its nodeSelector and "
+                  "required node affinity (meant for other nodes)")]
+    assert {p.name for p in view.snapshot.pending} == {"ml/good-1g", "ml/good-mps"}
+    only_mig = build_snapshot([node("n1")], [pod("w", {"nvidia.com/gpu": "1"})], CAT)
+    assert [why for _, why in only_mig.elsewhere] == [
+        "pod ml/w is not planned: no node is labelled dynpart.io/gpu-partitioning=mps, the mode that serves "
+        "nvidia.com/gpu"]
+    unknown = node("n3", product="NVIDIA-Nope")
+    _, _, _, problems, _ = run_round([*NODES, unknown], [other, *GOOD])
+    assert _left_out(problems, "n3") and _left_out(problems, "other")  # the node's model, and the pod's
 
 
 def test_whole_gpu_pod_on_an_uncarved_gpu_of_a_mig_node_keeps_that_gpu_out_of_planning():

@@ -71,13 +71,19 @@ def test_explain_on_the_live_cluster_says_why_dynpart_cannot_plan_a_pod(capsys, 
            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
                                                            "reason": "Unschedulable"}]}}
 
+    from tests.controller.test_cluster_view import node
+    nodes: list = [node("n1")]
+
     async def live(kubeconfig, catalog):
-        view = build_snapshot([], [bad], default_catalog())
-        return view.snapshot, view.catalog, view.problems, {"ml/bad": bad}
+        view = build_snapshot(nodes, [bad], default_catalog())
+        return view.snapshot, view.catalog, view.problems, {"ml/bad": bad}, view.elsewhere
 
     monkeypatch.setattr(explain, "_live_snapshot", live)
     assert main(["explain", "ml/bad"]) == 2
     assert "5g.20gb" in capsys.readouterr().err
+    nodes.clear()  # no dynpart node: the pod is another pool's, and explain says so
+    assert main(["explain", "ml/bad"]) == 2
+    assert "pod ml/bad is not planned: no node is labelled dynpart.io/gpu-partitioning" in capsys.readouterr().err
 
 
 def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path):
