@@ -284,7 +284,8 @@ async def test_pods_dynpart_cannot_read_do_not_stop_the_others(harness: Harness,
     """Issue 11: a pod asking for a MIG profile no GPU offers, one selecting a GPU product the
     catalog lacks, and a whole-GPU pod running on an uncarved GPU of a MIG node used to make plan()
     raise and both planner replicas crash-loop. Each now gets a DynpartInvalid Event naming what is
-    wrong, and the pods next to them run."""
+    wrong (the product no dynpart node carries marks another pool's pod: none), and the pods next to
+    them run."""
     h = harness
     await h.add_node("h100-bad-input", H100, "mig", 2)
     await h.add_node("mps-bad-input", H100, "mps", 1)
@@ -315,9 +316,11 @@ async def test_pods_dynpart_cannot_read_do_not_stop_the_others(harness: Harness,
     async def invalid(rec):
         return [e for e in await h.events_of(rec) if e.reason == "DynpartInvalid"]
     profile_events = await wait_until(lambda: invalid(unknown_profile), 30, "a DynpartInvalid event", interval=0.2)
-    product_events = await wait_until(lambda: invalid(unknown_product), 30, "a DynpartInvalid event", interval=0.2)
     assert "'nvidia.com/mig-5g.20gb'" in profile_events[0].message, profile_events[0].message
-    assert "'NVIDIA-Nope-99GB'" in product_events[0].message, product_events[0].message
+    # a product no dynpart node carries: another pool's pod, left alone without an Event (the
+    # rounds that posted the profile's Event saw it too)
+    assert [e.reason for e in await h.events_of(unknown_product)
+            if e.reason in ("DynpartInvalid", "Unplaceable", "SlicePlanned")] == []
     assert planner.alive and unknown_profile.running_at is None and unknown_product.running_at is None
     assert h.destroy_violations() == []
 
