@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -756,6 +756,55 @@ def _field(obj: object, *path: str) -> object:
     return obj
 
 
+def _run_as(obj: dict[str, Any]) -> dict[str, Any]:
+    """The securityContext's runAsUser of a pod spec or container, as a part of it (MPS: one
+    server per user id)."""
+    uid = _field(obj, "securityContext", "runAsUser")
+    return {"securityContext": {"runAsUser": uid}} if uid is not None else {}
+
+
+def run_as_user(pod: dict[str, Any]) -> int | None:
+    """The user id the pod's containers run as, when the spec says it and they share it (a
+    container's runAsUser overrides the pod's); None when unknown (the image's USER) or mixed."""
+    default = _field(pod, "spec", "securityContext", "runAsUser")
+    containers = _field(pod, "spec", "containers")
+    uids = set()
+    for c in containers if isinstance(containers, list) else []:
+        own = _field(c, "securityContext", "runAsUser")
+        uids.add(own if own is not None else default)  # root (0) is an id like any other
+    uid = next(iter(uids)) if len(uids) == 1 else None
+    return uid if isinstance(uid, int) and not isinstance(uid, bool) else None
+
+
+def mps_user_clashes(placements: Iterable[tuple[str, str]], pods: Mapping[str, dict[str, Any]]
+                     ) -> list[tuple[dict[str, Any], str]]:
+    """(pod, why) for each MPS pod planned (`placements`: pod key, node) onto a node whose MPS pods
+    run as another user id: the node's MPS control daemon runs one server per user id at a time,
+    so the pod would wait in CUDA initialisation until every client of the other id ended. Only
+    where the ids are known on both sides (runAsUser)."""
+    by_node: dict[str, set[int]] = {}
+    for pod in pods.values():
+        node = _field(pod, "spec", "nodeName")
+        if not node or _field(pod, "status", "phase") in TERMINAL_PHASES:
+            continue
+        if any(isinstance(known_resource(r), MpsResource) for r in slice_requests(pod)):
+            uid = run_as_user(pod)
+            if uid is not None:
+                by_node.setdefault(str(node), set()).add(uid)
+    out = []
+    for key, node in placements:
+        planned = pods.get(key)
+        if planned is None or not any(isinstance(known_resource(r), MpsResource) for r in slice_requests(planned)):
+            continue
+        uid, there = run_as_user(planned), by_node.get(node, set())
+        if uid is not None and there - {uid}:
+            out.append((planned, f"pod {key} runs as user {uid}, and MPS pods on node {node} run as user(s) "
+                             f"{', '.join(map(str, sorted(there - {uid})))}: the node's MPS daemon runs one server "
+                             "per user id at a time, so this pod waits in CUDA initialisation until they end; "
+                             "give the MPS pods of a node one runAsUser"))
+    return out
+
+
 def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
     """The part of a pod the planner reads (this module, and Events: kind, name, namespace, uid):
     what the controller's pod cache keeps. Managed fields, env, volumes, images and the like are
@@ -770,8 +819,8 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         items = spec.get(key)
         if not isinstance(items, list):
             return items  # ill-typed: kept, so the round reports it as it would on the full object
-        return [{k: c[k] for k in ("name", "resources", "restartPolicy") if k in c} if isinstance(c, dict) else c
-                for c in items]
+        return [{**{k: c[k] for k in ("name", "resources", "restartPolicy") if k in c}, **_run_as(c)}
+                if isinstance(c, dict) else c for c in items]
 
     conditions = status.get("conditions")
     return {
@@ -783,7 +832,7 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
                  **({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}}
                     if (required := _field(spec, "affinity", "nodeAffinity",
                                            "requiredDuringSchedulingIgnoredDuringExecution")) is not None else {}),
-                 **{k: containers(k) for k in ("containers", "initContainers") if k in spec}},
+                 **{k: containers(k) for k in ("containers", "initContainers") if k in spec}, **_run_as(spec)},
         "status": {**{k: status[k] for k in ("phase", "nominatedNodeName") if k in status},
                    "conditions": [c for c in conditions if isinstance(c, dict) and c.get("type") == "PodScheduled"]
                    if isinstance(conditions, list) else conditions},

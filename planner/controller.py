@@ -53,6 +53,7 @@ from dynpart.planner.cluster_view import (
     can_revoke,
     is_batch_candidate,
     keeping_unread,
+    mps_user_clashes,
     node_gpu_model,
     planned_patches,
     pod_for_planning,
@@ -718,6 +719,9 @@ class PlannerController:
         if not self.leadership.can_write():
             return
         now = self.clock()
+        planted = [(pl.pod, pl.node) for pl in result.placements if pl.node not in awaiting | not_written]
+        for obj, message in mps_user_clashes(planted, pods_by_key):
+            await self._event(obj, "MpsUserMismatch", message, warning=True)
         for pl in result.placements:
             if pl.node in awaiting or pl.node in not_written:
                 continue

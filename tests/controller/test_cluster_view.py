@@ -527,3 +527,30 @@ def test_an_unhealthy_list_that_cannot_be_read_is_reported_and_plans_as_before()
     view = build_snapshot([node("n1", count=2, annotations=status)], [], CAT)
     assert [g.index for g in view.snapshot.nodes[0].gpus] == [0, 1]
     assert any("dynpart.io/status-unhealthy" in m and "comma separated" in m for _, m in view.problems), view.problems
+
+
+def test_an_mps_pod_planned_beside_mps_pods_of_another_user_id_is_told_it_will_wait():
+    """The node's MPS control daemon runs one server per user id at a time: a pod of another uid
+    waits in CUDA initialisation until the running uid's clients end. Said only where both ids are
+    known (runAsUser; a container's overrides the pod's)."""
+    from dynpart.planner.cluster_view import mps_user_clashes, pod_for_planning, run_as_user
+
+    def mps(name, uid=None, node=None, container_uid=None, phase="Pending"):
+        p = pod(name, {"nvidia.com/gpu-10gb": "1"}, node=node, phase=phase, unschedulable=node is None)
+        if uid is not None:
+            p["spec"]["securityContext"] = {"runAsUser": uid, "fsGroup": 7}
+        if container_uid is not None:
+            p["spec"]["containers"][0]["securityContext"] = {"runAsUser": container_uid}
+        return pod_for_planning(p)
+
+    pods = {f"ml/{p['metadata']['name']}": p for p in [
+        mps("running", uid=1000, node="m1", phase="Running"), mps("done", uid=0, node="m1", phase="Succeeded"),
+        mps("root", uid=0), mps("same", uid=1000), mps("override", uid=0, container_uid=1000), mps("unknown"),
+        pod_for_planning(pod("mig", {"nvidia.com/mig-1g.10gb": "1"}))]}
+    assert run_as_user(pods["ml/override"]) == 1000 and run_as_user(pods["ml/unknown"]) is None
+    assert run_as_user(mps("root-container", uid=1000, container_uid=0)) == 0
+    assert pods["ml/root"]["spec"]["securityContext"] == {"runAsUser": 0}  # the cache keeps only the id
+    clashes = mps_user_clashes([(k, "m1") for k in ("ml/root", "ml/same", "ml/override", "ml/unknown", "ml/mig")]
+                               + [("ml/root", "m2")], pods)
+    assert [(o["metadata"]["name"], m.split(":")[0]) for o, m in clashes] == [
+        ("root", "pod ml/root runs as user 0, and MPS pods on node m1 run as user(s) 1000")]
