@@ -407,7 +407,7 @@ def _node_rejects(node: NodeInfo, gpus: list[GpuInfo], req: Request, selector: d
     if req.kind == KIND_MPS:
         caps = [gpus[g].capacity for g in node.gpus]
         if not caps or max(caps) < req.size:
-            return 4, f"a {req.size} slice is bigger than every MPS GPU (largest {max(caps, default=0)})"
+            return 4, f"a {req.size} GB slice is bigger than every MPS GPU (largest {max(caps, default=0)} GB)"
     # the most of the pod's slices one node could ever hold, every GPU of it carved for them
     if req.kind == KIND_MIG:
         most = len(node.gpus) * node.model.profiles_by_name[str(req.profile)].max

@@ -52,7 +52,7 @@ def test_explain_on_a_snapshot_file(capsys):
     out = capsys.readouterr().out
     assert "ml/train-small: placed on node gpu-node-a (GPU 0: 1g.10gb@0), using slices that are already free" in out
     assert "ml/train-mid: placed on node gpu-node-a (GPU 1: 4g.40gb@0), creating 1" in out
-    assert "ml/too-big: not placed: a 100 slice is bigger than every MPS GPU (largest 80)" in out
+    assert "ml/too-big: not placed: a 100 GB slice is bigger than every MPS GPU (largest 80 GB)" in out
 
 
 def test_explain_of_a_pod_not_pending_there_fails_in_text_and_json(capsys):

@@ -46,7 +46,7 @@ def test_slices_adding_up_past_capacity():
 def test_pod_asking_for_more_than_any_gpu_is_unplaced_with_a_reason_not_an_error():
     snap = Snapshot(nodes=[_node(mode="mps")], pending=[PendingPod(name="ns/a", resource="nvidia.com/gpu-200gb")])
     p = plan(snap)
-    assert p.unplaced[0].reason == "a 200 slice is bigger than every MPS GPU (largest 79)"
+    assert p.unplaced[0].reason == "a 200 GB slice is bigger than every MPS GPU (largest 79 GB)"
 
 
 @pytest.mark.parametrize("field,value,message", [
