@@ -213,6 +213,9 @@ class ClusterView:
     # plain GPU pool), left out of planning and of the learnt request distribution without an
     # Event; (pod, why) for the log
     elsewhere: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    # pending pod -> the dynpart nodes that could ever take it (mode, nodeSelector, required node
+    # affinity), those left out of this round too
+    hosts: dict[str, frozenset[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -568,15 +571,17 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     warnings: list[tuple[dict[str, Any], str]] = []
     elsewhere: list[tuple[dict[str, Any], str]] = []
     hosts = _DynpartNodes(nodes)
+    host_names: dict[str, frozenset[str]] = {}
     for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
         try:
             if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods or pod_key(pod) in reserved:
                 continue
             wants = pending_pod(pod)
-            why_not = hosts.why_none_admits(wants)
-            if why_not is not None:
-                elsewhere.append((pod, f"pod {wants.name} is not planned: {why_not}"))
+            admitting = hosts.admitting(wants)
+            if not admitting:
+                elsewhere.append((pod, f"pod {wants.name} is not planned: {hosts.why_none(wants)}"))
                 continue
+            host_names[wants.name] = admitting
             pending.append(wants)
             candidates[pod_key(pod)] = pod
             if isinstance(known_resource(pending[-1].resource), MpsResource) and not _field(pod, "spec", "hostIPC"):
@@ -598,7 +603,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
         problems.append((obj, f"{'pod' if name in candidates else 'node'} {name} left out of planning: {message}"))
     return ClusterView(snapshot, acks, problems, catalog, disagreements, switching,
                        [(pod, w) for pod, w in warnings if pod_key(pod) in {p.name for p in snapshot.pending}],
-                       skew, kept, elsewhere)
+                       skew, kept, elsewhere, {p.name: host_names[p.name] for p in snapshot.pending})
 
 
 class _DynpartNodes:
@@ -614,25 +619,30 @@ class _DynpartNodes:
             if isinstance(labels, dict) and labels.get(PARTITIONING_LABEL) in self.by_mode:
                 self.by_mode[labels[PARTITIONING_LABEL]].append((str(_field(node, "metadata", "name") or ""),
                                                                  {str(k): str(v) for k, v in labels.items()}))
-        self._seen: dict[tuple[object, ...], str | None] = {}
+        self._seen: dict[tuple[object, ...], frozenset[str]] = {}
 
-    def why_none_admits(self, pod: PendingPod) -> str | None:
-        """Why no dynpart node can ever take the pod, or None when one can."""
-        mode = "mig" if isinstance(known_resource(pod.resource), MigResource) else "mps"
+    @staticmethod
+    def _mode(pod: PendingPod) -> str:
+        return "mig" if isinstance(known_resource(pod.resource), MigResource) else "mps"
+
+    def admitting(self, pod: PendingPod) -> frozenset[str]:
+        """The dynpart nodes that could ever take the pod, whatever their GPUs hold."""
+        mode = self._mode(pod)
         key = (mode, tuple(sorted(pod.node_selector.items())), tuple(t.model_dump_json() for t in pod.node_affinity))
-        if key not in self._seen:
-            self._seen[key] = self._why(mode, pod)
-        return self._seen[key]
+        found = self._seen.get(key)
+        if found is None:
+            found = self._seen[key] = frozenset(
+                name for name, labels in self.by_mode[mode]
+                if all(labels.get(k) == v for k, v in pod.node_selector.items())
+                and affinity_admits(pod.node_affinity, labels, name))
+        return found
 
-    def _why(self, mode: str, pod: PendingPod) -> str | None:
-        nodes = self.by_mode[mode]
-        if not nodes:
+    def why_none(self, pod: PendingPod) -> str:
+        """Why no dynpart node can ever take the pod (`admitting` is empty)."""
+        mode = self._mode(pod)
+        if not self.by_mode[mode]:
             return (f"no node is labelled {PARTITIONING_LABEL}={mode}, the mode that serves {pod.resource}"
                     if any(self.by_mode.values()) else f"no node is labelled {PARTITIONING_LABEL}")
-        for name, labels in nodes:
-            if all(labels.get(k) == v for k, v in pod.node_selector.items()) and \
-                    affinity_admits(pod.node_affinity, labels, name):
-                return None
         return (f"no {PARTITIONING_LABEL}={mode} node matches its nodeSelector and required node affinity "
                 "(meant for other nodes)")
 

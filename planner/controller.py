@@ -739,7 +739,16 @@ class PlannerController:
         # plans, such as the nodes left out of this round while their agent applies a plan.
         avoided = self.loop.avoided(now)
         reasons, self._unplaced_logged = self._unplaced_logged, {}
+        in_round = {n.name for n in snapshot.nodes}
         for u in result.unplaced:
+            hosts = view.hosts.get(u.pod, frozenset())
+            if hosts and not hosts & in_round and hosts & awaiting:
+                # every node that could take it is out of this round, some applying a plan: the
+                # pod waits for them, nothing is wrong with it ("no node in mps mode" would mislead)
+                (log.debug if reasons.get(u.pod) == "waiting" else log.info)(
+                    "pod waits for its nodes' agents", extra={"fields": {"pod": u.pod, "nodes": len(hosts)}})
+                self._unplaced_logged[u.pod] = "waiting"
+                continue
             metrics.PODS_UNPLACEABLE.inc()
             # the affinity term the back-off adds (PlanningLoop.avoiding) is dynpart's, not the pod's
             kept_off = (f"; dynpart keeps it off node(s) {', '.join(sorted(avoided[u.pod]))} for a while, where the "

@@ -781,3 +781,21 @@ async def test_a_spec_write_without_an_answer_is_looked_up_before_its_pods_are_p
         assert [r for r, _ in c.posted] == ["LayoutPlanned", "SlicePlanned"]
     await c.plan_round()  # the cache still shows neither node with the spec
     assert tries == ([first, first] if outcome == "lost" else [first])  # planned again only when it did not land
+
+
+async def test_a_pod_whose_only_nodes_apply_a_plan_waits_without_a_misleading_event(make):
+    """The only MPS node is applying a plan: the round has no MPS node, and the pod's reason would
+    read "no node in mps mode". It waits for the node without an Event; once the node is back the
+    real reason is posted (a slice too big for its GPUs)."""
+    spec = {"dynpart.io/spec-plan": "p1", "dynpart.io/spec-mode": "mps", "dynpart.io/spec-gpu-0-10gb": "1"}
+    status = encode_status(NodeLayout(node="m1", mode="mps", gpus=[GpuLayout(index=0)]), "p0")
+    m1 = node("m1", mode="mps", count=1, annotations={**status, **spec})
+    c = make([m1], Lead(term=3))
+    c.pods.cache["ml/big"] = pod("big", {"nvidia.com/gpu-200gb": "1"})
+    await c.plan_round()
+    assert [r for r, _ in c.posted if r == "Unplaceable"] == []
+    m1["metadata"]["annotations"]["dynpart.io/status-plan"] = "p1"  # acknowledged: planned again
+    c._acknowledged("m1", m1["metadata"]["annotations"], c.clock())  # what the node watch does
+    await c.plan_round()
+    (message,) = [m for r, m in c.posted if r == "Unplaceable"]
+    assert "a 200 GB slice is bigger than every MPS GPU" in message, message
