@@ -5,6 +5,8 @@ line naming the setting and the value."""
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import socket
 from collections.abc import Iterator, Mapping
@@ -29,6 +31,7 @@ from dynpart.kube.conventions import LEASE_NAME, SYSTEM_NAMESPACE
 from dynpart.snapshot import RequestShare
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+log = logging.getLogger("dynpart.settings")
 NESTED = "__"  # env_nested_delimiter: DYNPART_PLANNER_KUBE__BACKOFF_MAX_S sets kube.backoff_max_s
 
 
@@ -205,6 +208,7 @@ class ConfigFileSource(YamlConfigSettingsSource):
 
     def __init__(self, settings_cls: type[BaseSettings], file: str | Path | None):
         self.shown = file
+        self.model = settings_cls  # the base class sets its own only after reading the file
         if file is not None:
             try:
                 with open(file, "rb"):
@@ -220,7 +224,29 @@ class ConfigFileSource(YamlConfigSettingsSource):
             raise DynpartError(f"config file {yaml_problem(self.shown, e)}") from None
         if not isinstance(values, dict):
             raise DynpartError(f"config file {self.shown}: must be a mapping of setting: value")
-        return values
+        return _known_settings(self.model, values, f"config file {self.shown}")
+
+
+def _known_settings(model: type[BaseModel], values: dict[Any, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    """The file's settings that this version has; the others are ignored with a warning, also in
+    nested settings (`kube`). A file is written for one version and read by others: the chart's
+    ConfigMap is mounted afresh at each container start, so an agent not yet replaced by an
+    upgrade (the DaemonSet's OnDelete) reads the new version's file when it restarts, and must not
+    crash-loop on a setting it does not know. (The chart's values schema refuses unknown keys
+    where they are written.)"""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            near = difflib.get_close_matches(str(key), list(model.model_fields), n=1)
+            log.warning("%s: %s is not a setting of this dynpart version (a newer version's, or a misspelling%s): "
+                        "ignored", where, f"{prefix}{key}", f": {prefix}{near[0]}?" if near else "")
+            continue
+        nested = field.annotation
+        if isinstance(nested, type) and issubclass(nested, BaseModel) and isinstance(value, dict):
+            value = _known_settings(nested, value, where, f"{prefix}{key}.")
+        out[key] = value
+    return out
 
 
 @contextmanager

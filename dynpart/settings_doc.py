@@ -26,7 +26,10 @@ def _table(cls: type[BaseSettings], command: str) -> str:
     prefix = cls.model_config.get("env_prefix", "")
     rows = [f"## `{command}`\n", f"Environment variables start with `{prefix}`. "
             "Precedence: flags, then environment, then the `--config` YAML file, then defaults. "
-            "A dotted setting is nested in the YAML file (`kube: {backoff_max_s: 30}`).\n",
+            "A dotted setting is nested in the YAML file (`kube: {backoff_max_s: 30}`). A key of the file that is "
+            "not a setting of this version (a newer version's, or a misspelling) is ignored with a warning that "
+            "names it, so that an agent an upgrade has not replaced yet starts with the new version's file; "
+            "an unknown flag or value is an error.\n",
             "| setting | environment variable | default | meaning |", "|---|---|---|---|", *_rows(cls, prefix)]
     return "\n".join(rows) + "\n"
 
