@@ -31,7 +31,15 @@ from datetime import UTC, datetime
 
 from dynpart.agent import metrics
 from dynpart.agent.capability_reader import mig_state, read_capability
-from dynpart.agent.deviceplugin.devices import DeviceListError, GpuView, MigDeviceView, PluginDevice, advertise, packed_first
+from dynpart.agent.deviceplugin.devices import (
+    DeviceListError,
+    GpuView,
+    MigDeviceView,
+    PluginDevice,
+    advertise,
+    held_elsewhere,
+    packed_first,
+)
 from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.driver.interface import GpuDriver, GpuDriverError
 from dynpart.agent.guard import SliceGuard
@@ -40,7 +48,7 @@ from dynpart.agent.mig_agent import MigAgent, PassResult
 from dynpart.agent.mps_daemon import MpsDaemon
 from dynpart.agent.mps_plugin import MpsPluginAgent
 from dynpart.agent.nodepods import NodePods
-from dynpart.agent.podresources import PodResources
+from dynpart.agent.podresources import AssignedDevice, DeviceIds, PodResources
 from dynpart.annotations import MAX_GPU_INDEX, DecodedSpec, annotation_patch, decode_spec, encode_status, format_heartbeat, is_plan_id
 from dynpart.capability import encode_capability, node_model
 from dynpart.catalog import Catalog, GpuModel
@@ -99,6 +107,7 @@ class Agent:
                  publish_allocatable: bool = True, plugin_pods: PluginPods | None = None,
                  withdraw_settle_s: float = 0.5, retry_s: float = 0.5):
         self.node = node
+        pods = _Remembering(pods)  # every reader shares it: the last assignments seen, without a call more
         # the built-in device plugin (started and closed by the caller): it serves the node's devices,
         # except on a MIG node when NVIDIA's plugin does (`plugin_pods`); MPS nodes need it
         self.plugins = plugins
@@ -127,6 +136,7 @@ class Agent:
         self._heartbeat_at = -float("inf")  # time.monotonic() of the last status write with a heartbeat
         self._drain: tuple[int, ...] = ()  # the GPUs the spec applied last drains
         self.unhealthy: dict[int, str] = {}  # GPU index -> why the driver says it is unhealthy (last pass)
+        self.held_elsewhere: dict[str, list[str]] = {}  # device id -> its holders under another name (last lists)
         self._indices: set[int] = set()  # the GPU indices the driver has listed
         # early publishing (publish_allocatable): what the node's allocatable should show (the last
         # _publish's counts); a node that shows otherwise (the kubelet's own status write after its
@@ -298,6 +308,10 @@ class Agent:
                 self.unhealthy = self._health()
             except GpuDriverError as e:
                 log.warning("node %s: reading the GPUs' health: %s", self.node, e)
+        for device, holders in sorted(self.held_elsewhere.items()):
+            errors.append(f"device {device} is held by {'; '.join(holders)}, under another resource name or id "
+                          "(another device plugin's): listed Unhealthy until they end, so that the kubelet gives "
+                          "it to no second pod")
         for index, why in sorted(self.unhealthy.items()):
             errors.append(f"GPU {index} is unhealthy ({why}): its devices are advertised Unhealthy and no pod gets "
                           "them until it is reset")
@@ -361,8 +375,15 @@ class Agent:
 
     def _own_lists(self) -> dict[str, list[PluginDevice]]:
         """What the agent's own plugin lists: the node's devices, or with NVIDIA's plugin serving
-        the node, only the MPS slices left."""
+        the node, only the MPS slices left. A device a pod holds under another resource name or
+        id (given by another device plugin before: NVIDIA's with migStrategy `single` lists MIG
+        devices as nvidia.com/gpu, time-slicing lists `<uuid>::<n>`) is listed Unhealthy: the
+        kubelet counts allocations per resource and id, so it would give it to a second pod."""
         lists = advertise(self.views())
+        self.held_elsewhere = held_elsewhere(lists, self.pods.last)
+        if self.held_elsewhere:
+            lists = {r: [replace(d, healthy=False) if d.id in self.held_elsewhere else d for d in ds]
+                     for r, ds in lists.items()}
         return lists if self._builtin else _mps_only(lists)
 
     async def _readmit_leftovers(self) -> None:
@@ -723,6 +744,21 @@ def _mps_only(advertised: dict[str, list[PluginDevice]]) -> dict[str, list[Plugi
     """The MPS slices among the devices to advertise (what the built-in plugin keeps serving on a
     node that NVIDIA's plugin serves)."""
     return {r: ds for r, ds in advertised.items() if ds and all(d.kind == "mps" for d in ds)}
+
+
+class _Remembering:
+    """PodResources that keeps the assignments its last `list()` answered."""
+
+    def __init__(self, inner: PodResources):
+        self.inner = inner
+        self.last: list[AssignedDevice] = []
+
+    async def list(self) -> list[AssignedDevice]:
+        self.last = await self.inner.list()
+        return self.last
+
+    async def allocatable(self) -> dict[str, DeviceIds]:
+        return await self.inner.allocatable()
 
 
 def _status_gpus(annotations: dict[str, str]) -> set[int]:

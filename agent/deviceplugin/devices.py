@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dynpart.agent.podresources import AssignedDevice
 from dynpart.errors import DynpartError
 from dynpart.resources import WHOLE_GPU, mig_resource_name, mps_resource_name, parse_resource
 
@@ -104,6 +105,24 @@ def advertise(gpus: Iterable[GpuView], withdrawn: Iterable[str] = ()) -> dict[st
         elif g.uuid not in gone:
             out.add(WHOLE_GPU, device(g.uuid, "gpu", g.memory_gb))
     return out.by_resource
+
+
+def held_elsewhere(lists: Mapping[str, Iterable[PluginDevice]], assigned: Iterable[AssignedDevice]
+                   ) -> dict[str, list[str]]:
+    """Device id -> the holders ("pod <ns/name> as <resource> <id>") of each listed device that a
+    pod holds under another resource name or device id: what another plugin gave out as the same
+    hardware (a MIG UUID as nvidia.com/gpu, a time-sliced `<uuid>::<n>`). `assigned`: the
+    PodResources assignments."""
+    listed = {(r, d.id) for r, ds in lists.items() for d in ds}
+    ids = {i for _, i in listed}
+    out: dict[str, list[str]] = {}
+    for a in assigned:
+        base = a.device_id.split("::", 1)[0]
+        if base in ids and (a.resource, a.device_id) not in listed:
+            holder = f"pod {a.pod} as {a.resource} {a.device_id}"
+            if holder not in out.setdefault(base, []):
+                out[base].append(holder)
+    return out
 
 
 def check_exclusive(devices_by_resource: Mapping[str, Iterable[PluginDevice]]) -> None:

@@ -221,3 +221,28 @@ async def test_gpu_operator_components_left_on_are_warned_about(rig: PluginRig):
                                 "nvidia.com/gpu.deploy.device-plugin": "false"})
     await agent.reconcile_once()
     assert len([e for k, e in rig.node_api.events if k == "event" and e[0].endswith("NotOff")]) == 2
+
+
+async def test_a_device_another_plugin_gave_out_under_another_name_is_not_given_again(rig: PluginRig):
+    """Installed on a node whose running pod got its MIG device from NVIDIA's plugin with
+    migStrategy `single` (as nvidia.com/gpu, id = the MIG UUID): the kubelet counts allocations
+    per resource and id, so listed Healthy as nvidia.com/mig-1g.10gb it would go to a second
+    pod. It is listed Unhealthy, and the status says why, until that pod ends."""
+    from tests.agent.kubelet_double import AdmissionError, Assignment
+
+    p = H100.profile("1g.10gb")
+    gi = rig.driver.create_gpu_instance(0, p.gi_profile_id, 0, p.memory)  # carved before (mig-parted)
+    rig.driver.create_compute_instance(0, gi, p.compute)
+    uuid = rig.uuid_at(0, 0)
+    rig.kubelet.assignments.append(Assignment("ml/old", "main", "nvidia.com/gpu", [uuid]))
+    agent = rig.agent()
+    report = await agent.reconcile_once()
+    await rig.kubelet.wait_for_devices(MIG_1G, [(uuid, "Unhealthy")])
+    with pytest.raises(AdmissionError):
+        await rig.kubelet.admit("ml/new", MIG_1G)
+    assert any(e.startswith(f"device {uuid} is held by pod ml/old as nvidia.com/gpu {uuid}") for e in report.errors)
+    assert decode_status(rig.node_api.annotations, H100, node="node-1").layout.gpus[0].mig[0].used
+    rig.kubelet.assignments.clear()  # the old pod ended
+    await agent.reconcile_once()
+    await rig.kubelet.wait_for_devices(MIG_1G, [(uuid, "Healthy")])
+    await rig.kubelet.admit("ml/new", MIG_1G)
