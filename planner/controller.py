@@ -477,12 +477,14 @@ class PlannerController:
         mine, now = self.leadership.term, self.clock()
         for name, plan_id, term, pods, revokes in sorted(found, key=lambda f: _newness(f[2], f[1]), reverse=True):
             older = mine is not None and (term is None or term < mine)
-            if older:
-                held = self.loop.held_pods() | {k for k, (n, _) in self.reserved.items() if n != name}
-                if held.intersection(pods):
-                    self._to_adopt.discard(name)
-                    self._to_revoke.add(name)
-                    continue
+            # pods another plan holds: a spec written late (a deposed leader's, or a write whose
+            # answer was lost), or found again on a node that left dynpart and came back while
+            # its pods were planned elsewhere; of this term too, which its agent would apply
+            held = self.loop.held_pods() | {k for k, (n, _) in self.reserved.items() if n != name}
+            if held.intersection(pods):
+                self._to_adopt.discard(name)
+                self._to_revoke.add(name)
+                continue
             self._to_revoke.discard(name)
             self.loop.written(name, plan_id, pods, now, revoking=revokes)
             if older:
@@ -511,9 +513,9 @@ class PlannerController:
                 "term": self.leadership.term}})
 
     async def _revoke_late(self, name: str) -> None:
-        """Replace an earlier leader's unacknowledged spec whose pods another plan holds (written
-        late, after this leader planned them elsewhere) by the node's reported layout: its agent
-        refuses it for its older term, and adopting it would put those pods on two nodes."""
+        """Replace an unacknowledged spec whose pods another plan holds (written late, after this
+        leader planned them elsewhere, or left on a node that came back) by the node's reported
+        layout: adopting it, or its agent applying it, would put those pods on two nodes."""
         node = self.nodes.cache.get(name)
         if node is None or not self.leadership.can_write():
             return
@@ -535,11 +537,11 @@ class PlannerController:
         self.loop.facts_changed(pods, now)  # those no other plan holds are planned again
         self.wake.set()
         held = sorted(self.loop.held_pods().union(self.reserved).intersection(pods))
-        log.info("revoked an earlier leader's late plan", extra={"fields": {"node": name, "plan": late, "term": term,
-                                                                            "held_elsewhere": held}})
-        await self._event(node, "PlanRevoked", f"plan {late} of an earlier leader (term {term}) was written late: "
-                          f"{', '.join(held)} already planned elsewhere; replaced by plan {plan_id}, the node's layout as "
-                          "its agent last reported it", warning=True)
+        log.info("revoked a late plan", extra={"fields": {"node": name, "plan": late, "term": term,
+                                                          "held_elsewhere": held}})
+        await self._event(node, "PlanRevoked", f"plan {late} (term {term}) names pods already planned elsewhere "
+                          f"({', '.join(held)}): written late, or left on the node while it was out of dynpart; "
+                          f"replaced by plan {plan_id}, the node's layout as its agent last reported it", warning=True)
 
     def _reservations(self) -> dict[str, str]:
         """The reservations still standing: pod -> node. One ends when its pod is bound (or gone)

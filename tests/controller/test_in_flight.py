@@ -601,7 +601,7 @@ async def test_a_late_spec_of_an_earlier_leader_for_pods_planned_elsewhere_is_re
     assert name == "a" and patch["dynpart.io/spec-revokes"] == "l1.0" and patch[SPEC_TERM] == "3"
     assert patch[SPEC_PODS] is None
     assert c.in_flight["a"].revoking and c.in_flight["a"].pods == set() and c.in_flight["b"].pods == {"ml/x"}
-    assert [r for r, _ in c.posted] == ["PlanRevoked"] and "ml/x already planned elsewhere" in c.posted[0][1]
+    assert [r for r, _ in c.posted] == ["PlanRevoked"] and "already planned elsewhere (ml/x)" in c.posted[0][1]
     # a pod reserved elsewhere counts as held too; a late spec whose pods nobody holds is adopted
     c = make([reported("a", {"dynpart.io/spec-plan": "l1.0", SPEC_TERM: "2", SPEC_PODS: "ml/x,ml/y"})], Lead(term=3))
     c.loop.reserve("ml/y", "b", 0.0)
@@ -799,3 +799,27 @@ async def test_a_pod_whose_only_nodes_apply_a_plan_waits_without_a_misleading_ev
     await c.plan_round()
     (message,) = [m for r, m in c.posted if r == "Unplaceable"]
     assert "a 200 GB slice is bigger than every MPS GPU" in message, message
+
+
+async def test_a_node_back_in_dynpart_with_a_plan_for_pods_planned_elsewhere_has_it_revoked(make):
+    """A node leaves dynpart (its label removed) with a plan in flight; its pod is planned onto
+    another node; the label comes back and the node with its old, same-term spec: that spec would
+    be applied by its agent beside the new plan. It is revoked, not waited for."""
+    spec = {"dynpart.io/spec-plan": "pA", "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "2@0,1",
+            SPEC_TERM: "3", SPEC_PODS: "ml/a"}
+    n_a = reported("nA", spec)
+    c = make([n_a, reported("nB")], Lead(term=3))
+    c.in_flight["nA"] = InFlight("pA", 0.0, {"ml/a"})
+    del c.nodes.cache["nA"]
+    c._on_node("DELETED", n_a)  # out of the label selector
+    assert "nA" not in c.in_flight
+    c.loop.written("nB", "pB", {"ml/a"}, 1.0)  # planned again, elsewhere
+    c.nodes.cache["nA"] = n_a
+    c._on_node("ADDED", n_a)
+    awaiting = c._awaiting_from_annotations()
+    assert "nA" in awaiting and "nA" not in c.in_flight and c._to_revoke == {"nA"}
+    await c._adopt()
+    [(name, patch)] = c.written
+    assert name == "nA" and patch[SPEC_PODS] is None and patch["dynpart.io/spec-revokes"] == "pA"
+    assert c.in_flight["nA"].revoking and c.in_flight["nB"].pods == {"ml/a"}
+    assert [r for r, _ in c.posted] == ["PlanRevoked"]
