@@ -63,6 +63,8 @@ bad_values=(
     "--set devicePlugin.nvidia.namespace=Not_A_Namespace"
     "--set devicePlugin.configMapName=dynpart-device-plugin-configs"
     "--set-string admissionPolicy.enabled=yes"
+    "--set-string labelPolicy.enabled=yes"
+    "--set labelPolicy.values={mig}"
     "--set metrics.host="
     "--set networkPolicy.metricsFrom[0].namespace=monitoring"
     "--set planner.extraEnv[0].value=42"
@@ -83,13 +85,23 @@ for args in "--set catalog.extra=not-a-catalog" "--set catalog.extra=models:"; d
     fi
     echo "helm template refused as expected: $args ($(grep -o 'catalog.extra[^(]*' "$out/bad.log" | head -n1))"
 done
-# The node-write ValidatingAdmissionPolicy needs admissionregistration.k8s.io/v1 (Kubernetes 1.30).
-if "$helm" template dynpart "$chart" --kube-version 1.29.0 >"$out/bad.log" 2>&1; then
-    fail "helm template accepted admissionPolicy.enabled on Kubernetes 1.29"
-fi
-grep -q "admissionPolicy.enabled needs Kubernetes >= 1.30" "$out/bad.log" || { cat "$out/bad.log"; fail "unexpected error on Kubernetes 1.29"; }
-"$helm" template dynpart "$chart" --kube-version 1.29.0 --set admissionPolicy.enabled=false >/dev/null
-echo "helm template refused as expected: admissionPolicy.enabled on Kubernetes 1.29 (renders with admissionPolicy.enabled=false)"
+# The ValidatingAdmissionPolicies (node writes, the partitioning label) need admissionregistration.k8s.io/v1
+# (Kubernetes 1.30): the error names every value to turn off.
+for off in "" "--set labelPolicy.enabled=false" "--set admissionPolicy.enabled=false"; do
+    # shellcheck disable=SC2086
+    if "$helm" template dynpart "$chart" --kube-version 1.29.0 $off >"$out/bad.log" 2>&1; then
+        fail "helm template accepted a ValidatingAdmissionPolicy on Kubernetes 1.29 (${off:-default values})"
+    fi
+    case "$off" in
+        "") want="admissionPolicy.enabled and labelPolicy.enabled need Kubernetes >= 1.30" ;;
+        *labelPolicy*) want="admissionPolicy.enabled needs Kubernetes >= 1.30" ;;
+        *) want="labelPolicy.enabled needs Kubernetes >= 1.30" ;;
+    esac
+    grep -q "$want" "$out/bad.log" || { cat "$out/bad.log"; fail "unexpected error on Kubernetes 1.29 (${off:-default values})"; }
+    echo "helm template refused as expected on Kubernetes 1.29 (${off:-default values}): $want"
+done
+"$helm" template dynpart "$chart" --kube-version 1.29.0 --set admissionPolicy.enabled=false --set labelPolicy.enabled=false >/dev/null
+echo "helm template renders on Kubernetes 1.29 with admissionPolicy.enabled=false and labelPolicy.enabled=false"
 
 step "helm template | kubeconform -strict (Kubernetes $kube_version schemas)"
 "$helm" template dynpart "$chart" --namespace "$ns" --kube-version "$kube_version" >"$out/default.yaml"

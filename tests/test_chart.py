@@ -8,6 +8,7 @@ tests/e2e/test_chart_dry_run.py.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -482,18 +483,84 @@ def test_node_write_policies_follow_the_release():
 
 def test_node_write_policies_can_be_turned_off():
     objs = render("--set", "admissionPolicy.enabled=false")
-    assert not [o for o in objs if o["kind"].startswith("ValidatingAdmissionPolicy")]
+    policies = {(o["kind"], o["metadata"]["name"]) for o in objs if o["kind"].startswith("ValidatingAdmissionPolicy")}
+    assert policies == {("ValidatingAdmissionPolicy", "dynpart-partitioning-label"),  # labelPolicy.enabled: on its own
+                        ("ValidatingAdmissionPolicyBinding", "dynpart-partitioning-label")}
     assert find(objs, "DaemonSet") and find(objs, "ClusterRole", "dynpart-agent")  # the rest is unchanged
 
 
-def test_node_write_policies_need_kubernetes_1_30():
+def _template_error(*args: str) -> str:
     _require_tools()
-    old = subprocess.run([str(HELM), "template", "x", str(CHART), "--kube-version", "1.29.4"],
-                         capture_output=True, text=True, timeout=60)
-    assert old.returncode != 0 and "admissionPolicy.enabled needs Kubernetes >= 1.30" in old.stderr
-    assert "set admissionPolicy.enabled=false" in old.stderr
-    assert render("--kube-version", "1.29.4", "--set", "admissionPolicy.enabled=false")
-    assert _policy_pair(render("--kube-version", "v1.30.0-eks-1234"), "agent")  # vendors' version suffixes
+    proc = subprocess.run([str(HELM), "template", "x", str(CHART), *args], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0, f"helm template {' '.join(args)} rendered"
+    return proc.stderr
+
+
+def test_node_write_policies_need_kubernetes_1_30():
+    """One error names every policy value that is on, and how to turn each off."""
+    both = _template_error("--kube-version", "1.29.4")
+    assert "admissionPolicy.enabled and labelPolicy.enabled need Kubernetes >= 1.30" in both
+    assert "this is v1.29.4: set admissionPolicy.enabled=false and labelPolicy.enabled=false" in both
+    node_writes = _template_error("--kube-version", "1.29.4", "--set", "labelPolicy.enabled=false")
+    assert "admissionPolicy.enabled needs Kubernetes >= 1.30" in node_writes
+    assert "set admissionPolicy.enabled=false" in node_writes and "labelPolicy" not in node_writes
+    label = _template_error("--kube-version", "1.29.4", "--set", "admissionPolicy.enabled=false")
+    assert "labelPolicy.enabled needs Kubernetes >= 1.30" in label and "set labelPolicy.enabled=false" in label
+    assert render("--kube-version", "1.29.4", "--set", "admissionPolicy.enabled=false", "--set", "labelPolicy.enabled=false")
+    on_eks = render("--kube-version", "v1.30.0-eks-1234")  # vendors' version suffixes
+    assert _policy_pair(on_eks, "agent") and _label_policy_pair(on_eks)
+
+
+def _label_policy_pair(objs: list[dict[str, Any]], fullname: str = "dynpart") -> tuple[dict[str, Any], dict[str, Any]]:
+    name = f"{fullname}-partitioning-label"
+    return find(objs, "ValidatingAdmissionPolicy", name), find(objs, "ValidatingAdmissionPolicyBinding", name)
+
+
+def test_partitioning_label_policy(default, full):
+    """labelPolicy.enabled (default): a Node CREATE or UPDATE, through nodes or nodes/status, that
+    sets or changes dynpart.io/gpu-partitioning to anything but the values the agent DaemonSet's
+    node affinity takes is refused; a write that keeps the label or removes it never reaches the
+    validation (matchCondition). tests/e2e/test_label_policy.py runs it on a real API server."""
+    for objs in (default, full):
+        policy, binding = _label_policy_pair(objs)
+        assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+        assert binding["spec"] == {"policyName": "dynpart-partitioning-label", "validationActions": ["Deny"]}
+        assert policy["metadata"]["labels"]["app.kubernetes.io/component"] == "label-policy"
+    policy, _ = _label_policy_pair(default)
+    spec = policy["spec"]
+    # an evaluation error must not block Node writes cluster-wide (kubelets, controllers): a typo guard
+    assert spec["failurePolicy"] == "Ignore"
+    # nodes/status too: the API server keeps the labels of a nodes/status write
+    assert spec["matchConstraints"] == {"resourceRules": [{
+        "apiGroups": [""], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE"], "resources": ["nodes", "nodes/status"]}]}
+    assert "userInfo" not in str(spec)  # every user: admins, kubelets (--node-labels), controllers
+    key = f'"{PARTITIONING_LABEL}"'
+    (cond,) = spec["matchConditions"]
+    assert " ".join(cond["expression"].split()) == (
+        f"{key} in object.metadata.?labels.orValue({{}}) && "
+        f"(oldObject == null || !({key} in oldObject.metadata.?labels.orValue({{}})) || "
+        f"oldObject.metadata.labels[{key}] != object.metadata.labels[{key}])")
+    (check,) = spec["validations"]
+    # the values the agent's DaemonSet runs on
+    (term,) = find(default, "DaemonSet")["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    (affinity,) = [e for e in term["matchExpressions"] if e["key"] == PARTITIONING_LABEL]
+    assert check["expression"] == f"object.metadata.labels[{key}] in {json.dumps(affinity['values'])}"
+    assert affinity["values"] == ["mig", "mps"]
+    assert check["reason"] == "Invalid"
+    for text in (check["message"], check["messageExpression"]):
+        assert PARTITIONING_LABEL in text and "mig and mps" in text and "remove the label" in text
+    assert f"object.metadata.labels[{key}]" in check["messageExpression"]  # the value given
+
+
+def test_partitioning_label_policy_follows_the_release_and_can_be_turned_off():
+    policy, binding = _label_policy_pair(render(release="gpu", namespace="infra"), "gpu-dynpart")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"] == "gpu-dynpart-partitioning-label"
+    objs = render("--set", "labelPolicy.enabled=false")
+    assert not [o for o in objs if "partitioning-label" in o["metadata"]["name"]]
+    assert _policy_pair(objs, "agent") and _policy_pair(objs, "planner")  # the node-write policies stay
+    assert not [o for o in render("--set", "labelPolicy.enabled=false", "--set", "admissionPolicy.enabled=false")
+                if o["kind"].startswith("ValidatingAdmissionPolicy")]
 
 
 def test_network_policy(default, full):

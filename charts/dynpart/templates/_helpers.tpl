@@ -89,3 +89,18 @@ readOnlyRootFilesystem: true
 capabilities:
   drop: [ALL]
 {{- end }}
+
+{{/* Fails rendering on Kubernetes < 1.30 (no admissionregistration.k8s.io/v1
+ValidatingAdmissionPolicy) while a value that renders such policies is on, naming every such
+value (admissionPolicy.enabled: node-write-policies.yaml; labelPolicy.enabled:
+partitioning-label-policy.yaml), so that one error says all there is to turn off. */}}
+{{- define "dynpart.checkPolicyKubeVersion" -}}
+{{- if semverCompare "<1.30.0-0" .Capabilities.KubeVersion.Version }}
+{{- $on := list }}
+{{- if .Values.admissionPolicy.enabled }}{{ $on = append $on "admissionPolicy.enabled" }}{{ end }}
+{{- if .Values.labelPolicy.enabled }}{{ $on = append $on "labelPolicy.enabled" }}{{ end }}
+{{- $off := list }}
+{{- range $on }}{{ $off = append $off (printf "%s=false" .) }}{{ end }}
+{{- fail (printf "%s %s Kubernetes >= 1.30 (admissionregistration.k8s.io/v1 ValidatingAdmissionPolicy); this is %s: set %s" (join " and " $on) (ternary "needs" "need" (eq (len $on) 1)) .Capabilities.KubeVersion.Version (join " and " $off)) }}
+{{- end }}
+{{- end }}
