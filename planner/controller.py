@@ -620,7 +620,11 @@ class PlannerController:
         pods = list(self.pods.cache.values())
         awaiting = self._awaiting_from_annotations()
         await self._adopt()
-        view = build_snapshot(nodes, pods, self.catalog, awaiting, self.loop.held_pods(), self._reservations())
+        # in a thread: at 1,000 nodes and 10,000 pods reading them takes about a second of pure
+        # Python, during which the event loop still renews the lease and follows the watches (the
+        # cached objects are replaced on change, never changed in place)
+        view = await asyncio.to_thread(build_snapshot, nodes, pods, self.catalog, awaiting, self.loop.held_pods(),
+                                       self._reservations())
         await self._tell_backoffs()
         snapshot = view.snapshot
         self._round_catalog = view.catalog
