@@ -79,7 +79,7 @@ class DynpartPolicy:
     @staticmethod
     def _greedy(problem: Problem, cache: PlanCache, opts: PlanOptions) -> Greedy:
         return Greedy(problem, cache.states, cache.objective, cache.index, cache.bid, cache.cls, cache.cpu, cache.mem,
-                      opts.minimise_changes, cache.terms)
+                      opts.minimise_changes, cache.terms, cache.rooms)
 
     def unplaced_reason(self, problem: Problem, req: Request) -> str:
         # would it fit on an otherwise untouched cluster (only used slices fixed)? No node

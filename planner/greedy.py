@@ -18,7 +18,6 @@ node on its cheapest GPUs, then placed slice by slice on the best node that real
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Iterator
 from heapq import heapify, heappop, heappush
 from itertools import islice
@@ -27,7 +26,16 @@ from typing import cast
 import numpy as np
 
 from dynpart.planner.index import NO_OPTION, AskCosts, CostArrays, GpuIndex, NodeBest
-from dynpart.planner.objective import SCORE_MIN, NodeTerms, Objective, capacity_class, numpy_sum
+from dynpart.planner.objective import (
+    SCORE_MIN,
+    NodeRooms,
+    NodeTerms,
+    Objective,
+    capacity_class,
+    numpy_sum,
+    room,
+    rooms,
+)
 from dynpart.planner.problem import KIND_GPU, Problem, Request
 from dynpart.planner.state import GpuState, new_state
 from dynpart.planner.types import Assignment, Option, Placements, SliceRef
@@ -61,28 +69,15 @@ _HEAP_POPS = 48
 # nodes of one bound weighed together when the heap pops one (with numpy past SCALAR_NODES)
 _HEAP_BATCH = 256
 
+# nodes a pod moves to other steps of the objective's tables weighed first by the scan, then twice
+# as many each time while they can still win (`_weigh_moved_lazily`)
+_MOVED_FIRST = 8
+
 # what `_best_single_heap` returns when it leaves the pod to the scan
 _GAVE_UP = object()
 
 # the lowest top with no change: a score of SCORE_MIN
 _LOW = _SCORE_OFFSET + SCORE_MIN
-
-# the room of a value below the lowest step: no request moves it down a step
-_NO_STEP_BELOW = 1 << 62
-
-
-def _rooms(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """How far each value is above the highest step not above it: a pod taking more than that
-    moves its node down a step of the objective's CPU or memory tables."""
-    floor: np.ndarray = np.concatenate(([-_NO_STEP_BELOW], steps))[np.searchsorted(steps, values, side="right")]
-    rooms: np.ndarray = values - floor
-    return rooms
-
-
-def _room(value: int, steps: list[int]) -> int:
-    i = bisect_right(steps, value)
-    return value - steps[i - 1] if i else value + _NO_STEP_BELOW
-
 
 _NOTHING_KEPT: dict[tuple[int, int], tuple[int, int]] = {}
 _NO_SCORES: dict[tuple[int, int], int] = {}
@@ -186,9 +181,10 @@ class Greedy:
     def __init__(self, problem: Problem, states: list[GpuState] | None = None, objective: Objective | None = None,
                  index: GpuIndex | None = None, bid: np.ndarray | None = None, cls: np.ndarray | None = None,
                  cpu: np.ndarray | None = None, mem: np.ndarray | None = None, count_changes: bool = True,
-                 terms: NodeTerms | None = None):
+                 terms: NodeTerms | None = None, node_rooms: NodeRooms | None = None):
         """`states` (default: every GPU as it is) are not modified: a GPU the plan changes is
-        copied first. `bid`/`cls` are the states' bucket and class ids when the caller keeps them."""
+        copied first. `bid`/`cls` are the states' bucket and class ids when the caller keeps them;
+        `node_rooms`, the rooms of `cpu` and `mem` under `objective`, when the caller keeps them."""
         self.problem = problem
         self.count_changes = count_changes
         self.base: list[GpuState] = states if states is not None else [new_state(g) for g in problem.gpus]
@@ -220,12 +216,21 @@ class Greedy:
         # objective's tables: (CPU step, memory step) -> (top, slot), until the node changes
         self._moved_best: dict[SliceRef, dict[int, dict[tuple[int, int], tuple[int, int]]]] = {}
         self._views: dict[int, dict[tuple[int, int] | None, _NodeView]] = {}
+        # requests that found no option since the last commit, by `_ask_key` (with their candidate
+        # array, kept alive so that its id is not reused): an equal request finds none either
+        # until a commit changes the cluster (a backlog of equal pods weighed once per commit,
+        # not once each); and `fits_alone` per `_ask_key`, which reads the cluster as it was
+        self._failed: dict[tuple[SliceRef, int, int, int, int], np.ndarray] = {}
+        self._alone: dict[tuple[SliceRef, int, int, int, int], tuple[np.ndarray, bool]] = {}
         self._cpu_steps: list[int] = []
         self._mem_steps: list[int] = []
         if self.objective is not None:
             self._cpu_steps, self._mem_steps = self.objective.cpu_steps.tolist(), self.objective.mem_steps.tolist()
-            self.cpu_room = _rooms(self.cpu, self.objective.cpu_steps)
-            self.mem_room = _rooms(self.mem, self.objective.mem_steps)
+            if node_rooms is not None:
+                self.cpu_room, self.mem_room = node_rooms.cpu.copy(), node_rooms.mem.copy()
+            else:
+                self.cpu_room = rooms(self.cpu, self.objective.cpu_steps)
+                self.mem_room = rooms(self.mem, self.objective.mem_steps)
 
     def placements(self) -> Placements:
         return {idx: Assignment(node, tuple(gid for gid, _ in picks)) for idx, (node, picks) in self.placement.items()}
@@ -608,28 +613,66 @@ class Greedy:
         top = np.where(sure, low, NO_OPTION)
         moved_slot: dict[int, int] = {}
         if len(at):
-            pos, nodes_l = at.tolist(), cand[at].tolist()
-            is_moved = moves[at].tolist() if moves is not None else [False] * len(pos)
-            stale_j = [j for j, m in enumerate(is_moved) if not m]
-            moved_j = [j for j, m in enumerate(is_moved) if m]
-            if stale_j:
-                nodes = np.array([nodes_l[j] for j in stale_j], dtype=np.int64)
+            if moves is None:
+                stale_pos, moved_pos = at, at[:0]
+            else:
+                is_moved = moves[at]
+                stale_pos, moved_pos = at[~is_moved], at[is_moved]
+            if len(stale_pos):
+                nodes = cand[stale_pos]
                 cache.top[nodes], cache.slot[nodes] = self._weigh(costs, nodes)
                 cache.high[nodes] = cache.top[nodes]
                 cache.exact[nodes] = True
-                top[[pos[j] for j in stale_j]] = cache.top[nodes]
+                top[stale_pos] = cache.top[nodes]
                 if heap is not None:
                     heap.push_many(cache.top[nodes].tolist(), nodes.tolist())
-            if moved_j:
-                tops, slots = self._weigh_moved(costs, ask, [nodes_l[j] for j in moved_j], req)
-                top[[pos[j] for j in moved_j]] = tops
-                moved_slot = {pos[j]: slot for j, slot in zip(moved_j, slots)}
+            if len(moved_pos):
+                if req.cpu >= 0 and req.mem >= 0:
+                    moved_slot = self._weigh_moved_lazily(costs, ask, req, cand, low, top, moved_pos)
+                else:  # no floor under the tops the pod moves nodes to: every one weighed
+                    tops, slots = self._weigh_moved(costs, ask, cand[moved_pos].tolist(), req)
+                    top[moved_pos] = tops
+                    moved_slot = dict(zip(moved_pos.tolist(), slots))
         i = int(top.argmin())  # candidates are in node order: the first node among equals
         if top[i] >= NO_OPTION:
             return None
         node = int(cand[i])
         slot = moved_slot[i] if i in moved_slot else int(cache.slot[node])
         return node, self.index.node_gpu_rows[node][slot]
+
+    def _weigh_moved_lazily(self, costs: AskCosts, ask: SliceRef, req: Request, cand: np.ndarray, low: np.ndarray,
+                            top: np.ndarray, moved_pos: np.ndarray) -> dict[int, int]:
+        """Weigh the candidates at `moved_pos` (positions in `cand`, ascending) that the pod
+        moves to other steps, only as far as they can win: their top there is at least `low`
+        (`_weigh_moved` floors it with the top at the node's own steps, of which `low` is the
+        top or a lower bound), so they are weighed in order of (low, position), a few at a time,
+        until the least (low, position) left is not below the least (top, position) found.
+        `top` (per candidate: the top where known, NO_OPTION elsewhere) gets their tops; returns
+        their slots by position. The same option as weighing all of them: the best is the least
+        (top, position), and a node that is not weighed cannot be below it. Without this, a pod
+        on a large cluster weighed every node its CPU or memory moves (hundreds per pod: the
+        cost per pod grew with the cluster, and the packing benchmark's with its square)."""
+        order = np.lexsort((moved_pos, low[moved_pos]))
+        at_pos = moved_pos[order]
+        at_low = low[at_pos]
+        slots: dict[int, int] = {}
+        done, step = 0, _MOVED_FIRST
+        while done < len(at_pos):
+            i = int(top.argmin())
+            best_top = int(top[i])
+            # the moved candidates whose (low, position) is below (best_top, i): a prefix
+            below = int(np.searchsorted(at_low, best_top, side="left"))
+            equal = int(np.searchsorted(at_low, best_top, side="right"))
+            limit = below + int(np.searchsorted(at_pos[below:equal], i, side="left"))
+            if limit <= done:
+                break
+            take = at_pos[done: min(limit, done + step)]
+            tops, got = self._weigh_moved(costs, ask, cand[take].tolist(), req)
+            top[take] = tops
+            slots.update(zip(take.tolist(), got))
+            done += len(take)
+            step *= 2
+        return slots
 
     def _least_changes(self, costs: AskCosts, nodes: np.ndarray) -> np.ndarray | list[int]:
         """The fewest changes with which each node can host one slice of the ask (NO_OPTION:
@@ -728,9 +771,25 @@ class Greedy:
 
     # --- placing -----------------------------------------------------------------------------
 
+    @staticmethod
+    def _ask_key(req: Request) -> tuple[SliceRef, int, int, int, int]:
+        """What `place` and `fits_alone` read of a request: its slices, CPU and memory, and its
+        candidate nodes (requests of one signature asking the same CPU and memory share their
+        candidate array: `compile_requests`)."""
+        return req.slice_ref, req.count, req.cpu, req.mem, id(req.candidate_array())
+
     def place(self, req: Request) -> bool:
         if not req.candidates:
             return False
+        key = self._ask_key(req)
+        if key in self._failed:
+            return False
+        if not self._place(req):
+            self._failed[key] = req.candidate_array()
+            return False
+        return True
+
+    def _place(self, req: Request) -> bool:
         if req.count == 1:
             hit = self.best_single(req)
             if hit is None:
@@ -786,11 +845,12 @@ class Greedy:
         self.mem[node] -= req.mem
         self.placement[req.idx] = (node, picks)
         self.changed_nodes.add(node)
+        self._failed.clear()
         if self.terms is not None:
             self.terms.ok[node] = False
         if self.objective is not None:
-            self.cpu_room[node] = _room(int(self.cpu[node]), self._cpu_steps)
-            self.mem_room[node] = _room(int(self.mem[node]), self._mem_steps)
+            self.cpu_room[node] = room(int(self.cpu[node]), self._cpu_steps)
+            self.mem_room[node] = room(int(self.mem[node]), self._mem_steps)
         for cache in self._best.values():
             cache.ok[node] = False
         for heap in self._heaps.values():
@@ -829,6 +889,13 @@ class Greedy:
 
     def fits_alone(self, req: Request) -> bool:
         """Would the pod have fitted on the cluster as it was, with no other pending pod planned?"""
+        key = self._ask_key(req)
+        hit = self._alone.get(key)
+        if hit is None:
+            hit = self._alone[key] = (req.candidate_array(), self._fits_alone(req))
+        return hit[1]
+
+    def _fits_alone(self, req: Request) -> bool:
         cand = req.candidate_array()
         if not len(cand):
             return False

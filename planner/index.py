@@ -14,7 +14,7 @@ import numpy as np
 
 from dynpart.mig import MigRules
 from dynpart.planner.mig_state import MigRows, MigState
-from dynpart.planner.objective import NodeTerms, Objective, capacity_class, class_after, mig_class
+from dynpart.planner.objective import NodeRooms, NodeTerms, Objective, capacity_class, class_after, mig_class
 from dynpart.planner.problem import Problem
 from dynpart.planner.state import GpuState
 from dynpart.planner.types import MigSliceRef, Option, SliceRef
@@ -316,15 +316,18 @@ class GpuIndex:
 
 class PlanCache:
     """What a plan starts from, kept by a `PlanningSession` between plans (or built for one plan):
-    every GPU's state as it is, its bucket and capacity-class ids, and the objective."""
+    every GPU's state as it is, its bucket and capacity-class ids, and the objective (with the
+    nodes' terms and rooms of `cpu`/`mem` under it, where the session keeps them)."""
 
     def __init__(self, problem: Problem, states: list[GpuState], index: GpuIndex, bid: np.ndarray,
                  objective: Objective, cls: np.ndarray | None, occupied: int | None = None,
-                 cpu: np.ndarray | None = None, mem: np.ndarray | None = None, terms: NodeTerms | None = None):
+                 cpu: np.ndarray | None = None, mem: np.ndarray | None = None, terms: NodeTerms | None = None,
+                 rooms: NodeRooms | None = None):
         self.cpu = cpu if cpu is not None else np.array([n.cpu_free for n in problem.nodes], dtype=np.int64)
         self.mem = mem if mem is not None else np.array([n.mem_free for n in problem.nodes], dtype=np.int64)
         self.states = states
         self.terms = terms
+        self.rooms = rooms
         self.index = index
         self.bid = bid
         self.objective = objective

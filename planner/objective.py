@@ -392,6 +392,43 @@ class Objective:
         return score
 
 
+# the room of a value below the lowest step: no request moves it down a step
+NO_STEP_BELOW = 1 << 62
+
+
+def rooms(values: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """How far each value is above the highest step not above it: a pod taking more than that
+    moves its node down a step of the objective's CPU or memory tables."""
+    floor: np.ndarray = np.concatenate(([-NO_STEP_BELOW], steps))[np.searchsorted(steps, values, side="right")]
+    out: np.ndarray = values - floor
+    return out
+
+
+def room(value: int, steps: list[int]) -> int:
+    """`rooms` of one value, in plain Python."""
+    i = bisect_right(steps, value)
+    return value - steps[i - 1] if i else value + NO_STEP_BELOW
+
+
+class NodeRooms:
+    """Per node, the `rooms` of its free CPU and memory in the objective's CPU and memory steps,
+    for every node. A session keeps them with its objective and updates the node whose CPU or
+    memory changes (`update`), so that a plan copies them instead of searching the steps for
+    every node of the cluster (a pod's plan would cost what the cluster's size does)."""
+
+    __slots__ = ("cpu", "mem", "_cpu_steps", "_mem_steps")
+
+    def __init__(self, objective: Objective, cpu: np.ndarray, mem: np.ndarray):
+        self._cpu_steps, self._mem_steps = objective.cpu_step_list, objective.mem_step_list
+        self.cpu = rooms(cpu, objective.cpu_steps)
+        self.mem = rooms(mem, objective.mem_steps)
+
+    def update(self, node: int, cpu: int, mem: int) -> None:
+        """Node `node` now has `cpu` and `mem` free."""
+        self.cpu[node] = room(cpu, self._cpu_steps)
+        self.mem[node] = room(mem, self._mem_steps)
+
+
 class NodeTerms:
     """Per node, F and what computing a change of F needs (CPU and memory steps, coverage of the
     multi-slice refs), valid where `ok`; kept by a session between plans and invalidated for the

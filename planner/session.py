@@ -24,7 +24,7 @@ from dynpart.catalog import Catalog, GpuModel, default_catalog
 from dynpart.errors import SnapshotError
 from dynpart.planner.bound import capacity_left, placed_upper_bound
 from dynpart.planner.index import GpuIndex, PlanCache
-from dynpart.planner.objective import NodeTerms, Objective, capacity_class
+from dynpart.planner.objective import NodeRooms, NodeTerms, Objective, capacity_class
 from dynpart.planner.output import build_plan
 from dynpart.planner.policies import POLICIES
 from dynpart.planner.policy import PlanOptions
@@ -77,7 +77,10 @@ class PlanningSession:
         self._totals: list[int] = [sum(c[k] for c in self._caps) for k in range(4)]
         self._occupied = sum(1 for s in self.states if s.has_pod())
         self._static: StaticFilter = {}
-        self._objective: tuple[tuple[DemandKind, ...], Objective, np.ndarray | None, NodeTerms] | None = None
+        # the last objective: its workload, class ids of the GPUs, the nodes' terms and the rooms
+        # of their CPU and memory (None while the objective is not active)
+        self._objective: tuple[tuple[DemandKind, ...], Objective, np.ndarray | None, NodeTerms,
+                               NodeRooms | None] | None = None
         self._pending: dict[str, PendingPod] = {}
         self.cpu = np.array([n.cpu_free for n in nodes_i], dtype=np.int64)
         self.mem = np.array([n.mem_free for n in nodes_i], dtype=np.int64)
@@ -90,10 +93,12 @@ class PlanningSession:
         if self._objective is None or self._objective[0] != key:
             obj = Objective(workload, self.problem.nodes)
             cls = None
+            rooms = None
             if obj.active:
                 self.index.use_objective(obj)
                 cls = self.index.classes(self.states, self.bid)
-            self._objective = (key, obj, cls, NodeTerms(obj, len(self.problem.nodes)))
+                rooms = NodeRooms(obj, self.cpu, self.mem)
+            self._objective = (key, obj, cls, NodeTerms(obj, len(self.problem.nodes)), rooms)
         return self._objective[1], self._objective[2], self._objective[3]
 
     def plan(self, pending: Sequence[PendingPod], workload: Sequence[RequestShare] = (),
@@ -111,8 +116,9 @@ class PlanningSession:
         problem.requests = compile_requests(problem, pending, self.catalog, self._static, self.cpu, self.mem)
         problem.workload = self._kinds(workload, pending)
         obj, cls, terms = self.objective(problem.workload)
+        assert self._objective is not None
         problem.cache = PlanCache(problem, self.states, self.index, self.bid, obj, cls, self._occupied,
-                                  self.cpu, self.mem, terms)
+                                  self.cpu, self.mem, terms, self._objective[4])
         self._pending = {p.name: p for p in pending}
         bound = placed_upper_bound(problem, (self._totals[0], self._totals[1], self._totals[2], self._totals[3]))
         policy = POLICIES[opts.policy](opts)
@@ -195,6 +201,8 @@ class PlanningSession:
         self.mem[node] -= mem
         if self._objective is not None:
             self._objective[3].ok[node] = False
+            if self._objective[4] is not None:
+                self._objective[4].update(node, int(self.cpu[node]), int(self.mem[node]))
         self.index.node_changed(node)
 
     def place_cpu_pod(self, cpu: int, mem: int, workload: Sequence[RequestShare] = ()) -> str | None:

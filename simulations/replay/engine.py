@@ -48,7 +48,7 @@ from dynpart.simulations.inputs.traces import TracePod
 from dynpart.simulations.replay import scheduler
 from dynpart.simulations.replay.cluster import ReplayCluster
 from dynpart.simulations.replay.mapping import RULES, request_for
-from dynpart.snapshot import PlacedSlice, Plan, Snapshot, full_layout
+from dynpart.snapshot import PendingPod, PlacedSlice, Plan, Snapshot, full_layout
 
 REPLAY_POLICIES = ("dynpart", "nos", "static")
 # nos's batch window (its partitioner's defaults): the baseline runs the loop with it
@@ -100,6 +100,14 @@ class PodRun:
     slices: list[PlacedSlice] = field(default_factory=list)  # the slices it holds
     failed: str | None = None  # why it can never run on this cluster
     planned: bool = False  # bound on slices a plan made or chose for it (else by the scheduler alone)
+    # the pod as the planner sees it while it waits, built at its first round (the same every
+    # round: a backlog of thousands of pods is not built again each round)
+    pending: PendingPod | None = None
+
+    def pending_pod(self) -> PendingPod:
+        if self.pending is None:
+            self.pending = bridge.pending_pod(self.pod, self.resource or "", self.count, gpu_spec=False)
+        return self.pending
 
     @property
     def wait(self) -> float | None:
@@ -251,7 +259,7 @@ class _Replay:
         self.changed = False
         held = self.loop.held_nodes()
         snap = bridge.snapshot([n for n in self.cl.gpu_nodes if n.name not in held],
-                               [bridge.pending_pod(r.pod, r.resource or "", r.count, gpu_spec=False) for r in waiting])
+                               [r.pending_pod() for r in waiting])
         snap = self.loop.prepare(snap, now)
         t0 = time.perf_counter()
         result = self.loop.decide(snap, self.catalog)

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from dynpart.catalog import default_catalog
 from dynpart.planner import PlanOptions, plan
 from dynpart.planner import greedy as greedy_module
+from dynpart.planner.session import PlanningSession
 from dynpart.planner.workload import random_snapshot
-from dynpart.snapshot import Snapshot
+from dynpart.snapshot import Gpu, Node, PendingPod, RequestShare, Snapshot
 
 
 def _snapshot(seed: int, mode: str, models: bool = False) -> Snapshot:
@@ -94,3 +95,101 @@ def test_the_heap_pops_few_entries_on_a_large_cluster(monkeypatch: pytest.Monkey
     plan(snap, default_catalog(), PlanOptions(time_limit_s=0))
     assert popped["pods"] > 400
     assert popped["entries"] / popped["pods"] < 30  # against 300 candidates each
+
+
+def _packing_like(seed: int) -> tuple[list[Node], list[PendingPod], list[RequestShare]]:
+    """MPS nodes of varied free CPU and memory, one-GPU pods of varied CPU and memory asking for
+    shares, and their distribution as the workload: most pods move some nodes to other steps of
+    the objective's CPU and memory tables; several pods of one kind and size in a row."""
+    rng = random.Random(seed)
+    nodes = [Node(name=f"n{i:03d}", mode="mps", gpu_model="H100-80GB",
+                  cpu_milli_free=rng.choice([4000, 8000, 16000, 32000, 64000]),
+                  memory_mib_free=rng.choice([16384, 65536, 262144]),
+                  gpus=[Gpu(index=g) for g in range(rng.choice([1, 2, 4, 8]))])
+             for i in range(rng.randint(20, 60))]
+    pods = []
+    for k in range(rng.randint(40, 160)):
+        if pods and rng.random() < 0.3:  # the same request again (the backlog's case)
+            pods.append(pods[-1].model_copy(update={"name": f"p{k}"}))
+            continue
+        size = rng.choice([10, 20, 40, 80])
+        pods.append(PendingPod(name=f"p{k}", resource="nvidia.com/gpu" if size == 80 else f"nvidia.com/gpu-{size}gb",
+                               count=rng.choice([1, 1, 1, 2]) if size == 80 else 1,
+                               cpu_milli=rng.choice([1000, 2000, 4000, 6000, 12000]),
+                               memory_mib=rng.choice([2048, 8192, 16384, 32768])))
+    workload = [RequestShare(resource=p.resource, count=p.count, cpu_milli=p.cpu_milli, memory_mib=p.memory_mib)
+                for p in pods]
+    return nodes, pods, workload
+
+
+def _weigh_every_moved_node(self, costs, ask, req, cand, low, top, moved_pos):  # type: ignore[no-untyped-def]
+    tops, slots = self._weigh_moved(costs, ask, cand[moved_pos].tolist(), req)
+    top[moved_pos] = tops
+    return dict(zip(moved_pos.tolist(), slots))
+
+
+def _session_plans(seed: int, batch: int, monkeypatch: pytest.MonkeyPatch, shortcuts: bool) -> tuple[list[str], int]:
+    nodes, pods, workload = _packing_like(seed)
+    lazily = {"calls": 0}
+    weigh = greedy_module.Greedy._weigh_moved_lazily
+
+    def counted(self, *args):  # type: ignore[no-untyped-def]
+        lazily["calls"] += 1
+        return weigh(self, *args)
+
+    with monkeypatch.context() as m:
+        if shortcuts:
+            m.setattr(greedy_module.Greedy, "_weigh_moved_lazily", counted)
+        else:
+            m.setattr(greedy_module.Greedy, "_weigh_moved_lazily", _weigh_every_moved_node)
+            m.setattr(greedy_module.Greedy, "place", greedy_module.Greedy._place)
+            m.setattr(greedy_module.Greedy, "fits_alone", greedy_module.Greedy._fits_alone)
+        session = PlanningSession(nodes, default_catalog())
+        opts = PlanOptions(time_limit_s=0)
+        out = []
+        for k in range(0, len(pods), batch):
+            result = session.plan(pods[k: k + batch], workload, opts)
+            dump = result.model_dump(mode="json")
+            dump["stats"].pop("solve_s")
+            out.append(str(dump))
+            session.commit(result)
+    return out, lazily["calls"]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(min_value=0, max_value=10**9), batch=st.sampled_from([1, 1, 5, 40]))
+def test_the_greedys_shortcuts_find_the_same_plans(seed: int, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weighing the nodes a pod moves to other steps only while they can win, skipping a request
+    equal to one that found no option since the last commit, and `fits_alone` once per equal
+    request: plan after plan on a session (its caches kept between plans), the same plans as
+    weighing every node and every request."""
+    plain, _ = _session_plans(seed, batch, monkeypatch, shortcuts=False)
+    fast, lazily = _session_plans(seed, batch, monkeypatch, shortcuts=True)
+    assert fast == plain
+    assert lazily > 0
+
+
+def test_a_request_left_out_is_weighed_again_after_a_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The requests that found no option are forgotten at each commit (a commit changes what the
+    cluster offers): an 8-GPU pod fails on an 8-GPU node one of whose GPUs is in use, a 1-GPU
+    pod is placed, and the next 8-GPU pod is weighed again; with no commit in between it is not."""
+    nodes = [Node(name="a", mode="mps", gpu_model="H100-80GB",
+                  gpus=[Gpu(index=0, whole_pod="running")] + [Gpu(index=g) for g in range(1, 8)])]
+    pods = [PendingPod(name="big1", resource="nvidia.com/gpu", count=8),
+            PendingPod(name="one", resource="nvidia.com/gpu", count=1),
+            PendingPod(name="big2", resource="nvidia.com/gpu", count=8)]
+    weighed: list[str] = []
+    place = greedy_module.Greedy._place
+
+    def counted(self, req):  # type: ignore[no-untyped-def]
+        weighed.append(req.name)
+        return place(self, req)
+
+    monkeypatch.setattr(greedy_module.Greedy, "_place", counted)
+    result = plan(Snapshot(nodes=nodes, pending=pods), default_catalog(), PlanOptions(time_limit_s=0))
+    assert [p.pod for p in result.placements] == ["one"]
+    # arrival order, then smallest first (the 8-GPU pods fitted alone: `fits_alone`)
+    assert weighed == ["big1", "one", "big2", "one", "big1"]
+    weighed.clear()
+    plan(Snapshot(nodes=nodes, pending=[pods[0], pods[2]]), default_catalog(), PlanOptions(time_limit_s=0))
+    assert weighed == ["big1", "big1"]

@@ -93,3 +93,34 @@ def test_a_session_refuses_bad_pods_like_plan():
     session = PlanningSession([Node(name="n", mode="mig", gpu_model="H100-80GB", gpus=[Gpu(index=0)])])
     with pytest.raises(SnapshotError, match=r"pending\[0\] \(a\)\.resource"):
         session.plan([PendingPod(name="a", resource="nvidia.com/mig-5g.20gb")])
+
+
+def test_a_sessions_rooms_follow_the_nodes_cpu_and_memory():
+    """The rooms of each node's CPU and memory in the objective's steps, which a session keeps
+    and updates where a plan or a CPU-only pod takes CPU and memory, are those computed afresh."""
+    import numpy as np
+
+    from dynpart.planner.objective import rooms
+    from dynpart.snapshot import RequestShare
+    rng = random.Random(7)
+    nodes = [Node(name=f"n{i}", mode="mps", gpu_model="H100-80GB", cpu_milli_free=rng.choice([6000, 16000, 64000]),
+                  memory_mib_free=rng.choice([32768, 262144]), gpus=[Gpu(index=g) for g in range(rng.choice([0, 2, 4]))])
+             for i in range(12)]
+    pods = [PendingPod(name=f"p{k}", resource=rng.choice(["nvidia.com/gpu-10gb", "nvidia.com/gpu-40gb", "nvidia.com/gpu"]),
+                       cpu_milli=rng.choice([1000, 3000, 5000]), memory_mib=rng.choice([4096, 16384]))
+            for k in range(40)]
+    workload = [RequestShare(resource=p.resource, cpu_milli=p.cpu_milli, memory_mib=p.memory_mib) for p in pods]
+    session = PlanningSession(nodes, default_catalog())
+    placed = 0
+    for k, pod in enumerate(pods):
+        result = session.plan([pod], workload, PlanOptions(time_limit_s=0))
+        session.commit(result)
+        placed += len(result.placements)
+        if k % 3 == 0:
+            session.place_cpu_pod(2000, 8192, workload)
+        assert session._objective is not None
+        obj, kept = session._objective[1], session._objective[4]
+        assert kept is not None
+        assert np.array_equal(kept.cpu, rooms(session.cpu, obj.cpu_steps))
+        assert np.array_equal(kept.mem, rooms(session.mem, obj.mem_steps))
+    assert placed > 10
