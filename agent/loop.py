@@ -221,6 +221,7 @@ class Agent:
         return report
 
     async def _pass(self) -> PassReport:
+        self.held_elsewhere = {}  # found again by this pass's lists, if it lists devices
         node = await self.node_api.get()
         try:
             model = self.model()
@@ -297,6 +298,8 @@ class Agent:
             log.error("node %s: serving the devices: %s", self.node, e)
             if isinstance(e, GpuDriverError):
                 await self._all_unhealthy(e)
+                self.unhealthy = {i: f"NVML cannot read the GPUs ({e.code})"
+                                  for i in sorted(self._indices | _status_gpus(node.annotations))}
             errors.append(f"serving the devices: {e}")
             waiting = ["the devices could not be served (see the error above)"] if layout is not None else []
         applied = result.applied and layout is not None and not waiting
@@ -380,11 +383,13 @@ class Agent:
         devices as nvidia.com/gpu, time-slicing lists `<uuid>::<n>`) is listed Unhealthy: the
         kubelet counts allocations per resource and id, so it would give it to a second pod."""
         lists = advertise(self.views())
+        if not self._builtin:
+            lists = _mps_only(lists)
         self.held_elsewhere = held_elsewhere(lists, self.pods.last)
         if self.held_elsewhere:
             lists = {r: [replace(d, healthy=False) if d.id in self.held_elsewhere else d for d in ds]
                      for r, ds in lists.items()}
-        return lists if self._builtin else _mps_only(lists)
+        return lists
 
     async def _readmit_leftovers(self) -> None:
         """A pass ends with nothing withdrawn (each withdrawn device destroyed, or readmitted), unless

@@ -131,6 +131,7 @@ class PlannerController:
         self._round_catalog = catalog
         self._disagreements: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._gauges_at: float | None = None  # when refresh_gauges last ran (it reads every pod)
+        self._elsewhere: set[str] = set()  # pods the last round found meant for other nodes (not in the gauge)
         # what the last round logged: a lasting problem or unplaced pod is logged (at INFO or
         # WARNING) when it appears or changes, not once a round
         self._problems_logged: set[str] = set()
@@ -302,7 +303,7 @@ class PlannerController:
         label = self._resource_label()
         pending: Counter[str] = Counter()
         for key, pod in self.pods.cache.items():
-            if is_batch_candidate(pod):
+            if is_batch_candidate(pod) and key not in self._elsewhere:  # other pools' pods are not dynpart's
                 wanted = slice_requests(pod)
                 pending[metrics.INVALID if key in self._invalid_pods or len(wanted) != 1 else label(next(iter(wanted)))] += 1
         _set_gauge(metrics.PENDING_PODS, pending)
@@ -629,6 +630,7 @@ class PlannerController:
         snapshot = view.snapshot
         self._round_catalog = view.catalog
         self._invalid_pods = {object_key(obj) for obj, _ in view.problems if object_reference(obj)["kind"] == "Pod"}
+        self._elsewhere = {object_key(obj) for obj, _ in view.elsewhere}
         logged = self._problems_logged
         self._problems_logged = {m for _, m in [*view.problems, *view.skew, *view.elsewhere]}
         metrics.PLAN_ERRORS.labels("bad_object").inc(len(view.problems))
@@ -748,18 +750,26 @@ class PlannerController:
         in_round = {n.name for n in snapshot.nodes}
         for u in result.unplaced:
             hosts = view.hosts.get(u.pod, frozenset())
-            if hosts and not hosts & in_round and hosts & awaiting:
-                # every node that could take it is out of this round, some applying a plan: the
-                # pod waits for them, nothing is wrong with it ("no node in mps mode" would mislead)
-                (log.debug if reasons.get(u.pod) == "waiting" else log.info)(
-                    "pod waits for its nodes' agents", extra={"fields": {"pod": u.pod, "nodes": len(hosts)}})
-                self._unplaced_logged[u.pod] = "waiting"
-                continue
+            why = u.reason
+            if hosts and not hosts & in_round:
+                # every node that could take it is out of this round: the planner's reason ("no
+                # node in mps mode") would mislead
+                applying = sorted(n for n in hosts if (f := self.loop.in_flight.get(n)) and not f.revoking)
+                if applying:  # a plan on its way there: the pod waits for it, nothing is wrong
+                    (log.debug if reasons.get(u.pod) == "waiting" else log.info)(
+                        "pod waits for its nodes' agents", extra={"fields": {"pod": u.pod, "nodes": applying[:5]}})
+                    self._unplaced_logged[u.pod] = "waiting"
+                    continue
+                silent = sorted(hosts & awaiting)
+                why = (f"the node(s) that could take it ({', '.join(silent[:3])}{', ...' if len(silent) > 3 else ''}) "
+                       "wait for their agent: it has not reported yet, or has not answered a plan (see the nodes' "
+                       "dynpart.io/status-error and Events)" if silent else
+                       "the node(s) that could take it are left out of planning (see the nodes' Events)")
             metrics.PODS_UNPLACEABLE.inc()
             # the affinity term the back-off adds (PlanningLoop.avoiding) is dynpart's, not the pod's
             kept_off = (f"; dynpart keeps it off node(s) {', '.join(sorted(avoided[u.pod]))} for a while, where the "
                         "slice planned for it was not taken by the scheduler" if u.pod in avoided else "")
-            reason = self._unplaced_logged[u.pod] = u.reason + kept_off
+            reason = self._unplaced_logged[u.pod] = why + kept_off
             (log.debug if reasons.get(u.pod) == reason else log.info)("pod not placed", extra={"fields": {
                 "pod": u.pod, "reason": reason, "nodes_left_out": len(awaiting)}})
             await self._event(pods_by_key.get(u.pod), "Unplaceable", f"dynpart cannot place this pod: {reason}",

@@ -19,6 +19,7 @@ from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import STATUS_ERROR, decode_status
 
 from .conftest import CATALOG, H100, NOW, mig_spec
+from .kubelet_double import Assignment
 from .test_agent_plugin import PluginRig, _rig
 
 MIG_1G = "nvidia.com/mig-1g.10gb"
@@ -29,6 +30,12 @@ MIG_4G = "nvidia.com/mig-4g.40gb"
 @pytest.fixture
 async def rig() -> AsyncIterator[PluginRig]:
     async for r in _rig():
+        yield r
+
+
+@pytest.fixture
+async def mps() -> AsyncIterator[PluginRig]:  # GPUs out of MIG mode
+    async for r in _rig(mig_enabled=False):
         yield r
 
 
@@ -228,7 +235,7 @@ async def test_a_device_another_plugin_gave_out_under_another_name_is_not_given_
     migStrategy `single` (as nvidia.com/gpu, id = the MIG UUID): the kubelet counts allocations
     per resource and id, so listed Healthy as nvidia.com/mig-1g.10gb it would go to a second
     pod. It is listed Unhealthy, and the status says why, until that pod ends."""
-    from tests.agent.kubelet_double import AdmissionError, Assignment
+    from tests.agent.kubelet_double import AdmissionError
 
     p = H100.profile("1g.10gb")
     gi = rig.driver.create_gpu_instance(0, p.gi_profile_id, 0, p.memory)  # carved before (mig-parted)
@@ -246,3 +253,31 @@ async def test_a_device_another_plugin_gave_out_under_another_name_is_not_given_
     await agent.reconcile_once()
     await rig.kubelet.wait_for_devices(MIG_1G, [(uuid, "Healthy")])
     await rig.kubelet.admit("ml/new", MIG_1G)
+
+
+async def test_devices_held_elsewhere_are_found_again_at_each_pass_and_only_among_those_listed(mps: PluginRig):
+    """A time-sliced whole GPU held by an old pod; the node then goes MIG with NVIDIA's plugin (the
+    agent lists nothing): the finding is not kept from the last lists, and ends with the pod."""
+    rig = mps
+    agent = rig.agent(plugin_pods=FakePluginPods())
+    rig.kubelet.assignments.append(Assignment("ml/old", "main", "nvidia.com/gpu", ["GPU-fake-0001::0"]))
+    report = await agent.reconcile_once()
+    assert any("device GPU-fake-0001 is held by pod ml/old" in e for e in report.errors)
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p2"))
+    for _ in range(3):
+        await agent.reconcile_once()
+    rig.kubelet.assignments.clear()  # the old pod ended
+    report = await agent.reconcile_once()
+    assert not agent._serving() and not [e for e in report.errors if "held by" in e]
+
+
+async def test_gpus_that_cannot_be_read_while_serving_are_all_reported_unhealthy(mps: PluginRig):
+    rig = mps
+    agent = rig.agent()
+    await agent.reconcile_once()
+
+    def lost() -> list:
+        raise GpuDriverError("GPU_IS_LOST", "lost")
+    agent.views = lost  # type: ignore[method-assign]  # NVML fails while the devices are listed
+    await agent.reconcile_once()
+    assert rig.node_api.annotations.get("dynpart.io/status-unhealthy") == "0,1"

@@ -823,3 +823,13 @@ async def test_a_node_back_in_dynpart_with_a_plan_for_pods_planned_elsewhere_has
     assert name == "nA" and patch[SPEC_PODS] is None and patch["dynpart.io/spec-revokes"] == "pA"
     assert c.in_flight["nA"].revoking and c.in_flight["nB"].pods == {"ml/a"}
     assert [r for r, _ in c.posted] == ["PlanRevoked"]
+
+
+async def test_a_pod_whose_only_node_has_no_agent_is_told_so(make):
+    """A node labelled mps whose agent never ran (a missing toleration, an image pull failure):
+    the pod is not silent, its Event names the node that waits for its agent."""
+    c = make([node("m1", mode="mps", count=1, annotations={})], Lead(term=3))
+    c.pods.cache["ml/p"] = pod("p", {"nvidia.com/gpu-10gb": "1"})
+    await c.plan_round()
+    (message,) = [m for r, m in c.posted if r == "Unplaceable"]
+    assert "node(s) that could take it (m1) wait for their agent: it has not reported yet" in message, message

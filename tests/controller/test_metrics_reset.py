@@ -147,7 +147,9 @@ async def test_a_node_that_goes_or_agrees_again_loses_its_disagreement_series(ma
 async def test_a_pod_cannot_add_a_label_value_of_its_own(make):
     """Resources no GPU of the catalog offers, names dynpart refuses, two resources in one pod:
     one `invalid` series, however many such names the pods ask for."""
-    c = make([reported("n1")])
+    mps = node("m1", mode="mps", count=1, annotations=encode_status(NodeLayout(node="m1", mode="mps", gpus=[
+        GpuLayout(index=0)]), "p0"))
+    c = make([reported("n1"), mps])
     for i in range(50):
         add(c, pod(f"big{i}", {f"nvidia.com/gpu-{1000 + i}gb": "1"}))  # bigger than any GPU
     add(c, pod("zero", {"nvidia.com/gpu-0010gb": "1"}))  # leading zeros: refused
@@ -187,3 +189,12 @@ async def test_events_about_pods_that_went_are_forgotten_and_drops_are_counted(m
     assert len(c.events) == 0
     await c._event(c.pods.cache["ml/p2"], "Unplaceable", "no room", warning=True)
     assert posted == ["p0", "p1", "p2"]
+
+
+async def test_pods_meant_for_other_pools_are_not_counted_as_waiting_for_dynpart(make):
+    c = make([reported("n1")])
+    add(c, pod("mine", {MIG_1G: "1"}))
+    add(c, pod("theirs", {MIG_1G: "1"}, nodeSelector={"pool": "static-mig"}))
+    c.time[0] += 1
+    await c._step()
+    assert series(metrics.PENDING_PODS) == {MIG_1G: 1.0}
