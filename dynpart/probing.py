@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import make_wsgi_app
@@ -46,9 +47,38 @@ class Liveness:
         return out
 
 
+# Any pod may reach the port (the chart's NetworkPolicy is off by default): a client that opens
+# connections and sends nothing must neither hold a thread for ever nor starve the kubelet's
+# liveness probe, whose failure restarts the agent (and with it the MPS pods of its node)
+READ_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 32
+
+
 class _Quiet(WSGIRequestHandler):
+    timeout = READ_TIMEOUT_S  # socket timeout of each connection (StreamRequestHandler applies it)
+
     def log_message(self, format: str, *args: object) -> None:
         pass  # probes every few seconds would flood the log
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """At most MAX_CONNECTIONS answered at once; one more is closed at once."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 def serve(host: str, port: int, liveness: Liveness) -> ThreadingWSGIServer:
@@ -65,6 +95,6 @@ def serve(host: str, port: int, liveness: Liveness) -> ThreadingWSGIServer:
         answer: Iterable[bytes] = metrics(environ, start_response)
         return answer
 
-    server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_Quiet)
+    server = make_server(host, port, app, _BoundedServer, handler_class=_Quiet)
     threading.Thread(target=server.serve_forever, name="metrics-and-probes", daemon=True).start()
     return server

@@ -42,3 +42,31 @@ def test_healthz_and_metrics_over_http():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_idle_connections_neither_hold_threads_for_ever_nor_starve_the_probe(monkeypatch):
+    """Any pod can reach the port: connections that send nothing are closed after the read
+    time-out, and past the cap a new one is closed at once, while the probe answers again as soon
+    as they are gone."""
+    import socket
+    import time
+
+    from dynpart import probing
+
+    monkeypatch.setattr(probing._Quiet, "timeout", 0.5)
+    monkeypatch.setattr(probing, "MAX_CONNECTIONS", 4)
+    server = serve("127.0.0.1", 0, Liveness())
+    port = server.server_address[1]
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", port))
+        extra.settimeout(2)
+        assert extra.recv(1) == b""  # over the cap: closed without an answer
+        time.sleep(1.0)  # the idle ones time out and free their slots
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
+            assert resp.status == 200
+        for s in [*idle, extra]:
+            s.close()
+    finally:
+        server.shutdown()
