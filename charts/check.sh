@@ -64,6 +64,9 @@ bad_values=(
     "--set devicePlugin.configMapName=dynpart-device-plugin-configs"
     "--set-string admissionPolicy.enabled=yes"
     "--set-string labelPolicy.enabled=yes"
+    "--set-string podEnvPolicy.enabled=yes"
+    "--set image.digest=sha256:abc"
+    "--set image.digest=0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
     "--set labelPolicy.values={mig}"
     "--set metrics.host="
     "--set networkPolicy.metricsFrom[0].namespace=monitoring"
@@ -85,23 +88,25 @@ for args in "--set catalog.extra=not-a-catalog" "--set catalog.extra=models:"; d
     fi
     echo "helm template refused as expected: $args ($(grep -o 'catalog.extra[^(]*' "$out/bad.log" | head -n1))"
 done
-# The ValidatingAdmissionPolicies (node writes, the partitioning label) need admissionregistration.k8s.io/v1
-# (Kubernetes 1.30): the error names every value to turn off.
-for off in "" "--set labelPolicy.enabled=false" "--set admissionPolicy.enabled=false"; do
-    # shellcheck disable=SC2086
-    if "$helm" template dynpart "$chart" --kube-version 1.29.0 $off >"$out/bad.log" 2>&1; then
-        fail "helm template accepted a ValidatingAdmissionPolicy on Kubernetes 1.29 (${off:-default values})"
-    fi
-    case "$off" in
-        "") want="admissionPolicy.enabled and labelPolicy.enabled need Kubernetes >= 1.30" ;;
-        *labelPolicy*) want="admissionPolicy.enabled needs Kubernetes >= 1.30" ;;
-        *) want="labelPolicy.enabled needs Kubernetes >= 1.30" ;;
+# The ValidatingAdmissionPolicies (node writes, the partitioning label, pods' env) need
+# admissionregistration.k8s.io/v1 (Kubernetes 1.30): the error names every value to turn off.
+all_off="--set admissionPolicy.enabled=false --set labelPolicy.enabled=false --set podEnvPolicy.enabled=false"
+for on in "" admissionPolicy labelPolicy podEnvPolicy; do
+    case "$on" in
+        "") args=""; want="admissionPolicy.enabled, labelPolicy.enabled and podEnvPolicy.enabled need Kubernetes >= 1.30" ;;
+        *) args="${all_off/--set $on.enabled=false/}"; want="$on.enabled needs Kubernetes >= 1.30" ;;
     esac
-    grep -q "$want" "$out/bad.log" || { cat "$out/bad.log"; fail "unexpected error on Kubernetes 1.29 (${off:-default values})"; }
-    echo "helm template refused as expected on Kubernetes 1.29 (${off:-default values}): $want"
+    # shellcheck disable=SC2086
+    if "$helm" template dynpart "$chart" --kube-version 1.29.0 $args >"$out/bad.log" 2>&1; then
+        fail "helm template accepted a ValidatingAdmissionPolicy on Kubernetes 1.29 (${on:-default values})"
+    fi
+    grep -q "$want" "$out/bad.log" || { cat "$out/bad.log"; fail "unexpected error on Kubernetes 1.29 (${on:-default values})"; }
+    if [[ -n "$on" ]]; then what="only $on.enabled on"; else what="default values"; fi
+    echo "helm template refused as expected on Kubernetes 1.29 ($what): $want"
 done
-"$helm" template dynpart "$chart" --kube-version 1.29.0 --set admissionPolicy.enabled=false --set labelPolicy.enabled=false >/dev/null
-echo "helm template renders on Kubernetes 1.29 with admissionPolicy.enabled=false and labelPolicy.enabled=false"
+# shellcheck disable=SC2086
+"$helm" template dynpart "$chart" --kube-version 1.29.0 $all_off >/dev/null
+echo "helm template renders on Kubernetes 1.29 with admissionPolicy.enabled, labelPolicy.enabled and podEnvPolicy.enabled false"
 
 step "helm template | kubeconform -strict (Kubernetes $kube_version schemas)"
 "$helm" template dynpart "$chart" --namespace "$ns" --kube-version "$kube_version" >"$out/default.yaml"

@@ -398,14 +398,23 @@ def test_agent_rbac_is_minimal(default, full):
         ("", "nodes", ()): {"get", "list", "watch", "patch"},
         ("", "nodes/status", ()): {"patch"},
         ("", "pods", ()): {"list"},
-        ("", "events", ()): {"create"},
     }
+    # Events only about its Node, which go to the namespace `default` (dynpart/kube/events.py):
+    # create there only, whatever the release namespace
+    events = find(default, "Role", "dynpart-agent-node-events")
+    assert events["metadata"]["namespace"] == "default"
+    assert rules(events) == {("", "events", ()): {"create"}}
+    binding = find(default, "RoleBinding", "dynpart-agent-node-events")
+    assert binding["metadata"]["namespace"] == "default"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "dynpart-agent-node-events"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "dynpart-agent", "namespace": NAMESPACE}]
     no_publish = render("--set", "devicePlugin.publishAllocatable=false")
     assert ("", "nodes/status", ()) not in rules(find(no_publish, "ClusterRole", "dynpart-agent"))
     for objs in (default, full):
         agent_roles = [o for o in objs if o["kind"] in ("Role", "ClusterRole") and "agent" in o["metadata"]["name"]]
         assert not any(r for o in agent_roles for r in o["rules"] if "configmaps" in r["resources"])
-        assert {o["metadata"]["name"] for o in agent_roles} == {"dynpart-agent", "dynpart-agent-planner-lease"}
+        assert {o["metadata"]["name"] for o in agent_roles} == {"dynpart-agent", "dynpart-agent-planner-lease",
+                                                                  "dynpart-agent-node-events"}
 
 
 def test_no_wildcards_secrets_or_deletes(default, full):
@@ -484,8 +493,9 @@ def test_node_write_policies_follow_the_release():
 def test_node_write_policies_can_be_turned_off():
     objs = render("--set", "admissionPolicy.enabled=false")
     policies = {(o["kind"], o["metadata"]["name"]) for o in objs if o["kind"].startswith("ValidatingAdmissionPolicy")}
-    assert policies == {("ValidatingAdmissionPolicy", "dynpart-partitioning-label"),  # labelPolicy.enabled: on its own
-                        ("ValidatingAdmissionPolicyBinding", "dynpart-partitioning-label")}
+    assert policies == {(kind, name) for kind in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+                        # labelPolicy.enabled and podEnvPolicy.enabled: on their own
+                        for name in ("dynpart-partitioning-label", "dynpart-pod-env")}
     assert find(objs, "DaemonSet") and find(objs, "ClusterRole", "dynpart-agent")  # the rest is unchanged
 
 
@@ -498,17 +508,22 @@ def _template_error(*args: str) -> str:
 
 def test_node_write_policies_need_kubernetes_1_30():
     """One error names every policy value that is on, and how to turn each off."""
-    both = _template_error("--kube-version", "1.29.4")
-    assert "admissionPolicy.enabled and labelPolicy.enabled need Kubernetes >= 1.30" in both
-    assert "this is v1.29.4: set admissionPolicy.enabled=false and labelPolicy.enabled=false" in both
-    node_writes = _template_error("--kube-version", "1.29.4", "--set", "labelPolicy.enabled=false")
-    assert "admissionPolicy.enabled needs Kubernetes >= 1.30" in node_writes
-    assert "set admissionPolicy.enabled=false" in node_writes and "labelPolicy" not in node_writes
-    label = _template_error("--kube-version", "1.29.4", "--set", "admissionPolicy.enabled=false")
-    assert "labelPolicy.enabled needs Kubernetes >= 1.30" in label and "set labelPolicy.enabled=false" in label
-    assert render("--kube-version", "1.29.4", "--set", "admissionPolicy.enabled=false", "--set", "labelPolicy.enabled=false")
+    all_three = _template_error("--kube-version", "1.29.4")
+    assert "admissionPolicy.enabled, labelPolicy.enabled and podEnvPolicy.enabled need Kubernetes >= 1.30" in all_three
+    assert ("this is v1.29.4: set admissionPolicy.enabled=false, labelPolicy.enabled=false and "
+            "podEnvPolicy.enabled=false") in all_three
+    two = _template_error("--kube-version", "1.29.4", "--set", "podEnvPolicy.enabled=false")
+    assert "admissionPolicy.enabled and labelPolicy.enabled need Kubernetes >= 1.30" in two
+    assert "set admissionPolicy.enabled=false and labelPolicy.enabled=false" in two and "podEnvPolicy" not in two
+    values = ("admissionPolicy", "labelPolicy", "podEnvPolicy")
+    for on in values:
+        off = [a for v in values if v != on for a in ("--set", f"{v}.enabled=false")]
+        alone = _template_error("--kube-version", "1.29.4", *off)
+        assert f"{on}.enabled needs Kubernetes >= 1.30" in alone and f"set {on}.enabled=false" in alone
+        assert not [v for v in values if v != on and v in alone]
+    assert render("--kube-version", "1.29.4", *[a for v in values for a in ("--set", f"{v}.enabled=false")])
     on_eks = render("--kube-version", "v1.30.0-eks-1234")  # vendors' version suffixes
-    assert _policy_pair(on_eks, "agent") and _label_policy_pair(on_eks)
+    assert _policy_pair(on_eks, "agent") and _label_policy_pair(on_eks) and _pod_env_policy_pair(on_eks)
 
 
 def _label_policy_pair(objs: list[dict[str, Any]], fullname: str = "dynpart") -> tuple[dict[str, Any], dict[str, Any]]:
@@ -559,8 +574,71 @@ def test_partitioning_label_policy_follows_the_release_and_can_be_turned_off():
     objs = render("--set", "labelPolicy.enabled=false")
     assert not [o for o in objs if "partitioning-label" in o["metadata"]["name"]]
     assert _policy_pair(objs, "agent") and _policy_pair(objs, "planner")  # the node-write policies stay
-    assert not [o for o in render("--set", "labelPolicy.enabled=false", "--set", "admissionPolicy.enabled=false")
+    assert not [o for o in render("--set", "labelPolicy.enabled=false", "--set", "admissionPolicy.enabled=false",
+                                  "--set", "podEnvPolicy.enabled=false")
                 if o["kind"].startswith("ValidatingAdmissionPolicy")]
+
+
+def _pod_env_policy_pair(objs: list[dict[str, Any]], fullname: str = "dynpart") -> tuple[dict[str, Any], dict[str, Any]]:
+    name = f"{fullname}-pod-env"
+    return find(objs, "ValidatingAdmissionPolicy", name), find(objs, "ValidatingAdmissionPolicyBinding", name)
+
+
+def test_pod_env_policy(default, full):
+    """podEnvPolicy.enabled (default): a Pod CREATE (or an ephemeral container added) where the pod
+    asks for a dynpart resource and a container sets NVIDIA_VISIBLE_DEVICES or CUDA_MPS_* in env
+    is refused; pods asking for no dynpart resource never reach the validation (matchCondition).
+    tests/e2e/test_pod_env_policy.py runs it on a real API server."""
+    for objs in (default, full):
+        policy, binding = _pod_env_policy_pair(objs)
+        assert policy["apiVersion"] == binding["apiVersion"] == "admissionregistration.k8s.io/v1"
+        assert binding["spec"] == {"policyName": "dynpart-pod-env", "validationActions": ["Deny"]}
+        assert policy["metadata"]["labels"]["app.kubernetes.io/component"] == "pod-env-policy"
+    spec = _pod_env_policy_pair(default)[0]["spec"]
+    assert spec["failurePolicy"] == "Ignore"  # an evaluation error must not block pod creation cluster-wide
+    assert spec["matchConstraints"] == {"resourceRules": [
+        {"apiGroups": [""], "apiVersions": ["*"], "operations": ["CREATE"], "resources": ["pods"]},
+        {"apiGroups": [""], "apiVersions": ["*"], "operations": ["UPDATE"], "resources": ["pods/ephemeralcontainers"]}]}
+    assert "userInfo" not in str(spec)  # every user
+    (cond,) = spec["matchConditions"]
+    # the dynpart resources only (not nvidia.com/gpu: GPU Operator's pods set NVIDIA_VISIBLE_DEVICES)
+    dynpart = "r.matches('^nvidia[.]com/(mig-.+|gpu-[0-9]+gb)$')"
+    assert cond["expression"].count(dynpart) == 4  # limits and requests, containers and init containers
+    assert "initContainers" in cond["expression"] and "env" not in cond["expression"]
+    resource = re.compile(r"^nvidia[.]com/(mig-.+|gpu-[0-9]+gb)$")
+    for name in ("nvidia.com/mig-1g.10gb", "nvidia.com/mig-1g.10gb.me", "nvidia.com/mig-1g.24gb-me", "nvidia.com/gpu-10gb"):
+        assert resource.match(name), name
+    for name in ("nvidia.com/gpu", "nvidia.com/gpu.shared", "example.com/mig-1g", "nvidia.com/gpu-10"):
+        assert not resource.match(name), name
+    variables = {v["name"]: v["expression"] for v in spec["variables"]}
+    sets = "e.name == 'NVIDIA_VISIBLE_DEVICES' || e.name.startsWith('CUDA_MPS_')"
+    assert sets in variables["setters"] and "envFrom" not in variables["setters"]
+    for kind in ("container", "init container", "ephemeral container"):
+        assert f"'{kind} \"' + c.name" in variables["setters"]
+    (check,) = spec["validations"]
+    assert check["expression"] == "variables.setters.size() == 0" and check["reason"] == "Forbidden"
+    assert "variables.setters.join('; ')" in check["messageExpression"]
+    for text in (check["message"], check["messageExpression"]):
+        assert "NVIDIA_VISIBLE_DEVICES" in text and "CUDA_MPS_" in text and "device plugin sets" in text
+
+
+def test_pod_env_policy_follows_the_release_and_can_be_turned_off():
+    policy, binding = _pod_env_policy_pair(render(release="gpu", namespace="infra"), "gpu-dynpart")
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"] == "gpu-dynpart-pod-env"
+    objs = render("--set", "podEnvPolicy.enabled=false")
+    assert not [o for o in objs if "pod-env" in o["metadata"]["name"]]
+    assert _policy_pair(objs, "agent") and _label_policy_pair(objs)  # the other policies stay
+
+
+def test_image_digest():
+    """image.digest pins every workload's image: repository@digest, the tag unused."""
+    digest = "sha256:" + "ab" * 32
+    for args, want in ((("--set", "image.tag=1.2.3"), "ghcr.io/dynpart/dynpart:1.2.3"),
+                       (("--set", "image.tag=1.2.3", "--set", f"image.digest={digest}"), f"ghcr.io/dynpart/dynpart@{digest}")):
+        objs = render(*args)
+        images = [c["image"] for o in objs if o["kind"] in ("Deployment", "DaemonSet")
+                  for c in o["spec"]["template"]["spec"].get("initContainers", []) + o["spec"]["template"]["spec"]["containers"]]
+        assert len(images) >= 2 and set(images) == {want}
 
 
 def test_network_policy(default, full):
@@ -655,7 +733,8 @@ def test_full_values_options(full, tmp_path):
     sc = pod["containers"][0]["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN", "SETUID", "SETGID"]}
-    assert pod["containers"][0]["image"] == "registry.example.com/gpu/dynpart:0.1.0-test"
+    digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+    assert pod["containers"][0]["image"] == f"registry.example.com/gpu/dynpart@{digest}"  # image.digest pins it
     extra = find(full, "ConfigMap", "dynpart-catalog")["data"]["extra.yaml"]
     (tmp_path / "extra.yaml").write_text(extra)
     assert "A100-80GB-CUSTOM" in load_catalog([str(tmp_path / "extra.yaml")]).models
@@ -699,3 +778,9 @@ def test_extra_env_reaches_the_settings(tmp_path, monkeypatch):
     (agent,) = find(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
     assert {"name": "DYNPART_AGENT_WITHDRAW_SETTLE_S", "value": "1.5"} in agent["env"]
     assert s.withdraw_settle_s == 1.5
+
+
+def test_notes_mention_the_pod_env_policy(tmp_path):
+    on = render_notes(tmp_path / "on")
+    assert "ValidatingAdmissionPolicy\ndynpart-pod-env" in on and "Isolation between GPU pods" in on
+    assert "dynpart-pod-env" not in render_notes(tmp_path / "off", "--set", "podEnvPolicy.enabled=false")

@@ -5,8 +5,8 @@ label, the value and the accepted values; every write that leaves the label as i
 value written before the policy existed: the kubelet's status updates, other controllers' labels,
 annotations, taints) and removing the label are accepted.
 
-Only the rendered policy and its binding are created (release `lbl-test`, the node-write policies
-off), with a few Nodes of their own; all of it is deleted at the end, so other e2e tests sharing
+Only the rendered policy and its binding are created (release `lbl-test`, the node-write and
+pod-env policies off), with a few Nodes of their own; all of it is deleted at the end, so other e2e tests sharing
 the cluster are not affected. Requests are the admin's (a client certificate): the policy matches
 every user.
 """
@@ -114,7 +114,8 @@ def _not_enforced(s: Setup) -> bool:
 def setup(e2e_cluster) -> Iterator[Setup]:
     _require_tools()
     client = _dry_run_module().Client(e2e_cluster.kubeconfig)
-    rendered = render(RELEASE, "dynpart-lbl-test", "--set", "admissionPolicy.enabled=false")
+    rendered = render(RELEASE, "dynpart-lbl-test", "--set", "admissionPolicy.enabled=false",
+                      "--set", "podEnvPolicy.enabled=false")
     objects = [o for o in rendered if o["kind"].startswith("ValidatingAdmissionPolicy")]
     assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
         ("ValidatingAdmissionPolicy", POLICY), ("ValidatingAdmissionPolicyBinding", POLICY)]

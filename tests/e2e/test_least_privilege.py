@@ -57,7 +57,7 @@ class Caller:
     """HTTPS with a bearer token only: no client certificate, which would authenticate first."""
 
     def __init__(self, server: str, ca_file: str, token: str):
-        self.server, self.token = server, token
+        self.server, self.ca_file, self.token = server, ca_file, token
         ctx = ssl.create_default_context(cafile=ca_file)
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx))
 
@@ -270,8 +270,10 @@ def _refused_by(status: int, message: Any, policy: str) -> bool:
 def setup(e2e_cluster) -> Iterator[Setup]:
     _require_tools()
     client = _dry_run_module().Client(e2e_cluster.kubeconfig)
-    rendered = render(RELEASE, NS, "--set", "agent.runtimeClassName=", "--set", "labelPolicy.enabled=false")
-    # (no RuntimeClass on the test cluster; the label policy is tested apart: it refuses two of the writes here)
+    rendered = render(RELEASE, NS, "--set", "agent.runtimeClassName=", "--set", "labelPolicy.enabled=false",
+                      "--set", "podEnvPolicy.enabled=false")
+    # (no RuntimeClass on the test cluster; the label policy is tested apart: it refuses two of the
+    # writes here; the pod-env policy too, tests/e2e/test_pod_env_policy.py)
     objects = [o for o in rendered if o["kind"] in KINDS]
     assert {o["kind"] for o in objects} == set(KINDS)
     suffix = os.urandom(3).hex()
@@ -305,12 +307,28 @@ def setup(e2e_cluster) -> Iterator[Setup]:
         # RBAC first (the allowed requests pass), then both policies (a known-refused request is refused)
         _wait_for("the agent's RBAC", lambda: s.run(AGENT_ALLOWED)[0] == 200)
         _wait_for("the planner's RBAC", lambda: s.run(PLANNER_ALLOWED)[0] == 200)
+        _wait_for("the agent's Event role", lambda: _post_event(callers["agent"], EVENTS_NS, nodes["A"], dry_run=True)[0] == 201)
         _wait_for("the agent's node-write policy", lambda: _refused_by(*s.run(AGENT_REFUSED), AGENT_POLICY))
         _wait_for("the planner's node-write policy", lambda: _refused_by(*s.run(PLANNER_REFUSED), PLANNER_POLICY))
         yield s
     finally:
         _clean_up(client, nodes, agent_pod, objects)
         client.close()
+
+
+EVENTS_NS = "default"  # where dynpart/kube/events.py posts an Event about a Node (cluster-scoped)
+
+
+def _event(namespace: str, node: str, reason: str = "LeastPrivilegeProbe") -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": f"{node}.", "namespace": namespace},
+            "involvedObject": {"kind": "Node", "apiVersion": "v1", "name": node, "uid": node},
+            "reason": reason, "message": "a probe", "type": "Normal", "source": {"component": "dynpart-agent"}}
+
+
+def _post_event(caller: Caller, namespace: str, node: str, dry_run: bool = False,
+                group_version: str = "api/v1") -> tuple[int, Any]:
+    query = "?dryRun=All" if dry_run else ""
+    return caller.call("POST", f"/{group_version}/namespaces/{namespace}/events{query}", _event(namespace, node))
 
 
 def _clean_up(client: Any, nodes: dict[str, str], agent_pod: dict[str, Any], objects: list[dict[str, Any]]) -> None:
@@ -354,6 +372,44 @@ def test_refused_by_the_policy(setup, case):
     assert case.refusal and case.refusal in message, message
     if case.node == "B" and case.who == "agent":
         assert message.endswith(f"(user extra {NODE_NAME_EXTRA}: {setup.nodes['A']}), not node {setup.nodes['B']}")
+
+
+async def test_the_agent_posts_its_node_events(setup):
+    """The agent's own Event path (agent.kube.KubeNodeApi.event -> dynpart.kube.events.post_event, a
+    core/v1 POST) with the agent's pod-bound token: the Event about its Node lands in `default`,
+    which the chart's Role there allows (no ClusterRole grants events any more). post_event only
+    logs a refusal, so the Event is looked for afterwards."""
+    from kubernetes_asyncio import client as k
+
+    from agent.kube import KubeNodeApi
+
+    caller, node = setup.callers["agent"], setup.nodes["A"]
+    cfg = k.Configuration()
+    cfg.host, cfg.ssl_ca_cert = caller.server, caller.ca_file
+    cfg.api_key, cfg.api_key_prefix = {"BearerToken": caller.token}, {"BearerToken": "Bearer"}
+    reason = f"LeastPrivilege{nonce()}"
+    async with k.ApiClient(cfg) as api:
+        await KubeNodeApi(api, node).event(reason, "posted with the agent's token")
+    events = setup.client.request("GET", f"/api/v1/namespaces/{EVENTS_NS}/events?fieldSelector=reason%3D{reason}")
+    try:
+        assert [(e["involvedObject"]["kind"], e["involvedObject"]["name"], e["source"]["component"])
+                for e in events["items"]] == [("Node", node, "dynpart-agent")], events["items"]
+    finally:
+        for e in events["items"]:
+            setup.client.request("DELETE", f"/api/v1/namespaces/{EVENTS_NS}/events/{e['metadata']['name']}")
+
+
+@pytest.mark.parametrize("namespace, group_version", [
+    (NS, "api/v1"),  # its own release namespace
+    ("kube-system", "api/v1"),
+    (EVENTS_NS, "apis/events.k8s.io/v1"),  # it posts core/v1 Events only
+])
+def test_the_agent_may_not_post_events_elsewhere(setup, namespace, group_version):
+    """RBAC: events create in `default` only (a Role there), so not in any other namespace."""
+    status, message = _post_event(setup.callers["agent"], namespace, setup.nodes["A"], group_version=group_version)
+    assert status == 403, f"{namespace} {group_version}: {status} {message}"
+    assert f'cannot create resource "events" in API group "{"events.k8s.io" if "events.k8s.io" in group_version else ""}" ' \
+        f'in the namespace "{namespace}"' in message, message
 
 
 def test_status_only_through_the_subresource(setup):

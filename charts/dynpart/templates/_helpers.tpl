@@ -39,8 +39,14 @@ app.kubernetes.io/component: {{ index . 1 }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 
+{{/* The image reference of every workload: repository@digest when image.digest is set (a
+digest pins the exact image; the tag is then not used), else repository:tag (default appVersion). */}}
 {{- define "dynpart.image" -}}
+{{- if .Values.image.digest -}}
+{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
 {{- end }}
 
 {{- define "dynpart.plannerName" -}}
@@ -93,14 +99,23 @@ capabilities:
 {{/* Fails rendering on Kubernetes < 1.30 (no admissionregistration.k8s.io/v1
 ValidatingAdmissionPolicy) while a value that renders such policies is on, naming every such
 value (admissionPolicy.enabled: node-write-policies.yaml; labelPolicy.enabled:
-partitioning-label-policy.yaml), so that one error says all there is to turn off. */}}
+partitioning-label-policy.yaml; podEnvPolicy.enabled: pod-env-policy.yaml), so that one error
+says all there is to turn off. */}}
 {{- define "dynpart.checkPolicyKubeVersion" -}}
 {{- if semverCompare "<1.30.0-0" .Capabilities.KubeVersion.Version }}
 {{- $on := list }}
 {{- if .Values.admissionPolicy.enabled }}{{ $on = append $on "admissionPolicy.enabled" }}{{ end }}
 {{- if .Values.labelPolicy.enabled }}{{ $on = append $on "labelPolicy.enabled" }}{{ end }}
+{{- if .Values.podEnvPolicy.enabled }}{{ $on = append $on "podEnvPolicy.enabled" }}{{ end }}
 {{- $off := list }}
 {{- range $on }}{{ $off = append $off (printf "%s=false" .) }}{{ end }}
-{{- fail (printf "%s %s Kubernetes >= 1.30 (admissionregistration.k8s.io/v1 ValidatingAdmissionPolicy); this is %s: set %s" (join " and " $on) (ternary "needs" "need" (eq (len $on) 1)) .Capabilities.KubeVersion.Version (join " and " $off)) }}
+{{- fail (printf "%s %s Kubernetes >= 1.30 (admissionregistration.k8s.io/v1 ValidatingAdmissionPolicy); this is %s: set %s" (include "dynpart.joinAnd" $on) (ternary "needs" "need" (eq (len $on) 1)) .Capabilities.KubeVersion.Version (include "dynpart.joinAnd" $off)) }}
+{{- end }}
+{{- end }}
+
+{{/* A list of words as English: "a", "a and b", "a, b and c". */}}
+{{- define "dynpart.joinAnd" -}}
+{{- if le (len .) 1 }}{{ join "" . }}
+{{- else }}{{ join ", " (initial .) }} and {{ last . }}
 {{- end }}
 {{- end }}
