@@ -13,18 +13,14 @@ every user.
 
 from __future__ import annotations
 
-import json
 import os
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from tests.e2e.apicall import api_call, wait_for
 from tests.e2e.test_chart_dry_run import _dry_run_module, _require_tools, render
 
 pytestmark = pytest.mark.e2e
@@ -49,24 +45,7 @@ class Setup:
 
     def call(self, method: str, path: str, body: Any = None,
              content_type: str = "application/json") -> tuple[int, Any]:
-        """(HTTP status, decoded body or the Status message of an error)."""
-        c = self.client
-        req = urllib.request.Request(c.server + path, method=method,
-                                     data=None if body is None else json.dumps(body).encode())
-        req.add_header("Accept", "application/json")
-        if body is not None:
-            req.add_header("Content-Type", content_type)
-        if c.token:
-            req.add_header("Authorization", f"Bearer {c.token}")
-        try:
-            with c.opener.open(req, timeout=30) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as e:
-            text = e.read().decode(errors="replace")
-            try:
-                return e.code, json.loads(text).get("message", text)
-            except ValueError:
-                return e.code, text
+        return api_call(self.client, method, path, body, content_type)
 
     def patch(self, role: str, body: dict[str, Any], subresource: str = "", dry_run: bool = False) -> tuple[int, Any]:
         query = "?dryRun=All" if dry_run else ""
@@ -89,15 +68,6 @@ class Setup:
             labels[LABEL] = value
         return self.call("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
                                                    "metadata": {"name": name, "labels": labels}})
-
-
-def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60) -> None:
-    """Admission policies and bindings reach the API server's admission plugin asynchronously."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not in effect after {timeout_s:.0f}s")
-        time.sleep(0.3)
 
 
 def _enforced(s: Setup) -> bool:
@@ -130,7 +100,7 @@ def setup(e2e_cluster) -> Iterator[Setup]:
             assert status == 201, body
         for o in objects:
             client.ensure(o)
-        _wait_for("the partitioning-label policy", lambda: _enforced(s))
+        wait_for("the partitioning-label policy", lambda: _enforced(s))
         yield s
     finally:
         for name in s.nodes.values():
@@ -243,7 +213,7 @@ def test_without_the_binding_every_refused_value_is_written(setup):
     binding = next(o for o in setup.objects if o["kind"] == "ValidatingAdmissionPolicyBinding")
     setup.client.delete(binding)
     try:
-        _wait_for("the binding's removal", lambda: _not_enforced(setup))
+        wait_for("the binding's removal", lambda: _not_enforced(setup))
         for value in ("MPS", "true", ""):
             status, node = setup.label("ok", value)
             assert status == 200 and node["metadata"]["labels"][LABEL] == value, node
@@ -251,4 +221,4 @@ def test_without_the_binding_every_refused_value_is_written(setup):
         assert status == 200 and node["metadata"]["labels"][LABEL] == "Mig", node
     finally:
         setup.client.ensure(binding)
-        _wait_for("the partitioning-label policy", lambda: _enforced(setup))
+        wait_for("the partitioning-label policy", lambda: _enforced(setup))

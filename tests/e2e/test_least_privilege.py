@@ -19,7 +19,6 @@ import itertools
 import json
 import os
 import ssl
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -29,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.apicall import api_call, wait_for
 from tests.e2e.test_chart_dry_run import _dry_run_module, _require_tools, render
 
 pytestmark = pytest.mark.e2e
@@ -62,19 +62,7 @@ class Caller:
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx))
 
     def call(self, method: str, path: str, body: Any, content_type: str = "application/json") -> tuple[int, Any]:
-        req = urllib.request.Request(self.server + path, method=method, data=json.dumps(body).encode())
-        req.add_header("Authorization", f"Bearer {self.token}")
-        req.add_header("Content-Type", content_type)
-        req.add_header("Accept", "application/json")
-        try:
-            with self.opener.open(req, timeout=30) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as e:
-            text = e.read().decode(errors="replace")
-            try:
-                return e.code, json.loads(text).get("message", text)
-            except ValueError:
-                return e.code, text
+        return api_call(self, method, path, body, content_type)
 
     def patch_node(self, node: str, body: dict[str, Any], subresource: str = "") -> tuple[int, Any]:
         return self.call("PATCH", f"/api/v1/nodes/{node}{subresource}", body, MERGE_PATCH)
@@ -253,15 +241,6 @@ def _token(client: Any, sa: str, bound_to: dict[str, Any] | None, expiration_s: 
     return str(review["status"]["token"])
 
 
-def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60) -> None:
-    """RBAC and admission policies reach the API server's caches asynchronously."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not in effect after {timeout_s:.0f}s")
-        time.sleep(0.3)
-
-
 def _refused_by(status: int, message: Any, policy: str) -> bool:
     return status == 403 and f"ValidatingAdmissionPolicy '{policy}' with binding '{policy}' denied request" in str(message)
 
@@ -305,11 +284,11 @@ def setup(e2e_cluster) -> Iterator[Setup]:
         assert status == 201, review
         s = Setup(client, nodes, callers, agent_pod, review["status"], objects)
         # RBAC first (the allowed requests pass), then both policies (a known-refused request is refused)
-        _wait_for("the agent's RBAC", lambda: s.run(AGENT_ALLOWED)[0] == 200)
-        _wait_for("the planner's RBAC", lambda: s.run(PLANNER_ALLOWED)[0] == 200)
-        _wait_for("the agent's Event role", lambda: _post_event(callers["agent"], EVENTS_NS, nodes["A"], dry_run=True)[0] == 201)
-        _wait_for("the agent's node-write policy", lambda: _refused_by(*s.run(AGENT_REFUSED), AGENT_POLICY))
-        _wait_for("the planner's node-write policy", lambda: _refused_by(*s.run(PLANNER_REFUSED), PLANNER_POLICY))
+        wait_for("the agent's RBAC", lambda: s.run(AGENT_ALLOWED)[0] == 200)
+        wait_for("the planner's RBAC", lambda: s.run(PLANNER_ALLOWED)[0] == 200)
+        wait_for("the agent's Event role", lambda: _post_event(callers["agent"], EVENTS_NS, nodes["A"], dry_run=True)[0] == 201)
+        wait_for("the agent's node-write policy", lambda: _refused_by(*s.run(AGENT_REFUSED), AGENT_POLICY))
+        wait_for("the planner's node-write policy", lambda: _refused_by(*s.run(PLANNER_REFUSED), PLANNER_POLICY))
         yield s
     finally:
         _clean_up(client, nodes, agent_pod, objects)
@@ -439,12 +418,12 @@ def test_without_the_policy_rbac_allows_every_refused_request(setup):
     for b in bindings:
         setup.client.delete(b)
     try:
-        _wait_for("the agent's policy removal", lambda: setup.run(AGENT_REFUSED)[0] == 200)
-        _wait_for("the planner's policy removal", lambda: setup.run(PLANNER_REFUSED)[0] == 200)
+        wait_for("the agent's policy removal", lambda: setup.run(AGENT_REFUSED)[0] == 200)
+        wait_for("the planner's policy removal", lambda: setup.run(PLANNER_REFUSED)[0] == 200)
         results = {case.name: setup.run(case) for case in REFUSED}
         assert {name: r for name, r in results.items() if r[0] != 200} == {}
     finally:  # as it was, whatever runs next
         for b in bindings:
             _apply(setup.client, b)
-        _wait_for("the agent's node-write policy", lambda: _refused_by(*setup.run(AGENT_REFUSED), AGENT_POLICY))
-        _wait_for("the planner's node-write policy", lambda: _refused_by(*setup.run(PLANNER_REFUSED), PLANNER_POLICY))
+        wait_for("the agent's node-write policy", lambda: _refused_by(*setup.run(AGENT_REFUSED), AGENT_POLICY))
+        wait_for("the planner's node-write policy", lambda: _refused_by(*setup.run(PLANNER_REFUSED), PLANNER_POLICY))

@@ -13,16 +13,13 @@ the cluster are not affected. Requests are the admin's: the policy matches every
 
 from __future__ import annotations
 
-import json
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from tests.e2e.apicall import api_call, wait_for
 from tests.e2e.test_chart_dry_run import _dry_run_module, _require_tools, render
 
 pytestmark = pytest.mark.e2e
@@ -68,24 +65,7 @@ class Setup:
 
     def call(self, method: str, path: str, body: Any = None,
              content_type: str = "application/json") -> tuple[int, Any]:
-        """(HTTP status, decoded body or the Status message of an error)."""
-        c = self.client
-        req = urllib.request.Request(c.server + path, method=method,
-                                     data=None if body is None else json.dumps(body).encode())
-        req.add_header("Accept", "application/json")
-        if body is not None:
-            req.add_header("Content-Type", content_type)
-        if c.token:
-            req.add_header("Authorization", f"Bearer {c.token}")
-        try:
-            with c.opener.open(req, timeout=30) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as e:
-            text = e.read().decode(errors="replace")
-            try:
-                return e.code, json.loads(text).get("message", text)
-            except ValueError:
-                return e.code, text
+        return api_call(self.client, method, path, body, content_type)
 
     def create(self, obj: dict[str, Any], dry_run: bool = False) -> tuple[int, Any]:
         return self.call("POST", f"/api/v1/namespaces/{NS}/pods" + ("?dryRun=All" if dry_run else ""), obj)
@@ -94,15 +74,6 @@ class Setup:
         """What kubectl debug does: a patch of the pods/ephemeralcontainers subresource."""
         return self.call("PATCH", f"/api/v1/namespaces/{NS}/pods/{pod_name}/ephemeralcontainers",
                          {"spec": {"ephemeralContainers": [c]}}, STRATEGIC)
-
-
-def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60) -> None:
-    """Admission policies and bindings reach the API server's admission plugin asynchronously."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not in effect after {timeout_s:.0f}s")
-        time.sleep(0.3)
 
 
 PROBE = pod("probe", container(limits=MIG, env={"NVIDIA_VISIBLE_DEVICES": "all"}))
@@ -132,7 +103,7 @@ def setup(e2e_cluster) -> Iterator[Setup]:
         client.ensure(namespace)
         for o in objects:
             client.ensure(o)
-        _wait_for("the pod-env policy", lambda: _enforced(s))
+        wait_for("the pod-env policy", lambda: _enforced(s))
         yield s
     finally:
         for o in reversed(objects):
@@ -236,10 +207,10 @@ def test_without_the_binding_every_refused_pod_is_created(setup):
     binding = next(o for o in setup.objects if o["kind"] == "ValidatingAdmissionPolicyBinding")
     setup.client.delete(binding)
     try:
-        _wait_for("the binding's removal", lambda: _not_enforced(setup))
+        wait_for("the binding's removal", lambda: _not_enforced(setup))
         results = {name: setup.create(obj, dry_run=True) for name, (obj, _) in REFUSED.items()}
         assert {name: r for name, r in results.items() if r[0] != 201} == {}
     finally:
         setup.client.ensure(binding)
-        _wait_for("the pod-env policy", lambda: _enforced(setup))
+        wait_for("the pod-env policy", lambda: _enforced(setup))
 
