@@ -801,17 +801,28 @@ def mps_user_clashes(placements: Iterable[tuple[str, str]], pods: Mapping[str, d
             uid = run_as_user(pod)
             if uid is not None:
                 by_node.setdefault(str(node), set()).add(uid)
+    planned_ids: dict[str, dict[int, str]] = {}  # node -> uid -> the first pod of this plan running as it
+    for key, node in placements:
+        planned = pods.get(key)
+        uid = run_as_user(planned) if planned is not None else None
+        if uid is not None and any(isinstance(known_resource(r), MpsResource) for r in slice_requests(planned or {})):
+            planned_ids.setdefault(node, {}).setdefault(uid, key)
     out = []
     for key, node in placements:
         planned = pods.get(key)
         if planned is None or not any(isinstance(known_resource(r), MpsResource) for r in slice_requests(planned)):
             continue
-        uid, there = run_as_user(planned), by_node.get(node, set())
-        if uid is not None and there - {uid}:
-            out.append((planned, f"pod {key} runs as user {uid}, and MPS pods on node {node} run as user(s) "
-                             f"{', '.join(map(str, sorted(there - {uid})))}: the node's MPS daemon runs one server "
-                             "per user id at a time, so this pod waits in CUDA initialisation until they end; "
-                             "give the MPS pods of a node one runAsUser"))
+        uid = run_as_user(planned)
+        if uid is None:
+            continue
+        there = sorted(by_node.get(node, set()) - {uid})
+        beside = sorted(f"{other} (user {u})" for u, other in planned_ids.get(node, {}).items() if u != uid)
+        if there or beside:
+            whom = ([f"MPS pods on node {node} run as user(s) {', '.join(map(str, there))}"] if there else []) + \
+                   ([f"this plan puts {', '.join(beside)} on node {node} too"] if beside else [])
+            out.append((planned, f"pod {key} runs as user {uid}, and {'; '.join(whom)}: the node's MPS daemon runs "
+                             "one server per user id at a time, so pods of one id wait in CUDA initialisation until "
+                             "those of the other end; give the MPS pods of a node one runAsUser"))
     return out
 
 

@@ -553,4 +553,13 @@ def test_an_mps_pod_planned_beside_mps_pods_of_another_user_id_is_told_it_will_w
     clashes = mps_user_clashes([(k, "m1") for k in ("ml/root", "ml/same", "ml/override", "ml/unknown", "ml/mig")]
                                + [("ml/root", "m2")], pods)
     assert [(o["metadata"]["name"], m.split(":")[0]) for o, m in clashes] == [
-        ("root", "pod ml/root runs as user 0, and MPS pods on node m1 run as user(s) 1000")]
+        ("root", "pod ml/root runs as user 0, and MPS pods on node m1 run as user(s) 1000; this plan puts ml/same "
+                 "(user 1000) on node m1 too"),
+        ("same", "pod ml/same runs as user 1000, and this plan puts ml/root (user 0) on node m1 too"),
+        ("override", "pod ml/override runs as user 1000, and this plan puts ml/root (user 0) on node m1 too")]
+    assert mps_user_clashes([("ml/same", "m1"), ("ml/override", "m1"), ("ml/unknown", "m1")], pods) == []
+    # two pods of different ids planned onto one empty node by the same plan: both told
+    clashes = mps_user_clashes([("ml/root", "m3"), ("ml/same", "m3"), ("ml/unknown", "m3")], pods)
+    assert [(o["metadata"]["name"], m.split(":")[0]) for o, m in clashes] == [
+        ("root", "pod ml/root runs as user 0, and this plan puts ml/same (user 1000) on node m3 too"),
+        ("same", "pod ml/same runs as user 1000, and this plan puts ml/root (user 0) on node m3 too")]
