@@ -41,6 +41,17 @@ def api_call(to: Endpoint, method: str, path: str, body: Any = None,
             return e.code, text
 
 
+def rendered_policy(release: str, namespace: str, policy: str, *values: str) -> list[dict[str, Any]]:
+    """The chart's ValidatingAdmissionPolicy `policy` and its binding, rendered with `values`
+    (`--set` pairs) that turn every other policy off."""
+    from tests.e2e.test_chart_dry_run import render
+
+    objects = [o for o in render(release, namespace, *values) if o["kind"].startswith("ValidatingAdmissionPolicy")]
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
+        ("ValidatingAdmissionPolicy", policy), ("ValidatingAdmissionPolicyBinding", policy)]
+    return objects
+
+
 def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60) -> None:
     """RBAC, admission policies and bindings reach the API server's caches asynchronously."""
     deadline = time.monotonic() + timeout_s

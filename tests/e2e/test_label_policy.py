@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.apicall import api_call, wait_for
-from tests.e2e.test_chart_dry_run import _dry_run_module, _require_tools, render
+from tests.e2e.apicall import api_call, rendered_policy, wait_for
+from tests.e2e.test_chart_dry_run import _dry_run_module, _require_tools
 
 pytestmark = pytest.mark.e2e
 
@@ -84,11 +84,8 @@ def _not_enforced(s: Setup) -> bool:
 def setup(e2e_cluster) -> Iterator[Setup]:
     _require_tools()
     client = _dry_run_module().Client(e2e_cluster.kubeconfig)
-    rendered = render(RELEASE, "dynpart-lbl-test", "--set", "admissionPolicy.enabled=false",
-                      "--set", "podEnvPolicy.enabled=false")
-    objects = [o for o in rendered if o["kind"].startswith("ValidatingAdmissionPolicy")]
-    assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
-        ("ValidatingAdmissionPolicy", POLICY), ("ValidatingAdmissionPolicyBinding", POLICY)]
+    objects = rendered_policy(RELEASE, "dynpart-lbl-test", POLICY, "--set", "admissionPolicy.enabled=false",
+                              "--set", "podEnvPolicy.enabled=false")
     suffix = os.urandom(3).hex()
     roles = ("probe", "ok", "bad", "bare", "status", "created-mig", "created-mps", "created-bad", "created-bare")
     s = Setup(client, {r: f"lbl-{r}-{suffix}" for r in roles}, objects)

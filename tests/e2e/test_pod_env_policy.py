@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.apicall import api_call, wait_for
-from tests.e2e.test_chart_dry_run import _dry_run_module, _require_tools, render
+from tests.e2e.apicall import api_call, rendered_policy, wait_for
+from tests.e2e.test_chart_dry_run import _dry_run_module, _require_tools
 
 pytestmark = pytest.mark.e2e
 
@@ -92,11 +92,8 @@ def _not_enforced(s: Setup) -> bool:
 def setup(e2e_cluster) -> Iterator[Setup]:
     _require_tools()
     client = _dry_run_module().Client(e2e_cluster.kubeconfig)
-    rendered = render(RELEASE, "dynpart-env-release", "--set", "admissionPolicy.enabled=false",
-                      "--set", "labelPolicy.enabled=false")
-    objects = [o for o in rendered if o["kind"].startswith("ValidatingAdmissionPolicy")]
-    assert sorted((o["kind"], o["metadata"]["name"]) for o in objects) == [
-        ("ValidatingAdmissionPolicy", POLICY), ("ValidatingAdmissionPolicyBinding", POLICY)]
+    objects = rendered_policy(RELEASE, "dynpart-env-release", POLICY, "--set", "admissionPolicy.enabled=false",
+                              "--set", "labelPolicy.enabled=false")
     s = Setup(client, objects)
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
     try:
