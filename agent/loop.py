@@ -279,11 +279,8 @@ class Agent:
             unhealthy = None
             if isinstance(e, GpuDriverError):
                 self._driver_replaced = self._driver_replaced + 1 if e.code in DRIVER_REPLACED else 0
-                await self._all_unhealthy(e)
-                # no GPU can be read: the planner is told that none can take a slice (every one
-                # the driver listed, and every one the last status reported)
-                unhealthy = self._indices | _status_gpus(node.annotations)
-                self.unhealthy = {i: f"NVML cannot read the GPUs ({e.code})" for i in sorted(unhealthy)}
+                await self._all_unhealthy(e, node)
+                unhealthy = set(self.unhealthy)
             return await self._report_failure(node, str(e), unhealthy)
         self._driver_replaced = 0
         try:
@@ -297,9 +294,7 @@ class Agent:
         except DynpartError as e:  # the node is as the pass left it; say why nothing is acknowledged
             log.error("node %s: serving the devices: %s", self.node, e)
             if isinstance(e, GpuDriverError):
-                await self._all_unhealthy(e)
-                self.unhealthy = {i: f"NVML cannot read the GPUs ({e.code})"
-                                  for i in sorted(self._indices | _status_gpus(node.annotations))}
+                await self._all_unhealthy(e, node)
             errors.append(f"serving the devices: {e}")
             waiting = ["the devices could not be served (see the error above)"] if layout is not None else []
         applied = result.applied and layout is not None and not waiting
@@ -597,11 +592,14 @@ class Agent:
     async def _post_event(self, _node: Obj, reason: str, message: str, warning: bool) -> None:
         await self.node_api.event(reason, message, warning)
 
-    async def _all_unhealthy(self, error: GpuDriverError) -> None:
+    async def _all_unhealthy(self, error: GpuDriverError, node: NodeView) -> None:
         """NVML cannot read the GPUs (one fell off the bus, the driver is gone): every device the
         agent's plugin serves is advertised Unhealthy, so that the kubelet gives none to a new pod
-        (NVIDIA's plugin does the same when NVML fails). The next pass that reads the GPUs again
-        advertises their real health."""
+        (NVIDIA's plugin does the same when NVML fails), and the status names every GPU unhealthy
+        (each the driver listed, and each the last status reported), so that the planner plans
+        none. The next pass that reads the GPUs again advertises their real health."""
+        self.unhealthy = {i: f"NVML cannot read the GPUs ({error.code})"
+                          for i in sorted(self._indices | _status_gpus(node.annotations))}
         if self.plugins is None or not self._serving():
             return
         log.warning("node %s: the GPUs cannot be read (%s): advertising every device Unhealthy", self.node, error.code)
