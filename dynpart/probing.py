@@ -10,6 +10,9 @@ which is what liveness is for.
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -48,37 +51,65 @@ class Liveness:
 
 
 # Any pod may reach the port (the chart's NetworkPolicy is off by default): a client that opens
-# connections and sends nothing must neither hold a thread for ever nor starve the kubelet's
-# liveness probe, whose failure restarts the agent (and with it the MPS pods of its node)
+# connections and sends nothing, or trickles a byte now and then, must not hold a thread for ever.
+# Each connection gets READ_TIMEOUT_S in all; there is no cap on connections, since a cap would let
+# one client starve the kubelet's liveness probe, whose failure restarts the agent (and with it
+# the MPS pods of its node)
 READ_TIMEOUT_S = 10.0
-MAX_CONNECTIONS = 32
 
 
 class _Quiet(WSGIRequestHandler):
-    timeout = READ_TIMEOUT_S  # socket timeout of each connection (StreamRequestHandler applies it)
+    timeout = READ_TIMEOUT_S  # each read (StreamRequestHandler sets it); the server bounds the whole
 
     def log_message(self, format: str, *args: object) -> None:
         pass  # probes every few seconds would flood the log
 
 
-class _BoundedServer(ThreadingWSGIServer):
-    """At most MAX_CONNECTIONS answered at once; one more is closed at once."""
+class _DeadlineServer(ThreadingWSGIServer):
+    """Every connection is shut down READ_TIMEOUT_S after it was accepted, whatever it sends (one
+    reaper thread for all); a client cut off so is not an error worth a traceback."""
 
     def __init__(self, *args: Any, **kwargs: Any):
-        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._open: dict[Any, float] = {}  # request socket -> its deadline
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
         super().__init__(*args, **kwargs)
+        threading.Thread(target=self._reap, name="metrics-deadlines", daemon=True).start()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            self._open[request] = time.monotonic() + READ_TIMEOUT_S
         try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
+            super().process_request(request, client_address)
+        except BaseException:  # no thread to answer it (the caller shuts the request down)
+            self._forget(request)
+            raise
+
+    def shutdown_request(self, request: Any) -> None:
+        self._forget(request)
+        super().shutdown_request(request)
+
+    def server_close(self) -> None:
+        self._closed.set()
+        super().server_close()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):  # a time-out, a reset, a connection cut off here
+            return
+        super().handle_error(request, client_address)
+
+    def _forget(self, request: Any) -> None:
+        with self._lock:
+            self._open.pop(request, None)
+
+    def _reap(self) -> None:
+        while not self._closed.wait(min(1.0, READ_TIMEOUT_S / 4)):
+            now = time.monotonic()
+            with self._lock:
+                late = [r for r, deadline in self._open.items() if deadline < now]
+            for request in late:
+                with contextlib.suppress(OSError):
+                    request.shutdown(socket.SHUT_RDWR)
 
 
 def serve(host: str, port: int, liveness: Liveness) -> ThreadingWSGIServer:
@@ -95,6 +126,6 @@ def serve(host: str, port: int, liveness: Liveness) -> ThreadingWSGIServer:
         answer: Iterable[bytes] = metrics(environ, start_response)
         return answer
 
-    server = make_server(host, port, app, _BoundedServer, handler_class=_Quiet)
+    server = make_server(host, port, app, _DeadlineServer, handler_class=_Quiet)
     threading.Thread(target=server.serve_forever, name="metrics-and-probes", daemon=True).start()
     return server

@@ -44,29 +44,46 @@ def test_healthz_and_metrics_over_http():
         server.server_close()
 
 
-def test_idle_connections_neither_hold_threads_for_ever_nor_starve_the_probe(monkeypatch):
-    """Any pod can reach the port: connections that send nothing are closed after the read
-    time-out, and past the cap a new one is closed at once, while the probe answers again as soon
-    as they are gone."""
+def test_idle_or_trickling_connections_are_cut_off_and_never_starve_the_probe(monkeypatch, capsys):
+    """Any pod can reach the port: a connection gets READ_TIMEOUT_S in all, even one that sends a
+    byte now and then (a per-read time-out alone would keep it for ever), many of them never keep
+    the probe from an answer, and cutting them off prints no traceback."""
     import socket
+    import threading
     import time
 
     from dynpart import probing
 
-    monkeypatch.setattr(probing._Quiet, "timeout", 0.5)
-    monkeypatch.setattr(probing, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(probing, "READ_TIMEOUT_S", 0.6)
+    monkeypatch.setattr(probing._Quiet, "timeout", 0.6)
     server = serve("127.0.0.1", 0, Liveness())
     port = server.server_address[1]
     try:
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
-        time.sleep(0.2)
-        extra = socket.create_connection(("127.0.0.1", port))
-        extra.settimeout(2)
-        assert extra.recv(1) == b""  # over the cap: closed without an answer
-        time.sleep(1.0)  # the idle ones time out and free their slots
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as resp:
-            assert resp.status == 200
-        for s in [*idle, extra]:
-            s.close()
+            assert resp.status == 200  # 40 idle connections open: answered all the same
+        slow = socket.create_connection(("127.0.0.1", port))
+        cut = threading.Event()
+
+        def trickle() -> None:
+            try:
+                for b in b"GET /healthz HTTP/1.1\r\n":
+                    slow.sendall(bytes([b]))
+                    time.sleep(0.3)  # under the per-read time-out each time
+            except OSError:
+                cut.set()
+        started = time.monotonic()
+        t = threading.Thread(target=trickle, daemon=True)
+        t.start()
+        slow.settimeout(5)
+        try:
+            assert slow.recv(1) == b""  # shut down by the server
+        except ConnectionResetError:
+            pass
+        assert time.monotonic() - started < 0.6 + 2.0  # the deadline, and the reaper's period
+        for c in [*idle, slow]:
+            c.close()
     finally:
         server.shutdown()
+        server.server_close()
+    assert "Traceback" not in capsys.readouterr().err
