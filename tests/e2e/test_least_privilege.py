@@ -360,7 +360,7 @@ async def test_the_agent_posts_its_node_events(setup):
     logs a refusal, so the Event is looked for afterwards."""
     from kubernetes_asyncio import client as k
 
-    from agent.kube import KubeNodeApi
+    from dynpart.agent.kube import KubeNodeApi
 
     caller, node = setup.callers["agent"], setup.nodes["A"]
     cfg = k.Configuration()
