@@ -792,35 +792,32 @@ def mps_user_clashes(placements: Iterable[tuple[str, str]], pods: Mapping[str, d
     run as another user id: the node's MPS control daemon runs one server per user id at a time,
     so the pod would wait in CUDA initialisation until every client of the other id ended. Only
     where the ids are known on both sides (runAsUser)."""
+    def mps_user(pod: dict[str, Any] | None) -> int | None:  # the user id of an MPS pod, when known
+        if pod is None or not any(isinstance(known_resource(r), MpsResource) for r in slice_requests(pod)):
+            return None
+        return run_as_user(pod)
+
     by_node: dict[str, set[int]] = {}
     for pod in pods.values():
         node = _field(pod, "spec", "nodeName")
-        if not node or _field(pod, "status", "phase") in TERMINAL_PHASES:
-            continue
-        if any(isinstance(known_resource(r), MpsResource) for r in slice_requests(pod)):
-            uid = run_as_user(pod)
-            if uid is not None:
-                by_node.setdefault(str(node), set()).add(uid)
+        uid = mps_user(pod) if node and _field(pod, "status", "phase") not in TERMINAL_PHASES else None
+        if uid is not None:
+            by_node.setdefault(str(node), set()).add(uid)
+    planned = [(key, node, pods.get(key), mps_user(pods.get(key))) for key, node in placements]
     planned_ids: dict[str, dict[int, str]] = {}  # node -> uid -> the first pod of this plan running as it
-    for key, node in placements:
-        planned = pods.get(key)
-        uid = run_as_user(planned) if planned is not None else None
-        if uid is not None and any(isinstance(known_resource(r), MpsResource) for r in slice_requests(planned or {})):
+    for key, node, _, uid in planned:
+        if uid is not None:
             planned_ids.setdefault(node, {}).setdefault(uid, key)
     out = []
-    for key, node in placements:
-        planned = pods.get(key)
-        if planned is None or not any(isinstance(known_resource(r), MpsResource) for r in slice_requests(planned)):
-            continue
-        uid = run_as_user(planned)
-        if uid is None:
+    for key, node, obj, uid in planned:
+        if obj is None or uid is None:
             continue
         there = sorted(by_node.get(node, set()) - {uid})
         beside = sorted(f"{other} (user {u})" for u, other in planned_ids.get(node, {}).items() if u != uid)
         if there or beside:
             whom = ([f"MPS pods on node {node} run as user(s) {', '.join(map(str, there))}"] if there else []) + \
                    ([f"this plan puts {', '.join(beside)} on node {node} too"] if beside else [])
-            out.append((planned, f"pod {key} runs as user {uid}, and {'; '.join(whom)}: the node's MPS daemon runs "
+            out.append((obj, f"pod {key} runs as user {uid}, and {'; '.join(whom)}: the node's MPS daemon runs "
                              "one server per user id at a time, so pods of one id wait in CUDA initialisation until "
                              "those of the other end; give the MPS pods of a node one runAsUser"))
     return out
