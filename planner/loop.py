@@ -33,7 +33,11 @@ from dynpart.snapshot import NodeLayout, PendingPod, Plan, Snapshot
 # A pod whose reservation on a node ended without the scheduler binding it there is not planned
 # on that node again for a while: the first time for reservation_s, then twice as long each time,
 # at most this long. (A slice the agent reports free may be one the scheduler cannot give: a
-# device the plugin withdrew as unhealthy, a pod constraint dynpart does not model.)
+# device the plugin withdrew as unhealthy, a pod constraint dynpart does not model.) The nodes a
+# pod is kept off are kept off together, each at least as long as the latest and past the pod's
+# back-off: the plans then try every other node once before any of them again (a pod only one
+# node admits for a reason dynpart does not see, a zonal volume say, otherwise went back and forth
+# between the first two nodes tried, whose free slices the objective prefers, and never reached it).
 AVOID_MAX_S = 600.0
 # A pod whose reservations lapsed this many times, on any nodes, is kept pending by something the
 # planner does not model (a volume in another zone, pod affinity, topology spread, host ports,
@@ -260,6 +264,14 @@ class PlanningLoop:
         previous = self.avoid.get((key, node))
         delay = min(AVOID_MAX_S, 2 * previous[1] if previous else max(self.settings.reservation_s, 1.0))
         self.avoid[(key, node)] = (now + delay, delay)
+        self._keep_off_together(key, now + delay)
+
+    def _keep_off_together(self, key: str, until: float) -> None:
+        """Every node the pod is kept off (or was, while its lapses are remembered) stays so at
+        least `until` (AVOID_MAX_S): the set grows, it does not rotate."""
+        for pair, (was, delay) in list(self.avoid.items()):
+            if pair[0] == key and was < until:
+                self.avoid[pair] = (until, delay)
 
     def _lapse(self, key: str, node: str, now: float) -> None:
         """A reservation of the pod lapsed unbound: after POD_LAPSES of them, wherever, the pod is
@@ -272,6 +284,8 @@ class PlanningLoop:
             b.delay = min(POD_BACKOFF_MAX_S, 2 * b.delay if b.delay else POD_BACKOFF_MIN_S)
             b.until = now + b.delay
             self.backoffs_started.append(key)
+            # past the back-off, the next plan tries a node not tried yet
+            self._keep_off_together(key, b.until + max(self.settings.reservation_s, 1.0))
 
     def backing_off(self, now: float) -> dict[str, PodBackOff]:
         """Pod -> its pod-wide back-off, for the pods left out of the plans now (`_lapse`)."""

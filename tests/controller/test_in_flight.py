@@ -702,6 +702,41 @@ def test_a_pod_whose_reservations_keep_lapsing_is_left_out_pod_wide_for_a_while(
     assert "ml/a" not in loop.lapsed
 
 
+@pytest.mark.parametrize("admits", ["b", "c", "d"])
+def test_a_pod_only_one_node_admits_is_tried_on_every_node_until_it_binds(admits):
+    """The scheduler binds the pod only on one of four empty nodes (a zonal volume, say: nothing
+    the planner models). Each node where its slice was kept and not taken is kept off while the
+    others are tried, and past the pod's back-off: every node is tried once, and the pod binds.
+    (The nodes were kept off one at a time before, each for less than the back-off: the plans went
+    back to the first nodes' free slices, a, b, a, a, ..., and never reached d in a day.)"""
+    from dynpart.planner.loop import PlanningLoop
+    from dynpart.snapshot import Gpu, MigInstance, Node, PendingPod, Snapshot
+
+    settings = PlannerSettings()
+    loop = PlanningLoop(settings)
+    nodes = {n: Node(name=n, mode="mig", gpu_model="H100-80GB", gpus=[Gpu(index=0)]) for n in "abcd"}
+    pod = PendingPod(name="ml/p", resource="nvidia.com/mig-1g.10gb")
+    loop.pod_waiting("ml/p", 0.0, "v1")
+    now, tried = 0.0, []
+    while now < 24 * 3600 and (not tried or tried[-1] != admits):
+        loop.reservations(now, lambda key: False)
+        snap = loop.prepare(Snapshot(nodes=list(nodes.values()), pending=[pod]), now)
+        result = loop.decide(snap, CAT) if snap.pending else None
+        if result is None or not result.placements:
+            now += settings.resync_s
+            continue
+        [pl] = result.placements
+        layout = result.layout_of(pl.node)
+        if layout is not None and layout.changed:  # the agent applies it at once
+            nodes[pl.node] = nodes[pl.node].model_copy(update={"gpus": [Gpu(index=g.index, mig=[
+                MigInstance(profile=m.profile, start=m.start) for m in g.mig]) for g in layout.gpus]})
+        tried.append(pl.node)
+        loop.reserve("ml/p", pl.node, now)  # the scheduler binds it on `admits` only
+        now += settings.reservation_s + 0.1
+    assert tried == list("abcd"[:"abcd".index(admits) + 1]), tried
+    assert now < 600, "within minutes, not hours"
+
+
 async def test_a_pod_that_never_binds_where_its_slices_are_made_is_told_and_left_alone(make):
     """The controller posts one SlicesNotTaken Warning when the pod-wide back-off starts, saying
     that something else keeps the pod pending and when it is planned again; meanwhile no plan
