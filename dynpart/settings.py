@@ -27,7 +27,7 @@ from pydantic_settings import (
 )
 
 from dynpart.errors import DynpartError, yaml_problem
-from dynpart.kube.conventions import LEASE_NAME, SYSTEM_NAMESPACE
+from dynpart.kube.conventions import DEFAULT_SCHEDULER, LEASE_NAME, SYSTEM_NAMESPACE
 from dynpart.snapshot import RequestShare
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -110,6 +110,11 @@ class PlannerSettings(CommonSettings):
                                 "cluster, oldest waiting pod first (a pod asking for more GPUs than this is drained "
                                 "for when no other drain holds any): drains that pile up while whole-GPU pods queue "
                                 "idle ever more capacity (like the cluster autoscaler's --max-drain-parallelism)")
+    scheduler_names: list[str] = Field(default=[DEFAULT_SCHEDULER], min_length=1, description="plan only for "
+                                       "pods these schedulers place (spec.schedulerName): dynpart predicts the "
+                                       "default scheduler's filters, and a pod another scheduler places (Volcano, "
+                                       "a gang scheduler...) is left to it; a kube-scheduler profile of another "
+                                       "name with the default filters may be added")
     leader_election: bool = Field(default=True, description="only the holder of the lease plans")
     lease_name: str = Field(default=LEASE_NAME, description="coordination.k8s.io Lease name")
     lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="namespace of the Lease")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +22,7 @@ from dynpart.capability import MAX_GPUS, CapabilityError, decode_capability, mod
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
 from dynpart.kube.conventions import (
+    DEFAULT_SCHEDULER,
     GPU_COUNT_LABEL,
     GPU_PRODUCT_LABEL,
     PARTITIONING_LABEL,
@@ -516,13 +517,15 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
 
 def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], catalog: Catalog,
                    exclude_nodes: AbstractSet[str] = frozenset(), exclude_pods: AbstractSet[str] = frozenset(),
-                   reserved: Mapping[str, str] | None = None, switching_too: bool = False) -> ClusterView:
+                   reserved: Mapping[str, str] | None = None, switching_too: bool = False,
+                   scheduler_names: Collection[str] = (DEFAULT_SCHEDULER,)) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
     applied, not bound yet) is counted on its node as if bound, so the slice made for it is
     neither destroyed nor planned for another pod, and it is not planned again. A node whose agent
-    reports another mode than its label is left out (`mode_switch`) unless `switching_too`."""
+    reports another mode than its label is left out (`mode_switch`) unless `switching_too`. A pod
+    that a scheduler not in `scheduler_names` places is not planned (`ClusterView.elsewhere`)."""
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
     reserved = reserved or {}
@@ -575,6 +578,12 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
         try:
             if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods or pod_key(pod) in reserved:
+                continue
+            scheduler = _field(pod, "spec", "schedulerName") or DEFAULT_SCHEDULER
+            if scheduler not in scheduler_names:
+                elsewhere.append((pod, f"pod {pod_key(pod)} is not planned: scheduler {scheduler!r} places it, and "
+                                       f"dynpart plans for the pods of {', '.join(map(repr, scheduler_names))} "
+                                       "(planner setting scheduler_names), whose filters it predicts"))
                 continue
             wants = pending_pod(pod)
             admitting = hosts.admitting(wants)
@@ -846,7 +855,7 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation",
                                          "creationTimestamp", "deletionTimestamp") if k in md},
         "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead", "hostIPC",
-                                         "resources") if k in spec},
+                                         "resources", "schedulerName") if k in spec},
                  **({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}}
                     if (required := _field(spec, "affinity", "nodeAffinity",
                                            "requiredDuringSchedulingIgnoredDuringExecution")) is not None else {}),

@@ -625,7 +625,7 @@ class PlannerController:
         # Python, during which the event loop still renews the lease and follows the watches (the
         # cached objects are replaced on change, never changed in place)
         view = await asyncio.to_thread(build_snapshot, nodes, pods, self.catalog, awaiting, self.loop.held_pods(),
-                                       self._reservations())
+                                       self._reservations(), scheduler_names=self.settings.scheduler_names)
         await self._tell_backoffs()
         snapshot = view.snapshot
         self._round_catalog = view.catalog

@@ -37,6 +37,9 @@ STATUS_UNHEALTHY = STATUS_PREFIX + "unhealthy"
 # Opt-in node label: the node's GPUs are partitioned by dynpart, in this mode (mig or mps).
 PARTITIONING_LABEL = PREFIX + "gpu-partitioning"
 
+# The kube-scheduler's name, as a pod without spec.schedulerName gets it: dynpart predicts its filters.
+DEFAULT_SCHEDULER = "default-scheduler"
+
 # --- NVIDIA's: set by GPU feature discovery, read by the device plugin ------------------------
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"

@@ -94,6 +94,25 @@ def test_a_gpu_product_no_dynpart_node_carries_is_another_pools_pod_not_a_proble
     assert _left_out(problems, "n3") and _left_out(problems, "other")  # the node's model, and the pod's
 
 
+def test_a_pod_another_scheduler_places_is_left_to_it():
+    """Volcano (or any scheduler but the default one) marks its pods Unschedulable too, for reasons
+    of its own (queues, gangs): dynpart, which predicts the default scheduler's filters, carved
+    slices for them that that scheduler need not take. It plans for the pods of `scheduler_names`
+    only, and says why once; the pod cache keeps the name."""
+    from dynpart.planner.cluster_view import pod_for_planning
+
+    volcano = pod("gang", {"nvidia.com/mig-1g.10gb": "1"}, schedulerName="volcano")
+    named = pod("named", {"nvidia.com/mig-1g.10gb": "1"}, schedulerName="default-scheduler")
+    cached = [pod_for_planning(p) for p in (volcano, named, *GOOD)]
+    view = build_snapshot(NODES, cached, CAT)
+    assert {p.name for p in view.snapshot.pending} == {"ml/named", "ml/good-1g", "ml/good-mps"}
+    assert [(o["metadata"]["name"], why) for o, why in view.elsewhere] == [
+        ("gang", "pod ml/gang is not planned: scheduler 'volcano' places it, and dynpart plans for the pods of "
+                 "'default-scheduler' (planner setting scheduler_names), whose filters it predicts")]
+    both = build_snapshot(NODES, cached, CAT, scheduler_names=["default-scheduler", "volcano"])
+    assert "ml/gang" in {p.name for p in both.snapshot.pending} and not both.elsewhere
+
+
 def test_whole_gpu_pod_on_an_uncarved_gpu_of_a_mig_node_keeps_that_gpu_out_of_planning():
     running = pod("whole", {"nvidia.com/gpu": "1"}, phase="Running", node="n1", unschedulable=False)
     snapshot, result, patches, problems, _ = run_round(NODES, [running, *GOOD])
