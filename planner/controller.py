@@ -787,7 +787,8 @@ class PlannerController:
             nodes = ", ".join(b.nodes)
             log.info("pod backed off: its reservations lapsed", extra={"fields": {
                 "pod": key, "lapses": b.lapses, "nodes": nodes, "for_s": b.delay}})
-            await self._event(self.pods.cache.get(key), "SlicesNotTaken", _backoff_message(b, nodes, at), warning=True)
+            pod = self.pods.cache.get(key)
+            await self._event(pod, "SlicesNotTaken", _backoff_message(b, nodes, at, _scheduler_says(pod)), warning=True)
 
     async def _switch_modes(self, switching: dict[str, str], awaiting: set[str]) -> None:
         """Nodes relabelled to the other mode whose agent the acknowledged spec keeps in the old
@@ -863,10 +864,20 @@ class PlannerController:
             await self.events.record(obj, reason, message, warning)
 
 
-def _backoff_message(b: PodBackOff, nodes: str, at: str) -> str:
+def _scheduler_says(pod: Obj | None) -> str | None:
+    """The message of the pod's PodScheduled condition: why the scheduler last refused it."""
+    for c in ((pod or {}).get("status") or {}).get("conditions") or []:
+        if isinstance(c, dict) and c.get("type") == "PodScheduled" and c.get("status") == "False":
+            message = str(c.get("message") or "").strip()
+            return message if len(message) <= 400 else message[:397] + "..."
+    return None
+
+
+def _backoff_message(b: PodBackOff, nodes: str, at: str, scheduler_says: str | None = None) -> str:
+    said = f"; the scheduler said: {scheduler_says!r}" if scheduler_says else "; its PodScheduled condition says what"
     return (f"dynpart kept GPU slices for this pod {b.lapses} times (node(s) {nodes}) and the scheduler bound it "
             "to none of them: something other than GPU slices keeps it pending (volumes, node or pod affinity, "
-            "topology spread constraints, host ports, other resources; its PodScheduled condition says what). "
+            f"topology spread constraints, host ports, other resources{said}). "
             f"dynpart plans it again after {b.delay:g} s, at {at}, and twice as long after each further time "
             "(at most an hour); at once if it changes")
 

@@ -748,6 +748,8 @@ async def test_a_pod_that_never_binds_where_its_slices_are_made_is_told_and_left
     c = make([node(f"n{i}", count=1, annotations={**free, "dynpart.io/spec-plan": "p0"}) for i in range(4)], Lead(term=3))
     c.clock = lambda: t[0]
     c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    said = "0/4 nodes are available: 4 node(s) had volume node affinity conflict."
+    c.pods.cache["ml/a"]["status"]["conditions"][0]["message"] = said
     for _ in range(3):  # planned, acknowledged at once, never bound
         await c.plan_round()
         name, patch = c.written[-1]
@@ -758,6 +760,7 @@ async def test_a_pod_that_never_binds_where_its_slices_are_made_is_told_and_left
     await c.plan_round()
     [message] = [m for r, m in c.posted if r == "SlicesNotTaken"]
     assert "kept GPU slices for this pod 3 times" in message and "something other than GPU slices" in message
+    assert f"the scheduler said: {said!r}" in message, "its own reason, not only a list of causes"
     assert f"plans it again after {POD_BACKOFF_MIN_S:g} s, at " in message
     t[0] += POD_BACKOFF_MIN_S / 2
     await c.plan_round()
