@@ -132,6 +132,9 @@ class PlannerController:
         self._disagreements: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._gauges_at: float | None = None  # when refresh_gauges last ran (it reads every pod)
         self._elsewhere: set[str] = set()  # pods the last round found meant for other nodes (not in the gauge)
+        # the batch candidates of the pod cache, kept by the watch (_on_pod): every node status change
+        # and every step reads them, and scanning 50,000 cached pods takes about 0.2 s
+        self._waiting: set[str] = set()
         # what the last round logged: a lasting problem or unplaced pod is logged (at INFO or
         # WARNING) when it appears or changes, not once a round
         self._problems_logged: set[str] = set()
@@ -192,9 +195,11 @@ class PlannerController:
     def _on_pod(self, kind: str, pod: Obj) -> None:
         key = pod_key(pod)
         if kind != "DELETED" and is_batch_candidate(pod):
+            self._waiting.add(key)
             if self.loop.pod_waiting(key, self.clock(), _pod_version(pod)):
                 self.wake.set()
         else:
+            self._waiting.discard(key)
             self.loop.pod_done(key)
             if kind == "DELETED" or (pod.get("spec") or {}).get("nodeName"):
                 self.events.forget(pod)  # no Event is posted about it again: room for others
@@ -302,8 +307,8 @@ class PlannerController:
         self._gauges_at, self._gauges_set = now, True
         label = self._resource_label()
         pending: Counter[str] = Counter()
-        for key, pod in self.pods.cache.items():
-            if is_batch_candidate(pod) and key not in self._elsewhere:  # other pools' pods are not dynpart's
+        for key in self._waiting - self._elsewhere:  # other pools' pods are not dynpart's
+            if (pod := self.pods.cache.get(key)) is not None:
                 wanted = slice_requests(pod)
                 pending[metrics.INVALID if key in self._invalid_pods or len(wanted) != 1 else label(next(iter(wanted)))] += 1
         _set_gauge(metrics.PENDING_PODS, pending)
@@ -367,7 +372,7 @@ class PlannerController:
                    for n in self.nodes.cache.values())
 
     def _candidates(self) -> list[str]:
-        return [object_key(p) for p in self.pods.cache.values() if is_batch_candidate(p)]
+        return sorted(self._waiting)
 
     async def _expire_acks(self, now: float) -> None:
         """A plan its agent has not acknowledged in time is revoked (replaced by the node's

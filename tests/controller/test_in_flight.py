@@ -871,3 +871,24 @@ async def test_a_pod_whose_only_node_has_no_agent_is_told_so(make):
     await c.plan_round()
     (message,) = [m for r, m in c.posted if r == "Unplaceable"]
     assert "node(s) that could take it (m1) wait for their agent: it has not reported yet" in message, message
+
+
+async def test_a_node_status_change_does_not_read_every_cached_pod(make, monkeypatch):
+    """At 1,000 GPU nodes the agents change their status about 15 times a second, and scanning
+    50,000 cached pods for the waiting ones took 0.2 s each time: the planner's event loop
+    saturated. The waiting pods are kept by the pod watch; a status change reads only them."""
+    c = make([reported("n1")], Lead(term=1))
+    for i in range(200):  # bound pods: not waiting
+        c._on_pod("ADDED", pod(f"run{i}", {"nvidia.com/mig-1g.10gb": "1"}, phase="Running", node="n1",
+                               unschedulable=False))
+    c._on_pod("ADDED", pod("w", {"nvidia.com/mig-1g.10gb": "1"}))
+    c._on_pod("ADDED", pod("gone", {"nvidia.com/mig-1g.10gb": "1"}))
+    c._on_pod("DELETED", pod("gone", {"nvidia.com/mig-1g.10gb": "1"}))
+    c.window.close()
+    scanned = []
+    real = controller_module.is_batch_candidate
+    monkeypatch.setattr(controller_module, "is_batch_candidate", lambda p: scanned.append(p) or real(p))
+    changed = reported("n1", status_plan="p1")
+    c.nodes.cache["n1"] = changed
+    c._on_node("MODIFIED", changed)
+    assert scanned == [] and set(c.window.members) == {"ml/w"}, "the waiting pod joins the batch, no pod is read"
