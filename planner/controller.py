@@ -222,12 +222,14 @@ class PlannerController:
             if flight is not None and flight.pods:
                 self._gone.append((node, flight))  # told at the next step (_expire_acks)
         if status != self._status.get(name):
+            before = self._status.get(name)
             if status is None:
                 self._status.pop(name, None)
             else:
                 self._status[name] = status
-            self.loop.facts_changed(self._candidates(), now)
-            self.wake.set()
+            if before is None or status is None or _room_may_have_grown(before, status):
+                self.loop.facts_changed(self._candidates(), now)
+                self.wake.set()
 
     def _acknowledged(self, name: str, ann: dict[str, str], now: float) -> None:
         """The node's status-plan, if it is the plan in flight there, acknowledges it."""
@@ -867,6 +869,38 @@ class PlannerController:
     async def _event(self, obj: Obj | None, reason: str, message: str, warning: bool = False) -> None:
         if obj is not None:
             await self.events.record(obj, reason, message, warning)
+
+
+def _room_may_have_grown(before: Mapping[str, str], after: Mapping[str, str]) -> bool:
+    """Whether a node's status change can let a waiting pod fit: anything but free slices
+    taken (a pod bound on one: about half the status changes of a busy cluster, each of which
+    put every waiting pod back in the batch) may. Slices are compared as tokens of their values:
+    a MIG value's placements (`2@0,1`), an MPS value's count (`2`)."""
+    def slices(status: Mapping[str, str], suffix: str) -> dict[str, Counter[str]]:
+        out: dict[str, Counter[str]] = {}
+        for key, value in status.items():
+            if key.endswith(suffix):
+                count, _, starts = value.partition("@")
+                out[key[:-len(suffix)]] = Counter(starts.split(",") if starts else ["*"] * int(count))
+        return out
+
+    def other(status: Mapping[str, str]) -> dict[str, str]:
+        return {k: v for k, v in status.items() if not k.endswith(("-free", "-used"))}
+
+    if other(before) != other(after):
+        return True
+    try:
+        free_before, free_after = slices(before, "-free"), slices(after, "-free")
+        used_before, used_after = slices(before, "-used"), slices(after, "-used")
+    except ValueError:
+        return True  # malformed: the round reports it
+    for base in {*free_before, *free_after, *used_before, *used_after}:
+        if free_after.get(base, Counter()) - free_before.get(base, Counter()):
+            return True  # a slice freed or made
+        if (free_before.get(base, Counter()) + used_before.get(base, Counter())
+                != free_after.get(base, Counter()) + used_after.get(base, Counter())):
+            return True  # slices destroyed (a drain) or changed otherwise: room on the GPU
+    return False
 
 
 def _scheduler_says(pod: Obj | None) -> str | None:

@@ -892,3 +892,30 @@ async def test_a_node_status_change_does_not_read_every_cached_pod(make, monkeyp
     c.nodes.cache["n1"] = changed
     c._on_node("MODIFIED", changed)
     assert scanned == [] and set(c.window.members) == {"ml/w"}, "the waiting pod joins the batch, no pod is read"
+
+
+def test_a_slice_taken_by_a_pod_wakes_no_waiting_pod_and_a_slice_freed_does():
+    """Half the status changes of a busy cluster are free slices taken: no pod can fit where it
+    did not before, so they do not put every waiting pod back in the batch (a round each time);
+    a slice freed, made or destroyed, or any other status change, does."""
+    from dynpart.planner.controller import _room_may_have_grown
+
+    def status(free: str | None, used: str | None, plan: str = "p1", mps: dict[str, str] | None = None):
+        out = {"dynpart.io/status-plan": plan, **(mps or {})}
+        if free:
+            out["dynpart.io/status-gpu-0-1g.10gb-free"] = free
+        if used:
+            out["dynpart.io/status-gpu-0-1g.10gb-used"] = used
+        return out
+
+    assert not _room_may_have_grown(status("2@0,1", None), status("1@1", "1@0")), "a pod took one"
+    assert _room_may_have_grown(status("1@1", "1@0"), status("2@0,1", None)), "a pod ended"
+    assert _room_may_have_grown(status("1@1", "1@0"), status(None, "1@0")), "a free slice destroyed (a drain)"
+    assert _room_may_have_grown(status("1@1", None), status("1@1", None, plan="p2")), "a plan applied"
+    assert _room_may_have_grown(status("1@1", None), status("1@2", None)), "moved"
+    mps = "dynpart.io/status-gpu-0-10gb"
+    assert not _room_may_have_grown(status(None, None, mps={f"{mps}-free": "2"}),
+                                    status(None, None, mps={f"{mps}-free": "1", f"{mps}-used": "1"}))
+    assert _room_may_have_grown(status(None, None, mps={f"{mps}-free": "1", f"{mps}-used": "1"}),
+                                status(None, None, mps={f"{mps}-used": "1"})), "an MPS slice destroyed: memory freed"
+    assert _room_may_have_grown(status("1@1", None), status("x", None)), "malformed: the round says"
