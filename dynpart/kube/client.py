@@ -1,12 +1,17 @@
 """Connecting: a kubeconfig (flag or $KUBECONFIG) or the in-cluster service account; reading the
-JSON body of a call made with `_preload_content=False`."""
+JSON body of a call made with `_preload_content=False`. A write the API server throttles (429 with
+a Retry-After) is sent again after that long, a few times, as client-go's REST client does."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import os
+import random
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import aiohttp
@@ -16,6 +21,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from dynpart.errors import DynpartError
 from dynpart.kube.errors import APIError, api_errors, status_error
+from dynpart.kube.retrying import retry_after
 from dynpart.settings import KubeSettings
 
 log = logging.getLogger(__name__)
@@ -121,14 +127,40 @@ def request_timeout(query_params: object, settings: KubeSettings) -> aiohttp.Cli
     return aiohttp.ClientTimeout(total=settings.request_timeout_s)
 
 
+# A write answered 429 Too Many Requests (API Priority and Fairness turned it away: it was not
+# applied) with a Retry-After is sent again after that long (up to a third more, at random, so that
+# the writers throttled together do not come back together), at most this many times; then the 429
+# is the caller's. A longer Retry-After than the most is not waited for here: the caller's own loop
+# comes back later. Reads are not retried here: the informer waits out a Retry-After itself.
+THROTTLED_WRITE_RETRIES = 3
+THROTTLED_WRITE_WAIT_MAX_S = 10.0
+_WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# False inside `throttled_writes_not_retried()`
+_retry_throttled: contextvars.ContextVar[bool] = contextvars.ContextVar("retry_throttled", default=True)
+
+
+@contextmanager
+def throttled_writes_not_retried() -> Iterator[None]:
+    """A write inside is not sent again after a 429 (an Event: advice, dropped rather than sent
+    again to an API server that sheds load)."""
+    token = _retry_throttled.set(False)
+    try:
+        yield
+    finally:
+        _retry_throttled.reset(token)
+
+
 class _BoundedRestClient(rest.RESTClientObject):
-    """kubernetes-asyncio's REST client with a default time bound on every call."""
+    """kubernetes-asyncio's REST client with a default time bound on every call, which sends a
+    throttled write again (THROTTLED_WRITE_RETRIES)."""
 
     def __init__(self, configuration: client.Configuration, settings: KubeSettings,
                  credentials: _Credentials | None = None):
         super().__init__(configuration)
         self._settings = settings
         self._credentials = credentials
+        self._rng = random.Random()
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # the waits after a 429 (tests record them)
 
     async def request(self, method: str, url: str, query_params: dict[str, Any] | None = None,
                       headers: dict[str, Any] | None = None, body: object = None,
@@ -136,6 +168,36 @@ class _BoundedRestClient(rest.RESTClientObject):
                       _request_timeout: float | tuple[float] | aiohttp.ClientTimeout | None = None) -> object:
         if _request_timeout is None:
             _request_timeout = request_timeout(query_params, self._settings)
+        retries = THROTTLED_WRITE_RETRIES if method.upper() in _WRITES and _retry_throttled.get() else 0
+        for retry in range(retries, -1, -1):
+            try:
+                r = await self._authorized(method, url, query_params, headers, body, post_params, _preload_content,
+                                           _request_timeout)
+            except ApiException as e:  # a preloaded answer's error status
+                wait = self._throttled(e.status, e.headers) if retry else None
+                if wait is None:
+                    raise
+            else:
+                wait = self._throttled(getattr(r, "status", None), getattr(r, "headers", None)) if retry else None
+                if wait is None:
+                    return r
+                cast(aiohttp.ClientResponse, r).release()
+            log.info("%s %s: throttled (429); sending it again in %.1fs", method.upper(), url.split("?")[0], wait)
+            await self.sleep(wait)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _throttled(self, status: int | None, headers: Any) -> float | None:
+        """The wait before sending a write again after this answer; None: not again."""
+        if status != 429 or headers is None:
+            return None
+        asked = retry_after(headers.get("Retry-After"))
+        if asked is None or asked > THROTTLED_WRITE_WAIT_MAX_S:
+            return None
+        return asked * (1 + self._rng.random() / 3)
+
+    async def _authorized(self, method: str, url: str, query_params: dict[str, Any] | None,
+                          headers: dict[str, Any] | None, body: object, post_params: dict[str, Any] | None,
+                          _preload_content: bool, _request_timeout: float | tuple[float] | aiohttp.ClientTimeout) -> object:
         for retry in (True, False):  # a 401 is retried once, with renewed credentials
             try:
                 r = await super().request(method, url, query_params=query_params, headers=headers, body=body,

@@ -9,7 +9,7 @@ import uuid
 
 from kubernetes_asyncio import client
 
-from dynpart.kube.client import Obj, raw_api
+from dynpart.kube.client import Obj, raw_api, throttled_writes_not_retried
 from dynpart.kube.errors import APIError, api_errors
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ def object_reference(obj: Obj) -> Obj:
 
 async def post_event(core: client.CoreV1Api, obj: Obj, reason: str, message: str,
                      component: str, warning: bool = False) -> None:
-    """Best effort: a failure to post an event is logged, never raised."""
+    """Best effort: a failure to post an event is logged, never raised; a 429 is not sent again
+    (an API server shedding load gets fewer Events, not the same ones again)."""
     ref = object_reference(obj)
     namespace = ref.get("namespace", "default")
     now = dt.datetime.now(dt.UTC)
@@ -44,7 +45,7 @@ async def post_event(core: client.CoreV1Api, obj: Obj, reason: str, message: str
         "reportingComponent": component,
     }
     try:
-        with api_errors(f"post event {reason} on {ref['name']}"):
+        with api_errors(f"post event {reason} on {ref['name']}"), throttled_writes_not_retried():
             await raw_api(core).create_namespaced_event(namespace, body)
     except APIError as e:
         log.warning("could not post event %s on %s: %s", reason, ref["name"], e)

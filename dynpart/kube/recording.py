@@ -11,7 +11,15 @@ every pair would be evicted before it comes round again (every Event posted ever
 `event_memory` (object, reason) pairs are remembered, a warning about a further pod is dropped
 (counted in `dropped`) until some are forgotten: the Events that pile up with a backlog of waiting
 pods stay bounded however many come and go, while what a plan did and Events about nodes (as many
-as the cluster has) are always posted."""
+as the cluster has) are always posted.
+
+What the de-duplication would post then passes a spam filter, as client-go's recorder does
+(EventSourceObjectSpamFilter): a token bucket per object, `SPAM_BURST` Events at once and then one
+per `SPAM_REFILL_S`. A message that changes every round (say it names other pods) would otherwise
+be a new Event every round for every object it is about. A repeat the de-duplication withholds
+costs no token (client-go's repeats are PATCHes, and pay): the filter limits only the posts; an
+Event it drops is not remembered, so the next round's (the latest message) is posted once a token
+is back. Its drops count in `spam_dropped` (and `on_spam`, e.g. a metric's inc)."""
 
 from __future__ import annotations
 
@@ -98,13 +106,59 @@ class _Posted:
 
 Key = tuple[str, str, str]  # the object: kind, namespace, name
 
+# client-go's defaults (tools/record/events_cache.go: defaultSpamBurst, defaultSpamQPS): 25 Events
+# about an object at once, then one every 5 minutes, "to control the long-tail of events for things
+# that are always unhealthy"
+SPAM_BURST = 25
+SPAM_REFILL_S = 300.0
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float  # when `tokens` was counted
+
+
+class _SpamFilter:
+    """A token bucket per object (`SPAM_BURST`, one more every `SPAM_REFILL_S`). A bucket not used
+    for `SPAM_BURST * SPAM_REFILL_S` is full again, the same as none: it is forgotten, so that the
+    buckets are only those of objects with Events in the last two hours or so."""
+
+    def __init__(self) -> None:
+        self._buckets: OrderedDict[Key, _Bucket] = OrderedDict()  # the least recently used first
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def allow(self, who: Key, now: float) -> bool:
+        """Whether one more Event about `who` may be posted now (a token taken if so)."""
+        while self._buckets:
+            first = next(iter(self._buckets.values()))
+            if now - first.at < SPAM_BURST * SPAM_REFILL_S:
+                break
+            self._buckets.popitem(last=False)
+        bucket = self._buckets.pop(who, None) or _Bucket(SPAM_BURST, now)
+        bucket.tokens = min(SPAM_BURST, bucket.tokens + (now - bucket.at) / SPAM_REFILL_S)
+        bucket.at = now
+        self._buckets[who] = bucket  # the most recently used: the last to be forgotten
+        if bucket.tokens < 1:
+            return False
+        bucket.tokens -= 1
+        return True
+
+    def forget(self, who: Key) -> None:
+        self._buckets.pop(who, None)
+
 
 class EventRecorder:
     """`on_drop` is called for each Event dropped because `event_memory` pairs are remembered
-    (e.g. a metric's inc); the first such drop in each `event_repeat_s` is logged."""
+    (e.g. a metric's inc); the first such drop in each `event_repeat_s` is logged. `on_spam` is
+    called for each Event the spam filter drops; the first in each `SPAM_REFILL_S` is logged at
+    INFO, every one at DEBUG."""
 
     def __init__(self, post: PostEvent, settings: KubeSettings | None = None,
-                 clock: Callable[[], float] = time.monotonic, on_drop: Callable[[], None] | None = None):
+                 clock: Callable[[], float] = time.monotonic, on_drop: Callable[[], None] | None = None,
+                 on_spam: Callable[[], None] | None = None):
         settings = settings or KubeSettings()
         self._post = post
         self.repeat_s = settings.event_repeat_s
@@ -116,6 +170,12 @@ class EventRecorder:
         self._reasons: dict[Key, set[str]] = {}  # the reasons remembered per object (for `forget`)
         self.dropped = 0
         self._logged_at: float | None = None
+        # per object, in front of the posting: what the de-duplication lets through (not cleared
+        # with it: it bounds what this process posts, leading or not)
+        self._spam = _SpamFilter()
+        self._on_spam = on_spam
+        self.spam_dropped = 0
+        self._spam_logged_at: float | None = None
 
     def __len__(self) -> int:
         return len(self._posted)
@@ -146,6 +206,9 @@ class EventRecorder:
             # (SlicePlanned) and every node's Event are posted (and remembered) all the same
             self._drop(now)
             return False
+        if not self._spam.allow(who, now):
+            self._spam_drop(who, reason, now)
+            return False  # not remembered: the latest message is posted once a token is back
         self._posted[key] = _Posted(message, now)
         self._posted.move_to_end(key)  # the most recently posted: the last to expire
         self._reasons.setdefault(who, set()).add(reason)
@@ -158,6 +221,7 @@ class EventRecorder:
         who = self._object(obj)
         for reason in self._reasons.pop(who, ()):
             self._posted.pop((who, reason), None)
+        self._spam.forget(who)
 
     def _expire(self, now: float) -> None:
         """Forget the pairs posted `repeat_s` ago or longer: their next Event is posted anyway."""
@@ -180,3 +244,17 @@ class EventRecorder:
             self._logged_at = now
             log.warning("Event de-duplication remembers %d (object, reason) pairs (kube.event_memory): Events about "
                         "further pairs are dropped until some are forgotten (%d dropped so far)", self.memory, self.dropped)
+
+    def _spam_drop(self, who: Key, reason: str, now: float) -> None:
+        self.spam_dropped += 1
+        if self._on_spam is not None:
+            self._on_spam()
+        kind, namespace, name = who
+        about = f"{kind} {namespace + '/' if namespace else ''}{name}"
+        if self._spam_logged_at is None or now - self._spam_logged_at >= SPAM_REFILL_S:
+            self._spam_logged_at = now
+            log.info("Event %s about %s not posted: more than %d Events about one object, then one per %gs (the "
+                     "spam filter; %d dropped so far)", reason, about, SPAM_BURST, SPAM_REFILL_S, self.spam_dropped)
+        else:
+            log.debug("Event %s about %s not posted: the spam filter (%d dropped so far)", reason, about,
+                      self.spam_dropped)

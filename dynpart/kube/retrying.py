@@ -1,5 +1,7 @@
 """Retrying with exponential back-off, through tenacity. The knobs are `KubeSettings`' (initial
-wait, multiplier, longest wait); every loop that talks to the API server backs off this way.
+wait, multiplier, longest wait); every loop that talks to the API server backs off this way, each
+wait drawn at random between half and all of it ("equal jitter"): after an API server's restart
+the agents of a thousand nodes, failing together, must not come back together.
 
     async for attempt in retrying(settings, "list nodes"):
         with attempt:
@@ -17,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_never, wait_exponential
+from tenacity.wait import wait_base
 
 from dynpart.kube.errors import APIError
 from dynpart.settings import KubeSettings
@@ -30,36 +33,47 @@ def backoff(settings: KubeSettings) -> wait_exponential:
                             max=settings.backoff_max_s)
 
 
+class Jittered(wait_base):
+    """`backoff(settings)`, each wait drawn between half and all of it from `rng` (a seeded one in
+    tests). client-go's jitter adds up to as much again instead; this keeps `backoff_max_s` the
+    longest wait, as documented."""
+
+    def __init__(self, settings: KubeSettings, rng: random.Random | None = None):
+        self._wait = backoff(settings)
+        self._rng = rng or random.Random()
+
+    def __call__(self, retry_state: RetryCallState) -> float:
+        return self._wait(retry_state) * (0.5 + 0.5 * self._rng.random())
+
+
 def retrying(settings: KubeSettings, what: str, *,
              retry_on: type[BaseException] | tuple[type[BaseException], ...] = APIError,
-             logger: logging.Logger = log) -> AsyncRetrying:
+             logger: logging.Logger = log, rng: random.Random | None = None) -> AsyncRetrying:
     """Attempts until one succeeds or fails with an exception not in `retry_on` (re-raised as is),
-    backing off in between; each failure is logged as a warning naming `what`. Never gives up:
-    the callers are loops that must outlive an API server's restart; cancelling stops them."""
+    backing off in between (`Jittered`, drawn from `rng`); each failure is logged as a warning
+    naming `what`. Never gives up: the callers are loops that must outlive an API server's
+    restart; cancelling stops them."""
 
     def warn(state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None
         wait = state.next_action.sleep if state.next_action is not None else 0.0
         logger.warning("%s failed (%s); retrying in %.1fs", what, error, wait)
 
-    return AsyncRetrying(wait=backoff(settings), retry=retry_if_exception_type(retry_on), stop=stop_never,
+    return AsyncRetrying(wait=Jittered(settings, rng), retry=retry_if_exception_type(retry_on), stop=stop_never,
                          before_sleep=warn, reraise=True)
 
 
 class Backoff:
     """The waits of a loop that never gives up and retries no one call (an informer's list and
-    watch), as client-go's Reflector waits between its ListAndWatch runs: `backoff(settings)` after
-    each failure in a row, each wait drawn at random between half and all of it (so that the
-    agents of many nodes, failing together, do not come back together), back to the first wait
-    once `reset_after_s` passed without a failure (a healthy run), and never less than the API
-    server's Retry-After."""
+    watch), as client-go's Reflector waits between its ListAndWatch runs: `Jittered(settings)` after
+    each failure in a row, back to the first wait once `reset_after_s` passed without a failure (a
+    healthy run), and never less than the API server's Retry-After."""
 
     def __init__(self, settings: KubeSettings, *, reset_after_s: float, rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self._wait = backoff(settings)
+        self._wait = Jittered(settings, rng)
         self._state = RetryCallState(AsyncRetrying(), None, (), {})  # its attempt_number: failures in a row
         self._reset_after_s = reset_after_s
-        self._rng = rng or random.Random()
         self._clock = clock
         self._last_failure: float | None = None
 
@@ -71,7 +85,7 @@ class Backoff:
         elif self._last_failure is not None:
             self._state.attempt_number += 1
         self._last_failure = now
-        wait = self._wait(self._state) * (0.5 + 0.5 * self._rng.random())
+        wait = self._wait(self._state)
         return max(wait, min(retry_after or 0.0, RETRY_AFTER_MAX_S))
 
 

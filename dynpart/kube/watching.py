@@ -46,6 +46,7 @@ class Informer:
     timeout, the back-off between failures; `rng` draws the watch timeouts and the jitter."""
 
     page_size = 500  # objects a list asks for at once (client-go's pager)
+    list_restarts = 3  # a list whose continue token expires starts again this many times in a row, then fails
     healthy_after_s = 120.0  # a failure this long after the last one backs off from the start again
     short_watch_s = 1.0  # a watch that ends sooner with nothing in it failed (client-go: "very short watch")
 
@@ -81,24 +82,31 @@ class Informer:
         """List every object, `page_size` at a time, then apply the whole list to the cache at once
         (a reader between two pages must not see a mix of two moments): objects that changed are
         reported MODIFIED, those that vanished DELETED. Returns the list's resourceVersion. A list
-        whose continue token expired (410: it took longer than the API server keeps one) is read
-        again whole, in one page, as client-go's pager does."""
+        whose continue token expired (410: it took longer than the API server keeps one, about 5
+        minutes of etcd compaction) starts again from its first page, at most `list_restarts` times
+        in a row; one more expiry fails the list (the informer backs off). Never in one page, as
+        client-go's pager falls back to: 50,000 pods are hundreds of MB of JSON read at once, more
+        than the planner's memory limit (killed, restarted, listing again)."""
         what = f"list {self.name}"
         fresh: dict[str, Obj] = {}
         token = ""
-        limit: int | None = self.page_size
+        restarts = 0
         while True:
-            page: dict[str, Any] = {**({"limit": limit} if limit else {}), **({"_continue": token} if token else {})}
+            page: dict[str, Any] = {"limit": self.page_size, **({"_continue": token} if token else {})}
             with api_errors(what):
                 resp = await self.list_fn(_preload_content=False, **self.kwargs, **page)
             try:
                 body = await self._read(resp, what)
-            except APIGoneError:
+            except APIGoneError as e:
                 if not token:
                     raise
-                log.info("list %s: its continue token expired; listing again in one page", self.name)
-                fresh.clear()
-                token, limit = "", None
+                if restarts >= self.list_restarts:
+                    raise APIGoneError(f"{what}: its continue token expired {restarts + 1} times in a row",
+                                       status=e.status, reason=e.reason) from e
+                restarts += 1
+                log.info("list %s: its continue token expired; listing again from the first page", self.name)
+                fresh.clear()  # the pages read so far are of an older moment than the new list's
+                token = ""
                 continue
             self.on_beat()
             for item in body.get("items") or []:

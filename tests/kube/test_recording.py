@@ -19,14 +19,16 @@ def pod(name: str, namespace: str = "ml") -> dict:
     return {"metadata": {"name": name, "namespace": namespace}, "spec": {"containers": []}}
 
 
-def recorder(repeat_s: float = 60.0, memory: int = 100, on_drop=None) -> tuple[EventRecorder, list[tuple], Clock]:
+def recorder(repeat_s: float = 60.0, memory: int = 100, on_drop=None,
+             on_spam=None) -> tuple[EventRecorder, list[tuple], Clock]:
     posted: list[tuple] = []
     clock = Clock()
 
     async def post(obj, reason, message, warning):
         posted.append((obj["metadata"]["name"], reason, message, warning))
 
-    return EventRecorder(post, KubeSettings(event_repeat_s=repeat_s, event_memory=memory), clock, on_drop), posted, clock
+    settings = KubeSettings(event_repeat_s=repeat_s, event_memory=memory)
+    return EventRecorder(post, settings, clock, on_drop, on_spam=on_spam), posted, clock
 
 
 async def test_the_same_event_is_posted_once_per_period():
@@ -119,6 +121,63 @@ async def test_with_the_memory_full_of_waiting_pods_what_a_plan_did_and_node_eve
     await rec.record({"kind": "Node", "metadata": {"name": "n1"}}, "PlanRevoked", "plan p1", True)
     assert [p[:2] for p in posted[2:]] == [("c", "SlicePlanned"), ("n1", "LayoutPlanned"), ("n1", "PlanRevoked")]
     assert not await rec.record({"kind": "Node", "metadata": {"name": "n1"}}, "LayoutPlanned", "plan p1")  # a repeat
+
+
+async def test_a_message_that_changes_every_round_is_rate_limited_per_object(caplog):
+    """client-go's spam filter: 25 Events about one object at once, then one per 5 minutes, however
+    its messages change; other objects have their own budget; what is dropped is counted, and the
+    latest message is posted once a token is back."""
+    import logging
+
+    from dynpart.kube.recording import SPAM_BURST, SPAM_REFILL_S
+
+    caplog.set_level(logging.DEBUG, logger="dynpart.kube.recording")
+    spam: list[int] = []
+    rec, posted, clock = recorder(repeat_s=3600, on_spam=lambda: spam.append(1))
+    assert (SPAM_BURST, SPAM_REFILL_S) == (25, 300)
+    for rnd in range(40):  # a round every 2 s whose message names something that changes
+        clock.now = rnd * 2.0
+        assert await rec.record(pod("a"), "Unplaceable", f"round {rnd}", True) == (rnd < 25)
+    assert [p[2] for p in posted] == [f"round {r}" for r in range(25)]
+    assert rec.spam_dropped == len(spam) == 15 and rec.dropped == 0
+    assert await rec.record(pod("b"), "Unplaceable", "round 39", True)  # its own bucket
+    assert await rec.record({"kind": "Node", "metadata": {"name": "a"}}, "LayoutPlanned", "plan 1")
+    clock.now = SPAM_REFILL_S - 1  # the bucket refills from the first Event on, one token per 5 minutes
+    assert not await rec.record(pod("a"), "Unplaceable", "round 40", True)
+    clock.now = SPAM_REFILL_S + 1  # one token back
+    assert await rec.record(pod("a"), "Unplaceable", "round 41", True)
+    assert not await rec.record(pod("a"), "Unplaceable", "round 42", True)
+    assert not await rec.record(pod("a"), "Unplaceable", "round 41", True)  # a repeat: de-duplicated, costs nothing
+    assert rec.spam_dropped == 17
+    infos = [r for r in caplog.records if "spam filter" in r.getMessage()]
+    assert [r.levelname for r in infos[:2]] == ["INFO", "DEBUG"] and "Pod ml/a" in infos[0].getMessage()
+
+
+async def test_a_repeat_withheld_by_the_de_duplication_costs_no_token():
+    """The same Event every round is posted once (the de-duplication) and never drains the bucket:
+    a new message after a hundred rounds is posted at once."""
+    rec, posted, clock = recorder(repeat_s=3600)
+    for rnd in range(100):
+        clock.now = rnd * 1.0
+        await rec.record(pod("a"), "Unplaceable", "no room", True)
+    assert await rec.record(pod("a"), "Unplaceable", "another reason", True)
+    assert len(posted) == 2 and rec.spam_dropped == 0
+
+
+async def test_the_spam_filter_forgets_full_buckets_and_gone_objects():
+    from dynpart.kube.recording import SPAM_BURST, SPAM_REFILL_S
+
+    rec, posted, clock = recorder(repeat_s=60)
+    for i in range(SPAM_BURST + 1):
+        await rec.record(pod("a"), "R", f"m{i}")
+    assert rec.spam_dropped == 1
+    rec.forget(pod("a"))  # a pod of that name made later is another pod: a budget of its own
+    assert await rec.record(pod("a"), "R", "new pod")
+    for i in range(1000):
+        clock.now = i * 10.0
+        await rec.record(pod(f"p{i}"), "R", "m")
+    # a bucket unused for SPAM_BURST * SPAM_REFILL_S (about 2 hours) is full: forgotten
+    assert len(rec._spam) == SPAM_BURST * SPAM_REFILL_S / 10
 
 
 async def test_queued_posting_never_makes_the_caller_wait():

@@ -65,6 +65,29 @@ async def _server_error() -> None:
     raise APIServerError("x: 500")
 
 
+def test_retried_calls_back_off_with_jitter():
+    """`retrying()` jitters as the informer does: each wait between half and all of the nominal one,
+    so that a thousand agents failing together (an API server's restart) do not retry in lockstep;
+    a seeded rng draws the same waits again (tests)."""
+    settings = KubeSettings(backoff_initial_s=1, backoff_multiplier=2, backoff_max_s=8)
+
+    def drawn(rng: random.Random | None) -> list[float]:
+        wait = retrying(settings, "x", rng=rng).wait
+        out = []
+        for attempt in range(1, 7):
+            state = RetryCallState(AsyncRetrying(), None, (), {})
+            state.attempt_number = attempt
+            out.append(wait(state))
+        return out
+
+    got = drawn(random.Random(5))
+    for wait, nominal in zip(got, [1, 2, 4, 8, 8, 8], strict=True):
+        assert nominal / 2 <= wait <= nominal, got
+    assert len(set(got)) == len(got)  # the waits at the longest are not all the same either
+    assert drawn(random.Random(5)) == got and drawn(random.Random(6)) != got
+    assert drawn(None) != drawn(None)  # unseeded: two agents do not draw the same waits
+
+
 def test_backoff_of_a_loop_doubles_with_jitter_and_starts_again_after_a_healthy_run():
     """The informer's waits (client-go's Reflector back-off): each failure in a row doubles the wait,
     drawn between half and all of it; a failure after reset_after_s without one starts again from

@@ -112,10 +112,10 @@ async def test_410_gone_lists_again_and_reports_what_vanished():
 
 class PagedNodes:
     """`list_node` whose lists come in pages of two: the continue token names the next page;
-    `expire` pages answer 410 once (the continue token expired)."""
+    each page in `expire` answers 410 once (the continue token expired), as often as it is there."""
 
     def __init__(self, names, expire=()):
-        self.names, self.expire, self.calls = names, set(expire), []
+        self.names, self.expire, self.calls = names, list(expire), []
 
     async def list_node(self, **kwargs):
         self.calls.append(kwargs)
@@ -123,7 +123,7 @@ class PagedNodes:
             return FakeResponse(200, hang=True)
         start = int(kwargs.get("_continue") or 0)
         if start in self.expire:
-            self.expire.discard(start)
+            self.expire.remove(start)
             return FakeResponse(410, status(410, "Expired", "continue token expired"), reason="Gone")
         limit = kwargs.get("limit") or len(self.names)
         end = start + limit
@@ -151,14 +151,36 @@ async def test_a_list_is_read_page_by_page(caplog):
     assert Informer.page_size == 500
 
 
-async def test_a_list_whose_continue_token_expired_starts_over(caplog):
+async def test_a_list_whose_continue_token_expired_starts_over_page_by_page(caplog):
+    """A list that outlived its continue token (etcd compacts every 5 minutes) starts again from its
+    first page, a page at a time: never in one page (client-go's pager's fallback), which for 50,000
+    pods is hundreds of MB read at once, past the planner's memory limit."""
     api = PagedNodes(["a", "b", "c", "d", "e"], expire=[4])
     informer, seen, lists = await listed_in_pages(api)
-    # read again whole, in one page (client-go's pager): a list slower than a token's life ends
-    assert [(c.get("limit"), c.get("_continue")) for c in lists] == [(2, None), (2, "2"), (2, "4"), (None, None)]
+    assert [(c.get("limit"), c.get("_continue")) for c in lists] == [(2, None), (2, "2"), (2, "4"),
+                                                                     (2, None), (2, "2"), (2, "4")]
     assert set(informer.cache) == {"a", "b", "c", "d", "e"}
     assert sorted(seen) == [("MODIFIED", n) for n in "abcde"]  # nothing reported twice, nothing DELETED
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_a_list_whose_continue_token_keeps_expiring_fails_and_backs_off(caplog):
+    """After `list_restarts` restarts in a row, one more expiry fails the list: the informer backs off
+    and lists again from scratch (a fresh count of restarts), and never lists in one page."""
+    api = PagedNodes(["a", "b", "c", "d", "e"], expire=[2] * 5)
+    seen: list[tuple[str, str]] = []
+    informer = Informer(api.list_node, lambda kind, obj: seen.append((kind, obj["metadata"]["name"])),
+                        name="nodes", settings=FAST)
+    informer.page_size, informer.list_restarts = 2, 3
+    waits = recording_sleeps(informer)
+    await run_until(informer, lambda: any(c.get("watch") for c in api.calls))
+    lists = [(c.get("limit"), c.get("_continue")) for c in api.calls if not c.get("watch")]
+    # four tries that expire on the second page (the list fails), then one more after the back-off, and
+    # its restart reads every page
+    assert lists == [(2, None), (2, "2")] * 5 + [(2, None), (2, "2"), (2, "4")]
+    assert len(waits) == 1 and sorted(seen) == [("MODIFIED", n) for n in "abcde"]
+    failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(failed) == 1 and "list nodes failed" in failed[0] and "expired 4 times in a row" in failed[0], failed
 
 
 async def test_failed_watches_back_off_exponentially_and_list_again():
