@@ -42,8 +42,8 @@ class KubeSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     backoff_initial_s: float = Field(default=0.2, gt=0, description="first wait before trying again after a call "
-                                     "or a watch fails (a watch waits between half and all of each wait, at random, "
-                                     "and starts from this one again after 2 minutes without a failure)")
+                                     "or a watch fails (each wait is drawn between half and all of it, at random; a "
+                                     "watch starts from this one again after 2 minutes without a failure)")
     backoff_max_s: float = Field(default=10.0, gt=0, description="longest wait between two attempts (a longer "
                                  "Retry-After of the API server, up to 60 s, is waited for)")
     backoff_multiplier: float = Field(default=2.0, ge=1, description="each failed attempt multiplies the wait by this")
@@ -61,6 +61,16 @@ class KubeSettings(BaseModel):
                               "remembers, each for event_repeat_s; while that many are, warnings about further pods "
                               "(a backlog of waiting pods) are dropped, counted in dynpart_events_dropped_total; what "
                               "a plan did and node Events are always posted")
+
+
+class AgentKubeSettings(KubeSettings):
+    """The agent's: client-go's back-off (0.8 s to 30 s, as the kubelet's own watches), so that the
+    agents of a thousand nodes coming back after an API server restart do not ask ten times a
+    second each."""
+
+    backoff_initial_s: float = Field(default=0.8, gt=0, description=KubeSettings.model_fields["backoff_initial_s"]
+                                     .description)
+    backoff_max_s: float = Field(default=30.0, gt=0, description=KubeSettings.model_fields["backoff_max_s"].description)
 
 
 class CommonSettings(BaseSettings):
@@ -152,6 +162,7 @@ class AgentSettings(CommonSettings):
     model_config = SettingsConfigDict(env_prefix="DYNPART_AGENT_", env_nested_delimiter=NESTED, extra="forbid",
                                       allow_inf_nan=False)
 
+    kube: AgentKubeSettings = Field(default_factory=AgentKubeSettings, description="Kubernetes API client")
     node_name: str = Field(default="", description="the node this agent manages (downward API: spec.nodeName)")
     report_interval_s: float = Field(default=10.0, gt=0, description="period of the agent's passes (the driver read, "
                                      "the status written when it changed); a spec change starts one at once")
