@@ -36,7 +36,8 @@ from dynpart.kube.conventions import (
     STATUS_PREFIX,
     STATUS_UNHEALTHY,
 )
-from dynpart.planner.loop import node_writes
+from dynpart.planner.loop import avoiding, node_writes
+from dynpart.planner.pod_conflicts import PlacedPods, pod_facts
 from dynpart.resources import (
     MigResource,
     MpsResource,
@@ -217,6 +218,11 @@ class ClusterView:
     # pending pod -> the dynpart nodes that could ever take it (mode, nodeSelector, required node
     # affinity), those left out of this round too
     hosts: dict[str, frozenset[str]] = field(default_factory=dict)
+    # pending pods left to the next round -> the older pod this round plans that they conflict
+    # with (pod_conflicts: anti-affinity, host ports), which the next round counts as placed
+    deferred: dict[str, str] = field(default_factory=dict)
+    # pending pods every node that could take them excludes (pod_conflicts), with why
+    blocked: list[tuple[dict[str, Any], str]] = field(default_factory=list)
 
 
 @dataclass
@@ -518,14 +524,20 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
 def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], catalog: Catalog,
                    exclude_nodes: AbstractSet[str] = frozenset(), exclude_pods: AbstractSet[str] = frozenset(),
                    reserved: Mapping[str, str] | None = None, switching_too: bool = False,
-                   scheduler_names: Collection[str] = (DEFAULT_SCHEDULER,)) -> ClusterView:
+                   scheduler_names: Collection[str] = (DEFAULT_SCHEDULER,), in_flight: Mapping[str, str] | None = None,
+                   no_defer: AbstractSet[str] = frozenset()) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
     applied, not bound yet) is counted on its node as if bound, so the slice made for it is
     neither destroyed nor planned for another pod, and it is not planned again. A node whose agent
     reports another mode than its label is left out (`mode_switch`) unless `switching_too`. A pod
-    that a scheduler not in `scheduler_names` places is not planned (`ClusterView.elsewhere`)."""
+    that a scheduler not in `scheduler_names` places is not planned (`ClusterView.elsewhere`).
+    Pods whose required pod anti-affinity or host ports conflict (`pod_conflicts`) are kept off
+    the nodes where placed pods conflict with them (`in_flight`, pod -> node: those a plan in flight
+    puts there count as placed), and of two pending pods that conflict, the younger is left to the
+    next round (`ClusterView.deferred`) unless it is in `no_defer` (left to this one for a pod the
+    last round could not place: it is not left again for that pod)."""
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
     reserved = reserved or {}
@@ -575,6 +587,12 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     elsewhere: list[tuple[dict[str, Any], str]] = []
     hosts = _DynpartNodes(nodes)
     host_names: dict[str, frozenset[str]] = {}
+    by_key = {pod_key(p): p for p in pods} if in_flight else {}
+    placed = PlacedPods([*((p, n) for n, on in by_node.items() for p in on),
+                         *((by_key[k], n) for k, n in (in_flight or {}).items() if k in by_key)],
+                        {name: labels for name, labels in hosts.labels.items()})
+    deferred: dict[str, str] = {}
+    blocked: list[tuple[dict[str, Any], str]] = []
     for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
         try:
             if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods or pod_key(pod) in reserved:
@@ -590,6 +608,20 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             if not admitting:
                 elsewhere.append((pod, f"pod {wants.name} is not planned: {hosts.why_none(wants)}"))
                 continue
+            facts = pod_facts(pod)
+            excluded = placed.excluded_nodes(facts) & admitting
+            if excluded == admitting:
+                blocked.append((pod, f"every node that could take it ({_some(excluded)}) holds a pod that its "
+                                     "required pod anti-affinity or host ports exclude, or whose anti-affinity "
+                                     "excludes it: it waits until one ends"))
+                continue
+            older = placed.conflicts_with_planned(facts)
+            if older is not None and wants.name not in no_defer:
+                deferred[wants.name] = older  # planned by the next round, where the older one counts as placed
+                continue
+            placed.take(facts)
+            if excluded:
+                wants = avoiding(wants, set(excluded))
             host_names[wants.name] = admitting
             pending.append(wants)
             candidates[pod_key(pod)] = pod
@@ -612,7 +644,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
         problems.append((obj, f"{'pod' if name in candidates else 'node'} {name} left out of planning: {message}"))
     return ClusterView(snapshot, acks, problems, catalog, disagreements, switching,
                        [(pod, w) for pod, w in warnings if pod_key(pod) in {p.name for p in snapshot.pending}],
-                       skew, kept, elsewhere, {p.name: host_names[p.name] for p in snapshot.pending})
+                       skew, kept, elsewhere, {p.name: host_names[p.name] for p in snapshot.pending}, deferred, blocked)
 
 
 class _DynpartNodes:
@@ -623,11 +655,13 @@ class _DynpartNodes:
 
     def __init__(self, nodes: list[dict[str, Any]]):
         self.by_mode: dict[str, list[tuple[str, dict[str, str]]]] = {"mig": [], "mps": []}
+        self.labels: dict[str, dict[str, str]] = {}
         for node in nodes:
             labels = _field(node, "metadata", "labels")
             if isinstance(labels, dict) and labels.get(PARTITIONING_LABEL) in self.by_mode:
-                self.by_mode[labels[PARTITIONING_LABEL]].append((str(_field(node, "metadata", "name") or ""),
-                                                                 {str(k): str(v) for k, v in labels.items()}))
+                name = str(_field(node, "metadata", "name") or "")
+                self.labels[name] = {str(k): str(v) for k, v in labels.items()}
+                self.by_mode[labels[PARTITIONING_LABEL]].append((name, self.labels[name]))
         self._seen: dict[tuple[object, ...], frozenset[str]] = {}
 
     @staticmethod
@@ -775,6 +809,32 @@ def _field(obj: object, *path: str) -> object:
     return obj
 
 
+def _some(names: Iterable[str], most: int = 3) -> str:
+    """A few names, sorted, and how many more."""
+    ordered = sorted(names)
+    return ", ".join(ordered[:most]) + (f" and {len(ordered) - most} more" if len(ordered) > most else "")
+
+
+def _required_affinity(spec: dict[str, Any]) -> dict[str, Any]:
+    """The required node affinity and pod anti-affinity of a pod spec (pod_conflicts: the
+    scheduler keeps the pods the anti-affinity terms select out of the pod's topology domain)."""
+    out = {}
+    for kind in ("nodeAffinity", "podAntiAffinity"):
+        required = _field(spec, "affinity", kind, "requiredDuringSchedulingIgnoredDuringExecution")
+        if required is not None:
+            out[kind] = {"requiredDuringSchedulingIgnoredDuringExecution": required}
+    return out
+
+
+def _host_ports(container: dict[str, Any]) -> dict[str, Any]:
+    """A container's ports that take a host port (the scheduler's NodePorts filter), as a part of it."""
+    ports = container.get("ports")
+    if not isinstance(ports, list):
+        return {}
+    taken = [p for p in ports if isinstance(p, dict) and p.get("hostPort")]
+    return {"ports": taken} if taken else {}
+
+
 def _run_as(obj: dict[str, Any]) -> dict[str, Any]:
     """The securityContext's runAsUser of a pod spec or container, as a part of it (MPS: one
     server per user id)."""
@@ -846,19 +906,17 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         items = spec.get(key)
         if not isinstance(items, list):
             return items  # ill-typed: kept, so the round reports it as it would on the full object
-        return [{**{k: c[k] for k in ("name", "resources", "restartPolicy") if k in c}, **_run_as(c)}
+        return [{**{k: c[k] for k in ("name", "resources", "restartPolicy") if k in c}, **_run_as(c), **_host_ports(c)}
                 if isinstance(c, dict) else c for c in items]
 
     conditions = status.get("conditions")
     return {
         "kind": "Pod",
         "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation",
-                                         "creationTimestamp", "deletionTimestamp") if k in md},
+                                         "creationTimestamp", "deletionTimestamp", "labels") if k in md},
         "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead", "hostIPC",
                                          "resources", "schedulerName") if k in spec},
-                 **({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}}
-                    if (required := _field(spec, "affinity", "nodeAffinity",
-                                           "requiredDuringSchedulingIgnoredDuringExecution")) is not None else {}),
+                 **({"affinity": affinity} if (affinity := _required_affinity(spec)) else {}),
                  **{k: containers(k) for k in ("containers", "initContainers") if k in spec}, **_run_as(spec)},
         "status": {**{k: status[k] for k in ("phase", "nominatedNodeName") if k in status},
                    "conditions": [c for c in conditions if isinstance(c, dict) and c.get("type") == "PodScheduled"]

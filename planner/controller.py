@@ -135,6 +135,7 @@ class PlannerController:
         # the batch candidates of the pod cache, kept by the watch (_on_pod): every node status change
         # and every step reads them, and scanning 50,000 cached pods takes about 0.2 s
         self._waiting: set[str] = set()
+        self._deferred: dict[str, str] = {}  # pods the last round left to the next -> for whom (ClusterView.deferred)
         # what the last round logged: a lasting problem or unplaced pod is logged (at INFO or
         # WARNING) when it appears or changes, not once a round
         self._problems_logged: set[str] = set()
@@ -372,6 +373,13 @@ class PlannerController:
         next resync), even when no pod waits: its agent then leaves the old mode while idle."""
         return any(switch_target(n) is not None and n.get("metadata", {}).get("name") not in self.loop.in_flight
                    for n in self.nodes.cache.values())
+
+    def _not_to_defer(self) -> set[str]:
+        """The pods the last round left for an older one it did not place (still waiting, not in
+        flight, not reserved): not left again for it, or an unplaceable pod would hold them for ever."""
+        held = self.loop.held_pods()
+        return {pod for pod, older in self._deferred.items()
+                if older in self._waiting and older not in held and older not in self.loop.reserved}
 
     def _candidates(self) -> list[str]:
         return sorted(self._waiting)
@@ -632,14 +640,21 @@ class PlannerController:
         # Python, during which the event loop still renews the lease and follows the watches (the
         # cached objects are replaced on change, never changed in place)
         view = await asyncio.to_thread(build_snapshot, nodes, pods, self.catalog, awaiting, self.loop.held_pods(),
-                                       self._reservations(), scheduler_names=self.settings.scheduler_names)
+                                       self._reservations(), scheduler_names=self.settings.scheduler_names,
+                                       in_flight={k: n for n, f in self.loop.in_flight.items() for k in f.pods},
+                                       no_defer=self._not_to_defer())
+        # pods left to the next round (their anti-affinity or host ports conflict with an older
+        # pod's this round plans): they join the next batch at once
+        self._deferred = dict(view.deferred)
+        self.loop.facts_changed(view.deferred, self.clock())
         await self._tell_backoffs()
         snapshot = view.snapshot
         self._round_catalog = view.catalog
         self._invalid_pods = {object_key(obj) for obj, _ in view.problems if object_reference(obj)["kind"] == "Pod"}
         self._elsewhere = {object_key(obj) for obj, _ in view.elsewhere}
         logged = self._problems_logged
-        self._problems_logged = {m for _, m in [*view.problems, *view.skew, *view.elsewhere]}
+        self._problems_logged = {m for _, m in [*view.problems, *view.skew, *view.elsewhere]} | \
+            {f"{object_key(obj)}: {m}" for obj, m in view.blocked}
         metrics.PLAN_ERRORS.labels("bad_object").inc(len(view.problems))
         # a lasting problem is found every round: logged when it appears, its Event de-duplicated;
         # annotations of another dynpart version are ignored, but said
@@ -652,6 +667,10 @@ class PlannerController:
                 await self._event(obj, reason, message, warning=True)
         for obj, message in view.warnings:
             await self._event(obj, "MpsNeedsHostIPC", message, warning=True)
+        for obj, message in view.blocked:
+            (log.debug if f"{object_key(obj)}: {message}" in logged else log.info)("pod not placed", extra={"fields": {
+                "pod": object_key(obj), "reason": message}})
+            await self._event(obj, "Unplaceable", f"dynpart cannot place this pod: {message}", warning=True)
         await self._report_disagreements(view.disagreements)
         await self._switch_modes(view.switching, awaiting)
         if not snapshot.pending:

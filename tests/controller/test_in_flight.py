@@ -919,3 +919,36 @@ def test_a_slice_taken_by_a_pod_wakes_no_waiting_pod_and_a_slice_freed_does():
     assert _room_may_have_grown(status(None, None, mps={f"{mps}-free": "1", f"{mps}-used": "1"}),
                                 status(None, None, mps={f"{mps}-used": "1"})), "an MPS slice destroyed: memory freed"
     assert _room_may_have_grown(status("1@1", None), status("x", None)), "malformed: the round says"
+
+
+async def test_the_controller_plans_a_deferred_replica_at_the_next_round_on_another_node(make):
+    from dynpart.annotations import encode_status
+    from dynpart.snapshot import GpuLayout, NodeLayout
+    from tests.controller.test_pod_conflicts import labelled, replica
+
+    def empty(name: str) -> dict[str, str]:
+        return {**encode_status(NodeLayout(node=name, mode="mig", gpus=[GpuLayout(index=0)]), "p0"),
+                "dynpart.io/spec-plan": "p0"}
+
+    c = make([labelled(node(f"n{i}", count=1, annotations=empty(f"n{i}"))) for i in (1, 2)], Lead(term=1))
+    for i in range(2):
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
+    await c.plan_round()
+    assert [n for n, _ in c.written] == ["n1"] and c.written[0][1]["dynpart.io/spec-pods"] == "ml/web-0"
+    assert "ml/web-1" in c.window.members, "back in the batch at once"
+    await c.plan_round()
+    assert [n for n, _ in c.written] == ["n1", "n2"] and c.written[1][1]["dynpart.io/spec-pods"] == "ml/web-1"
+
+
+async def test_a_pod_left_for_an_older_one_that_was_not_placed_is_not_left_again(make):
+    from tests.controller.test_pod_conflicts import replica
+
+    c = make([], Lead(term=1))
+    for i in range(3):
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
+    c._deferred = {"ml/web-1": "ml/web-0", "ml/web-2": "ml/gone"}
+    assert c._not_to_defer() == {"ml/web-1"}, "web-0 still waits: web-1 goes in the next round whatever"
+    c.loop.reserve("ml/web-0", "n1", 0.0)
+    assert c._not_to_defer() == set(), "web-0 placed: web-1 is planned against it"

@@ -1,0 +1,223 @@
+"""Pods that may not share a node, or a topology domain, with others, as two of the
+kube-scheduler's filters decide: InterPodAffinity for required pod anti-affinity (both ways: the
+pod's terms against the pods placed, and their terms against the pod) and NodePorts (host ports).
+Pure code over the pods as the planner's cache keeps them (`cluster_view.pod_for_planning`).
+
+Without it the objective packs the replicas of a Deployment whose pods must not share a node
+onto one node's GPUs: the scheduler binds one there and refuses the others, whose slices stay free.
+So a pending pod is kept off the nodes where placed pods (bound, nominated, reserved, or planned
+by a plan in flight) conflict with it, and of two pending pods that conflict, only the older is
+planned in a round: the younger is planned by the next one, where the older counts as placed.
+
+Not mirrored (the pod then falls to the loop's back-off, `planner/loop.py`, which tries the other
+nodes): required pod affinity, topology spread constraints, a namespaceSelector on labels other
+than the namespace's name (the planner does not watch namespaces: such a term counts only its
+`namespaces`), and placed pods on nodes dynpart does not plan (their topology domain is unknown)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"  # every namespace carries its name as this label
+ANY_IP = "0.0.0.0"
+
+
+@dataclass(frozen=True)
+class Requirement:
+    key: str
+    operator: str  # In, NotIn, Exists, DoesNotExist
+    values: frozenset[str] = frozenset()
+
+    def matches(self, labels: Mapping[str, str]) -> bool:
+        if self.operator == "In":
+            return labels.get(self.key) in self.values
+        if self.operator == "NotIn":
+            return self.key not in labels or labels[self.key] not in self.values
+        if self.operator == "Exists":
+            return self.key in labels
+        if self.operator == "DoesNotExist":
+            return self.key not in labels
+        return False  # an operator the API server would have refused
+
+
+@dataclass(frozen=True)
+class AntiAffinityTerm:
+    """One required pod anti-affinity term, resolved against its own pod (namespaces,
+    matchLabelKeys and mismatchLabelKeys)."""
+    topology_key: str
+    requirements: tuple[Requirement, ...] | None  # None: a null labelSelector, which matches no pod
+    namespaces: frozenset[str] | None  # None: every namespace
+
+    def selects(self, namespace: str, labels: Mapping[str, str]) -> bool:
+        return (self.requirements is not None and (self.namespaces is None or namespace in self.namespaces)
+                and all(r.matches(labels) for r in self.requirements))
+
+
+@dataclass(frozen=True)
+class HostPort:
+    ip: str
+    protocol: str
+    port: int
+
+    def clashes(self, other: HostPort) -> bool:
+        return (self.port == other.port and self.protocol == other.protocol
+                and (self.ip == other.ip or ANY_IP in (self.ip, other.ip)))
+
+
+@dataclass(frozen=True)
+class PodFacts:
+    key: str
+    namespace: str
+    labels: Mapping[str, str]
+    terms: tuple[AntiAffinityTerm, ...]
+    ports: tuple[HostPort, ...]
+
+    def excludes(self, other: PodFacts) -> bool:
+        """Either pod's terms select the other (the scheduler checks both ways)."""
+        return (any(t.selects(other.namespace, other.labels) for t in self.terms)
+                or any(t.selects(self.namespace, self.labels) for t in other.terms))
+
+
+def _dict(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _selector(raw: object, labels: Mapping[str, str], match_keys: Iterable[str],
+              mismatch_keys: Iterable[str]) -> tuple[Requirement, ...] | None:
+    if not isinstance(raw, dict):
+        return None
+    reqs = [Requirement(str(k), "In", frozenset({str(v)})) for k, v in _dict(raw.get("matchLabels")).items()]
+    for e in _list(raw.get("matchExpressions")):
+        e = _dict(e)
+        reqs.append(Requirement(str(e.get("key")), str(e.get("operator")),
+                                frozenset(str(v) for v in _list(e.get("values")))))
+    # the pod's own values of these keys join the selector (KEP-3633)
+    reqs += [Requirement(k, "In", frozenset({labels[k]})) for k in match_keys if k in labels]
+    reqs += [Requirement(k, "NotIn", frozenset({labels[k]})) for k in mismatch_keys if k in labels]
+    return tuple(reqs)
+
+
+def _namespaces(term: Mapping[str, Any], own: str) -> frozenset[str] | None:
+    names = {str(n) for n in _list(term.get("namespaces"))}
+    selector = term.get("namespaceSelector")
+    if selector is None:
+        return frozenset(names) if names else frozenset({own})
+    selector = _dict(selector)
+    match_labels, exprs = _dict(selector.get("matchLabels")), [_dict(e) for e in _list(selector.get("matchExpressions"))]
+    if not match_labels and not exprs:
+        return None  # {}: every namespace
+    if (all(k == NAMESPACE_NAME_LABEL for k in match_labels)
+            and all(e.get("key") == NAMESPACE_NAME_LABEL and e.get("operator") == "In" for e in exprs)):
+        # on the namespace's name only: the names every requirement admits
+        admitted = [{str(v)} for v in match_labels.values()] + [{str(v) for v in _list(e.get("values"))} for e in exprs]
+        return frozenset(names | set.intersection(*admitted))
+    return frozenset(names)  # labels of namespaces the planner does not watch: only the names listed
+
+
+def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
+    md, spec = _dict(pod.get("metadata")), _dict(pod.get("spec"))
+    namespace = str(md.get("namespace") or "")
+    labels = {str(k): str(v) for k, v in _dict(md.get("labels")).items()}
+    raw_terms = _list(_dict(_dict(spec.get("affinity")).get("podAntiAffinity"))
+                      .get("requiredDuringSchedulingIgnoredDuringExecution"))
+    terms = []
+    for t in map(_dict, raw_terms):
+        key = t.get("topologyKey")
+        if isinstance(key, str) and key:
+            terms.append(AntiAffinityTerm(key, _selector(t.get("labelSelector"), labels,
+                                                         map(str, _list(t.get("matchLabelKeys"))),
+                                                         map(str, _list(t.get("mismatchLabelKeys")))),
+                                          _namespaces(t, namespace)))
+    ports = []
+    sidecars = [c for c in _list(spec.get("initContainers")) if _dict(c).get("restartPolicy") == "Always"]
+    for c in [*_list(spec.get("containers")), *sidecars]:
+        for p in map(_dict, _list(_dict(c).get("ports"))):
+            host_port = p.get("hostPort")
+            if isinstance(host_port, int) and host_port > 0:
+                ports.append(HostPort(str(p.get("hostIP") or ANY_IP), str(p.get("protocol") or "TCP"), host_port))
+    return PodFacts(f"{namespace}/{md.get('name')}", namespace, labels, tuple(terms), tuple(ports))
+
+
+def _may_conflict(pod: Mapping[str, Any]) -> bool:
+    """The pod has anti-affinity terms or host ports (a cheap look before `pod_facts`)."""
+    spec = _dict(pod.get("spec"))
+    if _dict(spec.get("affinity")).get("podAntiAffinity"):
+        return True
+    return any(_dict(p).get("hostPort") for c in [*_list(spec.get("containers")), *_list(spec.get("initContainers"))]
+               for p in _list(_dict(c).get("ports")))
+
+
+class PlacedPods:
+    """The pods placed (or about to be) and the nodes they are on, indexed for the questions a
+    round asks of every pending pod: which nodes it must stay off, and whether it conflicts with
+    an older pending pod planned in the same round."""
+
+    def __init__(self, placed: Iterable[tuple[Mapping[str, Any], str]], node_labels: Mapping[str, Mapping[str, str]]):
+        self.node_labels = node_labels
+        self.placed = list(placed)
+        self._by_namespace: dict[str, list[tuple[PodFacts, str]]] | None = None  # built when a term asks
+        self.with_terms: list[tuple[PodFacts, str]] = []  # placed pods with anti-affinity terms (few)
+        self.by_port: dict[tuple[str, int], list[tuple[HostPort, str]]] = {}
+        for pod, node in self.placed:
+            if _may_conflict(pod):  # most pods have neither: their labels are read only if a term asks
+                facts = pod_facts(pod)
+                if facts.terms:
+                    self.with_terms.append((facts, node))
+                for p in facts.ports:
+                    self.by_port.setdefault((p.protocol, p.port), []).append((p, node))
+        self.planned: list[PodFacts] = []  # pending pods planned in this round (`take`)
+        self._planned_with_terms: list[PodFacts] = []
+
+    def by_namespace(self) -> dict[str, list[tuple[PodFacts, str]]]:
+        if self._by_namespace is None:
+            self._by_namespace = {}
+            for pod, node in self.placed:
+                facts = pod_facts(pod)
+                self._by_namespace.setdefault(facts.namespace, []).append((facts, node))
+        return self._by_namespace
+
+    def _domain(self, node: str, key: str) -> set[str]:
+        """The planned nodes in the node's domain of `key` (none when the node lacks the label)."""
+        value = self.node_labels.get(node, {}).get(key)
+        if value is None:
+            return set()
+        return {n for n, labels in self.node_labels.items() if labels.get(key) == value}
+
+    def excluded_nodes(self, facts: PodFacts) -> set[str]:
+        """The nodes the pod must stay off: a placed pod there (or in the same topology domain)
+        that its terms select, or whose terms select it, or that holds one of its host ports."""
+        out: set[str] = set()
+        for term in facts.terms:
+            by_namespace = self.by_namespace()
+            spaces = by_namespace if term.namespaces is None else \
+                {ns: by_namespace.get(ns, []) for ns in term.namespaces}
+            hit = {node for placed in spaces.values() for other, node in placed
+                   if term.selects(other.namespace, other.labels)}
+            for node in hit:
+                out |= self._domain(node, term.topology_key)
+        for other, node in self.with_terms:
+            for term in other.terms:
+                if term.selects(facts.namespace, facts.labels):
+                    out |= self._domain(node, term.topology_key)
+        for p in facts.ports:
+            out |= {node for q, node in self.by_port.get((p.protocol, p.port), []) if p.clashes(q)}
+        return out
+
+    def conflicts_with_planned(self, facts: PodFacts) -> str | None:
+        """The older pending pod of this round the pod conflicts with, if any."""
+        # a pod with neither terms nor host ports conflicts only with a pod whose terms select it
+        for other in self.planned if facts.terms or facts.ports else self._planned_with_terms:
+            if facts.excludes(other) or any(p.clashes(q) for p in facts.ports for q in other.ports):
+                return other.key
+        return None
+
+    def take(self, facts: PodFacts) -> None:
+        self.planned.append(facts)
+        if facts.terms:
+            self._planned_with_terms.append(facts)
