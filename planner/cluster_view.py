@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -609,11 +609,12 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                 elsewhere.append((pod, f"pod {wants.name} is not planned: {hosts.why_none(wants)}"))
                 continue
             facts = pod_facts(pod)
-            excluded = placed.excluded_nodes(facts) & admitting
+            excluded = placed.excluded_nodes(facts, hosts.admits(wants)) & admitting
             if excluded == admitting:
                 blocked.append((pod, f"every node that could take it ({_some(excluded)}) holds a pod that its "
                                      "required pod anti-affinity or host ports exclude, or whose anti-affinity "
-                                     "excludes it: it waits until one ends"))
+                                     "excludes it, or would break its topology spread constraints: it waits "
+                                     "until pods end or move"))
                 continue
             older = placed.conflicts_with_planned(facts)
             if older is not None and wants.name not in no_defer:
@@ -679,6 +680,14 @@ class _DynpartNodes:
                 if all(labels.get(k) == v for k, v in pod.node_selector.items())
                 and affinity_admits(pod.node_affinity, labels, name))
         return found
+
+    def admits(self, pod: PendingPod) -> Callable[[str], bool]:
+        """Whether the pod's nodeSelector and required node affinity admit a node, of either mode."""
+        def admitted(name: str) -> bool:
+            labels = self.labels.get(name, {})
+            return (all(labels.get(k) == v for k, v in pod.node_selector.items())
+                    and affinity_admits(pod.node_affinity, labels, name))
+        return admitted
 
     def why_none(self, pod: PendingPod) -> str:
         """Why no dynpart node can ever take the pod (`admitting` is empty)."""
@@ -915,7 +924,7 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation",
                                          "creationTimestamp", "deletionTimestamp", "labels") if k in md},
         "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead", "hostIPC",
-                                         "resources", "schedulerName") if k in spec},
+                                         "resources", "schedulerName", "topologySpreadConstraints") if k in spec},
                  **({"affinity": affinity} if (affinity := _required_affinity(spec)) else {}),
                  **{k: containers(k) for k in ("containers", "initContainers") if k in spec}, **_run_as(spec)},
         "status": {**{k: status[k] for k in ("phase", "nominatedNodeName") if k in status},

@@ -1,22 +1,24 @@
-"""Pods that may not share a node, or a topology domain, with others, as two of the
+"""Pods that may not share a node, or a topology domain, with others, as three of the
 kube-scheduler's filters decide: InterPodAffinity for required pod anti-affinity (both ways: the
-pod's terms against the pods placed, and their terms against the pod) and NodePorts (host ports).
-Pure code over the pods as the planner's cache keeps them (`cluster_view.pod_for_planning`).
+pod's terms against the pods placed, and their terms against the pod), NodePorts (host ports) and
+PodTopologySpread (constraints with `whenUnsatisfiable: DoNotSchedule`). Pure code over the pods
+as the planner's cache keeps them (`cluster_view.pod_for_planning`).
 
-Without it the objective packs the replicas of a Deployment whose pods must not share a node
-onto one node's GPUs: the scheduler binds one there and refuses the others, whose slices stay free.
+Without it the objective packs the replicas of a Deployment whose pods must not share a node (or
+must spread over nodes or zones) onto one node's GPUs: the scheduler binds one there and refuses the others, whose slices stay free.
 So a pending pod is kept off the nodes where placed pods (bound, nominated, reserved, or planned
 by a plan in flight) conflict with it, and of two pending pods that conflict, only the older is
 planned in a round: the younger is planned by the next one, where the older counts as placed.
 
 Not mirrored (the pod then falls to the loop's back-off, `planner/loop.py`, which tries the other
-nodes): required pod affinity, topology spread constraints, a namespaceSelector on labels other
+nodes): required pod affinity, a spread constraint's `nodeTaintsPolicy: Honor` (taints are
+ignored, the default), a namespaceSelector on labels other
 than the namespace's name (the planner does not watch namespaces: such a term counts only its
 `namespaces`), and placed pods on nodes dynpart does not plan (their topology domain is unknown)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,17 +69,40 @@ class HostPort:
 
 
 @dataclass(frozen=True)
+class SpreadConstraint:
+    """A topology spread constraint with `whenUnsatisfiable: DoNotSchedule` (the others only rank
+    nodes), resolved against its own pod (matchLabelKeys). It counts the pods of the pod's own
+    namespace that its selector selects, on the nodes its node affinity admits
+    (`nodeAffinityPolicy: Honor`, the default; `Ignore` counts every node)."""
+    topology_key: str
+    max_skew: int
+    min_domains: int
+    requirements: tuple[Requirement, ...] | None
+    honour_affinity: bool = True
+
+    def selects(self, labels: Mapping[str, str]) -> bool:
+        return self.requirements is not None and all(r.matches(labels) for r in self.requirements)
+
+
+@dataclass(frozen=True)
 class PodFacts:
     key: str
     namespace: str
     labels: Mapping[str, str]
     terms: tuple[AntiAffinityTerm, ...]
     ports: tuple[HostPort, ...]
+    spread: tuple[SpreadConstraint, ...] = ()
 
     def excludes(self, other: PodFacts) -> bool:
         """Either pod's terms select the other (the scheduler checks both ways)."""
         return (any(t.selects(other.namespace, other.labels) for t in self.terms)
                 or any(t.selects(self.namespace, self.labels) for t in other.terms))
+
+    def spreads_with(self, other: PodFacts) -> bool:
+        """The pod's spread constraints count the other, or the other's count it: where one goes
+        changes where the other may."""
+        return self.namespace == other.namespace and (any(c.selects(other.labels) for c in self.spread)
+                                                      or any(c.selects(self.labels) for c in other.spread))
 
 
 def _dict(value: object) -> dict[str, Any]:
@@ -141,13 +166,22 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
             host_port = p.get("hostPort")
             if isinstance(host_port, int) and host_port > 0:
                 ports.append(HostPort(str(p.get("hostIP") or ANY_IP), str(p.get("protocol") or "TCP"), host_port))
-    return PodFacts(f"{namespace}/{md.get('name')}", namespace, labels, tuple(terms), tuple(ports))
+    spread = []
+    for c in map(_dict, _list(spec.get("topologySpreadConstraints"))):
+        key, skew = c.get("topologyKey"), c.get("maxSkew")
+        if c.get("whenUnsatisfiable") == "DoNotSchedule" and isinstance(key, str) and key and isinstance(skew, int):
+            min_domains = c.get("minDomains")
+            spread.append(SpreadConstraint(key, skew, min_domains if isinstance(min_domains, int) else 1,
+                                           _selector(c.get("labelSelector"), labels,
+                                                     map(str, _list(c.get("matchLabelKeys"))), ()),
+                                           c.get("nodeAffinityPolicy") != "Ignore"))
+    return PodFacts(f"{namespace}/{md.get('name')}", namespace, labels, tuple(terms), tuple(ports), tuple(spread))
 
 
 def _may_conflict(pod: Mapping[str, Any]) -> bool:
     """The pod has anti-affinity terms or host ports (a cheap look before `pod_facts`)."""
     spec = _dict(pod.get("spec"))
-    if _dict(spec.get("affinity")).get("podAntiAffinity"):
+    if _dict(spec.get("affinity")).get("podAntiAffinity") or spec.get("topologySpreadConstraints"):
         return True
     return any(_dict(p).get("hostPort") for c in [*_list(spec.get("containers")), *_list(spec.get("initContainers"))]
                for p in _list(_dict(c).get("ports")))
@@ -189,10 +223,13 @@ class PlacedPods:
             return set()
         return {n for n, labels in self.node_labels.items() if labels.get(key) == value}
 
-    def excluded_nodes(self, facts: PodFacts) -> set[str]:
+    def excluded_nodes(self, facts: PodFacts, admits: Callable[[str], bool] = lambda node: True) -> set[str]:
         """The nodes the pod must stay off: a placed pod there (or in the same topology domain)
-        that its terms select, or whose terms select it, or that holds one of its host ports."""
+        that its terms select, or whose terms select it, or that holds one of its host ports; and
+        where its spread constraints would be broken. `admits`: the nodes its node affinity admits."""
         out: set[str] = set()
+        for constraint in facts.spread:
+            out |= self._spread_off(facts, constraint, admits)
         for term in facts.terms:
             by_namespace = self.by_namespace()
             spaces = by_namespace if term.namespaces is None else \
@@ -209,15 +246,32 @@ class PlacedPods:
             out |= {node for q, node in self.by_port.get((p.protocol, p.port), []) if p.clashes(q)}
         return out
 
+    def _spread_off(self, facts: PodFacts, c: SpreadConstraint, admits: Callable[[str], bool]) -> set[str]:
+        """The nodes where the pod would break the constraint, as the PodTopologySpread filter
+        decides: those without the topology key, and those whose domain would hold more than
+        `max_skew` matching pods beyond the least held domain (0 while fewer than `min_domains`)."""
+        counted = [n for n in self.node_labels if not c.honour_affinity or admits(n)]
+        domains = {n: self.node_labels[n][c.topology_key] for n in counted if c.topology_key in self.node_labels[n]}
+        count = dict.fromkeys(domains.values(), 0)
+        for other, node in self.by_namespace().get(facts.namespace, []):
+            if node in domains and c.selects(other.labels):
+                count[domains[node]] += 1
+        least = min(count.values()) if len(count) >= c.min_domains else 0
+        mine = 1 if c.selects(facts.labels) else 0
+        return {n for n, labels in self.node_labels.items()
+                if c.topology_key not in labels or count.get(labels[c.topology_key], 0) + mine - least > c.max_skew}
+
     def conflicts_with_planned(self, facts: PodFacts) -> str | None:
         """The older pending pod of this round the pod conflicts with, if any."""
-        # a pod with neither terms nor host ports conflicts only with a pod whose terms select it
-        for other in self.planned if facts.terms or facts.ports else self._planned_with_terms:
-            if facts.excludes(other) or any(p.clashes(q) for p in facts.ports for q in other.ports):
+        # a pod with neither terms, host ports nor spread constraints conflicts only with a pod whose
+        # terms or constraints select it
+        for other in self.planned if facts.terms or facts.ports or facts.spread else self._planned_with_terms:
+            if (facts.excludes(other) or facts.spreads_with(other)
+                    or any(p.clashes(q) for p in facts.ports for q in other.ports)):
                 return other.key
         return None
 
     def take(self, facts: PodFacts) -> None:
         self.planned.append(facts)
-        if facts.terms:
+        if facts.terms or facts.spread:
             self._planned_with_terms.append(facts)

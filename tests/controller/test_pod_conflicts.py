@@ -173,3 +173,58 @@ def test_a_round_never_plans_a_pod_where_a_placed_or_planned_pod_excludes_it(spe
                 assert not facts[a].excludes(facts[b]), (a, b, where)
     assert PlacedPods([], {}).excluded_nodes(facts["ml/p0"]) == set()
 
+
+
+def spread(name: str, key: str = HOST, skew: int = 1, bound: str | None = None, **constraint: Any) -> dict[str, Any]:
+    p = pod(name, MIG_1G, phase="Running" if bound else "Pending", node=bound, unschedulable=not bound,
+            topologySpreadConstraints=[{"maxSkew": skew, "topologyKey": key, "whenUnsatisfiable": "DoNotSchedule",
+                                        "labelSelector": {"matchLabels": {"app": "web"}}, **constraint}])
+    p["metadata"]["labels"] = {"app": "web"}
+    return pod_for_planning(p)
+
+
+def test_topology_spread_constraints_keep_a_pod_off_the_domains_it_would_overfill():
+    zoned = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
+    view = build_snapshot(zoned, [spread("w0", bound="n1"), spread("w1", bound="n2"), spread("w2", key=ZONE)], CAT)
+    assert kept_off(view, "ml/w2") == {"n1", "n2"}, "z1 holds 2, z2 none: only z2 keeps the skew at 1"
+    view = build_snapshot(nodes4(), [spread("w0", bound="n1"), spread("w1")], CAT)
+    assert kept_off(view, "ml/w1") == {"n1"}
+    loose = build_snapshot(nodes4(), [spread("w0", bound="n1"), spread("w1", skew=2)], CAT)
+    assert kept_off(loose, "ml/w1") == set()
+    unlabelled = nodes4()
+    unlabelled[3]["metadata"]["labels"].pop(HOST)
+    view = build_snapshot(unlabelled, [spread("w1")], CAT)
+    assert kept_off(view, "ml/w1") == {"n4"}, "a node without the topology key is never admitted"
+    view = build_snapshot(zoned, [spread("w0", key=ZONE, bound="n3"), spread("w1", key=ZONE, minDomains=3)], CAT)
+    assert kept_off(view, "ml/w1") == {"n3", "n4"}, "fewer domains than minDomains: the least counts 0"
+    soft = pod_for_planning(pod("s", MIG_1G, topologySpreadConstraints=[{
+        "maxSkew": 1, "topologyKey": HOST, "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {}}]))
+    assert kept_off(build_snapshot(nodes4(), [spread("w0", bound="n1"), soft], CAT), "ml/s") == set()
+
+
+def test_spread_counts_only_the_nodes_the_pods_affinity_admits_unless_told_to_ignore_it():
+    nodes = nodes4()
+    for n, pool in zip(nodes, "aabb"):
+        n["metadata"]["labels"]["pool"] = pool
+    bound = [spread("w0", bound="n1"), spread("w1", bound="n2")]  # one on each node of pool a
+    honour = spread("w2")
+    honour["spec"]["nodeSelector"] = {"pool": "a"}
+    view = build_snapshot(nodes, [*bound, honour], CAT)
+    assert kept_off(view, "ml/w2") == set(), "n1 and n2 hold one each: the least is 1 (n3, n4 not counted)"
+    ignore = spread("w2", nodeAffinityPolicy="Ignore")
+    ignore["spec"]["nodeSelector"] = {"pool": "a"}
+    view = build_snapshot(nodes, [*bound, ignore], CAT)
+    assert not view.snapshot.pending and view.blocked, "n3, n4 count with none: pool a is full at skew 1"
+
+
+def test_replicas_spread_over_nodes_land_on_four_nodes_in_four_rounds():
+    nodes = nodes4()
+    pods = [spread(f"w{i}") for i in range(4)]
+    in_flight: dict[str, str] = {}
+    deferred: dict[str, str] = {}
+    for _ in range(4):
+        no_defer = {p for p, older in deferred.items() if older not in in_flight}
+        view = build_snapshot(nodes, pods, CAT, exclude_pods=set(in_flight), in_flight=in_flight, no_defer=no_defer)
+        deferred = view.deferred
+        in_flight.update({pl.pod: pl.node for pl in plan(view.snapshot, CAT).placements})
+    assert sorted(in_flight.values()) == ["n1", "n2", "n3", "n4"], in_flight
