@@ -51,6 +51,19 @@ def nodes4(**zones: str) -> list[dict[str, Any]]:
     return [labelled(node(f"n{i}", count=1), **({ZONE: zones[f"n{i}"]} if zones else {})) for i in range(1, 5)]
 
 
+def planned_in_rounds(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], rounds: int) -> dict[str, str]:
+    """Pod -> node over `rounds` rounds, each round's placements in flight for the next; a pod left
+    for an older one the last round did not place is not left again (as the controller decides)."""
+    in_flight: dict[str, str] = {}
+    deferred: dict[str, str] = {}
+    for _ in range(rounds):
+        no_defer = {p for p, older in deferred.items() if older not in in_flight}
+        view = build_snapshot(nodes, pods, CAT, exclude_pods=set(in_flight), in_flight=in_flight, no_defer=no_defer)
+        deferred = view.deferred
+        in_flight.update({pl.pod: pl.node for pl in plan(view.snapshot, CAT).placements})
+    return in_flight
+
+
 def test_a_replica_is_kept_off_the_node_of_a_bound_one_and_the_younger_of_two_waits_a_round():
     nodes = nodes4()
     pods = [replica("web-0", bound="n1"), replica("web-1"), replica("web-2"), pod_for_planning(pod("other", MIG_1G))]
@@ -127,15 +140,7 @@ def test_the_reviewers_four_replicas_land_on_four_nodes_in_four_rounds():
     four on one node. Each round's placements count as in flight for the next."""
     nodes = nodes4()
     pods = [replica(f"web-{i}") for i in range(4)]
-    in_flight: dict[str, str] = {}
-    deferred: dict[str, str] = {}
-    for _ in range(4):
-        # as the controller decides: a pod left for an older one the last round did not place is not left again
-        no_defer = {p for p, older in deferred.items() if older not in in_flight}
-        view = build_snapshot(nodes, pods, CAT, exclude_pods=set(in_flight), in_flight=in_flight, no_defer=no_defer)
-        deferred = view.deferred
-        result = plan(view.snapshot, CAT)
-        in_flight.update({pl.pod: pl.node for pl in result.placements})
+    in_flight = planned_in_rounds(nodes, pods, 4)
     assert sorted(in_flight) == [f"ml/web-{i}" for i in range(4)]
     assert sorted(in_flight.values()) == ["n1", "n2", "n3", "n4"], in_flight
 
@@ -220,11 +225,5 @@ def test_spread_counts_only_the_nodes_the_pods_affinity_admits_unless_told_to_ig
 def test_replicas_spread_over_nodes_land_on_four_nodes_in_four_rounds():
     nodes = nodes4()
     pods = [spread(f"w{i}") for i in range(4)]
-    in_flight: dict[str, str] = {}
-    deferred: dict[str, str] = {}
-    for _ in range(4):
-        no_defer = {p for p, older in deferred.items() if older not in in_flight}
-        view = build_snapshot(nodes, pods, CAT, exclude_pods=set(in_flight), in_flight=in_flight, no_defer=no_defer)
-        deferred = view.deferred
-        in_flight.update({pl.pod: pl.node for pl in plan(view.snapshot, CAT).placements})
+    in_flight = planned_in_rounds(nodes, pods, 4)
     assert sorted(in_flight.values()) == ["n1", "n2", "n3", "n4"], in_flight
