@@ -64,6 +64,7 @@ from dynpart.snapshot import (
 )
 
 TERMINAL_PHASES = {"Succeeded", "Failed"}
+PODS = "pods"  # allocatable's pod count: every pod takes one
 # An agent's status for 8 GPUs of any layout is a few KiB; beyond this the node is left out with
 # an Event instead of being decoded on the planner's event loop (a hostile or broken writer).
 MAX_STATUS_BYTES = 64 * 1024
@@ -187,6 +188,8 @@ class NodeView:
     disagreements: tuple[str, ...] = ()  # between its agent's capability report and the catalog
     skew: list[str] = field(default_factory=list)  # annotations of another dynpart version, ignored
     kept: dict[str, str] = field(default_factory=dict)  # spec keys keeping GPUs not planned as they are
+    # what is left of the resources beside CPU, memory and GPU slices (`_is_other`), as allocatable lists them
+    room: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -311,12 +314,14 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     bound_slices: Counter[str] = Counter()
     placed_slices: Counter[str] = Counter()  # of pods bound to the node (not reserved or nominated)
     cpu_used = mem_used = 0.0
+    other_used: Counter[str] = Counter({PODS: 0})  # resources beside CPU, memory and GPUs, and the pod count
     for pod in bound_pods:
         if pod.get("status", {}).get("phase") in TERMINAL_PHASES:
             continue
         req = _container_requests(pod)
         cpu_used += req.get("cpu", 0)
         mem_used += req.get("memory", 0)
+        other_used.update(_other_requests(req))
         for res, n in slice_requests(pod).items():
             bound_slices[res] += n
             if (pod.get("spec") or {}).get("nodeName") == name:
@@ -359,6 +364,8 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     try:
         cpu_free = max(0, int(round((parse_quantity(alloc.get("cpu", 0)) - cpu_used) * 1000)))
         mem_free = max(0, int((parse_quantity(alloc.get("memory", 0)) - mem_used) // 2**20))
+        room = {res: parse_quantity(q) - other_used[res] for res, q in alloc.items()
+                if res in other_used or _is_other(res)}
         _unallocatable_as_used(name, gpus, alloc, problems)
     except DynpartError as e:
         return NodeView(None, status.plan_id, [f"node {name}: allocatable: {e}"])
@@ -370,7 +377,38 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         return NodeView(None, status.plan_id, [f"node {name}: spec.taints: {e.errors()[0]['msg']}"])
     view = Node(name=name, mode=mode, gpu_model=model.name, cpu_milli_free=cpu_free, memory_mib_free=mem_free,
                 labels=dict(labels), gpus=gpus, unschedulable=bool(node_spec.get("unschedulable")), taints=taints)
-    return NodeView(view, status.plan_id, problems, model, disagreements, skew, kept_spec)
+    return NodeView(view, status.plan_id, problems, model, disagreements, skew, kept_spec, room)
+
+
+def _blocked_reason(conflicting: AbstractSet[str], short: Mapping[str, list[str]]) -> str:
+    """Why no node that could take a pod does (`build_snapshot`)."""
+    why = []
+    if conflicting:
+        why.append(f"node(s) {_some(conflicting)} hold a pod that its required pod anti-affinity or host ports "
+                   "exclude, or whose anti-affinity excludes it, or would break its topology spread constraints")
+    if short:
+        lacking = sorted({r for lack in short.values() for r in lack})
+        why.append(f"node(s) {_some(short)} lack {', '.join(lacking)} for it")
+    return "no node that could take it has room: " + "; ".join(why) + " (it waits until pods end or move)"
+
+
+def _is_other(resource: str) -> bool:
+    """A resource the scheduler's NodeResourcesFit checks that the planner's model does not carry:
+    not CPU, memory or a GPU slice (ephemeral storage, huge pages, other devices, the pod count)."""
+    return resource not in ("cpu", "memory") and not is_slice_resource(resource)
+
+
+def _other_requests(requests: Mapping[str, float]) -> dict[str, float]:
+    """The pod's requests of the other resources (`_is_other`), its one pod included."""
+    return {**{r: v for r, v in requests.items() if v > 0 and _is_other(r)}, PODS: 1.0}
+
+
+def _short_of(requests: Mapping[str, float], room: Mapping[str, float], listed: AbstractSet[str]) -> list[str]:
+    """The resources a node's room lacks for the requests: those it has too little of, and those
+    it does not list while another planned node does (one that no node lists is another
+    component's to check: a scheduler extender's, an ignored resource)."""
+    return sorted(r for r, v in requests.items()
+                  if (r in room and room[r] < v) or (r not in room and r in listed))
 
 
 def _why_foreign(annotations: Mapping[str, Any]) -> str:
@@ -545,6 +583,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
         for n in _holding_nodes(pod, reserved):
             by_node.setdefault(n, []).append(pod)
     views: list[Node] = []
+    rooms: dict[str, dict[str, float]] = {}  # node -> NodeView.room
     acks: dict[str, str | None] = {}
     models: list[GpuModel] = []
     disagreements: dict[str, tuple[str, ...]] = {}
@@ -577,6 +616,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
         if view.node is not None and view.model is not None:
             views.append(view.node)
             models.append(view.model)
+            rooms[name] = view.room
             if view.kept:
                 kept[name] = view.kept
             if view.disagreements:
@@ -593,6 +633,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                         {name: labels for name, labels in hosts.labels.items()})
     deferred: dict[str, str] = {}
     blocked: list[tuple[dict[str, Any], str]] = []
+    listed = {r for room in rooms.values() for r in room}
     for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
         try:
             if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods or pod_key(pod) in reserved:
@@ -609,12 +650,12 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                 elsewhere.append((pod, f"pod {wants.name} is not planned: {hosts.why_none(wants)}"))
                 continue
             facts = pod_facts(pod)
-            excluded = placed.excluded_nodes(facts, hosts.admits(wants)) & admitting
+            conflicting = placed.excluded_nodes(facts, hosts.admits(wants)) & admitting
+            other = _other_requests(_container_requests(pod))
+            short = {n: lack for n in admitting if n in rooms and (lack := _short_of(other, rooms[n], listed))}
+            excluded = conflicting | set(short)
             if excluded == admitting:
-                blocked.append((pod, f"every node that could take it ({_some(excluded)}) holds a pod that its "
-                                     "required pod anti-affinity or host ports exclude, or whose anti-affinity "
-                                     "excludes it, or would break its topology spread constraints: it waits "
-                                     "until pods end or move"))
+                blocked.append((pod, _blocked_reason(conflicting, short)))
                 continue
             older = placed.conflicts_with_planned(facts)
             if older is not None and wants.name not in no_defer:

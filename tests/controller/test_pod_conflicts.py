@@ -93,7 +93,7 @@ def test_the_placed_pods_terms_count_too_and_a_pod_every_node_excludes_is_blocke
     blocked = build_snapshot(only_n1, [loner, web], CAT)
     assert not blocked.snapshot.pending
     [(obj, why)] = blocked.blocked
-    assert obj["metadata"]["name"] == "web-1" and "every node that could take it (n1)" in why
+    assert obj["metadata"]["name"] == "web-1" and "no node that could take it has room: node(s) n1 hold a pod that its required pod anti-affinity" in why
 
 
 def test_host_ports_clash_by_protocol_port_and_address():
@@ -227,3 +227,24 @@ def test_replicas_spread_over_nodes_land_on_four_nodes_in_four_rounds():
     pods = [spread(f"w{i}") for i in range(4)]
     in_flight = planned_in_rounds(nodes, pods, 4)
     assert sorted(in_flight.values()) == ["n1", "n2", "n3", "n4"], in_flight
+
+
+def test_resources_beside_cpu_memory_and_gpus_and_the_pod_count_keep_a_pod_off_a_full_node():
+    """The scheduler's NodeResourcesFit checks every resource the pod asks for: a node out of
+    ephemeral storage, huge pages, another device or pod slots is no place for its slice."""
+    nodes = nodes4()
+    for n in nodes:
+        n["status"]["allocatable"].update({"ephemeral-storage": "100Gi", "pods": "110", "rdma/ib": "1"})
+    nodes[0]["status"]["allocatable"]["pods"] = "1"
+    nodes[1]["status"]["allocatable"]["ephemeral-storage"] = "10Gi"
+    del nodes[2]["status"]["allocatable"]["rdma/ib"]
+    running = pod_for_planning(pod("run", {"cpu": "1"}, phase="Running", node="n1", unschedulable=False))
+    wants = pod_for_planning(pod("w", {**MIG_1G, "ephemeral-storage": "20Gi", "rdma/ib": "1"}))
+    view = build_snapshot(nodes, [running, wants], CAT)
+    assert kept_off(view, "ml/w") == {"n1", "n2", "n3"}, "n1 full of pods, n2 of storage, n3 without the device"
+    plain = pod_for_planning(pod("p", {**MIG_1G, "example.com/ignored": "1"}))
+    assert kept_off(build_snapshot(nodes, [running, plain], CAT), "ml/p") == {"n1"}, \
+        "a resource no node lists is another component's (an extender's): only the pod count"
+    only = build_snapshot(nodes[1:2], [wants], CAT)
+    [(_, why)] = only.blocked
+    assert "node(s) n2 lack ephemeral-storage for it" in why
