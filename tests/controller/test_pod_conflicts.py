@@ -93,7 +93,8 @@ def test_the_placed_pods_terms_count_too_and_a_pod_every_node_excludes_is_blocke
     blocked = build_snapshot(only_n1, [loner, web], CAT)
     assert not blocked.snapshot.pending
     [(obj, why)] = blocked.blocked
-    assert obj["metadata"]["name"] == "web-1" and "no node that could take it has room: node(s) n1 hold a pod that its required pod anti-affinity" in why
+    assert obj["metadata"]["name"] == "web-1"
+    assert "no node that could take it has room: node(s) n1 hold a pod that its required pod anti-affinity" in why
 
 
 def test_host_ports_clash_by_protocol_port_and_address():
