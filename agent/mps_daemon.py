@@ -2,19 +2,23 @@
 plugin): MPS slices are advertised only while it runs, since a client without it gets no limits.
 
 - `MpsDaemon`: `ensure(gpu_uuids, pipe_dir, log_dir)` (start it, or restart it if it died or its
-  GPUs changed; raises MpsDaemonError if it cannot run), `alive()`, `stop()`. The GPUs are given
+  GPUs changed; raises MpsDaemonError if it cannot run or does not answer), `alive()` (True, False,
+  or None: no answer in time, its process still there), `stop()`. The GPUs are given
   in NVML index order, the order the daemon numbers them for its clients (CUDA_VISIBLE_DEVICES):
   a client's memory limit names its GPUs by that number (`devices.allocate_response`);
 - `ProcessMpsDaemon`: `nvidia-cuda-mps-control -d` with CUDA_VISIBLE_DEVICES (the GPU UUIDs),
   CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY, as NVIDIA's mps-control-daemon does: `-d`
   forks a daemon and returns, so whether it runs is asked through its control pipe
-  (`get_default_active_thread_percentage`), and it is stopped with `quit`;
+  (`get_default_active_thread_percentage`), and it is stopped with `quit`. A daemon that does not
+  answer in time while its process (`nvidia-cuda-mps-control.pid` in the pipe directory) lives is
+  busy or hung, not gone: it is not started a second time;
 - `FakeMpsDaemon`: the tests' double (`fail_with`, `die()`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import tempfile
@@ -30,6 +34,7 @@ MPS_CONTROL = "nvidia-cuda-mps-control"
 # the daemon's logs (control.log, server.log) on the host's disk: rotated when the daemon starts
 LOG_MAX_BYTES = 16 << 20
 _OUTPUT_MAX = 64 << 10  # of a control command's answer
+PID_FILE = "nvidia-cuda-mps-control.pid"  # the daemon's, in its pipe directory, removed when it stops
 
 
 def rotate_logs(log_dir: str, max_bytes: int = LOG_MAX_BYTES) -> None:
@@ -48,13 +53,21 @@ class MpsDaemonError(DynpartError):
     """The MPS control daemon cannot be started or does not answer."""
 
 
+class MpsDaemonTimeout(MpsDaemonError):
+    """A control command got no answer in time: the daemon may be busy, not gone."""
+
+
 class MpsDaemon(Protocol):
     async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
         """Make it run for exactly these GPUs (restarted if it died or its GPUs differ); nothing
-        to do for no GPU. Raises MpsDaemonError when it cannot run."""
+        to do for no GPU. Raises MpsDaemonError when it cannot run, or does not answer in time
+        while it runs (then it is kept: neither stopped nor started a second time)."""
         ...
 
-    async def alive(self) -> bool: ...
+    async def alive(self) -> bool | None:
+        """True: it answers; False: it does not run; None: unknown (no answer in time, but it was
+        not seen gone)."""
+        ...
 
     async def stop(self) -> None: ...
 
@@ -128,31 +141,71 @@ class ProcessMpsDaemon:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-                raise MpsDaemonError(f"{self.binary} {' '.join(args)}: no answer in {self.timeout_s:.0f}s") from None
+                raise MpsDaemonTimeout(f"{self.binary} {' '.join(args)}: no answer in {self.timeout_s:.0f}s") from None
+            except asyncio.CancelledError:  # (the agent's way out ran out of time): leave no command behind
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                raise
             out.seek(0)
             return proc.returncode or 0, out.read(_OUTPUT_MAX).decode(errors="replace").strip()
 
-    async def alive(self) -> bool:
+    async def alive(self) -> bool | None:
+        """True: it answered on its control pipe; False: it does not run (the command said so, or
+        could not be run); None: no answer in `timeout_s` while its process lives (busy, or hung:
+        either way `-d` could not start another)."""
         if self.dirs is None:
             return False
         try:
             code, _ = await self._run(stdin="get_default_active_thread_percentage\n")
+        except MpsDaemonTimeout:
+            return None if self._process_lives() else False
         except MpsDaemonError:
             return False
         return code == 0
 
+    def _process_lives(self) -> bool:
+        """Whether the process its pid file names exists (the agent's container: its PID namespace)."""
+        assert self.dirs is not None
+        try:
+            with open(os.path.join(self.dirs[0], PID_FILE)) as f:
+                pid = int(f.read().strip())
+            os.kill(pid, 0)
+        except PermissionError:
+            return True
+        except (OSError, ValueError):  # no pid file (it stopped), or no such process
+            return False
+        try:  # ended, not yet reaped
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] != "Z"
+        except (OSError, IndexError):
+            return True
+
     async def stop(self) -> None:
-        if self.dirs is not None and await self.alive():
-            try:
-                await self._run(stdin="quit\n")
-            except MpsDaemonError as e:
-                log.warning("stopping the MPS control daemon: %s", e)
+        """`quit`, one command of at most `timeout_s` (asking `alive()` first would double that on
+        the agent's way out; with no daemon, `quit` just fails)."""
+        if self.dirs is None:
+            return
+        try:
+            code, out = await self._run(stdin="quit\n")
+        except MpsDaemonError as e:
+            log.warning("stopping the MPS control daemon: %s", e)
+            return
+        if code != 0:
+            log.debug("stopping the MPS control daemon: none answered (%s)", out or f"exit code {code}")
 
     async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
         wanted = tuple(gpu_uuids)
         same = wanted == self.gpus and self.dirs == (pipe_dir, log_dir)
-        if same and await self.alive():
+        state = await self.alive() if same else False
+        if state:
             return
+        if state is None:
+            # no answer in time, but its process lives: busy or hung, not dead. `-d` would fail
+            # while it runs, and a restart would end its clients' CUDA contexts: kept, and its
+            # slices listed Unhealthy (the caller) until it answers again
+            raise MpsDaemonError(f"the MPS control daemon for {', '.join(self.gpus)} does not answer on its control "
+                                 f"pipe in {self.timeout_s:.0f}s but runs: kept, not started again "
+                                 f"(see {log_dir}/control.log)")
         if self.dirs is not None and not same:
             # its GPUs are fixed when it starts (CUDA_VISIBLE_DEVICES): a change needs a restart
             await self.stop()

@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,6 +51,9 @@ log = logging.getLogger("dynpart.agent.deviceplugin")
 PreferredHook = Callable[[str, list[str], list[str], int], Sequence[str] | None]
 # what the kubelet's device manager holds: resource -> device ids (PodResources GetAllocatableResources)
 HeldHook = Callable[[], Awaitable[Mapping[str, Iterable[str]]]]
+
+
+REGISTRATIONS_KEPT = 256  # `DevicePluginManager.registrations`
 
 
 def socket_name(resource: str) -> str:
@@ -319,7 +323,9 @@ class DevicePluginManager:
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
         self._failing: set[str] = set()
-        self.registrations: list[tuple[str, float]] = []  # (resource, time.monotonic()) per successful Register
+        # (resource, time.monotonic()) of the last successful Registers (only recent ones are read;
+        # a long-lived agent registers again at every kubelet restart and every new resource)
+        self.registrations: deque[tuple[str, float]] = deque(maxlen=REGISTRATIONS_KEPT)
         # what the kubelet holds (the agent sets its PodResources client's `allocatable`); None: the
         # lists' order across streams is not checked (a shrink written to its stream counts as done)
         self.held = held
@@ -368,6 +374,7 @@ class DevicePluginManager:
         async with self._lock:
             self.withdrawn &= present  # a withdrawn device that is gone has been destroyed
             self.sealed &= present
+            self._drop_allocated(set(self.allocated) - present)  # (Allocate refuses an id it does not list)
             self._wanted = wanted
             await self._apply()
 
@@ -398,6 +405,7 @@ class DevicePluginManager:
         async with self._lock:
             self.withdrawn -= gone
             self.sealed -= gone
+            self._drop_allocated(gone)  # nor its last Allocate, which would make a new one look taken
             self._wanted = {r: [d for d in ds if d.id not in gone] for r, ds in self._wanted.items()}
             for s in self.servers.values():
                 s.forget(gone)
@@ -427,6 +435,11 @@ class DevicePluginManager:
     def last_allocated(self, device_id: str) -> float | None:
         """time.monotonic() of the last Allocate that named this device (None: never)."""
         return self.allocated.get(device_id)
+
+    def _drop_allocated(self, ids: Iterable[str]) -> None:
+        # in place: the servers share this dict (they record each Allocate in it)
+        for i in ids:
+            self.allocated.pop(i, None)
 
     async def _apply(self, wait: bool = True) -> None:
         """Make the servers advertise `_wanted` less the withdrawn ids: first every list shrunk
@@ -550,6 +563,7 @@ class DevicePluginManager:
         stamp = file_stamp(self.kubelet_socket) if self.serve else None
         if stamp is None:
             return
+        unregistered = []
         async with self._lock:
             for server in list(self.servers.values()):
                 lost = not server.socket_exists()
@@ -559,6 +573,13 @@ class DevicePluginManager:
                     log.info("device plugin for %s: %s; serving again", server.resource,
                              "its socket is gone" if lost else "kubelet.sock was re-created")
                     await server.restart()
+                unregistered.append(server)
+        # Register outside the lock: a kubelet that accepts the connection and hangs would hold up
+        # the pass's withdraw/update (register_timeout_s per resource). A server an update stopped
+        # meanwhile is skipped; one stopped during its Register has the kubelet dial a socket that
+        # is gone, or the same resource's new server (registered by that update): harmless.
+        for server in unregistered:
+            if self.servers.get(server.resource) is server and server.running:
                 await self._register(server)
 
     async def _watch_loop(self) -> None:

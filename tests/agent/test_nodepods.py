@@ -116,12 +116,17 @@ FAKE_CONTROL = textwrap.dedent("""\
 """)
 
 
-@pytest.fixture
-def control(tmp_path):
+def installed_control(tmp_path, script: str) -> str:
+    """A stand-in `nvidia-cuda-mps-control`, executable."""
     path = tmp_path / "nvidia-cuda-mps-control"
-    path.write_text(FAKE_CONTROL)
+    path.write_text(script)
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return str(path)
+
+
+@pytest.fixture
+def control(tmp_path):
+    return installed_control(tmp_path, FAKE_CONTROL)
 
 
 async def test_process_daemon_starts_restarts_and_stops(control, tmp_path):
