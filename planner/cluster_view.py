@@ -38,6 +38,7 @@ from dynpart.kube.conventions import (
 )
 from dynpart.planner.loop import avoiding, node_writes
 from dynpart.planner.pod_conflicts import PlacedPods, pod_facts
+from dynpart.planner.volume_topology import VolumeTopology, volumes_for_planning
 from dynpart.resources import (
     MigResource,
     MpsResource,
@@ -563,7 +564,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                    exclude_nodes: AbstractSet[str] = frozenset(), exclude_pods: AbstractSet[str] = frozenset(),
                    reserved: Mapping[str, str] | None = None, switching_too: bool = False,
                    scheduler_names: Collection[str] = (DEFAULT_SCHEDULER,), in_flight: Mapping[str, str] | None = None,
-                   no_defer: AbstractSet[str] = frozenset()) -> ClusterView:
+                   no_defer: AbstractSet[str] = frozenset(), volumes: VolumeTopology | None = None) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
@@ -575,7 +576,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     the nodes where placed pods conflict with them (`in_flight`, pod -> node: those a plan in flight
     puts there count as placed), and of two pending pods that conflict, the younger is left to the
     next round (`ClusterView.deferred`) unless it is in `no_defer` (left to this one for a pod the
-    last round could not place: it is not left again for that pod)."""
+    last round could not place: it is not left again for that pod). `volumes`: the claims and
+    volumes cached, whose node affinity narrows the pods that use them (`volume_topology`)."""
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
     reserved = reserved or {}
@@ -645,6 +647,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                                        "(planner setting scheduler_names), whose filters it predicts"))
                 continue
             wants = pending_pod(pod)
+            if volumes is not None:
+                wants = volumes.narrow(wants, pod)
             admitting = hosts.admitting(wants)
             if not admitting:
                 elsewhere.append((pod, f"pod {wants.name} is not planned: {hosts.why_none(wants)}"))
@@ -737,7 +741,7 @@ class _DynpartNodes:
             return (f"no node is labelled {PARTITIONING_LABEL}={mode}, the mode that serves {pod.resource}"
                     if any(self.by_mode.values()) else f"no node is labelled {PARTITIONING_LABEL}")
         return (f"no {PARTITIONING_LABEL}={mode} node matches its nodeSelector and required node affinity "
-                "(meant for other nodes)")
+                "(with its bound volumes' node affinity: meant for other nodes)")
 
 
 def _holding_nodes(pod: dict[str, Any], reserved: Mapping[str, str]) -> set[str]:
@@ -967,6 +971,7 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead", "hostIPC",
                                          "resources", "schedulerName", "topologySpreadConstraints") if k in spec},
                  **({"affinity": affinity} if (affinity := _required_affinity(spec)) else {}),
+                 **({"volumes": volumes} if (volumes := volumes_for_planning(pod)) else {}),
                  **{k: containers(k) for k in ("containers", "initContainers") if k in spec}, **_run_as(spec)},
         "status": {**{k: status[k] for k in ("phase", "nominatedNodeName") if k in status},
                    "conditions": [c for c in conditions if isinstance(c, dict) and c.get("type") == "PodScheduled"]

@@ -65,6 +65,7 @@ from dynpart.planner.cluster_view import (
     switching_patch,
 )
 from dynpart.planner.loop import InFlight, PlanningLoop, PodBackOff
+from dynpart.planner.volume_topology import VolumeTopology, claim_for_planning, volume_for_planning
 from dynpart.probing import Liveness
 from dynpart.resources import MigResource, MpsResource, parse_resource
 from dynpart.settings import PlannerSettings
@@ -148,6 +149,13 @@ class PlannerController:
         self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods", settings=settings.kube,
                              field_selector=LIVE_PODS, transform=pod_for_planning,
                              on_beat=lambda: self.liveness.beat("watch pods"))
+        # the claims and volumes whose node affinity narrows where the pods using them can run
+        # (planner/volume_topology.py): read at each round, no round of their own
+        self.claims = Informer(self.core.list_persistent_volume_claim_for_all_namespaces, _ignore, name="claims",
+                               settings=settings.kube, transform=claim_for_planning,
+                               on_beat=lambda: self.liveness.beat("watch claims"))
+        self.volumes = Informer(self.core.list_persistent_volume, _ignore, name="volumes", settings=settings.kube,
+                                transform=volume_for_planning, on_beat=lambda: self.liveness.beat("watch volumes"))
 
     @property
     def window(self) -> BatchWindow:
@@ -260,13 +268,15 @@ class PlannerController:
         # a watch beats at each list page, watch start and event (bookmarks too), and a silent one is
         # dropped after watch_idle_timeout_s and started again; the loop turns at least every resync_s
         kube = self.settings.kube
-        for watch in ("watch nodes", "watch pods"):
-            self.liveness.expect(watch, kube.watch_timeout_s + kube.watch_idle_timeout_s + kube.backoff_max_s)
+        informers = (self.nodes, self.pods, self.claims, self.volumes)
+        for informer in informers:
+            self.liveness.expect(f"watch {informer.name}",
+                                 kube.watch_timeout_s + kube.watch_idle_timeout_s + kube.backoff_max_s)
         self.liveness.expect("planning loop", max(60.0, 4 * self.settings.resync_s))
-        tasks = [asyncio.create_task(self.nodes.run()), asyncio.create_task(self.pods.run())]
+        tasks = [asyncio.create_task(i.run()) for i in informers]
         try:
-            await self.nodes.synced.wait()
-            await self.pods.synced.wait()
+            for informer in informers:
+                await informer.synced.wait()
             log.info("caches synced", extra={"fields": {"nodes": len(self.nodes.cache), "pods": len(self.pods.cache)}})
             while True:
                 try:
@@ -642,7 +652,8 @@ class PlannerController:
         view = await asyncio.to_thread(build_snapshot, nodes, pods, self.catalog, awaiting, self.loop.held_pods(),
                                        self._reservations(), scheduler_names=self.settings.scheduler_names,
                                        in_flight={k: n for n, f in self.loop.in_flight.items() for k in f.pods},
-                                       no_defer=self._not_to_defer())
+                                       no_defer=self._not_to_defer(),
+                                       volumes=VolumeTopology(dict(self.claims.cache), dict(self.volumes.cache)))
         # pods left to the next round (their anti-affinity or host ports conflict with an older
         # pod's this round plans): they join the next batch at once
         self._deferred = dict(view.deferred)
@@ -920,6 +931,10 @@ def _room_may_have_grown(before: Mapping[str, str], after: Mapping[str, str]) ->
                 != free_after.get(base, Counter()) + used_after.get(base, Counter())):
             return True  # slices destroyed (a drain) or changed otherwise: room on the GPU
     return False
+
+
+def _ignore(kind: str, obj: Obj) -> None:
+    """A change the caches keep and no round waits for."""
 
 
 def _scheduler_says(pod: Obj | None) -> str | None:

@@ -81,9 +81,9 @@ def test_a_gpu_product_no_dynpart_node_carries_is_another_pools_pod_not_a_proble
     view = build_snapshot(NODES, [other, whole, *GOOD], CAT)
     assert [(o["metadata"]["name"], why) for o, why in view.elsewhere] == [
         ("other", "pod ml/other is not planned: no dynpart.io/gpu-partitioning=mig node matches its nodeSelector and "
-                  "required node affinity (meant for other nodes)"),
+                  "required node affinity (with its bound volumes' node affinity: meant for other nodes)"),
         ("whole", "pod ml/whole is not planned: no dynpart.io/gpu-partitioning=mps node matches its nodeSelector and "
-                  "required node affinity (meant for other nodes)")]
+                  "required node affinity (with its bound volumes' node affinity: meant for other nodes)")]
     assert {p.name for p in view.snapshot.pending} == {"ml/good-1g", "ml/good-mps"}
     only_mig = build_snapshot([node("n1")], [pod("w", {"nvidia.com/gpu": "1"})], CAT)
     assert [why for _, why in only_mig.elsewhere] == [

@@ -391,10 +391,9 @@ async def test_an_unexpected_error_in_a_step_is_logged_and_the_loop_goes_on(make
     import asyncio
 
     c = make([], Lead(1))
-    c.nodes.synced.set()
-    c.pods.synced.set()
-    monkeypatch.setattr(c.nodes, "run", asyncio.Event().wait)
-    monkeypatch.setattr(c.pods, "run", asyncio.Event().wait)
+    for informer in (c.nodes, c.pods, c.claims, c.volumes):
+        informer.synced.set()
+        monkeypatch.setattr(informer, "run", asyncio.Event().wait)
     steps = []
 
     async def step() -> None:

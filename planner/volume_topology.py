@@ -1,0 +1,124 @@
+"""Where a pod's volumes let it run, as the kube-scheduler's VolumeBinding and VolumeZone filters
+decide for claims already bound: a PersistentVolume's `spec.nodeAffinity` (a local disk, a zonal
+cloud disk) and its zone and region labels. Pure code over the claims and volumes as the planner's
+caches keep them.
+
+Without it a pod whose bound volume lives in one zone (or on one node) had its slice carved on
+nodes the scheduler refuses it ("volume node affinity conflict"), one node after another as each
+reservation lapsed. Now the volume's terms narrow the pod's required node affinity.
+
+Not mirrored (the pod then falls to the loop's back-off, `planner/loop.py`): claims not bound yet
+(`WaitForFirstConsumer`: the scheduler picks or provisions a volume per node; StorageClass
+`allowedTopologies`, CSI storage capacity), and volume limits per node (NodeVolumeLimits)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dynpart.scheduling import NodeSelectorRequirement, NodeSelectorTerm
+from dynpart.snapshot import PendingPod
+
+# The labels a PersistentVolume's zone and region are written in (VolumeZone); a value may name
+# several, separated by "__"
+ZONE_LABELS = ("topology.kubernetes.io/zone", "topology.kubernetes.io/region",
+               "failure-domain.beta.kubernetes.io/zone", "failure-domain.beta.kubernetes.io/region")
+MAX_TERMS = 64  # a pod whose terms would multiply beyond this is left to the back-off
+
+
+def _dict(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def claim_names(pod: Mapping[str, Any]) -> list[str]:
+    """The claims (namespace/name) of the pod's volumes: `persistentVolumeClaim`, and the one an
+    `ephemeral` volume gets (`<pod>-<volume>`)."""
+    md, spec = _dict(pod.get("metadata")), _dict(pod.get("spec"))
+    out = []
+    for v in map(_dict, _list(spec.get("volumes"))):
+        claim = _dict(v.get("persistentVolumeClaim")).get("claimName")
+        if isinstance(claim, str) and claim:
+            out.append(f"{md.get('namespace')}/{claim}")
+        elif "ephemeral" in v:
+            out.append(f"{md.get('namespace')}/{md.get('name')}-{v.get('name')}")
+    return out
+
+
+def volumes_for_planning(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The part of a pod's volumes the planner reads (`claim_names`), as its cache keeps it."""
+    out = []
+    for v in map(_dict, _list(_dict(pod.get("spec")).get("volumes"))):
+        if "persistentVolumeClaim" in v:
+            out.append({"name": v.get("name"), "persistentVolumeClaim": v["persistentVolumeClaim"]})
+        elif "ephemeral" in v:
+            out.append({"name": v.get("name"), "ephemeral": {}})
+    return out
+
+
+def claim_for_planning(claim: Mapping[str, Any]) -> dict[str, Any]:
+    md = _dict(claim.get("metadata"))
+    return {"metadata": {k: md[k] for k in ("name", "namespace", "resourceVersion") if k in md},
+            "spec": {"volumeName": _dict(claim.get("spec")).get("volumeName")},
+            "status": {"phase": _dict(claim.get("status")).get("phase")}}
+
+
+def volume_for_planning(volume: Mapping[str, Any]) -> dict[str, Any]:
+    md = _dict(volume.get("metadata"))
+    labels = {k: v for k, v in _dict(md.get("labels")).items() if k in ZONE_LABELS}
+    return {"metadata": {**{k: md[k] for k in ("name", "resourceVersion") if k in md}, "labels": labels},
+            "spec": {"nodeAffinity": _dict(volume.get("spec")).get("nodeAffinity")}}
+
+
+def _requirement(raw: Mapping[str, Any]) -> NodeSelectorRequirement:
+    return NodeSelectorRequirement.model_validate({"key": str(raw.get("key")), "operator": raw.get("operator"),
+                                                   "values": tuple(str(v) for v in _list(raw.get("values")))})
+
+
+def volume_terms(volume: Mapping[str, Any]) -> list[NodeSelectorTerm] | None:
+    """The nodes a volume can be used from, as terms of which one must hold; None: any node."""
+    terms: list[NodeSelectorTerm] | None = None
+    required = _dict(_dict(_dict(volume.get("spec")).get("nodeAffinity")).get("required"))
+    if "nodeSelectorTerms" in required:
+        terms = [NodeSelectorTerm(match_expressions=tuple(_requirement(r) for r in map(_dict, _list(t.get("matchExpressions")))),
+                                  match_fields=tuple(_requirement(r) for r in map(_dict, _list(t.get("matchFields")))))
+                 for t in map(_dict, _list(required.get("nodeSelectorTerms")))]
+    zones = tuple(NodeSelectorRequirement(key=k, operator="In", values=tuple(str(v).split("__")))
+                  for k, v in sorted(_dict(_dict(volume.get("metadata")).get("labels")).items()) if k in ZONE_LABELS)
+    if zones:
+        terms = [t.model_copy(update={"match_expressions": (*t.match_expressions, *zones)})
+                 for t in terms or [NodeSelectorTerm()]]
+    return terms
+
+
+class VolumeTopology:
+    """The claims and volumes the planner caches, to narrow pending pods (`narrow`)."""
+
+    def __init__(self, claims: Mapping[str, Mapping[str, Any]], volumes: Mapping[str, Mapping[str, Any]]):
+        self.claims, self.volumes = claims, volumes
+
+    def narrow(self, pending: PendingPod, pod: Mapping[str, Any]) -> PendingPod:
+        """The pod with the terms of its bound claims' volumes joined to its node affinity: each
+        of its terms and each of a volume's must hold together (their cross product)."""
+        terms = list(pending.node_affinity)
+        narrowed = False
+        for key in claim_names(pod):
+            claim = self.claims.get(key)
+            if claim is None or _dict(claim.get("status")).get("phase") != "Bound":
+                continue  # not bound yet: the scheduler chooses per node (not mirrored)
+            volume = self.volumes.get(str(_dict(claim.get("spec")).get("volumeName")))
+            if volume is None:
+                continue
+            allowed = volume_terms(volume)
+            if allowed is None:
+                continue
+            joined = [NodeSelectorTerm(match_expressions=(*t.match_expressions, *v.match_expressions),
+                                       match_fields=(*t.match_fields, *v.match_fields))
+                      for t in (terms or [NodeSelectorTerm()]) for v in allowed]
+            if len(joined) > MAX_TERMS:
+                return pending
+            terms, narrowed = joined, True
+        return pending.model_copy(update={"node_affinity": terms}) if narrowed else pending

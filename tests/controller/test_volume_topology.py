@@ -1,0 +1,99 @@
+"""A pod's bound volumes narrow where it can run, as the kube-scheduler's VolumeBinding and
+VolumeZone filters decide: before, a pod whose volume is a zonal cloud disk or a local disk had
+its slice carved on nodes the scheduler refuses it, one node after another as each reservation
+lapsed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynpart.catalog import default_catalog
+from dynpart.planner.cluster_view import build_snapshot, pod_for_planning
+from dynpart.planner.core import plan
+from dynpart.planner.volume_topology import (
+    VolumeTopology,
+    claim_for_planning,
+    claim_names,
+    volume_for_planning,
+    volume_terms,
+)
+from tests.controller.test_cluster_view import pod
+from tests.controller.test_pod_conflicts import ZONE, nodes4
+
+CAT = default_catalog()
+MIG_1G = {"nvidia.com/mig-1g.10gb": "1"}
+
+
+def claim(name: str, volume: str | None, phase: str = "Bound") -> dict[str, Any]:
+    return claim_for_planning({"metadata": {"name": name, "namespace": "ml", "uid": "u"},
+                               "spec": {"volumeName": volume, "storageClassName": "x"}, "status": {"phase": phase}})
+
+
+def volume(name: str, labels: dict[str, str] | None = None, hosts: list[str] | None = None) -> dict[str, Any]:
+    affinity = {"required": {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": hosts}]}]}} if hosts else None
+    return volume_for_planning({"metadata": {"name": name, "labels": {**(labels or {}), "other": "x"}},
+                                "spec": {"capacity": {"storage": "1Ti"}, "nodeAffinity": affinity}})
+
+
+def using(name: str, claim_name: str, **spec: Any) -> dict[str, Any]:
+    return pod_for_planning(pod(name, MIG_1G, volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": claim_name}},
+                                                       {"name": "tmp", "emptyDir": {}}], **spec))
+
+
+def topology(*objects: dict[str, Any]) -> VolumeTopology:
+    claims = {f"ml/{o['metadata']['name']}": o for o in objects if "volumeName" in o["spec"]}
+    volumes = {o["metadata"]["name"]: o for o in objects if "nodeAffinity" in o["spec"]}
+    return VolumeTopology(claims, volumes)
+
+
+def placed_on(nodes, pods, volumes) -> set[str]:
+    view = build_snapshot(nodes, pods, CAT, volumes=volumes)
+    return {pl.node for pl in plan(view.snapshot, CAT).placements}
+
+
+def test_a_zonal_volume_keeps_its_pod_in_the_zone():
+    nodes = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
+    vols = topology(claim("c", "pv-1"), volume("pv-1", {ZONE: "z2"}))
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=vols)
+    assert view.hosts["ml/a"] == {"n3", "n4"}
+    assert placed_on(nodes, [using("a", "c")], vols) <= {"n3", "n4"}
+    several = topology(claim("c", "pv-1"), volume("pv-1", {ZONE: "z1__z2"}))
+    assert build_snapshot(nodes, [using("a", "c")], CAT, volumes=several).hosts["ml/a"] == {"n1", "n2", "n3", "n4"}
+
+
+def test_a_local_volume_keeps_its_pod_on_its_node_and_joins_the_pods_own_terms():
+    nodes = nodes4()
+    for n in nodes:
+        n["metadata"]["labels"]["kubernetes.io/hostname"] = n["metadata"]["name"]
+    vols = topology(claim("c", "local-3"), volume("local-3", hosts=["n3"]))
+    assert placed_on(nodes, [using("a", "c")], vols) == {"n3"}
+    own = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": ["n1", "n3"]}]},
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": ["n2"]}]}]}}}
+    view = build_snapshot(nodes, [using("b", "c", affinity=own)], CAT, volumes=vols)
+    assert view.hosts["ml/b"] == {"n3"}, "(n1 or n3) and n3, or n2 and n3"
+    elsewhere = topology(claim("c", "local-9"), volume("local-9", hosts=["n9"]))
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=elsewhere)
+    assert not view.snapshot.pending and "bound volumes' node affinity" in view.elsewhere[0][1]
+
+
+def test_claims_not_bound_and_volumes_unknown_narrow_nothing():
+    nodes = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
+    everywhere = {"n1", "n2", "n3", "n4"}
+    for vols in (topology(claim("c", None, phase="Pending")), topology(claim("c", "pv-gone")), topology(),
+                 topology(claim("c", "pv-1"), volume("pv-1"))):
+        assert build_snapshot(nodes, [using("a", "c")], CAT, volumes=vols).hosts["ml/a"] == everywhere
+
+
+def test_the_claims_of_a_pod_and_what_the_caches_keep():
+    p = pod("a", MIG_1G, volumes=[{"name": "d", "persistentVolumeClaim": {"claimName": "c"}},
+                                  {"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {}}}},
+                                  {"name": "cfg", "configMap": {"name": "x"}}])
+    assert claim_names(p) == ["ml/c", "ml/a-scratch"]
+    assert claim_names(pod_for_planning(p)) == ["ml/c", "ml/a-scratch"], "the pod cache keeps what it needs"
+    v = volume("pv", {ZONE: "z1"}, hosts=["n1"])
+    assert v["metadata"]["labels"] == {ZONE: "z1"}
+    [term] = volume_terms(v)
+    assert [(r.key, r.values) for r in term.match_expressions] == [("kubernetes.io/hostname", ("n1",)), (ZONE, ("z1",))]
+    assert volume_terms(volume("pv")) is None
