@@ -1,7 +1,8 @@
 """The node's GPUs as the driver describes them: product, memory, MIG mode and, per GPU-instance
 profile, its id, compute and memory slices, max count and possible placements. Read-only NVML
 calls; the result is the capability report (`dynpart.capability`) the agent writes on its node
-and plans its own node with, and what `dynpart agent probe` prints."""
+and plans its own node with, and what `dynpart agent probe` prints. The agent makes them on its
+driver's thread as one call (`AsyncDriver.read`), never on its event loop."""
 
 from __future__ import annotations
 

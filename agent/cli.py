@@ -6,8 +6,14 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -200,7 +206,139 @@ def run_agent(args: argparse.Namespace) -> int:
     if not settings.node_name:
         raise DynpartError("the node name is required: --node, DYNPART_AGENT_NODE_NAME or NODE_NAME")
     setup_logging(settings.log_level, settings.log_json)
-    return asyncio.run(_run(args, settings))
+    return _run_loop(_run(args, settings))
+
+
+# The way out. The kubelet SIGKILLs the agent terminationGracePeriodSeconds (30 s in the chart)
+# after SIGTERM; killed, it would not publish 0 for what its plugin served (docs/agent.md). The pass
+# running at SIGTERM may end within loop.PASS_GRACE_S, else it is cancelled (Agent.run). From SIGTERM
+# everything (the pass, publishing 0, the device plugin, the MPS daemon) has SHUTDOWN_S, then the
+# threads still running get THREADS_S.
+SHUTDOWN_S = 20.0
+THREADS_S = 2.0
+STEP_MIN_S = 0.5  # what each step of the way out gets even past the deadline (the sum stays bounded)
+
+_log = logging.getLogger("dynpart.agent")
+
+
+class Shutdown:
+    """One deadline for the whole way out: it starts at the signal (or when the loop ends without
+    one: an error, DriverReplaced), and each step gets what is left of it."""
+
+    def __init__(self, total_s: float = SHUTDOWN_S, step_min_s: float = STEP_MIN_S):
+        self.total_s = total_s
+        self.step_min_s = step_min_s
+        self.at: float | None = None
+
+    def start(self) -> None:
+        if self.at is None:
+            self.at = time.monotonic() + self.total_s
+
+    def left(self) -> float:
+        self.start()
+        assert self.at is not None
+        return max(0.0, self.at - time.monotonic())
+
+    async def step(self, what: str, fn: Callable[[], Awaitable[object]]) -> None:
+        """`fn()` within what is left of the deadline; past it, or failing, it is given up (logged):
+        the steps after it still run."""
+        try:
+            await asyncio.wait_for(fn(), max(self.left(), self.step_min_s))
+        except TimeoutError:
+            _log.warning("stopping: %s did not end in time; going on without it", what)
+        except Exception as e:  # the next steps still run
+            _log.warning("stopping: %s failed: %s", what, e)
+
+
+async def _run_until_stopped(agent: Agent, shutdown: Shutdown, pass_grace_s: float | None = None) -> None:
+    """`agent.run()` until SIGTERM or SIGINT: the pass running then gets `pass_grace_s`, then is
+    cancelled (Agent.run); the loop's own way out after it (first publishing 0 for what the plugin
+    served) gets what is left of `shutdown`'s deadline, and is cancelled past it."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    from dynpart.agent.loop import PASS_GRACE_S
+
+    running = asyncio.create_task(agent.run(stop, PASS_GRACE_S if pass_grace_s is None else pass_grace_s),
+                                  name="agent loop")
+    signalled = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({running, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        shutdown.start()
+        if not running.done():
+            await asyncio.wait({running}, timeout=max(shutdown.left(), shutdown.step_min_s))
+        if not running.done():
+            _log.warning("stopping: the agent loop did not end in time; cancelling it")
+    finally:
+        signalled.cancel()
+        if not running.done():  # past the deadline, or this coroutine was cancelled
+            running.cancel()
+    error = running.exception() if running.done() and not running.cancelled() else None
+    if error is not None:  # e.g. DriverReplaced
+        raise error
+
+
+def _run_loop(main: Coroutine[Any, Any, int], threads_s: float = THREADS_S) -> int:
+    """`asyncio.run(main)`, except at the end. asyncio.run (Python 3.11) waits without limit for
+    the default executor's threads, and so does the interpreter's exit (concurrent.futures joins
+    them): one driver call hung in a thread (`asyncio.to_thread`) would keep the agent from exiting
+    until SIGKILL. Here the tasks left get `threads_s`, the threads `threads_s`; if one is still
+    running then, the process ends with os._exit once the logs are flushed: everything else is
+    stopped by then, and os._exit is the only way past a thread stuck in a C call."""
+    executor = ThreadPoolExecutor(thread_name_prefix="dynpart-agent")
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(executor)
+    code, error = 1, None
+    try:
+        asyncio.set_event_loop(loop)
+        code = loop.run_until_complete(main)
+    except BaseException as e:  # raised again below, unless a thread is stuck
+        error = e
+    finally:
+        try:
+            _cancel_left(loop, threads_s)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+    if not _threads_end(executor, threads_s):
+        if error is not None:
+            _log.error("stopping: %s", error, exc_info=error)
+            code = 2 if isinstance(error, DynpartError) else 1
+        _log.error("stopping: a call running in a thread (a driver call?) did not end in %.0f s; exiting without it",
+                   threads_s)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if error is not None:
+        raise error
+    return code
+
+
+def _cancel_left(loop: asyncio.AbstractEventLoop, wait_s: float) -> None:
+    """What asyncio.run does with the tasks left, waiting at most `wait_s` for them."""
+    tasks = asyncio.all_tasks(loop)
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.wait(tasks, timeout=wait_s))
+    for t in tasks:
+        if t.done() and not t.cancelled() and t.exception() is not None:
+            loop.call_exception_handler({"message": "unhandled exception during agent shutdown",
+                                         "exception": t.exception(), "task": t})
+
+
+def _threads_end(executor: ThreadPoolExecutor, wait_s: float) -> bool:
+    """Whether the executor's threads end within `wait_s` (nothing queued is started)."""
+    ended = threading.Event()
+
+    def shut_down() -> None:
+        executor.shutdown(wait=True, cancel_futures=True)
+        ended.set()
+    threading.Thread(target=shut_down, name="executor shutdown", daemon=True).start()
+    return ended.wait(wait_s)
 
 
 async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
@@ -222,30 +360,29 @@ async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
     else:
         pods = KubeletPodResources(settings.pod_resources_socket)
     api_client = await connect(settings.kubeconfig, settings.kube)
+    shutdown = Shutdown()
     try:
         async with contextlib.AsyncExitStack() as stack:
             if settings.node_lock_file:  # before the device plugin serves: one agent per node
                 await stack.enter_async_context(node_lock(settings.node_lock_file))
-            agent = await _agent(args, settings, api_client, driver, pods, catalog, liveness, stack)
+            agent = await _agent(args, settings, api_client, driver, pods, catalog, liveness, stack, shutdown)
             if args.once:
                 report = await agent.reconcile_once()
                 print(json.dumps(report.status, indent=2, sort_keys=True))
                 return 0 if not report.errors else 1
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            await agent.run(stop)
+            await _run_until_stopped(agent, shutdown)
             return 0
     finally:
-        await api_client.close()
+        await shutdown.step("closing the API client", api_client.close)
 
 
 async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: Any, driver: GpuDriver,
-                 pods: PodResources, catalog: Catalog, liveness: Any, stack: contextlib.AsyncExitStack) -> Agent:
+                 pods: PodResources, catalog: Catalog, liveness: Any, stack: contextlib.AsyncExitStack,
+                 shutdown: Shutdown | None = None) -> Agent:
     """The agent, its own device plugin (served until `stack` closes; MPS nodes always, MIG nodes
     with `device_plugin: builtin`) and, with `device_plugin: nvidia`, the restarts of NVIDIA's
-    plugin on MIG nodes."""
+    plugin on MIG nodes. Closing `stack` stops the plugin, then the MPS daemon, within what is
+    left of `shutdown`'s deadline."""
     from dynpart.agent.deviceplugin.server import AllocateSettings, DevicePluginManager
     from dynpart.agent.kube import KubeNodeApi, KubePluginPods, lease_term_reader
     from dynpart.agent.loop import Agent
@@ -257,8 +394,11 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     allocate = AllocateSettings(pipe_dir_host=settings.mps_pipe_dir, device_list=settings.device_list_strategy)
     plugins = DevicePluginManager(settings.device_plugin_dir, allocate=allocate, held=pods.allocatable)
     daemon = ProcessMpsDaemon()
-    stack.push_async_callback(daemon.stop)  # after the plugin stopped listing MPS slices (exits run last first)
-    await stack.enter_async_context(plugins)
+    shutdown = shutdown or Shutdown()
+    # the daemon after the plugin stopped listing MPS slices (exits run last first)
+    stack.push_async_callback(shutdown.step, "stopping the MPS control daemon", daemon.stop)
+    await plugins.start()
+    stack.push_async_callback(shutdown.step, "stopping the device plugin", plugins.close)
     if isinstance(pods, FakePodResources):  # --fake-gpus without a kubelet: it "holds" all advertised
         pods.on_allocatable = lambda: {r: [d.id for d in ds] for r, ds in plugins.advertised().items()}
     extra: dict[str, Any] = {"node_pods": KubeNodePods(api_client, settings.node_name, settings.kube),

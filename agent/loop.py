@@ -22,6 +22,7 @@ mode).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -41,7 +42,8 @@ from dynpart.agent.deviceplugin.devices import (
     packed_first,
 )
 from dynpart.agent.deviceplugin.server import DevicePluginManager
-from dynpart.agent.driver.interface import GpuDriver, GpuDriverError
+from dynpart.agent.driver.interface import DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
+from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import SliceGuard
 from dynpart.agent.kube import NodeApi, NodeView, PluginPods
 from dynpart.agent.mig_agent import MigAgent, PassResult
@@ -67,7 +69,7 @@ from dynpart.kube.conventions import (
 )
 from dynpart.kube.recording import EventRecorder
 from dynpart.kube.retrying import retrying
-from dynpart.probing import Liveness
+from dynpart.probing import Liveness, keep_beating
 from dynpart.resources import MpsResource, is_slice_resource, known_resource, mig_resource_name
 from dynpart.settings import KubeSettings
 from dynpart.snapshot import GpuLayout, Mode, NodeLayout
@@ -80,6 +82,18 @@ log = logging.getLogger("dynpart.agent")
 DRIVER_REPLACED = frozenset({"LIB_RM_VERSION_MISMATCH", "DRIVER_NOT_LOADED"})
 # passes in a row failing so before the agent exits for the kubelet to start it again
 DRIVER_REPLACED_PASSES = 3
+# SIGTERM (a rollout, a node drain): the pass running may end within this long, then it is cancelled
+# (the kubelet SIGKILLs the agent terminationGracePeriodSeconds, 30 s in the chart, after SIGTERM)
+PASS_GRACE_S = 3.0
+
+# Liveness (/healthz): the kubelet restarts the agent when one of these stops beating. Neither
+# waits on the GPU driver: a driver that does not answer is reported (every GPU unhealthy), not
+# cured by a restart, which would also end the MPS control daemon and its clients' CUDA contexts.
+# - the event loop turns: a task beats every `loop_beat_s`; silent `loop_stall_s` means the loop
+#   is blocked (nothing else is answered then either: the kubelet's Allocate, ListAndWatch);
+LOOP_BEAT = "event loop"
+# - passes go on: a pass beats at its start and after each driver call, whatever its length.
+PASS_BEAT = "reconcile loop"
 
 
 class DriverReplaced(DynpartError):
@@ -98,8 +112,8 @@ class PassReport:
 
 
 class Agent:
-    def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver, pods: PodResources, catalog: Catalog,
-                 interval_s: float = 10.0, heartbeat_s: float = 300.0, capacity_gb: int | None = None,
+    def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver | AsyncDriver, pods: PodResources,
+                 catalog: Catalog, interval_s: float = 10.0, heartbeat_s: float = 300.0, capacity_gb: int | None = None,
                  kube: KubeSettings | None = None, now: Callable[[], datetime] = lambda: datetime.now(UTC),
                  liveness: Liveness | None = None, leader_term: Callable[[], Awaitable[int | None]] | None = None,
                  plugins: DevicePluginManager | None = None, node_pods: NodePods | None = None,
@@ -146,10 +160,16 @@ class Agent:
         self._nudge = asyncio.Event()
         self.republish_s = 3.0  # how long the publisher looks again for the kubelet to hold the devices
         self.liveness = liveness or Liveness()
+        self.loop_beat_s = 1.0
+        # far above any step the loop runs without awaiting, far below what a kubelet's probe waits
+        self.loop_stall_s = 20.0
         # the planner's current leader term (agent.kube.lease_term_reader); None: no fencing
         self.leader_term = leader_term
         self.node_api = node_api
-        self.driver = driver
+        # every driver call is awaited: made on the driver's own thread within a time limit, so that
+        # this loop (the device plugin's Allocate and ListAndWatch, the node watch) never waits on NVML
+        self.driver = as_async(driver)
+        self.driver.on_answer = lambda: self.liveness.beat(PASS_BEAT)
         self.pods = pods
         self.catalog = catalog
         self.interval_s = interval_s
@@ -168,14 +188,17 @@ class Agent:
         # Events on the node, once per reason and message (a pass repeats every interval)
         self._events = EventRecorder(self._post_event, self.kube)
 
-    def model(self) -> GpuModel:
+    async def model(self, devices: list[DeviceInfo] | None = None) -> GpuModel:
         """The model this node is planned with: what the driver describes (read again when a
         GPU's MIG mode changes: a driver may list profiles only in MIG mode), narrowed by the catalog,
-        as the planner derives it from the same report (`dynpart.capability.node_model`)."""
-        states = tuple(mig_state(d) for d in self.driver.devices())
+        as the planner derives it from the same report (`dynpart.capability.node_model`).
+        `devices`: the GPUs as this pass read them (None: read them now)."""
+        if devices is None:
+            devices = await self.driver.devices()
+        states = tuple(mig_state(d) for d in devices)
         if self._model is None or states != self._mig_states:
             try:
-                capability, unread = read_capability(self.driver, self.catalog)
+                capability, unread = await self.driver.read(read_capability, self.catalog)
                 if self.capacity_gb:
                     # the memory reported is what MPS slices may take: the planner derives its MPS
                     # capacity from the same report, so it plans no slice this agent would refuse
@@ -198,7 +221,7 @@ class Agent:
             self._disagreements = [*unread, *choice.disagreements]
         return self._model
 
-    def _mode(self, node: NodeView, spec_mode: Mode | None) -> Mode:
+    def _mode(self, node: NodeView, spec_mode: Mode | None, devices: list[DeviceInfo]) -> Mode:
         if spec_mode is not None:
             return spec_mode
         label = node.labels.get(PARTITIONING_LABEL)
@@ -206,7 +229,7 @@ class Agent:
             return "mig"
         if label == "mps":
             return "mps"
-        return "mig" if any(d.mig_current for d in self.driver.devices()) else "mps"
+        return "mig" if any(d.mig_current for d in devices) else "mps"
 
     async def reconcile_once(self) -> PassReport:
         started = time.perf_counter()
@@ -224,10 +247,13 @@ class Agent:
         self.held_elsewhere = {}  # found again by this pass's lists, if it lists devices
         node = await self.node_api.get()
         try:
-            model = self.model()
+            # read once for what the pass decides before it acts; what acts reads again, and what
+            # guards a destroy reads right before it
+            devices = await self.driver.devices()
+            model = await self.model(devices)
             # the memory NVML reports, or less (capacity_gb): the model's MPS capacity is derived from it
             capacity = self._capacity = model.mps_capacity_gb
-            await self._readmit_leftovers()
+            await self._readmit_leftovers(devices)
             spec = decode_spec(node.annotations, model, node=self.node, capacity=capacity)
             layout = spec.layout
             fenced = await self._fenced(spec, node)
@@ -241,7 +267,7 @@ class Agent:
                     spec.problems.append("the spec has no valid plan id")
                 spec.problems.append(f"spec {spec.plan_id or '(no plan id)'} refused: nothing applied until it is "
                                      "well-formed")
-            mode = self._mode(node, layout.mode if layout else None)
+            mode = self._mode(node, layout.mode if layout else None, devices)
             self._drain = spec.drain if layout is not None else ()
             self._builtin = self.plugins is not None and (mode == "mps" or self.plugin_pods is None)
             self.guard.plugins = self.plugins if self._serving() else None  # withdraw only what it serves
@@ -284,7 +310,9 @@ class Agent:
             return await self._report_failure(node, str(e), unhealthy)
         self._driver_replaced = 0
         try:
-            self.model()  # a MIG mode changed by this pass changes what the driver lists: report it now
+            # a MIG mode changed by this pass changes what the driver lists: report it now (from the
+            # GPUs as the pass last read them, after its changes)
+            await self.model(result.devices)
         except DynpartError as e:
             log.warning("node %s: %s", self.node, e)
         errors = [*spec.problems, *fenced, *result.errors]
@@ -303,7 +331,7 @@ class Agent:
         if not self._serving():
             # NVIDIA's plugin serves the node (it reads health itself): read it for the planner
             try:
-                self.unhealthy = self._health()
+                self.unhealthy = await self._health(result.devices)
             except GpuDriverError as e:
                 log.warning("node %s: reading the GPUs' health: %s", self.node, e)
         for device, holders in sorted(self.held_elsewhere.items()):
@@ -371,13 +399,14 @@ class Agent:
         serves, the MPS slices left from MPS mode until they are gone."""
         return self.plugins is not None and (self._builtin or bool(self.plugins.servers))
 
-    def _own_lists(self) -> dict[str, list[PluginDevice]]:
+    async def _own_lists(self, devices: list[DeviceInfo]) -> dict[str, list[PluginDevice]]:
         """What the agent's own plugin lists: the node's devices, or with NVIDIA's plugin serving
         the node, only the MPS slices left. A device a pod holds under another resource name or
         id (given by another device plugin before: NVIDIA's with migStrategy `single` lists MIG
         devices as nvidia.com/gpu, time-slicing lists `<uuid>::<n>`) is listed Unhealthy: the
-        kubelet counts allocations per resource and id, so it would give it to a second pod."""
-        lists = advertise(self.views())
+        kubelet counts allocations per resource and id, so it would give it to a second pod.
+        `devices`: the GPUs as the pass last read them."""
+        lists = advertise(await self.views(devices))
         if not self._builtin:
             lists = _mps_only(lists)
         self.held_elsewhere = held_elsewhere(lists, self.pods.last)
@@ -386,7 +415,7 @@ class Agent:
                      for r, ds in lists.items()}
         return lists
 
-    async def _readmit_leftovers(self) -> None:
+    async def _readmit_leftovers(self, devices: list[DeviceInfo]) -> None:
         """A pass ends with nothing withdrawn (each withdrawn device destroyed, or readmitted), unless
         it stopped between a withdrawal and the destroy (a PodResources or NVML call failing): then
         the device would stay hidden and sealed for good while the status reports it free. The
@@ -396,7 +425,7 @@ class Agent:
             return
         if self._serving():
             try:
-                await self.plugins.update(self._own_lists())
+                await self.plugins.update(await self._own_lists(devices))
             except DeviceListError as e:  # lists not refreshed: a destroyed device could come back
                 log.warning("node %s: withdrawn devices stay withdrawn this pass: %s", self.node, e)
                 return
@@ -413,31 +442,32 @@ class Agent:
         advertised = self.plugins.advertised().get(resource, []) if self.plugins is not None else []
         return packed_first(available, advertised, self._used_per_gpu)
 
-    def _mig_devices(self) -> frozenset[tuple[str, str]]:
+    async def _mig_devices(self, devices: list[DeviceInfo]) -> frozenset[tuple[str, str]]:
         """(resource, UUID) of the MIG devices (GPU instances with their compute instance) of a
         known profile, as NVIDIA's plugin enumerates them. A UUID may come back under another
         profile: an instance re-made at the same place (its GI id) can get the destroyed one's."""
         names = {p.gi_profile_id: p.name for p in (self._model.mig_profiles if self._model else ())}
-        return frozenset((mig_resource_name(names[gi.profile_id]), gi.uuid)
-                         for d in self.driver.devices() if d.mig_current
-                         for gi in self.driver.gpu_instances(d.index) if gi.uuid and gi.profile_id in names)
+        return frozenset({(mig_resource_name(names[gi.profile_id]), gi.uuid)
+                          for d in devices if d.mig_current
+                          for gi in await self.driver.gpu_instances(d.index) if gi.uuid and gi.profile_id in names})
 
-    def views(self) -> list[GpuView]:
+    async def views(self, devices: list[DeviceInfo]) -> list[GpuView]:
         """What to advertise, from what the driver reports: MIG devices (those with a compute
-        instance) of GPUs in MIG mode, the MPS slices the agent applied, else the whole GPU."""
+        instance) of GPUs in MIG mode, the MPS slices the agent applied, else the whole GPU.
+        `devices`: the GPUs as the pass last read them; their health and instances are read now."""
         by_id = {p.gi_profile_id: p.name for p in (self._model.mig_profiles if self._model else ())}
         out = []
         unhealthy: dict[int, str] = {}
-        for d in self.driver.devices():
+        read = await self.driver.read(health_and_instances, devices)
+        for d, (problem, instances) in zip(devices, read, strict=True):
             self._indices.add(d.index)
-            problem = self.driver.health(d.index)
             if problem:
                 unhealthy[d.index] = problem
             view = GpuView(index=d.index, uuid=d.uuid, memory_gb=self._capacity or d.memory_mib // 1024,
                            mig_enabled=d.mig_current, healthy=problem is None)
             if d.mig_current:
                 view = replace(view, mig=tuple(MigDeviceView(by_id[gi.profile_id], gi.uuid)
-                                               for gi in self.driver.gpu_instances(d.index) if gi.profile_id in by_id))
+                                               for gi in instances if gi.profile_id in by_id))
             elif self._mps_plugin is not None and self._mps_plugin.live.get(d.index):
                 sizes, numbers = self._mps_plugin.view(d.index)
                 view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.serves(d.uuid))
@@ -445,12 +475,12 @@ class Agent:
         self.unhealthy = unhealthy
         return out
 
-    def _health(self) -> dict[int, str]:
+    async def _health(self, devices: list[DeviceInfo]) -> dict[int, str]:
         """GPU index -> why the driver says it is unhealthy, for each GPU that is."""
         out = {}
-        for d in self.driver.devices():
+        for d in devices:
             self._indices.add(d.index)
-            problem = self.driver.health(d.index)
+            problem = await self.driver.health(d.index)
             if problem:
                 out[d.index] = problem
         return out
@@ -470,14 +500,14 @@ class Agent:
             # no longer an MPS node: NVIDIA's plugin serves its MIG devices and whole GPUs; the MPS
             # slices left (in use, or kept for a bound pod) stay listed until they are gone
             try:
-                await self.plugins.update(self._own_lists())
+                await self.plugins.update(await self._own_lists(result.devices))
             except DeviceListError as e:
                 waiting.append(f"the device plugin refused the device lists: {e}")
             if self.publish_allocatable:
                 await self._publish()
         if self.plugins is not None and self._builtin:
             try:
-                await self.plugins.update(self._own_lists())
+                await self.plugins.update(await self._own_lists(result.devices))
             except DeviceListError as e:
                 return [*waiting, f"the device plugin refused the device lists: {e}"]
             if not await self.plugins.written():
@@ -500,7 +530,7 @@ class Agent:
             # Listed now: the node's capacity per resource (unhealthy devices included) and the ids
             # the kubelet holds healthy (PodResources), which name MIG UUIDs (deviceIDStrategy uuid)
             counts = _mig_counts(result.gpus)
-            devices = self._mig_devices()
+            devices = await self._mig_devices(result.devices)
             stale = sorted(f"{i} ({r})" for r, i in _mig_ids(await self.pods.allocatable()) - devices
                            if i.startswith("MIG-"))
             if self._restarted_for is None and _node_mig_counts(node) == counts and not stale:
@@ -630,8 +660,12 @@ class Agent:
             if STATUS_HEARTBEAT in patch:
                 self._heartbeat_at = time.monotonic()
 
-    async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Pass after pass until `stop` is set: at once when the spec changes, else every interval."""
+    async def run(self, stop: asyncio.Event | None = None, pass_grace_s: float = PASS_GRACE_S) -> None:
+        """Pass after pass until `stop` is set: at once when the spec changes, else every interval.
+        A pass running when `stop` is set gets `pass_grace_s` to end, then is cancelled at its next
+        await (passes are idempotent: the next agent's first pass converges; a driver call already
+        running in the driver's thread is not waited for); the way out (publishing 0 for what the
+        plugin served) runs either way."""
         stop = stop or asyncio.Event()
         wake = asyncio.Event()
         watcher = asyncio.create_task(self._watch(wake), name=f"watch node {self.node}")
@@ -641,14 +675,17 @@ class Agent:
             nudge = self._nudge
             self.plugins.on_registered = lambda _resource: nudge.set()
             publisher = asyncio.create_task(self._keep_published(), name=f"publisher of node {self.node}")
-        # a pass runs at least every interval; a few missed ones (a slow driver) are not yet stuck
-        self.liveness.expect("reconcile loop", 6 * self.interval_s + 60)
+        self.liveness.expect(LOOP_BEAT, self.loop_stall_s)
+        ticker = asyncio.create_task(keep_beating(self.liveness, LOOP_BEAT, self.loop_beat_s), name="event loop beat")
+        # a pass starts at least every interval and beats after each driver call: a few missed
+        # intervals, or a driver call that runs to its time limit (it then fails), are not stuck
+        self.liveness.expect(PASS_BEAT, max(6 * self.interval_s, self.driver.longest_limit_s) + 60)
         try:
             while not stop.is_set():
-                self.liveness.beat("reconcile loop")
+                self.liveness.beat(PASS_BEAT)
                 wake.clear()
                 try:
-                    await self.reconcile_once()
+                    await self._pass_until(stop, pass_grace_s)
                 except DynpartError as e:
                     log.error("node %s: pass failed: %s", self.node, e)
                 except Exception:  # keep the agent alive; the next pass starts from the real state
@@ -669,15 +706,31 @@ class Agent:
         finally:
             if self.plugins is not None and publisher is not None:
                 self.plugins.on_registered = None
-            for task in (watcher, publisher):
-                if task is None:
-                    continue
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+            await _cancel(watcher, publisher)
             await self._unpublish()
+            await _cancel(ticker)  # last: the loop still answers while the agent stops
+
+    async def _pass_until(self, stop: asyncio.Event, grace_s: float) -> None:
+        """One pass, as a task of its own: cancelled `grace_s` after `stop` is set."""
+        task = asyncio.create_task(self.reconcile_once(), name=f"pass of node {self.node}")
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                log.info("node %s: stopping: the pass running gets %.0f s to end", self.node, grace_s)
+                await asyncio.wait({task}, timeout=grace_s)
+            if not task.done():
+                log.warning("node %s: stopping: the pass did not end in %.0f s; cancelled (a driver call already "
+                            "running is not waited for)", self.node, grace_s)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return
+            task.result()  # its error, if any, is the loop's to log
+        finally:
+            stopping.cancel()
+            if not task.done():  # run() itself cancelled
+                task.cancel()
 
     async def _unpublish(self) -> None:
         """On the way out (the plugin stops serving with this process): publish 0 for what the
@@ -715,6 +768,23 @@ class Agent:
                             if last is not None:
                                 wake.set()
                             last = spec
+
+
+def health_and_instances(driver: GpuDriver, devices: list[DeviceInfo]) -> list[tuple[str | None, list[GpuInstanceInfo]]]:
+    """Per GPU, why it is unhealthy (None: healthy) and, in MIG mode, its GPU instances: what the
+    device lists are made of, read on the driver's thread as one call (`AsyncDriver.read`)."""
+    return [(driver.health(d.index), driver.gpu_instances(d.index) if d.mig_current else []) for d in devices]
+
+
+async def _cancel(*tasks: asyncio.Task[None] | None) -> None:
+    for task in tasks:
+        if task is None:
+            continue
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
 
 
 # GPU Operator's per-node switches of its components (set to "false" to keep one off a node)

@@ -16,29 +16,32 @@ observe again. Safety rules carried out here:
 - a plan is not acknowledged while a GPU it carves has its MIG mode pending, or while an
   instance of a GI profile the catalog does not know keeps one of its instances from being made
   (the status cannot show such an instance to the planner).
-Every failure becomes an error line for the status; none stops the pass.
+Every failure becomes an error line for the status; none stops the pass, except a driver that
+does not answer (`DriverNotResponding`, driver/threaded.py): a read cannot describe the GPUs, and
+a change may still happen after its time limit, so its device is not advertised again and nothing
+more is tried. The agent then reports every GPU unhealthy; the next pass that reads the GPUs
+starts from what they then hold.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from dynpart.agent import metrics
 from dynpart.agent.driver.interface import (
     IN_USE,
     RESET_REQUIRED,
     DeviceInfo,
+    DriverNotResponding,
     GpuDriver,
     GpuDriverError,
     GpuInstanceInfo,
     MigModePending,
     mig_pending_reason,
 )
+from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import UNCONFIRMED, SliceGuard
 from dynpart.agent.podresources import PodResources, pods_by_device
 from dynpart.agent.reconcile import Destroy, Instance, MigGpuState, drained_mig, reconcile_mig, unknown_blocks
@@ -47,7 +50,6 @@ from dynpart.mig import slot_mask
 from dynpart.resources import WHOLE_GPU, mig_resource_name
 from dynpart.snapshot import GpuLayout, MigInstance
 
-T = TypeVar("T")
 log = logging.getLogger("dynpart.agent.mig")
 
 # how long an instance the driver refused to destroy (IN_USE, with no process and no pod on it)
@@ -61,6 +63,8 @@ class PassResult:
     gpus: list[GpuLayout]  # every GPU of the node as it is after the pass, with `used` set
     errors: list[str] = field(default_factory=list)
     applied: bool = False  # the spec was acted on: its plan id can be acknowledged
+    # the GPUs as the pass last read them (after its changes): what the rest of the pass describes
+    devices: list[DeviceInfo] = field(default_factory=list)
 
 
 @dataclass
@@ -70,9 +74,34 @@ class _Observed:
     raw: dict[tuple[int, int], GpuInstanceInfo]  # (gpu, gi id) -> what the driver listed
 
 
+@dataclass
+class GpuReading:
+    """What one GPU holds and who computes on it, as the driver answered."""
+
+    device: DeviceInfo
+    instances: list[GpuInstanceInfo]  # (in MIG mode)
+    pids: dict[int | None, list[int]]  # GI id (with a compute instance) -> its pids; None -> the whole GPU's
+
+
+def instances_and_processes(driver: GpuDriver) -> list[GpuReading]:
+    """Every GPU, its GPU instances and the processes computing on each: an observation's reads,
+    made on the driver's thread as one call (`AsyncDriver.read`)."""
+    out = []
+    for d in driver.devices():
+        if d.mig_current:
+            instances = driver.gpu_instances(d.index)
+            pids: dict[int | None, list[int]] = {gi.gi_id: driver.processes(d.index, gi.gi_id)
+                                                 for gi in instances if gi.compute_instances}
+            out.append(GpuReading(d, instances, pids))
+        else:
+            out.append(GpuReading(d, [], {None: driver.processes(d.index)}))
+    return out
+
+
 def profile_problems(driver: GpuDriver, model: GpuModel, index: int) -> list[str]:
     """Differences between the catalog's MIG profiles and what the driver reports for GPU `index`
-    (which must be in MIG mode). An id mismatch makes the agent refuse to change anything."""
+    (which must be in MIG mode). An id mismatch makes the agent refuse to change anything. Reads
+    only: the agent makes it on its driver's thread (`AsyncDriver.read`)."""
     problems = []
     for p in model.mig_profiles:
         info = driver.profile_info(index, p.nvml)
@@ -88,8 +117,11 @@ def profile_problems(driver: GpuDriver, model: GpuModel, index: int) -> list[str
 
 
 class MigAgent:
-    def __init__(self, driver: GpuDriver, pods: PodResources, model: GpuModel, guard: SliceGuard | None = None):
-        self.driver = driver
+    def __init__(self, driver: GpuDriver | AsyncDriver, pods: PodResources, model: GpuModel,
+                 guard: SliceGuard | None = None):
+        # every driver call is awaited: made on the driver's own thread, within a time limit
+        # (driver/threaded.py), so the device plugin on this event loop is answered meanwhile
+        self.driver = as_async(driver)
         self.guard = guard  # withdraw before destroy, keep what bound pods need (agent/guard.py)
         self.pods = pods
         self.model = model
@@ -106,19 +138,20 @@ class MigAgent:
         self._held_open: dict[str, float] = {}
 
     async def observe(self) -> _Observed:
-        devices = self.driver.devices()
+        readings = await self.driver.read(instances_and_processes)
         # (an MPS slice `<uuid>::<n>` counts under its GPU: a pod using one holds the GPU)
         holders = pods_by_device(await self.pods.list())
         states: list[MigGpuState] = []
         raw: dict[tuple[int, int], GpuInstanceInfo] = {}
-        for d in devices:
+        for reading in readings:
+            d = reading.device
             users = [f"pod {p}" for p in holders.get(d.uuid, [])]
             instances: list[Instance] = []
             if d.mig_current:
-                for gi in self.driver.gpu_instances(d.index):
+                for gi in reading.instances:
                     raw[(d.index, gi.gi_id)] = gi
                     profile = self._by_id.get(gi.profile_id)
-                    gi_users = [f"pid {p}" for p in self.driver.processes(d.index, gi.gi_id)] if gi.compute_instances else []
+                    gi_users = [f"pid {p}" for p in reading.pids.get(gi.gi_id, [])]
                     if gi.uuid:
                         gi_users += [f"pod {p}" for p in holders.get(gi.uuid, [])]
                         if self._held_open.get(gi.uuid, 0.0) > time.monotonic():
@@ -127,33 +160,34 @@ class MigAgent:
                     instances.append(Instance(gi.gi_id, profile.name if profile else None, gi.profile_id, gi.start,
                                               gi.size, bool(gi.compute_instances), tuple(gi_users)))
             else:
-                users = [f"pid {p}" for p in self.driver.processes(d.index)] + users
+                users = [f"pid {p}" for p in reading.pids[None]] + users
                 users += [u for u in self.mps_left.get(d.index, ()) if u not in users]
             pending = d.mig_pending and not d.mig_current
             if not pending:
                 self._activation.pop(d.uuid, None)  # active (or given up): what the driver said is stale
             states.append(MigGpuState(d.index, d.mig_current, pending, tuple(instances), tuple(users),
                                       self._activation.get(d.uuid) if pending else None))
-        return _Observed(devices, states, raw)
+        return _Observed([r.device for r in readings], states, raw)
 
-    def _check_catalog(self, observed: _Observed) -> list[str]:
+    async def _check_catalog(self, observed: _Observed) -> list[str]:
         if self._catalog_problems is None:
             mig_gpu = next((d.index for d in observed.devices if d.mig_current), None)
             if mig_gpu is None:
                 return []
-            self._catalog_problems = profile_problems(self.driver, self.model, mig_gpu)
+            self._catalog_problems = await self.driver.read(profile_problems, self.model, mig_gpu)
             for p in self._catalog_problems:
                 log.warning("%s", p)
         return self._catalog_problems
 
     async def _instance_users(self, gpu: int, gi: GpuInstanceInfo) -> list[str]:
-        users = [f"pid {p}" for p in self.driver.processes(gpu, gi.gi_id)] if gi.compute_instances else []
+        # read now, not from the pass's observation: the last check before a destroy
+        users = [f"pid {p}" for p in await self.driver.processes(gpu, gi.gi_id)] if gi.compute_instances else []
         if gi.uuid:
             users += [f"pod {p}" for p in pods_by_device(await self.pods.list()).get(gi.uuid, [])]
         return users
 
     async def _gpu_users(self, device: DeviceInfo) -> list[str]:
-        users = [f"pid {p}" for p in self.driver.processes(device.index)] + list(self.mps_left.get(device.index, ()))
+        users = [f"pid {p}" for p in await self.driver.processes(device.index)] + list(self.mps_left.get(device.index, ()))
         return users + [f"pod {p}" for p in pods_by_device(await self.pods.list()).get(device.uuid, [])]
 
     async def apply(self, desired: dict[int, list[tuple[str, int]]] | None, drain: tuple[int, ...] = ()) -> PassResult:
@@ -163,7 +197,7 @@ class MigAgent:
         errors: list[str] = []
         applied = desired is not None
         if desired is not None:
-            problems = self._check_catalog(observed)
+            problems = await self._check_catalog(observed)
             errors.extend(problems)
             if any("GI profile id" in p or "compute slices" in p for p in problems):
                 errors.append("MIG changes are suspended until the catalog matches the driver")
@@ -185,7 +219,7 @@ class MigAgent:
                     wanted_there = bool(desired.get(s.index))
                     applied = applied and not wanted_there
                     errors.append(f"{'plan not applied: ' if wanted_there else ''}{mig_pending_reason(s.index, s.activation)}")
-        return PassResult([self._layout(s) for s in observed.states], errors, applied=applied)
+        return PassResult([self._layout(s) for s in observed.states], errors, applied=applied, devices=observed.devices)
 
     async def _act(self, desired: dict[int, list[tuple[str, int]]], observed: _Observed) -> list[str]:
         actions = reconcile_mig(desired, observed.states, self.model)
@@ -211,7 +245,9 @@ class MigAgent:
                 skip.add(e.gpu)
                 continue
             try:
-                await self._nvml(self.driver.set_mig_mode, e.gpu, True)
+                await self.driver.set_mig_mode(e.gpu, True)
+            except DriverNotResponding:
+                raise  # its outcome is unknown: the pass stops (module doc)
             except MigModePending as ex:  # left pending: the pass's status line says why (`apply`)
                 log.info("GPU %d: MIG mode enable left pending, activation status %s", e.gpu, ex.code)
                 self._activation[uuid] = ex.code
@@ -224,7 +260,7 @@ class MigAgent:
                 await self._restore(uuid)
                 continue
             self._activation.pop(uuid, None)
-            now = {d.index: d for d in self.driver.devices()}[e.gpu]
+            now = {d.index: d for d in await self.driver.devices()}[e.gpu]
             if not now.mig_current:  # activated, says the driver, yet pending: only a reset can help
                 self._activation[uuid] = RESET_REQUIRED
                 skip.add(e.gpu)
@@ -256,14 +292,16 @@ class MigAgent:
                 continue
             try:
                 for ci in gi.compute_instances:
-                    await self._nvml(self.driver.destroy_compute_instance, d.gpu, d.gi_id, ci)
-                await self._nvml(self.driver.destroy_gpu_instance, d.gpu, d.gi_id)
+                    await self.driver.destroy_compute_instance(d.gpu, d.gi_id, ci)
+                await self.driver.destroy_gpu_instance(d.gpu, d.gi_id)
                 metrics.INSTANCES_DESTROYED.inc()
                 log.info("GPU %d: destroyed %s (GI %d)", d.gpu, d.label, d.gi_id)
                 if gi.uuid:
                     self._held_open.pop(gi.uuid, None)
                     if self.guard is not None:  # before a creation can give its id to a new instance
                         await self.guard.destroyed([gi.uuid])
+            except DriverNotResponding:
+                raise  # its outcome is unknown: the pass stops (module doc)
             except GpuDriverError as ex:
                 errors.append(f"GPU {d.gpu}: destroying {d.label} failed: {ex}")
                 if ex.code == IN_USE:
@@ -277,8 +315,10 @@ class MigAgent:
                 await self._restore(gi.uuid)
         for incomplete in actions.complete:
             try:
-                await self._nvml(self.driver.create_compute_instance, incomplete.gpu, incomplete.gi_id,
-                                 self.model.profile(incomplete.profile).compute)
+                await self.driver.create_compute_instance(incomplete.gpu, incomplete.gi_id,
+                                                          self.model.profile(incomplete.profile).compute)
+            except DriverNotResponding:
+                raise  # its outcome is unknown: the pass stops (module doc)
             except GpuDriverError as ex:
                 errors.append(f"GPU {incomplete.gpu}: creating the compute instance of "
                               f"{incomplete.profile}@{incomplete.start} failed: {ex}")
@@ -292,25 +332,21 @@ class MigAgent:
                 errors.append(f"GPU {c.gpu}: {c.profile}@{c.start} not created: {blocking[0].label} is still there")
                 continue
             try:
-                gi_id = await self._nvml(self.driver.create_gpu_instance, c.gpu, p.gi_profile_id, c.start, p.memory)
+                gi_id = await self.driver.create_gpu_instance(c.gpu, p.gi_profile_id, c.start, p.memory)
+            except DriverNotResponding:
+                raise  # its outcome is unknown: the pass stops (module doc)
             except GpuDriverError as ex:
                 errors.append(f"GPU {c.gpu}: creating {c.profile}@{c.start} failed: {ex}")
                 continue
             try:
-                await self._nvml(self.driver.create_compute_instance, c.gpu, gi_id, p.compute)
+                await self.driver.create_compute_instance(c.gpu, gi_id, p.compute)
                 metrics.INSTANCES_CREATED.inc()
                 log.info("GPU %d: created %s@%d (GI %d)", c.gpu, c.profile, c.start, gi_id)
+            except DriverNotResponding:
+                raise  # its outcome is unknown: the pass stops (module doc)
             except GpuDriverError as ex:  # the next pass completes the GI (or removes it)
                 errors.append(f"GPU {c.gpu}: creating the compute instance of {c.profile}@{c.start} failed: {ex}")
         return errors
-
-    @staticmethod
-    async def _nvml(call: Callable[..., T], *args: Any) -> T:
-        """A driver call that changes the GPUs, in a thread: creating or destroying an instance or
-        changing MIG mode takes a real driver up to seconds, and the agent's device plugin shares
-        this event loop (the kubelet's Allocate and GetPreferredAllocation wait on it). The pass
-        itself still awaits each call in turn."""
-        return await asyncio.to_thread(call, *args)
 
     async def _guard(self, candidates: dict[str, str], free: dict[str, list[str]], labels: dict[str, str],
                      when: str) -> tuple[set[str], list[str]]:

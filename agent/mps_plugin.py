@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 from dynpart.agent.deviceplugin.devices import mps_device_id
 from dynpart.agent.driver.interface import DeviceInfo, GpuDriver
+from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import UNCONFIRMED, Released, SliceGuard
 from dynpart.agent.mig_agent import PassResult
 from dynpart.agent.mps_daemon import MpsDaemon, MpsDaemonError
@@ -59,9 +60,10 @@ def assign_slices(sizes: list[int], fixed: Mapping[int, int], previous: Mapping[
 
 
 class MpsPluginAgent:
-    def __init__(self, driver: GpuDriver, pods: PodResources, capacity_gb: int, *, guard: SliceGuard | None = None,
-                 daemon: MpsDaemon | None = None, pipe_dir: str = "/tmp/nvidia-mps", log_dir: str = "/var/log/nvidia-mps"):
-        self.driver = driver
+    def __init__(self, driver: GpuDriver | AsyncDriver, pods: PodResources, capacity_gb: int, *,
+                 guard: SliceGuard | None = None, daemon: MpsDaemon | None = None, pipe_dir: str = "/tmp/nvidia-mps",
+                 log_dir: str = "/var/log/nvidia-mps"):
+        self.driver = as_async(driver)  # awaited: made on the driver's own thread (driver/threaded.py)
         self.pods = pods
         self.capacity_gb = capacity_gb
         self.guard = guard
@@ -89,7 +91,7 @@ class MpsPluginAgent:
     async def apply(self, desired: dict[int, list[int]] | None, drain: tuple[int, ...] = ()) -> PassResult:
         """One pass. `desired` None: no spec, observe only. `drain`: GPUs whose idle slices go
         (`reconcile.drained_mps`)."""
-        devices = self.driver.devices()
+        devices = await self.driver.devices()
         index_of = {d.uuid: d.index for d in devices}
         assigned = await self.pods.list()
         used: dict[int, Slices] = {}
@@ -124,7 +126,7 @@ class MpsPluginAgent:
             held = used.get(d.index, {})
             listed = sorted(self.live.get(d.index, {}).items(), key=lambda x: (-x[1], x[0]))
             gpus.append(GpuLayout(index=d.index, mps=[MpsSlice(size=s, used=n in held) for n, s in listed]))
-        return PassResult(gpus, errors, applied)
+        return PassResult(gpus, errors, applied, devices)
 
     async def _apply(self, desired: dict[int, list[int]], devices: list[DeviceInfo], used: dict[int, Slices],
                      whole: dict[int, list[str]], held_ids: set[str]) -> list[str]:

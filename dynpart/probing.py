@@ -5,11 +5,12 @@ answers from another thread and says nothing about the event loop.
 
 Beats are written on the event loop and read by the HTTP server's thread: a float per name,
 replaced whole, needs no lock. An event loop blocked by a long computation stops beating too,
-which is what liveness is for.
+which is what liveness is for; `keep_beating` tells a blocked loop from a long await.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import sys
@@ -48,6 +49,15 @@ class Liveness:
             if silent > limit:
                 out.append(f"{name}: silent for {silent:.0f} s (limit {limit:.0f} s)")
         return out
+
+
+async def keep_beating(liveness: Liveness, name: str, every_s: float) -> None:
+    """Beat `name` every `every_s` seconds for as long as the event loop runs this task: it stops
+    when the loop is blocked (a call that does not return, made on the loop), not while a task
+    awaits something slow."""
+    while True:
+        liveness.beat(name)
+        await asyncio.sleep(every_s)
 
 
 # Any pod may reach the port (the chart's NetworkPolicy is off by default): a client that opens

@@ -4,11 +4,14 @@ section 1), so that the agent can be tested without a GPU; `FakeOp`, its log of 
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
+import time
 import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Concatenate, NoReturn, ParamSpec, TypeVar
 
 from dynpart.agent.driver.interface import (
     GPU_IS_LOST,
@@ -29,6 +32,31 @@ from dynpart.catalog import GpuModel, MigProfile
 from dynpart.mig import MigRules
 
 _DRIVERS = itertools.count()  # FakeNvml instances made: each is another machine
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _locked(method: Callable[Concatenate[FakeNvml, P], R]) -> Callable[Concatenate[FakeNvml, P], R]:
+    """One call at a time, as NVML is thread-safe: the agent calls from its driver thread while a
+    test changes the GPUs from its own."""
+    @functools.wraps(method)
+    def call(self: FakeNvml, /, *args: P.args, **kw: P.kwargs) -> R:
+        with self._lock:
+            return method(self, *args, **kw)
+    return call
+
+
+def _driver_call(read: bool) -> Callable[[Callable[Concatenate[FakeNvml, P], R]], Callable[Concatenate[FakeNvml, P], R]]:
+    """A GpuDriver method: slowed down (`read_delay_s`, `change_delay_s`) or blocked (`hang`) as a
+    test asks, before it takes the lock (a hung call holds nothing a test needs), then locked."""
+    def wrap(method: Callable[Concatenate[FakeNvml, P], R]) -> Callable[Concatenate[FakeNvml, P], R]:
+        @functools.wraps(method)
+        def call(self: FakeNvml, /, *args: P.args, **kw: P.kwargs) -> R:
+            self._answer(read)
+            with self._lock:
+                return method(self, *args, **kw)
+        return call
+    return wrap
 
 
 class SimulatedCrash(BaseException):
@@ -94,7 +122,10 @@ class FakeNvml:
     on a GPU instance its destroy refused with IN_USE), `lose(i)` (the GPU fell off the bus:
     every call on it, and `devices()`, fail with GPU_IS_LOST until `reset(i)`), `crash_after(n)`,
     `before_op` (a hook called before each mutating call with the FakeOp about to be tried),
-    `reset(i)`, `reboot()`."""
+    `reset(i)`, `reboot()`; `read_delay_s`, `change_delay_s` (each read, each change, takes that
+    long: a slow driver) and `hang()`/`unhang()` (a wedged driver: every GpuDriver call blocks in
+    its caller's thread until `unhang()`; `hung_calls` counts those blocked now). By default every
+    call answers at once. Calls are thread-safe (one at a time), as NVML's are."""
 
     def __init__(self, model: GpuModel, count: int = 1, *, mig_enabled: bool = True,
                  mig_persists: bool | None = None, mode_needs_reset: bool = False, name: str | None = None,
@@ -126,13 +157,30 @@ class FakeNvml:
         self._crash_in: int | None = None
         self.unhealthy: dict[int, str] = {}  # GPU index -> why health() says it is unhealthy (test control)
         self.lost: set[int] = set()  # GPUs fallen off the bus (`lose`)
+        self.read_delay_s = 0.0  # each read takes this long (test control: a slow driver)
+        self.change_delay_s = 0.0  # each change takes this long
+        self.hung_calls = 0  # calls blocked by `hang()` now
+        self._answering = threading.Event()  # cleared by `hang()`
+        self._answering.set()
+        self._hung_lock = threading.Lock()
+        self._lock = threading.RLock()  # (re-entrant: a `before_op` hook may call test controls)
 
     # --- test controls ---
 
+    def hang(self) -> None:
+        """The driver stops answering (a GPU fallen off the bus mid-call, a wedged driver): every
+        GpuDriver call blocks, in the thread that made it, until `unhang()`."""
+        self._answering.clear()
+
+    def unhang(self) -> None:
+        self._answering.set()
+
+    @_locked
     def crash_after(self, n: int) -> None:
         """Let `n` more mutating calls through, then raise SimulatedCrash on the next one."""
         self._crash_in = n
 
+    @_locked
     def attach(self, index: int, pid: int, gi_id: int | None = None) -> None:
         gpu = self._gpu(index)
         if gi_id is None:
@@ -143,6 +191,7 @@ class FakeNvml:
             raise GpuDriverError(NOT_FOUND, f"GPU {index} GI {gi_id} has no compute instance to run on")
         gi.pids.add(pid)
 
+    @_locked
     def hold(self, index: int, client: str = "dcgm", gi_id: int | None = None) -> None:
         """A client that keeps GPU `index` (or its GPU instance `gi_id`) open without computing on
         it (DCGM, dcgm-exporter, GPU feature discovery, a device plugin, a leaked handle): not in
@@ -151,27 +200,32 @@ class FakeNvml:
         gpu = self._gpu(index)
         (gpu.holders if gi_id is None else self._gi(gpu, gi_id).holders).add(client)
 
+    @_locked
     def release(self, index: int, client: str = "dcgm", gi_id: int | None = None) -> None:
         gpu = self._gpu(index)
         (gpu.holders if gi_id is None else self._gi(gpu, gi_id).holders).discard(client)
 
+    @_locked
     def lose(self, index: int) -> None:
         """GPU `index` falls off the bus (Xid 79): NVML answers GPU_IS_LOST for it until a reset."""
         self._gpu(index)
         self.lost.add(index)
 
+    @_locked
     def detach(self, index: int, pid: int) -> None:
         gpu = self._gpu(index)
         gpu.pids.discard(pid)
         for gi in gpu.gis.values():
             gi.pids.discard(pid)
 
+    @_driver_call(read=True)
     def health(self, index: int) -> str | None:
         if index in self.lost:  # (as RealNvml.health: the handle cannot be read)
             return "NVML cannot read it: GPU is lost"
         self._gpu(index)
         return self.unhealthy.get(index)
 
+    @_locked
     def reset(self, index: int) -> None:
         """A GPU reset: instances lost, a pending MIG mode applied, a lost GPU back."""
         self.lost.discard(index)
@@ -180,6 +234,7 @@ class FakeNvml:
         gpu.pids.clear()
         gpu.mig_current = gpu.mig_pending
 
+    @_locked
     def reboot(self) -> None:
         self.lost.clear()
         for gpu in self._gpus:
@@ -187,12 +242,14 @@ class FakeNvml:
             gpu.pids.clear()
             gpu.mig_current = gpu.mig_pending = gpu.mig_pending and self.mig_persists
 
+    @_locked
     def gi_at(self, index: int, start: int) -> int | None:
         for gi in self._gpu(index).gis.values():
             if gi.start == start:
                 return gi.gi_id
         return None
 
+    @_locked
     def layout(self, index: int) -> list[tuple[str, int]]:
         """(profile, start) of the complete instances (GI with its CI), sorted by start."""
         return sorted(((g.profile.name, g.start) for g in self._gpu(index).gis.values() if g.ci is not None),
@@ -200,15 +257,18 @@ class FakeNvml:
 
     # --- GpuDriver ---
 
+    @_driver_call(read=True)
     def versions(self) -> DriverVersions:
         return DriverVersions("fake", "fake", "fake")
 
+    @_driver_call(read=True)
     def devices(self) -> list[DeviceInfo]:
         for index in sorted(self.lost):  # (RealNvml reads every GPU: one lost fails the whole list)
             self._gpu(index)
         return [DeviceInfo(g.index, self.name, g.uuid, self.memory_mib, self.model.supports_mig,
                            g.mig_current, g.mig_pending) for g in self._gpus]
 
+    @_driver_call(read=False)
     def set_mig_mode(self, index: int, enabled: bool) -> None:
         gpu = self._gpu(index)
         op = self._begin(FakeOp("set_mig_mode", index, profile="enable" if enabled else "disable"))
@@ -229,12 +289,14 @@ class FakeNvml:
             raise MigModePending(index, enabled, activation)
         gpu.mig_current = enabled
 
+    @_driver_call(read=True)
     def gpu_instances(self, index: int) -> list[GpuInstanceInfo]:
         gpu = self._gpu(index)
         return [GpuInstanceInfo(g.gi_id, g.profile.gi_profile_id, g.start, g.profile.memory,
                                 () if g.ci is None else (g.ci,), g.uuid)
                 for g in sorted(gpu.gis.values(), key=lambda g: g.gi_id)]
 
+    @_driver_call(read=False)
     def create_gpu_instance(self, index: int, profile_id: int, start: int, size: int) -> int:
         gpu = self._gpu(index)
         profile = self._by_id.get(profile_id)
@@ -254,6 +316,7 @@ class FakeNvml:
         op.gi_id = gi_id
         return gi_id
 
+    @_driver_call(read=False)
     def create_compute_instance(self, index: int, gi_id: int, slices: int) -> int:
         gpu = self._gpu(index)
         gi = gpu.gis.get(gi_id)
@@ -269,6 +332,7 @@ class FakeNvml:
         gi.uuid = f"MIG-{uuidlib.uuid5(self._machine, f'{gpu.uuid}/{gi_id}/{gi.ci}')}"
         return gi.ci
 
+    @_driver_call(read=False)
     def destroy_compute_instance(self, index: int, gi_id: int, ci_id: int) -> None:
         gpu = self._gpu(index)
         gi = gpu.gis.get(gi_id)
@@ -282,6 +346,7 @@ class FakeNvml:
         gi.ci = None
         gi.uuid = None
 
+    @_driver_call(read=False)
     def destroy_gpu_instance(self, index: int, gi_id: int) -> None:
         gpu = self._gpu(index)
         gi = gpu.gis.get(gi_id)
@@ -292,17 +357,22 @@ class FakeNvml:
             self._fail(op, IN_USE, f"GPU {index} GI {gi_id} still has a compute instance or is held open")
         del gpu.gis[gi_id]
 
+    @_driver_call(read=True)
     def processes(self, index: int, gi_id: int | None = None) -> list[int]:
         gpu = self._gpu(index)
         if gi_id is None:
             return sorted(gpu.pids.union(*(g.pids for g in gpu.gis.values())))
         return sorted(self._gi(gpu, gi_id).pids)
 
+    @_driver_call(read=True)
     def profile_info(self, index: int, nvml_name: str) -> ProfileInfo | None:
-        return next((p for p in self.gpu_instance_profiles(index) if f"NVML_GPU_INSTANCE_PROFILE_{p.nvml}" == nvml_name),
-                    None)
+        return next((p for p in self._profiles(index) if f"NVML_GPU_INSTANCE_PROFILE_{p.nvml}" == nvml_name), None)
 
+    @_driver_call(read=True)
     def gpu_instance_profiles(self, index: int) -> list[ProfileInfo]:
+        return self._profiles(index)
+
+    def _profiles(self, index: int) -> list[ProfileInfo]:
         gpu = self._gpu(index)
         if not self.model.supports_mig or self.profiles_need_mig and not gpu.mig_current:
             return []
@@ -314,6 +384,7 @@ class FakeNvml:
                             f"MIG {p.name}", p.nvml.removeprefix("NVML_GPU_INSTANCE_PROFILE_"))
                 for p in self.model.mig_profiles]
 
+    @_driver_call(read=True)
     def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
         self._gpu(index)
         p = self._by_id.get(profile_id)
@@ -322,6 +393,17 @@ class FakeNvml:
         return [(s, p.memory) for s in p.starts]
 
     # --- internals ---
+
+    def _answer(self, read: bool) -> None:
+        delay = self.read_delay_s if read else self.change_delay_s
+        if delay:
+            time.sleep(delay)
+        if not self._answering.is_set():
+            with self._hung_lock:
+                self.hung_calls += 1
+            self._answering.wait()
+            with self._hung_lock:
+                self.hung_calls -= 1
 
     def _gi_id(self, gpu: _FakeGpu, start: int, size: int) -> int:
         if self.model.memory_slices == 8 and size in (1, 2, 4, 8):

@@ -2,7 +2,9 @@
 
 Identifiers follow NVML: a GPU by its index, a GPU instance (GI) by its id on that GPU, a
 profile by its GI profile id (the `id` column of the catalog), placements in memory slices.
-Calls are synchronous and short (NVML is a C library); the agent calls them inline.
+Calls are synchronous (NVML is a C library) and usually short, but a GPU fallen off the bus or a
+wedged driver makes them take seconds or never return: the agent's event loop never makes them
+itself, it awaits them through `driver.threaded.AsyncDriver` (one thread, a time limit per call).
 Implementations: `driver.nvml.RealNvml` (the host's driver) and `driver.fake.FakeNvml` (tests,
 `--fake-gpus`).
 """
@@ -22,6 +24,8 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 NOT_FOUND = "NOT_FOUND"
 NOT_SUPPORTED = "NOT_SUPPORTED"
 RESET_REQUIRED = "RESET_REQUIRED"
+# not NVML's: a call did not return within its time limit (`DriverNotResponding`)
+NOT_RESPONDING = "NOT_RESPONDING"
 
 
 class GpuDriverError(DynpartError):
@@ -65,6 +69,15 @@ class MigModePending(GpuDriverError):
     def retryable(self) -> bool:
         """Asking again can succeed (once the GPU is idle) without a GPU reset."""
         return self.code == IN_USE
+
+
+class DriverNotResponding(GpuDriverError):
+    """A driver call has not returned within its time limit, and may never (a GPU fallen off the
+    bus, a wedged driver), or another call has not yet and this one was not made. The agent treats
+    it as NVML failing. A change that timed out may still happen: its outcome is unknown."""
+
+    def __init__(self, message: str):
+        super().__init__(NOT_RESPONDING, message)
 
 
 class NvmlUnavailable(GpuDriverError):

@@ -276,7 +276,7 @@ async def test_gpus_that_cannot_be_read_while_serving_are_all_reported_unhealthy
     agent = rig.agent()
     await agent.reconcile_once()
 
-    def lost() -> list:
+    async def lost(devices: list) -> list:
         raise GpuDriverError("GPU_IS_LOST", "lost")
     agent.views = lost  # type: ignore[method-assign]  # NVML fails while the devices are listed
     await agent.reconcile_once()

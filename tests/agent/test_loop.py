@@ -95,7 +95,7 @@ async def test_a_gpu_the_catalog_lacks_is_described_by_the_driver(rig: Rig):
     rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@4"]}, plan="p1"))
     report = await agent.reconcile_once()
     assert report.errors == [] and rig.driver.layout(0) == [("3g.40gb", 4)]
-    model = agent.model()
+    model = await agent.model()
     assert model.family_name == "Mystery-9000" and model.name.startswith("Mystery-9000~")
     cap = decode_capability(rig.node_api.annotations[STATUS_CAPABILITY])
     assert cap.kinds[0].product == "NVIDIA Mystery 9000" and len(cap.gpus) == 2
