@@ -118,7 +118,8 @@ class PlannerController:
         self.events = EventRecorder(
             QueuedPoster(posting_to(self.core, PLANNER_COMPONENT), on_drop=metrics.EVENTS_DROPPED.labels("queue_full").inc,
                          may_post=lambda: self.leadership.can_write()),
-            settings.kube, on_drop=metrics.EVENTS_DROPPED.labels("memory_full").inc)
+            settings.kube, on_drop=metrics.EVENTS_DROPPED.labels("memory_full").inc,
+            on_spam=metrics.EVENTS_DROPPED.labels("spam").inc)
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
         # nodes with a late unacknowledged spec of an earlier leader whose pods another plan holds

@@ -32,7 +32,8 @@ LEADER = Gauge("dynpart_leader", "1 when this replica holds the planner lease")
 WORKLOAD_WEIGHT = Gauge("dynpart_workload_weight", "The request distribution the planner keeps free capacity "
                         "usable for: decayed count of recently seen requests, by resource", ["resource"])
 EVENTS_DROPPED = Counter("dynpart_events_dropped_total", "Events not posted: cause memory_full (kube.event_memory "
-                         "(object, reason) pairs remembered) or queue_full (the API server too slow to take them)",
+                         "(object, reason) pairs remembered), queue_full (the API server too slow to take them) "
+                         "or spam (more than 25 about one object at once, then one per 5 minutes)",
                          ["cause"])
 
 

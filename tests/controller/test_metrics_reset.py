@@ -191,6 +191,20 @@ async def test_events_about_pods_that_went_are_forgotten_and_drops_are_counted(m
     assert posted == ["p0", "p1", "p2"]
 
 
+async def test_events_the_spam_filter_holds_back_are_counted(make):
+    c = make([reported("n1")])
+    posted: list[str] = []
+
+    async def post(obj, reason, message, warning):
+        posted.append(message)
+    c.events._post = post
+    before = series(metrics.EVENTS_DROPPED).get("spam", 0.0)
+    add(c, pod("p", {MIG_1G: "1"}))
+    for i in range(30):  # a message that changes every round, about one pod
+        await c._event(c.pods.cache["ml/p"], "Unplaceable", f"reason {i}", warning=True)
+    assert len(posted) == 25 and series(metrics.EVENTS_DROPPED)["spam"] == before + 5
+
+
 async def test_pods_meant_for_other_pools_are_not_counted_as_waiting_for_dynpart(make):
     c = make([reported("n1")])
     add(c, pod("mine", {MIG_1G: "1"}))
