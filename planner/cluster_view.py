@@ -9,6 +9,7 @@ object is left out; one bad object never stops the planning of the others.
 from __future__ import annotations
 
 import math
+import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
@@ -564,7 +565,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                    exclude_nodes: AbstractSet[str] = frozenset(), exclude_pods: AbstractSet[str] = frozenset(),
                    reserved: Mapping[str, str] | None = None, switching_too: bool = False,
                    scheduler_names: Collection[str] = (DEFAULT_SCHEDULER,), in_flight: Mapping[str, str] | None = None,
-                   no_defer: AbstractSet[str] = frozenset(), volumes: VolumeTopology | None = None) -> ClusterView:
+                   no_defer: Mapping[str, str] | None = None, volumes: VolumeTopology | None = None) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
@@ -575,8 +576,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     Pods whose required pod anti-affinity or host ports conflict (`pod_conflicts`) are kept off
     the nodes where placed pods conflict with them (`in_flight`, pod -> node: those a plan in flight
     puts there count as placed), and of two pending pods that conflict, the younger is left to the
-    next round (`ClusterView.deferred`) unless it is in `no_defer` (left to this one for a pod the
-    last round could not place: it is not left again for that pod). `volumes`: the claims and
+    next round (`ClusterView.deferred`), unless the older is the one `no_defer` names for it (pod ->
+    the pod the last round left it for and could not place: not left again for that one). `volumes`: the claims and
     volumes cached, whose node affinity narrows the pods that use them (`volume_topology`)."""
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
@@ -635,7 +636,9 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                         {name: labels for name, labels in hosts.labels.items()})
     deferred: dict[str, str] = {}
     blocked: list[tuple[dict[str, Any], str]] = []
+    no_defer = no_defer or {}
     listed = {r for room in rooms.values() for r in room}
+    short_of: dict[tuple[tuple[str, float], ...], dict[str, list[str]]] = {}  # requests -> nodes short of them
     for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
         try:
             if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods or pod_key(pod) in reserved:
@@ -646,7 +649,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                                        f"dynpart plans for the pods of {', '.join(map(repr, scheduler_names))} "
                                        "(planner setting scheduler_names), whose filters it predicts"))
                 continue
-            wants = pending_pod(pod)
+            own = wants = pending_pod(pod)
             if volumes is not None:
                 wants = volumes.narrow(wants, pod)
             admitting = hosts.admitting(wants)
@@ -654,15 +657,20 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                 elsewhere.append((pod, f"pod {wants.name} is not planned: {hosts.why_none(wants)}"))
                 continue
             facts = pod_facts(pod)
-            conflicting = placed.excluded_nodes(facts, hosts.admits(wants)) & admitting
+            # spread counts the nodes the pod's own affinity admits (nodeAffinityPolicy), not its volumes'
+            conflicting = placed.excluded_nodes(facts, hosts.admits(own), _affinity_key(own) if facts.spread else None)
+            conflicting &= admitting
             other = _other_requests(_container_requests(pod))
-            short = {n: lack for n in admitting if n in rooms and (lack := _short_of(other, rooms[n], listed))}
+            signature = tuple(sorted(other.items()))
+            if signature not in short_of:  # (a round asks it for every pending pod: mostly the same requests)
+                short_of[signature] = {n: lack for n, room in rooms.items() if (lack := _short_of(other, room, listed))}
+            short = {n: lack for n, lack in short_of[signature].items() if n in admitting}
             excluded = conflicting | set(short)
             if excluded == admitting:
                 blocked.append((pod, _blocked_reason(conflicting, short)))
                 continue
-            older = placed.conflicts_with_planned(facts)
-            if older is not None and wants.name not in no_defer:
+            older = placed.conflicts_with_planned(facts, ignoring=no_defer.get(wants.name))
+            if older is not None:
                 deferred[wants.name] = older  # planned by the next round, where the older one counts as placed
                 continue
             placed.take(facts)
@@ -863,6 +871,11 @@ def _field(obj: object, *path: str) -> object:
     return obj
 
 
+def _affinity_key(pod: PendingPod) -> tuple[object, ...]:
+    """What tells one pod's nodeSelector and required node affinity from another's."""
+    return (tuple(sorted(pod.node_selector.items())), tuple(pod.node_affinity))
+
+
 def _some(names: Iterable[str], most: int = 3) -> str:
     """A few names, sorted, and how many more."""
     ordered = sorted(names)
@@ -966,8 +979,11 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
     conditions = status.get("conditions")
     return {
         "kind": "Pod",
-        "metadata": {k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation",
-                                         "creationTimestamp", "deletionTimestamp", "labels") if k in md},
+        "metadata": {**{k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation",
+                                           "creationTimestamp", "deletionTimestamp") if k in md},
+                     # (pod_conflicts; interned: a Deployment's replicas repeat the same keys and values)
+                     **({"labels": {sys.intern(str(k)): sys.intern(str(v)) for k, v in labels.items()}}
+                        if isinstance(labels := md.get("labels"), dict) else {})},
         "spec": {**{k: spec[k] for k in ("nodeName", "nodeSelector", "priority", "tolerations", "overhead", "hostIPC",
                                          "resources", "schedulerName", "topologySpreadConstraints") if k in spec},
                  **({"affinity": affinity} if (affinity := _required_affinity(spec)) else {}),

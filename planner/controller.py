@@ -137,6 +137,7 @@ class PlannerController:
         # the batch candidates of the pod cache, kept by the watch (_on_pod): every node status change
         # and every step reads them, and scanning 50,000 cached pods takes about 0.2 s
         self._waiting: set[str] = set()
+        self._schedulers_told: set[str] = set()  # scheduler names whose pods were said not planned
         self._deferred: dict[str, str] = {}  # pods the last round left to the next -> for whom (ClusterView.deferred)
         # what the last round logged: a lasting problem or unplaced pod is logged (at INFO or
         # WARNING) when it appears or changes, not once a round
@@ -269,15 +270,27 @@ class PlannerController:
         # a watch beats at each list page, watch start and event (bookmarks too), and a silent one is
         # dropped after watch_idle_timeout_s and started again; the loop turns at least every resync_s
         kube = self.settings.kube
-        informers = (self.nodes, self.pods, self.claims, self.volumes)
-        for informer in informers:
-            self.liveness.expect(f"watch {informer.name}",
-                                 kube.watch_timeout_s + kube.watch_idle_timeout_s + kube.backoff_max_s)
+        watch_limit_s = kube.watch_timeout_s + kube.watch_idle_timeout_s + kube.backoff_max_s
+        for informer in (self.nodes, self.pods):
+            self.liveness.expect(f"watch {informer.name}", watch_limit_s)
         self.liveness.expect("planning loop", max(60.0, 4 * self.settings.resync_s))
-        tasks = [asyncio.create_task(i.run()) for i in informers]
-        try:
-            for informer in informers:
+
+        async def optional(informer: Informer) -> None:
+            # claims and volumes only narrow pods that use volumes: a list they keep failing (an RBAC
+            # of the cluster's own that leaves them out) must neither hold planning back nor fail
+            # the liveness probe; they are watched as the others once listed
+            task = asyncio.create_task(informer.run())
+            try:
                 await informer.synced.wait()
+                self.liveness.expect(f"watch {informer.name}", watch_limit_s)
+                await task
+            finally:
+                task.cancel()
+        tasks = [asyncio.create_task(self.nodes.run()), asyncio.create_task(self.pods.run()),
+                 asyncio.create_task(optional(self.claims)), asyncio.create_task(optional(self.volumes))]
+        try:
+            await self.nodes.synced.wait()
+            await self.pods.synced.wait()
             log.info("caches synced", extra={"fields": {"nodes": len(self.nodes.cache), "pods": len(self.pods.cache)}})
             while True:
                 try:
@@ -385,11 +398,12 @@ class PlannerController:
         return any(switch_target(n) is not None and n.get("metadata", {}).get("name") not in self.loop.in_flight
                    for n in self.nodes.cache.values())
 
-    def _not_to_defer(self) -> set[str]:
+    def _not_to_defer(self) -> dict[str, str]:
         """The pods the last round left for an older one it did not place (still waiting, not in
-        flight, not reserved): not left again for it, or an unplaceable pod would hold them for ever."""
+        flight, not reserved) -> that one: not left again for it, or an unplaceable pod would hold
+        them for ever (they are still left for any other)."""
         held = self.loop.held_pods()
-        return {pod for pod, older in self._deferred.items()
+        return {pod: older for pod, older in self._deferred.items()
                 if older in self._waiting and older not in held and older not in self.loop.reserved}
 
     def _candidates(self) -> list[str]:
@@ -654,7 +668,9 @@ class PlannerController:
                                        self._reservations(), scheduler_names=self.settings.scheduler_names,
                                        in_flight={k: n for n, f in self.loop.in_flight.items() for k in f.pods},
                                        no_defer=self._not_to_defer(),
-                                       volumes=VolumeTopology(dict(self.claims.cache), dict(self.volumes.cache)))
+                                       volumes=VolumeTopology(dict(self.claims.cache), dict(self.volumes.cache))
+                                       if self.claims.synced.is_set() and self.volumes.synced.is_set() else None)
+        self.liveness.beat("planning loop")  # (a round at scale takes seconds: each part of it beats)
         # pods left to the next round (their anti-affinity or host ports conflict with an older
         # pod's this round plans): they join the next batch at once
         self._deferred = dict(view.deferred)
@@ -674,6 +690,14 @@ class PlannerController:
             (log.debug if message in logged else log.warning)(message)
         for _, message in view.elsewhere:  # other nodes' pods: no Event, said once in the log
             (log.debug if message in logged else log.info)(message)
+        for scheduler in sorted({str(_field_of(o, "spec", "schedulerName")) for o, _ in view.elsewhere
+                                 if _field_of(o, "spec", "schedulerName") not in (None, *self.settings.scheduler_names)}
+                                - self._schedulers_told):
+            # once per scheduler: a kube-scheduler profile of another name must be added by hand
+            self._schedulers_told.add(scheduler)
+            log.warning("pods that scheduler %r places are not planned (planner setting scheduler_names: %s); if it is "
+                        "a kube-scheduler profile with the default filters, add it", scheduler,
+                        ", ".join(self.settings.scheduler_names))
         for reason, found in (("DynpartInvalid", view.problems), ("VersionSkew", view.skew)):
             for obj, message in _per_object(found):
                 await self._event(obj, reason, message, warning=True)
@@ -704,6 +728,7 @@ class PlannerController:
             metrics.PLAN_ERRORS.labels("invalid_snapshot").inc()
             log.error("planning round skipped: %s", e)
             return
+        self.liveness.beat("planning loop")
         if not self.loop.commit(state):
             log.info("plan dropped: the lease was lost while planning", extra={"fields": {"pending": len(snapshot.pending)}})
             return
@@ -932,6 +957,13 @@ def _room_may_have_grown(before: Mapping[str, str], after: Mapping[str, str]) ->
                 != free_after.get(base, Counter()) + used_after.get(base, Counter())):
             return True  # slices destroyed (a drain) or changed otherwise: room on the GPU
     return False
+
+
+def _field_of(obj: Obj, *path: str) -> object:
+    value: object = obj
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
 def _ignore(kind: str, obj: Obj) -> None:

@@ -113,6 +113,10 @@ def _list(value: object) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
+def _labels(metadata: Mapping[str, Any]) -> dict[str, str]:
+    return {str(k): str(v) for k, v in _dict(metadata.get("labels")).items()}
+
+
 def _selector(raw: object, labels: Mapping[str, str], match_keys: Iterable[str],
               mismatch_keys: Iterable[str]) -> tuple[Requirement, ...] | None:
     if not isinstance(raw, dict):
@@ -148,7 +152,7 @@ def _namespaces(term: Mapping[str, Any], own: str) -> frozenset[str] | None:
 def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
     md, spec = _dict(pod.get("metadata")), _dict(pod.get("spec"))
     namespace = str(md.get("namespace") or "")
-    labels = {str(k): str(v) for k, v in _dict(md.get("labels")).items()}
+    labels = _labels(md)
     raw_terms = _list(_dict(_dict(spec.get("affinity")).get("podAntiAffinity"))
                       .get("requiredDuringSchedulingIgnoredDuringExecution"))
     terms = []
@@ -190,61 +194,91 @@ def _may_conflict(pod: Mapping[str, Any]) -> bool:
 class PlacedPods:
     """The pods placed (or about to be) and the nodes they are on, indexed for the questions a
     round asks of every pending pod: which nodes it must stay off, and whether it conflicts with
-    an older pending pod planned in the same round."""
+    an older pending pod planned in the same round. A round asks for thousands of pending pods,
+    mostly replicas that ask the same: answers are kept per question (`excluded_nodes`), nodes per
+    topology domain, and the placed pods' terms per distinct term."""
 
     def __init__(self, placed: Iterable[tuple[Mapping[str, Any], str]], node_labels: Mapping[str, Mapping[str, str]]):
         self.node_labels = node_labels
         self.placed = list(placed)
-        self._by_namespace: dict[str, list[tuple[PodFacts, str]]] | None = None  # built when a term asks
-        self.with_terms: list[tuple[PodFacts, str]] = []  # placed pods with anti-affinity terms (few)
+        self._by_namespace: dict[str, list[tuple[Mapping[str, str], str, bool]]] | None = None  # when a term asks
+        self._domains: dict[str, dict[str, frozenset[str]]] = {}  # topology key -> value -> nodes
+        # the placed pods' anti-affinity terms, each distinct term once (a Deployment's replicas
+        # share theirs) -> the nodes of the pods that carry it
+        self.term_nodes: dict[AntiAffinityTerm, set[str]] = {}
         self.by_port: dict[tuple[str, int], list[tuple[HostPort, str]]] = {}
         for pod, node in self.placed:
             if _may_conflict(pod):  # most pods have neither: their labels are read only if a term asks
                 facts = pod_facts(pod)
-                if facts.terms:
-                    self.with_terms.append((facts, node))
+                for term in facts.terms:
+                    self.term_nodes.setdefault(term, set()).add(node)
                 for p in facts.ports:
                     self.by_port.setdefault((p.protocol, p.port), []).append((p, node))
+        self._answers: dict[tuple[object, ...], frozenset[str]] = {}
+        self._selected: dict[AntiAffinityTerm, frozenset[str]] = {}  # term -> nodes of the placed pods it selects
         self.planned: list[PodFacts] = []  # pending pods planned in this round (`take`)
         self._planned_with_terms: list[PodFacts] = []
 
-    def by_namespace(self) -> dict[str, list[tuple[PodFacts, str]]]:
+    def by_namespace(self) -> dict[str, list[tuple[Mapping[str, str], str, bool]]]:
+        """Namespace -> its placed pods' labels, nodes and whether they are terminating."""
         if self._by_namespace is None:
             self._by_namespace = {}
             for pod, node in self.placed:
-                facts = pod_facts(pod)
-                self._by_namespace.setdefault(facts.namespace, []).append((facts, node))
+                md = _dict(pod.get("metadata"))
+                self._by_namespace.setdefault(str(md.get("namespace") or ""), []).append(
+                    (_labels(md), node, bool(md.get("deletionTimestamp"))))
         return self._by_namespace
 
-    def _domain(self, node: str, key: str) -> set[str]:
-        """The planned nodes in the node's domain of `key` (none when the node lacks the label)."""
-        value = self.node_labels.get(node, {}).get(key)
-        if value is None:
-            return set()
-        return {n for n, labels in self.node_labels.items() if labels.get(key) == value}
+    def _domain_of(self, key: str) -> dict[str, frozenset[str]]:
+        """Topology value -> the planned nodes carrying it."""
+        found = self._domains.get(key)
+        if found is None:
+            by_value: dict[str, set[str]] = {}
+            for n, labels in self.node_labels.items():
+                if key in labels:
+                    by_value.setdefault(labels[key], set()).add(n)
+            found = self._domains[key] = {v: frozenset(ns) for v, ns in by_value.items()}
+        return found
 
-    def excluded_nodes(self, facts: PodFacts, admits: Callable[[str], bool] = lambda node: True) -> set[str]:
+    def _domains_of(self, nodes: Iterable[str], key: str) -> set[str]:
+        """The planned nodes sharing a domain of `key` with any of these nodes."""
+        index = self._domain_of(key)
+        values = {self.node_labels.get(n, {}).get(key) for n in nodes} - {None}
+        return set().union(*(index.get(v, frozenset()) for v in values if v is not None))
+
+    def _selected_nodes(self, term: AntiAffinityTerm) -> frozenset[str]:
+        """The nodes of the placed pods the term selects (terminating ones too, as the scheduler)."""
+        found = self._selected.get(term)
+        if found is None:
+            by_namespace = self.by_namespace()
+            spaces = by_namespace if term.namespaces is None else {ns: by_namespace.get(ns, []) for ns in term.namespaces}
+            found = self._selected[term] = frozenset(node for ns, pods in spaces.items() for labels, node, _ in pods
+                                                     if term.selects(ns, labels))
+        return found
+
+    def excluded_nodes(self, facts: PodFacts, admits: Callable[[str], bool] = lambda node: True,
+                       admits_key: object = None) -> frozenset[str]:
         """The nodes the pod must stay off: a placed pod there (or in the same topology domain)
         that its terms select, or whose terms select it, or that holds one of its host ports; and
-        where its spread constraints would be broken. `admits`: the nodes its node affinity admits."""
+        where its spread constraints would be broken. `admits`: the nodes its node affinity admits
+        (`admits_key` tells one pod's from another's: answers are kept per question)."""
+        question = (facts.namespace, frozenset(facts.labels.items()), facts.terms, facts.ports, facts.spread,
+                    admits_key if facts.spread else None)
+        found = self._answers.get(question)
+        if found is not None:
+            return found
         out: set[str] = set()
         for constraint in facts.spread:
             out |= self._spread_off(facts, constraint, admits)
         for term in facts.terms:
-            by_namespace = self.by_namespace()
-            spaces = by_namespace if term.namespaces is None else \
-                {ns: by_namespace.get(ns, []) for ns in term.namespaces}
-            hit = {node for placed in spaces.values() for other, node in placed
-                   if term.selects(other.namespace, other.labels)}
-            for node in hit:
-                out |= self._domain(node, term.topology_key)
-        for other, node in self.with_terms:
-            for term in other.terms:
-                if term.selects(facts.namespace, facts.labels):
-                    out |= self._domain(node, term.topology_key)
+            out |= self._domains_of(self._selected_nodes(term), term.topology_key)
+        for term, nodes in self.term_nodes.items():
+            if term.selects(facts.namespace, facts.labels):
+                out |= self._domains_of(nodes, term.topology_key)
         for p in facts.ports:
             out |= {node for q, node in self.by_port.get((p.protocol, p.port), []) if p.clashes(q)}
-        return out
+        found = self._answers[question] = frozenset(out)
+        return found
 
     def _spread_off(self, facts: PodFacts, c: SpreadConstraint, admits: Callable[[str], bool]) -> set[str]:
         """The nodes where the pod would break the constraint, as the PodTopologySpread filter
@@ -253,20 +287,20 @@ class PlacedPods:
         counted = [n for n in self.node_labels if not c.honour_affinity or admits(n)]
         domains = {n: self.node_labels[n][c.topology_key] for n in counted if c.topology_key in self.node_labels[n]}
         count = dict.fromkeys(domains.values(), 0)
-        for other, node in self.by_namespace().get(facts.namespace, []):
-            if node in domains and c.selects(other.labels):
+        for labels, node, terminating in self.by_namespace().get(facts.namespace, []):
+            if node in domains and not terminating and c.selects(labels):  # (countPodsMatchSelector skips terminating pods)
                 count[domains[node]] += 1
         least = min(count.values()) if len(count) >= c.min_domains else 0
         mine = 1 if c.selects(facts.labels) else 0
         return {n for n, labels in self.node_labels.items()
                 if c.topology_key not in labels or count.get(labels[c.topology_key], 0) + mine - least > c.max_skew}
 
-    def conflicts_with_planned(self, facts: PodFacts) -> str | None:
-        """The older pending pod of this round the pod conflicts with, if any."""
+    def conflicts_with_planned(self, facts: PodFacts, ignoring: str | None = None) -> str | None:
+        """The older pending pod of this round the pod conflicts with, if any (`ignoring` aside)."""
         # a pod with neither terms, host ports nor spread constraints conflicts only with a pod whose
         # terms or constraints select it
         for other in self.planned if facts.terms or facts.ports or facts.spread else self._planned_with_terms:
-            if (facts.excludes(other) or facts.spreads_with(other)
+            if other.key != ignoring and (facts.excludes(other) or facts.spreads_with(other)
                     or any(p.clashes(q) for p in facts.ports for q in other.ports)):
                 return other.key
         return None

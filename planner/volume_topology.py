@@ -23,6 +23,8 @@ from dynpart.snapshot import PendingPod
 # several, separated by "__"
 ZONE_LABELS = ("topology.kubernetes.io/zone", "topology.kubernetes.io/region",
                "failure-domain.beta.kubernetes.io/zone", "failure-domain.beta.kubernetes.io/region")
+GA_LABEL = {"failure-domain.beta.kubernetes.io/zone": "topology.kubernetes.io/zone",
+            "failure-domain.beta.kubernetes.io/region": "topology.kubernetes.io/region"}
 MAX_TERMS = 64  # a pod whose terms would multiply beyond this is left to the back-off
 
 
@@ -86,11 +88,22 @@ def volume_terms(volume: Mapping[str, Any]) -> list[NodeSelectorTerm] | None:
         terms = [NodeSelectorTerm(match_expressions=tuple(_requirement(r) for r in map(_dict, _list(t.get("matchExpressions")))),
                                   match_fields=tuple(_requirement(r) for r in map(_dict, _list(t.get("matchFields")))))
                  for t in map(_dict, _list(required.get("nodeSelectorTerms")))]
-    zones = tuple(NodeSelectorRequirement(key=k, operator="In", values=tuple(str(v).split("__")))
-                  for k, v in sorted(_dict(_dict(volume.get("metadata")).get("labels")).items()) if k in ZONE_LABELS)
-    if zones:
-        terms = [t.model_copy(update={"match_expressions": (*t.match_expressions, *zones)})
-                 for t in terms or [NodeSelectorTerm()]]
+    labels = sorted((k, tuple(str(v).split("__"))) for k, v in _dict(_dict(volume.get("metadata")).get("labels")).items()
+                    if k in ZONE_LABELS)
+    if labels:
+        # VolumeZone: a node with none of the zone and region labels passes; any other must carry
+        # each of the volume's values, under its key, or under the GA key when it lacks a beta one
+        ways: list[tuple[NodeSelectorRequirement, ...]] = [()]
+        for key, values in labels:
+            these: list[tuple[NodeSelectorRequirement, ...]] = [
+                (NodeSelectorRequirement(key=key, operator="In", values=values),)]
+            if key in GA_LABEL:
+                these.append((NodeSelectorRequirement(key=key, operator="DoesNotExist"),
+                               NodeSelectorRequirement(key=GA_LABEL[key], operator="In", values=values)))
+            ways = [(*w, *t) for w in ways for t in these]
+        ways.append(tuple(NodeSelectorRequirement(key=k, operator="DoesNotExist") for k in ZONE_LABELS))
+        terms = [t.model_copy(update={"match_expressions": (*t.match_expressions, *w)})
+                 for t in terms or [NodeSelectorTerm()] for w in ways]
     return terms
 
 

@@ -410,6 +410,31 @@ async def test_an_unexpected_error_in_a_step_is_logged_and_the_loop_goes_on(make
     assert "planning step failed" in caplog.text and "a field some object lacks" in caplog.text
 
 
+async def test_claims_and_volumes_that_cannot_be_listed_hold_nothing_back(make, monkeypatch):
+    """An RBAC of the cluster's own that leaves claims and volumes out: the planner plans all the
+    same (without narrowing by volume), and their watches do not fail the liveness probe."""
+    import asyncio
+
+    c = make([], Lead(1))
+    for informer in (c.nodes, c.pods):
+        informer.synced.set()
+        monkeypatch.setattr(informer, "run", asyncio.Event().wait)
+    for informer in (c.claims, c.volumes):  # listing them fails for ever (never synced)
+        monkeypatch.setattr(informer, "run", asyncio.Event().wait)
+    steps = []
+
+    async def step() -> None:
+        steps.append(1)
+        if len(steps) == 2:
+            raise asyncio.CancelledError
+
+    c._step = step  # type: ignore[method-assign]
+    with pytest.raises(asyncio.CancelledError):
+        await c.run()
+    assert len(steps) == 2, "planning started without them"
+    assert not c.liveness.stale() and "watch claims" not in c.liveness._max_age
+
+
 async def test_a_whole_gpu_pod_keeps_its_reservation_after_the_acknowledgement(monkeypatch):
     """A node's report counts its slices, not its whole GPUs: a pod planned onto a whole GPU must
     not lose its reservation (and be backed off the node, and planned onto another) as soon as
@@ -948,6 +973,6 @@ async def test_a_pod_left_for_an_older_one_that_was_not_placed_is_not_left_again
         c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
         c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
     c._deferred = {"ml/web-1": "ml/web-0", "ml/web-2": "ml/gone"}
-    assert c._not_to_defer() == {"ml/web-1"}, "web-0 still waits: web-1 goes in the next round whatever"
+    assert c._not_to_defer() == {"ml/web-1": "ml/web-0"}, "web-0 still waits: web-1 is not left for it again"
     c.loop.reserve("ml/web-0", "n1", 0.0)
-    assert c._not_to_defer() == set(), "web-0 placed: web-1 is planned against it"
+    assert c._not_to_defer() == {}, "web-0 placed: web-1 is planned against it"

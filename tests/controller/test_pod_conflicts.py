@@ -57,7 +57,7 @@ def planned_in_rounds(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], r
     in_flight: dict[str, str] = {}
     deferred: dict[str, str] = {}
     for _ in range(rounds):
-        no_defer = {p for p, older in deferred.items() if older not in in_flight}
+        no_defer = {p: older for p, older in deferred.items() if older not in in_flight}
         view = build_snapshot(nodes, pods, CAT, exclude_pods=set(in_flight), in_flight=in_flight, no_defer=no_defer)
         deferred = view.deferred
         in_flight.update({pl.pod: pl.node for pl in plan(view.snapshot, CAT).placements})
@@ -71,8 +71,10 @@ def test_a_replica_is_kept_off_the_node_of_a_bound_one_and_the_younger_of_two_wa
     assert {p.name for p in view.snapshot.pending} == {"ml/web-1", "ml/other"}
     assert kept_off(view, "ml/web-1") == {"n1"} and kept_off(view, "ml/other") == set()
     assert view.deferred == {"ml/web-2": "ml/web-1"}, "it conflicts with web-1, planned this round"
-    again = build_snapshot(nodes, pods, CAT, no_defer={"ml/web-2"})  # web-1 could not be placed
+    again = build_snapshot(nodes, pods, CAT, no_defer={"ml/web-2": "ml/web-1"})  # web-1 could not be placed
     assert {p.name for p in again.snapshot.pending} == {"ml/web-1", "ml/web-2", "ml/other"}
+    three = build_snapshot(nodes, [*pods, replica("web-3")], CAT, no_defer={"ml/web-2": "ml/web-1", "ml/web-3": "ml/web-1"})
+    assert three.deferred == {"ml/web-3": "ml/web-2"}, "not left for web-1 again, but still for web-2"
 
 
 def test_a_topology_domain_wider_than_a_node_and_plans_in_flight_count():
@@ -249,3 +251,32 @@ def test_resources_beside_cpu_memory_and_gpus_and_the_pod_count_keep_a_pod_off_a
     only = build_snapshot(nodes[1:2], [wants], CAT)
     [(_, why)] = only.blocked
     assert "node(s) n2 lack ephemeral-storage for it" in why
+
+
+def test_spread_does_not_count_a_terminating_pod_but_anti_affinity_does():
+    """As the scheduler: PodTopologySpread skips terminating pods (a rolling update's old
+    replicas), InterPodAffinity does not."""
+    leaving = spread("w0", bound="n1")
+    leaving["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert kept_off(build_snapshot(nodes4(), [leaving, spread("w1")], CAT), "ml/w1") == set()
+    going = replica("web-0", bound="n1")
+    going["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert kept_off(build_snapshot(nodes4(), [going, replica("web-1")], CAT), "ml/web-1") == {"n1"}
+
+
+def test_a_round_of_replicas_at_scale_reads_each_question_once(monkeypatch):
+    """2,000 pending replicas of two Deployments with anti-affinity, on 200 nodes holding 5,000
+    pods: each distinct question (a Deployment's replicas all ask the same) is answered once; a
+    round took minutes at 1,000 nodes before (`dynpart bench` figures in the closing note)."""
+    from dynpart.planner.pod_conflicts import PlacedPods
+
+    nodes = [labelled(node(f"n{i:03d}", count=8)) for i in range(200)]
+    pods = [replica(f"web-{i}", app=f"app{i % 2}", bound=f"n{i % 200:03d}") for i in range(5000)]
+    pods += [replica(f"new-{i}", app=f"app{i % 2}") for i in range(2000)]
+    domains = []
+    real = PlacedPods._domains_of
+    monkeypatch.setattr(PlacedPods, "_domains_of", lambda self, nodes, key: domains.append(key) or real(self, nodes, key))
+    view = build_snapshot(nodes, pods, CAT)
+    assert [p.name for p in view.snapshot.pending] == ["ml/new-0", "ml/new-1"] and len(view.deferred) == 1998
+    assert kept_off(view, "ml/new-0") == {f"n{i:03d}" for i in range(0, 200, 2)}, "where app0 runs"
+    assert len(domains) == 4, "two questions, each its own term and the placed pods' one"

@@ -11,6 +11,7 @@ from dynpart.catalog import default_catalog
 from dynpart.planner.cluster_view import build_snapshot, pod_for_planning
 from dynpart.planner.core import plan
 from dynpart.planner.volume_topology import (
+    ZONE_LABELS,
     VolumeTopology,
     claim_for_planning,
     claim_names,
@@ -94,6 +95,22 @@ def test_the_claims_of_a_pod_and_what_the_caches_keep():
     assert claim_names(pod_for_planning(p)) == ["ml/c", "ml/a-scratch"], "the pod cache keeps what it needs"
     v = volume("pv", {ZONE: "z1"}, hosts=["n1"])
     assert v["metadata"]["labels"] == {ZONE: "z1"}
-    [term] = volume_terms(v)
-    assert [(r.key, r.values) for r in term.match_expressions] == [("kubernetes.io/hostname", ("n1",)), (ZONE, ("z1",))]
+    terms = volume_terms(v)
+    assert [[(r.key, r.operator, r.values) for r in t.match_expressions] for t in terms] == [
+        [("kubernetes.io/hostname", "In", ("n1",)), (ZONE, "In", ("z1",))],
+        [("kubernetes.io/hostname", "In", ("n1",)), *((k, "DoesNotExist", ()) for k in ZONE_LABELS)]]
     assert volume_terms(volume("pv")) is None
+
+
+def test_volume_zone_as_the_scheduler_reads_it_unlabelled_nodes_and_beta_labels():
+    """VolumeZone passes a node with none of the zone and region labels (on-premises GPU nodes,
+    a volume restored from a cloud), and reads a beta label of the volume under the GA key on a
+    node that lacks the beta one."""
+    beta = "failure-domain.beta.kubernetes.io/zone"
+    nodes = nodes4(n1="z1", n2="z2", n3="-", n4="-")
+    for n in nodes[2:]:
+        n["metadata"]["labels"].pop(ZONE)
+    nodes[3]["metadata"]["labels"]["topology.kubernetes.io/region"] = "r1"  # a label of the four: it must match
+    vols = topology(claim("c", "pv-1"), volume("pv-1", {beta: "z2"}))
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=vols)
+    assert view.hosts["ml/a"] == {"n2", "n3"}, "n2 by its GA zone, n3 carrying none of the labels"
