@@ -22,6 +22,7 @@ from dynpart.errors import DynpartError
 
 if TYPE_CHECKING:
     from dynpart.agent.driver.interface import GpuDriver
+    from dynpart.agent.driver.threaded import AsyncDriver
     from dynpart.agent.loop import Agent
     from dynpart.agent.nvml_probe import ProbeReport
     from dynpart.agent.podresources import PodResources
@@ -99,13 +100,20 @@ def _real_driver() -> GpuDriver:
 DRIVER_WAIT_S = 900.0
 
 
-async def _wait_for_driver(wait_s: float = DRIVER_WAIT_S, first_s: float = 2.0) -> GpuDriver:
-    """The host's driver, once NVML can be started (retried with back-off up to `wait_s`)."""
+async def _wait_for_driver(wait_s: float = DRIVER_WAIT_S, first_s: float = 2.0,
+                           start_limit_s: float | None = None) -> AsyncDriver:
+    """The host's driver, once NVML can be started (retried with back-off up to `wait_s`).
+    nvmlInit runs on the driver's thread, never on the event loop: a wedged driver that does not
+    answer it leaves the log saying so (each try, `start_limit_s` and after), /healthz answered
+    and, after `wait_s`, the agent exiting (DriverNotResponding) for the kubelet to start it again:
+    nothing is served yet at start, so a restart loses nothing. A try while that nvmlInit is still
+    inside the library fails at once instead of calling it a second time beside it."""
     import logging
 
     from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-    from dynpart.agent.driver.interface import NvmlUnavailable
+    from dynpart.agent.driver.interface import DriverNotResponding, NvmlUnavailable
+    from dynpart.agent.driver.threaded import START_LIMIT_S, AsyncDriver
 
     log = logging.getLogger("dynpart.agent")
 
@@ -113,11 +121,13 @@ async def _wait_for_driver(wait_s: float = DRIVER_WAIT_S, first_s: float = 2.0) 
         log.warning("NVML is not available yet (%s); trying again in %.0f s", state.outcome.exception(),
                     state.next_action.sleep if state.next_action else 0)
 
-    async for attempt in AsyncRetrying(retry=retry_if_exception_type(NvmlUnavailable),
+    driver = AsyncDriver()
+    async for attempt in AsyncRetrying(retry=retry_if_exception_type((NvmlUnavailable, DriverNotResponding)),
                                        wait=wait_exponential(multiplier=first_s, max=30),
                                        stop=stop_after_delay(wait_s), reraise=True, before_sleep=waiting):
         with attempt:
-            return _real_driver()
+            await driver.start(_real_driver, START_LIMIT_S if start_limit_s is None else start_limit_s)
+            return driver
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -282,10 +292,13 @@ async def _run_until_stopped(agent: Agent, shutdown: Shutdown, pass_grace_s: flo
 def _run_loop(main: Coroutine[Any, Any, int], threads_s: float = THREADS_S) -> int:
     """`asyncio.run(main)`, except at the end. asyncio.run (Python 3.11) waits without limit for
     the default executor's threads, and so does the interpreter's exit (concurrent.futures joins
-    them): one driver call hung in a thread (`asyncio.to_thread`) would keep the agent from exiting
-    until SIGKILL. Here the tasks left get `threads_s`, the threads `threads_s`; if one is still
-    running then, the process ends with os._exit once the logs are flushed: everything else is
-    stopped by then, and os._exit is the only way past a thread stuck in a C call."""
+    them); the driver's thread (`AsyncDriver`: every NVML call, nvmlInit included) is a daemon
+    thread nothing waits for, but a normal exit while it is inside libnvidia-ml would run the
+    library's C destructors beside that call, which may hang until SIGKILL. Here the tasks left get
+    `threads_s`, then the executor's threads and the driver calls still running share another
+    `threads_s`; if one is still running then, the process ends with os._exit once the logs are
+    flushed: everything else is stopped by then, and os._exit is the only way past a thread stuck in
+    a C call."""
     executor = ThreadPoolExecutor(thread_name_prefix="dynpart-agent")
     loop = asyncio.new_event_loop()
     loop.set_default_executor(executor)
@@ -302,12 +315,14 @@ def _run_loop(main: Coroutine[Any, Any, int], threads_s: float = THREADS_S) -> i
         finally:
             asyncio.set_event_loop(None)
             loop.close()
-    if not _threads_end(executor, threads_s):
+    deadline = time.monotonic() + threads_s
+    stuck = [] if _threads_end(executor, threads_s) else ["a call running in a thread of the default executor"]
+    stuck += _driver_calls_end(max(0.0, deadline - time.monotonic()))
+    if stuck:
         if error is not None:
             _log.error("stopping: %s", error, exc_info=error)
             code = 2 if isinstance(error, DynpartError) else 1
-        _log.error("stopping: a call running in a thread (a driver call?) did not end in %.0f s; exiting without it",
-                   threads_s)
+        _log.error("stopping: %s did not end in %.1f s; exiting without it", ", ".join(stuck), threads_s)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -315,6 +330,18 @@ def _run_loop(main: Coroutine[Any, Any, int], threads_s: float = THREADS_S) -> i
     if error is not None:
         raise error
     return code
+
+
+def _driver_calls_end(wait_s: float) -> list[str]:
+    """The driver calls (`AsyncDriver`) still running after waiting up to `wait_s` for them."""
+    from dynpart.agent.driver.threaded import calls_running
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        running = calls_running()
+        if not running or time.monotonic() >= deadline:
+            return [f"the driver call {what}, running in the driver's thread," for what in running]
+        time.sleep(0.01)
 
 
 def _cancel_left(loop: asyncio.AbstractEventLoop, wait_s: float) -> None:
@@ -342,18 +369,36 @@ def _threads_end(executor: ThreadPoolExecutor, wait_s: float) -> bool:
 
 
 async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
-    from dynpart.agent.kube import connect
-    from dynpart.agent.node_lock import node_lock
-    from dynpart.agent.podresources import FakePodResources, KubeletPodResources
+    from dynpart.agent.loop import LOOP_BEAT, LOOP_STALL_S
+    from dynpart.probing import Liveness, keep_beating, serve
 
     catalog = load_catalog(settings.catalog_files)
-    from dynpart.probing import Liveness, serve
 
     liveness = Liveness()
     if settings.metrics_port and not args.once:
         serve(settings.metrics_host, settings.metrics_port, liveness)  # /metrics and /healthz
-    driver = _fake_driver(settings.fake_gpus, catalog) if settings.fake_gpus else (
-        _real_driver() if args.once else await _wait_for_driver())
+    # from the start, not only once the agent loop runs: the event loop must turn while the start
+    # waits (for NVML, the API server, the node lock); nothing is served yet, so a restart is harmless
+    liveness.expect(LOOP_BEAT, LOOP_STALL_S)
+    beating = asyncio.create_task(keep_beating(liveness, LOOP_BEAT, 1.0), name="event loop beat (start)")
+    try:
+        return await _run_started(args, settings, catalog, liveness)
+    finally:
+        beating.cancel()
+
+
+async def _run_started(args: argparse.Namespace, settings: AgentSettings, catalog: Catalog, liveness: Any) -> int:
+    from dynpart.agent.kube import connect
+    from dynpart.agent.node_lock import node_lock
+    from dynpart.agent.podresources import FakePodResources, KubeletPodResources
+
+    driver: GpuDriver | AsyncDriver
+    if settings.fake_gpus:
+        driver = _fake_driver(settings.fake_gpus, catalog)
+    elif args.once:  # one try: nvmlInit on the driver's thread all the same (a wedged driver: a bounded wait)
+        driver = await _wait_for_driver(wait_s=0)
+    else:
+        driver = await _wait_for_driver()
     pods: PodResources
     if settings.fake_gpus and not os.path.exists(settings.pod_resources_socket):
         pods = FakePodResources()
@@ -376,7 +421,7 @@ async def _run(args: argparse.Namespace, settings: AgentSettings) -> int:
         await shutdown.step("closing the API client", api_client.close)
 
 
-async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: Any, driver: GpuDriver,
+async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: Any, driver: GpuDriver | AsyncDriver,
                  pods: PodResources, catalog: Catalog, liveness: Any, stack: contextlib.AsyncExitStack,
                  shutdown: Shutdown | None = None) -> Agent:
     """The agent, its own device plugin (served until `stack` closes; MPS nodes always, MIG nodes

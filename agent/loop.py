@@ -91,8 +91,12 @@ PASS_GRACE_S = 3.0
 # cured by a restart, which would also end the MPS control daemon and its clients' CUDA contexts.
 # - the event loop turns: a task beats every `loop_beat_s`; silent `loop_stall_s` means the loop
 #   is blocked (nothing else is answered then either: the kubelet's Allocate, ListAndWatch);
+#   expected from the agent's start (cli), before any pass;
 LOOP_BEAT = "event loop"
-# - passes go on: a pass beats at its start and after each driver call, whatever its length.
+# far above any step the loop runs without awaiting, far below what a kubelet's probe waits
+LOOP_STALL_S = 20.0
+# - passes go on: a pass beats at its start and after each driver call (and while a long batch of
+#   reads goes on: `AsyncDriver.on_answer`), whatever its length.
 PASS_BEAT = "reconcile loop"
 
 
@@ -161,8 +165,7 @@ class Agent:
         self.republish_s = 3.0  # how long the publisher looks again for the kubelet to hold the devices
         self.liveness = liveness or Liveness()
         self.loop_beat_s = 1.0
-        # far above any step the loop runs without awaiting, far below what a kubelet's probe waits
-        self.loop_stall_s = 20.0
+        self.loop_stall_s = LOOP_STALL_S
         # the planner's current leader term (agent.kube.lease_term_reader); None: no fencing
         self.leader_term = leader_term
         self.node_api = node_api

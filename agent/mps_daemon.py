@@ -2,16 +2,18 @@
 plugin): MPS slices are advertised only while it runs, since a client without it gets no limits.
 
 - `MpsDaemon`: `ensure(gpu_uuids, pipe_dir, log_dir)` (start it, or restart it if it died or its
-  GPUs changed; raises MpsDaemonError if it cannot run or does not answer), `alive()` (True, False,
-  or None: no answer in time, its process still there), `stop()`. The GPUs are given
+  GPUs changed; raises MpsDaemonError if it cannot run, MpsDaemonBusy if it runs and does not
+  answer: then it is kept as it is, even for a change of GPUs), `alive()` (True, False, or None:
+  no answer in time, its process still there), `stop()`. The GPUs are given
   in NVML index order, the order the daemon numbers them for its clients (CUDA_VISIBLE_DEVICES):
   a client's memory limit names its GPUs by that number (`devices.allocate_response`);
 - `ProcessMpsDaemon`: `nvidia-cuda-mps-control -d` with CUDA_VISIBLE_DEVICES (the GPU UUIDs),
   CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY, as NVIDIA's mps-control-daemon does: `-d`
   forks a daemon and returns, so whether it runs is asked through its control pipe
   (`get_default_active_thread_percentage`), and it is stopped with `quit`. A daemon that does not
-  answer in time while its process (`nvidia-cuda-mps-control.pid` in the pipe directory) lives is
-  busy or hung, not gone: it is not started a second time;
+  answer in time while its process (`nvidia-cuda-mps-control.pid` in the pipe directory, checked
+  to be the daemon: a stale file's pid may name another process since) lives is busy or hung, not
+  gone: it is neither told to quit nor started a second time;
 - `FakeMpsDaemon`: the tests' double (`fail_with`, `die()`).
 """
 
@@ -35,6 +37,8 @@ MPS_CONTROL = "nvidia-cuda-mps-control"
 LOG_MAX_BYTES = 16 << 20
 _OUTPUT_MAX = 64 << 10  # of a control command's answer
 PID_FILE = "nvidia-cuda-mps-control.pid"  # the daemon's, in its pipe directory, removed when it stops
+# the daemon's process name (/proc/<pid>/comm: the first 15 characters of its file's name)
+DAEMON_COMM = MPS_CONTROL[:15]
 
 
 def rotate_logs(log_dir: str, max_bytes: int = LOG_MAX_BYTES) -> None:
@@ -55,6 +59,15 @@ class MpsDaemonError(DynpartError):
 
 class MpsDaemonTimeout(MpsDaemonError):
     """A control command got no answer in time: the daemon may be busy, not gone."""
+
+
+class MpsDaemonBusy(MpsDaemonError):
+    """It runs and does not answer in time: kept as it is, running for `gpus` (neither stopped nor
+    started a second time)."""
+
+    def __init__(self, message: str, gpus: Sequence[str]):
+        super().__init__(message)
+        self.gpus = tuple(gpus)
 
 
 class MpsDaemon(Protocol):
@@ -164,21 +177,24 @@ class ProcessMpsDaemon:
         return code == 0
 
     def _process_lives(self) -> bool:
-        """Whether the process its pid file names exists (the agent's container: its PID namespace)."""
+        """Whether the process its pid file names is the daemon, not ended (the agent's container:
+        its PID namespace). The file outlives a daemon killed by SIGKILL or the OOM killer (the pipe
+        directory is a hostPath) and its pid can name another process, or a thread, since (pids
+        start again from 1 in a new container): taking that for the daemon would keep a dead one
+        for ever, its slices Unhealthy. So the pid must be a process of its own (`Tgid`, not a
+        thread of another), named as the daemon (`comm`), and not a zombie."""
         assert self.dirs is not None
         try:
             with open(os.path.join(self.dirs[0], PID_FILE)) as f:
                 pid = int(f.read().strip())
-            os.kill(pid, 0)
-        except PermissionError:
-            return True
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.partition(":")[::2] for line in f.read().splitlines())
+            with open(f"/proc/{pid}/comm") as f:
+                comm = f.read().strip()
         except (OSError, ValueError):  # no pid file (it stopped), or no such process
             return False
-        try:  # ended, not yet reaped
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rpartition(")")[2].split()[0] != "Z"
-        except (OSError, IndexError):
-            return True
+        return (pid > 0 and status.get("Tgid", "").strip() == str(pid) and comm.startswith(DAEMON_COMM)
+                and not status.get("State", "").strip().startswith("Z"))  # (a zombie: ended, not yet reaped)
 
     async def stop(self) -> None:
         """`quit`, one command of at most `timeout_s` (asking `alive()` first would double that on
@@ -196,20 +212,20 @@ class ProcessMpsDaemon:
     async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
         wanted = tuple(gpu_uuids)
         same = wanted == self.gpus and self.dirs == (pipe_dir, log_dir)
-        state = await self.alive() if same else False
-        if state:
+        # asked also when its GPUs change: a busy daemon told to `quit` would not have quit when
+        # the `-d` after it came
+        state = await self.alive()
+        if state and same:
             return
         if state is None:
             # no answer in time, but its process lives: busy or hung, not dead. `-d` would fail
             # while it runs, and a restart would end its clients' CUDA contexts: kept, and its
             # slices listed Unhealthy (the caller) until it answers again
-            raise MpsDaemonError(f"the MPS control daemon for {', '.join(self.gpus)} does not answer on its control "
-                                 f"pipe in {self.timeout_s:.0f}s but runs: kept, not started again "
-                                 f"(see {log_dir}/control.log)")
-        if self.dirs is not None and not same:
+            raise self._busy(log_dir)
+        if state:
             # its GPUs are fixed when it starts (CUDA_VISIBLE_DEVICES): a change needs a restart
             await self.stop()
-        elif self.dirs is not None:
+        elif self.dirs is not None and same:
             log.warning("the MPS control daemon for %s is not running; starting it again", ", ".join(self.gpus))
             self.restarts += 1
         self.gpus, self.dirs = wanted, (pipe_dir, log_dir)
@@ -225,9 +241,17 @@ class ProcessMpsDaemon:
         if code != 0:
             raise MpsDaemonError(f"{self.binary} -d exited with {code}: {out or 'no output'}")
         for _ in range(20):  # it forks; its control pipe appears shortly after
-            if await self.alive():
+            state = await self.alive()
+            if state:
                 log.info("MPS control daemon running for %s (pipes in %s)", ", ".join(wanted), pipe_dir)
                 return
+            if state is None:  # it runs and is slow to answer: asking again would wait as long each time
+                raise self._busy(log_dir)
             await asyncio.sleep(0.1)
         raise MpsDaemonError(f"{self.binary} -d started but does not answer on its control pipe in {pipe_dir} "
                              f"(see {log_dir}/control.log)")
+
+    def _busy(self, log_dir: str) -> MpsDaemonBusy:
+        return MpsDaemonBusy(f"the MPS control daemon for {', '.join(self.gpus)} does not answer on its control pipe "
+                             f"in {self.timeout_s:.0f}s but runs: kept, not started again (see {log_dir}/control.log)",
+                             self.gpus)

@@ -27,9 +27,10 @@ from dynpart.agent.driver.interface import DeviceInfo, GpuDriver
 from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import UNCONFIRMED, Released, SliceGuard
 from dynpart.agent.mig_agent import PassResult
-from dynpart.agent.mps_daemon import MpsDaemon, MpsDaemonError
+from dynpart.agent.mps_daemon import MpsDaemon, MpsDaemonBusy, MpsDaemonError
 from dynpart.agent.podresources import PodResources
 from dynpart.agent.reconcile import drained_mps, reconcile_mps
+from dynpart.errors import DynpartError
 from dynpart.resources import WHOLE_GPU, MpsResource, known_resource, mps_resource_name
 from dynpart.snapshot import GpuLayout, MpsSlice
 
@@ -210,6 +211,17 @@ class MpsPluginAgent:
         self.live = {g: s for g, s in new.items() if s}
         return errors
 
+    async def _slices_held(self) -> bool:
+        """Whether a pod holds an MPS slice now (PodResources; one that cannot be read counts as
+        yes: the daemon is then not restarted this pass)."""
+        try:
+            assigned = await self.pods.list()
+        except DynpartError as e:
+            log.warning("the MPS daemon is not restarted for other GPUs this pass: which pods hold MPS slices "
+                        "cannot be read (%s)", e)
+            return True
+        return any(isinstance(known_resource(a.resource), MpsResource) and "::" in a.device_id for a in assigned)
+
     async def stop_daemon(self) -> None:
         """The node left MPS mode and no slice is left: nothing needs the daemon."""
         if self.daemon is not None and self._daemon_gpus is not None:
@@ -223,7 +235,14 @@ class MpsPluginAgent:
             self.daemon_error = None
             return []
         errors: list[str] = []
-        if in_use and self._daemon_gpus is not None and set(gpus) != set(self._daemon_gpus):
+        changed = self._daemon_gpus is not None and set(gpus) != set(self._daemon_gpus)
+        if changed and not in_use:
+            # `in_use` is the pass's first PodResources list: the guard's waits since (withdraw,
+            # settle) leave the kubelet time to give a slice to a pod, whose CUDA context the
+            # restart would end. Read again right before it (ensure's alive() is all that follows)
+            in_use = await self._slices_held()
+        if in_use and changed:
+            assert self._daemon_gpus is not None
             # GPUs entered or left MIG mode: restarting the daemon for the new set would end the CUDA
             # contexts of the pods using slices, so it changes once they are gone; until then the
             # slices of a GPU it does not run for are listed Unhealthy (no pod gets one). Whether it
@@ -241,9 +260,10 @@ class MpsPluginAgent:
             await self.daemon.ensure(running, self.pipe_dir, self.log_dir)
             self._daemon_gpus = running
         except MpsDaemonError as e:
-            # what it was asked to run for, as the daemon itself now has it: a later pass with
-            # slices in use must not take a difference for a change of GPUs (and stop it)
-            self._daemon_gpus = running
+            # what it runs for now (a busy one is kept as it was), else what it was asked to run
+            # for: a later pass with slices in use must not take a difference for a change of GPUs
+            # (and stop it), nor miss one
+            self._daemon_gpus = list(e.gpus) if isinstance(e, MpsDaemonBusy) and e.gpus else running
             self.daemon_error = str(e)
             return [f"MPS control daemon: {e}; the MPS slices are listed Unhealthy (not allocatable) until it runs"]
         self.daemon_error = None

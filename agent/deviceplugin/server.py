@@ -337,6 +337,9 @@ class DevicePluginManager:
         # under another resource
         self.pending: dict[str, list[str]] = {}
         self.on_registered: Callable[[str], None] | None = None  # called after each successful Register
+        # servers `_apply` started under the lock, registered once it is released (`_register_new`)
+        self._unregistered: list[PluginServer] = []
+        self._registering: set[str] = set()  # resources whose Register is under way
 
     async def start(self) -> None:
         if self._watch is None:
@@ -377,6 +380,7 @@ class DevicePluginManager:
             self._drop_allocated(set(self.allocated) - present)  # (Allocate refuses an id it does not list)
             self._wanted = wanted
             await self._apply()
+        await self._register_new()
 
     async def withdraw(self, *device_ids: str) -> set[str]:
         """Stop advertising these devices; returns once the kubelet dropped them (its PodResources
@@ -387,7 +391,8 @@ class DevicePluginManager:
             self.withdrawn |= set(device_ids)
             await self._apply()
             still = {i for ids in self.leaving.values() for i in ids}
-            return {i for i in device_ids if i in still}
+        await self._register_new()
+        return {i for i in device_ids if i in still}
 
     async def readmit(self, *device_ids: str) -> None:
         """Advertise withdrawn devices again (they were not destroyed after all)."""
@@ -395,6 +400,7 @@ class DevicePluginManager:
             self.withdrawn -= set(device_ids)
             self.sealed -= set(device_ids)
             await self._apply()
+        await self._register_new()
 
     async def forget(self, *device_ids: str) -> None:
         """These withdrawn devices were destroyed: drop them from every record at once, not at the
@@ -416,6 +422,7 @@ class DevicePluginManager:
         async with self._lock:
             self._wanted = {r: [replace(d, healthy=False) for d in ds] for r, ds in self._wanted.items()}
             await self._apply(wait=False)
+        await self._register_new()
 
     async def written(self, timeout_s: float = 1.0) -> bool:
         """Whether every open ListAndWatch stream has written its current list (waiting up to
@@ -490,7 +497,7 @@ class DevicePluginManager:
                                       serve=self.serve)
                 self.servers[resource] = server
                 await server.start()
-                await self._register(server)
+                self._unregistered.append(server)  # registered by the caller, once the lock is released
             else:
                 await server.set_devices(devices)
 
@@ -536,11 +543,23 @@ class DevicePluginManager:
                         "; ".join(f"{r} {', '.join(sorted(ids))}" for r, ids in sorted(self.leaving.items())),
                         self.confirm_timeout_s)
 
+    async def _register_new(self) -> None:
+        """Register the servers `_apply` started, outside the lock (as `check` does, same reasons:
+        a kubelet that accepts the connection and hangs would hold up withdraw/update for
+        register_timeout_s per resource). One an update stopped meanwhile is skipped; one the watch
+        found unregistered first is left to it (`_registering`); one left out here (a caller
+        cancelled) is registered by the watch's next look."""
+        servers, self._unregistered = self._unregistered, []
+        for server in servers:
+            if self.servers.get(server.resource) is server and server.running:
+                await self._register(server)
+
     async def _register(self, server: PluginServer) -> None:
         import grpc.aio
 
-        if not self.serve or not os.path.exists(self.kubelet_socket):
+        if not self.serve or not os.path.exists(self.kubelet_socket) or server.resource in self._registering:
             return
+        self._registering.add(server.resource)
         try:
             await server.register(self.kubelet_socket, self.register_timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -549,6 +568,8 @@ class DevicePluginManager:
                     self.kubelet_socket, e.code().name, e.details())
             self._failing.add(server.resource)
             return
+        finally:
+            self._registering.discard(server.resource)
         self._failing.discard(server.resource)
         self.registrations.append((server.resource, time.monotonic()))
         if self.on_registered is not None:
@@ -560,6 +581,7 @@ class DevicePluginManager:
         if self.leaving or self.pending:
             async with self._lock:
                 await self._apply(wait=False)
+            await self._register_new()
         stamp = file_stamp(self.kubelet_socket) if self.serve else None
         if stamp is None:
             return

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 
 import pytest
 
@@ -186,7 +189,7 @@ async def test_the_agent_waits_for_the_driver_at_start(monkeypatch, caplog):
             raise NvmlUnavailable("NVML not available: no NVIDIA driver on this host (pynvml: Driver Not Loaded)")
         return driver
     monkeypatch.setattr(agent_cli, "_real_driver", real_driver)
-    assert await agent_cli._wait_for_driver(wait_s=10, first_s=0.01) is driver and len(tries) == 3
+    assert (await agent_cli._wait_for_driver(wait_s=10, first_s=0.01)).sync is driver and len(tries) == 3
     assert "NVML is not available yet" in caplog.text
 
     def no_driver():  # type: ignore[no-untyped-def]
@@ -194,3 +197,62 @@ async def test_the_agent_waits_for_the_driver_at_start(monkeypatch, caplog):
     monkeypatch.setattr(agent_cli, "_real_driver", no_driver)
     with pytest.raises(NvmlUnavailable, match="no driver"):
         await agent_cli._wait_for_driver(wait_s=0.05, first_s=0.01)
+
+
+
+async def test_a_driver_that_does_not_answer_nvml_init_does_not_block_the_start(monkeypatch, caplog):
+    """nvmlInit on a wedged driver may never return: it runs on the driver's thread, so the event
+    loop (/healthz, the log) goes on; each try says so, no second nvmlInit is made beside the one
+    still inside the library, and after the wait the start gives up (the agent exits)."""
+    from dynpart.agent import cli as agent_cli
+    from dynpart.agent.driver.interface import DriverNotResponding
+
+    release = threading.Event()
+    tries = []
+
+    def wedged():  # type: ignore[no-untyped-def]
+        tries.append(1)
+        release.wait(3)
+        return FakeNvml(H100, 1)
+    monkeypatch.setattr(agent_cli, "_real_driver", wedged)
+    turns = 0
+
+    async def turning() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0.01)
+    ticker = asyncio.create_task(turning())
+    try:
+        started = time.monotonic()
+        with pytest.raises(DriverNotResponding, match=r"nvmlInit\(\)"):
+            await agent_cli._wait_for_driver(wait_s=0.6, first_s=0.05, start_limit_s=0.2)
+        assert time.monotonic() - started < 2 and turns > 20  # the loop turned all along
+    finally:
+        ticker.cancel()
+        release.set()
+    assert len(tries) == 1  # the later tries failed at once: nvmlInit was still running
+    assert "did not answer nvmlInit() within 0.2 s" in caplog.text
+    assert "has not answered nvmlInit()" in caplog.text  # (each later try, in the waiting log)
+
+
+async def test_liveness_watches_the_event_loop_from_the_start(monkeypatch):
+    """Before the first pass (waiting for NVML, the API server, the node lock) /healthz already
+    fails if the event loop is blocked: nothing is served yet, so a restart then loses nothing."""
+    import argparse
+
+    from dynpart.agent import cli as agent_cli
+    from dynpart.settings import AgentSettings, load_settings
+
+    seen: dict[str, object] = {}
+
+    async def started(args, settings, catalog, liveness):  # type: ignore[no-untyped-def]
+        seen["at start"] = liveness.stale()
+        await asyncio.sleep(0.05)
+        liveness._clock = lambda: time.monotonic() + 21  # 21 s later, had the loop not turned
+        seen["blocked"] = liveness.stale()
+        return 0
+    monkeypatch.setattr(agent_cli, "_run_started", started)
+    settings = load_settings(AgentSettings, flags={"node_name": "n1", "metrics_port": 0})
+    assert await agent_cli._run(argparse.Namespace(once=False), settings) == 0
+    assert seen["at start"] == [] and [s.split(":")[0] for s in seen["blocked"]] == ["event loop"]  # type: ignore[attr-defined]

@@ -94,3 +94,35 @@ async def test_a_kubelet_hanging_in_register_does_not_hold_up_a_withdrawal(plugi
     finally:
         await kubelet.stop(0)
         await plugins.close()
+
+
+async def test_a_kubelet_hanging_in_register_of_a_new_resource_does_not_hold_up_a_withdrawal(plugin_dir):
+    """An update that adds a resource registers its new server outside the lock too: a withdrawal
+    made meanwhile does not wait for a Register the kubelet accepted and does not answer."""
+    plugins = DevicePluginManager(plugin_dir, register_timeout_s=1.5)
+    await plugins.update(advertise([GPU]))  # before the kubelet: served, not registered
+    entered = asyncio.Event()
+
+    async def hang(request: Any, context: Any) -> Any:
+        entered.set()
+        await asyncio.sleep(10)
+        return protocol.messages()["Empty"]()
+    kubelet = grpc.aio.server()
+    kubelet.add_generic_rpc_handlers((protocol.registration_handler(hang),))
+    kubelet.add_insecure_port(f"unix://{plugins.kubelet_socket}")
+    await kubelet.start()
+    try:
+        more = GpuView(index=0, uuid="GPU-0", memory_gb=80, mig_enabled=True,
+                       mig=(*GPU.mig, MigDeviceView("2g.20gb", "MIG-d")))
+        adding = asyncio.create_task(plugins.update(advertise([more])))  # a new resource: its Register hangs
+        await asyncio.wait_for(entered.wait(), 5)
+        started = time.monotonic()
+        await plugins.withdraw("MIG-a")
+        took = time.monotonic() - started
+        assert took < 1.0, took
+        assert [d.id for d in plugins.advertised()["nvidia.com/mig-1g.10gb"]] == ["MIG-b"]
+        await adding  # its Register times out: retried at the watch's next look
+        assert "nvidia.com/mig-2g.20gb" in plugins.servers and not plugins.registrations
+    finally:
+        await kubelet.stop(0)
+        await plugins.close()

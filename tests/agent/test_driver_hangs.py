@@ -12,6 +12,7 @@ import inspect
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 
 import grpc
 import pytest
@@ -20,7 +21,7 @@ from dynpart.agent.deviceplugin import protocol
 from dynpart.agent.driver.fake import FakeNvml
 from dynpart.agent.driver.interface import NOT_RESPONDING, DriverNotResponding, GpuDriver
 from dynpart.agent.driver.threaded import AsyncDriver
-from dynpart.agent.loop import Agent
+from dynpart.agent.loop import Agent, health_and_instances
 from dynpart.annotations import STATUS_ERROR, STATUS_UNHEALTHY
 from dynpart.probing import Liveness
 
@@ -314,3 +315,84 @@ async def test_a_hung_driver_does_not_fail_liveness(hang):
     probing.set()
     assert rig.node_api.annotations.get(STATUS_UNHEALTHY) == "0"
     assert rig.driver.hung_calls == 1 and liveness.samples == []
+
+
+# --- a slow driver is not a stuck one ------------------------------------------------------------
+
+
+async def test_a_batch_of_reads_longer_than_the_limit_is_not_stuck_while_its_calls_return():
+    """A read limit is how long the driver may go without answering, not how long a batch of reads
+    may take: on 8 carved GPUs a slow but healthy driver answers hundreds of NVML calls in more
+    than the limit, and that must not report every GPU unhealthy."""
+    fake = FakeNvml(H100, 8)
+    driver = AsyncDriver(fake, read_limit_s=0.2)
+    beats: list[float] = []
+    driver.on_answer = lambda: beats.append(time.monotonic())
+    devices = await driver.devices()
+    fake.read_delay_s = 0.05  # each read: 16 of them, 0.8 s in all, each well within the limit
+    started = time.monotonic()
+    read = await driver.read(health_and_instances, devices)
+    assert time.monotonic() - started > 0.6 and [problem for problem, _ in read] == [None] * 8
+    assert len(beats) >= 3  # the pass's liveness beats while the batch goes on, not only at its end
+
+
+async def test_a_batch_that_stops_answering_fails_its_limit_after_its_last_answer(hang):
+    fake = FakeNvml(H100, 2)
+    driver = AsyncDriver(fake, read_limit_s=0.3)
+    fake.read_delay_s = 0.1
+    answered: list[float] = []
+
+    def batch(d: GpuDriver) -> None:
+        for _ in range(5):  # 0.5 s of answers: longer than the limit
+            d.devices()
+        answered.append(time.monotonic())
+        hang(fake)
+        d.devices()
+
+    with pytest.raises(DriverNotResponding, match=r"did not answer batch\(\) within 0.3 s"):
+        await driver.read(batch)
+    assert 0.25 <= time.monotonic() - answered[0] < 0.6  # the limit from its last answer, not from its start
+    with pytest.raises(DriverNotResponding, match=r"has not answered batch\(\)"):
+        await driver.devices()  # the stuck batch is in the way: not queued behind it
+    fake.unhang()
+    assert await until(lambda: fake.hung_calls == 0)
+
+
+async def test_a_slow_driver_keeps_the_gpus_healthy_on_a_node_of_8_carved_gpus():
+    rig = make_rig(count=8).with_plugins()
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({i: [f"1g.10gb@{s}" for s in range(7)] for i in range(8)}, plan="p1"))
+    report = await agent.reconcile_once()
+    assert not report.failed, report.errors
+    agent.driver.read_limit_s = 0.25
+    rig.driver.read_delay_s = 0.02  # the pass's batches of reads each take longer than the limit
+    report = await agent.reconcile_once()
+    assert not report.failed, report.errors
+    assert STATUS_UNHEALTHY not in rig.node_api.annotations and agent.unhealthy == {}
+
+
+async def test_a_call_given_up_on_as_the_thread_takes_it_is_still_known_stuck(hang, monkeypatch):
+    """The caller's limit can end while the driver's thread is between taking the call and
+    marking it running: the call must still be the one known stuck, or the next call would queue
+    behind it and wait its whole limit."""
+    original = Future.set_running_or_notify_cancel
+
+    def slow_to_mark(self: Future) -> bool:  # the thread descheduled right after taking the call
+        took = original(self)
+        if threading.current_thread().name.startswith("gpu-driver"):
+            time.sleep(0.4)
+        return took
+    monkeypatch.setattr(Future, "set_running_or_notify_cancel", slow_to_mark)
+    fake = FakeNvml(H100, 1)
+    driver = AsyncDriver(fake, read_limit_s=0.2)
+    hang(fake)
+    with pytest.raises(DriverNotResponding):
+        await driver.devices()
+    monkeypatch.undo()
+    started = time.monotonic()
+    with pytest.raises(DriverNotResponding, match=r"has not answered devices\(\)"):
+        await driver.gpu_instances(0)
+    assert time.monotonic() - started < 0.1
+    assert driver.busy  # (what the agent's way out asks: a thread inside the driver)
+    fake.unhang()
+    assert await until(lambda: not driver.busy and fake.hung_calls == 0)

@@ -1,31 +1,51 @@
 """ProcessMpsDaemon with a stand-in for nvidia-cuda-mps-control: a daemon that is busy (no answer
-in time while its process lives) is not taken for dead and started a second time, and stopping
-it (the agent's way out) is one bounded `quit`."""
+in time while its process lives) is not taken for dead and started a second time, nor told to quit
+for a change of GPUs; a stale pid file is not taken for a live daemon; stopping it (the agent's way
+out) is one bounded `quit`. And the agent does not restart it for other GPUs while pods use it."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
+import shutil
+import subprocess
 import textwrap
+import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 
-from dynpart.agent.mps_daemon import MpsDaemonError, ProcessMpsDaemon
+from dynpart.agent.driver.fake import FakeNvml
+from dynpart.agent.mps_daemon import (
+    DAEMON_COMM,
+    PID_FILE,
+    FakeMpsDaemon,
+    MpsDaemonBusy,
+    MpsDaemonError,
+    ProcessMpsDaemon,
+)
+from dynpart.agent.mps_plugin import MpsPluginAgent
+from dynpart.agent.podresources import FakePodResources
+from tests.agent.conftest import H100
 from tests.agent.test_nodepods import installed_control
 
 # as tests/agent/test_nodepods.py's stand-in, and: each command is logged; a BUSY file in the pipe
 # directory makes the control commands hang (a daemon slow to answer); HANG makes them hang for
-# good, recording the hanging command's pid; -d refuses while a daemon runs, as the real one does
+# good, recording the hanging command's pid; -d refuses while a daemon runs, as the real one does.
+# The daemon is a `sleep` named as the real one (its /proc comm "nvidia-cuda-mps": a link's name)
 FAKE_CONTROL = textwrap.dedent("""\
     #!/bin/sh
     pidfile="$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"
     alive() { [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null \\
+              && [ "$(cat "/proc/$(cat "$pidfile")/comm" 2>/dev/null)" = nvidia-cuda-mps ] \\
               && ! grep -q '^State:.*Z' "/proc/$(cat "$pidfile")/status" 2>/dev/null; }
     if [ "$1" = "-d" ]; then
       echo "-d" >> "$CUDA_MPS_LOG_DIRECTORY/commands"
       alive && { echo "An instance of this daemon is already running"; exit 1; }
-      sleep 300 >/dev/null 2>&1 &
+      bin="$(dirname "$0")/daemon"; mkdir -p "$bin"; ln -sf "$(command -v sleep)" "$bin/nvidia-cuda-mps-control"
+      "$bin/nvidia-cuda-mps-control" 300 >/dev/null 2>&1 &
       echo $! > "$pidfile"
       echo "$CUDA_VISIBLE_DEVICES" >> "$CUDA_MPS_LOG_DIRECTORY/starts"
       exit 0
@@ -108,3 +128,159 @@ async def test_a_stop_cut_short_leaves_no_command_running(control, tmp_path):
     else:
         raise AssertionError(f"the quit command {hung} still runs")
     os.kill(int((pipe / "nvidia-cuda-mps-control.pid").read_text()), 9)
+
+
+# --- a stale pid file ------------------------------------------------------------------------------
+
+
+def _pid_file_naming(pipe, pid: int) -> ProcessMpsDaemon:
+    pipe.mkdir(parents=True, exist_ok=True)
+    (pipe / PID_FILE).write_text(f"{pid}\n")
+    daemon = ProcessMpsDaemon()
+    daemon.dirs = (str(pipe), str(pipe))
+    return daemon
+
+
+def test_a_stale_pid_file_naming_another_process_or_a_thread_is_not_the_daemon(tmp_path, control):
+    """A daemon killed by SIGKILL or the OOM killer leaves its pid file (the pipe directory is a
+    hostPath); in a new container its pid may name another process, or a thread: either taken for
+    the daemon, a dead one would be kept for ever and its slices stay Unhealthy."""
+    pipe = tmp_path / "pipe"
+    assert not _pid_file_naming(pipe, os.getpid())._process_lives()  # another process (this one)
+    named, done = threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def thread_named_as_the_daemon() -> None:
+        ctypes.CDLL(None).prctl(15, b"nvidia-cuda-mps", 0, 0, 0)  # PR_SET_NAME: its /proc comm
+        tid.append(threading.get_native_id())
+        named.set()
+        done.wait(10)
+    threading.Thread(target=thread_named_as_the_daemon, daemon=True).start()
+    try:
+        assert named.wait(5)
+        with open(f"/proc/{tid[0]}/comm") as f:
+            assert f.read().strip() == DAEMON_COMM
+        assert not _pid_file_naming(pipe, tid[0])._process_lives()  # a thread of another process
+    finally:
+        done.set()
+    # the daemon itself (named as nvidia-cuda-mps-control names it), and once it ended (a zombie)
+    link = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    link.parent.mkdir()
+    link.symlink_to(shutil.which("sleep"))
+    proc = subprocess.Popen([str(link), "300"])
+    try:
+        assert _pid_file_naming(pipe, proc.pid)._process_lives()
+        proc.kill()
+        for _ in range(200):  # (not reaped: no wait() yet)
+            with open(f"/proc/{proc.pid}/status") as f:
+                if "\nState:\tZ" in f.read():
+                    break
+            time.sleep(0.01)
+        assert not _pid_file_naming(pipe, proc.pid)._process_lives()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_a_dead_daemon_whose_pid_was_reused_is_started_again(control, tmp_path):
+    pipe, logs = tmp_path / "pipe", tmp_path / "log"
+    daemon = ProcessMpsDaemon(control, timeout_s=0.3)
+    await daemon.ensure(["GPU-a"], str(pipe), str(logs))
+    os.kill(int((pipe / PID_FILE).read_text()), 9)  # OOM-killed; its pipe left, its commands hang
+    (pipe / PID_FILE).write_text(f"{os.getpid()}\n")  # and its pid names another process now
+    (pipe / "BUSY").touch()
+    assert await daemon.alive() is False
+    (pipe / "BUSY").unlink()
+    await daemon.ensure(["GPU-a"], str(pipe), str(logs))
+    assert _lines(logs / "starts") == ["GPU-a", "GPU-a"] and daemon.restarts == 1
+    await daemon.stop()
+
+
+# --- a change of GPUs, a slow start ---------------------------------------------------------------
+
+
+async def test_a_busy_daemon_is_kept_when_its_gpus_change(control, tmp_path):
+    """Told to `quit` while busy it would not have quit when the `-d` after it came: it is kept as
+    it is (its slices Unhealthy meanwhile) and restarted for the new GPUs once it answers."""
+    pipe, logs = tmp_path / "pipe", tmp_path / "log"
+    daemon = ProcessMpsDaemon(control, timeout_s=0.5)
+    await daemon.ensure(["GPU-a"], str(pipe), str(logs))
+    (pipe / "BUSY").touch()
+    with pytest.raises(MpsDaemonBusy, match="for GPU-a does not answer .* kept") as busy:
+        await daemon.ensure(["GPU-a", "GPU-b"], str(pipe), str(logs))
+    assert busy.value.gpus == ("GPU-a",) and daemon.gpus == ("GPU-a",)
+    assert "quit" not in _lines(logs / "commands") and _lines(logs / "commands").count("-d") == 1
+    (pipe / "BUSY").unlink()
+    await daemon.ensure(["GPU-a", "GPU-b"], str(pipe), str(logs))
+    assert _lines(logs / "starts") == ["GPU-a", "GPU-a,GPU-b"]
+    asked = "get_default_active_thread_percentage"
+    assert _lines(logs / "commands")[-4:] == [asked, "quit", "-d", asked]  # answers: then restarted
+    await daemon.stop()
+
+
+async def test_a_daemon_slow_to_answer_after_its_start_is_not_asked_twenty_times(control, tmp_path):
+    pipe, logs = tmp_path / "pipe", tmp_path / "log"
+    pipe.mkdir()
+    (pipe / "BUSY").touch()  # it starts, and its control commands take longer than timeout_s
+    daemon = ProcessMpsDaemon(control, timeout_s=0.3)
+    started = time.monotonic()
+    with pytest.raises(MpsDaemonBusy, match="kept, not started again"):
+        await daemon.ensure(["GPU-a"], str(pipe), str(logs))
+    assert time.monotonic() - started < 2  # one answer's wait, not 20 of them
+    assert _lines(logs / "starts") == ["GPU-a"]
+    (pipe / "BUSY").unlink()
+    await daemon.ensure(["GPU-a"], str(pipe), str(logs))  # it answers now: kept, not started again
+    assert _lines(logs / "starts") == ["GPU-a"]
+    await daemon.stop()
+
+
+async def test_the_daemon_is_not_restarted_for_other_gpus_once_a_pod_took_a_slice_during_the_pass():
+    """The pass's first PodResources list showed no slice in use, but the guard's waits that
+    follow leave the kubelet time to give one to a pod: a restart for the new set of GPUs would end
+    that pod's CUDA context. The pods are read again right before the restart."""
+    driver = FakeNvml(H100, 2, mig_enabled=False)
+    pods = FakePodResources()
+    daemon = FakeMpsDaemon()
+    mps = MpsPluginAgent(driver, pods, 79, daemon=daemon)
+    await mps.apply({0: [40], 1: [20]})
+    assert daemon.starts == [("GPU-fake-0000", "GPU-fake-0001")]
+    driver.set_mig_mode(1, True)  # GPU 1 leaves MPS: the daemon would run for GPU 0 only
+    first = pods.calls + 1
+
+    def taken_meanwhile(n: int) -> None:
+        if n == first + 1:  # after the pass's first list
+            pods.assign("ns/late", "nvidia.com/gpu-40gb", "GPU-fake-0000::0")
+    pods.on_list = taken_meanwhile
+    await mps.apply({0: [40]})
+    assert pods.calls > first  # read again
+    assert daemon.starts == [("GPU-fake-0000", "GPU-fake-0001")] and daemon.running  # not restarted
+    pods.release("ns/late")
+    await mps.apply({0: [40]})  # no pod uses it any more: now it is
+    assert daemon.starts[-1] == ("GPU-fake-0000",)
+
+
+async def test_a_daemon_kept_busy_for_a_change_of_gpus_still_runs_for_its_old_ones():
+    """Kept busy, the daemon still runs for its old GPUs: a later pass with slices in use must see
+    the change still to be made (and not make it), not take the new set for the daemon's."""
+
+    class BusyForAChange(FakeMpsDaemon):
+        busy = False
+
+        async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
+            if self.busy and tuple(gpu_uuids) != self.gpus:
+                raise MpsDaemonBusy("does not answer: kept", self.gpus)
+            await super().ensure(gpu_uuids, pipe_dir, log_dir)
+
+    driver = FakeNvml(H100, 2, mig_enabled=False)
+    pods = FakePodResources()
+    daemon = BusyForAChange()
+    mps = MpsPluginAgent(driver, pods, 79, daemon=daemon)
+    await mps.apply({0: [40], 1: [20]})
+    driver.set_mig_mode(1, True)
+    daemon.busy = True
+    result = await mps.apply({0: [40]})
+    assert any("does not answer: kept" in e for e in result.errors) and not mps.healthy
+    daemon.busy = False
+    pods.assign("ns/a", "nvidia.com/gpu-40gb", "GPU-fake-0000::0")
+    await mps.apply({0: [40]})
+    assert daemon.starts == [("GPU-fake-0000", "GPU-fake-0001")] and mps.healthy

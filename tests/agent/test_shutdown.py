@@ -158,3 +158,36 @@ def test_the_loop_runner_returns_and_raises_as_asyncio_run():
         assert str(e) == "no"
     else:
         raise AssertionError("not raised")
+
+
+def test_the_process_exits_at_once_while_the_driver_thread_is_inside_a_call():
+    """The driver's thread is a daemon nothing waits for, but a normal exit while it is inside
+    libnvidia-ml would run the library's destructors beside the call (a hang until SIGKILL): the
+    runner exits with os._exit instead (no atexit handler runs)."""
+    code = textwrap.dedent("""\
+        import asyncio, atexit, sys
+        from dynpart.agent.cli import _run_loop
+        from dynpart.agent.driver.fake import FakeNvml
+        from dynpart.agent.driver.threaded import AsyncDriver
+        from dynpart.catalog import default_catalog
+
+        atexit.register(lambda: print("a normal exit"))
+
+        async def main():
+            fake = FakeNvml(default_catalog().resolve("H100-80GB"), 1)
+            driver = AsyncDriver(fake, read_limit_s=0.1)
+            fake.hang()  # a call that never returns
+            try:
+                await driver.devices()
+            except Exception as e:
+                print(type(e).__name__)
+            return 5
+
+        sys.exit(_run_loop(main(), threads_s=0.3))
+    """)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 5, done.stderr
+    assert "DriverNotResponding" in done.stdout and "a normal exit" not in done.stdout
+    assert "the driver call devices(), running in the driver's thread, did not end in 0.3 s" in done.stderr
+    assert time.monotonic() - started < 15
