@@ -65,9 +65,9 @@ async def test_registrations_are_bounded(plugin_dir, monkeypatch):
     await plugins.close()
 
 
-async def test_a_kubelet_hanging_in_register_does_not_hold_up_a_withdrawal(plugin_dir):
-    """check() registers outside the manager's lock: the pass's withdraw and update do not wait
-    for a Register the kubelet accepted and does not answer."""
+async def hanging_kubelet(plugin_dir: str) -> tuple[DevicePluginManager, grpc.aio.Server, asyncio.Event]:
+    """A plugin serving GPU (not registered yet) and a kubelet that accepts Register and never
+    answers it (`entered` set when it is called)."""
     plugins = DevicePluginManager(plugin_dir, register_timeout_s=1.5)
     await plugins.update(advertise([GPU]))  # before the kubelet: served, not registered
     entered = asyncio.Event()
@@ -80,6 +80,13 @@ async def test_a_kubelet_hanging_in_register_does_not_hold_up_a_withdrawal(plugi
     kubelet.add_generic_rpc_handlers((protocol.registration_handler(hang),))
     kubelet.add_insecure_port(f"unix://{plugins.kubelet_socket}")
     await kubelet.start()
+    return plugins, kubelet, entered
+
+
+async def test_a_kubelet_hanging_in_register_does_not_hold_up_a_withdrawal(plugin_dir):
+    """check() registers outside the manager's lock: the pass's withdraw and update do not wait
+    for a Register the kubelet accepted and does not answer."""
+    plugins, kubelet, entered = await hanging_kubelet(plugin_dir)
     try:
         checking = asyncio.create_task(plugins.check())  # what the watch does every poll_s
         await asyncio.wait_for(entered.wait(), 5)
@@ -99,18 +106,7 @@ async def test_a_kubelet_hanging_in_register_does_not_hold_up_a_withdrawal(plugi
 async def test_a_kubelet_hanging_in_register_of_a_new_resource_does_not_hold_up_a_withdrawal(plugin_dir):
     """An update that adds a resource registers its new server outside the lock too: a withdrawal
     made meanwhile does not wait for a Register the kubelet accepted and does not answer."""
-    plugins = DevicePluginManager(plugin_dir, register_timeout_s=1.5)
-    await plugins.update(advertise([GPU]))  # before the kubelet: served, not registered
-    entered = asyncio.Event()
-
-    async def hang(request: Any, context: Any) -> Any:
-        entered.set()
-        await asyncio.sleep(10)
-        return protocol.messages()["Empty"]()
-    kubelet = grpc.aio.server()
-    kubelet.add_generic_rpc_handlers((protocol.registration_handler(hang),))
-    kubelet.add_insecure_port(f"unix://{plugins.kubelet_socket}")
-    await kubelet.start()
+    plugins, kubelet, entered = await hanging_kubelet(plugin_dir)
     try:
         more = GpuView(index=0, uuid="GPU-0", memory_gb=80, mig_enabled=True,
                        mig=(*GPU.mig, MigDeviceView("2g.20gb", "MIG-d")))
