@@ -16,7 +16,10 @@ from dynpart.planner.core import POLICIES, PlanOptions, plan
 from dynpart.snapshot import Plan, Snapshot, parse_snapshot
 
 if TYPE_CHECKING:  # the Kubernetes client is imported only for a live cluster
+    from collections.abc import Mapping
+
     from dynpart.kube.client import Obj
+    from dynpart.planner.cluster_view import ClusterView
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,7 +55,8 @@ def _load_snapshot_file(path: str) -> Snapshot:
 async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
                          ) -> tuple[Snapshot, Catalog, list[tuple[Obj, str]], dict[str, Obj], list[tuple[Obj, str]]]:
     """The snapshot a planning round would see now, its catalog, the problems it found, the pods
-    by key, and the pods meant for other nodes (with why)."""
+    by key, and the pods it would not plan (with why): meant for other nodes, excluded by every
+    node (anti-affinity, host ports, spread, resources), or left to the next round."""
     from kubernetes_asyncio import client
 
     from dynpart.annotations import PARTITIONING_LABEL
@@ -68,7 +72,18 @@ async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
         await api.close()
     view = build_snapshot(nodes["items"], pods["items"], catalog)
     by_key = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in pods["items"]}
-    return view.snapshot, view.catalog, view.problems, by_key, view.elsewhere
+    return view.snapshot, view.catalog, view.problems, by_key, not_planned(view, by_key)
+
+
+def not_planned(view: ClusterView, by_key: Mapping[str, Obj]) -> list[tuple[Obj, str]]:
+    """The pending pods a round would not plan, with why: meant for other nodes, excluded by every
+    node (anti-affinity, host ports, spread, resources), or left to the next round."""
+    later = [(by_key[k], f"pod {k} is planned by the round after the one that plans {older}: their required pod "
+                         "anti-affinity, host ports or spread constraints conflict, and the older goes first")
+             for k, older in view.deferred.items() if k in by_key]
+    blocked = [(obj, f"pod {obj['metadata']['namespace']}/{obj['metadata']['name']} cannot be placed: {why}")
+               for obj, why in view.blocked]
+    return [*view.elsewhere, *blocked, *later]
 
 
 def describe(result: Plan, pod: str) -> str:

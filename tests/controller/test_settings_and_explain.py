@@ -82,9 +82,12 @@ def test_explain_on_the_live_cluster_says_why_dynpart_cannot_plan_a_pod(capsys, 
     from tests.controller.test_cluster_view import node
     nodes: list = [node("n1")]
 
+    pods: list = [bad]
+
     async def live(kubeconfig, catalog):
-        view = build_snapshot(nodes, [bad], default_catalog())
-        return view.snapshot, view.catalog, view.problems, {"ml/bad": bad}, view.elsewhere
+        view = build_snapshot(nodes, pods, default_catalog())
+        by_key = {f"ml/{p['metadata']['name']}": p for p in pods}
+        return view.snapshot, view.catalog, view.problems, by_key, explain.not_planned(view, by_key)
 
     monkeypatch.setattr(explain, "_live_snapshot", live)
     assert main(["explain", "ml/bad"]) == 2
@@ -92,6 +95,15 @@ def test_explain_on_the_live_cluster_says_why_dynpart_cannot_plan_a_pod(capsys, 
     nodes.clear()  # no dynpart node: the pod is another pool's, and explain says so
     assert main(["explain", "ml/bad"]) == 2
     assert "pod ml/bad is not planned: no node is labelled dynpart.io/gpu-partitioning" in capsys.readouterr().err
+    # replicas that must not share a node: the younger waits for the next round, and says so
+    from tests.controller.test_pod_conflicts import labelled, replica
+    nodes.append(labelled(node("n1")))
+    pods[:] = [replica("web-0"), replica("web-1")]
+    assert main(["explain", "ml/web-1"]) == 2
+    assert "pod ml/web-1 is planned by the round after the one that plans ml/web-0" in capsys.readouterr().err
+    pods[:] = [replica("web-0", bound="n1"), replica("web-1")]
+    assert main(["explain", "ml/web-1"]) == 2
+    assert "pod ml/web-1 cannot be placed: no node that could take it has room" in capsys.readouterr().err
 
 
 def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path):
