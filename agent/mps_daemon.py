@@ -239,6 +239,9 @@ class ProcessMpsDaemon:
         rotate_logs(log_dir)
         code, out = await self._run("-d")
         if code != 0:
+            # which GPUs a daemon runs for now is unknown (one may still run, for the old ones, and
+            # have refused this start): the next `ensure` must not take it as running for `wanted`
+            self.gpus = ()
             raise MpsDaemonError(f"{self.binary} -d exited with {code}: {out or 'no output'}")
         for _ in range(20):  # it forks; its control pipe appears shortly after
             state = await self.alive()

@@ -190,8 +190,15 @@ class AsyncDriver:
         either) on the driver's thread, within `limit_s`, never on the event loop: the agent's
         start stays visible (its log, /healthz) and can give up. A start that has not returned
         in time fails with DriverNotResponding, and so does every later one at once while it is
-        still inside the library: two inits are never made side by side. (One that returns after
-        its caller gave up is dropped, and the next try inits again: NVML counts its inits.)"""
+        still inside the library: two inits are never made side by side. One that returns after
+        its caller gave up is taken by the next try, not made again: NVML counts its inits, and
+        with two its re-initialisation after a lost GPU (shutdown, init) would never take effect."""
+        late = self._stuck
+        if (late is not None and late.what == "nvmlInit()" and late.future.done() and not late.future.cancelled()
+                and late.future.exception() is None):
+            self._stuck, self.sync = None, late.future.result()
+            log.info("the GPU driver answers again: nvmlInit() returned")
+            return
         self.sync = await self._call(limit_s, "nvmlInit()", factory)
 
     # --- reads ---

@@ -236,6 +236,24 @@ async def test_a_driver_that_does_not_answer_nvml_init_does_not_block_the_start(
     assert "has not answered nvmlInit()" in caplog.text  # (each later try, in the waiting log)
 
 
+async def test_an_nvml_init_that_returns_late_is_taken_not_made_again(monkeypatch):
+    """NVML counts its inits: a second one beside a late first would leave the re-initialisation
+    after a lost GPU (shutdown, init) without effect. The late one's driver is taken."""
+    from dynpart.agent import cli as agent_cli
+
+    release = threading.Event()
+    made = []
+
+    def slow():  # type: ignore[no-untyped-def]
+        made.append(FakeNvml(H100, 1))
+        release.wait(3)
+        return made[-1]
+    monkeypatch.setattr(agent_cli, "_real_driver", slow)
+    threading.Timer(0.4, release.set).start()  # answers after the first try gave up
+    driver = await agent_cli._wait_for_driver(wait_s=5, first_s=0.3, start_limit_s=0.2)
+    assert len(made) == 1 and driver.sync is made[0]
+
+
 async def test_liveness_watches_the_event_loop_from_the_start(monkeypatch):
     """Before the first pass (waiting for NVML, the API server, the node lock) /healthz already
     fails if the event loop is blocked: nothing is served yet, so a restart then loses nothing."""

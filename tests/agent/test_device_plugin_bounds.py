@@ -65,14 +65,16 @@ async def test_registrations_are_bounded(plugin_dir, monkeypatch):
     await plugins.close()
 
 
-async def hanging_kubelet(plugin_dir: str) -> tuple[DevicePluginManager, grpc.aio.Server, asyncio.Event]:
+async def hanging_kubelet(plugin_dir: str) -> tuple[DevicePluginManager, grpc.aio.Server, asyncio.Event, list[str]]:
     """A plugin serving GPU (not registered yet) and a kubelet that accepts Register and never
-    answers it (`entered` set when it is called)."""
+    answers it (`entered` set when it is called; the resources asked for, in order)."""
     plugins = DevicePluginManager(plugin_dir, register_timeout_s=1.5)
     await plugins.update(advertise([GPU]))  # before the kubelet: served, not registered
     entered = asyncio.Event()
+    asked: list[str] = []
 
     async def hang(request: Any, context: Any) -> Any:
+        asked.append(request.resource_name)
         entered.set()
         await asyncio.sleep(10)
         return protocol.messages()["Empty"]()
@@ -80,13 +82,13 @@ async def hanging_kubelet(plugin_dir: str) -> tuple[DevicePluginManager, grpc.ai
     kubelet.add_generic_rpc_handlers((protocol.registration_handler(hang),))
     kubelet.add_insecure_port(f"unix://{plugins.kubelet_socket}")
     await kubelet.start()
-    return plugins, kubelet, entered
+    return plugins, kubelet, entered, asked
 
 
 async def test_a_kubelet_hanging_in_register_does_not_hold_up_a_withdrawal(plugin_dir):
     """check() registers outside the manager's lock: the pass's withdraw and update do not wait
     for a Register the kubelet accepted and does not answer."""
-    plugins, kubelet, entered = await hanging_kubelet(plugin_dir)
+    plugins, kubelet, entered, _ = await hanging_kubelet(plugin_dir)
     try:
         checking = asyncio.create_task(plugins.check())  # what the watch does every poll_s
         await asyncio.wait_for(entered.wait(), 5)
@@ -106,7 +108,7 @@ async def test_a_kubelet_hanging_in_register_does_not_hold_up_a_withdrawal(plugi
 async def test_a_kubelet_hanging_in_register_of_a_new_resource_does_not_hold_up_a_withdrawal(plugin_dir):
     """An update that adds a resource registers its new server outside the lock too: a withdrawal
     made meanwhile does not wait for a Register the kubelet accepted and does not answer."""
-    plugins, kubelet, entered = await hanging_kubelet(plugin_dir)
+    plugins, kubelet, entered, asked = await hanging_kubelet(plugin_dir)
     try:
         more = GpuView(index=0, uuid="GPU-0", memory_gb=80, mig_enabled=True,
                        mig=(*GPU.mig, MigDeviceView("2g.20gb", "MIG-d")))
@@ -117,6 +119,10 @@ async def test_a_kubelet_hanging_in_register_of_a_new_resource_does_not_hold_up_
         took = time.monotonic() - started
         assert took < 1.0, took
         assert [d.id for d in plugins.advertised()["nvidia.com/mig-1g.10gb"]] == ["MIG-b"]
+        # the watch's look meanwhile (here: for that resource alone) makes no second Register
+        # beside the one under way
+        await plugins._register(plugins.servers["nvidia.com/mig-2g.20gb"])
+        assert asked == ["nvidia.com/mig-2g.20gb"], asked
         await adding  # its Register times out: retried at the watch's next look
         assert "nvidia.com/mig-2g.20gb" in plugins.servers and not plugins.registrations
     finally:

@@ -218,6 +218,26 @@ async def test_a_busy_daemon_is_kept_when_its_gpus_change(control, tmp_path):
     await daemon.stop()
 
 
+async def test_a_start_refused_leaves_the_gpus_unknown_not_the_new_ones(control, tmp_path, monkeypatch):
+    """A busy daemon taken for gone (its pid file unreadable, say) is not told to quit, and the
+    `-d` for the new GPUs is refused: the agent must not then take the daemon as running for the
+    new GPUs once it answers (it serves the old ones only, and pods on the new GPU would get no
+    MPS server), so it is restarted for them."""
+    pipe, logs = tmp_path / "pipe", tmp_path / "log"
+    daemon = ProcessMpsDaemon(control, timeout_s=0.5)
+    await daemon.ensure(["GPU-a"], str(pipe), str(logs))
+    (pipe / "BUSY").touch()
+    with monkeypatch.context() as m:
+        m.setattr(daemon, "_process_lives", lambda: False)  # wrongly: gone
+        with pytest.raises(MpsDaemonError, match="-d exited with 1"):
+            await daemon.ensure(["GPU-a", "GPU-b"], str(pipe), str(logs))
+    assert daemon.gpus == ()
+    (pipe / "BUSY").unlink()
+    await daemon.ensure(["GPU-a", "GPU-b"], str(pipe), str(logs))
+    assert _lines(logs / "starts") == ["GPU-a", "GPU-a,GPU-b"], "restarted for the new GPUs"
+    await daemon.stop()
+
+
 async def test_a_daemon_slow_to_answer_after_its_start_is_not_asked_twenty_times(control, tmp_path):
     pipe, logs = tmp_path / "pipe", tmp_path / "log"
     pipe.mkdir()
