@@ -643,7 +643,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
         try:
             if not is_batch_candidate(pod) or pod_key(pod) in exclude_pods or pod_key(pod) in reserved:
                 continue
-            scheduler = _field(pod, "spec", "schedulerName") or DEFAULT_SCHEDULER
+            scheduler = scheduler_of(pod)
             if scheduler not in scheduler_names:
                 elsewhere.append((pod, f"pod {pod_key(pod)} is not planned: scheduler {scheduler!r} places it, and "
                                        f"dynpart plans for the pods of {', '.join(map(repr, scheduler_names))} "
@@ -860,6 +860,11 @@ def revoking_patch(node: dict[str, Any], catalog: Catalog, plan_id: str,
     if isinstance(old, str):
         spec[SPEC_REVOKES] = old
     return annotation_patch(current, spec)  # type: ignore[arg-type]  # a mapping or None, as read
+
+
+def scheduler_of(pod: dict[str, Any]) -> str:
+    """The scheduler that places the pod (`spec.schedulerName`; the API's default when unset)."""
+    return str(_field(pod, "spec", "schedulerName") or DEFAULT_SCHEDULER)
 
 
 def _field(obj: object, *path: str) -> object:

@@ -60,6 +60,7 @@ from dynpart.planner.cluster_view import (
     pod_key,
     reported_slices,
     revoking_patch,
+    scheduler_of,
     slice_requests,
     switch_target,
     switching_patch,
@@ -690,9 +691,8 @@ class PlannerController:
             (log.debug if message in logged else log.warning)(message)
         for _, message in view.elsewhere:  # other nodes' pods: no Event, said once in the log
             (log.debug if message in logged else log.info)(message)
-        for scheduler in sorted({str(_field_of(o, "spec", "schedulerName")) for o, _ in view.elsewhere
-                                 if _field_of(o, "spec", "schedulerName") not in (None, *self.settings.scheduler_names)}
-                                - self._schedulers_told):
+        for scheduler in sorted({scheduler_of(o) for o, _ in view.elsewhere}
+                                - {*self.settings.scheduler_names, *self._schedulers_told}):
             # once per scheduler: a kube-scheduler profile of another name must be added by hand
             self._schedulers_told.add(scheduler)
             log.warning("pods that scheduler %r places are not planned (planner setting scheduler_names: %s); if it is "
@@ -957,13 +957,6 @@ def _room_may_have_grown(before: Mapping[str, str], after: Mapping[str, str]) ->
                 != free_after.get(base, Counter()) + used_after.get(base, Counter())):
             return True  # slices destroyed (a drain) or changed otherwise: room on the GPU
     return False
-
-
-def _field_of(obj: Obj, *path: str) -> object:
-    value: object = obj
-    for key in path:
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
 
 
 def _ignore(kind: str, obj: Obj) -> None:

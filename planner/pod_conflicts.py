@@ -105,27 +105,31 @@ class PodFacts:
                                                       or any(c.selects(self.labels) for c in other.spread))
 
 
-def _dict(value: object) -> dict[str, Any]:
+def as_dict(value: object) -> dict[str, Any]:
+    """A field of an API object read as a mapping: empty when missing or of another type."""
     return value if isinstance(value, dict) else {}
 
 
-def _list(value: object) -> list[Any]:
+def as_list(value: object) -> list[Any]:
+    """A field of an API object read as a list: empty when missing or of another type."""
     return value if isinstance(value, list) else []
 
 
+
+
 def _labels(metadata: Mapping[str, Any]) -> dict[str, str]:
-    return {str(k): str(v) for k, v in _dict(metadata.get("labels")).items()}
+    return {str(k): str(v) for k, v in as_dict(metadata.get("labels")).items()}
 
 
 def _selector(raw: object, labels: Mapping[str, str], match_keys: Iterable[str],
               mismatch_keys: Iterable[str]) -> tuple[Requirement, ...] | None:
     if not isinstance(raw, dict):
         return None
-    reqs = [Requirement(str(k), "In", frozenset({str(v)})) for k, v in _dict(raw.get("matchLabels")).items()]
-    for e in _list(raw.get("matchExpressions")):
-        e = _dict(e)
+    reqs = [Requirement(str(k), "In", frozenset({str(v)})) for k, v in as_dict(raw.get("matchLabels")).items()]
+    for e in as_list(raw.get("matchExpressions")):
+        e = as_dict(e)
         reqs.append(Requirement(str(e.get("key")), str(e.get("operator")),
-                                frozenset(str(v) for v in _list(e.get("values")))))
+                                frozenset(str(v) for v in as_list(e.get("values")))))
     # the pod's own values of these keys join the selector (KEP-3633)
     reqs += [Requirement(k, "In", frozenset({labels[k]})) for k in match_keys if k in labels]
     reqs += [Requirement(k, "NotIn", frozenset({labels[k]})) for k in mismatch_keys if k in labels]
@@ -133,62 +137,62 @@ def _selector(raw: object, labels: Mapping[str, str], match_keys: Iterable[str],
 
 
 def _namespaces(term: Mapping[str, Any], own: str) -> frozenset[str] | None:
-    names = {str(n) for n in _list(term.get("namespaces"))}
+    names = {str(n) for n in as_list(term.get("namespaces"))}
     selector = term.get("namespaceSelector")
     if selector is None:
         return frozenset(names) if names else frozenset({own})
-    selector = _dict(selector)
-    match_labels, exprs = _dict(selector.get("matchLabels")), [_dict(e) for e in _list(selector.get("matchExpressions"))]
+    selector = as_dict(selector)
+    match_labels, exprs = as_dict(selector.get("matchLabels")), [as_dict(e) for e in as_list(selector.get("matchExpressions"))]
     if not match_labels and not exprs:
         return None  # {}: every namespace
     if (all(k == NAMESPACE_NAME_LABEL for k in match_labels)
             and all(e.get("key") == NAMESPACE_NAME_LABEL and e.get("operator") == "In" for e in exprs)):
         # on the namespace's name only: the names every requirement admits
-        admitted = [{str(v)} for v in match_labels.values()] + [{str(v) for v in _list(e.get("values"))} for e in exprs]
+        admitted = [{str(v)} for v in match_labels.values()] + [{str(v) for v in as_list(e.get("values"))} for e in exprs]
         return frozenset(names | set.intersection(*admitted))
     return frozenset(names)  # labels of namespaces the planner does not watch: only the names listed
 
 
 def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
-    md, spec = _dict(pod.get("metadata")), _dict(pod.get("spec"))
+    md, spec = as_dict(pod.get("metadata")), as_dict(pod.get("spec"))
     namespace = str(md.get("namespace") or "")
     labels = _labels(md)
-    raw_terms = _list(_dict(_dict(spec.get("affinity")).get("podAntiAffinity"))
+    raw_terms = as_list(as_dict(as_dict(spec.get("affinity")).get("podAntiAffinity"))
                       .get("requiredDuringSchedulingIgnoredDuringExecution"))
     terms = []
-    for t in map(_dict, raw_terms):
+    for t in map(as_dict, raw_terms):
         key = t.get("topologyKey")
         if isinstance(key, str) and key:
             terms.append(AntiAffinityTerm(key, _selector(t.get("labelSelector"), labels,
-                                                         map(str, _list(t.get("matchLabelKeys"))),
-                                                         map(str, _list(t.get("mismatchLabelKeys")))),
+                                                         map(str, as_list(t.get("matchLabelKeys"))),
+                                                         map(str, as_list(t.get("mismatchLabelKeys")))),
                                           _namespaces(t, namespace)))
     ports = []
-    sidecars = [c for c in _list(spec.get("initContainers")) if _dict(c).get("restartPolicy") == "Always"]
-    for c in [*_list(spec.get("containers")), *sidecars]:
-        for p in map(_dict, _list(_dict(c).get("ports"))):
+    sidecars = [c for c in as_list(spec.get("initContainers")) if as_dict(c).get("restartPolicy") == "Always"]
+    for c in [*as_list(spec.get("containers")), *sidecars]:
+        for p in map(as_dict, as_list(as_dict(c).get("ports"))):
             host_port = p.get("hostPort")
             if isinstance(host_port, int) and host_port > 0:
                 ports.append(HostPort(str(p.get("hostIP") or ANY_IP), str(p.get("protocol") or "TCP"), host_port))
     spread = []
-    for c in map(_dict, _list(spec.get("topologySpreadConstraints"))):
+    for c in map(as_dict, as_list(spec.get("topologySpreadConstraints"))):
         key, skew = c.get("topologyKey"), c.get("maxSkew")
         if c.get("whenUnsatisfiable") == "DoNotSchedule" and isinstance(key, str) and key and isinstance(skew, int):
             min_domains = c.get("minDomains")
             spread.append(SpreadConstraint(key, skew, min_domains if isinstance(min_domains, int) else 1,
                                            _selector(c.get("labelSelector"), labels,
-                                                     map(str, _list(c.get("matchLabelKeys"))), ()),
+                                                     map(str, as_list(c.get("matchLabelKeys"))), ()),
                                            c.get("nodeAffinityPolicy") != "Ignore"))
     return PodFacts(f"{namespace}/{md.get('name')}", namespace, labels, tuple(terms), tuple(ports), tuple(spread))
 
 
 def _may_conflict(pod: Mapping[str, Any]) -> bool:
     """The pod has anti-affinity terms or host ports (a cheap look before `pod_facts`)."""
-    spec = _dict(pod.get("spec"))
-    if _dict(spec.get("affinity")).get("podAntiAffinity") or spec.get("topologySpreadConstraints"):
+    spec = as_dict(pod.get("spec"))
+    if as_dict(spec.get("affinity")).get("podAntiAffinity") or spec.get("topologySpreadConstraints"):
         return True
-    return any(_dict(p).get("hostPort") for c in [*_list(spec.get("containers")), *_list(spec.get("initContainers"))]
-               for p in _list(_dict(c).get("ports")))
+    return any(as_dict(p).get("hostPort") for c in [*as_list(spec.get("containers")), *as_list(spec.get("initContainers"))]
+               for p in as_list(as_dict(c).get("ports")))
 
 
 class PlacedPods:
@@ -224,7 +228,7 @@ class PlacedPods:
         if self._by_namespace is None:
             self._by_namespace = {}
             for pod, node in self.placed:
-                md = _dict(pod.get("metadata"))
+                md = as_dict(pod.get("metadata"))
                 self._by_namespace.setdefault(str(md.get("namespace") or ""), []).append(
                     (_labels(md), node, bool(md.get("deletionTimestamp"))))
         return self._by_namespace

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dynpart.planner.pod_conflicts import as_dict, as_list
 from dynpart.scheduling import NodeSelectorRequirement, NodeSelectorTerm
 from dynpart.snapshot import PendingPod
 
@@ -28,21 +29,13 @@ GA_LABEL = {"failure-domain.beta.kubernetes.io/zone": "topology.kubernetes.io/zo
 MAX_TERMS = 64  # a pod whose terms would multiply beyond this is left to the back-off
 
 
-def _dict(value: object) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def _list(value: object) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
 def claim_names(pod: Mapping[str, Any]) -> list[str]:
     """The claims (namespace/name) of the pod's volumes: `persistentVolumeClaim`, and the one an
     `ephemeral` volume gets (`<pod>-<volume>`)."""
-    md, spec = _dict(pod.get("metadata")), _dict(pod.get("spec"))
+    md, spec = as_dict(pod.get("metadata")), as_dict(pod.get("spec"))
     out = []
-    for v in map(_dict, _list(spec.get("volumes"))):
-        claim = _dict(v.get("persistentVolumeClaim")).get("claimName")
+    for v in map(as_dict, as_list(spec.get("volumes"))):
+        claim = as_dict(v.get("persistentVolumeClaim")).get("claimName")
         if isinstance(claim, str) and claim:
             out.append(f"{md.get('namespace')}/{claim}")
         elif "ephemeral" in v:
@@ -53,7 +46,7 @@ def claim_names(pod: Mapping[str, Any]) -> list[str]:
 def volumes_for_planning(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The part of a pod's volumes the planner reads (`claim_names`), as its cache keeps it."""
     out = []
-    for v in map(_dict, _list(_dict(pod.get("spec")).get("volumes"))):
+    for v in map(as_dict, as_list(as_dict(pod.get("spec")).get("volumes"))):
         if "persistentVolumeClaim" in v:
             out.append({"name": v.get("name"), "persistentVolumeClaim": v["persistentVolumeClaim"]})
         elif "ephemeral" in v:
@@ -62,33 +55,33 @@ def volumes_for_planning(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def claim_for_planning(claim: Mapping[str, Any]) -> dict[str, Any]:
-    md = _dict(claim.get("metadata"))
+    md = as_dict(claim.get("metadata"))
     return {"metadata": {k: md[k] for k in ("name", "namespace", "resourceVersion") if k in md},
-            "spec": {"volumeName": _dict(claim.get("spec")).get("volumeName")},
-            "status": {"phase": _dict(claim.get("status")).get("phase")}}
+            "spec": {"volumeName": as_dict(claim.get("spec")).get("volumeName")},
+            "status": {"phase": as_dict(claim.get("status")).get("phase")}}
 
 
 def volume_for_planning(volume: Mapping[str, Any]) -> dict[str, Any]:
-    md = _dict(volume.get("metadata"))
-    labels = {k: v for k, v in _dict(md.get("labels")).items() if k in ZONE_LABELS}
+    md = as_dict(volume.get("metadata"))
+    labels = {k: v for k, v in as_dict(md.get("labels")).items() if k in ZONE_LABELS}
     return {"metadata": {**{k: md[k] for k in ("name", "resourceVersion") if k in md}, "labels": labels},
-            "spec": {"nodeAffinity": _dict(volume.get("spec")).get("nodeAffinity")}}
+            "spec": {"nodeAffinity": as_dict(volume.get("spec")).get("nodeAffinity")}}
 
 
 def _requirement(raw: Mapping[str, Any]) -> NodeSelectorRequirement:
     return NodeSelectorRequirement.model_validate({"key": str(raw.get("key")), "operator": raw.get("operator"),
-                                                   "values": tuple(str(v) for v in _list(raw.get("values")))})
+                                                   "values": tuple(str(v) for v in as_list(raw.get("values")))})
 
 
 def volume_terms(volume: Mapping[str, Any]) -> list[NodeSelectorTerm] | None:
     """The nodes a volume can be used from, as terms of which one must hold; None: any node."""
     terms: list[NodeSelectorTerm] | None = None
-    required = _dict(_dict(_dict(volume.get("spec")).get("nodeAffinity")).get("required"))
+    required = as_dict(as_dict(as_dict(volume.get("spec")).get("nodeAffinity")).get("required"))
     if "nodeSelectorTerms" in required:
-        terms = [NodeSelectorTerm(match_expressions=tuple(_requirement(r) for r in map(_dict, _list(t.get("matchExpressions")))),
-                                  match_fields=tuple(_requirement(r) for r in map(_dict, _list(t.get("matchFields")))))
-                 for t in map(_dict, _list(required.get("nodeSelectorTerms")))]
-    labels = sorted((k, tuple(str(v).split("__"))) for k, v in _dict(_dict(volume.get("metadata")).get("labels")).items()
+        terms = [NodeSelectorTerm(match_expressions=tuple(_requirement(r) for r in map(as_dict, as_list(t.get("matchExpressions")))),
+                                  match_fields=tuple(_requirement(r) for r in map(as_dict, as_list(t.get("matchFields")))))
+                 for t in map(as_dict, as_list(required.get("nodeSelectorTerms")))]
+    labels = sorted((k, tuple(str(v).split("__"))) for k, v in as_dict(as_dict(volume.get("metadata")).get("labels")).items()
                     if k in ZONE_LABELS)
     if labels:
         # VolumeZone: a node with none of the zone and region labels passes; any other must carry
@@ -120,9 +113,9 @@ class VolumeTopology:
         narrowed = False
         for key in claim_names(pod):
             claim = self.claims.get(key)
-            if claim is None or _dict(claim.get("status")).get("phase") != "Bound":
+            if claim is None or as_dict(claim.get("status")).get("phase") != "Bound":
                 continue  # not bound yet: the scheduler chooses per node (not mirrored)
-            volume = self.volumes.get(str(_dict(claim.get("spec")).get("volumeName")))
+            volume = self.volumes.get(str(as_dict(claim.get("spec")).get("volumeName")))
             if volume is None:
                 continue
             allowed = volume_terms(volume)

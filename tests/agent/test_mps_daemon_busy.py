@@ -65,6 +65,14 @@ def control(tmp_path):
     return installed_control(tmp_path, FAKE_CONTROL)
 
 
+async def _answers_and_is_started_again(daemon: ProcessMpsDaemon, pipe, logs) -> None:
+    """No longer busy: the next `ensure` finds it gone and starts it again, once."""
+    (pipe / "BUSY").unlink()
+    await daemon.ensure(["GPU-a"], str(pipe), str(logs))
+    assert _lines(logs / "starts") == ["GPU-a", "GPU-a"] and daemon.restarts == 1
+    await daemon.stop()
+
+
 def _lines(path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
@@ -90,10 +98,7 @@ async def test_a_busy_daemon_is_kept_not_started_again(control, tmp_path):
             break
         await asyncio.sleep(0.02)
     assert await daemon.alive() is False
-    (pipe / "BUSY").unlink()
-    await daemon.ensure(["GPU-a"], str(pipe), str(logs))
-    assert _lines(logs / "starts") == ["GPU-a", "GPU-a"] and daemon.restarts == 1
-    await daemon.stop()
+    await _answers_and_is_started_again(daemon, pipe, logs)
 
 
 async def test_stop_is_one_quit(control, tmp_path):
@@ -190,10 +195,7 @@ async def test_a_dead_daemon_whose_pid_was_reused_is_started_again(control, tmp_
     (pipe / PID_FILE).write_text(f"{os.getpid()}\n")  # and its pid names another process now
     (pipe / "BUSY").touch()
     assert await daemon.alive() is False
-    (pipe / "BUSY").unlink()
-    await daemon.ensure(["GPU-a"], str(pipe), str(logs))
-    assert _lines(logs / "starts") == ["GPU-a", "GPU-a"] and daemon.restarts == 1
-    await daemon.stop()
+    await _answers_and_is_started_again(daemon, pipe, logs)
 
 
 # --- a change of GPUs, a slow start ---------------------------------------------------------------
