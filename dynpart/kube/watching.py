@@ -69,6 +69,10 @@ class Informer:
         self.cache: dict[str, Obj] = {}
         self.synced = asyncio.Event()
         self.resource_version = ""  # the last one seen: of the list, of an event or of a bookmark
+        # while True, a watch is open and the cache follows the server: a reader may take the cache
+        # for a fresh read (it lags by the events in flight only)
+        self.watching = False
+        self.lists = 0  # lists started: a list started after a write returned includes that write
         self._retry_after: float | None = None  # the last failed call's Retry-After
 
     async def _read(self, resp: object, what: str) -> Obj:
@@ -88,6 +92,7 @@ class Informer:
         client-go's pager falls back to: 50,000 pods are hundreds of MB of JSON read at once, more
         than the planner's memory limit (killed, restarted, listing again)."""
         what = f"list {self.name}"
+        self.lists += 1
         fresh: dict[str, Obj] = {}
         token = ""
         restarts = 0
@@ -140,6 +145,7 @@ class Informer:
                 if not 200 <= raw.status <= 299:
                     await self._read(resp, what)  # raises the class of the status
                 self.on_beat()
+                self.watching = True
                 while line := await raw.content.readline():
                     lines += 1
                     self.on_beat()
@@ -157,6 +163,8 @@ class Informer:
             except BaseException:
                 raw.close()  # not read to its end: the connection cannot be used again
                 raise
+            finally:
+                self.watching = False
             raw.release()
         if not lines and time.monotonic() - started < self.short_watch_s:
             raise APIError(f"{what}: the API server ended the watch at once")

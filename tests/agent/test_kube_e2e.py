@@ -150,3 +150,70 @@ async def test_bound_pods_status_counts_and_plugin_restart_on_a_real_apiserver(e
         except ApiException:
             pass
         await api.close()
+
+
+async def test_the_agents_node_reads_come_from_its_watch_and_see_its_own_writes(e2e_cluster):
+    """A pass reads the Node twice (the pass, the early publishing): from the watch's copy while
+    the watch is open, not by a GET each time; a write of the agent's own is seen by the next read
+    (a GET until the watch has delivered it), and so is another writer's once the watch has."""
+    from kubernetes_asyncio import client
+
+    api = await connect(str(e2e_cluster.kubeconfig))
+    core = client.CoreV1Api(api)
+    name = await _node(core, "mig")
+    node_api = KubeNodeApi(api, name)
+    seen: list[str] = []
+
+    async def follow() -> None:
+        async for view in node_api.watch():
+            seen.append(view.resource_version)
+
+    watching = asyncio.create_task(follow())
+    try:
+        assert (await node_api.get()).name == name and node_api.reads in (0, 1)  # the watch may not be open yet
+        for _ in range(200):
+            if node_api._informer is not None and node_api._informer.watching and seen:
+                break
+            await asyncio.sleep(0.05)
+        reads = node_api.reads
+        for _ in range(20):
+            assert (await node_api.get()).name == name
+        assert node_api.reads == reads  # the watch serves them
+
+        # another writer (the planner): seen once the watch delivers it, with no GET
+        await patch_node_annotations(core, name, {"dynpart.io/spec-plan": "p1"})
+        for _ in range(200):
+            if (await node_api.get()).annotations.get("dynpart.io/spec-plan") == "p1":
+                break
+            await asyncio.sleep(0.05)
+        assert (await node_api.get()).annotations.get("dynpart.io/spec-plan") == "p1"
+        assert node_api.reads == reads
+
+        # its own writes: the next read shows them at once (annotations, then the status)
+        for k in range(5):
+            await node_api.patch(annotations={"dynpart.io/status-plan": f"p{k}"})
+            assert (await node_api.get()).annotations["dynpart.io/status-plan"] == f"p{k}"
+            await node_api.patch_status({"nvidia.com/mig-1g.10gb": k + 1})
+            assert (await node_api.get()).allocatable["nvidia.com/mig-1g.10gb"] == str(k + 1)
+        # once the watch has caught up, reads are the watch's again
+        for _ in range(200):
+            if not node_api._unseen:
+                break
+            await asyncio.sleep(0.05)
+        reads = node_api.reads
+        view = await node_api.get()
+        assert node_api.reads == reads and view.annotations["dynpart.io/status-plan"] == "p4"
+        # a write that changes nothing answers a version the watch has already delivered
+        await node_api.patch(annotations={"dynpart.io/status-plan": "p4"})
+        await node_api.get()
+        assert node_api.reads == reads
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+        try:
+            await core.delete_node(name)
+        except ApiException:
+            pass
+        await api.close()
+    # with the watch gone, a read is a GET
+    assert node_api._informer is None

@@ -274,3 +274,26 @@ async def test_a_paged_list_is_applied_whole_after_its_last_page():
     assert await informer._relist() == "50"
     assert pages == 2 and set(informer.cache) == {"a", "b", "c"}
     assert sorted(seen) == [("DELETED", "z"), ("MODIFIED", "a"), ("MODIFIED", "b"), ("MODIFIED", "c")]
+
+
+async def test_watching_is_true_only_while_a_watch_is_open_and_lists_count_every_list_started():
+    """What a reader of the cache relies on (the agent's node reads): `watching` while a watch
+    stream is open, false while the informer lists or backs off; `lists` counts each list."""
+    api = FakeNodes([(200, [node("a", "1")])], [
+        [{"type": "ERROR", "object": status(410, "Expired", "too old")}],  # lists again
+    ])
+    informer = Informer(api.list_node, lambda kind, obj: None, name="nodes", settings=FAST)
+    assert not informer.watching and informer.lists == 0
+    states: list[tuple[bool, int]] = []
+    recording_sleeps(informer)
+    original = api.list_node
+
+    async def list_node(**kwargs):
+        states.append((informer.watching, informer.lists))
+        return await original(**kwargs)
+
+    informer.list_fn = list_node
+    await run_until(informer, lambda: len(api.watched()) >= 2 and informer.watching and informer.lists == 2)
+    assert not informer.watching  # stopped: the watch is closed
+    # (watching, lists) as each call went out: list 1, watch (410: not watching after it), list 2, watch
+    assert states == [(False, 1), (False, 1), (False, 2), (False, 2)]
