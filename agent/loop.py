@@ -150,6 +150,15 @@ class Agent:
         self._restarted_for: frozenset[tuple[str, str]] | None = None
         self._driver_replaced = 0  # passes in a row that failed with a DRIVER_REPLACED error
         self._waiting = False
+        # why the last pass waited, and the wait before the next: doubled up to the interval while
+        # the reasons stay the same (a kubelet that never reports the devices is not asked twice a
+        # second for weeks; what it waits for wakes the agent anyway: the node's allocatable, a
+        # plugin registering)
+        self._waiting_for: tuple[str, ...] = ()
+        self._retry_delay = retry_s
+        # the problems the last pass logged: logged again only when they change (a GPU unhealthy for
+        # weeks is said once, then at DEBUG each pass; the status and the Events say it all along)
+        self._logged: frozenset[str] = frozenset()
         self._cleared_plan: str | None = None  # the last spec plan id the fencing check let through
         self._heartbeat_at = -float("inf")  # time.monotonic() of the last status write with a heartbeat
         self._drain: tuple[int, ...] = ()  # the GPUs the spec applied last drains
@@ -304,7 +313,7 @@ class Agent:
                 result = await self._mps_plugin.apply(desired_mps, spec.drain)
         except DynpartError as e:
             # Not safe to act or to describe the GPUs: keep the last status, report the error.
-            log.error("node %s: %s", self.node, e)
+            self._log_problems(logging.ERROR, [str(e)])
             unhealthy = None
             if isinstance(e, GpuDriverError):
                 self._driver_replaced = self._driver_replaced + 1 if e.code in DRIVER_REPLACED else 0
@@ -323,7 +332,8 @@ class Agent:
         try:
             waiting = await self._serve(mode, result, layout, node)
         except DynpartError as e:  # the node is as the pass left it; say why nothing is acknowledged
-            log.error("node %s: serving the devices: %s", self.node, e)
+            (log.error if f"serving the devices: {e}" not in self._logged else log.debug)(
+                "node %s: serving the devices: %s", self.node, e)
             if isinstance(e, GpuDriverError):
                 await self._all_unhealthy(e, node)
             errors.append(f"serving the devices: {e}")
@@ -344,6 +354,10 @@ class Agent:
         for index, why in sorted(self.unhealthy.items()):
             errors.append(f"GPU {index} is unhealthy ({why}): its devices are advertised Unhealthy and no pod gets "
                           "them until it is reset")
+        reasons = tuple(waiting)
+        self._retry_delay = min(self._retry_delay * 2, self.interval_s) if reasons and reasons == self._waiting_for \
+            else self.retry_s
+        self._waiting_for = reasons
         self._waiting = bool(waiting)
         self._used_per_gpu = {g.index: sum(m.used for m in g.mig) + sum(x.used for x in g.mps) for g in result.gpus}
         ack = spec.plan_id if applied else node.annotations.get(STATUS_PLAN)
@@ -357,8 +371,7 @@ class Agent:
                               "used): " + "; ".join(self._disagreements), True)
         for reason, clash in _nvidia_components(node, mode, self._builtin):
             await self._event(reason, clash, True)
-        for error in errors:
-            log.warning("node %s: %s", self.node, error)
+        self._log_problems(logging.WARNING, errors)
         if self.unhealthy:
             await self._event("GpuUnhealthy", "; ".join(f"GPU {i}: {why}" for i, why in sorted(self.unhealthy.items()))
                               + ": its devices are advertised Unhealthy until it is reset", True)
@@ -643,6 +656,12 @@ class Agent:
             except Exception as e:  # the kubelet's own status write follows
                 log.warning("node %s: publishing the allocatable devices: %s", self.node, e)
 
+    def _log_problems(self, level: int, problems: list[str]) -> None:
+        """Log each problem of this pass at `level` if the last pass did not have it, else at DEBUG."""
+        for problem in problems:
+            log.log(level if problem not in self._logged else logging.DEBUG, "node %s: %s", self.node, problem)
+        self._logged = frozenset(problems)
+
     async def _report_failure(self, node: NodeView, error: str, unhealthy: set[int] | None = None) -> PassReport:
         status = {k: v for k, v in node.annotations.items() if k.startswith(STATUS_PREFIX)}
         status[STATUS_ERROR] = error
@@ -700,7 +719,7 @@ class Agent:
                         "exiting, so that the kubelet starts the agent again with the new driver's library")
                 waits = [asyncio.create_task(wake.wait()), asyncio.create_task(stop.wait())]
                 # an applied plan waiting for the kubelet or a device plugin is looked at again soon
-                timeout = min(self.retry_s, self.interval_s) if self._waiting else self.interval_s
+                timeout = min(self._retry_delay, self.interval_s) if self._waiting else self.interval_s
                 try:
                     await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 finally:

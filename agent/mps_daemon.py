@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from typing import Protocol
@@ -33,7 +34,7 @@ log = logging.getLogger("dynpart.agent.mps")
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
 
-# the daemon's logs (control.log, server.log) on the host's disk: rotated when the daemon starts
+# the daemon's logs (control.log, server.log) on the host's disk: rotated past this size
 LOG_MAX_BYTES = 16 << 20
 _OUTPUT_MAX = 64 << 10  # of a control command's answer
 PID_FILE = "nvidia-cuda-mps-control.pid"  # the daemon's, in its pipe directory, removed when it stops
@@ -41,16 +42,40 @@ PID_FILE = "nvidia-cuda-mps-control.pid"  # the daemon's, in its pipe directory,
 DAEMON_COMM = MPS_CONTROL[:15]
 
 
-def rotate_logs(log_dir: str, max_bytes: int = LOG_MAX_BYTES) -> None:
+def rotate_logs(log_dir: str, max_bytes: int = LOG_MAX_BYTES, running: bool = False) -> None:
     """Keep the daemon's logs bounded: a log past `max_bytes` becomes `<name>.1` (replacing the
-    previous one) before the daemon starts writing again. The daemon appends and never rotates."""
+    previous one). The daemon appends and never rotates. Before it starts, the file is moved; while
+    it runs (`running`: every pass, since control.log grows with each command the agent sends and
+    server.log with each client), it is copied, then emptied (logrotate's copytruncate: the daemon
+    keeps its file open; lines written between the copy and the truncation are lost). Only the
+    bytes on disk count, so a writer that does not append (its next line past the old end leaves a
+    hole) is not taken for a log that keeps growing."""
     for name in ("control.log", "server.log"):
         path = os.path.join(log_dir, name)
         try:
-            if os.path.getsize(path) > max_bytes:
+            st = os.stat(path)
+            if min(st.st_size, st.st_blocks * 512) <= max_bytes:
+                continue
+            if not running:
                 os.replace(path, path + ".1")
+                continue
+            _copy_data(path, path + ".1")
+            os.truncate(path, 0)
         except OSError:
             continue  # absent, or not ours to move: the daemon writes as before
+
+
+def _copy_data(path: str, to: str) -> None:
+    """Copy `path`'s data (from its first byte on disk: a hole before it is skipped) to `to`,
+    through a temporary file."""
+    tmp = to + ".tmp"
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        try:
+            src.seek(os.lseek(src.fileno(), 0, os.SEEK_DATA))
+        except OSError:  # no data at all, or a file system without SEEK_DATA: from the start
+            src.seek(0)
+        shutil.copyfileobj(src, dst, 1 << 20)
+    os.replace(tmp, to)
 
 
 class MpsDaemonError(DynpartError):
@@ -216,6 +241,7 @@ class ProcessMpsDaemon:
         # the `-d` after it came
         state = await self.alive()
         if state and same:
+            rotate_logs(log_dir, running=True)
             return
         if state is None:
             # no answer in time, but its process lives: busy or hung, not dead. `-d` would fail

@@ -128,7 +128,10 @@ class PlanningLoop:
         self.backoffs_started: list[str] = []  # pods whose pod-wide back-off started, not yet told
         self.versions: dict[str, str] = {}  # waiting pod -> its version, as the caller tells (`pod_waiting`)
         self.epoch = 0  # counts the leader states forgotten (`forget_leader_state`)
-        self.gone_since: set[str] = set()  # nodes gone since the last `drain_state` (`commit` drops theirs)
+        self.gone_since: set[str] = set()  # nodes gone while a round's copy is out (`commit` drops theirs)
+        # a round's copy of the drains is out (`drain_state` to `commit`): only then are gone nodes
+        # recorded (a standby, or a leader with nothing pending, would keep every node deleted)
+        self._copy_out = False
 
     # --- events ---------------------------------------------------------------------------
 
@@ -188,7 +191,8 @@ class PlanningLoop:
         pods join the batch (no back-off: the node, not the pod, failed). Returns the plan that
         was in flight there, if any."""
         flight = self.in_flight.pop(node, None)
-        self.gone_since.add(node)
+        if self._copy_out:
+            self.gone_since.add(node)
         self.drain_flagged.pop(node, None)
         for key in [k for k, d in self.drains.items() if d.node == node]:
             del self.drains[key]
@@ -366,6 +370,7 @@ class PlanningLoop:
     def drain_state(self) -> DrainState:
         """A copy of what `decide_with` reads and changes, taken where the loop's state changes."""
         self.gone_since.clear()
+        self._copy_out = True
         return DrainState(dict(self.drains),
                           {k: set(v) for k, v in self.drain_flagged.items()}, frozenset(self.in_flight),
                           dict(self.first_seen), self.prepared_at, self.epoch)
@@ -373,11 +378,12 @@ class PlanningLoop:
     def commit(self, state: DrainState) -> bool:
         """Keep what a round decided about drains, unless the leader state was forgotten since its
         copy (the lease lost: what it decided is another leader's business). True if kept."""
+        gone, self.gone_since, self._copy_out = self.gone_since, set(), False
         if state.epoch != self.epoch:
             return False
         # a node deleted meanwhile (`node_gone`) keeps nothing
-        self.drains = {k: d for k, d in state.drains.items() if d.node not in self.gone_since}
-        self.drain_flagged = {k: v for k, v in state.flagged.items() if k not in self.gone_since}
+        self.drains = {k: d for k, d in state.drains.items() if d.node not in gone}
+        self.drain_flagged = {k: v for k, v in state.flagged.items() if k not in gone}
         return True
 
     def decide_with(self, snapshot: Snapshot, catalog: Catalog, state: DrainState) -> Plan:

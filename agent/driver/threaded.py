@@ -174,6 +174,7 @@ class AsyncDriver:
         self.on_answer: Callable[[], None] | None = None
         self._thread = _DriverThread(f"gpu-driver-{id(self):x}")
         self._stuck: _Call | None = None  # the call that made no progress in time, while it runs
+        self._stuck_since = ""  # when its progress stopped (UTC)
 
     @property
     def longest_limit_s(self) -> float:
@@ -297,6 +298,10 @@ class AsyncDriver:
             running = running or self._thread.running
             if running is not None:
                 self._stuck = running
+                # said in every later failure, which the status shows: a text that changed every
+                # pass (the seconds so far) would make every pass a Node write while the GPU is off
+                self._stuck_since = time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                  time.gmtime(time.time() - (time.monotonic() - progress)))
                 log.error("the GPU driver has not answered %s for %.1f s (a GPU fallen off the bus, or a wedged "
                           "driver): no driver call is made until it returns", running.what,
                           time.monotonic() - progress)
@@ -313,8 +318,8 @@ class AsyncDriver:
             return
         if not stuck.future.done():
             raise DriverNotResponding(
-                f"the GPU driver has not answered {stuck.what} for {time.monotonic() - self._thread.progress:.0f} s (a GPU "
-                "fallen off the bus, or a wedged driver); no other driver call is made until it does")
+                f"the GPU driver has not answered {stuck.what} since {self._stuck_since} (a GPU fallen off the bus, or a "
+                "wedged driver); no other driver call is made until it does")
         log.warning("the GPU driver answers again: %s returned", stuck.what)
         self._stuck = None
 

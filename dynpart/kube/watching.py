@@ -48,6 +48,7 @@ class Informer:
     page_size = 500  # objects a list asks for at once (client-go's pager)
     list_restarts = 3  # a list whose continue token expires starts again this many times in a row, then fails
     healthy_after_s = 120.0  # a failure this long after the last one backs off from the start again
+    repeat_warning_s = 300.0  # the same failure is logged at WARNING at most this often (else DEBUG)
     short_watch_s = 1.0  # a watch that ends sooner with nothing in it failed (client-go: "very short watch")
 
     def __init__(self, list_fn: Callable[..., Awaitable[Any]], on_change: Callable[[str, Obj], None],
@@ -74,6 +75,7 @@ class Informer:
         self.watching = False
         self.lists = 0  # lists started: a list started after a write returned includes that write
         self._retry_after: float | None = None  # the last failed call's Retry-After
+        self._warned: dict[str, float] = {}  # failure -> when it was last logged at WARNING
 
     async def _read(self, resp: object, what: str) -> Obj:
         """`read_json`, keeping the Retry-After of a 429 or 503."""
@@ -191,6 +193,17 @@ class Informer:
         if kind != "BOOKMARK":
             self.on_change(kind, obj)
 
+    def _level(self, failure: str) -> int:
+        """WARNING for a failure not logged so in the last `repeat_warning_s`, else DEBUG: a list
+        that keeps failing the same way (RBAC that leaves a kind out, an API server down for hours)
+        is said every few minutes, not at every retry."""
+        now = time.monotonic()
+        if now - self._warned.get(failure, -float("inf")) < self.repeat_warning_s:
+            return logging.DEBUG
+        self._warned = {f: t for f, t in self._warned.items() if now - t < self.repeat_warning_s}
+        self._warned[failure] = now
+        return logging.WARNING
+
     async def run(self) -> None:
         """List and watch until cancelled. After a watch ends, watch again from the last
         resourceVersion; after a failure, back off (`Backoff`), then list again, or watch again
@@ -212,7 +225,8 @@ class Informer:
                 cause = failed.__cause__ or failed
                 wait = backoff.next(self._retry_after)
                 if isinstance(cause, APIError):
-                    log.warning("list %s failed (%s); listing again in %.1fs", self.name, cause, wait)
+                    log.log(self._level(str(cause)), "list %s failed (%s); listing again in %.1fs", self.name, cause,
+                            wait)
                 else:
                     log.error("list %s failed; listing again in %.1fs", self.name, wait, exc_info=cause)
             except APIGoneError as e:  # too old to watch from: list again
@@ -224,8 +238,8 @@ class Informer:
                 # still holds; any other failure lists again
                 listed = isinstance(e, APITransportError) or e.status == 429
                 wait = backoff.next(self._retry_after)
-                log.warning("watch %s failed (%s); %s again in %.1fs", self.name, e,
-                            "watching" if listed else "listing", wait)
+                log.log(self._level(str(e)), "watch %s failed (%s); %s again in %.1fs", self.name, e,
+                        "watching" if listed else "listing", wait)
             except Exception:  # keep the informer alive: a dead one would leave its cache silently stale
                 listed = False
                 wait = backoff.next(self._retry_after)

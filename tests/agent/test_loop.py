@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from datetime import timedelta
 
 import pytest
@@ -289,3 +290,27 @@ async def test_a_waiting_plan_reads_the_lease_once_and_rewrites_its_heartbeat_on
     assert report.plan_id is None and any("1g.10gb@0" in e for e in report.errors), report.errors
     assert len(reads) == 1
     assert [e for kind, e in rig.node_api.events if kind == "annotations"] == writes
+
+
+async def test_a_plan_that_keeps_waiting_for_the_same_thing_is_looked_at_less_often_and_said_once(caplog):
+    """While a plan waits for the same things pass after pass (here a pod holding the instance in
+    its way), the wait before the next pass doubles from retry_s up to the interval, and the
+    problem is logged once at WARNING (then at DEBUG); what it waits for changing starts again."""
+    rig = make_rig().with_plugins()
+    gi = rig.carve(0, "1g.10gb@0")["1g.10gb@0"]
+    pid = rig.run_pod("ns/a", 0, gi)
+    agent = rig.agent(interval_s=4.0, retry_s=0.5)
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p1"))
+    delays = []
+    with caplog.at_level(logging.DEBUG, logger="dynpart.agent"):
+        for _ in range(6):
+            report = await agent.reconcile_once()
+            delays.append(agent._retry_delay)
+    assert report.waiting
+    assert delays == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    said = [r for r in caplog.records if "1g.10gb@0" in r.getMessage() and "not acknowledged" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING] + [logging.DEBUG] * 5
+    # the pod leaves: the plan is applied; a new wait starts from retry_s again
+    rig.stop_pod("ns/a", pid)
+    report = await agent.reconcile_once()
+    assert not report.failed and agent._retry_delay == 0.5

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from dynpart.agent.mps_daemon import MpsDaemonError, ProcessMpsDaemon
+from dynpart.agent.mps_daemon import LOG_MAX_BYTES, MpsDaemonError, ProcessMpsDaemon
 from dynpart.agent.mps_plugin import assign_slices
 from dynpart.agent.nodepods import BoundPod, FakeNodePods, Need, init_only, requests_of, to_keep, waiting_for
 from dynpart.agent.podresources import AssignedDevice
@@ -139,6 +139,11 @@ async def test_process_daemon_starts_restarts_and_stops(control, tmp_path):
     await daemon.ensure(["GPU-b", "GPU-a"], pipe, logs)  # running for these GPUs: nothing to do
     starts = (tmp_path / "log" / "starts").read_text().split()
     assert starts == ["GPU-b,GPU-a"]
+    # its logs are kept bounded while it runs, at each check (a pass every 10 s for weeks)
+    (tmp_path / "log" / "server.log").write_bytes(b"s" * (LOG_MAX_BYTES + 1))
+    await daemon.ensure(["GPU-b", "GPU-a"], pipe, logs)
+    assert (tmp_path / "log" / "server.log").stat().st_size == 0
+    assert (tmp_path / "log" / "server.log.1").stat().st_size == LOG_MAX_BYTES + 1
     pid = int((tmp_path / "pipe" / "nvidia-cuda-mps-control.pid").read_text())
     os.kill(pid, 9)  # it died
     for _ in range(50):
@@ -183,3 +188,43 @@ def test_the_daemons_logs_are_rotated_when_it_starts(tmp_path):
     assert (tmp_path / "control.log.1").read_bytes() == b"x" * 100 and not (tmp_path / "control.log").exists()
     assert (tmp_path / "server.log").read_bytes() == b"y" * 10  # under the bound: kept
     rotate_logs(str(tmp_path / "absent"), max_bytes=50)  # nothing there: nothing to do
+
+
+def test_the_running_daemons_logs_are_copied_and_emptied_past_the_bound(tmp_path):
+    """While the daemon runs it keeps its logs open (appending): a log past the bound is copied to
+    `<name>.1` and emptied, and the daemon's next line starts the file again."""
+    from dynpart.agent.mps_daemon import rotate_logs
+
+    log = tmp_path / "control.log"
+    with open(log, "ab", buffering=0) as daemon:  # the daemon's own descriptor, O_APPEND
+        daemon.write(b"x" * 100)
+        rotate_logs(str(tmp_path), max_bytes=50, running=True)
+        assert (tmp_path / "control.log.1").read_bytes() == b"x" * 100 and log.stat().st_size == 0
+        daemon.write(b"next\n")
+        assert log.read_bytes() == b"next\n"
+        rotate_logs(str(tmp_path), max_bytes=50, running=True)  # under the bound again: kept
+        assert log.read_bytes() == b"next\n" and (tmp_path / "control.log.1").read_bytes() == b"x" * 100
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_log_whose_writer_leaves_a_hole_counts_its_bytes_on_disk(tmp_path):
+    """A writer that does not append writes its next line past the old end after the copy and
+    truncation: the file's length then counts a hole, which is not rotated again and again, and
+    what is copied starts at its first data."""
+    from dynpart.agent.mps_daemon import rotate_logs
+
+    log = tmp_path / "server.log"
+    with open(log, "wb") as f:
+        f.seek(4 << 20)
+        f.write(b"after the hole\n")
+    if log.stat().st_blocks * 512 >= log.stat().st_size:
+        pytest.skip("this file system keeps no holes")
+    rotate_logs(str(tmp_path), max_bytes=1 << 20, running=True)
+    assert log.stat().st_size > 4 << 20 and not (tmp_path / "server.log.1").exists()  # 4 MiB long, 4 KiB on disk
+    with open(log, "r+b") as f:
+        f.seek(8 << 20)
+        f.write(b"y" * (2 << 20))
+    rotate_logs(str(tmp_path), max_bytes=1 << 20, running=True)
+    copied = (tmp_path / "server.log.1").read_bytes()
+    assert copied.startswith(b"after the hole\n") and copied.endswith(b"y" * (2 << 20))
+    assert len(copied) < (7 << 20) and log.stat().st_size == 0  # the second hole is copied, not the first

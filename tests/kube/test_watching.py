@@ -297,3 +297,22 @@ async def test_watching_is_true_only_while_a_watch_is_open_and_lists_count_every
     assert not informer.watching  # stopped: the watch is closed
     # (watching, lists) as each call went out: list 1, watch (410: not watching after it), list 2, watch
     assert states == [(False, 1), (False, 1), (False, 2), (False, 2)]
+
+
+async def test_a_list_that_keeps_failing_the_same_way_is_said_at_warning_every_few_minutes(caplog):
+    """A kind the cluster's RBAC leaves out (403 at every list) or an API server down for hours:
+    each retry is logged, at WARNING only when that failure was not said so in the last
+    `repeat_warning_s`; another failure is said at once."""
+    api = FakeNodes([(403, [])] * 6 + [(500, []), (200, [node("a", "1")])])
+    informer = Informer(api.list_node, lambda kind, obj: None, name="claims", settings=FAST)
+    recording_sleeps(informer)
+    with caplog.at_level(logging.DEBUG, logger="dynpart.kube.watching"):
+        await run_until(informer, lambda: "a" in informer.cache)
+    failed = [(r.levelno, "403" in r.getMessage()) for r in caplog.records if "list claims failed" in r.getMessage()]
+    assert failed == [(logging.WARNING, True)] + [(logging.DEBUG, True)] * 5 + [(logging.WARNING, False)]
+    caplog.clear()
+    informer.repeat_warning_s = 0.0  # (as if the minutes had passed)
+    api.lists = [(403, []), (200, [node("a", "1")])]
+    informer.cache.clear()
+    await run_until(informer, lambda: "a" in informer.cache)
+    assert [r.levelno for r in caplog.records if "list claims failed" in r.getMessage()] == [logging.WARNING]

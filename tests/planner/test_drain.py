@@ -150,3 +150,11 @@ def test_a_round_planned_from_a_copy_keeps_nothing_of_a_lost_lease_or_a_deleted_
     state = lp.drain_state()
     lp.decide_with(prepared, CAT, state)
     assert lp.commit(state) and list(lp.drains) == ["ml/big"] and lp.drain_flagged == {"n0": {1}}
+    # nodes deleted while no round's copy is out are not kept (a standby replica, a leader with
+    # nothing pending: every node deleted in weeks would be)
+    for k in range(100):
+        lp.node_gone(f"spot-{k}", 200.0)
+    assert not lp.gone_since
+    state = lp.drain_state()
+    lp.node_gone("n0", 300.0)
+    assert lp.gone_since == {"n0"} and lp.commit(state) and not lp.gone_since
