@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -157,6 +158,16 @@ async def connect(kubeconfig: str | None = None, settings: KubeSettings | None =
     return await api_client(kubeconfig, settings)
 
 
+# the agent's watched copy of its Node is read only while the watch said something (or a GET
+# confirmed the copy) this recently: a connection cut without a close is noticed by the watch only
+# after watch_idle_timeout_s (120 s), longer than the planner waits for an acknowledgement (60 s)
+FRESH_S = 30.0
+
+
+def _version(obj: Obj) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
 class KubeNodeApi:
     """NodeApi on the real API server. Needs RBAC: get, list, watch, patch on nodes."""
 
@@ -166,47 +177,70 @@ class KubeNodeApi:
         self._v1 = client.CoreV1Api(api)
         self.settings = settings or KubeSettings()
         self._informer: Informer | None = None  # the watch's, while `watch()` runs
-        # the agent's writes the watch has not delivered yet: resourceVersion -> lists the informer
-        # had started then; until the watch shows them, reads go to the API server
+        # versions of the Node the reads must not go behind, until the watch delivers them: the
+        # agent's own writes' and the GETs' answers (version -> lists the informer had started
+        # then; in the order they were learnt)
         self._unseen: dict[str, int] = {}
         # the resourceVersions the watch delivered last: its event of a write can arrive before
         # the write's answer, and a write that changes nothing answers the version already seen
         self._seen: collections.deque[str] = collections.deque(maxlen=64)
+        # (time.monotonic) the watch's last line (an event, a bookmark: the API server sends one a
+        # minute), and the last GET that answered the version the watch holds
+        self._heard = self._confirmed = -float("inf")
         self.reads = 0  # GETs sent (the watch serves the others)
 
     async def get(self) -> NodeView:
-        """The node as the watch last delivered it while the watch is open and has delivered the
-        agent's own last write: a pass every 10 s on every GPU node must not be a quorum read of
+        """The node as the watch last delivered it, while the watch is open, said something or was
+        confirmed by a GET in the last `FRESH_S`, and has delivered every version a read or a write
+        of the agent's has seen: a pass every 10 s on every GPU node must not be a quorum read of
         the Node each time (up to two per pass: 200 a second at 1,000 nodes). Else a GET. The watch's
-        copy lags by the events in flight, as any read does by the time it is used: a spec or
-        allocatable change it has not delivered yet wakes the agent when it arrives."""
+        copy lags by the events in flight, as any read does by the time it is used (a spec or
+        allocatable change it has not delivered yet wakes the agent when it arrives), and by
+        `FRESH_S` at most when its connection went silent without closing."""
         cached = self._watched()
         if cached is not None:
             return cached
         self.reads += 1
-        return NodeView.from_dict(await read_node(self._v1, self.name))
+        obj = await read_node(self._v1, self.name)
+        self._learnt(obj, read=True)
+        return NodeView.from_dict(obj)
 
     def _watched(self) -> NodeView | None:
         informer = self._informer
         if informer is None or not informer.watching:
             return None
         obj = informer.cache.get(self.name)
-        if obj is None:
+        if obj is None or time.monotonic() - max(self._heard, self._confirmed) > FRESH_S:
             return None
-        # listed again since a write: the list holds it
+        # listed again since: the list holds them
         self._unseen = {version: lists for version, lists in self._unseen.items() if lists >= informer.lists}
         return None if self._unseen else NodeView.from_dict(obj)
 
-    def _wrote(self, obj: Obj) -> Obj:
-        version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+    def _learnt(self, obj: Obj, read: bool = False) -> Obj:
+        """`obj` came from a write's answer or a GET: the reads must not go behind it."""
+        version = _version(obj)
         informer = self._informer
-        if informer is not None and version and version not in self._seen:
+        if informer is None or not version:
+            return obj
+        cached = informer.cache.get(self.name)
+        if read and cached is not None and _version(cached) == version:
+            self._unseen.clear()  # the watch holds what the API server has now
+            self._confirmed = time.monotonic()
+        elif version not in self._seen:
             self._unseen[version] = informer.lists
         return obj
 
+    def _delivered(self, version: str) -> None:
+        """The watch delivered `version`: it holds every version learnt before it too."""
+        self._seen.append(version)
+        if version in self._unseen:
+            learnt = list(self._unseen)
+            for v in learnt[:learnt.index(version) + 1]:
+                del self._unseen[v]
+
     async def patch(self, *, annotations: dict[str, str | None] | None = None) -> NodeView:
         if annotations:
-            return NodeView.from_dict(self._wrote(await patch_node_annotations(self._v1, self.name, annotations)))
+            return NodeView.from_dict(self._learnt(await patch_node_annotations(self._v1, self.name, annotations)))
         return await self.get()
 
     async def event(self, reason: str, message: str, warning: bool = False) -> None:
@@ -221,7 +255,7 @@ class KubeNodeApi:
         with api_errors(f"patch node {self.name} status"):
             resp = await raw_api(self._v1).patch_node_status(self.name, body, _content_type=MERGE_PATCH,
                                                              _preload_content=False)
-        self._wrote(await read_json(resp, f"patch node {self.name} status"))
+        self._learnt(await read_json(resp, f"patch node {self.name} status"))
 
     async def watch(self) -> AsyncIterator[NodeView]:
         """The node as listed, then at each change: dynpart.kube's informer with a field selector
@@ -232,12 +266,14 @@ class KubeNodeApi:
         def on_change(kind: str, obj: Obj) -> None:
             if kind != "DELETED":
                 view = NodeView.from_dict(obj)
-                self._seen.append(view.resource_version)
-                self._unseen.pop(view.resource_version, None)  # the watch caught up with a write
+                self._delivered(view.resource_version)
                 changes.put_nowait(view)
 
+        def heard() -> None:
+            self._heard = time.monotonic()
+
         informer = Informer(self._v1.list_node, on_change, name=f"node {self.name}",
-                            field_selector=f"metadata.name={self.name}", settings=self.settings)
+                            field_selector=f"metadata.name={self.name}", settings=self.settings, on_beat=heard)
         self._informer = informer
         running = asyncio.create_task(informer.run(), name=f"informer of node {self.name}")
         try:

@@ -116,6 +116,9 @@ class PassReport:
 
 
 class Agent:
+    retry_max_s = 2.0  # the longest wait between passes while a plan waits (its first long_wait_s)
+    long_wait_s = 120.0  # after waiting this long for the same things, up to the interval between passes
+
     def __init__(self, node: str, *, node_api: NodeApi, driver: GpuDriver | AsyncDriver, pods: PodResources,
                  catalog: Catalog, interval_s: float = 10.0, heartbeat_s: float = 300.0, capacity_gb: int | None = None,
                  kube: KubeSettings | None = None, now: Callable[[], datetime] = lambda: datetime.now(UTC),
@@ -150,11 +153,13 @@ class Agent:
         self._restarted_for: frozenset[tuple[str, str]] | None = None
         self._driver_replaced = 0  # passes in a row that failed with a DRIVER_REPLACED error
         self._waiting = False
-        # why the last pass waited, and the wait before the next: doubled up to the interval while
-        # the reasons stay the same (a kubelet that never reports the devices is not asked twice a
-        # second for weeks; what it waits for wakes the agent anyway: the node's allocatable, a
-        # plugin registering)
-        self._waiting_for: tuple[str, ...] = ()
+        # what the last pass waited for (the plan, the reasons), since when, and the wait before
+        # the next pass: doubled while it stays the same, up to `retry_max_s` (an acknowledgement
+        # within seconds of what it waits for: the planner gives up after 60 s), then, after
+        # `long_wait_s` of the same wait, up to the interval (a kubelet that never reports the
+        # devices is not asked twice a second for weeks)
+        self._waiting_for: tuple[str | None, ...] = ()
+        self._waiting_since = 0.0
         self._retry_delay = retry_s
         # the problems the last pass logged: logged again only when they change (a GPU unhealthy for
         # weeks is said once, then at DEBUG each pass; the status and the Events say it all along)
@@ -354,10 +359,7 @@ class Agent:
         for index, why in sorted(self.unhealthy.items()):
             errors.append(f"GPU {index} is unhealthy ({why}): its devices are advertised Unhealthy and no pod gets "
                           "them until it is reset")
-        reasons = tuple(waiting)
-        self._retry_delay = min(self._retry_delay * 2, self.interval_s) if reasons and reasons == self._waiting_for \
-            else self.retry_s
-        self._waiting_for = reasons
+        self._wait_longer((spec.plan_id, *waiting) if waiting else ())
         self._waiting = bool(waiting)
         self._used_per_gpu = {g.index: sum(m.used for m in g.mig) + sum(x.used for x in g.mps) for g in result.gpus}
         ack = spec.plan_id if applied else node.annotations.get(STATUS_PLAN)
@@ -655,6 +657,16 @@ class Agent:
                 await self._publish()
             except Exception as e:  # the kubelet's own status write follows
                 log.warning("node %s: publishing the allocatable devices: %s", self.node, e)
+
+    def _wait_longer(self, waiting_for: tuple[str | None, ...]) -> None:
+        now = time.monotonic()
+        if waiting_for and waiting_for == self._waiting_for:
+            longest = self.interval_s if now - self._waiting_since >= self.long_wait_s else self.retry_max_s
+            self._retry_delay = min(self._retry_delay * 2, longest, self.interval_s)
+        else:
+            self._retry_delay = self.retry_s
+            self._waiting_since = now
+        self._waiting_for = waiting_for
 
     def _log_problems(self, level: int, problems: list[str]) -> None:
         """Log each problem of this pass at `level` if the last pass did not have it, else at DEBUG."""

@@ -59,23 +59,34 @@ def rotate_logs(log_dir: str, max_bytes: int = LOG_MAX_BYTES, running: bool = Fa
             if not running:
                 os.replace(path, path + ".1")
                 continue
-            _copy_data(path, path + ".1")
-            os.truncate(path, 0)
         except OSError:
             continue  # absent, or not ours to move: the daemon writes as before
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path + ".1")  # first: the copy needs the room
+            _copy_data(path, path + ".1")
+        except OSError as e:  # a full disk, most likely: the log is emptied all the same
+            log.warning("MPS daemon log %s: could not keep a copy before emptying it: %s", path, e)
+        with contextlib.suppress(OSError):
+            os.truncate(path, 0)
 
 
 def _copy_data(path: str, to: str) -> None:
     """Copy `path`'s data (from its first byte on disk: a hole before it is skipped) to `to`,
     through a temporary file."""
     tmp = to + ".tmp"
-    with open(path, "rb") as src, open(tmp, "wb") as dst:
-        try:
-            src.seek(os.lseek(src.fileno(), 0, os.SEEK_DATA))
-        except OSError:  # no data at all, or a file system without SEEK_DATA: from the start
-            src.seek(0)
-        shutil.copyfileobj(src, dst, 1 << 20)
-    os.replace(tmp, to)
+    try:
+        with open(path, "rb") as src, open(tmp, "wb") as dst:
+            try:
+                src.seek(os.lseek(src.fileno(), 0, os.SEEK_DATA))
+            except OSError:  # no data at all, or a file system without SEEK_DATA: from the start
+                src.seek(0)
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(tmp, to)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 class MpsDaemonError(DynpartError):

@@ -53,8 +53,8 @@ class KubeSettings(BaseModel):
     request_timeout_s: float = Field(default=30.0, gt=0, description="every API call but a watch gives up after "
                                      "this long (the client's default is to wait for ever)")
     watch_idle_timeout_s: float = Field(default=120.0, gt=0, description="a watch that receives nothing for this long "
-                                        "(the API server sends a bookmark about every minute) is dropped and started "
-                                        "again")
+                                        "(the API server sends a bookmark about every minute while the kind changes) is "
+                                        "dropped and started again")
     event_repeat_s: float = Field(default=3600.0, gt=0, description="the same Event (object, reason, message) is "
                                   "posted again at most this often")
     event_memory: int = Field(default=4096, ge=1, description="(object, reason) pairs the Event de-duplication "

@@ -725,6 +725,7 @@ class PlannerController:
         except DynpartError as e:
             # build_snapshot leaves out every object that fails validation on its own, so this is a
             # problem between objects (say two nodes of one name): skip the round, never crash-loop
+            self.loop.abandon()
             metrics.PLAN_ERRORS.labels("invalid_snapshot").inc()
             log.error("planning round skipped: %s", e)
             return

@@ -213,6 +213,7 @@ class PlanningLoop:
         self.reserved.clear()
         self.drains.clear()
         self.drain_flagged.clear()
+        self.abandon()
 
     # --- when to plan ---------------------------------------------------------------------
 
@@ -385,6 +386,12 @@ class PlanningLoop:
         self.drains = {k: d for k, d in state.drains.items() if d.node not in gone}
         self.drain_flagged = {k: v for k, v in state.flagged.items() if k not in gone}
         return True
+
+    def abandon(self) -> None:
+        """The round's copy of the drains (`drain_state`) is dropped: its planning failed, or the
+        lease was lost (its `commit` keeps nothing)."""
+        self.gone_since.clear()
+        self._copy_out = False
 
     def decide_with(self, snapshot: Snapshot, catalog: Catalog, state: DrainState) -> Plan:
         """The plan of a prepared snapshot, pure over it and `state` (which it updates; nothing

@@ -70,12 +70,13 @@ class Informer:
         self.cache: dict[str, Obj] = {}
         self.synced = asyncio.Event()
         self.resource_version = ""  # the last one seen: of the list, of an event or of a bookmark
-        # while True, a watch is open and the cache follows the server: a reader may take the cache
-        # for a fresh read (it lags by the events in flight only)
+        # while True, a watch is open and the cache follows the server, lagging by the events in
+        # flight (and, on a connection cut without a close, until watch_idle_timeout_s ends it)
         self.watching = False
         self.lists = 0  # lists started: a list started after a write returned includes that write
         self._retry_after: float | None = None  # the last failed call's Retry-After
         self._warned: dict[str, float] = {}  # failure -> when it was last logged at WARNING
+        self._silence_said = False  # a watch that went silent was logged at INFO once
 
     async def _read(self, resp: object, what: str) -> Obj:
         """`read_json`, keeping the Retry-After of a 429 or 503."""
@@ -153,14 +154,17 @@ class Informer:
                     self.on_beat()
                     self._apply(line, what)
             except TimeoutError:
-                # silent for watch_idle_timeout_s (no bookmark where the server sends none, or a
-                # half-open connection): after events, an end like the server's, watched again from
-                # where it was; a watch that never said anything failed (backed off, said), so that
-                # a server that accepts watches and stalls them is not asked again and again
+                # silent for watch_idle_timeout_s: a half-open connection, or a quiet one: the API
+                # server sends a bookmark a minute only when the kind's resourceVersion moved (a
+                # small cluster's nodes can stay unchanged for minutes; kube-apiserver 1.35 sent
+                # nothing in 150 s to a watch of one quiet node). Either way an end like the
+                # server's: watched again from where it was, said once (a failure would warn
+                # every few minutes on every quiet node)
                 raw.close()
-                if not lines:
-                    raise APITransportError(f"{what}: nothing in {self.settings.watch_idle_timeout_s:g}s") from None
-                log.info("watch %s: nothing for %gs; watching again", self.name, self.settings.watch_idle_timeout_s)
+                log.log(logging.DEBUG if self._silence_said else logging.INFO,
+                        "watch %s: nothing for %gs (%s); watching again", self.name,
+                        self.settings.watch_idle_timeout_s, f"after {lines} line(s)" if lines else "from its start")
+                self._silence_said = True
                 return
             except BaseException:
                 raw.close()  # not read to its end: the connection cannot be used again

@@ -294,8 +294,10 @@ async def test_a_waiting_plan_reads_the_lease_once_and_rewrites_its_heartbeat_on
 
 async def test_a_plan_that_keeps_waiting_for_the_same_thing_is_looked_at_less_often_and_said_once(caplog):
     """While a plan waits for the same things pass after pass (here a pod holding the instance in
-    its way), the wait before the next pass doubles from retry_s up to the interval, and the
-    problem is logged once at WARNING (then at DEBUG); what it waits for changing starts again."""
+    its way), the wait before the next pass doubles from retry_s up to retry_max_s (2 s: the
+    planner gives up on an acknowledgement after 60 s), and after long_wait_s of the same wait up
+    to the interval; the problem is logged once at WARNING (then at DEBUG); what it waits for
+    changing starts again."""
     rig = make_rig().with_plugins()
     gi = rig.carve(0, "1g.10gb@0")["1g.10gb@0"]
     pid = rig.run_pod("ns/a", 0, gi)
@@ -307,10 +309,42 @@ async def test_a_plan_that_keeps_waiting_for_the_same_thing_is_looked_at_less_of
             report = await agent.reconcile_once()
             delays.append(agent._retry_delay)
     assert report.waiting
-    assert delays == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert delays == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0]
+    agent._waiting_since -= agent.long_wait_s  # (as if two minutes had passed)
+    await agent.reconcile_once()
+    assert agent._retry_delay == 4.0
+    # a new plan waiting for the same reasons is a new wait
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p2"))
+    await agent.reconcile_once()
+    assert agent._retry_delay == 0.5
     said = [r for r in caplog.records if "1g.10gb@0" in r.getMessage() and "not acknowledged" in r.getMessage()]
-    assert [r.levelno for r in said] == [logging.WARNING] + [logging.DEBUG] * 5
+    assert [r.levelno for r in said][:6] == [logging.WARNING] + [logging.DEBUG] * 5
     # the pod leaves: the plan is applied; a new wait starts from retry_s again
     rig.stop_pod("ns/a", pid)
     report = await agent.reconcile_once()
     assert not report.failed and agent._retry_delay == 0.5
+
+
+async def test_run_waits_the_doubled_delay_between_passes_of_a_waiting_plan():
+    """`run` itself waits what `_retry_delay` says (not retry_s every time) while a plan waits."""
+    rig = make_rig().with_plugins()
+    gi = rig.carve(0, "1g.10gb@0")["1g.10gb@0"]
+    rig.run_pod("ns/a", 0, gi)
+    agent = rig.agent(interval_s=30.0, retry_s=0.05)
+    agent.retry_max_s = 0.2
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p1"))
+    passes = []
+    once = agent.reconcile_once
+
+    async def counted():
+        passes.append(1)
+        return await once()
+
+    agent.reconcile_once = counted  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    await asyncio.sleep(1.5)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    # 0.05, 0.1, then 0.2 s: about 9 passes in 1.5 s (every 0.05 s: about 30)
+    assert 4 <= len(passes) <= 14, len(passes)

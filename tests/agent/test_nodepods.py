@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import stat
 import textwrap
 
@@ -228,3 +229,26 @@ def test_a_log_whose_writer_leaves_a_hole_counts_its_bytes_on_disk(tmp_path):
     copied = (tmp_path / "server.log.1").read_bytes()
     assert copied.startswith(b"after the hole\n") and copied.endswith(b"y" * (2 << 20))
     assert len(copied) < (7 << 20) and log.stat().st_size == 0  # the second hole is copied, not the first
+
+
+def test_a_log_that_cannot_be_copied_is_emptied_all_the_same(tmp_path, caplog):
+    """On a full disk the copy fails: no partial copy is left, and the log is emptied anyway (else
+    it would grow on a disk with no room left)."""
+    import resource
+
+    from dynpart.agent.mps_daemon import rotate_logs
+
+    log = tmp_path / "server.log"
+    log.write_bytes(b"s" * 5000)
+    (tmp_path / "server.log.1").write_bytes(b"old")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
+    try:
+        rotate_logs(str(tmp_path), max_bytes=100, running=True)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert log.stat().st_size == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["server.log"]
+    assert "could not keep a copy" in caplog.text

@@ -158,3 +158,11 @@ def test_a_round_planned_from_a_copy_keeps_nothing_of_a_lost_lease_or_a_deleted_
     state = lp.drain_state()
     lp.node_gone("n0", 300.0)
     assert lp.gone_since == {"n0"} and lp.commit(state) and not lp.gone_since
+    # a round whose planning failed, or a lost lease, drops the copy: nothing is recorded after
+    lp.drain_state()
+    lp.abandon()
+    lp.node_gone("n1", 400.0)
+    lp.drain_state()
+    lp.forget_leader_state()
+    lp.node_gone("n2", 400.0)
+    assert not lp.gone_since
