@@ -72,20 +72,18 @@ def rotate_logs(log_dir: str, max_bytes: int = LOG_MAX_BYTES, running: bool = Fa
 
 
 def _copy_data(path: str, to: str) -> None:
-    """Copy `path`'s data (from its first byte on disk: a hole before it is skipped) to `to`,
-    through a temporary file."""
-    tmp = to + ".tmp"
+    """Copy `path`'s data (from its first byte on disk: a hole before it is skipped) to `to`; no
+    partial copy is left when it fails."""
     try:
-        with open(path, "rb") as src, open(tmp, "wb") as dst:
+        with open(path, "rb") as src, open(to, "wb") as dst:
             try:
                 src.seek(os.lseek(src.fileno(), 0, os.SEEK_DATA))
             except OSError:  # no data at all, or a file system without SEEK_DATA: from the start
                 src.seek(0)
             shutil.copyfileobj(src, dst, 1 << 20)
-        os.replace(tmp, to)
     except OSError:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(to)
         raise
 
 
