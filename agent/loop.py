@@ -334,14 +334,14 @@ class Agent:
             log.warning("node %s: %s", self.node, e)
         errors = [*spec.problems, *fenced, *result.errors]
         waiting: list[str] = []
+        severe: frozenset[str] = frozenset()
         try:
             waiting = await self._serve(mode, result, layout, node)
         except DynpartError as e:  # the node is as the pass left it; say why nothing is acknowledged
-            (log.error if f"serving the devices: {e}" not in self._logged else log.debug)(
-                "node %s: serving the devices: %s", self.node, e)
             if isinstance(e, GpuDriverError):
                 await self._all_unhealthy(e, node)
             errors.append(f"serving the devices: {e}")
+            severe = frozenset(errors[-1:])  # logged with the others below, at ERROR
             waiting = ["the devices could not be served (see the error above)"] if layout is not None else []
         applied = result.applied and layout is not None and not waiting
         if result.applied and layout is not None and waiting:
@@ -373,7 +373,7 @@ class Agent:
                               "used): " + "; ".join(self._disagreements), True)
         for reason, clash in _nvidia_components(node, mode, self._builtin):
             await self._event(reason, clash, True)
-        self._log_problems(logging.WARNING, errors)
+        self._log_problems(logging.WARNING, errors, severe)
         if self.unhealthy:
             await self._event("GpuUnhealthy", "; ".join(f"GPU {i}: {why}" for i, why in sorted(self.unhealthy.items()))
                               + ": its devices are advertised Unhealthy until it is reset", True)
@@ -668,10 +668,12 @@ class Agent:
             self._waiting_since = now
         self._waiting_for = waiting_for
 
-    def _log_problems(self, level: int, problems: list[str]) -> None:
-        """Log each problem of this pass at `level` if the last pass did not have it, else at DEBUG."""
+    def _log_problems(self, level: int, problems: list[str], severe: frozenset[str] = frozenset()) -> None:
+        """Log each problem of this pass at `level` (ERROR if in `severe`) if the last pass did not
+        have it, else at DEBUG: once each, however many passes it lasts."""
         for problem in problems:
-            log.log(level if problem not in self._logged else logging.DEBUG, "node %s: %s", self.node, problem)
+            at = logging.DEBUG if problem in self._logged else logging.ERROR if problem in severe else level
+            log.log(at, "node %s: %s", self.node, problem)
         self._logged = frozenset(problems)
 
     async def _report_failure(self, node: NodeView, error: str, unhealthy: set[int] | None = None) -> PassReport:

@@ -348,3 +348,23 @@ async def test_run_waits_the_doubled_delay_between_passes_of_a_waiting_plan():
     await asyncio.wait_for(task, 10)
     # 0.05, 0.1, then 0.2 s: about 9 passes in 1.5 s (every 0.05 s: about 30)
     assert 4 <= len(passes) <= 14, len(passes)
+
+
+async def test_devices_that_cannot_be_served_are_said_once_at_error(caplog):
+    """A failure to serve the devices (here the kubelet's PodResources unreachable) is logged once,
+    at ERROR, when it appears (not also at WARNING with the pass's other problems), then at DEBUG
+    while it lasts; the status names it every pass."""
+    rig = make_rig().with_plugins()
+
+    def unreachable() -> dict[str, list[str]]:
+        raise PodResourcesError("the kubelet's PodResources socket is not there")
+
+    rig.pods.on_allocatable = unreachable
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0"]}, plan="p1"))
+    with caplog.at_level(logging.DEBUG, logger="dynpart.agent"):
+        for _ in range(3):
+            report = await agent.reconcile_once()
+            assert any("serving the devices" in e and "PodResources" in e for e in report.errors), report.errors
+    said = [r.levelno for r in caplog.records if "serving the devices" in r.getMessage()]
+    assert said == [logging.ERROR, logging.DEBUG, logging.DEBUG]
