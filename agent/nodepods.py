@@ -87,15 +87,22 @@ class Need:
     # a pod not yet running whose plain init container may hold a device no PodResources List
     # shows: which one is unknown, so every device of the resource stays
     unseen: tuple[str, ...] = ()
+    # devices admitted pods hold that PodResources does not list: what a plain init container got
+    # beyond what the app containers reuse stays allocated until the pod ends (kubelet
+    # devicemanager, kubernetes#71312); they look free, but the kubelet gives them to no other pod
+    hidden: int = 0
 
 
 def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -> dict[str, Need]:
     """Resource -> devices that pods bound here need and the kubelet has not given them yet (a pod
     holding no device of that resource in PodResources has not been admitted for it)."""
-    holding: set[tuple[str, str]] = {(a.pod, a.resource) for a in assigned}
+    listed: dict[tuple[str, str], set[str]] = {}
+    for a in assigned:
+        listed.setdefault((a.pod, a.resource), set()).add(a.device_id)
     count: dict[str, int] = {}
     pods: dict[str, list[str]] = {}
     unseen: dict[str, list[str]] = {}
+    hidden: dict[str, int] = {}
     for p in bound:
         if p.phase in TERMINAL_PHASES:
             continue
@@ -103,11 +110,13 @@ def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -
             if p.phase == "Pending" and resource in p.init_only:
                 unseen.setdefault(resource, []).append(p.key)
                 count.setdefault(resource, 0)
-            if (p.key, resource) in holding:
+            held = len(listed.get((p.key, resource), ()))
+            if held or p.phase == "Running":  # admitted: the kubelet gave it all n devices then
+                hidden[resource] = hidden.get(resource, 0) + max(0, n - held)
                 continue
             count[resource] = count.get(resource, 0) + n
             pods.setdefault(resource, []).append(p.key)
-    return {r: Need(count[r], tuple(pods.get(r, ())), tuple(unseen.get(r, ()))) for r in sorted(count)}
+    return {r: Need(count[r], tuple(pods.get(r, ())), tuple(unseen.get(r, ())), hidden.get(r, 0)) for r in sorted(count)}
 
 
 def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], needs: Mapping[str, Need]) -> dict[str, str]:
@@ -125,12 +134,14 @@ def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], ne
                 kept[device] = (f"kept while pod(s) {', '.join(need.unseen)} start: an init container may use a "
                                 f"{resource} device, and the kubelet does not list init containers' devices")
             continue
-        others = len(set(free.get(resource, ())) - set(mine))
+        # the hidden devices are among the free-looking ones, maybe among `mine`: whichever stay,
+        # the kubelet gives none of them to a waiting pod
+        others = len(set(free.get(resource, ())) - set(mine)) - need.hidden
         n = max(0, min(len(mine), need.count - others))
         pods = ", ".join(need.pods)
         for device in mine[len(mine) - n:]:  # the last ones: the earlier destroys go ahead
             kept[device] = (f"kept for pod(s) {pods} bound to this node and not yet admitted (they need "
-                            f"{need.count} {resource}, {others} other free)")
+                            f"{need.count} {resource}, {max(0, others)} other free)")
     return kept
 
 
