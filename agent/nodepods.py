@@ -89,7 +89,8 @@ class Need:
     unseen: tuple[str, ...] = ()
     # devices admitted pods hold that PodResources does not list: what a plain init container got
     # beyond what the app containers reuse stays allocated until the pod ends (kubelet
-    # devicemanager, kubernetes#71312); they look free, but the kubelet gives them to no other pod
+    # devicemanager: UpdateAllocatedDevices frees a pod's devices once it is no longer active);
+    # they look free, but the kubelet gives them to no other pod
     hidden: int = 0
 
 

@@ -112,9 +112,9 @@ def test_what_a_kubelet_still_needs_is_never_destroyed():
 
 
 def test_a_running_pods_leftover_init_devices_are_not_free():
-    """(kubernetes#71312, kubelet devicemanager) A pod whose init container asked for 2 devices
-    and its app container for 1 keeps both allocated until the pod ends; PodResources lists only
-    the app container's (MIG-1). MIG-2 looks free to the agent but the kubelet will not give it to
+    """(kubelet devicemanager: UpdateAllocatedDevices frees only pods no longer active) A pod whose
+    init container asked for 2 devices and its app container for 1 keeps both allocated until the
+    pod ends; PodResources lists only the app container's (MIG-1). MIG-2 looks free to the agent but the kubelet will not give it to
     ns/w: destroying MIG-3 would leave ns/w nothing (UnexpectedAdmissionError). `waiting_for`
     counts what admitted pods hold beyond what PodResources lists (`Need.hidden`) and `to_keep`
     takes it off the other free devices."""

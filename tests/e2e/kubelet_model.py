@@ -11,7 +11,10 @@ per-node directory (`<root>/device-plugins/`, `<root>/pod-resources/`):
   moment are checked at once for a GPU advertised both whole and sliced (`exclusive_violations`).
 - admission of the pods bound to the node (a watch of the real API server with
   `fieldSelector=spec.nodeName=<node>`, pods admitted one at a time as the kubelet's sync loop
-  does): per container and device-plugin resource, the devices are taken from the healthy ones no
+  does): per container and device-plugin resource (app containers only: init containers' devices,
+  which the kubelet allocates first and lets the app containers reuse, are not modelled; the
+  agent's handling of them is checked against a model of that reuse in
+  tests/agent/test_nodepods_checks.py), the devices are taken from the healthy ones no
   active pod holds, `GetPreferredAllocation` asked first when the plugin registered with
   `GetPreferredAllocationAvailable`, then `Allocate`; no healthy free device (or an Allocate
   error) fails the pod with `reason: UnexpectedAdmissionError`, as the kubelet's
