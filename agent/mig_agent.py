@@ -264,6 +264,7 @@ class MigAgent:
             if not now.mig_current:  # activated, says the driver, yet pending: only a reset can help
                 self._activation[uuid] = RESET_REQUIRED
                 skip.add(e.gpu)
+                await self._restore(uuid)  # still a whole GPU, as when the driver says it is pending
         not_destroyed: list[Destroy] = []
         instances = {(s.index, i.gi_id): i for s in observed.states for i in s.instances}
         free: dict[str, list[str]] = {}
