@@ -11,11 +11,10 @@ per-node directory (`<root>/device-plugins/`, `<root>/pod-resources/`):
   moment are checked at once for a GPU advertised both whole and sliced (`exclusive_violations`).
 - admission of the pods bound to the node (a watch of the real API server with
   `fieldSelector=spec.nodeName=<node>`, pods admitted one at a time as the kubelet's sync loop
-  does): per container and device-plugin resource (app containers only: init containers' devices,
-  which the kubelet allocates first and lets the app containers reuse, are not modelled; the
-  agent's handling of them is checked against a model of that reuse in
-  tests/agent/test_nodepods_checks.py), the devices are taken from the healthy ones no
-  active pod holds, `GetPreferredAllocation` asked first when the plugin registered with
+  does): per container and device-plugin resource, init containers first (the devices a plain
+  one got are reused by the containers after it, first; they stay allocated to the pod, unlisted
+  by PodResources, until it is gone; a sidecar's are listed and not reused), the devices are taken
+  from the healthy ones no active pod holds, `GetPreferredAllocation` asked first when the plugin registered with
   `GetPreferredAllocationAvailable`, then `Allocate`; no healthy free device (or an Allocate
   error) fails the pod with `reason: UnexpectedAdmissionError`, as the kubelet's
   `Allocate failed due to ..., which is unexpected`. Then the kubelet's predicate check against
@@ -210,6 +209,25 @@ def container_limits(container: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+def effective_requests(init: list[dict[str, Any]], containers: list[dict[str, Any]]) -> dict[str, int]:
+    """The pod's extended-resource requests as the kubelet's admission counts them (resourcehelper
+    PodRequests): the app containers and sidecars summed, or, if more, a plain init container
+    with the sidecars started before it."""
+    sidecars: dict[str, int] = {}
+    peak: dict[str, int] = {}
+    for c in init:
+        for r, n in container_limits(c).items():
+            if c.get("restartPolicy") == "Always":
+                sidecars[r] = sidecars.get(r, 0) + n
+            else:
+                peak[r] = max(peak.get(r, 0), n + sidecars.get(r, 0))
+    out = dict(sidecars)
+    for c in containers:
+        for r, n in container_limits(c).items():
+            out[r] = out.get(r, 0) + n
+    return {r: max(out.get(r, 0), peak.get(r, 0)) for r in {*out, *peak}}
+
+
 class KubeletModel(KubeletDouble):
     """See the module docstring. `core` None: no API server (no pod watch, no status writes;
     `admit_pod(pod)` is called by the test). It is a `KubeletDouble` (tests/agent) for Registration,
@@ -364,7 +382,8 @@ class KubeletModel(KubeletDouble):
         state = self.resources.setdefault(resource, ResourceState())
         listed = {i for i, _, _ in devices}
         for pod in self.pods.values():
-            for by_res in pod.devices.values():
+            # (a plain init container's device is in no use once the app containers run)
+            for by_res in (by for c, by in pod.devices.items() if c in pod.containers or pod.phase == "Pending"):
                 for i in by_res.get(resource, []):
                     if i not in listed and not pod.deleted:
                         self.used_withdrawn.append(f"{self.node_name}: {resource} {i} of pod {pod.key} left the "
@@ -538,6 +557,8 @@ class KubeletModel(KubeletDouble):
         ns, name = pod.key.split("/", 1)
         containers = []
         for cname, by_res in pod.devices.items():
+            if cname not in pod.containers:
+                continue  # a plain init container's devices are never listed
             devices = [msgs["ContainerDevices"](resource_name=r, device_ids=ids) for r, ids in sorted(by_res.items())]
             containers.append(msgs["ContainerResources"](name=cname, devices=devices))
         return msgs["PodResources"](name=name, namespace=ns, containers=containers)
@@ -633,15 +654,25 @@ class KubeletModel(KubeletDouble):
         key, uid = f"{md['namespace']}/{md['name']}", md.get("uid", "")
         if uid and uid in self._gone:
             return False
-        containers = (pod.get("spec") or {}).get("containers") or []
-        state = PodState(key, uid, containers=[c.get("name", "") for c in containers])
-        for c in containers:
-            for r, n in container_limits(c).items():
-                state.requests[r] = state.requests.get(r, 0) + n
+        spec = pod.get("spec") or {}
+        init = spec.get("initContainers") or []
+        containers = spec.get("containers") or []
+        # PodResources lists the app containers and the sidecars (restartable init containers)
+        listed = [c for c in init if c.get("restartPolicy") == "Always"] + containers
+        state = PodState(key, uid, containers=[c.get("name", "") for c in listed])
+        state.requests = effective_requests(init, containers)
         self.pods[key] = state
+        # devicemanager Allocate: init containers first, in order; what a plain one got is reused
+        # by the containers after it (the app containers take from it first), a sidecar's is not
+        reusable: dict[str, set[str]] = {}
         try:
-            for c in containers:
-                await self._allocate_container(state, c)
+            for c in [*init, *containers]:
+                got = await self._allocate_container(state, c, reusable)
+                for r, ids in got.items():
+                    if c in init and c.get("restartPolicy") != "Always":
+                        reusable.setdefault(r, set()).update(ids)
+                    else:
+                        reusable.setdefault(r, set()).difference_update(ids)
         except _AdmissionError as e:
             return await self._reject(state, "UnexpectedAdmissionError", f"Allocate failed due to {e}, which is unexpected")
         if self.core is not None:
@@ -649,7 +680,7 @@ class KubeletModel(KubeletDouble):
             if reason is not None:
                 return await self._reject(state, *reason)
         for resource, n in state.requests.items():
-            got = sum(len(by_res.get(resource, [])) for by_res in state.devices.values())
+            got = len({i for by_res in state.devices.values() for i in by_res.get(resource, [])})  # (reused once)
             if got < n and is_slice_resource(resource):
                 self.admitted_without_devices.append(f"{key}: asked for {n} {resource}, got {got} (not a device-plugin "
                                                      "resource of this kubelet)")
@@ -661,9 +692,13 @@ class KubeletModel(KubeletDouble):
         self._spawn(self._run(state), f"start {key}")
         return True
 
-    async def _allocate_container(self, state: PodState, container: dict[str, Any]) -> None:
+    async def _allocate_container(self, state: PodState, container: dict[str, Any],
+                                  reusable: dict[str, set[str]]) -> dict[str, list[str]]:
+        """One container's devices (devicesToAllocate): the pod's `reusable` ones first (what its
+        plain init containers got), then free healthy ones. Returns resource -> the ids given."""
         cname = container.get("name", "")
-        for resource, needed in sorted(container_limits(container).items()):
+        given: dict[str, list[str]] = {}
+        for resource, required in sorted(container_limits(container).items()):
             if not self.registered(resource) and not self.allocated(resource):
                 continue  # not a device-plugin resource (isDevicePluginResource)
             s = self.resources.get(resource)
@@ -671,22 +706,24 @@ class KubeletModel(KubeletDouble):
                 raise _AdmissionError(f"cannot allocate unregistered device {resource}")
             if not s.healthy:
                 raise _AdmissionError(f"no healthy devices present; cannot allocate unhealthy devices {resource}")
+            reused = sorted(reusable.get(resource, set()))[:required]
+            needed = required - len(reused)
             available = s.healthy - self.allocated(resource)
             if len(available) < needed:
                 raise _AdmissionError(f"requested number of devices unavailable for {resource}. "
                                       f"Requested: {needed}, Available: {len(available)}")
-            chosen: list[str] = []
+            chosen: list[str] = list(reused)
             preferred: list[str] | None = None
             plugin = self.plugins.get(resource)
-            if s.preferred_available and plugin is not None and plugin.stub is not None:
+            if needed and s.preferred_available and plugin is not None and plugin.stub is not None:
                 try:
-                    preferred = await self.preferred(resource, sorted(available), [], needed)
+                    preferred = await self.preferred(resource, sorted(available | set(reused)), reused, required)
                 except grpc.aio.AioRpcError as e:
                     raise _AdmissionError(f"rpc error: code = {e.code().name} desc = {e.details()}") from None
                 available = (self.resources.get(resource) or ResourceState()).healthy - self.allocated(resource)
-                chosen = [i for i in preferred if i in available][:needed]
-            chosen += sorted(available - set(chosen))[:needed - len(chosen)]
-            if len(chosen) < needed:
+                chosen += [i for i in preferred if i in available][:needed]
+            chosen += sorted(available - set(chosen))[:required - len(chosen)]
+            if len(chosen) < required:
                 raise _AdmissionError(f"unexpectedly allocated less resources than required. Requested: {needed}, "
                                       f"Got: {len(chosen)}")
             self._reserved.setdefault(resource, set()).update(chosen)
@@ -706,10 +743,14 @@ class KubeletModel(KubeletDouble):
             self.allocations.append(AllocationRecord(time.monotonic(), state.key, cname, resource, list(chosen),
                                                      dict(cr.envs), [(m.host_path, m.container_path) for m in cr.mounts],
                                                      preferred))
+            given[resource] = list(chosen)
+            if cname not in state.containers:
+                continue  # a plain init container: it has run and ended when the app containers start
             for device in chosen:
                 where = self.locate(device)
                 self.holdings.setdefault(state.key, []).append(
                     Holding(resource, device, where[1] if where else -1, where[2] if where else None))
+        return given
 
     async def _predicate(self, state: PodState) -> tuple[str, str] | None:
         """The predicate admit handler's resource fit for extended resources, against the Node."""

@@ -18,6 +18,8 @@ from dynpart.agent.deviceplugin.devices import GpuView, MigDeviceView, PluginDev
 from dynpart.agent.deviceplugin.server import DevicePluginManager, PluginServer
 from dynpart.agent.driver.fake import FakeNvml
 from dynpart.agent.driver.interface import GpuDriverError
+from dynpart.agent.guard import SliceGuard
+from dynpart.agent.nodepods import FakeNodePods
 from dynpart.agent.podresources import KubeletPodResources
 from dynpart.catalog import default_catalog
 from tests.e2e.kubelet_model import KubeletModel, podresources_messages
@@ -122,6 +124,46 @@ async def test_admission_through_the_agents_plugin(kubelet: KubeletModel, driver
         assert await kubelet.admit_pod(pod("c2", MIG1))
         assert kubelet.exclusive_violations == []
         assert all(m.node_lists for m in kubelet.messages)
+
+
+async def test_an_init_containers_devices_are_reused_then_kept_unlisted_until_the_pod_ends(kubelet: KubeletModel,
+                                                                                          driver: FakeNvml):
+    """devicemanager: a plain init container is allocated first and the app container reuses its
+    devices; the one the app container did not reuse stays allocated to the pod, unlisted by
+    PodResources, until the pod is gone. The agent's guard, reading this kubelet through its real
+    PodResources client, keeps the one device a pod bound and not yet admitted will get."""
+    devices = carve(driver, 0, ("1g.10gb", 0), ("1g.10gb", 1), ("1g.10gb", 2))
+    async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
+        await plugins.update(advertise(views(driver)))
+        await kubelet.wait_registered(MIG1)
+        starting = pod("r", MIG1)
+        starting["spec"]["initContainers"] = [{"name": "fetch", "resources": {"limits": {MIG1: "2"}}}]
+        assert await kubelet.admit_pod(starting)
+        given = {a.container: a.device_ids for a in kubelet.allocations if a.pod == "ns/r"}
+        assert len(given["fetch"]) == 2 and set(given["main"]) < set(given["fetch"])  # reused
+        await asyncio.sleep(0.05)  # the containers start
+        pr = KubeletPodResources(kubelet.podresources_socket)
+        assert [a.device_id for a in await pr.list()] == given["main"]
+        assert kubelet.allocated(MIG1) == set(given["fetch"])
+        (hidden,) = set(given["fetch"]) - set(given["main"])
+        (spare,) = set(devices) - set(given["fetch"])
+
+        # the agent wants the spare gone while ns/w, bound for one device, is not admitted yet
+        node_pods = FakeNodePods()
+        node_pods.bind("ns/r", {MIG1: 2}, "Running", frozenset({MIG1}))
+        node_pods.bind("ns/w", {MIG1: 1})
+        looks_free = [d for d in devices if d not in given["main"]]
+        assert sorted(looks_free) == sorted([hidden, spare])
+        kept = await SliceGuard(pr, node_pods).keep({spare: MIG1}, {MIG1: looks_free})
+        assert list(kept) == [spare], kept
+        # and that is the one the kubelet gives it
+        assert await kubelet.admit_pod(pod("w", MIG1))
+        assert kubelet.allocations[-1].device_ids == [spare]
+
+        # the pod ends: what its init container held is free again
+        kubelet._forget("ns/r", "r")
+        assert kubelet.allocated(MIG1) == {spare}
+        assert kubelet.used_withdrawn == [] and kubelet.exclusive_violations == []
 
 
 async def test_withdrawn_and_stopped_resources(kubelet: KubeletModel, driver: FakeNvml):
