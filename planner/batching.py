@@ -16,8 +16,13 @@ class BatchWindow:
     first_at: float | None = None
     last_at: float | None = None
     members: set[str] = field(default_factory=set)
+    due_at: float | None = None  # a member that joined `at_once` closes the batch then
 
-    def add(self, key: str, now: float) -> None:
+    def add(self, key: str, now: float, at_once: bool = False) -> None:
+        """`at_once`: the pod already waited in a batch (a round left it to the next one): the
+        batch closes now, not after another idle wait."""
+        if at_once:
+            self.due_at = now if self.due_at is None else min(self.due_at, now)
         if key in self.members:
             return
         self.members.add(key)
@@ -28,13 +33,14 @@ class BatchWindow:
     def discard(self, key: str) -> None:
         self.members.discard(key)
         if not self.members:
-            self.first_at = self.last_at = None
+            self.first_at = self.last_at = self.due_at = None
 
     def deadline(self) -> float | None:
         """When the batch closes without a new pod, or None when it is empty."""
         if not self.members or self.first_at is None or self.last_at is None:
             return None
-        return min(self.last_at + self.idle_s, self.first_at + self.timeout_s)
+        at = min(self.last_at + self.idle_s, self.first_at + self.timeout_s)
+        return at if self.due_at is None else min(at, self.due_at)
 
     def ready(self, now: float) -> bool:
         at = self.deadline()
@@ -47,5 +53,5 @@ class BatchWindow:
 
     def close(self) -> set[str]:
         taken, self.members = self.members, set()
-        self.first_at = self.last_at = None
+        self.first_at = self.last_at = self.due_at = None
         return taken

@@ -675,7 +675,7 @@ class PlannerController:
         # pods left to the next round (their anti-affinity or host ports conflict with an older
         # pod's this round plans): they join the next batch at once
         self._deferred = dict(view.deferred)
-        self.loop.facts_changed(view.deferred, self.clock())
+        self.loop.facts_changed(view.deferred, self.clock(), at_once=True)
         await self._tell_backoffs()
         snapshot = view.snapshot
         self._round_catalog = view.catalog

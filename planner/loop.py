@@ -158,14 +158,17 @@ class PlanningLoop:
         for pair in [p for p in self.avoid if p[0] == key]:
             del self.avoid[pair]
 
-    def facts_changed(self, waiting: Iterable[str], now: float) -> None:
+    def facts_changed(self, waiting: Iterable[str], now: float, at_once: bool = False) -> None:
         """New facts about a node's GPUs (a plan applied, a slice freed or taken, a node gone):
         the pods still waiting may fit now, or only now be planned on it, so they join the batch
-        (those held by a plan in flight or a reservation excepted: their slice is on its way)."""
+        (those held by a plan in flight or a reservation excepted: their slice is on its way).
+        `at_once`: pods a round left to the next (a conflict with an older pod it planned): they
+        waited in a batch already, so the batch closes now; each such round plans the older pod
+        or stops leaving pods for it, so these rounds end."""
         held = self.held_pods()
         for key in waiting:
             if key not in held and key not in self.reserved:
-                self.window.add(key, now)
+                self.window.add(key, now, at_once)
 
     def acknowledged(self, node: str, plan_id: str, now: float) -> InFlight | None:
         """The node's agent reports it holds the plan: the node can be planned again, and the

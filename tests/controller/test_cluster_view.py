@@ -129,6 +129,26 @@ def test_batch_window_closes_on_idle_or_timeout():
     assert w.close() == {"a", "b", "c", "d"} and not w.ready(10)
 
 
+def test_a_pod_left_to_the_next_round_closes_the_batch_at_once():
+    """A pod a round left to the next (a conflict with an older pod it planned) waited in a batch
+    already: the batch it joins closes at once, new pods joining with it or not; once closed, the
+    next batch waits again."""
+    w = BatchWindow(idle_s=1, timeout_s=3)
+    w.add("new", 0.0)
+    w.add("left", 0.2, at_once=True)
+    assert w.ready(0.2) and w.wait_s(0.2) == 0.0
+    w.add("newer", 0.3)
+    assert w.ready(0.3)
+    assert w.close() == {"new", "left", "newer"}
+    w.add("next", 5.0)
+    assert not w.ready(5.5) and w.ready(6.0)
+    w.add("left", 7.0, at_once=True)
+    w.discard("next")
+    w.discard("left")
+    w.add("later", 8.0)
+    assert not w.ready(8.5), "an emptied batch forgets it was due"
+
+
 def test_a_whole_gpu_pod_holds_the_gpu_its_agent_reports_out_of_mig_mode():
     """The device plugin serves a GPU whole only out of MIG mode: the capability report says which."""
     from dynpart.annotations import STATUS_CAPABILITY

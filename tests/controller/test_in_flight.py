@@ -961,6 +961,7 @@ async def test_the_controller_plans_a_deferred_replica_at_the_next_round_on_anot
     await c.plan_round()
     assert [n for n, _ in c.written] == ["n1"] and c.written[0][1]["dynpart.io/spec-pods"] == "ml/web-0"
     assert "ml/web-1" in c.window.members, "back in the batch at once"
+    assert c.window.ready(c.clock()), "and planned at once: it waited in a batch already"
     await c.plan_round()
     assert [n for n, _ in c.written] == ["n1", "n2"] and c.written[1][1]["dynpart.io/spec-pods"] == "ml/web-1"
 
