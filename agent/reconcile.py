@@ -109,10 +109,6 @@ class MigActions:
     create: list[Create] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
-    @property
-    def empty(self) -> bool:
-        return not (self.enable or self.destroy or self.complete or self.create)
-
 
 def _users(inst: Instance) -> str:
     return ", ".join(inst.users)
