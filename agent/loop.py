@@ -367,13 +367,13 @@ class Agent:
                                _valid_or_none(ack), errors, self.now(), unhealthy=self.unhealthy)
         if self._capability is not None:
             status[STATUS_CAPABILITY] = self._capability
+        self._log_problems(logging.WARNING, errors, severe)  # (before the write, which may fail)
         await self._write(node, status)
         if self._disagreements:
             await self._event("CatalogDisagreement", "the driver and the catalog differ (the driver's values are "
                               "used): " + "; ".join(self._disagreements), True)
         for reason, clash in _nvidia_components(node, mode, self._builtin):
             await self._event(reason, clash, True)
-        self._log_problems(logging.WARNING, errors, severe)
         if self.unhealthy:
             await self._event("GpuUnhealthy", "; ".join(f"GPU {i}: {why}" for i, why in sorted(self.unhealthy.items()))
                               + ": its devices are advertised Unhealthy until it is reset", True)

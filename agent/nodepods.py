@@ -87,11 +87,12 @@ class Need:
     # a pod not yet running whose plain init container may hold a device no PodResources List
     # shows: which one is unknown, so every device of the resource stays
     unseen: tuple[str, ...] = ()
-    # devices admitted pods hold that PodResources does not list: what a plain init container got
-    # beyond what the app containers reuse stays allocated until the pod ends (kubelet
-    # devicemanager: UpdateAllocatedDevices frees a pod's devices once it is no longer active);
-    # they look free, but the kubelet gives them to no other pod
-    hidden: int = 0
+    # admitted pods whose plain init container got more devices of the resource than their app
+    # containers reuse: the rest stay allocated to the pod, unlisted, until it ends (kubelet
+    # devicemanager: UpdateAllocatedDevices frees a pod's devices once it is no longer active),
+    # and a kubelet restart re-admits the pod only if they still exist ("previously allocated
+    # devices are no longer healthy"): which ones is unknown, so every device of the resource stays
+    init_held: tuple[str, ...] = ()
 
 
 def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -> dict[str, Need]:
@@ -103,7 +104,7 @@ def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -
     count: dict[str, int] = {}
     pods: dict[str, list[str]] = {}
     unseen: dict[str, list[str]] = {}
-    hidden: dict[str, int] = {}
+    init_held: dict[str, list[str]] = {}
     for p in bound:
         if p.phase in TERMINAL_PHASES:
             continue
@@ -113,11 +114,14 @@ def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -
                 count.setdefault(resource, 0)
             held = len(listed.get((p.key, resource), ()))
             if held or p.phase == "Running":  # admitted: the kubelet gave it all n devices then
-                hidden[resource] = hidden.get(resource, 0) + max(0, n - held)
+                if n > held and resource in p.init_only:
+                    init_held.setdefault(resource, []).append(p.key)
+                    count.setdefault(resource, 0)
                 continue
             count[resource] = count.get(resource, 0) + n
             pods.setdefault(resource, []).append(p.key)
-    return {r: Need(count[r], tuple(pods.get(r, ())), tuple(unseen.get(r, ())), hidden.get(r, 0)) for r in sorted(count)}
+    return {r: Need(count[r], tuple(pods.get(r, ())), tuple(unseen.get(r, ())), tuple(init_held.get(r, ())))
+            for r in sorted(count)}
 
 
 def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], needs: Mapping[str, Need]) -> dict[str, str]:
@@ -135,14 +139,18 @@ def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], ne
                 kept[device] = (f"kept while pod(s) {', '.join(need.unseen)} start: an init container may use a "
                                 f"{resource} device, and the kubelet does not list init containers' devices")
             continue
-        # the hidden devices are among the free-looking ones, maybe among `mine`: whichever stay,
-        # the kubelet gives none of them to a waiting pod
-        others = len(set(free.get(resource, ())) - set(mine)) - need.hidden
+        if need.init_held:
+            for device in mine:
+                kept[device] = (f"kept while pod(s) {', '.join(need.init_held)} run: an init container of theirs got "
+                                f"a {resource} device the kubelet keeps for them, unlisted, until they end (and a "
+                                "kubelet restart admits them again only if it still exists)")
+            continue
+        others = len(set(free.get(resource, ())) - set(mine))
         n = max(0, min(len(mine), need.count - others))
         pods = ", ".join(need.pods)
         for device in mine[len(mine) - n:]:  # the last ones: the earlier destroys go ahead
             kept[device] = (f"kept for pod(s) {pods} bound to this node and not yet admitted (they need "
-                            f"{need.count} {resource}, {max(0, others)} other free)")
+                            f"{need.count} {resource}, {others} other free)")
     return kept
 
 
@@ -186,9 +194,9 @@ class KubeNodePods:
             phase = (pod.get("status") or {}).get("phase") or "Pending"
             try:
                 requests = requests_of(pod)
-                hidden = init_only(pod)
+                init = init_only(pod)
             except ValueError:
                 continue  # the API server validates quantities; a pod it let through is not ours to judge
             if requests and phase not in TERMINAL_PHASES:
-                out.append(BoundPod(f"{meta.get('namespace')}/{meta.get('name')}", requests, phase, hidden))
+                out.append(BoundPod(f"{meta.get('namespace')}/{meta.get('name')}", requests, phase, init))
         return out

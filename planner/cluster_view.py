@@ -565,7 +565,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                    exclude_nodes: AbstractSet[str] = frozenset(), exclude_pods: AbstractSet[str] = frozenset(),
                    reserved: Mapping[str, str] | None = None, switching_too: bool = False,
                    scheduler_names: Collection[str] = (DEFAULT_SCHEDULER,), in_flight: Mapping[str, str] | None = None,
-                   no_defer: Mapping[str, str] | None = None, volumes: VolumeTopology | None = None) -> ClusterView:
+                   no_defer: Mapping[str, AbstractSet[str]] | None = None, volumes: VolumeTopology | None = None) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
@@ -576,8 +576,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     Pods whose required pod anti-affinity or host ports conflict (`pod_conflicts`) are kept off
     the nodes where placed pods conflict with them (`in_flight`, pod -> node: those a plan in flight
     puts there count as placed), and of two pending pods that conflict, the younger is left to the
-    next round (`ClusterView.deferred`), unless the older is the one `no_defer` names for it (pod ->
-    the pod the last round left it for and could not place: not left again for that one). `volumes`: the claims and
+    next round (`ClusterView.deferred`), unless the older is one `no_defer` names for it (pod ->
+    the pods earlier rounds left it for and could not place: not left again for those). `volumes`: the claims and
     volumes cached, whose node affinity narrows the pods that use them (`volume_topology`)."""
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
@@ -669,7 +669,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             if excluded == admitting:
                 blocked.append((pod, _blocked_reason(conflicting, short)))
                 continue
-            older = placed.conflicts_with_planned(facts, ignoring=no_defer.get(wants.name))
+            older = placed.conflicts_with_planned(facts, ignoring=no_defer.get(wants.name, frozenset()))
             if older is not None:
                 deferred[wants.name] = older  # planned by the next round, where the older one counts as placed
                 continue

@@ -140,6 +140,7 @@ class PlannerController:
         self._waiting: set[str] = set()
         self._schedulers_told: set[str] = set()  # scheduler names whose pods were said not planned
         self._deferred: dict[str, str] = {}  # pods the last round left to the next -> for whom (ClusterView.deferred)
+        self._not_left_for: dict[str, frozenset[str]] = {}  # pod -> older pods it is not left for again
         # what the last round logged: a lasting problem or unplaced pod is logged (at INFO or
         # WARNING) when it appears or changes, not once a round
         self._problems_logged: set[str] = set()
@@ -399,13 +400,23 @@ class PlannerController:
         return any(switch_target(n) is not None and n.get("metadata", {}).get("name") not in self.loop.in_flight
                    for n in self.nodes.cache.values())
 
-    def _not_to_defer(self) -> dict[str, str]:
-        """The pods the last round left for an older one it did not place (still waiting, not in
-        flight, not reserved) -> that one: not left again for it, or an unplaceable pod would hold
-        them for ever (they are still left for any other)."""
+    def _not_to_defer(self) -> dict[str, frozenset[str]]:
+        """Pod -> the older pods rounds left it for and did not place (still waiting, not in flight,
+        not reserved): not left again for those (it still is for any other), or unplaceable pods
+        would hold it for ever, each round leaving it for another of them in turn. Kept from round
+        to round (the round that plans calls this once) while those stay unplaced."""
         held = self.loop.held_pods()
-        return {pod: older for pod, older in self._deferred.items()
-                if older in self._waiting and older not in held and older not in self.loop.reserved}
+
+        def unplaced(pod: str) -> bool:
+            return pod in self._waiting and pod not in held and pod not in self.loop.reserved
+
+        pairs = [*((p, o) for p, olders in self._not_left_for.items() for o in olders), *self._deferred.items()]
+        out: dict[str, set[str]] = {}
+        for pod, older in pairs:
+            if pod in self._waiting and unplaced(older):
+                out.setdefault(pod, set()).add(older)
+        self._not_left_for = {p: frozenset(o) for p, o in out.items()}
+        return dict(self._not_left_for)
 
     def _candidates(self) -> list[str]:
         return sorted(self._waiting)
@@ -673,9 +684,10 @@ class PlannerController:
                                        if self.claims.synced.is_set() and self.volumes.synced.is_set() else None)
         self.liveness.beat("planning loop")  # (a round at scale takes seconds: each part of it beats)
         # pods left to the next round (their anti-affinity or host ports conflict with an older
-        # pod's this round plans): they join the next batch at once
+        # pod's this round plans): they join the next batch at once (it closes at once if the
+        # older one is placed, below)
         self._deferred = dict(view.deferred)
-        self.loop.facts_changed(view.deferred, self.clock(), at_once=True)
+        self.loop.facts_changed(view.deferred, self.clock())
         await self._tell_backoffs()
         snapshot = view.snapshot
         self._round_catalog = view.catalog
@@ -806,6 +818,10 @@ class PlannerController:
             waiting = "after its agent applies the new layout" if pl.node in written else "on free slices"
             await self._event(pods_by_key.get(pl.pod), "SlicePlanned", f"dynpart plans this pod on node {pl.node} "
                               f"({slices}) {waiting}")
+        # the pods left for an older pod this round placed waited in a batch already: the next round
+        # plans them against it at once (those left for a pod it could not place wait as others do)
+        placed = {pl.pod for pl in result.placements if pl.node not in awaiting | not_written}
+        self.loop.facts_changed([p for p, older in view.deferred.items() if older in placed], now, at_once=True)
         # The Event's message is the pod's state, the same from round to round while it lasts (the
         # recorder posts a changed message at once): nothing in it that changes with other pods'
         # plans, such as the nodes left out of this round while their agent applies a plan.

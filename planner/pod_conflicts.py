@@ -19,6 +19,7 @@ than the namespace's name (the planner does not watch namespaces: such a term co
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,12 +300,12 @@ class PlacedPods:
         return {n for n, labels in self.node_labels.items()
                 if c.topology_key not in labels or count.get(labels[c.topology_key], 0) + mine - least > c.max_skew}
 
-    def conflicts_with_planned(self, facts: PodFacts, ignoring: str | None = None) -> str | None:
-        """The older pending pod of this round the pod conflicts with, if any (`ignoring` aside)."""
+    def conflicts_with_planned(self, facts: PodFacts, ignoring: AbstractSet[str] = frozenset()) -> str | None:
+        """The older pending pod of this round the pod conflicts with, if any (those in `ignoring` aside)."""
         # a pod with neither terms, host ports nor spread constraints conflicts only with a pod whose
         # terms or constraints select it
         for other in self.planned if facts.terms or facts.ports or facts.spread else self._planned_with_terms:
-            if other.key != ignoring and (facts.excludes(other) or facts.spreads_with(other)
+            if other.key not in ignoring and (facts.excludes(other) or facts.spreads_with(other)
                     or any(p.clashes(q) for p in facts.ports for q in other.ports)):
                 return other.key
         return None

@@ -30,7 +30,7 @@ async def test_an_admitted_pods_init_container_device_is_kept_while_it_starts():
     bound = [BoundPod("ns/p", {M: 2}, "Pending", frozenset({M}))]
     assigned = [AssignedDevice("ns/p", "main", M, "MIG-1")]
     needs = waiting_for(bound, assigned)
-    assert needs == {M: Need(0, (), ("ns/p",), hidden=1)}
+    assert needs == {M: Need(0, (), ("ns/p",), ("ns/p",))}
     kept = to_keep({"MIG-2": M, "MIG-3": M}, {M: ["MIG-2", "MIG-3"]}, needs)
     assert list(kept) == ["MIG-2", "MIG-3"] and all("init container" in why for why in kept.values())
     # the same through the guard, as the agent asks it before a destroy
@@ -38,8 +38,13 @@ async def test_an_admitted_pods_init_container_device_is_kept_while_it_starts():
     pods.assign("ns/p", M, "MIG-1")
     node_pods.bind("ns/p", {M: 2}, init_only=frozenset({M}))
     assert list(await SliceGuard(pods, node_pods).keep({"MIG-2": M}, {M: ["MIG-2", "MIG-3"]})) == ["MIG-2"]
-    # once it runs, the init container is done: nothing is kept for it
+    # once it runs, the init container is done, but its other device stays the pod's (unlisted)
+    # until it ends, and a kubelet restart admits the pod again only if that device still exists
     node_pods.bind("ns/p", {M: 2}, phase="Running", init_only=frozenset({M}))
+    kept = await SliceGuard(pods, node_pods).keep({"MIG-2": M}, {M: ["MIG-2", "MIG-3"]})
+    assert list(kept) == ["MIG-2"] and "ns/p run" in kept["MIG-2"], kept
+    # it ends: nothing is kept for it
+    node_pods.remove("ns/p")
     assert await SliceGuard(pods, node_pods).keep({"MIG-2": M}, {M: ["MIG-2", "MIG-3"]}) == {}
 
 
@@ -67,6 +72,7 @@ def kubelet_node(pods: tuple[tuple[int, int, str], ...], spare: int) -> dict[str
     bound, assigned = [], []
     allocated: set[str] = set()  # the kubelet's: every admitted container's devices, init ones included
     init_may_use: set[str] = set()  # devices a starting pod's init container may be running on
+    init_kept: set[str] = set()  # an admitted pod's init container's devices its app containers did not reuse
     waiting = 0
     for n, (i, a, where) in enumerate(pods):
         key = f"ns/p{n}"
@@ -81,16 +87,19 @@ def kubelet_node(pods: tuple[tuple[int, int, str], ...], spare: int) -> dict[str
         assigned += [AssignedDevice(key, "main", M, d) for d in app]
         if where == "starting":
             init_may_use |= set(init)
+        init_kept |= set(init) - set(app)  # the pod's, unlisted, until it ends
     listed = {x.device_id for x in assigned}
     return {"devices": devices, "bound": bound, "assigned": assigned, "allocated": allocated,
-            "init_may_use": init_may_use, "waiting": waiting, "free": [d for d in devices if d not in listed]}
+            "init_may_use": init_may_use, "init_kept": init_kept, "waiting": waiting, "free": [d for d in devices if d not in listed]}
 
 
 def test_what_a_kubelet_still_needs_is_never_destroyed():
     """Every node of up to two pods (each kind above) and one spare device, every set of
     free-looking devices the agent may want gone, in both orders: what `to_keep` lets go never
-    holds a starting pod's init container, and every pod not yet admitted still finds its devices
-    among those the kubelet has not given out. (Exhaustive: the space is small, the cases rare.)"""
+    holds a starting pod's init container nor what an admitted pod's init container got beyond
+    its app containers (the kubelet keeps it for the pod), and every pod not yet admitted still
+    finds its devices among those the kubelet has not given out. (Exhaustive: the space is small,
+    the cases rare.)"""
     cases = 0
     for size in range(3):
         for pods in itertools.product(POD_KINDS, repeat=size):
@@ -105,24 +114,30 @@ def test_what_a_kubelet_still_needs_is_never_destroyed():
                         destroyed = set(candidates) - set(kept)
                         where = f"pods {pods}, spare {spare}, candidates {candidates}: kept {kept}"
                         assert not destroyed & node["init_may_use"], f"a running init container's device went: {where}"
+                        assert not destroyed & node["init_kept"], f"a device the kubelet keeps for a pod went: {where}"
                         assert len(set(node["devices"]) - node["allocated"] - destroyed) >= node["waiting"], \
                             f"a bound pod can no longer be admitted: {where}"
                         cases += 1
     assert cases > 10_000
 
 
-def test_a_running_pods_leftover_init_devices_are_not_free():
-    """(kubelet devicemanager: UpdateAllocatedDevices frees only pods no longer active) A pod whose
-    init container asked for 2 devices and its app container for 1 keeps both allocated until the
-    pod ends; PodResources lists only the app container's (MIG-1). MIG-2 looks free to the agent but the kubelet will not give it to
-    ns/w: destroying MIG-3 would leave ns/w nothing (UnexpectedAdmissionError). `waiting_for`
-    counts what admitted pods hold beyond what PodResources lists (`Need.hidden`) and `to_keep`
-    takes it off the other free devices."""
+def test_a_running_pods_leftover_init_devices_are_never_destroyed():
+    """A pod whose init container asked for 2 devices and its app container for 1 keeps both
+    allocated until it ends (kubelet devicemanager: UpdateAllocatedDevices frees only pods no
+    longer active); PodResources lists only the app container's (MIG-1). MIG-2 looks free and is
+    not: the kubelet gives it to no other pod (destroying MIG-3 would leave ns/w nothing), and
+    after a kubelet restart it admits ns/r again only if MIG-2 still exists ("previously allocated
+    devices are no longer healthy"). Which device the init container kept cannot be seen, so
+    every M device stays while ns/r runs, whether a pod waits or not."""
     bound = [BoundPod("ns/r", {M: 2}, "Running", frozenset({M})), BoundPod("ns/w", {M: 1})]
     assigned = [AssignedDevice("ns/r", "main", M, "MIG-1")]
     kept = to_keep({"MIG-3": M}, {M: ["MIG-2", "MIG-3"]}, waiting_for(bound, assigned))
     assert list(kept) == ["MIG-3"]
-    assert "0 other free" in kept["MIG-3"]
+    needs = waiting_for(bound[:1], assigned)
+    assert needs == {M: Need(0, (), (), ("ns/r",))}
+    assert list(to_keep({"MIG-2": M, "MIG-3": M}, {M: ["MIG-2", "MIG-3"]}, needs)) == ["MIG-2", "MIG-3"]
+    # an app container that asks for as many as the init container reuses them all: nothing unlisted
+    assert waiting_for([BoundPod("ns/r", {M: 1}, "Running", frozenset({M}))], assigned) == {}
 
 
 # --- pods as the API server lists them ---------------------------------------------------------

@@ -974,6 +974,33 @@ async def test_a_pod_left_for_an_older_one_that_was_not_placed_is_not_left_again
         c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
         c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
     c._deferred = {"ml/web-1": "ml/web-0", "ml/web-2": "ml/gone"}
-    assert c._not_to_defer() == {"ml/web-1": "ml/web-0"}, "web-0 still waits: web-1 is not left for it again"
+    assert c._not_to_defer() == {"ml/web-1": {"ml/web-0"}}, "web-0 still waits: web-1 is not left for it again"
     c.loop.reserve("ml/web-0", "n1", 0.0)
     assert c._not_to_defer() == {}, "web-0 placed: web-1 is planned against it"
+
+
+async def test_replicas_left_for_older_ones_that_cannot_be_placed_are_all_planned_within_a_few_rounds(make):
+    """Three replicas that must not share a node, and no room: round 1 plans web-0 (not placed)
+    and leaves web-1 and web-2 for it; round 2 plans web-0 and web-1 and leaves web-2 for web-1;
+    round 3 plans all three. A pod is never left twice for an older one a round could not place,
+    so a cycle of deferrals cannot starve the youngest; and since the older ones were not placed,
+    the batch waits as usual (no rounds back to back)."""
+    from dynpart.annotations import encode_status
+    from dynpart.snapshot import GpuLayout, NodeLayout
+    from tests.controller.test_pod_conflicts import labelled, replica
+
+    def full(name: str) -> dict[str, str]:
+        return {**encode_status(NodeLayout(node=name, mode="mig", gpus=[GpuLayout(index=0, mig=[
+            MigInstance(profile="7g.80gb", start=0, used=True)])]), "p0"), "dynpart.io/spec-plan": "p0"}
+
+    c = make([labelled(node(f"n{i}", count=1, annotations=full(f"n{i}"))) for i in (1, 2)], Lead(term=1))
+    for i in range(3):
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
+    deferred = []
+    for _ in range(4):
+        await c.plan_round()
+        deferred.append(dict(c._deferred))
+        assert not c.window.ready(c.clock()), "no older pod was placed: the batch waits as usual"
+    assert deferred == [{"ml/web-1": "ml/web-0", "ml/web-2": "ml/web-0"}, {"ml/web-2": "ml/web-1"}, {}, {}]
+    assert c.written == []

@@ -13,7 +13,8 @@ per-node directory (`<root>/device-plugins/`, `<root>/pod-resources/`):
   `fieldSelector=spec.nodeName=<node>`, pods admitted one at a time as the kubelet's sync loop
   does): per container and device-plugin resource, init containers first (the devices a plain
   one got are reused by the containers after it, first; they stay allocated to the pod, unlisted
-  by PodResources, until it is gone; a sidecar's are listed and not reused), the devices are taken
+  by PodResources, until it is gone, and count for `used_withdrawn`; a sidecar's are listed and
+  not reused), the devices are taken
   from the healthy ones no active pod holds, `GetPreferredAllocation` asked first when the plugin registered with
   `GetPreferredAllocationAvailable`, then `Allocate`; no healthy free device (or an Allocate
   error) fails the pod with `reason: UnexpectedAdmissionError`, as the kubelet's
@@ -382,8 +383,9 @@ class KubeletModel(KubeletDouble):
         state = self.resources.setdefault(resource, ResourceState())
         listed = {i for i, _, _ in devices}
         for pod in self.pods.values():
-            # (a plain init container's device is in no use once the app containers run)
-            for by_res in (by for c, by in pod.devices.items() if c in pod.containers or pod.phase == "Pending"):
+            # (a plain init container's devices too, for the pod's life: a kubelet restart admits
+            # it again only if they still exist)
+            for by_res in pod.devices.values():
                 for i in by_res.get(resource, []):
                     if i not in listed and not pod.deleted:
                         self.used_withdrawn.append(f"{self.node_name}: {resource} {i} of pod {pod.key} left the "
@@ -724,7 +726,7 @@ class KubeletModel(KubeletDouble):
                 chosen += [i for i in preferred if i in available][:needed]
             chosen += sorted(available - set(chosen))[:required - len(chosen)]
             if len(chosen) < required:
-                raise _AdmissionError(f"unexpectedly allocated less resources than required. Requested: {needed}, "
+                raise _AdmissionError(f"unexpectedly allocated less resources than required. Requested: {required}, "
                                       f"Got: {len(chosen)}")
             self._reserved.setdefault(resource, set()).update(chosen)
             try:

@@ -131,7 +131,9 @@ async def test_an_init_containers_devices_are_reused_then_kept_unlisted_until_th
     """devicemanager: a plain init container is allocated first and the app container reuses its
     devices; the one the app container did not reuse stays allocated to the pod, unlisted by
     PodResources, until the pod is gone. The agent's guard, reading this kubelet through its real
-    PodResources client, keeps the one device a pod bound and not yet admitted will get."""
+    PodResources client, keeps the device a pod bound and not yet admitted will get, and the one
+    the init container keeps (which one that is it cannot tell: every device of the resource
+    stays while the pod runs)."""
     devices = carve(driver, 0, ("1g.10gb", 0), ("1g.10gb", 1), ("1g.10gb", 2))
     async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
         await plugins.update(advertise(views(driver)))
@@ -156,6 +158,10 @@ async def test_an_init_containers_devices_are_reused_then_kept_unlisted_until_th
         assert sorted(looks_free) == sorted([hidden, spare])
         kept = await SliceGuard(pr, node_pods).keep({spare: MIG1}, {MIG1: looks_free})
         assert list(kept) == [spare], kept
+        node_pods.remove("ns/w")
+        kept = await SliceGuard(pr, node_pods).keep({hidden: MIG1, spare: MIG1}, {MIG1: looks_free})
+        assert sorted(kept) == sorted([hidden, spare]) and "ns/r run" in kept[hidden], kept
+        node_pods.bind("ns/w", {MIG1: 1})
         # and that is the one the kubelet gives it
         assert await kubelet.admit_pod(pod("w", MIG1))
         assert kubelet.allocations[-1].device_ids == [spare]
