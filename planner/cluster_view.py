@@ -315,6 +315,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
                         f"{_why_foreign(annotations)}): left out of planning and kept as they are")
     bound_slices: Counter[str] = Counter()
     placed_slices: Counter[str] = Counter()  # of pods bound to the node (not reserved or nominated)
+    init_kept: set[str] = set()  # resources of which a pod bound here holds devices no one can name
     cpu_used = mem_used = 0.0
     other_used: Counter[str] = Counter({PODS: 0})  # resources beside CPU, memory and GPUs, and the pod count
     for pod in bound_pods:
@@ -328,6 +329,8 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
             bound_slices[res] += n
             if (pod.get("spec") or {}).get("nodeName") == name:
                 placed_slices[res] += n
+        if (pod.get("spec") or {}).get("nodeName") == name:
+            init_kept |= _init_kept(pod)
     gpus = []
     for i in range(count):
         if i in status.foreign:
@@ -339,7 +342,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         else:
             gpus.append(Gpu(index=i, mps=[MpsSlice(size=s.size, used=s.used) for s in (g.mps if g else [])],
                             whole_pod=g.whole_pod if g else None))
-    kept = _protect_bound_slices(gpus, bound_slices, mode, described.not_mig, placed_slices)
+    kept = _protect_bound_slices(gpus, bound_slices, mode, described.not_mig, placed_slices, init_kept)
     held_whole = sorted({g.index for g in gpus} - {g.index for g in kept})
     if held_whole:
         problems.append(f"node {name}: GPU(s) {', '.join(map(str, held_whole))} serve a pod whole (nvidia.com/gpu, MIG "
@@ -519,8 +522,27 @@ def reported_slices(node: dict[str, Any], catalog: Catalog) -> Counter[str] | No
     return out
 
 
+def _init_kept(pod: dict[str, Any]) -> set[str]:
+    """The slice resources of which a plain init container of the pod asks for more than its
+    containers and sidecars: the kubelet keeps the rest for the pod, unlisted, until it ends, and
+    which devices they are cannot be told (the agent keeps every device of the resource on the
+    node meanwhile: agent/nodepods.py `Need.init_held`)."""
+    spec = pod.get("spec") or {}
+    init = spec.get("initContainers") or []
+    if not init:
+        return set()
+    listed: Counter[str] = Counter()
+    for c in [*(spec.get("containers") or []), *(c for c in init if c.get("restartPolicy") == "Always")]:
+        res = c.get("resources") or {}
+        for r, q in {**(res.get("limits") or {}), **(res.get("requests") or {})}.items():
+            if is_slice_resource(r):
+                listed[r] += math.ceil(parse_quantity(q))
+    return {r for r, n in slice_requests(pod).items() if n > listed[r]}
+
+
 def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
-                          not_mig: frozenset[int] | None = None, placed: Counter[str] | None = None) -> list[Gpu]:
+                          not_mig: frozenset[int] | None = None, placed: Counter[str] | None = None,
+                          init_kept: AbstractSet[str] = frozenset()) -> list[Gpu]:
     """Mark free slices as used until each resource has at least as many used as pods bound
     (`bound`: bound, reserved or nominated there). When pods bound to the node (`placed`) are
     more than the slices its agent reports used, the status has not caught up with the kubelet,
@@ -530,7 +552,8 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
     holds (one the node serves uncarved) is not the planner's to carve, so it is left out of the
     node's GPUs. Which GPUs those are: the ones the agent reports out of MIG mode (`not_mig`;
     the device plugin serves no other whole), else, without a report, the first ones without
-    instances."""
+    instances. For a resource in `init_kept` (a pod's init container holds devices of it that no
+    one can name) every free one stays, as the agent keeps them."""
     for res, n in bound.items():
         try:
             kind = parse_resource(res)
@@ -541,7 +564,7 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
             free = [g for g in gpus if not g.whole_pod and not g.mps and not g.mig]
             if mode == "mig" and not_mig is not None:
                 free = [g for g in free if g.index in not_mig]
-            held = free[: max(0, missing)]
+            held = free if res in init_kept else free[: max(0, missing)]
             if mode == "mig":
                 gpus = [g for g in gpus if all(g is not h for h in held)]
             else:
@@ -554,7 +577,7 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
         else:
             matching = [s for g in gpus for s in g.mps if s.size == kind.size]
         reported = sum(1 for it in matching if it.used)
-        unseen = (placed or Counter())[res] > reported
+        unseen = (placed or Counter())[res] > reported or res in init_kept
         unused = [it for it in matching if not it.used]
         for it in unused if unseen else unused[: max(0, n - reported)]:
             it.used = True

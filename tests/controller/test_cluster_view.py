@@ -166,6 +166,23 @@ def test_a_whole_gpu_pod_holds_the_gpu_its_agent_reports_out_of_mig_mode():
     assert any("GPU(s) 1 serve a pod whole" in m for _, m in view.problems)
 
 
+def test_whole_gpus_an_init_container_may_still_hold_are_not_planned():
+    """A running pod whose init container asked for 2 whole GPUs and its app container for 1:
+    the kubelet keeps the second for the pod, unlisted, until it ends, and which GPU that is no
+    one can tell (the agent keeps them all: agent/nodepods.py), so no free GPU of the node is
+    planned; with no init container asking for more, the GPUs beyond its count are."""
+    status = encode_status(NodeLayout(node="n1", mode="mps", gpus=[GpuLayout(index=i) for i in range(3)]), "p0")
+    n1 = node("n1", mode="mps", count=3, annotations=status)
+    running = pod("r", {"nvidia.com/gpu": "1"}, phase="Running", node="n1", unschedulable=False,
+                  initContainers=[{"name": "fetch", "resources": {"limits": {"nvidia.com/gpu": "2"}}}])
+    waiting = pod("m", {"nvidia.com/gpu-10gb": "1"})
+    view = build_snapshot([n1], [running, waiting], CAT)
+    assert [g.whole_pod for g in view.snapshot.nodes[0].gpus] == ["(bound)"] * 3
+    running["spec"]["initContainers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1"
+    view = build_snapshot([n1], [running, waiting], CAT)
+    assert [g.whole_pod for g in view.snapshot.nodes[0].gpus] == ["(bound)", None, None]
+
+
 def test_a_gpu_whose_mig_mode_waits_for_a_reset_is_left_out():
     from dynpart.annotations import STATUS_CAPABILITY
     from dynpart.capability import GpuReport, encode_capability
