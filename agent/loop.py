@@ -527,7 +527,9 @@ class Agent:
             try:
                 await self.plugins.update(await self._own_lists(result.devices))
             except DeviceListError as e:
-                return [*waiting, f"the device plugin refused the device lists: {e}"]
+                # the kubelet keeps the last lists (a device destroyed since may be on them): a failure
+                # to serve the devices, reported with a plan or without one (`_pass`)
+                raise DeviceListError(f"the device plugin refused the device lists: {e}") from None
             if not await self.plugins.written():
                 waiting.append("the device plugin's lists are not written to the kubelet yet")
             if self.plugins.pending:
