@@ -119,6 +119,9 @@ async def test_allocate_refuses_a_destroyed_device_at_once(plugins: DevicePlugin
     assert e.value.code == grpc.StatusCode.NOT_FOUND
     assert plugins.last_allocated("MIG-b") is None
     assert await allocate(plugins, M, ["MIG-a"]) == [{"NVIDIA_VISIBLE_DEVICES": "MIG-a"}]
+    with pytest.raises(Aborted) as e:  # a container asking for none of this resource: refused, not an empty answer
+        await allocate(plugins, M, ["MIG-a"], [])
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
 
 
 # --- GetPreferredAllocation -----------------------------------------------------------------------
@@ -238,12 +241,16 @@ async def test_without_held_a_shrink_is_written_before_a_gpu_is_added_elsewhere(
 # --- serving --------------------------------------------------------------------------------------
 
 
-async def test_an_unserved_manager_binds_no_socket_and_still_streams(plugin_dir: str):
-    """`serve=False` (no kubelet): nothing is bound in the plugin dir, yet the lists, Allocate and
-    an in-process stream work as served."""
-    async with DevicePluginManager(plugin_dir, serve=False) as plugins:
+async def test_an_unserved_manager_binds_no_socket_and_registers_nothing(plugin_dir: str):
+    """`serve=False` (no kubelet of its own): nothing is bound in the plugin dir and nothing is
+    registered even where a kubelet listens (it would dial a socket that is not there), yet the
+    lists, Allocate and an in-process stream work as served."""
+    async with KubeletDouble(plugin_dir) as kubelet, DevicePluginManager(plugin_dir, serve=False, poll_s=0.01) as plugins:
         await plugins.update({M: mig("MIG-a")})
-        assert os.listdir(plugin_dir) == [] and plugins.servers[M].running
+        await plugins.check()
+        await asyncio.sleep(0.05)  # a few looks of the watch
+        assert os.listdir(plugin_dir) == ["kubelet.sock"] and plugins.servers[M].running
+        assert kubelet.register_requests == [] and not plugins.registrations
         assert await Stream(plugins.servers[M]).next() == [("MIG-a", "Healthy")]
         assert await allocate(plugins, M, ["MIG-a"]) == [{"NVIDIA_VISIBLE_DEVICES": "MIG-a"}]
 
@@ -270,6 +277,36 @@ async def test_a_socket_left_by_a_crashed_agent_is_replaced(plugin_dir: str):
         await plugins.update({M: mig("MIG-a")})
         assert plugins.servers[M].running
         assert (await kubelet.wait_registered(M, timeout_s=2)).ids == ["MIG-a"]
+
+
+async def test_a_plugin_whose_socket_was_removed_is_served_and_registered_again(plugin_dir: str):
+    """Its own socket gone (removed from the plugin dir), kubelet.sock unchanged: the watch serves
+    again and registers, and the kubelet's new stream gets the full list."""
+    async with KubeletDouble(plugin_dir) as kubelet, DevicePluginManager(plugin_dir, poll_s=0.02, register_timeout_s=2) as plugins:
+        await plugins.update({M: mig("MIG-a", "MIG-b")})
+        await kubelet.wait_registered(M, timeout_s=2)
+        os.unlink(os.path.join(plugin_dir, socket_name(M)))
+        seen = await kubelet.wait_registered(M, times=2, timeout_s=2)
+        await kubelet.wait_for(lambda: len(seen.lists) >= 2)  # the new stream's full list
+        assert seen.ids == ["MIG-a", "MIG-b"] and os.path.exists(os.path.join(plugin_dir, socket_name(M)))
+        assert (await kubelet.allocate(M, ["MIG-b"])).container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-b"
+
+
+async def test_a_kubelet_starting_after_the_plugin_and_wiping_the_dir_still_reaches_it(plugin_dir: str):
+    """The plugin serves before the kubelet is up (not registered yet); the kubelet, starting,
+    removes every socket in the dir: the plugin must serve again before it registers, or the
+    kubelet dials a socket that is gone."""
+    async with DevicePluginManager(plugin_dir, poll_s=0.02, register_timeout_s=2) as plugins:
+        await plugins.update({M: mig("MIG-a")})
+        await asyncio.sleep(0.05)
+        for name in os.listdir(plugin_dir):
+            os.unlink(os.path.join(plugin_dir, name))
+        async with KubeletDouble(plugin_dir) as kubelet:
+            seen = await kubelet.wait_registered(M, timeout_s=2)
+            await kubelet.wait_devices(M, ["MIG-a"])
+            # served again first: the one Register reaches it (no failed dial and a second Register)
+            assert seen.stream_error is None and len(seen.registered_at) == 1
+            assert (await kubelet.allocate(M, ["MIG-a"])).container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-a"
 
 
 async def test_stopping_a_stopped_server_is_harmless(plugin_dir: str):
@@ -453,6 +490,19 @@ async def test_a_resource_left_is_served_empty_until_the_kubelet_dropped_it(lagg
     kubelet.catch_up()
     await plugins.check()
     assert WHOLE not in plugins.servers and [d.id for d in plugins.advertised()[S40]] == ["GPU-0::0", "GPU-0::1"]
+
+
+async def test_a_resource_gone_stops_once_the_kubelet_dropped_it_without_another_update(lagging):
+    """A resource whose every device went (nothing replaces them) keeps serving its empty list
+    while the kubelet holds them, and the watch stops it once the kubelet dropped them."""
+    plugins, kubelet = lagging
+    await plugins.update({M: mig("MIG-a"), WHOLE: [whole("GPU-1", 1)]})
+    kubelet.freeze()
+    await plugins.update({WHOLE: [whole("GPU-1", 1)]})
+    assert plugins.servers[M].running and plugins.advertised()[M] == [] and plugins.pending == {}
+    kubelet.catch_up()
+    await plugins.check()
+    assert M not in plugins.servers and [d.id for d in plugins.advertised()[WHOLE]] == ["GPU-1"]
 
 
 async def test_a_new_resource_is_served_with_what_is_not_held_back(lagging):
