@@ -50,7 +50,7 @@ from dynpart.agent.mig_agent import MigAgent, PassResult
 from dynpart.agent.mps_daemon import MpsDaemon
 from dynpart.agent.mps_plugin import MpsPluginAgent
 from dynpart.agent.nodepods import NodePods
-from dynpart.agent.podresources import AssignedDevice, DeviceIds, PodResources
+from dynpart.agent.podresources import AssignedDevice, DeviceIds, PodResources, base_device_id
 from dynpart.annotations import MAX_GPU_INDEX, DecodedSpec, annotation_patch, decode_spec, encode_status, format_heartbeat, is_plan_id
 from dynpart.capability import encode_capability, node_model
 from dynpart.catalog import Catalog, GpuModel
@@ -70,7 +70,7 @@ from dynpart.kube.conventions import (
 from dynpart.kube.recording import EventRecorder
 from dynpart.kube.retrying import retrying
 from dynpart.probing import Liveness, keep_beating
-from dynpart.resources import MpsResource, is_slice_resource, known_resource, mig_resource_name
+from dynpart.resources import WHOLE_GPU, MpsResource, is_slice_resource, known_resource, mig_resource_name
 from dynpart.settings import KubeSettings
 from dynpart.snapshot import GpuLayout, Mode, NodeLayout
 
@@ -149,7 +149,8 @@ class Agent:
                                 on_withdrawn=self._publish if plugins is not None and publish_allocatable else None)
         self._mps_plugin: MpsPluginAgent | None = None
         self._capacity: int = 0
-        # the MIG devices (resource, UUID) NVIDIA's plugin was restarted for, or found listing
+        # the devices (resource, UUID) NVIDIA's plugin was restarted for, or found listing: the MIG
+        # devices and the GPUs out of MIG mode (`nvidia.com/gpu`)
         self._restarted_for: frozenset[tuple[str, str]] | None = None
         self._driver_replaced = 0  # passes in a row that failed with a DRIVER_REPLACED error
         self._waiting = False
@@ -550,15 +551,21 @@ class Agent:
             # Listed now: the node's capacity per resource (unhealthy devices included) and the ids
             # the kubelet holds healthy (PodResources), which name MIG UUIDs (deviceIDStrategy uuid)
             counts = _mig_counts(result.gpus)
-            devices = await self._mig_devices(result.devices)
-            stale = sorted(f"{i} ({r})" for r, i in _mig_ids(await self.pods.allocatable()) - devices
-                           if i.startswith("MIG-"))
-            if self._restarted_for is None and _node_mig_counts(node) == counts and not stale:
+            # it lists every GPU out of MIG mode whole, read at its start too: a GPU whose MIG mode
+            # became active with no MIG device made yet (an enable asked again once the GPU was
+            # idle, creations that failed) is a change of what it must list as well
+            devices = await self._mig_devices(result.devices) | {(WHOLE_GPU, d.uuid) for d in result.devices
+                                                                  if not d.mig_current}
+            held = await self.pods.allocatable()
+            stale = sorted(f"{i} ({r})" for r, i in _mig_ids(held) - devices if i.startswith("MIG-"))
+            in_mig = {d.uuid for d in result.devices if d.mig_current}
+            listed_whole = [i for i in held.get(WHOLE_GPU, ()) if base_device_id(i) in in_mig]
+            if self._restarted_for is None and _node_mig_counts(node) == counts and not stale and not listed_whole:
                 self._restarted_for = devices  # NVIDIA's plugin already lists this layout
             if devices != self._restarted_for:
                 names = await self.plugin_pods.restart()
                 self._restarted_for = devices
-                log.info("node %s: MIG devices changed; restarted NVIDIA's device plugin (%s)", self.node,
+                log.info("node %s: MIG devices or MIG modes changed; restarted NVIDIA's device plugin (%s)", self.node,
                          ", ".join(names) or "no pod found")
             if _node_mig_counts(node) != counts:
                 waiting.append("NVIDIA's device plugin has not published the MIG devices yet (node capacity "

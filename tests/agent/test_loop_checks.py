@@ -393,6 +393,51 @@ async def test_nvidias_plugin_is_left_alone_when_it_lists_the_layout_and_restart
     assert plugin_pods.restarts == 1
 
 
+async def test_nvidias_plugin_is_restarted_when_a_whole_gpu_turns_mig_with_no_instance_made():
+    """NVIDIA's plugin lists every GPU out of MIG mode as a whole `nvidia.com/gpu`, read once at
+    its start. A GPU whose MIG mode becomes active while no MIG device changes (the enable was
+    left pending while DCGM held the GPU, the planner revoked the plan and left the GPU empty, and
+    the agent asked again once it was idle) is no whole GPU any more: a pod the kubelet gives it to
+    finds no device CUDA can use. The plugin is restarted for it, as for a change of MIG devices;
+    an agent started while the kubelet still holds such a GPU as `nvidia.com/gpu` restarts it too."""
+    whole = "nvidia.com/gpu"
+    rig = make_rig(mig_enabled=False)
+    uuids = [d.uuid for d in rig.driver.devices()]
+    rig.pods.devices = {whole: list(uuids)}  # NVIDIA's plugin, started before: both GPUs whole
+    rig.node_api.set_allocatable({whole: 2})
+
+    def relist() -> None:  # what the new NVIDIA plugin lists: the GPUs out of MIG mode (no instance here)
+        rig.pods.devices = {whole: [d.uuid for d in rig.driver.devices() if not d.mig_current]}
+        rig.node_api.set_allocatable({whole: len(rig.pods.devices[whole])})
+
+    plugin_pods = FakePluginPods()
+    agent = rig.agent(plugin_pods=plugin_pods, node_pods=FakeNodePods())
+    rig.driver.hold(1, "dcgm")
+    rig.node_api.set_annotations(mig_spec({1: ["7g.80gb@0"]}, plan="p1"))
+    report = await agent.reconcile_once()
+    assert report.plan_id is None and rig.driver.devices()[1].mig_pending and not rig.driver.devices()[1].mig_current
+    assert plugin_pods.restarts == 0  # nothing NVIDIA's plugin lists changed
+    # the planner revokes p1 (GPU 1 left empty); DCGM is stopped; the agent asks again, and MIG mode is on
+    rig.driver.release(1, "dcgm")
+    rig.node_api.set_annotations({**mig_spec({}, plan="p2"), "dynpart.io/spec-gpu-1-7g.80gb": None})
+    await agent.reconcile_once()
+    assert rig.driver.devices()[1].mig_current and rig.driver.layout(1) == []
+    assert plugin_pods.restarts == 1, "NVIDIA's plugin still lists GPU 1, now in MIG mode, as a whole nvidia.com/gpu"
+    relist()
+    assert (await agent.reconcile_once()).plan_id == "p2" and plugin_pods.restarts == 1
+    # an agent (re)started while NVIDIA's plugin (not restarted: the last agent stopped first) lists it whole
+    rig.pods.devices = {whole: list(uuids)}
+    rig.node_api.set_allocatable({whole: 2})
+    restarter = FakePluginPods()
+    await rig.agent(plugin_pods=restarter, node_pods=FakeNodePods()).reconcile_once()
+    assert restarter.restarts == 1
+    # one that finds the plugin listing what the GPUs are leaves it alone
+    relist()
+    untouched = FakePluginPods()
+    await rig.agent(plugin_pods=untouched, node_pods=FakeNodePods()).reconcile_once()
+    assert untouched.restarts == 0
+
+
 async def test_without_a_plan_nothing_is_waited_for():
     """Devices the kubelet does not report yet (here it never registered the plugin) are no
     reason to look again every retry_s when there is no plan to acknowledge: the pass waits for
