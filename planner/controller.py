@@ -140,6 +140,9 @@ class PlannerController:
         self._waiting: set[str] = set()
         self._schedulers_told: set[str] = set()  # scheduler names whose pods were said not planned
         self._deferred: dict[str, str] = {}  # pods the last round left to the next -> for whom (ClusterView.deferred)
+        # of those, the ones left for a pod the round's plan could not place (not: placed, but its
+        # node's write failed; nor a round that never planned): only these are not left again
+        self._left_for_unplaced: dict[str, str] = {}
         self._not_left_for: dict[str, frozenset[str]] = {}  # pod -> older pods it is not left for again
         # what the last round logged: a lasting problem or unplaced pod is logged (at INFO or
         # WARNING) when it appears or changes, not once a round
@@ -201,6 +204,9 @@ class PlannerController:
         self._to_adopt.clear()
         self._to_revoke.clear()
         self._gone.clear()
+        self._deferred.clear()
+        self._left_for_unplaced.clear()
+        self._not_left_for.clear()
         self.events.clear()  # Events queued as leader may have been withheld (QueuedPoster.may_post)
 
     # --- watches --------------------------------------------------------------------------
@@ -401,16 +407,19 @@ class PlannerController:
                    for n in self.nodes.cache.values())
 
     def _not_to_defer(self) -> dict[str, frozenset[str]]:
-        """Pod -> the older pods rounds left it for and did not place (still waiting, not in flight,
-        not reserved): not left again for those (it still is for any other), or unplaceable pods
-        would hold it for ever, each round leaving it for another of them in turn. Kept from round
-        to round (the round that plans calls this once) while those stay unplaced."""
+        """Pod -> the older pods rounds left it for and whose plan could not place them (still
+        waiting, not in flight, not reserved): not left again for those (it still is for any other),
+        or unplaceable pods would hold it for ever, each round leaving it for another of them in
+        turn. Kept from round to round (the round that plans calls this once) while those stay
+        unplaced. An older pod a plan placed but that is not in flight (its node's write failed) is
+        not one of them: the younger is left for it again, or both would be planned in one round,
+        the scheduler then refusing one of them on the node they share."""
         held = self.loop.held_pods()
 
         def unplaced(pod: str) -> bool:
             return pod in self._waiting and pod not in held and pod not in self.loop.reserved
 
-        pairs = [*((p, o) for p, olders in self._not_left_for.items() for o in olders), *self._deferred.items()]
+        pairs = [*((p, o) for p, olders in self._not_left_for.items() for o in olders), *self._left_for_unplaced.items()]
         out: dict[str, set[str]] = {}
         for pod, older in pairs:
             if pod in self._waiting and unplaced(older):
@@ -440,6 +449,8 @@ class PlannerController:
                 "node": obj["metadata"]["name"], "plan": lost.plan_id, "pods": sorted(lost.pods)}})
             await self._not_applied(obj, lost, "the node was deleted", waited=False)
         for name, flight in self.loop.overdue(now):
+            if self.loop.in_flight.get(name) is not flight:
+                continue  # acknowledged (or released) while an earlier node's revocation was awaited
             node = self.nodes.cache.get(name)
             if node is None:  # the node is gone: so is its plan
                 self.loop.forget_node(name)
@@ -455,6 +466,8 @@ class PlannerController:
                     log.info("could not read the node; will look again", extra={"fields": {"node": name,
                                                                                          "error": str(e)}})
                     continue
+                if self.loop.in_flight.get(name) is not flight:
+                    continue  # acknowledged while it was read
             if spec_plan != flight.plan_id:
                 # another writer (a leader meanwhile) replaced the plan: never revoke theirs; the
                 # node's spec as it is now decides (_awaiting_from_annotations reads it again)
@@ -616,10 +629,12 @@ class PlannerController:
                 if key not in newest or order > newest[key][0]:
                     newest[key] = (order, plan_id, node["metadata"]["name"])
         held = self.loop.held_pods()  # planned again since, a plan in flight (newer) has them
-        for key, (_, plan_id, name) in sorted(newest.items()):
+        for key, ((_, written_ms, _), plan_id, name) in sorted(newest.items()):
             pod = self.pods.cache.get(key)
             if key in self.reserved or key in held or plan_id in self._reserved_for.get(key, ()) or pod is None:
                 continue
+            if _created_after(pod, written_ms):
+                continue  # a pod of the same name made since (recreated): the plan was not for it
             if not (pod.get("spec") or {}).get("nodeName"):
                 self.loop.reserve(key, name, now)
                 self._reserved_for.setdefault(key, set()).add(plan_id)
@@ -629,7 +644,8 @@ class PlannerController:
             return pod is None or bool((pod.get("spec") or {}).get("nodeName"))
         out = self.loop.reservations(now, bound_or_gone)
         self._release_taken(out, now)
-        for key in [k for k in self._reserved_for if k not in self.pods.cache]:
+        # kept while a spec still names the pod: one recreated under its name is not reserved for it
+        for key in [k for k in self._reserved_for if k not in self.pods.cache and k not in newest]:
             del self._reserved_for[key]
         return out
 
@@ -687,6 +703,7 @@ class PlannerController:
         # pod's this round plans): they join the next batch at once (it closes at once if the
         # older one is placed, below)
         self._deferred = dict(view.deferred)
+        self._left_for_unplaced = {}  # set once a plan has been made (below)
         self.loop.facts_changed(view.deferred, self.clock())
         await self._tell_backoffs()
         snapshot = view.snapshot
@@ -722,11 +739,13 @@ class PlannerController:
         await self._report_disagreements(view.disagreements)
         await self._switch_modes(view.switching, awaiting)
         if not snapshot.pending:
+            self._left_for_unplaced = dict(view.deferred)  # no plan places the older pods
             return
         # the objective's request distribution: the requests seen lately, decayed (planner/demand.py);
         # the pods backing off (PlanningLoop.backing_off) left out
         snapshot = self.loop.prepare(snapshot, self.clock())
         if not snapshot.pending:
+            self._left_for_unplaced = dict(view.deferred)
             return
         started = time.perf_counter()
         # the thread plans with copies of the drains: the event loop may change the loop's own
@@ -745,6 +764,11 @@ class PlannerController:
         if not self.loop.commit(state):
             log.info("plan dropped: the lease was lost while planning", extra={"fields": {"pending": len(snapshot.pending)}})
             return
+        # a pod this plan placed is no longer one its younger ones are not left for (its write may
+        # fail: they are then left for it again, as above)
+        placed_now = {pl.pod for pl in result.placements}
+        self._left_for_unplaced = {p: o for p, o in view.deferred.items() if o not in placed_now}
+        self._not_left_for = {p: rest for p, olders in self._not_left_for.items() if (rest := olders - placed_now)}
         metrics.PLAN_SECONDS.observe(time.perf_counter() - started)
         metrics.PLANS.inc()
         plan_id = self._new_plan_id()
@@ -1006,6 +1030,24 @@ def _newness(term: int | None, plan_id: str) -> tuple[int, int, str]:
     except ValueError:
         written = 0
     return (-1 if term is None else term, written, plan_id)
+
+
+# how much later than a plan's id says it was written a pod must have been created to be another
+# pod than the one the plan was made for (the controller's clock against the API server's)
+_CLOCK_SKEW_S = 60
+
+
+def _created_after(pod: Obj, written_ms: int) -> bool:
+    """Whether the pod was created clearly after the plan was written (`_newness`: 0 when its id
+    does not say): the plan named another pod of the same name."""
+    created = (pod.get("metadata") or {}).get("creationTimestamp")
+    if not written_ms or not isinstance(created, str):
+        return False
+    try:
+        at = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return False
+    return at > written_ms / 1000 + _CLOCK_SKEW_S
 
 
 def _pod_version(pod: Obj) -> str:

@@ -559,7 +559,7 @@ async def test_a_pod_two_acknowledged_specs_name_is_reserved_once_on_the_newer(m
     """x is named by a's older spec and b's newer one (its reservation on a lapsed, it was planned
     on b): reserved once, on b, never again on a then b then a... after each lapse."""
     t = [0.0]
-    c = make([acked("a", "19a0000000-1.0"), acked("b", "19b0000000-4.0")], Lead(term=3))
+    c = make([acked("a", "19e807aec00-1.0"), acked("b", "19ebc15b600-4.0")], Lead(term=3))
     c.clock = lambda: t[0]
     c.pods.cache["ml/x"] = pod("x", {"nvidia.com/mig-1g.10gb": "1"})
     seen = []
@@ -567,9 +567,9 @@ async def test_a_pod_two_acknowledged_specs_name_is_reserved_once_on_the_newer(m
         seen.append(c._reservations().get("ml/x"))
         t[0] += c.settings.reservation_s + 1
     assert seen == ["b", None, None, None, None, None]
-    assert c._reserved_for["ml/x"] == {"19b0000000-4.0"}
+    assert c._reserved_for["ml/x"] == {"19ebc15b600-4.0"}
     # a higher term is newer whatever the clocks of the replicas that wrote the ids
-    c = make([acked("a", "19f0000000-1.0", term=5), acked("b", "19b0000000-4.0", term=4)], Lead(term=5))
+    c = make([acked("a", "19faa80de00-1.0", term=5), acked("b", "19ebc15b600-4.0", term=4)], Lead(term=5))
     c.pods.cache["ml/x"] = pod("x", {"nvidia.com/mig-1g.10gb": "1"})
     assert c._reservations() == {"ml/x": "a"}
 
@@ -974,6 +974,8 @@ async def test_a_pod_left_for_an_older_one_that_was_not_placed_is_not_left_again
         c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
         c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
     c._deferred = {"ml/web-1": "ml/web-0", "ml/web-2": "ml/gone"}
+    assert c._not_to_defer() == {}, "the plan placed web-0 (or never ran): web-1 is left for it again"
+    c._left_for_unplaced = {"ml/web-1": "ml/web-0", "ml/web-2": "ml/gone"}  # the plan did not place them
     assert c._not_to_defer() == {"ml/web-1": {"ml/web-0"}}, "web-0 still waits: web-1 is not left for it again"
     c.loop.reserve("ml/web-0", "n1", 0.0)
     assert c._not_to_defer() == {}, "web-0 placed: web-1 is planned against it"
@@ -1004,3 +1006,134 @@ async def test_replicas_left_for_older_ones_that_cannot_be_placed_are_all_planne
         assert not c.window.ready(c.clock()), "no older pod was placed: the batch waits as usual"
     assert deferred == [{"ml/web-1": "ml/web-0", "ml/web-2": "ml/web-0"}, {"ml/web-2": "ml/web-1"}, {}, {}]
     assert c.written == []
+
+
+def _no_plan(name: str) -> dict[str, str]:
+    return {**encode_status(NodeLayout(node=name, mode="mig", gpus=[GpuLayout(index=0)]), "p0"),
+            "dynpart.io/spec-plan": "p0"}
+
+
+def _planned_on(writes: list[tuple[str, dict[str, Any]]]) -> dict[str, str]:
+    return {k: name for name, p in writes for k in (p.get(SPEC_PODS) or "").split(",") if k}
+
+
+async def test_a_pod_left_for_an_older_one_whose_write_conflicted_is_left_for_it_again(make, monkeypatch):
+    """web-0 is placed but its node's write gets a 409 (the node changed meanwhile): web-0 was not
+    unplaceable, so the next round leaves web-1 for it again instead of planning both together,
+    where the objective puts them on one node and the scheduler refuses one (review 78)."""
+    from dynpart.kube.errors import APIConflictError
+    from tests.controller.test_pod_conflicts import labelled, replica
+    c = make([labelled(node(f"n{i}", count=1, annotations=_no_plan(f"n{i}"))) for i in (1, 2)], Lead(term=1))
+    writes: list[tuple[str, dict[str, Any]]] = []
+
+    async def patch(core, name, p, resource_version=None):
+        if not writes and not getattr(patch, "conflicted", False):
+            patch.conflicted = True  # type: ignore[attr-defined]
+            raise APIConflictError("the object has been modified", status=409)
+        writes.append((name, p))
+        return {}
+    monkeypatch.setattr(controller_module, "patch_node_annotations", patch)
+    for i in range(2):
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
+    await c.plan_round()
+    assert c._deferred == {"ml/web-1": "ml/web-0"} and writes == []
+    await c.plan_round()
+    assert _planned_on(writes) == {"ml/web-0": writes[0][0]}, "web-1 is left for web-0 again"
+    await c.plan_round()  # web-0 in flight: web-1 planned against it, on the other node
+    on = _planned_on(writes)
+    assert set(on) == {"ml/web-0", "ml/web-1"} and on["ml/web-0"] != on["ml/web-1"]
+
+
+async def test_a_round_that_could_not_plan_leaves_the_deferrals_as_they_were(make, monkeypatch):
+    """A round skipped (an error between objects) placed nothing and left nothing unplaced: the
+    younger replica is still left for the older one by the next round."""
+    from dynpart.errors import DynpartError
+    from tests.controller.test_pod_conflicts import labelled, replica
+    c = make([labelled(node(f"n{i}", count=1, annotations=_no_plan(f"n{i}"))) for i in (1, 2)], Lead(term=1))
+    for i in range(2):
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
+    real = c.loop.decide_with
+    calls = []
+
+    def failing_once(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise DynpartError("two nodes of one name")
+        return real(*a, **k)
+    monkeypatch.setattr(c.loop, "decide_with", failing_once)
+    await c.plan_round()
+    assert c._deferred == {"ml/web-1": "ml/web-0"} and c.written == []
+    await c.plan_round()
+    assert [p[SPEC_PODS] for _, p in c.written] == ["ml/web-0"]
+
+
+async def test_losing_the_lease_forgets_the_deferrals(make):
+    c = make([], Lead(term=1))
+    c._deferred, c._left_for_unplaced = {"ml/b": "ml/a"}, {"ml/b": "ml/a"}
+    c._not_left_for = {"ml/b": frozenset({"ml/a"})}
+    c._forget_leader_state()
+    assert c._deferred == {} and c._left_for_unplaced == {} and c._not_left_for == {}
+
+
+async def test_an_acknowledgement_arriving_while_plans_expire_is_not_revoked(make, monkeypatch):
+    """Two plans overdue: while the first node's revocation is written, the second node's agent
+    acknowledges its plan. That plan stands: its pod is reserved, nothing is written to the node
+    and no PlanRevoked is posted (review 78)."""
+    def spec(p: str, pod_key: str) -> dict[str, str]:
+        return {"dynpart.io/spec-plan": p, "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "1@0",
+                SPEC_TERM: "3", SPEC_PODS: pod_key}
+    c = make([reported("n1", spec("p1", "ml/a")), reported("n2", spec("p2", "ml/b"))], Lead(term=3), ack_timeout_s=1.0)
+    c.in_flight["n1"] = InFlight("p1", 0.0, {"ml/a"})
+    c.in_flight["n2"] = InFlight("p2", 0.0, {"ml/b"})
+    written: list[str] = []
+
+    async def patch(core, name, p, resource_version=None):
+        written.append(name)
+        if name == "n1":
+            acked_node = reported("n2", spec("p2", "ml/b"), status_plan="p2")
+            c.nodes.cache["n2"] = acked_node
+            c._on_node("MODIFIED", acked_node)
+        return {}
+    monkeypatch.setattr(controller_module, "patch_node_annotations", patch)
+    await c._expire_acks(now=10.0)
+    assert written == ["n1"] and "ml/b" in c.reserved
+    assert not [e for e in c.posted if "p2" in str(e)]
+
+
+def _recreated(created: str) -> dict[str, Any]:
+    p = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    p["metadata"]["uid"], p["metadata"]["creationTimestamp"] = "uid-2", created
+    return p
+
+
+async def test_a_pod_recreated_under_the_same_name_is_not_reserved_by_its_predecessors_plan(make):
+    """An acknowledged spec names ml/a, whose pod ran and ended; a pod created again under that
+    name (a StatefulSet replica, a bare pod applied again) is not the one the plan was for: it is
+    not reserved there (review 78). This replica saw the plan; and after a restart, the plan's id
+    says when it was written."""
+    status = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
+        MigInstance(profile="1g.10gb", start=0, used=True)])]), "p0")
+    c = make([node("n1", annotations={**status, "dynpart.io/spec-plan": "p0", SPEC_PODS: "ml/a"})], Lead(term=1))
+    old = pod("a", {"nvidia.com/mig-1g.10gb": "1"}, node="n1", phase="Running", unschedulable=False)
+    c.pods.cache["ml/a"] = old
+    c._reserved_for["ml/a"] = {"p0"}  # this replica saw p0 acknowledged
+    assert c._reservations() == {}
+    del c.pods.cache["ml/a"]
+    c._on_pod("DELETED", old)
+    assert c._reservations() == {}
+    c.pods.cache["ml/a"] = _recreated("2026-11-27T03:00:00Z")
+    c._on_pod("ADDED", c.pods.cache["ml/a"])
+    assert c._reservations() == {}
+    # a new replica (nothing remembered): the plan id's time decides
+    written_ms = int(controller_module.dt.datetime(2026, 11, 27, 2, 0, tzinfo=controller_module.dt.UTC).timestamp() * 1000)
+    for created, reserved in (("2026-11-27T03:00:00Z", False), ("2026-11-27T01:59:00Z", True),
+                              ("2026-11-27T02:00:30Z", True)):  # within the clock skew allowed: the same pod
+        plan_id = f"{written_ms:x}-1"
+        c = make([node("n1", annotations={**encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
+            MigInstance(profile="1g.10gb", start=0, used=False)])]), plan_id), "dynpart.io/spec-plan": plan_id,
+            SPEC_PODS: "ml/a"})], Lead(term=1))
+        c.pods.cache["ml/a"] = _recreated(created)
+        c._on_pod("ADDED", c.pods.cache["ml/a"])
+        assert (c._reservations() == {"ml/a": "n1"}) is reserved, created
