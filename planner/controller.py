@@ -122,6 +122,7 @@ class PlannerController:
             settings.kube, on_drop=metrics.EVENTS_DROPPED.labels("memory_full").inc,
             on_spam=metrics.EVENTS_DROPPED.labels("spam").inc)
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
+        self._admits: dict[str, str] = {}  # per node: what decides which pods it admits (`_admission`)
         self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
         # nodes with a late unacknowledged spec of an earlier leader whose pods another plan holds
         self._to_revoke: set[str] = set()
@@ -247,6 +248,18 @@ class PlannerController:
             else:
                 self._status[name] = status
             if before is None or status is None or _room_may_have_grown(before, status):
+                self.loop.facts_changed(self._candidates(), now)
+                self.wake.set()
+        # labels, taints, the cordon or allocatable CPU and memory changed (an uncordon, a taint
+        # removed): pods may fit there now, planned without waiting for the resync
+        admits = None if kind == "DELETED" else _admission(node)
+        if admits != self._admits.get(name):
+            seen = name in self._admits
+            if admits is None:
+                self._admits.pop(name, None)
+            else:
+                self._admits[name] = admits
+            if seen and admits is not None:
                 self.loop.facts_changed(self._candidates(), now)
                 self.wake.set()
 
@@ -1048,6 +1061,17 @@ def _created_after(pod: Obj, written_ms: int) -> bool:
     except ValueError:
         return False
     return at > written_ms / 1000 + _CLOCK_SKEW_S
+
+
+def _admission(node: Obj) -> str:
+    """What of a node decides which pods it admits, besides its GPUs' status (labels, taints,
+    the cordon, allocatable resources), as one comparable string."""
+    spec = node.get("spec") or {}
+    allocatable = (node.get("status") or {}).get("allocatable") or {}
+    # not the slices' counts: those follow the agent's status, which wakes the loop when room grows
+    basic = {r: allocatable.get(r) for r in ("cpu", "memory", "pods", "ephemeral-storage")}
+    return json.dumps([node["metadata"].get("labels") or {}, spec.get("taints") or [], bool(spec.get("unschedulable")),
+                       basic], sort_keys=True, default=str)
 
 
 def _pod_version(pod: Obj) -> str:

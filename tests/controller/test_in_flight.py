@@ -6,6 +6,7 @@ a leader that cannot prove it leads writes nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from typing import Any
 
@@ -1137,3 +1138,28 @@ async def test_a_pod_recreated_under_the_same_name_is_not_reserved_by_its_predec
         c.pods.cache["ml/a"] = _recreated(created)
         c._on_pod("ADDED", c.pods.cache["ml/a"])
         assert (c._reservations() == {"ml/a": "n1"}) is reserved, created
+
+
+async def test_a_node_uncordoned_or_untainted_wakes_the_waiting_pods_at_once(make):
+    """A waiting pod is planned when a node it may use is uncordoned, not at the next resync; a
+    change of the node's slice counts alone (the agent's early publishing) does not wake them: its
+    status does, when room grew."""
+    cordoned = reported("n1")
+    cordoned["spec"] = {"unschedulable": True}
+    c = make([cordoned], Lead(term=1))
+    c._on_node("ADDED", cordoned)
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    c._on_pod("ADDED", c.pods.cache["ml/a"])
+    c.window.members.clear()
+    c.wake.clear()
+    counted = json.loads(json.dumps(cordoned))
+    counted["status"]["allocatable"]["nvidia.com/mig-1g.10gb"] = "3"
+    c._on_node("MODIFIED", counted)
+    assert not c.window.members and not c.wake.is_set()
+    uncordoned = json.loads(json.dumps(counted))
+    uncordoned["spec"] = {}
+    c._on_node("MODIFIED", uncordoned)
+    assert "ml/a" in c.window.members and c.wake.is_set()
+    c.window.members.clear()
+    c._on_node("MODIFIED", uncordoned)  # the same again: nothing new
+    assert not c.window.members
