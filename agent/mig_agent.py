@@ -291,9 +291,11 @@ class MigAgent:
                 not_destroyed.append(d)
                 await self._restore(gi.uuid)
                 continue
+            cis_destroyed = 0
             try:
                 for ci in gi.compute_instances:
                     await self.driver.destroy_compute_instance(d.gpu, d.gi_id, ci)
+                    cis_destroyed += 1
                 await self.driver.destroy_gpu_instance(d.gpu, d.gi_id)
                 metrics.INSTANCES_DESTROYED.inc()
                 log.info("GPU %d: destroyed %s (GI %d)", d.gpu, d.label, d.gi_id)
@@ -313,7 +315,12 @@ class MigAgent:
                         # that plans stop counting on it instead of failing on it again and again
                         self._held_open[gi.uuid] = time.monotonic() + HELD_OPEN_S
                 not_destroyed.append(d)
-                await self._restore(gi.uuid)
+                if cis_destroyed and gi.uuid and self.guard is not None:
+                    # the GPU instance stays but its compute instance is gone: so is the MIG device
+                    # the plugin listed (nothing could run on it); forgotten, not served again
+                    await self.guard.destroyed([gi.uuid])
+                else:
+                    await self._restore(gi.uuid)
         for incomplete in actions.complete:
             try:
                 await self.driver.create_compute_instance(incomplete.gpu, incomplete.gi_id,

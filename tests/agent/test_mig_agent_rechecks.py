@@ -526,3 +526,27 @@ async def test_the_destroyed_and_created_counters_count_each_instance():
     assert result.errors == []
     assert counted("dynpart_agent_mig_instances_destroyed_total") == destroyed_before + 3
     assert counted("dynpart_agent_mig_instances_created_total") == created_before + 2
+
+
+async def test_a_gpu_instance_whose_destroy_is_refused_after_its_compute_instance_went_is_not_served_again():
+    """The compute instance is destroyed, then the driver refuses the GPU instance's destroy
+    (IN_USE: DCGM may hold either, nvml.h allows it): the MIG device the plugin listed is gone, so
+    it is forgotten, not served again, where a pod admitted meanwhile would fail at its start
+    (review 79)."""
+    n = await node()
+    g = n.rig.carve(0, "1g.10gb@0", "1g.10gb@1")
+    await n.advertise()
+    target = n.rig.uuid(0, g["1g.10gb@1"])
+    driver = n.rig.driver
+    real = driver.destroy_gpu_instance
+
+    def refused(index: int, gi_id: int) -> None:
+        if gi_id == g["1g.10gb@1"]:
+            raise GpuDriverError("IN_USE", "nvmlGpuInstanceDestroy: In use by another client")
+        real(index, gi_id)
+
+    driver.destroy_gpu_instance = refused  # type: ignore[method-assign]
+    result = await n.agent.apply({0: placements("2g.20gb@0")})
+    assert any(e.startswith("GPU 0: destroying 1g.10gb@1 failed") for e in result.errors), result.errors
+    assert [o.result for o in ops(driver, "destroy_ci", gpu=0) if o.gi_id == g["1g.10gb@1"]] == ["ok"]
+    assert not n.served(target) and target not in n.plugins.withdrawn  # type: ignore[union-attr]
