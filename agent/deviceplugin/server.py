@@ -116,6 +116,9 @@ class PluginServer:
         self._stopping = False
         self.registered_stamp: tuple[int, int] | None = None  # kubelet.sock's stamp at the last Register
         self.registrations = 0
+        self.registered_at = 0.0  # time.monotonic() of the last Register
+        # the kubelet closed the last open ListAndWatch stream while this server ran (not at a stop)
+        self.stream_closed_by_kubelet = False
 
     # --- state --------------------------------------------------------------------------------
 
@@ -210,7 +213,14 @@ class PluginServer:
             await protocol.RegistrationStub(channel).Register(request, timeout=timeout_s)
         self.registered_stamp = stamp
         self.registrations += 1
+        self.registered_at = time.monotonic()
         log.info("device plugin for %s registered with the kubelet (%s)", self.resource, self.endpoint)
+
+    def dropped_by_kubelet(self, settle_s: float = 1.0) -> bool:
+        """The kubelet closed this running server's last stream and opened none since, at least
+        `settle_s` after the last Register (a Register answered before the kubelet dials)."""
+        return (self.stream_closed_by_kubelet and not self._streams
+                and time.monotonic() - self.registered_at >= settle_s)
 
     def options(self) -> Any:
         return protocol.messages()["DevicePluginOptions"](pre_start_required=False, get_preferred_allocation_available=True)
@@ -234,6 +244,7 @@ class PluginServer:
         stream = self._next_stream
         self._next_stream += 1
         self._streams[stream] = -1
+        self.stream_closed_by_kubelet = False
         try:
             while True:
                 async with self._cond:
@@ -248,6 +259,8 @@ class PluginServer:
                     self._cond.notify_all()
         finally:
             self._streams.pop(stream, None)
+            if not self._stopping and not self._streams:
+                self.stream_closed_by_kubelet = True
 
     async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
         msgs = protocol.messages()
@@ -590,6 +603,14 @@ class DevicePluginManager:
             for server in list(self.servers.values()):
                 lost = not server.socket_exists()
                 if not lost and server.registered_stamp == stamp:
+                    if server.running and server.dropped_by_kubelet():
+                        # the same kubelet closed our stream and has not connected again: it
+                        # disconnected this resource (kubernetes#121994: a plugin that registered
+                        # again can be disconnected when its old stream's end is handled after the
+                        # new Register), whose devices then count unhealthy: registered again
+                        log.warning("device plugin for %s: the kubelet closed its ListAndWatch stream; "
+                                    "registering again", server.resource)
+                        unregistered.append(server)
                     continue
                 if lost or server.registered_stamp is not None:  # kubelet restarted: fresh server, fresh streams
                     log.info("device plugin for %s: %s; serving again", server.resource,

@@ -18,6 +18,7 @@ Reusable by an e2e kubelet model: `allocatable()` is what the kubelet would put 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -82,6 +83,12 @@ class KubeletDouble:
         # resource -> seconds the kubelet takes to process each message of that plugin's stream (the
         # kubelet reads each stream on its own: a list sent later on another stream can win)
         self.receive_delay_s: dict[str, float] = {}
+        # None: a Register of a resource whose stream is open closes that stream first. A number:
+        # as the kubelet's device manager up to 1.35 (handler.go, kubernetes#121994): the new client
+        # replaces the old one under the resource's name, the old stream is left open, and when it
+        # ends, this many seconds later (its goroutine's turn) the client registered under the name
+        # *then* is disconnected: the new one, if it registered meanwhile
+        self.old_stream_end_handled_after_s: float | None = None
         self._server: Any = None
         self._pr_server: Any = None
         self._changed = asyncio.Condition()
@@ -145,7 +152,8 @@ class KubeletDouble:
         if p is None:
             p = self.plugins[request.resource_name] = PluginSeen(request.resource_name, request.endpoint)
         else:
-            await self._disconnect(p)
+            if self.old_stream_end_handled_after_s is None:
+                await self._disconnect(p)
             p.endpoint = request.endpoint
         p.registered_at.append(time.monotonic())
         p.stream_task = asyncio.create_task(self._connect(p))  # as the kubelet: after answering
@@ -166,12 +174,13 @@ class KubeletDouble:
             p.channel = None
 
     async def _connect(self, p: PluginSeen) -> None:
-        p.channel = grpc.aio.insecure_channel(f"unix://{os.path.join(self.plugin_dir, p.endpoint)}")
-        p.stub = protocol.DevicePluginStub(p.channel)
+        me = asyncio.current_task()
+        channel = p.channel = grpc.aio.insecure_channel(f"unix://{os.path.join(self.plugin_dir, p.endpoint)}")
+        stub = p.stub = protocol.DevicePluginStub(p.channel)
         p.stream_error = None
         try:
-            p.options = await p.stub.GetDevicePluginOptions(protocol.messages()["Empty"](), timeout=5)
-            async for response in p.stub.ListAndWatch(protocol.messages()["Empty"]()):
+            p.options = await stub.GetDevicePluginOptions(protocol.messages()["Empty"](), timeout=5)
+            async for response in stub.ListAndWatch(protocol.messages()["Empty"]()):
                 if self.receive_delay_s.get(p.resource):
                     await asyncio.sleep(self.receive_delay_s[p.resource])
                 devices = [(d.ID, d.health) for d in response.devices]
@@ -181,6 +190,19 @@ class KubeletDouble:
                     self._changed.notify_all()
         except grpc.aio.AioRpcError as e:
             p.stream_error = f"{e.code().name}: {e.details()}"
+        if self.old_stream_end_handled_after_s is not None:
+            # runClient: the stream ended; the client under the name now is disconnected
+            await channel.close()
+            await asyncio.sleep(self.old_stream_end_handled_after_s)
+            current = p.stream_task
+            if current is not None and current is not me:
+                p.stream_task = None
+                current.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await current
+                if p.channel is not None:
+                    await p.channel.close()
+                    p.channel = None
         async with self._changed:
             self._changed.notify_all()
 

@@ -292,6 +292,24 @@ async def test_a_plugin_whose_socket_was_removed_is_served_and_registered_again(
         assert (await kubelet.allocate(M, ["MIG-b"])).container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-b"
 
 
+async def test_a_plugin_the_kubelet_disconnects_after_it_registered_again_registers_once_more(plugin_dir: str):
+    """kubernetes#121994 (the kubelet's device manager up to 1.35): the plugin's socket removed, the
+    agent serves again and registers; the kubelet handles the old stream's end only after that
+    Register, and disconnects the client registered under the name then, the new one. The agent
+    sees the kubelet close its stream while it runs and registers again: the kubelet ends with a
+    live stream and the full list (review 79)."""
+    async with KubeletDouble(plugin_dir) as kubelet, DevicePluginManager(plugin_dir, poll_s=0.02, register_timeout_s=2) as plugins:
+        kubelet.old_stream_end_handled_after_s = 0.3
+        await plugins.update({M: mig("MIG-a", "MIG-b")})
+        seen = await kubelet.wait_registered(M, timeout_s=2)
+        os.unlink(os.path.join(plugin_dir, socket_name(M)))
+        await kubelet.wait_registered(M, times=2, timeout_s=2)
+        await asyncio.sleep(0.5)  # the old stream's end handled: the new client disconnected
+        await kubelet.wait_for(lambda: len(seen.registered_at) >= 3 and kubelet.allocatable().get(M) == 2, timeout_s=4)
+        assert seen.ids == ["MIG-a", "MIG-b"]
+        assert (await kubelet.allocate(M, ["MIG-b"])).container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-b"
+
+
 async def test_a_kubelet_starting_after_the_plugin_and_wiping_the_dir_still_reaches_it(plugin_dir: str):
     """The plugin serves before the kubelet is up (not registered yet); the kubelet, starting,
     removes every socket in the dir: the plugin must serve again before it registers, or the
