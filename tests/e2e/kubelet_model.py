@@ -405,8 +405,9 @@ class KubeletModel(KubeletDouble):
                                              f"last message {last}")
 
     def locate(self, device_id: str) -> tuple[str, int, int | None] | None:
-        """Device id -> (GPU UUID, GPU index, GI id) from the node's fake driver (cached: a MIG
-        device's UUID is never reused)."""
+        """Device id -> (GPU UUID, GPU index, GI id) from the node's fake driver (cached: the fake
+        derives a MIG UUID from its GPU's UUID and its GI and CI ids, so one made again under a
+        destroyed one's UUID sits on the same GPU with the same GI id)."""
         if device_id in self._gpu_of:
             return self._gpu_of[device_id]
         if self.driver is None:
@@ -722,7 +723,10 @@ class KubeletModel(KubeletDouble):
                     preferred = await self.preferred(resource, sorted(available | set(reused)), reused, required)
                 except grpc.aio.AioRpcError as e:
                     raise _AdmissionError(f"rpc error: code = {e.code().name} desc = {e.details()}") from None
-                available = (self.resources.get(resource) or ResourceState()).healthy - self.allocated(resource)
+                # the devices healthy before the call, as the kubelet's devicesToAllocate keeps them:
+                # one withdrawn during the call may still be chosen (Allocate then decides); less
+                # what other admissions of this model took meanwhile (the kubelet admits one at a time)
+                available -= self.allocated(resource)
                 chosen += [i for i in preferred if i in available][:needed]
             chosen += sorted(available - set(chosen))[:required - len(chosen)]
             if len(chosen) < required:
