@@ -78,6 +78,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="run the probe and those reads on a recording made with --record instead of the driver")
     probe.set_defaults(func=run_probe)
 
+    mps = cmds.add_parser("mps-control", help="run the MPS control daemon as the agent asks (the agent pod's "
+                          "mps-control container)",
+                          description="Supervise nvidia-cuda-mps-control as the agent asks through DIR "
+                                      "(the agent's mps_control_dir, a directory both containers share): start it, "
+                                      "start it again if it dies, stop it when no GPU wants it; report what runs in "
+                                      "DIR/state.json. Run in a container of its own, the daemon outlives restarts "
+                                      "of the agent's container; it is never stopped on this command's own exit "
+                                      "(docs/agent.md, MPS).")
+    mps.add_argument("--dir", dest="control_dir", default="/run/dynpart-mps", metavar="DIR",
+                     help="the directory shared with the agent (default /run/dynpart-mps)")
+    mps.add_argument("--mps-control-binary", metavar="PATH", help=argparse.SUPPRESS)  # tests
+    mps.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO")
+    mps.add_argument("--log-json", action="store_true")
+    mps.set_defaults(func=run_mps_control)
+
 
 def _fake_driver(spec: str, catalog: Catalog) -> GpuDriver:
     from dynpart.agent.driver.fake import FakeNvml
@@ -166,6 +181,14 @@ def run_probe(args: argparse.Namespace) -> int:
         report = probe(_driver(args, catalog), catalog)
     _print_probe(report, reads, args.json)
     return 0 if report.ok else 1
+
+
+def run_mps_control(args: argparse.Namespace) -> int:
+    from dynpart.agent.mps_supervisor import serve
+    from dynpart.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_json)
+    return asyncio.run(serve(args.control_dir, binary=args.mps_control_binary))
 
 
 def _recording_meta(report: ProbeReport, reads: list[str]) -> dict[str, Any]:
@@ -431,17 +454,23 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     from dynpart.agent.deviceplugin.server import AllocateSettings, DevicePluginManager
     from dynpart.agent.kube import KubeNodeApi, KubePluginPods, lease_term_reader
     from dynpart.agent.loop import Agent
-    from dynpart.agent.mps_daemon import ProcessMpsDaemon
+    from dynpart.agent.mps_daemon import MpsDaemon, ProcessMpsDaemon, SupervisedMpsDaemon
     from dynpart.agent.nodepods import KubeNodePods
     from dynpart.agent.podresources import FakePodResources
 
     capacity = settings.mps_capacity_gb
     allocate = AllocateSettings(pipe_dir_host=settings.mps_pipe_dir, device_list=settings.device_list_strategy)
     plugins = DevicePluginManager(settings.device_plugin_dir, allocate=allocate, held=pods.allocatable)
-    daemon = ProcessMpsDaemon()
+    daemon: MpsDaemon
     shutdown = shutdown or Shutdown()
-    # the daemon after the plugin stopped listing MPS slices (exits run last first)
-    stack.push_async_callback(shutdown.step, "stopping the MPS control daemon", daemon.stop)
+    if settings.mps_control_dir:
+        # run by the mps-control container: it outlives this one, and the agent's way out leaves it
+        # (and the MPS pods' CUDA contexts) running
+        daemon = SupervisedMpsDaemon(settings.mps_control_dir)
+    else:
+        daemon = ProcessMpsDaemon()
+        # the daemon after the plugin stopped listing MPS slices (exits run last first)
+        stack.push_async_callback(shutdown.step, "stopping the MPS control daemon", daemon.stop)
     await plugins.start()
     stack.push_async_callback(shutdown.step, "stopping the device plugin", plugins.close)
     if isinstance(pods, FakePodResources):  # --fake-gpus without a kubelet: it "holds" all advertised

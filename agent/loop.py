@@ -47,7 +47,7 @@ from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import SliceGuard
 from dynpart.agent.kube import NodeApi, NodeView, PluginPods
 from dynpart.agent.mig_agent import MigAgent, PassResult
-from dynpart.agent.mps_daemon import MpsDaemon
+from dynpart.agent.mps_daemon import MpsDaemon, SupervisedMpsDaemon
 from dynpart.agent.mps_plugin import MpsPluginAgent
 from dynpart.agent.nodepods import NodePods
 from dynpart.agent.podresources import AssignedDevice, DeviceIds, PodResources, base_device_id
@@ -405,6 +405,8 @@ class Agent:
         mps = self._mps_plugin
         if mps is None or not any(mps.live.values()):
             self._mig.mps_left = {}
+            if mps is None:
+                await self._stop_daemon_left()
             return []
         result = await mps.apply({}, ())
         if not any(mps.live.values()):
@@ -412,6 +414,23 @@ class Agent:
         self._mig.mps_left = {g.index: [f"MPS slice {s.size}gb ({'in use' if s.used else 'kept'})" for s in g.mps]
                               for g in result.gpus if g.mps}
         return [f"leaving MPS mode: {e}" for e in result.errors]
+
+    async def _stop_daemon_left(self) -> None:
+        """An agent started on a MIG node finds the MPS daemon still running in the mps-control
+        container (it outlives the agent's restarts): stopped once no pod holds an MPS slice."""
+        daemon = self.mps_daemon
+        if not isinstance(daemon, SupervisedMpsDaemon) or not daemon.running_for():
+            return
+        try:
+            held = await self.pods.list()
+        except DynpartError as e:
+            log.info("node %s: the MPS daemon left running is kept this pass: which pods hold MPS slices cannot be "
+                     "read (%s)", self.node, e)
+            return
+        if any(isinstance(known_resource(a.resource), MpsResource) for a in held):
+            return  # their clients need it
+        log.info("node %s: in MIG mode, no pod holds an MPS slice: stopping the MPS daemon left running", self.node)
+        await daemon.stop()
 
     def _serving(self) -> bool:
         """Whether the agent's own plugin serves devices: the node's, or, on a node NVIDIA's plugin

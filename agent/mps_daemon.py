@@ -14,6 +14,10 @@ plugin): MPS slices are advertised only while it runs, since a client without it
   answer in time while its process (`nvidia-cuda-mps-control.pid` in the pipe directory, checked
   to be the daemon: a stale file's pid may name another process since) lives is busy or hung, not
   gone: it is neither told to quit nor started a second time;
+- `SupervisedMpsDaemon`: the agent's side of the daemon run by `dynpart agent mps-control`
+  (agent/mps_supervisor.py) in a container of its own, so that a restart of the agent's container
+  does not end it: the agent writes what it wants (`desired.json`) into a directory both
+  containers share and reads back what runs (`state.json`);
 - `FakeMpsDaemon`: the tests' double (`fail_with`, `die()`).
 """
 
@@ -21,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from dynpart.errors import DynpartError
 
@@ -40,6 +46,34 @@ _OUTPUT_MAX = 64 << 10  # of a control command's answer
 PID_FILE = "nvidia-cuda-mps-control.pid"  # the daemon's, in its pipe directory, removed when it stops
 # the daemon's process name (/proc/<pid>/comm: the first 15 characters of its file's name)
 DAEMON_COMM = MPS_CONTROL[:15]
+
+# the files the agent (SupervisedMpsDaemon) and `dynpart agent mps-control` share
+DESIRED = "desired.json"  # the agent's: {"seq", "gpus", "pipe_dir", "log_dir"}
+STATE = "state.json"  # the supervisor's: {"seq", "gpus", "pipe_dir", "log_dir", "running", "busy", "error", "at", ...}
+MPS_CONTROL_CONTAINER = "mps-control"  # the agent pod's container that runs the supervisor (the Helm chart)
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    """A JSON object from `path`; None when absent, unreadable or not an object."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    """Whole or not at all (a temporary file beside it, then a rename): a reader never sees half."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path) + ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def rotate_logs(log_dir: str, max_bytes: int = LOG_MAX_BYTES, running: bool = False) -> None:
@@ -293,3 +327,128 @@ class ProcessMpsDaemon:
         return MpsDaemonBusy(f"the MPS control daemon for {', '.join(self.gpus)} does not answer on its control pipe "
                              f"in {self.timeout_s:.0f}s but runs: kept, not started again (see {log_dir}/control.log)",
                              self.gpus)
+
+
+class SupervisedMpsDaemon:
+    """The daemon as `dynpart agent mps-control` runs it, in the agent pod's `mps-control`
+    container: `ensure` writes `desired.json` in `control_dir` (its `seq` one more only when what
+    is wanted changes) and waits, at most `wait_s`, for `state.json` to say the supervisor acted on
+    it; then raises as ProcessMpsDaemon would (MpsDaemonBusy, MpsDaemonError) or returns. A
+    state.json not rewritten for `stale_s` means the supervisor does not run. Nothing the agent does
+    on its own way out stops the daemon (do not call `stop` then): only `stop`, for a node that left
+    MPS mode, asks for it (no GPU)."""
+
+    def __init__(self, control_dir: str, wait_s: float = 15.0, stale_s: float = 5.0, poll_s: float = 0.1,
+                 clock: Any = time.time):
+        self.dir = control_dir
+        self.wait_s = wait_s
+        self.stale_s = stale_s
+        self.poll_s = poll_s
+        self.clock = clock
+        self.error: str | None = None  # why alive() said False, if the supervisor is the reason
+
+    @property
+    def desired_path(self) -> str:
+        return os.path.join(self.dir, DESIRED)
+
+    def _state(self) -> dict[str, Any] | None:
+        """state.json when it is fresh, else None (self.error says why)."""
+        path = os.path.join(self.dir, STATE)
+        state = read_json(path)
+        at = state.get("at") if state else None
+        if state is None or not isinstance(at, (int, float)):
+            self.error = (f"no state from the {MPS_CONTROL_CONTAINER} container ({path} is absent or unreadable): "
+                          "is it running?")
+            return None
+        age = self.clock() - at
+        if age > self.stale_s:
+            self.error = (f"the {MPS_CONTROL_CONTAINER} container has not written {path} for {age:.0f}s: "
+                          "it does not run (see its logs)")
+            return None
+        self.error = None
+        return state
+
+    def _want(self, gpus: Sequence[str], pipe_dir: str, log_dir: str) -> int:
+        """Write desired.json unless it already asks for this; its seq."""
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+        except OSError as e:
+            raise MpsDaemonError(f"MPS control directory {self.dir}: {e.strerror or e}") from None
+        want = {"gpus": list(gpus), "pipe_dir": pipe_dir, "log_dir": log_dir}
+        old = read_json(self.desired_path) or {}
+        seq = old.get("seq")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            seq = 0
+        if seq and all(old.get(k) == v for k, v in want.items()):
+            return seq
+        state = read_json(os.path.join(self.dir, STATE)) or {}
+        acted = state.get("seq")
+        if isinstance(acted, int) and not isinstance(acted, bool):
+            seq = max(seq, acted)  # (a desired.json lost or broken: never a number the supervisor acted on)
+        seq += 1
+        try:
+            write_json(self.desired_path, {"seq": seq, **want})
+        except OSError as e:
+            raise MpsDaemonError(f"writing {self.desired_path}: {e.strerror or e}") from None
+        log.info("asked the %s container to run the MPS control daemon for %s (seq %d)", MPS_CONTROL_CONTAINER,
+                 ", ".join(gpus) or "no GPU", seq)
+        return seq
+
+    async def _acted(self, seq: int) -> dict[str, Any]:
+        """state.json once it is fresh and says the supervisor acted on `seq` (or a later one)."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            state = self._state()
+            acted = state.get("seq") if state else None
+            if state is not None and isinstance(acted, int) and acted >= seq:
+                return state
+            if time.monotonic() >= deadline:
+                if state is None:
+                    raise MpsDaemonError(str(self.error))
+                raise MpsDaemonError(f"the {MPS_CONTROL_CONTAINER} container has not acted on {self.desired_path} "
+                                     f"(seq {seq}) in {self.wait_s:.0f}s (it last did for seq {acted}; "
+                                     f"{state.get('error') or 'still starting or stopping the daemon?'})")
+            await asyncio.sleep(self.poll_s)
+
+    async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
+        seq = self._want(gpu_uuids, pipe_dir, log_dir)
+        state = await self._acted(seq)
+        gpus = state.get("gpus") if isinstance(state.get("gpus"), list) else []
+        error = state.get("error")
+        if state.get("busy"):
+            raise MpsDaemonBusy(str(error or "the MPS control daemon does not answer but runs: kept"), gpus or ())
+        if error:
+            raise MpsDaemonError(str(error))
+        if gpu_uuids and not state.get("running"):
+            raise MpsDaemonError(f"the {MPS_CONTROL_CONTAINER} container reports the MPS control daemon not running")
+
+    async def alive(self) -> bool | None:
+        state = self._state()
+        if state is None:
+            log.warning("MPS control daemon: %s", self.error)
+            return False
+        if state.get("busy"):
+            return None
+        return bool(state.get("running"))
+
+    def running_for(self) -> list[str] | None:
+        """The GPUs the daemon runs for now, as a fresh state.json says; None when unknown or not
+        running. A restarted agent takes it for what it made the daemon run for: its GPUs are then
+        not changed (a restart of the daemon) while pods use slices."""
+        state = self._state()
+        gpus = state.get("gpus") if state and state.get("running") else None
+        if isinstance(gpus, list) and gpus and all(isinstance(g, str) for g in gpus):
+            return list(gpus)
+        return None
+
+    async def stop(self) -> None:
+        """No GPU wants the daemon (the node left MPS mode): the supervisor stops it. Waits for that
+        as `ensure` does; a supervisor that does not answer is only logged."""
+        state = read_json(self.desired_path) or {}
+        pipe_dir, log_dir = state.get("pipe_dir"), state.get("log_dir")
+        if not isinstance(pipe_dir, str) or not isinstance(log_dir, str):
+            return  # never asked for one
+        try:
+            await self._acted(self._want([], pipe_dir, log_dir))
+        except MpsDaemonError as e:
+            log.warning("stopping the MPS control daemon: %s", e)

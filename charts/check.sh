@@ -72,6 +72,7 @@ bad_values=(
     "--set networkPolicy.metricsFrom[0].namespace=monitoring"
     "--set planner.extraEnv[0].value=42"
     "--set agent.extraEnv[0].name=not-a-variable"
+    "--set agent.mpsControl.resources.limit.memory=1Gi"
 )
 for args in "${bad_values[@]}"; do
     # shellcheck disable=SC2086

@@ -153,7 +153,7 @@ def test_agent_daemonset(default):
          "values": ["pod-restart-required", "validation-required"]}]}]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["runtimeClassName"] == "nvidia" and pod["priorityClassName"] == "system-node-critical"
-    (c,) = pod["containers"]
+    c = container(pod, "agent")
     env = {e["name"]: e for e in c["env"]}
     assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
@@ -176,6 +176,41 @@ def test_agent_daemonset(default):
     assert {"name": "state", "mountPath": "/var/lib/dynpart"} in c["volumeMounts"]
     assert "device-plugin-config" not in vols and c["args"] == ["agent", "run", "--config", "/etc/dynpart/agent.yaml",
                                                                 "--node", "$(NODE_NAME)"]  # no ConfigMap of MPS configs
+
+
+def container(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    (c,) = [c for c in pod["containers"] if c["name"] == name]
+    return c
+
+
+def test_mps_control_container_outlives_agent_restarts(default, full, tmp_path, monkeypatch):
+    """The MPS control daemon runs in the agent pod's `mps-control` container, so that a restart of
+    the agent's container leaves it running: the supervisor's command line (parsed by the real
+    parser), the GPU environment, the state directory (pipes and logs), no liveness probe, and an
+    emptyDir shared with the agent, whose settings name it as mps_control_dir."""
+    from dynpart.cli import build_parser
+
+    for objs in (default, full):
+        pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
+        assert [c["name"] for c in pod["containers"]] == ["agent", "mps-control"]
+        agent, mps = container(pod, "agent"), container(pod, "mps-control")
+        ns = build_parser().parse_args(mps["args"])
+        assert (ns.command, ns.agent_command, ns.control_dir) == ("agent", "mps-control", "/run/dynpart-mps")
+        assert mps["image"] == agent["image"]
+        env = {e["name"]: e.get("value") for e in mps["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+        assert "livenessProbe" not in mps and "readinessProbe" not in mps and "livenessProbe" in agent
+        assert mps["securityContext"] == agent["securityContext"]  # what the daemon had in the agent's container
+        assert "memory" not in mps["resources"].get("limits", {})  # an OOM kill would end every MPS client
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert "emptyDir" in vols["mps-control"]
+        shared = {"name": "mps-control", "mountPath": "/run/dynpart-mps"}
+        assert shared in agent["volumeMounts"] and shared in mps["volumeMounts"]
+        state = next(m for m in agent["volumeMounts"] if m["name"] == "state")  # the pipes' and logs' host directory
+        assert state in mps["volumeMounts"] and "hostPath" in vols["state"]
+        assert pod["hostIPC"] is True
+        _, s = _agent_settings(objs, tmp_path, monkeypatch)
+        assert s.mps_control_dir == ns.control_dir  # the agent asks where the supervisor reads
 
 
 def test_agent_with_nvidias_device_plugin():
@@ -223,8 +258,10 @@ def test_agent_token_is_pod_bound_and_projected(default, full):
             {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
             {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
         ]
-        (c,) = pod["containers"]
+        c = container(pod, "agent")
         mount = next(m for m in c["volumeMounts"] if m["name"] == "kube-api-access")
+        # mps-control needs no API credential
+        assert "kube-api-access" not in {m["name"] for m in container(pod, "mps-control")["volumeMounts"]}
         assert mount == {"name": "kube-api-access", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
 
 
@@ -237,7 +274,7 @@ def _agent_settings(objs: list[dict[str, Any]], tmp_path: Path, monkeypatch,
     from dynpart.settings import AgentSettings, load_settings
 
     pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
-    (c,) = pod["containers"]
+    c = container(pod, "agent")
     env = {e["name"]: e.get("value", "gpu-node-1") for e in c["env"]}  # fieldRefs: the node name
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
     ns = build_parser().parse_args(args)
@@ -702,7 +739,8 @@ def test_agent_state_dir_is_what_the_agent_uses(tmp_path):
     pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["state"]["hostPath"]["path"] == "/srv/dynpart"
-    assert {"name": "state", "mountPath": "/srv/dynpart"} in pod["containers"][0]["volumeMounts"]
+    for name in ("agent", "mps-control"):  # the daemon's pipes and logs: where the agent's settings say
+        assert {"name": "state", "mountPath": "/srv/dynpart"} in container(pod, name)["volumeMounts"]
     assert pod["hostIPC"] is False and find(objs, "DaemonSet")["spec"]["updateStrategy"] == {"type": "RollingUpdate"}
     (tmp_path / "agent.yaml").write_text(find(objs, "ConfigMap", "dynpart-agent")["data"]["agent.yaml"])
     s = load_settings(AgentSettings, tmp_path / "agent.yaml")
@@ -714,8 +752,11 @@ def test_agent_without_privileges_keeps_what_mps_needs(tmp_path):
     """privileged: false drops every capability but SETUID and SETGID (the MPS control daemon
     starts each server under its client's ids), and NOTES say whether MPS and MIG can work."""
     objs = render("--set", "agent.privileged=false")
-    sc = find(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["securityContext"]
-    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SETUID", "SETGID"]}
+    pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
+    for name in ("agent", "mps-control"):  # (the daemon runs in mps-control)
+        sc = container(pod, name)["securityContext"]
+        assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SETUID", "SETGID"]} and sc["privileged"] is False
+        assert sc["runAsUser"] == 0 and sc["readOnlyRootFilesystem"] is True
     notes = render_notes(tmp_path / "default", "--set", "agent.privileged=false")
     assert "(it does)" not in notes and "(they are)" in notes
     bare = render_notes(tmp_path / "bare", "--set", "agent.privileged=false", "--set", "agent.capabilities={SYS_ADMIN}")
@@ -732,11 +773,12 @@ def test_full_values_options(full, tmp_path):
     assert dep["spec"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}
     pod = find(full, "DaemonSet")["spec"]["template"]["spec"]
     assert "runtimeClassName" not in pod
-    sc = pod["containers"][0]["securityContext"]
+    sc = container(pod, "agent")["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN", "SETUID", "SETGID"]}
     digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
-    assert pod["containers"][0]["image"] == f"registry.example.com/gpu/dynpart@{digest}"  # image.digest pins it
+    for c in pod["containers"]:  # image.digest pins it
+        assert c["image"] == f"registry.example.com/gpu/dynpart@{digest}"
     extra = find(full, "ConfigMap", "dynpart-catalog")["data"]["extra.yaml"]
     (tmp_path / "extra.yaml").write_text(extra)
     assert "A100-80GB-CUSTOM" in load_catalog([str(tmp_path / "extra.yaml")]).models
@@ -777,7 +819,7 @@ def test_extra_env_reaches_the_settings(tmp_path, monkeypatch):
         monkeypatch.setenv(e["name"], e.get("value", "dynpart-planner-abc"))
     assert load_settings(PlannerSettings, tmp_path / "planner.yaml").reservation_s == 42
     ns, s = _agent_settings(objs, tmp_path, monkeypatch, environ={"DYNPART_AGENT_WITHDRAW_SETTLE_S": "1.5"})
-    (agent,) = find(objs, "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    agent = container(find(objs, "DaemonSet")["spec"]["template"]["spec"], "agent")
     assert {"name": "DYNPART_AGENT_WITHDRAW_SETTLE_S", "value": "1.5"} in agent["env"]
     assert s.withdraw_settle_s == 1.5
 

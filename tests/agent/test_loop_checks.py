@@ -649,3 +649,33 @@ async def test_device_lists_refused_without_a_plan_are_reported_and_not_retried_
     assert report.errors == ["serving the devices: the device plugin refused the device lists: GPU(s) advertised both "
                              "whole and sliced: GPU-fake-0001"]
     assert rig.node_api.annotations[STATUS_ERROR] == report.errors[0]
+
+
+async def test_an_agent_started_on_a_mig_node_stops_the_mps_daemon_left_running_once_no_pod_needs_it(tmp_path):
+    """The MPS daemon runs in the mps-control container and outlives the agent's restarts: an agent
+    started on a node now in MIG mode stops it, but only once no pod holds an MPS slice."""
+    import json
+    import time
+
+    from dynpart.agent.mps_daemon import SupervisedMpsDaemon
+
+    control = tmp_path / "mps-control"
+    control.mkdir()
+    was = {"gpus": ["GPU-fake-0000"], "pipe_dir": "/p", "log_dir": "/l"}
+    (control / "desired.json").write_text(json.dumps({"seq": 1, **was}))
+
+    def supervisor_says_running() -> None:
+        (control / "state.json").write_text(json.dumps({"seq": 1, **was, "running": True, "busy": False,
+                                                        "error": None, "at": time.time()}))
+    supervisor_says_running()
+    rig = make_rig(**ROUND_80GIB).with_plugins()
+    agent = rig.agent(mps_daemon=SupervisedMpsDaemon(str(control), wait_s=0.2), withdraw_settle_s=0)
+    rig.pods.assign("ns/a", "nvidia.com/gpu-40gb", "GPU-fake-0000::0")  # an MPS pod still runs
+    rig.node_api.set_annotations(mig_spec({1: ["7g.80gb@0"]}, plan="p1"))
+    await agent.reconcile_once()
+    assert json.loads((control / "desired.json").read_text())["gpus"] == ["GPU-fake-0000"], "kept for its client"
+    rig.pods.release("ns/a")
+    supervisor_says_running()
+    await agent.reconcile_once()
+    desired = json.loads((control / "desired.json").read_text())
+    assert desired["gpus"] == [] and desired["seq"] == 2, "asked to stop"

@@ -119,3 +119,33 @@ says all there is to turn off. */}}
 {{- else }}{{ join ", " (initial .) }} and {{ last . }}
 {{- end }}
 {{- end }}
+
+{{/* The directory the agent's container and its mps-control container share (an emptyDir):
+the agent's desired state of the MPS control daemon, the supervisor's report (mps_control_dir). */}}
+{{- define "dynpart.mpsControlDir" -}}
+/run/dynpart-mps
+{{- end }}
+
+{{/* The agent pod's containers' securityContext (the agent's, and mps-control's, which runs the
+MPS control daemon the agent ran in its own container before: the same privileges). */}}
+{{- define "dynpart.agentSecurityContext" -}}
+# root: the kubelet's PodResources socket is root-owned (mode 0600 or 0660); the MPS control
+# daemon starts each MPS server under its client's user and group ids.
+runAsUser: 0
+runAsNonRoot: false
+{{- if .Values.agent.privileged }}
+# MIG (the agent): creating/destroying GPU and compute instances needs CAP_SYS_ADMIN on the
+# host's GPU devices (see values.yaml agent.privileged).
+privileged: true
+{{- else }}
+privileged: false
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+  {{- with .Values.agent.capabilities }}
+  add:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+{{- end }}

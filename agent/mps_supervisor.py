@@ -1,0 +1,223 @@
+"""`dynpart agent mps-control`: the MPS control daemon run in a container of its own (the agent
+pod's `mps-control`), so that a restart of the agent's container (a crash, an OOM kill, a failed
+liveness probe) leaves the daemon, and the CUDA contexts of the node's MPS pods, as they are.
+
+The two containers share a directory (an emptyDir, `mps_control_dir`):
+
+- `desired.json`, written by the agent (`SupervisedMpsDaemon`, agent/mps_daemon.py):
+  {"seq": n, "gpus": [UUIDs in NVML index order], "pipe_dir": ..., "log_dir": ...}; `seq` grows
+  with each change of the rest; no GPU: the daemon is stopped;
+- `state.json`, written by this supervisor: {"seq": the desired seq last acted on, "gpus": what
+  the daemon runs for, "pipe_dir", "log_dir", "running", "busy", "error": str or null, "at": wall
+  time of the write, rewritten every `poll_s` while the supervisor runs (its heartbeat),
+  "checked_at": wall time of the last check of the daemon}.
+
+Both are written whole (a temporary file, then a rename). The supervisor acts on a new `seq` at
+once, and checks the daemon again every `check_s` (`ProcessMpsDaemon.ensure`: started again if it
+died; a busy one is kept). It never stops the daemon on its own way out: the pod is going away,
+and the kubelet ends the container. A malformed desired.json is reported in state.json's "error"
+and the daemon is left as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dynpart.agent.mps_daemon import (
+    DESIRED,
+    STATE,
+    MpsDaemonBusy,
+    MpsDaemonError,
+    ProcessMpsDaemon,
+    read_json,
+    write_json,
+)
+
+log = logging.getLogger("dynpart.agent.mps")
+
+POLL_S = 0.5  # how often desired.json is read and state.json rewritten
+CHECK_S = 5.0  # how often the daemon is asked whether it answers (and started again if it died)
+
+
+@dataclass(frozen=True)
+class Desired:
+    seq: int
+    gpus: tuple[str, ...]
+    pipe_dir: str
+    log_dir: str
+
+    def same_target(self, other: Desired) -> bool:
+        return (self.gpus, self.pipe_dir, self.log_dir) == (other.gpus, other.pipe_dir, other.log_dir)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "gpus": list(self.gpus), "pipe_dir": self.pipe_dir, "log_dir": self.log_dir}
+
+
+def parse_desired(text: str) -> Desired:
+    """desired.json's content; ValueError says what is wrong with it."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    seq, gpus, pipe_dir, log_dir = data.get("seq"), data.get("gpus"), data.get("pipe_dir"), data.get("log_dir")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise ValueError(f"seq must be a non-negative integer, not {seq!r}")
+    if not isinstance(gpus, list) or not all(isinstance(g, str) and g for g in gpus):
+        raise ValueError(f"gpus must be a list of GPU UUIDs, not {gpus!r}")
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"gpus lists a GPU twice: {gpus!r}")
+    for name, value in (("pipe_dir", pipe_dir), ("log_dir", log_dir)):
+        if not isinstance(value, str) or not os.path.isabs(value):
+            raise ValueError(f"{name} must be an absolute path, not {value!r}")
+    assert isinstance(pipe_dir, str) and isinstance(log_dir, str)
+    return Desired(seq, tuple(gpus), pipe_dir, log_dir)
+
+
+def read_desired(control_dir: str) -> Desired | None:
+    """None: none written yet. ValueError: malformed."""
+    try:
+        with open(os.path.join(control_dir, DESIRED)) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    return parse_desired(text)
+
+
+class Supervisor:
+    """Runs the daemon as desired.json says (`step`), and keeps state.json fresh (`publish`)."""
+
+    def __init__(self, control_dir: str, daemon: ProcessMpsDaemon | None = None, *, poll_s: float = POLL_S,
+                 check_s: float = CHECK_S, clock: Any = time.time):
+        self.dir = control_dir
+        self.daemon = daemon or ProcessMpsDaemon()
+        self.poll_s = poll_s
+        self.check_s = check_s
+        self.clock = clock
+        self.acted: Desired | None = None  # the desired state last acted on
+        self.checked_at: float | None = None  # monotonic
+        self.desired_error: str | None = None  # what is wrong with desired.json, if anything
+        self.state: dict[str, Any] = {"seq": 0, "gpus": [], "pipe_dir": None, "log_dir": None, "running": False,
+                                      "busy": False, "error": None, "checked_at": None}
+        self._resume()
+
+    def _resume(self) -> None:
+        """A restarted supervisor (its container restarted; the emptyDir kept state.json): the
+        daemon it ran is taken as running for the GPUs it recorded, so that the next check only
+        asks it (ProcessMpsDaemon starts it again if it is gone, and does not restart one that
+        answers for these GPUs)."""
+        old = read_json(os.path.join(self.dir, STATE))
+        if not old:
+            return
+        gpus, pipe_dir, log_dir, seq = old.get("gpus"), old.get("pipe_dir"), old.get("log_dir"), old.get("seq")
+        if isinstance(seq, int) and not isinstance(seq, bool):
+            self.state["seq"] = seq
+        if (isinstance(gpus, list) and gpus and all(isinstance(g, str) for g in gpus) and isinstance(pipe_dir, str)
+                and isinstance(log_dir, str)):
+            self.daemon.gpus, self.daemon.dirs = tuple(gpus), (pipe_dir, log_dir)
+            self.state.update(gpus=list(gpus), pipe_dir=pipe_dir, log_dir=log_dir)
+
+    def publish(self) -> None:
+        """state.json, its "at" now (the supervisor's heartbeat)."""
+        try:
+            write_json(os.path.join(self.dir, STATE),
+                       {**self.state, "error": self.desired_error or self.state["error"], "at": self.clock()})
+        except OSError as e:
+            log.warning("writing %s: %s", os.path.join(self.dir, STATE), e)
+
+    async def step(self) -> None:
+        """Read desired.json; act on a new seq at once, else check the daemon every `check_s`."""
+        try:
+            desired = read_desired(self.dir)
+        except (OSError, ValueError) as e:
+            msg = f"{os.path.join(self.dir, DESIRED)}: {e}; the MPS control daemon is left as it is"
+            if self.desired_error != msg:
+                log.error("%s", msg)
+            self.desired_error = msg
+            self.publish()
+            return
+        self.desired_error = None
+        if desired is None:  # the agent has asked for nothing yet
+            self.publish()
+            return
+        due = self.checked_at is None or time.monotonic() - self.checked_at >= self.check_s
+        if self.acted is not None and desired.same_target(self.acted) and not due:
+            if desired.seq != self.state["seq"]:  # the same content under a new number: nothing to do
+                self.acted = desired
+                self.state["seq"] = desired.seq
+            self.publish()
+            return
+        await self._act(desired)
+        self.publish()
+
+    async def _act(self, desired: Desired) -> None:
+        daemon = self.daemon
+        error: str | None = None
+        busy = False
+        try:
+            if not desired.gpus:
+                if daemon.gpus:  # running for some GPUs: none is wanted now
+                    await daemon.stop()
+                    log.info("MPS control daemon stopped (no GPU wants it)")
+                daemon.gpus, daemon.dirs = (), (desired.pipe_dir, desired.log_dir)
+                running = False
+            else:
+                await daemon.ensure(desired.gpus, desired.pipe_dir, desired.log_dir)
+                running = True
+        except MpsDaemonBusy as e:
+            error, busy, running = str(e), True, True
+        except MpsDaemonError as e:
+            error, running = str(e), False
+        if error and error != self.state["error"]:
+            log.error("MPS control daemon: %s", error)
+        self.acted = desired
+        self.checked_at = time.monotonic()
+        pipe_dir, log_dir = daemon.dirs or (desired.pipe_dir, desired.log_dir)
+        self.state = {"seq": desired.seq, "gpus": list(daemon.gpus), "pipe_dir": pipe_dir, "log_dir": log_dir,
+                      "running": running, "busy": busy, "error": error, "checked_at": self.clock()}
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Until `stop` is set; the daemon is left running. state.json is rewritten every `poll_s`
+        also while a step waits for the daemon (a start, a busy daemon): its freshness tells the
+        agent that the supervisor runs."""
+        stop = stop or asyncio.Event()
+        os.makedirs(self.dir, exist_ok=True)
+
+        async def heartbeat() -> None:
+            while True:
+                self.publish()
+                await asyncio.sleep(self.poll_s)
+
+        beat = asyncio.create_task(heartbeat(), name="mps-control heartbeat")
+        try:
+            while not stop.is_set():
+                await self.step()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.poll_s)
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+
+
+async def serve(control_dir: str, binary: str | None = None, poll_s: float = POLL_S, check_s: float = CHECK_S) -> int:
+    """`dynpart agent mps-control`: until SIGTERM or SIGINT, then exit leaving the daemon running."""
+    daemon = ProcessMpsDaemon(binary) if binary else ProcessMpsDaemon()
+    supervisor = Supervisor(control_dir, daemon, poll_s=poll_s, check_s=check_s)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("supervising the MPS control daemon as %s asks", os.path.join(control_dir, DESIRED))
+    await supervisor.run(stop)
+    log.info("stopping; the MPS control daemon is left running (it ends with the pod)")
+    return 0

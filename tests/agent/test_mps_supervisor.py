@@ -1,0 +1,323 @@
+"""`dynpart agent mps-control` (agent/mps_supervisor.py) with a stand-in for nvidia-cuda-mps-control,
+and the agent's side of it (`SupervisedMpsDaemon`): the daemon runs as desired.json says; what
+runs is in state.json; and, what it is for, the agent going away or coming back (a new
+SupervisedMpsDaemon on the same directory) neither stops nor restarts the daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from dynpart.agent.mps_daemon import (
+    DESIRED,
+    PID_FILE,
+    STATE,
+    MpsDaemonBusy,
+    MpsDaemonError,
+    ProcessMpsDaemon,
+    SupervisedMpsDaemon,
+    write_json,
+)
+from dynpart.agent.mps_supervisor import Supervisor, parse_desired
+from tests.agent.test_mps_daemon_busy import FAKE_CONTROL
+from tests.agent.test_nodepods import installed_control
+
+
+@pytest.fixture
+def control(tmp_path):
+    return installed_control(tmp_path, FAKE_CONTROL)
+
+
+class Dirs:
+    def __init__(self, tmp_path: Path):
+        self.ctl, self.pipe, self.logs = tmp_path / "ctl", tmp_path / "pipe", tmp_path / "log"
+        self.ctl.mkdir()
+
+    def want(self, seq: int, gpus: list[str]) -> None:
+        write_json(str(self.ctl / DESIRED), {"seq": seq, "gpus": gpus, "pipe_dir": str(self.pipe),
+                                             "log_dir": str(self.logs)})
+
+    def state(self) -> dict:
+        return json.loads((self.ctl / STATE).read_text())
+
+    def lines(self, name: str) -> list[str]:
+        path = self.logs / name
+        return path.read_text().split() if path.exists() else []
+
+    def daemon_pid(self) -> int | None:
+        path = self.pipe / PID_FILE
+        return int(path.read_text()) if path.exists() else None
+
+    def daemon_lives(self) -> bool:
+        pid = self.daemon_pid()
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return not Path(f"/proc/{pid}/status").read_text().count("State:\tZ")
+
+    def kill_daemon(self) -> None:
+        pid = self.daemon_pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+
+@pytest.fixture
+def dirs(tmp_path):
+    d = Dirs(tmp_path)
+    yield d
+    d.kill_daemon()
+
+
+@contextlib.asynccontextmanager
+async def running(supervisor: Supervisor) -> AsyncIterator[asyncio.Task]:
+    stop = asyncio.Event()
+    task = asyncio.create_task(supervisor.run(stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def test_parse_desired_refuses_what_it_cannot_act_on():
+    ok = parse_desired('{"seq": 3, "gpus": ["GPU-a"], "pipe_dir": "/p", "log_dir": "/l"}')
+    assert (ok.seq, ok.gpus, ok.pipe_dir, ok.log_dir) == (3, ("GPU-a",), "/p", "/l")
+    for text, why in (("{", "not JSON"), ("[]", "not a JSON object"),
+                      ('{"seq": true, "gpus": [], "pipe_dir": "/p", "log_dir": "/l"}', "seq"),
+                      ('{"seq": 1, "gpus": "GPU-a", "pipe_dir": "/p", "log_dir": "/l"}', "gpus"),
+                      ('{"seq": 1, "gpus": ["GPU-a", "GPU-a"], "pipe_dir": "/p", "log_dir": "/l"}', "twice"),
+                      ('{"seq": 1, "gpus": [], "pipe_dir": "p", "log_dir": "/l"}', "pipe_dir")):
+        with pytest.raises(ValueError, match=why):
+            parse_desired(text)
+
+
+async def test_the_supervisor_runs_the_daemon_as_desired_and_stops_it_for_no_gpu(control, dirs):
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), check_s=60)
+    await sup.step()  # nothing asked yet: nothing started, a heartbeat all the same
+    assert dirs.lines("starts") == [] and dirs.state()["running"] is False and dirs.state()["seq"] == 0
+    dirs.want(1, ["GPU-b", "GPU-a"])
+    await sup.step()
+    state = dirs.state()
+    assert dirs.lines("starts") == ["GPU-b,GPU-a"] and dirs.daemon_lives()
+    assert (state["seq"], state["gpus"], state["running"], state["busy"], state["error"]) == (
+        1, ["GPU-b", "GPU-a"], True, False, None)
+    assert state["pipe_dir"] == str(dirs.pipe) and abs(state["at"] - time.time()) < 5
+    commands = dirs.lines("commands")
+    await sup.step()  # the same seq, no check due: not even a control command
+    assert dirs.lines("commands") == commands
+    dirs.want(2, [])
+    await sup.step()
+    assert dirs.lines("commands")[-1] == "quit" and not dirs.daemon_lives()
+    assert (dirs.state()["seq"], dirs.state()["running"], dirs.state()["gpus"]) == (2, False, [])
+    await sup.step()  # stays stopped
+    assert dirs.lines("starts") == ["GPU-b,GPU-a"]
+
+
+async def test_a_dead_daemon_is_started_again_at_the_next_check(control, dirs):
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), check_s=0.2)
+    dirs.want(1, ["GPU-a"])
+    await sup.step()
+    dirs.kill_daemon()
+    await sup.step()  # within check_s: not asked yet
+    assert dirs.lines("starts") == ["GPU-a"]
+    await asyncio.sleep(0.3)
+    await sup.step()
+    assert dirs.lines("starts") == ["GPU-a", "GPU-a"] and dirs.daemon_lives() and dirs.state()["running"]
+
+
+async def test_a_malformed_desired_state_is_reported_and_the_daemon_left_alone(control, dirs):
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), check_s=0)
+    dirs.want(1, ["GPU-a"])
+    await sup.step()
+    pid = dirs.daemon_pid()
+    (dirs.ctl / DESIRED).write_text('{"seq": 2, "gpus": []')  # (not what the agent writes: it renames)
+    await sup.step()
+    state = dirs.state()
+    assert "desired.json: not JSON" in state["error"] and "left as it is" in state["error"]
+    assert state["seq"] == 1 and state["running"] is True
+    assert dirs.daemon_pid() == pid and dirs.daemon_lives() and "quit" not in dirs.lines("commands")
+    dirs.want(2, ["GPU-a"])  # readable again: the error goes
+    await sup.step()
+    assert dirs.state()["error"] is None and dirs.state()["seq"] == 2 and dirs.lines("starts") == ["GPU-a"]
+
+
+async def test_a_busy_daemon_is_reported_busy_and_kept(control, dirs):
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=0.5), check_s=0)
+    dirs.want(1, ["GPU-a"])
+    await sup.step()
+    (dirs.pipe / "BUSY").touch()  # its control commands answer after 5 s
+    dirs.want(2, ["GPU-a", "GPU-b"])
+    await sup.step()
+    state = dirs.state()
+    assert state["busy"] is True and state["gpus"] == ["GPU-a"] and "does not answer" in state["error"]
+    assert dirs.lines("starts") == ["GPU-a"] and "quit" not in dirs.lines("commands")
+    agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=2)
+    with pytest.raises(MpsDaemonBusy) as e:  # as ProcessMpsDaemon would: what runs, kept
+        await agent.ensure(["GPU-a", "GPU-b"], str(dirs.pipe), str(dirs.logs))
+    assert e.value.gpus == ("GPU-a",)
+    assert await agent.alive() is None
+
+
+async def test_the_agent_side_starts_it_and_a_restarted_agent_neither_restarts_nor_stops_it(control, dirs):
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05, check_s=0.2)
+    async with running(sup):
+        agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=10)
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+        assert dirs.lines("starts") == ["GPU-a"] and await agent.alive() is True
+        pid = dirs.daemon_pid()
+        seq = json.loads((dirs.ctl / DESIRED).read_text())["seq"]
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))  # unchanged: the same seq
+        assert json.loads((dirs.ctl / DESIRED).read_text())["seq"] == seq
+        del agent  # the agent's container restarts (its way out does not call stop)
+        again = SupervisedMpsDaemon(str(dirs.ctl), wait_s=10)
+        assert await again.alive() is True
+        for _ in range(3):  # its passes, over several of the supervisor's checks
+            await again.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+            await asyncio.sleep(0.1)
+        assert json.loads((dirs.ctl / DESIRED).read_text())["seq"] == seq
+        assert dirs.lines("starts") == ["GPU-a"] and "quit" not in dirs.lines("commands")
+        assert dirs.daemon_pid() == pid and dirs.daemon_lives()
+        # other GPUs: a new seq, the daemon restarted for them
+        await again.ensure(["GPU-a", "GPU-b"], str(dirs.pipe), str(dirs.logs))
+        assert dirs.lines("starts") == ["GPU-a", "GPU-a,GPU-b"]
+        assert json.loads((dirs.ctl / DESIRED).read_text())["seq"] == seq + 1
+        # the node left MPS mode: stop asks for no GPU, and the supervisor stops it
+        await again.stop()
+        assert not dirs.daemon_lives() and dirs.lines("commands")[-1] == "quit" and await again.alive() is False
+
+
+async def test_a_failing_start_is_an_mps_daemon_error_on_the_agent_side(tmp_path, dirs):
+    control = installed_control(tmp_path, "#!/bin/sh\necho 'cannot start: no MPS on this GPU'; exit 3\n")
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05)
+    async with running(sup):
+        agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=10)
+        with pytest.raises(MpsDaemonError, match="-d exited with 3: cannot start: no MPS on this GPU") as e:
+            await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+        assert not isinstance(e.value, MpsDaemonBusy)
+        assert await agent.alive() is False
+
+
+async def test_the_supervisor_exiting_leaves_the_daemon_and_the_agent_sees_it_gone(control, dirs):
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05)
+    agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=0.5, stale_s=0.3)
+    async with running(sup):
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+    # its own SIGTERM (the pod going away): no quit, the daemon still runs
+    assert dirs.daemon_lives() and "quit" not in dirs.lines("commands")
+    await asyncio.sleep(0.4)  # no heartbeat since
+    assert await agent.alive() is False
+    assert "mps-control container has not written" in str(agent.error)
+    with pytest.raises(MpsDaemonError, match="mps-control container has not written"):
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+    # a restarted supervisor (the emptyDir kept state.json) takes the running daemon back: asked, not restarted
+    sup2 = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05)
+    async with running(sup2):
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+        assert await agent.alive() is True
+    assert dirs.lines("starts") == ["GPU-a"] and dirs.lines("commands").count("-d") == 1
+
+
+async def test_no_supervisor_at_all_is_an_error_naming_its_container(dirs):
+    agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=0.2)
+    with pytest.raises(MpsDaemonError, match="no state from the mps-control container"):
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+    assert json.loads((dirs.ctl / DESIRED).read_text())["gpus"] == ["GPU-a"]  # asked all the same
+    assert await agent.alive() is False
+
+
+async def test_the_cli_agent_with_a_control_dir_does_not_stop_the_daemon_on_its_way_out(tmp_path):
+    """`mps_control_dir` set: the agent's daemon is the supervised one, and closing the agent's
+    stack (its shutdown) asks nothing of it."""
+    import argparse
+
+    from kubernetes_asyncio import client
+
+    from dynpart.agent.cli import _agent
+    from dynpart.agent.driver.fake import FakeNvml
+    from dynpart.agent.podresources import FakePodResources
+    from dynpart.catalog import default_catalog
+    from dynpart.settings import AgentSettings, load_settings
+
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    write_json(str(ctl / DESIRED), {"seq": 4, "gpus": ["GPU-a"], "pipe_dir": "/p", "log_dir": "/l"})
+    catalog = default_catalog()
+    api = client.ApiClient()
+    try:
+        settings = load_settings(AgentSettings, flags={"node_name": "n1", "device_plugin_dir": str(tmp_path / "dp"),
+                                                       "mps_control_dir": str(ctl)})
+        async with contextlib.AsyncExitStack() as stack:
+            agent = await _agent(argparse.Namespace(mps_capacity_gb=None), settings, api,
+                                 FakeNvml(catalog.resolve("H100-80GB"), 1), FakePodResources(), catalog, None, stack)
+            assert isinstance(agent.mps_daemon, SupervisedMpsDaemon) and agent.mps_daemon.dir == str(ctl)
+        assert json.loads((ctl / DESIRED).read_text())["gpus"] == ["GPU-a"]  # not asked to stop
+    finally:
+        await api.close()
+
+
+async def test_a_restarted_agent_does_not_change_the_daemons_gpus_under_running_pods(dirs):
+    """The daemon (mps-control) runs for GPU 0 only; the restarted agent finds both GPUs sliceable
+    while a pod holds a slice of GPU 0: it keeps the daemon as it runs (no new desired state),
+    and lists GPU 1's slices Unhealthy, as an agent that had run all along would."""
+    from dynpart.agent.driver.fake import FakeNvml
+    from dynpart.agent.mps_plugin import MpsPluginAgent
+    from dynpart.agent.podresources import FakePodResources
+    from tests.agent.conftest import H100, ROUND_80GIB
+
+    driver = FakeNvml(H100, 2, mig_enabled=False, **ROUND_80GIB)
+    uuids = [d.uuid for d in driver.devices()]
+    dirs.want(7, uuids[:1])
+    write_json(str(dirs.ctl / STATE), {"seq": 7, "gpus": uuids[:1], "pipe_dir": str(dirs.pipe),
+                                       "log_dir": str(dirs.logs), "running": True, "busy": False, "error": None,
+                                       "at": time.time()})
+    pods = FakePodResources()
+    pods.assign("ns/a", "nvidia.com/gpu-40gb", f"{uuids[0]}::0")
+    daemon = SupervisedMpsDaemon(str(dirs.ctl), wait_s=0.3)
+    mps = MpsPluginAgent(driver, pods, 80, daemon=daemon, pipe_dir=str(dirs.pipe), log_dir=str(dirs.logs))
+    result = await mps.apply({0: [40, 40], 1: [40, 40]})
+    desired = json.loads((dirs.ctl / DESIRED).read_text())
+    assert (desired["seq"], desired["gpus"]) == (7, uuids[:1])  # not asked to restart it for both
+    assert mps.uncovered == {uuids[1]} and mps.serves(uuids[0]) and not mps.serves(uuids[1])
+    assert any("is not restarted while pods use MPS slices" in e for e in result.errors), result.errors
+    pods.release("ns/a")  # no pod uses it: now it may change
+    await mps.apply({0: [40, 40], 1: [40, 40]})
+    assert json.loads((dirs.ctl / DESIRED).read_text())["gpus"] == uuids
+
+
+def test_the_mps_control_command_exits_on_sigterm_leaving_the_daemon(control, dirs):
+    """`dynpart agent mps-control` as the chart runs it: it acts on desired.json, and its SIGTERM
+    (the kubelet, the pod going away) ends it, exit status 0, without a `quit`."""
+    import signal
+    import subprocess
+    import sys
+
+    dirs.want(1, ["GPU-a"])
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from dynpart.cli import main; sys.exit(main())",
+                             "agent", "mps-control", "--dir", str(dirs.ctl), "--mps-control-binary", control],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if (dirs.ctl / STATE).exists() and dirs.state().get("running"):
+                break
+            time.sleep(0.05)
+        assert dirs.state()["running"] is True and dirs.state()["seq"] == 1
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "left running" in out
+    assert dirs.daemon_lives() and "quit" not in dirs.lines("commands") and dirs.lines("starts") == ["GPU-a"]
