@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from dynpart.errors import CatalogError, UnknownGpuModel, yaml_problem
+from dynpart.errors import CatalogError, UnknownGpuModel, read_problem, yaml_problem
 from dynpart.kube.conventions import MIG_RESOURCE_PREFIX
 
 # Suffixes a MIG profile name may carry after `<N>g.<M>gb`, as the driver names them: `+me` with
@@ -247,7 +247,7 @@ def load_catalog(extra_files: Iterable[Path | str] = ()) -> Catalog:
         path = Path(f)
         try:
             text = path.read_text()
-        except OSError as e:
-            raise CatalogError(f"catalog file {path}: {e.strerror}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise CatalogError(f"catalog file {path}: {read_problem(e)}") from None
         catalog = catalog.extended(Catalog.from_documents([(str(path), _read_yaml(path, text))]))
     return catalog

@@ -33,6 +33,14 @@ def yaml_message(e: Exception) -> str:
     return "not valid YAML: " + " ".join(text.split())
 
 
+def read_problem(e: OSError | UnicodeDecodeError) -> str:
+    """Why a file could not be read as text, in a few words: the system's reason, or where its
+    bytes stop being UTF-8."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"not a UTF-8 text file (byte {e.start}: {e.reason})"
+    return e.strerror or str(e)
+
+
 def yaml_problem(path: object, e: Exception) -> str:
     """A YAML parse error in one line: `FILE:LINE:COLUMN: not valid YAML: problem (context)`."""
     mark = yaml_mark(e)

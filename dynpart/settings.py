@@ -26,7 +26,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from dynpart.errors import DynpartError, yaml_problem
+from dynpart.errors import DynpartError, read_problem, yaml_problem
 from dynpart.kube.conventions import DEFAULT_SCHEDULER, LEASE_NAME, SYSTEM_NAMESPACE
 from dynpart.snapshot import RequestShare
 
@@ -244,6 +244,8 @@ class ConfigFileSource(YamlConfigSettingsSource):
             values: object = super()._read_file(file_path)
         except yaml.YAMLError as e:
             raise DynpartError(f"config file {yaml_problem(self.shown, e)}") from None
+        except UnicodeDecodeError as e:
+            raise DynpartError(f"config file {self.shown}: {read_problem(e)}") from None
         if not isinstance(values, dict):
             raise DynpartError(f"config file {self.shown}: must be a mapping of setting: value")
         return _known_settings(self.model, values, f"config file {self.shown}")
@@ -283,9 +285,28 @@ def _reading(file: str | Path | None) -> Iterator[None]:
 S = TypeVar("S", bound=CommonSettings)
 
 
+def _warn_unknown_variables(cls: type[BaseSettings]) -> None:
+    """Environment variables of the settings' prefix that name no setting (a misspelling, or a
+    newer version's) are ignored by pydantic-settings: said, as the config file's unknown keys are."""
+    prefix = str(cls.model_config.get("env_prefix", "")).upper()
+    if not prefix:
+        return
+    fields = list(cls.model_fields)
+    for var in sorted(os.environ):
+        if not var.upper().startswith(prefix):
+            continue
+        name = var[len(prefix):].lower().split(NESTED, 1)[0]
+        if name in fields:
+            continue
+        near = difflib.get_close_matches(name, fields, n=1)
+        log.warning("environment variable %s names no setting of this dynpart version (a newer version's, or a "
+                    "misspelling%s): ignored", var, f": {prefix}{near[0].upper()}?" if near else "")
+
+
 def load_settings(cls: type[S], file: str | Path | None = None, flags: Mapping[str, Any] | None = None) -> S:
     """Settings from `file` (YAML mapping), then the environment, then `flags` (None values ignored)."""
     given = {k: v for k, v in (flags or {}).items() if v is not None}
+    _warn_unknown_variables(cls)
     try:
         with _reading(file):
             return cls(**given)

@@ -42,9 +42,12 @@ def _p99(values: list[float]) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from dynpart.errors import DynpartError
-    for name in ("nodes", "gpus_per_node", "pending", "repeat"):
-        if getattr(args, name) < (0 if name == "pending" else 1):
-            raise DynpartError(f"--{name.replace('_', '-')} = {getattr(args, name)}: must be positive")
+    # (the bounds: beyond what one machine can build and plan, where a typo would just hang)
+    for name, lo, hi in (("nodes", 1, 100_000), ("gpus_per_node", 1, 64), ("pending", 0, 1_000_000),
+                         ("repeat", 1, 1_000)):
+        value = getattr(args, name)
+        if not lo <= value <= hi:
+            raise DynpartError(f"--{name.replace('_', '-')} = {value}: must be between {lo} and {hi}")
     if not 0 <= args.utilization <= 1:
         raise DynpartError(f"--utilization = {args.utilization}: must be between 0 and 1")
     if not 0 <= args.time_limit < float("inf"):  # nan fails too

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from dynpart.catalog import Catalog, load_catalog
-from dynpart.errors import DynpartError, SnapshotError, yaml_problem
+from dynpart.errors import DynpartError, SnapshotError, read_problem, yaml_problem
 from dynpart.planner.core import POLICIES, PlanOptions, plan
 from dynpart.snapshot import Plan, Snapshot, parse_snapshot
 
@@ -38,8 +38,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _load_snapshot_file(path: str) -> Snapshot:
     try:
         text = Path(path).read_text()
-    except OSError as e:
-        raise DynpartError(f"snapshot file {path}: {e.strerror}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DynpartError(f"snapshot file {path}: {read_problem(e)}") from None
     try:
         data: object = yaml.safe_load(text)
     except yaml.YAMLError as e:

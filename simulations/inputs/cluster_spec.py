@@ -16,7 +16,9 @@ Inline: `8x8xH100-80GB` (nodes x GPUs x model), optionally `:mps`.
 
 from __future__ import annotations
 
+import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from typing import Any
 import yaml
 
 from dynpart.catalog import Catalog
-from dynpart.errors import DynpartError, yaml_mark, yaml_message
+from dynpart.errors import DynpartError, read_problem, yaml_mark, yaml_message
 from dynpart.simulations.errors import TraceError
 from dynpart.simulations.inputs.traces import NodeList
 
@@ -71,6 +73,11 @@ def from_node_list(nodes: NodeList, mode: str = "mps") -> ClusterSpec:
 _MEM_UNITS = {"": 1, "mi": 1, "mib": 1, "gi": 1 << 10, "gib": 1 << 10, "ti": 1 << 20, "tib": 1 << 20}
 
 
+# beyond any machine, and what a simulation on one machine can hold
+MAX_NODES = 100_000
+MAX_CPU_CORES = 100_000
+
+
 def parse_memory_mib(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError(f"memory {value!r}: expected MiB or a quantity like 512GiB")
@@ -91,12 +98,16 @@ def parse_cpu_milli(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError(f"cpu {value!r}: expected cores or millicores like 112000m")
     if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value > MAX_CPU_CORES:
+            raise ValueError(f"cpu {value!r}: expected cores, at most {MAX_CPU_CORES}")
         milli = int(round(value * 1000))
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(m?)\s*", str(value))
         if not m:
             raise ValueError(f"cpu {value!r}: expected cores or millicores like 112000m")
         milli = int(float(m.group(1))) if m.group(2) else int(round(float(m.group(1)) * 1000))
+    if milli > MAX_CPU_CORES * 1000:
+        raise ValueError(f"cpu {value!r}: at most {MAX_CPU_CORES} cores")
     if milli <= 0:
         raise ValueError(f"cpu {value!r}: must be positive")
     return milli
@@ -134,6 +145,9 @@ def parse_cluster(doc: Any, source: str = "<cluster>", catalog: Catalog | None =
             gpus = group.get("gpus", 0)
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise ValueError(f"count {count!r}: expected a positive integer")
+            if len(nodes) + count > MAX_NODES:
+                raise ValueError(f"count {count}: the cluster would have {len(nodes) + count} nodes, at most "
+                                 f"{MAX_NODES}")
             if not isinstance(gpus, int) or isinstance(gpus, bool) or not 0 <= gpus <= 64:
                 raise ValueError(f"gpus {gpus!r}: expected an integer 0..64")
             model = str(group.get("gpu_model") or "")
@@ -152,9 +166,9 @@ def parse_cluster(doc: Any, source: str = "<cluster>", catalog: Catalog | None =
         for k in range(count):
             nodes.append(NodeSpec(f"{prefix}-{len(nodes):04d}" if "name" not in group else f"{prefix}-{k:03d}",
                                   cpu, mem, gpus, model, mode))
-    names = [n.name for n in nodes]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
+    seen = Counter(n.name for n in nodes)
+    if len(seen) != len(nodes):
+        dup = next(n for n, k in seen.items() if k > 1)
         raise TraceError(source, None, f"node name {dup!r} appears twice: give each group its own 'name'")
     return ClusterSpec(source, tuple(nodes))
 
@@ -172,8 +186,8 @@ def read_cluster(value: str, catalog: Catalog | None = None) -> ClusterSpec:
                                          **({"mode": mode} if mode is not None else {})}]}, value, catalog)
     try:
         text = Path(value).read_text()
-    except OSError as e:
-        raise TraceError(value, None, f"{e.strerror or e} (expected a cluster YAML file or NODESxGPUSxMODEL, "
+    except (OSError, UnicodeDecodeError) as e:
+        raise TraceError(value, None, f"{read_problem(e)} (expected a cluster YAML file or NODESxGPUSxMODEL, "
                          "e.g. 8x8xH100-80GB)") from None
     try:
         doc = yaml.safe_load(text)

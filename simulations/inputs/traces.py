@@ -16,6 +16,7 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 
+from dynpart.errors import read_problem
 from dynpart.simulations.errors import TraceError
 
 MILLI = 1000  # GPU milli of one whole GPU
@@ -88,8 +89,18 @@ def _rows(text: str, path: str, required: tuple[str, ...]) -> tuple[list[str], l
     reader = csv.reader(io.StringIO(text))
     header: list[str] | None = None
     rows: list[tuple[int, list[str]]] = []
-    for row in reader:
+    start = 1  # the line the next row starts on
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:  # e.g. an unclosed quote swallowing the rest of a large file
+            raise TraceError(path, start, f"not readable as CSV from this line on ({e}): an unclosed quote?") from None
         line = reader.line_num
+        if line > start and any("\n" in c or "\r" in c for c in row):
+            raise TraceError(path, start, f"a quoted field runs from line {start} to line {line}: an unclosed quote?")
+        start = line + 1
         if not row or all(not c.strip() for c in row):
             if header is None:
                 continue
@@ -195,7 +206,7 @@ def _read(path: Path | str) -> str:
     except OSError as e:
         raise TraceError(str(path), None, e.strerror or str(e)) from None
     except UnicodeDecodeError as e:
-        raise TraceError(str(path), None, f"not a text file ({e.reason})") from None
+        raise TraceError(str(path), None, read_problem(e)) from None
 
 
 def read_pods(path: Path | str) -> PodTrace:

@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dynpart.catalog import Catalog, GpuModel
-from dynpart.errors import DynpartError, yaml_problem
+from dynpart.errors import DynpartError, read_problem, yaml_problem
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec, NodeSpec
 from dynpart.simulations.inputs.traces import MILLI, PodTrace, TracePod
@@ -200,8 +200,8 @@ def read_workload(value: str | None) -> WorkloadSpec:
         return workload_spec(parse_inline(value))
     try:
         text = Path(value).read_text()
-    except OSError as e:
-        raise SimulationError(f"--workload {value}: {e.strerror or e} (expected key=value,... or a YAML file)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SimulationError(f"--workload {value}: {read_problem(e)} (expected key=value,... or a YAML file)") from None
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:

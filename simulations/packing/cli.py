@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 from dynpart.catalog import load_catalog
 from dynpart.simulations.errors import SimulationError
@@ -97,18 +99,24 @@ def run(args: argparse.Namespace) -> int:
     shown = report.Results()
     shown.print(json.dumps(doc, indent=2) if args.json else _summary_table(summaries))
     if out is not None:
-        report.write_json(out / "summary.json", doc)
-        report.write_csv(out / "steps.csv", ["policy", "batch", "seed", "arrived_pct", "allocation_pct"],
-                         [(s["policy"], s["batch"], r.seed, round(a, 3), round(b, 4))
-                          for s, (label, rs) in zip(summaries, all_results.items()) for r in rs for a, b in r.curve])
-        published = bp.PUBLISHED.get(data.trace_name or "", {})
-        plots.packing_curves(curves, out / "allocation.png",
-                             f"packing: {data.trace_name or 'synthetic workload'}, seeds {args.seeds}",
-                             {k: v for k, v in published.items() if k in ("best-fit", "fgd")})
+        with report.staged(out) as stage:
+            _write(stage, doc, summaries, all_results, curves, data, args)
         if not args.json:
             shown.print(f"wrote {args.out}/summary.json, steps.csv, allocation.png")
     shown.finish()
     return 0
+
+
+def _write(out: Path, doc: dict, summaries: list[dict], all_results: dict, curves: dict, data: Any,
+           args: argparse.Namespace) -> None:
+    report.write_json(out / "summary.json", doc)
+    report.write_csv(out / "steps.csv", ["policy", "batch", "seed", "arrived_pct", "allocation_pct"],
+                     [(s["policy"], s["batch"], r.seed, round(a, 3), round(b, 4))
+                      for s, (label, rs) in zip(summaries, all_results.items()) for r in rs for a, b in r.curve])
+    published = bp.PUBLISHED.get(data.trace_name or "", {})
+    plots.packing_curves(curves, out / "allocation.png",
+                         f"packing: {data.trace_name or 'synthetic workload'}, seeds {args.seeds}",
+                         {k: v for k, v in published.items() if k in ("best-fit", "fgd")})
 
 
 def _summary_table(summaries: list[dict]) -> str:

@@ -284,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
                       *_static_lines(doc["parts"]))
     if out is not None:
         title = "built-in workload" if spec is not None else parts[0].trace.path.rsplit("/", 1)[-1]
-        _write(out, parts, docs, doc, title)
+        with report.staged(out) as stage:
+            _write(stage, parts, docs, doc, title)
         if not args.json:
             shown.print(f"wrote {args.out}/summary.json, steps.csv, pods.csv, pending_bars.png, pending_cdf.png, "
                           "timeline.png")

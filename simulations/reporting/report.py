@@ -3,12 +3,14 @@ the CLI and `plots` that writes files)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
+import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,28 @@ def out_dir(path: str | Path) -> Path:
     except OSError as e:
         raise SimulationError(f"--out {path}: {e.strerror or e}") from None
     return p
+
+
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A folder inside `out` to write a run's files into; moved into `out` (each file renamed over
+    its namesake) only once every file is written. A write that fails (a full disk) leaves `out` as
+    it was, the earlier run's files whole, and no partial file that looks complete."""
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=".dynpart-writing-", dir=out))
+    except OSError as e:
+        raise SimulationError(f"--out {out}: {e.strerror or e}") from None
+    try:
+        yield stage
+        for f in sorted(stage.iterdir()):
+            os.replace(f, out / f.name)
+    except SimulationError as e:  # named as the file it was to become; nothing of this run kept
+        raise SimulationError(str(e).replace(str(stage), str(out)) + "; the folder's files were left as they "
+                              "were") from None
+    except OSError as e:
+        raise SimulationError(f"--out {out}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def write_json(path: Path, data: Any) -> None:

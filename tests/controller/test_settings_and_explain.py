@@ -229,3 +229,32 @@ def test_explain_names_the_snapshot_file_and_what_is_wrong_with_it(tmp_path, cap
     f.write_text("nodes: 3\n")
     assert main(["explain", "--snapshot", str(f)]) == 2
     assert f"snapshot file {f}: nodes = 3: Input should be a valid list" in capsys.readouterr().err
+
+
+def test_an_environment_variable_naming_no_setting_is_said_and_ignored(monkeypatch, caplog):
+    """A misspelt DYNPART_PLANNER_* / DYNPART_AGENT_* variable was ignored in silence (helper-80);
+    now said, with the setting it is closest to, as the config file's unknown keys are."""
+    monkeypatch.setenv("DYNPART_PLANNER_BATCH_IDLE", "1")
+    monkeypatch.setenv("DYNPART_PLANNER_KUBE__BACKOFF_MAX_S", "20")  # a nested setting: known
+    monkeypatch.setenv("DYNPART_AGENT_REPORT_INTERVAL", "5")
+    caplog.set_level("WARNING", logger="dynpart.settings")
+    planner = load_settings(PlannerSettings)
+    assert planner.batch_idle_s == PlannerSettings().batch_idle_s and planner.kube.backoff_max_s == 20
+    said = [r.getMessage() for r in caplog.records if r.name == "dynpart.settings"]
+    assert len(said) == 1 and "DYNPART_PLANNER_BATCH_IDLE names no setting" in said[0]
+    assert "DYNPART_PLANNER_BATCH_IDLE_S?" in said[0]
+    caplog.clear()
+    monkeypatch.setenv("DYNPART_AGENT_NODE_NAME", "n1")
+    load_settings(AgentSettings)
+    said = [r.getMessage() for r in caplog.records if r.name == "dynpart.settings"]
+    assert len(said) == 1 and "DYNPART_AGENT_REPORT_INTERVAL_S?" in said[0]
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--nodes", "100000000", "--nodes = 100000000: must be between 1 and 100000"),
+    ("--pending", "-1", "--pending = -1: must be between 0 and 1000000"),
+    ("--gpus-per-node", "100", "--gpus-per-node = 100: must be between 1 and 64"),
+])
+def test_bench_planner_refuses_sizes_no_machine_can_plan(flag, value, message, capsys):
+    assert main(["bench", "planner", flag, value, "--repeat", "1"]) == 2
+    assert message in capsys.readouterr().err

@@ -218,12 +218,31 @@ def test_mps_mode_is_the_cluster_described(capsys, tmp_path):
     (["--catalog", "BADYAML", "simulate", "--trace", "TRACE"], "bad.yaml:2:1: not valid YAML: expected the node"),
     (["explain", "--snapshot", "BADYAML"], "snapshot file BADYAML:2:1: not valid YAML"),
     (["explain", "--snapshot", "BLANK"], "snapshot file BLANK: the file is empty"),
+    # (session 24, helper-80's black-box run: each was a traceback or a hang)
+    (["simulate", "--trace", "TRACE", "--cluster", "LATIN1"], "LATIN1: not a UTF-8 text file (byte 0"),
+    (["simulate", "--workload", "LATIN1"], "--workload LATIN1: not a UTF-8 text file (byte 0"),
+    (["explain", "--snapshot", "LATIN1"], "snapshot file LATIN1: not a UTF-8 text file (byte 0"),
+    (["--catalog", "LATIN1", "simulate", "--trace", "TRACE"], "catalog file LATIN1: not a UTF-8 text file"),
+    (["simulate", "--trace", "TRACE", "--planner-config", "LATIN1"], "config file LATIN1: not a UTF-8 text file"),
+    (["simulate", "--trace", "UNCLOSED"], "UNCLOSED:2: a quoted field runs from line 2 to line 3: an unclosed quote?"),
+    (["simulate", "--trace", "HUGEFIELD"], "HUGEFIELD:2: not readable as CSV from this line on (field larger"),
+    (["simulate", "--trace", "TRACE", "--cluster", "INFCPU"], "nodes[0]: cpu inf: expected cores, at most"),
+    (["simulate", "--trace", "TRACE", "--cluster", "100000000x8xH100-80GB"],
+     "count 100000000: the cluster would have 100000000 nodes, at most 100000"),
 ])
 def test_bad_numbers_and_files_are_one_line_errors(argv, message, capsys, tmp_path):
     files = {"TRACE": _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,0,100,0\n"),
-             "BADYAML": str(tmp_path / "bad.yaml"), "BLANK": str(tmp_path / "blank.yaml")}
+             "BADYAML": str(tmp_path / "bad.yaml"), "BLANK": str(tmp_path / "blank.yaml"),
+             "LATIN1": str(tmp_path / "latin1.yaml"), "INFCPU": str(tmp_path / "inf.yaml"),
+             "UNCLOSED": _trace(tmp_path, '"p1,1000,1024,1,1000,,LS,Running,0,100,0\np2,1000,1024,1,1000,,LS,Running,0,100,0\n',
+                             "quote.csv"),
+             "HUGEFIELD": _trace(tmp_path, '"p0,1000,1024,1,1000,,LS,Running,0,100,0\n'
+                                + "".join(f"p{i},1000,1024,1,1000,,LS,Running,0,100,0\n" for i in range(1, 4000)),
+                                "bigquote.csv")}
     (tmp_path / "bad.yaml").write_text("nodes: [\n")
     (tmp_path / "blank.yaml").write_text("\n  \n")
+    (tmp_path / "latin1.yaml").write_bytes(b"\xff\xfenodes: []\n")
+    (tmp_path / "inf.yaml").write_text("nodes:\n  - {count: 1, gpu_model: H100-80GB, gpus: 8, cpu: .inf}\n")
     assert main([files.get(a, a) for a in argv] + (["--jobs", "1"] if argv[0] != "explain" else [])) == 2
     err = capsys.readouterr().err.strip()
     for name, path in files.items():
@@ -273,3 +292,24 @@ def test_a_reader_that_goes_away_loses_none_of_the_files(tmp_path, monkeypatch):
         assert main(["bench", "packing", "--policy", "best-fit", "--seeds", "1", "--jobs", "1",
                      "--out", str(tmp_path / "out")]) == 141
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["allocation.png", "steps.csv", "summary.json"]
+
+
+def test_files_of_a_run_that_cannot_write_them_all_leave_the_folder_as_it_was(capsys, tmp_path, monkeypatch):
+    """A full disk half-way through a run's files: the folder keeps the earlier run's files, whole,
+    and gets none of this run's (they are moved in only once all are written)."""
+    from dynpart.simulations.reporting import plots
+
+    trace = _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,0,100,0\n")
+    out = tmp_path / "o"
+    argv = ["simulate", "--trace", trace, "--policy", "dynpart", "--jobs", "1", "--out", str(out)]
+    assert main(argv) == 0
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert {"summary.json", "pods.csv", "timeline.png"} <= set(before)
+
+    def full(*args, **kwargs):
+        raise SimulationError(f"{args[1]}: cannot write: No space left on device")
+    monkeypatch.setattr(plots, "pending_cdf", full)
+    assert main([*argv, "--compress", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{out}/pending_cdf.png: cannot write" in err and ".dynpart-writing" not in err
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
