@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "(the agent's mps_control_dir, a directory both containers share): start it, "
                                       "start it again if it dies, stop it when no GPU wants it; report what runs in "
                                       "DIR/state.json. Run in a container of its own, the daemon outlives restarts "
-                                      "of the agent's container; it is never stopped on this command's own exit "
+                                      "of the agent's container; it is told to quit when this command ends (SIGTERM) "
                                       "(docs/agent.md, MPS).")
     mps.add_argument("--dir", dest="control_dir", default="/run/dynpart-mps", metavar="DIR",
                      help="the directory shared with the agent (default /run/dynpart-mps)")

@@ -437,6 +437,10 @@ class SupervisedMpsDaemon:
         not changed (a restart of the daemon) while pods use slices."""
         state = self._state()
         gpus = state.get("gpus") if state and state.get("running") else None
+        desired = read_json(self.desired_path) or {}
+        acted, asked = (state or {}).get("seq"), desired.get("seq")
+        if isinstance(asked, int) and isinstance(acted, int) and asked > acted:
+            gpus = desired.get("gpus")  # the supervisor is acting on it: what the daemon runs for next
         if isinstance(gpus, list) and gpus and all(isinstance(g, str) for g in gpus):
             return list(gpus)
         return None

@@ -14,9 +14,10 @@ The two containers share a directory (an emptyDir, `mps_control_dir`):
 
 Both are written whole (a temporary file, then a rename). The supervisor acts on a new `seq` at
 once, and checks the daemon again every `check_s` (`ProcessMpsDaemon.ensure`: started again if it
-died; a busy one is kept). It never stops the daemon on its own way out: the pod is going away,
-and the kubelet ends the container. A malformed desired.json is reported in state.json's "error"
-and the daemon is left as it is.
+died; a busy one is kept). On its own way out (SIGTERM: the pod or this container going away) it
+tells the daemon to quit: a process of this container, the daemon would be killed with it
+anyway. A malformed desired.json is reported in state.json's "error" and the daemon is left as
+it is.
 """
 
 from __future__ import annotations
@@ -118,9 +119,8 @@ class Supervisor:
         old = read_json(os.path.join(self.dir, STATE))
         if not old:
             return
-        gpus, pipe_dir, log_dir, seq = old.get("gpus"), old.get("pipe_dir"), old.get("log_dir"), old.get("seq")
-        if isinstance(seq, int) and not isinstance(seq, bool):
-            self.state["seq"] = seq
+        gpus, pipe_dir, log_dir = old.get("gpus"), old.get("pipe_dir"), old.get("log_dir")
+        # (its seq is not carried over: until this supervisor has acted, nothing is reported done)
         if (isinstance(gpus, list) and gpus and all(isinstance(g, str) for g in gpus) and isinstance(pipe_dir, str)
                 and isinstance(log_dir, str)):
             self.daemon.gpus, self.daemon.dirs = tuple(gpus), (pipe_dir, log_dir)
@@ -219,5 +219,9 @@ async def serve(control_dir: str, binary: str | None = None, poll_s: float = POL
         loop.add_signal_handler(sig, stop.set)
     log.info("supervising the MPS control daemon as %s asks", os.path.join(control_dir, DESIRED))
     await supervisor.run(stop)
-    log.info("stopping; the MPS control daemon is left running (it ends with the pod)")
+    # the daemon is a process of this container: it ends with it whatever is done here, so it is
+    # told to quit (its pid file and pipes removed) rather than killed
+    if daemon.gpus:
+        log.info("stopping: the MPS control daemon too (it would end with this container)")
+        await daemon.stop()
     return 0

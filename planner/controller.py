@@ -1070,8 +1070,11 @@ def _admission(node: Obj) -> str:
     allocatable = (node.get("status") or {}).get("allocatable") or {}
     # not the slices' counts: those follow the agent's status, which wakes the loop when room grows
     basic = {r: allocatable.get(r) for r in ("cpu", "memory", "pods", "ephemeral-storage")}
-    return json.dumps([node["metadata"].get("labels") or {}, spec.get("taints") or [], bool(spec.get("unschedulable")),
-                       basic], sort_keys=True, default=str)
+    # labels that change by themselves (GPU feature discovery's nvidia.com/gfd.timestamp, rewritten
+    # every minute) would wake every waiting pod that often on every node
+    labels = {k: v for k, v in (node["metadata"].get("labels") or {}).items() if "timestamp" not in k.lower()}
+    return json.dumps([labels, spec.get("taints") or [], bool(spec.get("unschedulable")), basic], sort_keys=True,
+                      default=str)
 
 
 def _pod_version(pod: Obj) -> str:

@@ -116,9 +116,10 @@ class PluginServer:
         self._stopping = False
         self.registered_stamp: tuple[int, int] | None = None  # kubelet.sock's stamp at the last Register
         self.registrations = 0
-        self.registered_at = 0.0  # time.monotonic() of the last Register
+        self.registered_at = 0.0  # time.monotonic() of the last Register, or of the last try after a drop
         # the kubelet closed the last open ListAndWatch stream while this server ran (not at a stop)
         self.stream_closed_by_kubelet = False
+        self.drop_said = False  # the drop was logged (once per drop)
 
     # --- state --------------------------------------------------------------------------------
 
@@ -217,10 +218,10 @@ class PluginServer:
         log.info("device plugin for %s registered with the kubelet (%s)", self.resource, self.endpoint)
 
     def dropped_by_kubelet(self, settle_s: float = 1.0) -> bool:
-        """The kubelet closed this running server's last stream and opened none since, at least
-        `settle_s` after the last Register (a Register answered before the kubelet dials)."""
-        return (self.stream_closed_by_kubelet and not self._streams
-                and time.monotonic() - self.registered_at >= settle_s)
+        """No stream of the kubelet's open on this running server `settle_s` after the last
+        Register (a Register is answered before the kubelet dials) or the last try after a drop:
+        the kubelet closed ours, or dropped the client before it opened one."""
+        return not self._streams and time.monotonic() - self.registered_at >= settle_s
 
     def options(self) -> Any:
         return protocol.messages()["DevicePluginOptions"](pre_start_required=False, get_preferred_allocation_available=True)
@@ -244,7 +245,7 @@ class PluginServer:
         stream = self._next_stream
         self._next_stream += 1
         self._streams[stream] = -1
-        self.stream_closed_by_kubelet = False
+        self.stream_closed_by_kubelet = self.drop_said = False
         try:
             while True:
                 async with self._cond:
@@ -604,12 +605,17 @@ class DevicePluginManager:
                 lost = not server.socket_exists()
                 if not lost and server.registered_stamp == stamp:
                     if server.running and server.dropped_by_kubelet():
-                        # the same kubelet closed our stream and has not connected again: it
-                        # disconnected this resource (kubernetes#121994: a plugin that registered
-                        # again can be disconnected when its old stream's end is handled after the
-                        # new Register), whose devices then count unhealthy: registered again
-                        log.warning("device plugin for %s: the kubelet closed its ListAndWatch stream; "
-                                    "registering again", server.resource)
+                        # the same kubelet has no stream open with us: it disconnected this resource
+                        # (kubernetes#121994: a plugin that registered again can be disconnected when
+                        # its old stream's end is handled after the new Register), whose devices then
+                        # count unhealthy: registered again, once a second at most (a kubelet that
+                        # died leaving its socket refuses every try until it is back)
+                        if not server.drop_said:
+                            log.warning("device plugin for %s: the kubelet %s; registering again", server.resource,
+                                        "closed its ListAndWatch stream" if server.stream_closed_by_kubelet
+                                        else "opened no ListAndWatch stream after the Register")
+                            server.drop_said = True
+                        server.registered_at = time.monotonic()
                         unregistered.append(server)
                     continue
                 if lost or server.registered_stamp is not None:  # kubelet restarted: fresh server, fresh streams

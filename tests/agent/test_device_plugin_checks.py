@@ -310,6 +310,39 @@ async def test_a_plugin_the_kubelet_disconnects_after_it_registered_again_regist
         assert (await kubelet.allocate(M, ["MIG-b"])).container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == "MIG-b"
 
 
+async def test_a_kubelet_gone_leaving_its_socket_is_tried_once_a_second_and_said_once(plugin_dir, caplog, monkeypatch):
+    """A kubelet that died leaving kubelet.sock (a killed process does not remove it) closed the
+    plugin's stream: the agent tries to register again once a second, not at every look of the
+    watch, and says so once (review 82)."""
+    import logging
+
+    from dynpart.agent.deviceplugin import server as server_module
+    real, last = server_module.file_stamp, {}
+
+    def stamp_as_left(path):
+        got = real(path)
+        if got is not None:
+            last[path] = got
+        return last.get(path)
+    monkeypatch.setattr(server_module, "file_stamp", stamp_as_left)
+    kubelet = KubeletDouble(plugin_dir)
+    await kubelet.start()
+    async with DevicePluginManager(plugin_dir, poll_s=0.05, register_timeout_s=0.5) as plugins:
+        await plugins.update({M: mig("MIG-a")})
+        await kubelet.wait_devices(M, ["MIG-a"], timeout_s=3)
+        for p in kubelet.plugins.values():  # the kubelet process dies: streams end, kubelet.sock stays
+            await kubelet._disconnect(p)
+        await kubelet._server.stop(0)
+        await kubelet._pr_server.stop(0)
+        caplog.set_level(logging.DEBUG, logger="dynpart")
+        caplog.clear()
+        tries = plugins.servers[M].registered_at
+        await asyncio.sleep(2.5)
+        said = [r for r in caplog.records if "registering again" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING
+        assert plugins.servers[M].registered_at > tries  # it looked again (once a second)
+
+
 async def test_a_kubelet_starting_after_the_plugin_and_wiping_the_dir_still_reaches_it(plugin_dir: str):
     """The plugin serves before the kubelet is up (not registered yet); the kubelet, starting,
     removes every socket in the dir: the plugin must serve again before it registers, or the

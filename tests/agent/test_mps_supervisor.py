@@ -213,7 +213,7 @@ async def test_the_supervisor_exiting_leaves_the_daemon_and_the_agent_sees_it_go
     agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=0.5, stale_s=0.3)
     async with running(sup):
         await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
-    # its own SIGTERM (the pod going away): no quit, the daemon still runs
+    # a supervisor that ends without its way out (killed): no quit, the daemon still runs
     assert dirs.daemon_lives() and "quit" not in dirs.lines("commands")
     await asyncio.sleep(0.4)  # no heartbeat since
     assert await agent.alive() is False
@@ -295,9 +295,10 @@ async def test_a_restarted_agent_does_not_change_the_daemons_gpus_under_running_
     assert json.loads((dirs.ctl / DESIRED).read_text())["gpus"] == uuids
 
 
-def test_the_mps_control_command_exits_on_sigterm_leaving_the_daemon(control, dirs):
+def test_the_mps_control_command_exits_on_sigterm_quitting_the_daemon(control, dirs):
     """`dynpart agent mps-control` as the chart runs it: it acts on desired.json, and its SIGTERM
-    (the kubelet, the pod going away) ends it, exit status 0, without a `quit`."""
+    (the kubelet, the pod or the container going away) ends it, exit status 0, after a `quit` (the
+    daemon, a process of its container, would be killed with it anyway)."""
     import signal
     import subprocess
     import sys
@@ -319,5 +320,35 @@ def test_the_mps_control_command_exits_on_sigterm_leaving_the_daemon(control, di
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
-    assert "left running" in out
-    assert dirs.daemon_lives() and "quit" not in dirs.lines("commands") and dirs.lines("starts") == ["GPU-a"]
+    assert "the MPS control daemon too" in out
+    assert "quit" in dirs.lines("commands") and dirs.lines("starts") == ["GPU-a"]
+
+
+async def test_a_restarted_supervisor_reports_nothing_done_before_it_has_acted(control, dirs):
+    """The mps-control container restarted (the emptyDir kept both files; its daemon ended with it):
+    until the new supervisor has acted, state.json reports no seq done, so the agent's `ensure` of
+    the same desired seq waits for the daemon started again instead of failing at once on the old
+    file's "not running" (review 82)."""
+    dirs.want(3, ["GPU-a"])
+    write_json(str(dirs.ctl / STATE), {"seq": 3, "gpus": ["GPU-a"], "pipe_dir": str(dirs.pipe),
+                                       "log_dir": str(dirs.logs), "running": False, "busy": False, "error": None,
+                                       "at": time.time() - 600})
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05)
+    sup.publish()  # its heartbeat, before its first step
+    assert dirs.state()["seq"] == 0
+    agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=5)
+    async with running(sup):
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+        assert dirs.state()["running"] is True and dirs.daemon_lives()
+
+
+async def test_while_the_supervisor_changes_the_daemons_gpus_a_restarted_agent_takes_the_new_ones(dirs):
+    """desired.json asks for seq 5 while state.json still says seq 4 (the supervisor is restarting
+    the daemon for the new GPUs): the daemon runs for the desired ones next (review 82)."""
+    dirs.want(5, ["GPU-b"])
+    write_json(str(dirs.ctl / STATE), {"seq": 4, "gpus": ["GPU-a"], "pipe_dir": str(dirs.pipe),
+                                       "log_dir": str(dirs.logs), "running": True, "busy": False, "error": None,
+                                       "at": time.time()})
+    assert SupervisedMpsDaemon(str(dirs.ctl)).running_for() == ["GPU-b"]
+    dirs.want(4, ["GPU-a"])
+    assert SupervisedMpsDaemon(str(dirs.ctl)).running_for() == ["GPU-a"]

@@ -1163,3 +1163,20 @@ async def test_a_node_uncordoned_or_untainted_wakes_the_waiting_pods_at_once(mak
     c.window.members.clear()
     c._on_node("MODIFIED", uncordoned)  # the same again: nothing new
     assert not c.window.members
+
+
+async def test_a_label_that_changes_by_itself_does_not_wake_the_waiting_pods(make):
+    """GPU feature discovery rewrites nvidia.com/gfd.timestamp every minute on every GPU node: that
+    would re-plan every waiting pod once a minute per node (review 82)."""
+    n1 = reported("n1")
+    n1["metadata"]["labels"]["nvidia.com/gfd.timestamp"] = "1764200000"
+    c = make([n1], Lead(term=1))
+    c._on_node("ADDED", n1)
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    c._on_pod("ADDED", c.pods.cache["ml/a"])
+    c.window.members.clear()
+    c.wake.clear()
+    later = json.loads(json.dumps(n1))
+    later["metadata"]["labels"]["nvidia.com/gfd.timestamp"] = "1764200060"
+    c._on_node("MODIFIED", later)
+    assert not c.window.members and not c.wake.is_set()
