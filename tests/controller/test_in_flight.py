@@ -1140,18 +1140,24 @@ async def test_a_pod_recreated_under_the_same_name_is_not_reserved_by_its_predec
         assert (c._reservations() == {"ml/a": "n1"}) is reserved, created
 
 
+def _a_pod_waiting(make: Any, n: dict[str, Any]) -> Any:
+    """A controller that knows node `n` and a pod waiting for a slice, its batch emptied."""
+    c = make([n], Lead(term=1))
+    c._on_node("ADDED", n)
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    c._on_pod("ADDED", c.pods.cache["ml/a"])
+    c.window.members.clear()
+    c.wake.clear()
+    return c
+
+
 async def test_a_node_uncordoned_or_untainted_wakes_the_waiting_pods_at_once(make):
     """A waiting pod is planned when a node it may use is uncordoned, not at the next resync; a
     change of the node's slice counts alone (the agent's early publishing) does not wake them: its
     status does, when room grew."""
     cordoned = reported("n1")
     cordoned["spec"] = {"unschedulable": True}
-    c = make([cordoned], Lead(term=1))
-    c._on_node("ADDED", cordoned)
-    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
-    c._on_pod("ADDED", c.pods.cache["ml/a"])
-    c.window.members.clear()
-    c.wake.clear()
+    c = _a_pod_waiting(make, cordoned)
     counted = json.loads(json.dumps(cordoned))
     counted["status"]["allocatable"]["nvidia.com/mig-1g.10gb"] = "3"
     c._on_node("MODIFIED", counted)
@@ -1170,12 +1176,7 @@ async def test_a_label_that_changes_by_itself_does_not_wake_the_waiting_pods(mak
     would re-plan every waiting pod once a minute per node (review 82)."""
     n1 = reported("n1")
     n1["metadata"]["labels"]["nvidia.com/gfd.timestamp"] = "1764200000"
-    c = make([n1], Lead(term=1))
-    c._on_node("ADDED", n1)
-    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
-    c._on_pod("ADDED", c.pods.cache["ml/a"])
-    c.window.members.clear()
-    c.wake.clear()
+    c = _a_pod_waiting(make, n1)
     later = json.loads(json.dumps(n1))
     later["metadata"]["labels"]["nvidia.com/gfd.timestamp"] = "1764200060"
     c._on_node("MODIFIED", later)
