@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from importlib.abc import Traversable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -32,6 +32,7 @@ from dynpart.snapshot import RequestShare
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 log = logging.getLogger("dynpart.settings")
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 NESTED = "__"  # env_nested_delimiter: DYNPART_PLANNER_KUBE__BACKOFF_MAX_S sets kube.backoff_max_s
 
 
@@ -61,6 +62,14 @@ class KubeSettings(BaseModel):
                               "remembers, each for event_repeat_s; while that many are, warnings about further pods "
                               "(a backlog of waiting pods) are dropped, counted in dynpart_events_dropped_total; what "
                               "a plan did and node Events are always posted")
+
+
+    @model_validator(mode="after")
+    def _backoff_in_order(self) -> KubeSettings:
+        if self.backoff_initial_s > self.backoff_max_s:
+            raise ValueError(f"backoff_initial_s ({self.backoff_initial_s:g}) is above backoff_max_s "
+                             f"({self.backoff_max_s:g})")
+        return self
 
 
 class AgentKubeSettings(KubeSettings):
@@ -120,20 +129,21 @@ class PlannerSettings(CommonSettings):
                                 "cluster, oldest waiting pod first (a pod asking for more GPUs than this is drained "
                                 "for when no other drain holds any): drains that pile up while whole-GPU pods queue "
                                 "idle ever more capacity (like the cluster autoscaler's --max-drain-parallelism)")
-    scheduler_names: list[str] = Field(default=[DEFAULT_SCHEDULER], min_length=1, description="plan only for "
+    scheduler_names: list[NonEmptyStr] = Field(default=[DEFAULT_SCHEDULER], min_length=1, description="plan only for "
                                        "pods these schedulers place (spec.schedulerName): dynpart predicts the "
                                        "default scheduler's filters, and a pod another scheduler places (Volcano, "
                                        "a gang scheduler...) is left to it; a kube-scheduler profile of another "
                                        "name with the default filters may be added")
     leader_election: bool = Field(default=True, description="only the holder of the lease plans")
-    lease_name: str = Field(default=LEASE_NAME, description="coordination.k8s.io Lease name")
+    lease_name: str = Field(default=LEASE_NAME, min_length=1, description="coordination.k8s.io Lease name")
     lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="namespace of the Lease")
     lease_duration_s: int = Field(default=15, ge=2, description="a standby takes over after this long without renewal")
     lease_renew_s: float = Field(default=4.0, gt=0, description="how often the leader renews (at most half of "
                                  "lease_duration_s)")
     lease_retry_s: float = Field(default=1.0, gt=0, description="how often a standby tries (less than "
                                  "lease_duration_s)")
-    identity: str = Field(default_factory=socket.gethostname, description="this replica's name in the Lease")
+    identity: str = Field(default_factory=socket.gethostname, min_length=1,
+                          description="this replica's name in the Lease")
 
     @model_validator(mode="after")
     def _consistent(self) -> PlannerSettings:

@@ -46,19 +46,31 @@ class Inputs:
 def parse_seeds(text: str) -> list[int]:
     """'42-51', '42,43,50' or '7'."""
     seeds: list[int] = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) > 1 and not all(parts):
+        raise SimulationError(f"--seeds {text!r}: an empty item in the list")
+    for part in filter(None, parts):
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if not m:
             raise SimulationError(f"--seeds {text!r}: expected N, N-M or a comma-separated list")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo or hi - lo > 10_000:
-            raise SimulationError(f"--seeds {text!r}: bad range {part}")
+            raise SimulationError(f"--seeds {text!r}: bad range {part} (from low to high, at most 10,001 seeds)")
         seeds.extend(range(lo, hi + 1))
     if not seeds:
         raise SimulationError(f"--seeds {text!r}: no seeds")
     if len(set(seeds)) != len(seeds):
         raise SimulationError(f"--seeds {text!r}: a seed is listed twice")
     return seeds
+
+
+def parse_policies(text: str) -> list[str]:
+    """--policy: a comma-separated list, each named once."""
+    policies = [s.strip() for s in text.split(",") if s.strip()]
+    twice = sorted({p for p in policies if policies.count(p) > 1})
+    if twice:
+        raise SimulationError(f"--policy {text!r}: {', '.join(twice)} listed twice")
+    return policies
 
 
 def check_time_limit(value: float | None) -> None:

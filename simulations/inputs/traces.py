@@ -22,6 +22,7 @@ from dynpart.simulations.errors import TraceError
 MILLI = 1000  # GPU milli of one whole GPU
 
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
+MAX_TIME_S = 10**12  # the largest creation or deletion time read (the built-in workload's bound too)
 POD_OPTIONAL = ("gpu_spec", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 
@@ -169,8 +170,9 @@ def parse_pods(text: str, path: str = "<pods>") -> PodTrace:
                 raise TraceError(path, line, f"gpu_spec = {row[col['gpu_spec']]!r} on a CPU-only pod")
         created = deleted = None
         if has_times:
-            created = _int(path, line, "creation_time", row[col["creation_time"]])
-            deleted = _int(path, line, "deletion_time", row[col["deletion_time"]])
+            # (seconds: beyond 1e12, some 30,000 years, a float clock no longer tells a run time apart)
+            created = _int(path, line, "creation_time", row[col["creation_time"]], hi=MAX_TIME_S)
+            deleted = _int(path, line, "deletion_time", row[col["deletion_time"]], hi=MAX_TIME_S)
             if deleted < created:
                 raise TraceError(path, line, f"deletion_time {deleted} is before creation_time {created}")
         pods.append(TracePod(name, cpu, mem, num_gpu, gpu_milli if num_gpu else 0, spec, created, deleted, line))

@@ -48,7 +48,7 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     catalog = load_catalog(args.catalog)
     seeds = command_line.parse_seeds(args.seeds)
-    policies = [s.strip() for s in args.policy.split(",") if s.strip()]
+    policies = command_line.parse_policies(args.policy)
     for pol in policies:
         bp.validate(pol, args.batch if pol == "dynpart" else 1, args.tune)
     if args.batch != 1 and "dynpart" not in policies:
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
     command_line.check_time_limit(args.time_limit)
     data = command_line.load(args.trace, args.nodes, args.cluster, catalog, default_cluster=None)
-    out = report.out_dir(args.out) if args.out else None  # a bad --out is found before the run
+    out = report.out_dir(args.out) if args.out is not None else None  # a bad --out is found before the run
     if not args.json:
         print(data.describe(), file=sys.stderr)
     nowhere = data.models_nowhere()

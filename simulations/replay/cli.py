@@ -225,7 +225,7 @@ def _check_workload_profiles(planner: PlannerSettings, parts: Sequence[Any], con
 
 def run(args: argparse.Namespace) -> int:
     catalog: Catalog = load_catalog(args.catalog)
-    policies = [s.strip() for s in args.policy.split(",") if s.strip()]
+    policies = command_line.parse_policies(args.policy)
     bad = [p for p in policies if p not in REPLAY_POLICIES]
     if bad or not policies:
         raise SimulationError(f"--policy {args.policy!r}: expected some of {', '.join(REPLAY_POLICIES)}")
@@ -237,12 +237,15 @@ def run(args: argparse.Namespace) -> int:
                default_planner_settings().model_copy(update={"plan_time_limit_s": args.time_limit})
                if args.time_limit is not None else default_planner_settings())
     _check_workload(planner, catalog, args.planner_config)
+    if planner.catalog_files:
+        print(f"the planner setting catalog_files ({', '.join(planner.catalog_files)}) is not read by the "
+              "simulator: pass the files with dynpart --catalog FILE simulate ...", file=sys.stderr)
     base = ReplayOptions(mode=args.mode if args.trace else None, mapping=args.mapping, compress=args.compress,
                          mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay, planner=planner)
     base.check()
     parts, spec = _parts(args, catalog, "static" in policies)
     _check_workload_profiles(planner, parts, args.planner_config)
-    out = report.out_dir(args.out) if args.out else None  # a bad --out is found before the run
+    out = report.out_dir(args.out) if args.out is not None else None  # a bad --out is found before the run
     jobs: list[Job] = []
     for k, part in enumerate(parts):
         for p in policies:

@@ -69,6 +69,8 @@ def _numeric(s: str) -> bool:
 def out_dir(path: str | Path) -> Path:
     """The --out directory, created, and checked writable: called before a run, so that a bad
     --out is found before anything is computed."""
+    if not str(path).strip():
+        raise SimulationError("--out '': expected a directory")
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise SimulationError(f"--out {path}: exists and is not a directory")

@@ -258,3 +258,17 @@ def test_an_environment_variable_naming_no_setting_is_said_and_ignored(monkeypat
 def test_bench_planner_refuses_sizes_no_machine_can_plan(flag, value, message, capsys):
     assert main(["bench", "planner", flag, value, "--repeat", "1"]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("var", "value", "message"), [
+    ("DYNPART_PLANNER_IDENTITY", "", "setting identity = '': String should have at least 1 character"),
+    ("DYNPART_PLANNER_LEASE_NAME", "", "setting lease_name = '': String should have at least 1 character"),
+    ("DYNPART_PLANNER_SCHEDULER_NAMES", '[""]', "setting scheduler_names.0 = ''"),
+    ("DYNPART_PLANNER_KUBE__BACKOFF_INITIAL_S", "100", "backoff_initial_s (100) is above backoff_max_s (10)"),
+])
+def test_settings_that_cannot_work_are_refused(var, value, message, monkeypatch):
+    """Accepted before (helper-80): an empty Lease holder name, a scheduler named '', a first
+    back-off longer than the longest."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(DynpartError, match=re.escape(message)):
+        load_settings(PlannerSettings)

@@ -229,11 +229,18 @@ def test_mps_mode_is_the_cluster_described(capsys, tmp_path):
     (["simulate", "--trace", "TRACE", "--cluster", "INFCPU"], "nodes[0]: cpu inf: expected cores, at most"),
     (["simulate", "--trace", "TRACE", "--cluster", "100000000x8xH100-80GB"],
      "count 100000000: the cluster would have 100000000 nodes, at most 100000"),
+    (["simulate", "--trace", "LATE"], "creation_time = 100000000000000000000: out of range (0..1000000000000)"),
+    (["bench", "packing", "--seeds", "42,,43"], "--seeds '42,,43': an empty item in the list"),
+    (["bench", "packing", "--seeds", "1", "--policy", "dynpart,dynpart"], "--policy 'dynpart,dynpart': dynpart listed"),
+    (["simulate", "--trace", "TRACE", "--policy", "nos,nos"], "--policy 'nos,nos': nos listed twice"),
+    (["simulate", "--trace", "TRACE", "--out", ""], "--out '': expected a directory"),
 ])
 def test_bad_numbers_and_files_are_one_line_errors(argv, message, capsys, tmp_path):
     files = {"TRACE": _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,0,100,0\n"),
              "BADYAML": str(tmp_path / "bad.yaml"), "BLANK": str(tmp_path / "blank.yaml"),
              "LATIN1": str(tmp_path / "latin1.yaml"), "INFCPU": str(tmp_path / "inf.yaml"),
+             "LATE": _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,100000000000000000000,"
+                                      "100000000000000001000,0\n", "late.csv"),
              "UNCLOSED": _trace(tmp_path, '"p1,1000,1024,1,1000,,LS,Running,0,100,0\np2,1000,1024,1,1000,,LS,Running,0,100,0\n',
                              "quote.csv"),
              "HUGEFIELD": _trace(tmp_path, '"p0,1000,1024,1,1000,,LS,Running,0,100,0\n'
