@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dynpart import yaml_text
 from dynpart.errors import CatalogError, UnknownGpuModel, read_problem, yaml_problem
 from dynpart.kube.conventions import MIG_RESOURCE_PREFIX
 
@@ -223,7 +224,7 @@ class Catalog:
 
 def _read_yaml(path: Path | str, text: str) -> object:
     try:
-        return yaml.safe_load(text)
+        return yaml_text.load(text)
     except yaml.YAMLError as e:
         raise CatalogError(yaml_problem(path, e)) from None
 

@@ -26,6 +26,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from dynpart import yaml_text
 from dynpart.errors import DynpartError, read_problem, yaml_problem
 from dynpart.kube.conventions import DEFAULT_SCHEDULER, LEASE_NAME, SYSTEM_NAMESPACE
 from dynpart.snapshot import RequestShare
@@ -251,7 +252,8 @@ class ConfigFileSource(YamlConfigSettingsSource):
 
     def _read_file(self, file_path: Path | Traversable) -> dict[str, Any]:
         try:
-            values: object = super()._read_file(file_path)
+            with file_path.open(encoding="utf-8") as f:
+                values: object = yaml_text.load(f.read()) or {}
         except yaml.YAMLError as e:
             raise DynpartError(f"config file {yaml_problem(self.shown, e)}") from None
         except UnicodeDecodeError as e:

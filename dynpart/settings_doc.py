@@ -30,7 +30,7 @@ def _table(cls: type[BaseSettings], command: str) -> str:
             "not a setting of this version (a newer version's, or a misspelling) is ignored with a warning that "
             "names it, so that an agent an upgrade has not replaced yet starts with the new version's file; "
             f"so is an environment variable starting with `{prefix}` that names no setting; "
-            "an unknown flag or value is an error.\n",
+            "an unknown flag or value, or a key given twice in the file, is an error.\n",
             "| setting | environment variable | default | meaning |", "|---|---|---|---|", *_rows(cls, prefix)]
     return "\n".join(rows) + "\n"
 

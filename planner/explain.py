@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from dynpart import yaml_text
 from dynpart.catalog import Catalog, load_catalog
 from dynpart.errors import DynpartError, SnapshotError, read_problem, yaml_problem
 from dynpart.planner.core import POLICIES, PlanOptions, plan
@@ -41,7 +42,7 @@ def _load_snapshot_file(path: str) -> Snapshot:
     except (OSError, UnicodeDecodeError) as e:
         raise DynpartError(f"snapshot file {path}: {read_problem(e)}") from None
     try:
-        data: object = yaml.safe_load(text)
+        data: object = yaml_text.load(text)
     except yaml.YAMLError as e:
         raise DynpartError(f"snapshot file {yaml_problem(path, e)}") from None
     if data is None:

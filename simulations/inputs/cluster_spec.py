@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from dynpart import yaml_text
 from dynpart.catalog import Catalog
 from dynpart.errors import DynpartError, read_problem, yaml_mark, yaml_message
 from dynpart.simulations.errors import TraceError
@@ -190,7 +191,7 @@ def read_cluster(value: str, catalog: Catalog | None = None) -> ClusterSpec:
         raise TraceError(value, None, f"{read_problem(e)} (expected a cluster YAML file or NODESxGPUSxMODEL, "
                          "e.g. 8x8xH100-80GB)") from None
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml_text.load(text)
     except yaml.YAMLError as e:
         mark = yaml_mark(e)
         raise TraceError(value, mark and mark[0], yaml_message(e), mark and mark[1]) from None

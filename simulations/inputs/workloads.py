@@ -24,6 +24,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from dynpart import yaml_text
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError, read_problem, yaml_problem
 from dynpart.simulations.errors import SimulationError
@@ -203,7 +204,7 @@ def read_workload(value: str | None) -> WorkloadSpec:
     except (OSError, UnicodeDecodeError) as e:
         raise SimulationError(f"--workload {value}: {read_problem(e)} (expected key=value,... or a YAML file)") from None
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml_text.load(text)
     except yaml.YAMLError as e:
         raise SimulationError(f"--workload {yaml_problem(value, e)}") from None
     if doc is None:
