@@ -208,7 +208,8 @@ def read_workload(value: str | None) -> WorkloadSpec:
     except yaml.YAMLError as e:
         raise SimulationError(f"--workload {yaml_problem(value, e)}") from None
     if doc is None:
-        doc = {}
+        raise SimulationError(f"--workload {value}: the file is empty (give the parameters to change, or leave "
+                              "--workload out for the defaults)")
     if not isinstance(doc, dict):
         raise SimulationError(f"--workload {value}: expected a mapping of parameters (keys: "
                               f"{', '.join(WorkloadSpec.model_fields)})")

@@ -229,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
     bad = [p for p in policies if p not in REPLAY_POLICIES]
     if bad or not policies:
         raise SimulationError(f"--policy {args.policy!r}: expected some of {', '.join(REPLAY_POLICIES)}")
+    if args.static_geometry and "static" not in policies:
+        raise SimulationError(f"--static-geometry {args.static_geometry}: goes with the static policy, which "
+                              f"--policy {args.policy} leaves out")
     if args.jobs < 1:
         raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
     command_line.check_time_limit(args.time_limit)

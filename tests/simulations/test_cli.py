@@ -235,6 +235,9 @@ def test_mps_mode_is_the_cluster_described(capsys, tmp_path):
     (["simulate", "--trace", "TRACE", "--policy", "nos,nos"], "--policy 'nos,nos': nos listed twice"),
     (["simulate", "--trace", "TRACE", "--out", ""], "--out '': expected a directory"),
     (["simulate", "--workload", "DUPKEY"], "DUPKEY:2:1: not valid YAML: key 'pods' given twice"),
+    (["simulate", "--workload", "BLANK"], "--workload BLANK: the file is empty"),
+    (["simulate", "--policy", "dynpart", "--static-geometry", "all-1g.10gb"],
+     "--static-geometry all-1g.10gb: goes with the static policy, which --policy dynpart leaves out"),
     (["simulate", "--trace", "TRACE", "--planner-config", "DUPKEY"], "DUPKEY:2:1: not valid YAML: key 'pods' given"),
     (["simulate", "--trace", "TRACE", "--cluster", "DUPNODE"], "DUPNODE:2:25: not valid YAML: key 'gpus' given twice"),
 ])
