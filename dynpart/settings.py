@@ -297,6 +297,9 @@ def _reading(file: str | Path | None) -> Iterator[None]:
 S = TypeVar("S", bound=CommonSettings)
 
 
+_said_unknown: set[str] = set()  # said once a process (a simulation loads the settings per run)
+
+
 def _warn_unknown_variables(cls: type[BaseSettings]) -> None:
     """Environment variables of the settings' prefix that name no setting (a misspelling, or a
     newer version's) are ignored by pydantic-settings: said, as the config file's unknown keys are."""
@@ -310,6 +313,9 @@ def _warn_unknown_variables(cls: type[BaseSettings]) -> None:
         name = var[len(prefix):].lower().split(NESTED, 1)[0]
         if name in fields:
             continue
+        if var in _said_unknown:
+            continue
+        _said_unknown.add(var)
         near = difflib.get_close_matches(name, fields, n=1)
         log.warning("environment variable %s names no setting of this dynpart version (a newer version's, or a "
                     "misspelling%s): ignored", var, f": {prefix}{near[0].upper()}?" if near else "")
