@@ -338,7 +338,7 @@ class SupervisedMpsDaemon:
     on its own way out stops the daemon (do not call `stop` then): only `stop`, for a node that left
     MPS mode, asks for it (no GPU)."""
 
-    def __init__(self, control_dir: str, wait_s: float = 15.0, stale_s: float = 5.0, poll_s: float = 0.1,
+    def __init__(self, control_dir: str, wait_s: float = 30.0, stale_s: float = 5.0, poll_s: float = 0.1,
                  clock: Any = time.time):
         self.dir = control_dir
         self.wait_s = wait_s
