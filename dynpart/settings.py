@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 import socket
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -298,6 +299,8 @@ S = TypeVar("S", bound=CommonSettings)
 
 
 _said_unknown: set[str] = set()  # said once a process (a simulation loads the settings per run)
+# <SERVICE>_SERVICE_HOST, _SERVICE_PORT[_<NAME>], _PORT, _PORT_<n>_<PROTO>[_PROTO|_PORT|_ADDR]
+_SERVICE_LINK = re.compile(r"_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)?)$")
 
 
 def _warn_unknown_variables(cls: type[BaseSettings]) -> None:
@@ -310,6 +313,8 @@ def _warn_unknown_variables(cls: type[BaseSettings]) -> None:
     for var in sorted(os.environ):
         if not var.upper().startswith(prefix):
             continue
+        if _SERVICE_LINK.search(var):
+            continue  # the kubelet's service links of a Service named like dynpart-planner-...
         name = var[len(prefix):].lower().split(NESTED, 1)[0]
         if name in fields:
             continue
@@ -344,6 +349,9 @@ def load_settings(cls: type[S], file: str | Path | None = None, flags: Mapping[s
             env = " (command-line flag)"
         elif var in environ or top in environ:
             env = f" (environment variable {var if var in environ else top})"
+        elif len(loc) == 1 and (nested := sorted(k for k in environ if k.startswith(top + NESTED))):
+            # a check across a nested model's settings (kube's back-offs): its variables
+            env = f" (environment variable{'s' if len(nested) > 1 else ''} {', '.join(nested)})"
         elif file is not None:
             env = f" (config file {file})"
         else:
@@ -356,4 +364,4 @@ def load_settings(cls: type[S], file: str | Path | None = None, flags: Mapping[s
                     "exists in the pod's namespace; set enableServiceLinks: false on the pod)")
         if not field:  # a check across settings: its message names them
             raise DynpartError(f"settings: {err['msg'].removeprefix('Value error, ')}") from None
-        raise DynpartError(f"setting {field} = {given!r}: {err['msg']}{env}") from None
+        raise DynpartError(f"setting {field} = {given!r}: {err['msg'].removeprefix('Value error, ')}{env}") from None

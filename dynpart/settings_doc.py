@@ -29,7 +29,8 @@ def _table(cls: type[BaseSettings], command: str) -> str:
             "A dotted setting is nested in the YAML file (`kube: {backoff_max_s: 30}`). A key of the file that is "
             "not a setting of this version (a newer version's, or a misspelling) is ignored with a warning that "
             "names it, so that an agent an upgrade has not replaced yet starts with the new version's file; "
-            f"so is an environment variable starting with `{prefix}` that names no setting; "
+            f"so is an environment variable starting with `{prefix}` that names no setting (one naming no "
+            "setting inside a nested one, `KUBE__...`, is an error; a Kubernetes service link is left alone); "
             "an unknown flag or value, or a key given twice in the file, is an error.\n",
             "| setting | environment variable | default | meaning |", "|---|---|---|---|", *_rows(cls, prefix)]
     return "\n".join(rows) + "\n"

@@ -17,13 +17,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     seen: set[Any] = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # `<<: *defaults`: merged values a key of the mapping itself may override
         key = loader.construct_object(key_node, deep=deep)
         try:
             twice = key in seen
         except TypeError:  # an unhashable key: the constructor says so
             break
         if twice:
-            raise ConstructorError("while reading a mapping", node.start_mark, f"key {key!r} given twice",
+            raise ConstructorError("while reading a mapping", node.start_mark,
+                                   f"key {key_node.value!r} given twice (or a key equal to it: 1 and true are)",
                                    key_node.start_mark)
         seen.add(key)
     return loader.construct_mapping(node, deep=deep)

@@ -1063,6 +1063,9 @@ def _created_after(pod: Obj, written_ms: int) -> bool:
     return at > written_ms / 1000 + _CLOCK_SKEW_S
 
 
+_SELF_CHANGING_LABELS = frozenset({"nvidia.com/gfd.timestamp"})
+
+
 def _admission(node: Obj) -> str:
     """What of a node decides which pods it admits, besides its GPUs' status (labels, taints,
     the cordon, allocatable resources), as one comparable string."""
@@ -1072,7 +1075,7 @@ def _admission(node: Obj) -> str:
     basic = {r: allocatable.get(r) for r in ("cpu", "memory", "pods", "ephemeral-storage")}
     # labels that change by themselves (GPU feature discovery's nvidia.com/gfd.timestamp, rewritten
     # every minute) would wake every waiting pod that often on every node
-    labels = {k: v for k, v in (node["metadata"].get("labels") or {}).items() if "timestamp" not in k.lower()}
+    labels = {k: v for k, v in (node["metadata"].get("labels") or {}).items() if k not in _SELF_CHANGING_LABELS}
     return json.dumps([labels, spec.get("taints") or [], bool(spec.get("unschedulable")), basic], sort_keys=True,
                       default=str)
 

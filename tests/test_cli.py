@@ -52,3 +52,18 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(monkeypatch, capsys):
         monkeypatch.setattr("sys.stdout", stdout)
         assert main(["catalog", "H100-80GB"]) == 141
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_yaml_files_refuse_a_key_given_twice_and_keep_merge_keys():
+    """dynpart.yaml_text: a key given twice is an error naming the line; `<<: *anchor` (a merge
+    key, which a key of the mapping may override) reads as yaml.safe_load reads it (review 83)."""
+    import yaml
+
+    from dynpart import yaml_text
+    from dynpart.errors import yaml_problem
+    merged = "d: &d {a: 1, b: 2}\nkube: {<<: *d, b: 3}\nboth: {<<: [*d, {c: 4}]}\n"
+    assert yaml_text.load(merged) == yaml.safe_load(merged) == {
+        "d": {"a": 1, "b": 2}, "kube": {"a": 1, "b": 3}, "both": {"a": 1, "b": 2, "c": 4}}
+    with pytest.raises(yaml.YAMLError) as e:
+        yaml_text.load("pods: 5\npods: 6\n")
+    assert yaml_problem("f.yaml", e.value).startswith("f.yaml:2:1: not valid YAML: key 'pods' given twice")

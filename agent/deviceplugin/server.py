@@ -217,11 +217,14 @@ class PluginServer:
         self.registered_at = time.monotonic()
         log.info("device plugin for %s registered with the kubelet (%s)", self.resource, self.endpoint)
 
-    def dropped_by_kubelet(self, settle_s: float = 1.0) -> bool:
-        """No stream of the kubelet's open on this running server `settle_s` after the last
-        Register (a Register is answered before the kubelet dials) or the last try after a drop:
-        the kubelet closed ours, or dropped the client before it opened one."""
-        return not self._streams and time.monotonic() - self.registered_at >= settle_s
+    def dropped_by_kubelet(self, settle_s: float = 1.0, never_opened_s: float = 30.0) -> bool:
+        """No stream of the kubelet's open on this running server: the kubelet closed ours, and
+        `settle_s` passed since the last Register (answered before the kubelet dials) or the last
+        try after a drop; or it opened none for `never_opened_s` (it dropped the client before
+        opening one; a busy kubelet may take seconds to dial, and a Register too many is the race
+        it would answer)."""
+        since = time.monotonic() - self.registered_at
+        return not self._streams and since >= (settle_s if self.stream_closed_by_kubelet else never_opened_s)
 
     def options(self) -> Any:
         return protocol.messages()["DevicePluginOptions"](pre_start_required=False, get_preferred_allocation_available=True)

@@ -77,6 +77,7 @@ _MEM_UNITS = {"": 1, "mi": 1, "mib": 1, "gi": 1 << 10, "gib": 1 << 10, "ti": 1 <
 # beyond any machine, and what a simulation on one machine can hold
 MAX_NODES = 100_000
 MAX_CPU_CORES = 100_000
+MAX_MEMORY_MIB = 1 << 30  # 1 PiB
 
 
 def parse_memory_mib(value: Any) -> int:
@@ -85,11 +86,15 @@ def parse_memory_mib(value: Any) -> int:
     if isinstance(value, int):
         if value <= 0:
             raise ValueError(f"memory {value}: must be positive")
+        if value > MAX_MEMORY_MIB:
+            raise ValueError(f"memory {value}: at most {MAX_MEMORY_MIB} MiB ({MAX_MEMORY_MIB >> 20} TiB)")
         return value
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _MEM_UNITS:
         raise ValueError(f"memory {value!r}: expected MiB or a quantity like 512GiB, 1TiB, 4096Mi")
     mib = int(float(m.group(1)) * _MEM_UNITS[m.group(2).lower()])
+    if mib > MAX_MEMORY_MIB:
+        raise ValueError(f"memory {value!r}: at most {MAX_MEMORY_MIB >> 20} TiB")
     if mib <= 0:
         raise ValueError(f"memory {value!r}: must be positive")
     return mib

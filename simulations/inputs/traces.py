@@ -98,9 +98,8 @@ def _rows(text: str, path: str, required: tuple[str, ...]) -> tuple[list[str], l
             break
         except csv.Error as e:  # e.g. an unclosed quote swallowing the rest of a large file
             raise TraceError(path, start, f"not readable as CSV from this line on ({e}): an unclosed quote?") from None
-        line = reader.line_num
-        if line > start and any("\n" in c or "\r" in c for c in row):
-            raise TraceError(path, start, f"a quoted field runs from line {start} to line {line}: an unclosed quote?")
+        # (`first`: the line this row started on; a quoted field may hold line breaks)
+        line, first = reader.line_num, start
         start = line + 1
         if not row or all(not c.strip() for c in row):
             if header is None:
@@ -114,8 +113,11 @@ def _rows(text: str, path: str, required: tuple[str, ...]) -> tuple[list[str], l
                                  f"expected {','.join(required)}")
             continue
         if len(row) != len(header):
+            if line > first:  # a quoted field ran over lines (valid CSV) and swallowed the next rows
+                raise TraceError(path, first, f"a quoted field runs from line {first} to line {line}, leaving "
+                                 f"{len(row)} fields where the header has {len(header)}: an unclosed quote?")
             raise TraceError(path, line, f"{len(row)} fields, the header has {len(header)}")
-        rows.append((line, [c.strip() for c in row]))
+        rows.append((first, [c.strip() for c in row]))
     if header is None:
         raise TraceError(path, None, "empty file (no header)")
     return header, rows

@@ -93,14 +93,21 @@ def staged(out: Path) -> Iterator[Path]:
     except OSError as e:
         raise SimulationError(f"--out {out}: {e.strerror or e}") from None
     try:
-        yield stage
+        try:
+            yield stage
+        except SimulationError as e:  # named as the file it was to become; nothing of this run kept
+            raise SimulationError(str(e).replace(str(stage), str(out)) + "; the folder's files were left as "
+                                  "they were") from None
+        except OSError as e:
+            raise SimulationError(f"--out {out}: {e.strerror or e}") from None
+        done: list[str] = []
         for f in sorted(stage.iterdir()):
-            os.replace(f, out / f.name)
-    except SimulationError as e:  # named as the file it was to become; nothing of this run kept
-        raise SimulationError(str(e).replace(str(stage), str(out)) + "; the folder's files were left as they "
-                              "were") from None
-    except OSError as e:
-        raise SimulationError(f"--out {out}: {e.strerror or e}") from None
+            try:
+                os.replace(f, out / f.name)
+            except OSError as e:  # (a folder of that name, say): renames cannot fail for want of space
+                raise SimulationError(f"--out {out}: could not put {f.name} in place ({e.strerror or e}); "
+                                      f"{', '.join(done) or 'none'} of this run's files replaced before it") from None
+            done.append(f.name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 

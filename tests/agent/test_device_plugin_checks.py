@@ -343,6 +343,20 @@ async def test_a_kubelet_gone_leaving_its_socket_is_tried_once_a_second_and_said
         assert plugins.servers[M].registered_at > tries  # it looked again (once a second)
 
 
+async def test_a_kubelet_slow_to_open_its_stream_is_registered_with_once(plugin_dir: str):
+    """A busy kubelet answers Register and dials ListAndWatch 1.5 s later: no second Register (on
+    kubelets up to 1.35 it is the race the re-registration is for; review 83)."""
+    class SlowDial(KubeletDouble):
+        async def _connect(self, p: Any) -> None:
+            await asyncio.sleep(1.5)
+            await super()._connect(p)
+
+    async with SlowDial(plugin_dir) as kubelet, DevicePluginManager(plugin_dir, poll_s=0.05, register_timeout_s=2) as plugins:
+        await plugins.update({M: mig("MIG-a")})
+        await asyncio.sleep(2.5)
+        assert len(kubelet.plugins[M].registered_at) == 1 and kubelet.allocatable().get(M) == 1
+
+
 async def test_a_kubelet_starting_after_the_plugin_and_wiping_the_dir_still_reaches_it(plugin_dir: str):
     """The plugin serves before the kubelet is up (not registered yet); the kubelet, starting,
     removes every socket in the dir: the plugin must serve again before it registers, or the

@@ -237,6 +237,7 @@ def test_an_environment_variable_naming_no_setting_is_said_and_ignored(monkeypat
     monkeypatch.setenv("DYNPART_PLANNER_BATCH_IDLE", "1")
     monkeypatch.setenv("DYNPART_PLANNER_KUBE__BACKOFF_MAX_S", "20")  # a nested setting: known
     monkeypatch.setenv("DYNPART_AGENT_REPORT_INTERVAL", "5")
+    monkeypatch.setenv("DYNPART_PLANNER_METRICS_SERVICE_HOST", "10.0.0.1")  # a service link: not ours
     caplog.set_level("WARNING", logger="dynpart.settings")
     monkeypatch.setattr("dynpart.settings._said_unknown", set())
     planner = load_settings(PlannerSettings)
@@ -266,7 +267,8 @@ def test_bench_planner_refuses_sizes_no_machine_can_plan(flag, value, message, c
     ("DYNPART_PLANNER_IDENTITY", "", "setting identity = '': String should have at least 1 character"),
     ("DYNPART_PLANNER_LEASE_NAME", "", "setting lease_name = '': String should have at least 1 character"),
     ("DYNPART_PLANNER_SCHEDULER_NAMES", '[""]', "setting scheduler_names.0 = ''"),
-    ("DYNPART_PLANNER_KUBE__BACKOFF_INITIAL_S", "100", "backoff_initial_s (100) is above backoff_max_s (10)"),
+    ("DYNPART_PLANNER_KUBE__BACKOFF_INITIAL_S", "100", "backoff_initial_s (100) is above backoff_max_s (10) "
+     "(environment variable DYNPART_PLANNER_KUBE__BACKOFF_INITIAL_S)"),
 ])
 def test_settings_that_cannot_work_are_refused(var, value, message, monkeypatch):
     """Accepted before (helper-80): an empty Lease holder name, a scheduler named '', a first

@@ -156,3 +156,14 @@ def test_models_no_node_has_are_named(catalog, tmp_path):
                                      "has; 1 pod(s) accept no model it has and will fail")
     pods.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\na,1000,1024,1,500,T4\n")
     assert load(str(pods), str(nodes), None, catalog, default_cluster=None).models_nowhere() is None
+
+
+def test_a_quoted_field_may_hold_a_line_break(tmp_path):
+    """Valid CSV (RFC 4180): a quoted field over two lines is read, not taken for an unclosed quote
+    (review 83); the row is named by the line it starts on."""
+    from dynpart.simulations.inputs.traces import read_pods
+    f = tmp_path / "t.csv"
+    f.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos\n"
+                 'p1,1000,1024,1,500,,"BE\nnote"\np2,1000,1024,1,500,,LS\n')
+    pods = read_pods(str(f)).pods
+    assert [p.name for p in pods] == ["p1", "p2"]
