@@ -47,7 +47,7 @@ from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import SliceGuard
 from dynpart.agent.kube import NodeApi, NodeView, PluginPods
 from dynpart.agent.mig_agent import MigAgent, PassResult
-from dynpart.agent.mps_daemon import MpsDaemon, SupervisedMpsDaemon
+from dynpart.agent.mps_daemon import MpsDaemon
 from dynpart.agent.mps_plugin import MpsPluginAgent
 from dynpart.agent.nodepods import NodePods
 from dynpart.agent.podresources import AssignedDevice, DeviceIds, PodResources, base_device_id
@@ -419,7 +419,7 @@ class Agent:
         """An agent started on a MIG node finds the MPS daemon still running in the mps-control
         container (it outlives the agent's restarts): stopped once no pod holds an MPS slice."""
         daemon = self.mps_daemon
-        if not isinstance(daemon, SupervisedMpsDaemon) or not daemon.running_for():
+        if daemon is None or not daemon.running_for():
             return
         try:
             held = await self.pods.list()

@@ -152,6 +152,12 @@ class MpsDaemon(Protocol):
 
     async def stop(self) -> None: ...
 
+    def running_for(self) -> list[str] | None:
+        """The GPUs a daemon this agent process did not start runs for (one that outlives the
+        agent's restarts), or None: none, or unknown. A daemon of the agent's own container never
+        outlives it: None."""
+        ...
+
 
 class FakeMpsDaemon:
     """In memory. `fail_with` makes `ensure` fail with that message; `die()` kills it (the next
@@ -184,6 +190,9 @@ class FakeMpsDaemon:
 
     async def stop(self) -> None:
         self.running = False
+
+    def running_for(self) -> list[str] | None:
+        return None  # (a daemon of the agent's own container)
 
 
 class ProcessMpsDaemon:
@@ -276,6 +285,9 @@ class ProcessMpsDaemon:
             return
         if code != 0:
             log.debug("stopping the MPS control daemon: none answered (%s)", out or f"exit code {code}")
+
+    def running_for(self) -> list[str] | None:
+        return None  # a child of this process's container: it ends with the agent
 
     async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
         wanted = tuple(gpu_uuids)

@@ -27,7 +27,7 @@ from dynpart.agent.driver.interface import DeviceInfo, GpuDriver
 from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import UNCONFIRMED, Released, SliceGuard
 from dynpart.agent.mig_agent import PassResult
-from dynpart.agent.mps_daemon import MpsDaemon, MpsDaemonBusy, MpsDaemonError, SupervisedMpsDaemon
+from dynpart.agent.mps_daemon import MpsDaemon, MpsDaemonBusy, MpsDaemonError
 from dynpart.agent.podresources import PodResources
 from dynpart.agent.reconcile import drained_mps, reconcile_mps
 from dynpart.errors import DynpartError
@@ -235,7 +235,7 @@ class MpsPluginAgent:
             self.daemon_error = None
             return []
         errors: list[str] = []
-        if self._daemon_gpus is None and isinstance(self.daemon, SupervisedMpsDaemon):
+        if self._daemon_gpus is None:
             # a restarted agent, the daemon still running in the mps-control container: what it
             # runs for is what this agent made it run for (not changed under pods using it)
             self._daemon_gpus = self.daemon.running_for()
