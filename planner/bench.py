@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if not lo <= value <= hi:
             raise DynpartError(f"--{name.replace('_', '-')} = {value}: must be between {lo} and {hi}")
+    if args.seed < 0:
+        raise DynpartError(f"--seed = {args.seed}: must be 0 or more")
     if not 0 <= args.utilization <= 1:
         raise DynpartError(f"--utilization = {args.utilization}: must be between 0 and 1")
     if not 0 <= args.time_limit < float("inf"):  # nan fails too

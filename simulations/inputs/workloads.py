@@ -75,6 +75,14 @@ class WorkloadSpec(BaseModel):
     duration_sigma: float = Field(1.0, ge=0, le=4, allow_inf_nan=False,
                                   description="log-normal shape: the standard deviation of ln(run time)")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans(cls, v: Any) -> Any:
+        # YAML's true/yes/on are booleans, which pydantic would take for 1
+        if isinstance(v, bool) or (isinstance(v, dict) and any(isinstance(w, bool) for w in v.values())):
+            raise ValueError("a number, not true/false")
+        return v
+
     @field_validator("mix", "mps_mix", mode="before")
     @classmethod
     def _mix_text(cls, v: Any) -> Any:

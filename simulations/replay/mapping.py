@@ -160,6 +160,8 @@ def static_layout(name: str, model: GpuModel, mode: str) -> dict[str, str]:
         if profile not in model.profiles_by_name or (n and not n.isdigit()):
             raise SimulationError(f"--static-geometry {name!r}: expected all-balanced, all-<profile> or "
                                   f"profile:count,... with profiles of {model.name}")
+        if n and int(n) == 0:
+            raise SimulationError(f"--static-geometry {name!r}: {profile}:0 carves nothing (leave it out)")
     if place_counts(model, {p.split(":")[0].strip(): int(p.split(":")[1] or 1) if ":" in p else 1
                             for p in name.split(",")}) is None:
         raise SimulationError(f"--static-geometry {name!r}: no valid MIG placement on {model.name}")

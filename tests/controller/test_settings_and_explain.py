@@ -257,6 +257,7 @@ def test_an_environment_variable_naming_no_setting_is_said_and_ignored(monkeypat
     ("--nodes", "100000000", "--nodes = 100000000: must be between 1 and 100000"),
     ("--pending", "-1", "--pending = -1: must be between 0 and 1000000"),
     ("--gpus-per-node", "100", "--gpus-per-node = 100: must be between 1 and 64"),
+    ("--seed", "-1", "--seed = -1: must be 0 or more"),
 ])
 def test_bench_planner_refuses_sizes_no_machine_can_plan(flag, value, message, capsys):
     assert main(["bench", "planner", flag, value, "--repeat", "1"]) == 2

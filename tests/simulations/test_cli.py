@@ -236,6 +236,9 @@ def test_mps_mode_is_the_cluster_described(capsys, tmp_path):
     (["simulate", "--trace", "TRACE", "--out", ""], "--out '': expected a directory"),
     (["simulate", "--workload", "DUPKEY"], "DUPKEY:2:1: not valid YAML: key 'pods' given twice"),
     (["simulate", "--workload", "BLANK"], "--workload BLANK: the file is empty"),
+    (["simulate", "--workload", "BOOLPODS"], "--workload BOOLPODS: pods: a number, not true/false"),
+    (["simulate", "--trace", "TRACE", "--cluster", "1x8xH100-80GB", "--policy", "static", "--static-geometry",
+      "1g.10gb:0"], "--static-geometry '1g.10gb:0': 1g.10gb:0 carves nothing"),
     (["simulate", "--policy", "dynpart", "--static-geometry", "all-1g.10gb"],
      "--static-geometry all-1g.10gb: goes with the static policy, which --policy dynpart leaves out"),
     (["simulate", "--trace", "TRACE", "--planner-config", "DUPKEY"], "DUPKEY:2:1: not valid YAML: key 'pods' given"),
@@ -246,6 +249,7 @@ def test_bad_numbers_and_files_are_one_line_errors(argv, message, capsys, tmp_pa
              "BADYAML": str(tmp_path / "bad.yaml"), "BLANK": str(tmp_path / "blank.yaml"),
              "LATIN1": str(tmp_path / "latin1.yaml"), "INFCPU": str(tmp_path / "inf.yaml"),
              "DUPKEY": str(tmp_path / "dup.yaml"), "DUPNODE": str(tmp_path / "dupnode.yaml"),
+             "BOOLPODS": str(tmp_path / "boolpods.yaml"),
              "LATE": _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,100000000000000000000,"
                                       "100000000000000001000,0\n", "late.csv"),
              "UNCLOSED": _trace(tmp_path, '"p1,1000,1024,1,1000,,LS,Running,0,100,0\np2,1000,1024,1,1000,,LS,Running,0,100,0\n',
@@ -257,6 +261,7 @@ def test_bad_numbers_and_files_are_one_line_errors(argv, message, capsys, tmp_pa
     (tmp_path / "blank.yaml").write_text("\n  \n")
     (tmp_path / "latin1.yaml").write_bytes(b"\xff\xfenodes: []\n")
     (tmp_path / "dup.yaml").write_text("pods: 5\npods: 6\n")
+    (tmp_path / "boolpods.yaml").write_text("pods: true\n")
     (tmp_path / "dupnode.yaml").write_text("nodes:\n  - {count: 1, gpus: 8, gpus: 4, gpu_model: H100-80GB}\n")
     (tmp_path / "inf.yaml").write_text("nodes:\n  - {count: 1, gpu_model: H100-80GB, gpus: 8, cpu: .inf}\n")
     assert main([files.get(a, a) for a in argv] + (["--jobs", "1"] if argv[0] != "explain" else [])) == 2
