@@ -196,6 +196,7 @@ class Agent:
         # unchanged node status only every 5 minutes for the same reason, KEP-589)
         self.heartbeat_s = max(heartbeat_s, interval_s)
         self.capacity_gb = capacity_gb
+        self._capacity_above_said = False
         self.now = now
         self._model: GpuModel | None = None
         self._mig_states: tuple[str, ...] = ()
@@ -220,6 +221,13 @@ class Agent:
                 if self.capacity_gb:
                     # the memory reported is what MPS slices may take: the planner derives its MPS
                     # capacity from the same report, so it plans no slice this agent would refuse
+                    above = sorted({k.memory_mib >> 10 for k in capability.kinds
+                                    if k.memory_mib < self.capacity_gb * 1024})
+                    if above and not self._capacity_above_said:
+                        self._capacity_above_said = True
+                        log.warning("node %s: mps_capacity_gb %d is above the memory the driver reports "
+                                    "(%s GiB): it only lowers the MPS capacity, so the reported memory is used",
+                                    self.node, self.capacity_gb, ", ".join(map(str, above)))
                     capability = capability.model_copy(update={"kinds": tuple(
                         k.model_copy(update={"memory_mib": min(k.memory_mib, self.capacity_gb * 1024)})
                         for k in capability.kinds)})

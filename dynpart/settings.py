@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -30,6 +30,7 @@ from pydantic_settings import (
 from dynpart import yaml_text
 from dynpart.errors import DynpartError, read_problem, yaml_problem
 from dynpart.kube.conventions import DEFAULT_SCHEDULER, LEASE_NAME, SYSTEM_NAMESPACE
+from dynpart.kube.selectors import dns_label_problem, selector_problem
 from dynpart.snapshot import RequestShare
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -227,6 +228,17 @@ class AgentSettings(CommonSettings):
                                          "device-plugin pods (restarted on this node after a MIG change)")
     nvidia_plugin_selector: str = Field(default="app=nvidia-device-plugin-daemonset",
                                         description="nvidia: label selector of those pods")
+
+    @field_validator("nvidia_plugin_namespace", "nvidia_plugin_selector")
+    @classmethod
+    def _as_the_api_server_takes_them(cls, value: str, info: ValidationInfo) -> str:
+        # checked here, not by the API server at the first MIG change; and never an empty
+        # selector: the agent deletes the pods it selects on its node
+        check = dns_label_problem if info.field_name == "nvidia_plugin_namespace" else selector_problem
+        problem = check(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 # --- sources ----------------------------------------------------------------------------------

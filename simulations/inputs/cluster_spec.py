@@ -20,6 +20,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,12 @@ def parse_memory_mib(value: Any) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _MEM_UNITS:
         raise ValueError(f"memory {value!r}: expected MiB or a quantity like 512GiB, 1TiB, 4096Mi")
-    mib = int(float(m.group(1)) * _MEM_UNITS[m.group(2).lower()])
+    exact = Fraction(m.group(1)) * _MEM_UNITS[m.group(2).lower()]
+    if exact.denominator != 1:
+        # a fraction of a MiB is a slip (`1.5` meant GiB?), not something to round away
+        raise ValueError(f"memory {value!r}: not a whole number of MiB (a plain number is MiB; "
+                         f"write a quantity like 1.5GiB)")
+    mib = int(exact)
     if mib > MAX_MEMORY_MIB:
         raise ValueError(f"memory {value!r}: at most {MAX_MEMORY_MIB >> 20} TiB")
     if mib <= 0:
@@ -106,12 +112,15 @@ def parse_cpu_milli(value: Any) -> int:
     if isinstance(value, (int, float)):
         if not math.isfinite(value) or value > MAX_CPU_CORES:
             raise ValueError(f"cpu {value!r}: expected cores, at most {MAX_CPU_CORES}")
-        milli = int(round(value * 1000))
+        exact = Fraction(repr(float(value))) * 1000
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(m?)\s*", str(value))
         if not m:
             raise ValueError(f"cpu {value!r}: expected cores or millicores like 112000m")
-        milli = int(float(m.group(1))) if m.group(2) else int(round(float(m.group(1)) * 1000))
+        exact = Fraction(m.group(1)) * (1 if m.group(2) else 1000)
+    if exact.denominator != 1:
+        raise ValueError(f"cpu {value!r}: not a whole number of millicores (1m is the finest)")
+    milli = int(exact)
     if milli > MAX_CPU_CORES * 1000:
         raise ValueError(f"cpu {value!r}: at most {MAX_CPU_CORES} cores")
     if milli <= 0:

@@ -121,3 +121,24 @@ async def test_a_lower_mps_capacity_is_what_the_planner_plans_with():
     rig.node_api.set_annotations(mps_spec({0: [20, 20]}, plan="m1"))
     report = await rig.agent(capacity_gb=40).reconcile_once()
     assert report.plan_id == "m1" and report.errors == []
+
+
+async def test_an_mps_capacity_above_the_gpus_memory_is_said_once_and_the_reported_memory_used(caplog):
+    """DYNPART_AGENT_MPS_CAPACITY_GB only lowers the capacity: one above what the driver reports
+    (100 GB on the fake H100's 80 GiB) is said, once, and the report keeps the driver's memory."""
+    import logging
+
+    from dynpart.annotations import STATUS_CAPABILITY
+    from dynpart.capability import decode_capability
+
+    rig = mps_rig(1)
+    agent = rig.agent(capacity_gb=100)
+    with caplog.at_level(logging.WARNING, logger="dynpart"):
+        await agent.reconcile_once()
+        agent._model = None  # the model read again (a MIG mode change does that): not said again
+        await agent.reconcile_once()
+    said = [r.getMessage() for r in caplog.records if "mps_capacity_gb 100 is above" in r.getMessage()]
+    assert said == ["node node-1: mps_capacity_gb 100 is above the memory the driver reports (80 GiB): it only "
+                    "lowers the MPS capacity, so the reported memory is used"]
+    capability = decode_capability(rig.node_api.annotations[STATUS_CAPABILITY])
+    assert {k.memory_mib for k in capability.kinds} == {80 * 1024}

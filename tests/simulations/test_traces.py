@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dynpart.simulations.errors import SimulationError, TraceError
-from dynpart.simulations.inputs.cluster_spec import parse_cluster, parse_memory_mib, read_cluster
+from dynpart.simulations.inputs.cluster_spec import parse_cluster, parse_cpu_milli, parse_memory_mib, read_cluster
 from dynpart.simulations.inputs.command_line import parse_seeds
 from dynpart.simulations.inputs.traces import parse_nodes, parse_pods, read_nodes, read_pods
 
@@ -118,6 +118,18 @@ def test_cluster_yaml_and_inline_spec(catalog, tmp_path):
         read_cluster(str(tmp_path / "nope.yaml"), catalog)
     with pytest.raises(ValueError, match="expected MiB or a quantity"):
         parse_memory_mib("1 lightyear")
+    # a fraction of a MiB or of a millicore is a slip (1.5 meant GiB?), refused, not rounded away
+    assert parse_memory_mib("1.5GiB") == 1536 and parse_memory_mib(4096) == 4096
+    for bad in (1.5, "1.5", "1.5Mi"):
+        with pytest.raises(ValueError, match="not a whole number of MiB"):
+            parse_memory_mib(bad)
+    assert parse_cpu_milli(96.25) == 96_250 and parse_cpu_milli("0.001") == 1
+    for bad in ("1.5m", 0.0015, 0.0001):
+        with pytest.raises(ValueError, match="not a whole number of millicores"):
+            parse_cpu_milli(bad)
+    f.write_text("nodes:\n  - count: 2\n    gpus: 8\n    gpu_model: H100-80GB\n    memory: 1.5\n")
+    with pytest.raises(TraceError, match=r"c.yaml: nodes\[0\]: memory 1.5: not a whole number of MiB"):
+        read_cluster(str(f), catalog)
     # a typo in the inline mode is named, as in a YAML file (not taken for a missing file)
     with pytest.raises(TraceError, match=r"8x8xH100-80GB:mgi: nodes\[0\]: mode 'mgi': expected mig or mps"):
         read_cluster("8x8xH100-80GB:mgi", catalog)

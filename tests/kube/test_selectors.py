@@ -1,0 +1,61 @@
+"""Label selectors and namespace names are refused where the API server would refuse them."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynpart.errors import DynpartError
+from dynpart.kube.selectors import dns_label_problem, selector_problem
+from dynpart.settings import AgentSettings, load_settings
+
+
+@pytest.mark.parametrize("text", [
+    "app=nvidia-device-plugin-daemonset", "app", "!app", "app!=x", "app==x", "app=", "app in (a, b)",
+    "app notin (a)", "a=b,c in (d,e),!f", "x>3", "nvidia.com/gpu.deploy.device-plugin=true", " app = x ",
+])
+def test_selectors_the_api_server_takes_are_taken(text):
+    assert selector_problem(text) is None
+
+
+@pytest.mark.parametrize("text, said", [
+    ("", "an empty label selector selects every pod"),
+    ("  ", "an empty label selector selects every pod"),
+    ("app=x,", "'' is not a label requirement"),
+    ("app=nvidia device", "'app=nvidia device' is not a label requirement"),
+    ("app in ()", "a set needs at least one value"),
+    ("app in (a,b", "is not a label requirement"),
+    ("Nvidia.com/app=x", "label key 'Nvidia.com/app' is not a qualified name"),
+    ("a" * 64 + "=x", "is not a qualified name"),
+    ("app=" + "v" * 64, "is not valid (at most 63"),
+    ("app in (ok, -bad)", "label value '-bad' is not valid"),
+    ("x>three", "> needs an integer"),
+])
+def test_selectors_the_api_server_refuses_are_named(text, said):
+    problem = selector_problem(text)
+    assert problem is not None and said in problem
+
+
+def test_namespace_names():
+    assert dns_label_problem("gpu-operator") is None
+    for bad in ("GPU", "", "-x", "x" * 64, "a.b"):
+        assert "is not a valid namespace name" in (dns_label_problem(bad) or "")
+
+
+def test_the_agent_refuses_a_plugin_selector_or_namespace_the_api_server_would(monkeypatch):
+    """Found when the agent starts, not at the first MIG change; never an empty selector, which
+    would have the agent delete every pod of the namespace on its node."""
+    monkeypatch.setenv("DYNPART_AGENT_NVIDIA_PLUGIN_SELECTOR", "")
+    with pytest.raises(DynpartError, match=r"nvidia_plugin_selector = '': an empty label selector selects every "
+                                           r"pod \(environment variable DYNPART_AGENT_NVIDIA_PLUGIN_SELECTOR\)"):
+        load_settings(AgentSettings)
+    monkeypatch.setenv("DYNPART_AGENT_NVIDIA_PLUGIN_SELECTOR", "app=x,")
+    with pytest.raises(DynpartError, match="is not a label requirement"):
+        load_settings(AgentSettings)
+    monkeypatch.setenv("DYNPART_AGENT_NVIDIA_PLUGIN_SELECTOR", "app in (nvidia-device-plugin-daemonset)")
+    monkeypatch.setenv("DYNPART_AGENT_NVIDIA_PLUGIN_NAMESPACE", "GPU-Operator")
+    with pytest.raises(DynpartError, match="'GPU-Operator' is not a valid namespace name"):
+        load_settings(AgentSettings)
+    monkeypatch.setenv("DYNPART_AGENT_NVIDIA_PLUGIN_NAMESPACE", "nvidia")
+    settings = load_settings(AgentSettings)
+    assert (settings.nvidia_plugin_namespace, settings.nvidia_plugin_selector) == \
+        ("nvidia", "app in (nvidia-device-plugin-daemonset)")
