@@ -435,6 +435,10 @@ def _failed_lines(parts: list[dict]) -> list[str]:
                                              f"{f['cpu_only']} CPU-only pod(s)" if f["cpu_only"] else "") if x)
             out.append(f"{where}failed: {what} can never run on this cluster, left out of the pending times "
                        f"(e.g. {f['first']})")
+        if part["policies"] and not part["policies"][0]["gpu_pods"]:
+            cpu = part["policies"][0]["cpu_only_pods"]
+            out.append(f"{where}note: no GPU pod in the trace ({cpu['pods'] if cpu else 0} CPU-only pod(s)): "
+                       "nothing to compare, every figure is empty")
         unapplied = part["policies"][0]["notes"].get("gpu_spec_not_applied") if part["policies"] else None
         if unapplied:
             out.append(f"{where}note: the gpu_spec of {unapplied} GPU pod(s) is not applied (a replay cluster has "

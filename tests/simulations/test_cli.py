@@ -192,6 +192,8 @@ def test_pods_that_can_never_be_placed_are_shown(capsys, tmp_path):
     assert "static layouts: none of the 7 tried placed a GPU pod" in out
     cpu_only = _trace(tmp_path, "c1,1000,1024,0,0,,LS,Running,0,100,0\n", "cpu.csv")
     assert main(["simulate", "--trace", cpu_only, "--jobs", "1"]) == 0
+    # it runs (nothing is wrong with such a trace), and the empty table is said to be empty
+    assert "note: no GPU pod in the trace (1 CPU-only pod(s)): nothing to compare" in capsys.readouterr().out
 
 
 def test_mps_mode_is_the_cluster_described(capsys, tmp_path):
