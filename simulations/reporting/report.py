@@ -83,6 +83,9 @@ def out_dir(path: str | Path) -> Path:
     return p
 
 
+_RESULT_SUFFIXES = {".csv", ".json", ".png", ".svg", ".txt"}
+
+
 @contextlib.contextmanager
 def staged(out: Path) -> Iterator[Path]:
     """A folder inside `out` to write a run's files into; moved into `out` (each file renamed over
@@ -110,6 +113,13 @@ def staged(out: Path) -> Iterator[Path]:
             done.append(f.name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+    # results of another kind of run (a replay's CSVs beside a packing benchmark's) would read as
+    # this run's: said, not deleted (they may be the user's)
+    others = sorted(p.name for p in out.iterdir() if p.suffix in _RESULT_SUFFIXES and p.name not in done
+                    and not p.name.startswith(".") and p.is_file())
+    if others:
+        print(f"note: --out {out} also holds {', '.join(others)}, not written by this run (left as they were)",
+              file=sys.stderr)
 
 
 def write_json(path: Path, data: Any) -> None:

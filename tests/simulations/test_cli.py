@@ -336,3 +336,21 @@ def test_files_of_a_run_that_cannot_write_them_all_leave_the_folder_as_it_was(ca
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{out}/pending_cdf.png: cannot write" in err and ".dynpart-writing" not in err
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+
+
+def test_results_of_another_run_in_out_are_said_and_left(capsys, tmp_path):
+    """A packing benchmark written where a replay wrote: its summary.json and steps.csv replace
+    the replay's, and the replay's other files, which would read as this run's, are named."""
+    trace = _trace(tmp_path, "p1,1000,1024,1,500,,LS,Running,0,100,0\np2,1000,1024,1,500,,LS,Running,5,100,5\n")
+    nodes = tmp_path / "nodes.csv"
+    nodes.write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,8000,65536,2,T4\n")
+    out = tmp_path / "o"
+    assert main(["simulate", "--trace", trace, "--policy", "dynpart", "--jobs", "1", "--out", str(out)]) == 0
+    assert "also holds" not in capsys.readouterr().err
+    (out / "mine.md").write_text("notes")  # not a result file: not named
+    assert main(["bench", "packing", "--trace", trace, "--nodes", str(nodes), "--seeds", "1", "--jobs", "1",
+                 "--policy", "best-fit", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert (f"note: --out {out} also holds pending_bars.png, pending_cdf.png, pods.csv, timeline.png, not written "
+            "by this run (left as they were)") in err
+    assert (out / "pods.csv").exists() and json.loads((out / "summary.json").read_text()).get("parts") is None
