@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.nodepods import Need, NodePods, to_keep, waiting_for
 from dynpart.agent.podresources import PodResources
+from dynpart.resources import MpsResource, known_resource
 
 UNCONFIRMED = ("was withdrawn, but the kubelet still listed it when the wait ran out (it could still give it to a "
                "pod); kept, tried again at the next pass")
@@ -82,6 +83,19 @@ class SliceGuard:
         if listed is not None:
             free = {r: [i for i in ids if i in listed] for r, ids in free.items()}
         return to_keep(candidates, free, needs)
+
+    async def mps_held(self) -> bool:
+        """Whether a pod holds an MPS slice now: listed by PodResources, or running (the API
+        server says) with its MPS slices unlisted: a kubelet that restarted lists a pod only once
+        its first pod list admitted it again. DynpartError when either cannot be read."""
+        assigned = await self.pods.list()
+        # (a `<uuid>::<n>` device: one of the agent's slices; a time-sliced replica of NVIDIA's
+        # plugin is `nvidia.com/gpu`, and no other device of such a name is a client of the daemon)
+        if any(isinstance(known_resource(a.resource), MpsResource) and "::" in a.device_id for a in assigned):
+            return True
+        bound = await self.node_pods.bound() if self.node_pods is not None else []
+        needs = waiting_for(bound, assigned) if bound else {}
+        return any(need.unlisted for r, need in needs.items() if isinstance(known_resource(r), MpsResource))
 
     async def release(self, candidates: Mapping[str, str], free: Mapping[str, Iterable[str]] | None = None) -> Released:
         """Withdraw, wait, re-check: see the module doc. `candidates`: device id -> resource;

@@ -430,13 +430,12 @@ class Agent:
         if daemon is None or not daemon.running_for():
             return
         try:
-            held = await self.pods.list()
+            if await self.guard.mps_held():
+                return  # their clients need it
         except DynpartError as e:
             log.info("node %s: the MPS daemon left running is kept this pass: which pods hold MPS slices cannot be "
                      "read (%s)", self.node, e)
             return
-        if any(isinstance(known_resource(a.resource), MpsResource) for a in held):
-            return  # their clients need it
         log.info("node %s: in MIG mode, no pod holds an MPS slice: stopping the MPS daemon left running", self.node)
         await daemon.stop()
 

@@ -212,15 +212,15 @@ class MpsPluginAgent:
         return errors
 
     async def _slices_held(self) -> bool:
-        """Whether a pod holds an MPS slice now (PodResources; one that cannot be read counts as
-        yes: the daemon is then not restarted this pass)."""
+        """Whether a pod holds an MPS slice now (`SliceGuard.mps_held`; what cannot be read counts
+        as yes: the daemon is then not restarted this pass)."""
+        guard = self.guard or SliceGuard(self.pods)
         try:
-            assigned = await self.pods.list()
+            return await guard.mps_held()
         except DynpartError as e:
             log.warning("the MPS daemon is not restarted for other GPUs this pass: which pods hold MPS slices "
                         "cannot be read (%s)", e)
             return True
-        return any(isinstance(known_resource(a.resource), MpsResource) and "::" in a.device_id for a in assigned)
 
     async def stop_daemon(self) -> None:
         """The node left MPS mode and no slice is left: nothing needs the daemon."""

@@ -93,6 +93,10 @@ class Need:
     # and a kubelet restart re-admits the pod only if they still exist ("previously allocated
     # devices are no longer healthy"): which ones is unknown, so every device of the resource stays
     init_held: tuple[str, ...] = ()
+    # pods the API server says run here with fewer devices listed by PodResources than they asked:
+    # a kubelet that restarted lists a pod only once its first pod list admitted it again, and
+    # until then every device looks free; which are theirs is unknown, so every device stays
+    unlisted: tuple[str, ...] = ()
 
 
 def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -> dict[str, Need]:
@@ -105,6 +109,7 @@ def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -
     pods: dict[str, list[str]] = {}
     unseen: dict[str, list[str]] = {}
     init_held: dict[str, list[str]] = {}
+    unlisted: dict[str, list[str]] = {}
     for p in bound:
         if p.phase in TERMINAL_PHASES:
             continue
@@ -114,14 +119,16 @@ def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -
                 count.setdefault(resource, 0)
             held = len(listed.get((p.key, resource), ()))
             if held or p.phase == "Running":  # admitted: the kubelet gave it all n devices then
-                if n > held and resource in p.init_only:
-                    init_held.setdefault(resource, []).append(p.key)
+                if n > held:
+                    # more than its app containers list: an init container's devices kept for it,
+                    # or a kubelet that has not admitted it again since it restarted
+                    (init_held if resource in p.init_only else unlisted).setdefault(resource, []).append(p.key)
                     count.setdefault(resource, 0)
                 continue
             count[resource] = count.get(resource, 0) + n
             pods.setdefault(resource, []).append(p.key)
-    return {r: Need(count[r], tuple(pods.get(r, ())), tuple(unseen.get(r, ())), tuple(init_held.get(r, ())))
-            for r in sorted(count)}
+    return {r: Need(count[r], tuple(pods.get(r, ())), tuple(unseen.get(r, ())), tuple(init_held.get(r, ())),
+                    tuple(unlisted.get(r, ()))) for r in sorted(count)}
 
 
 def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], needs: Mapping[str, Need]) -> dict[str, str]:
@@ -138,6 +145,12 @@ def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], ne
             for device in mine:
                 kept[device] = (f"kept while pod(s) {', '.join(need.unseen)} start: an init container may use a "
                                 f"{resource} device, and the kubelet does not list init containers' devices")
+            continue
+        if need.unlisted:
+            for device in mine:
+                kept[device] = (f"kept while pod(s) {', '.join(need.unlisted)} run with fewer {resource} devices "
+                                "than they asked for listed by the kubelet (a restarted kubelet lists a pod once it "
+                                "has admitted it again): which devices are theirs is unknown")
             continue
         if need.init_held:
             for device in mine:

@@ -213,3 +213,48 @@ def test_a_zero_device_init_container_does_not_hold_back_the_node():
     bound = [BoundPod("ns/p", requests_of(starting), "Pending", init_only(starting))]
     needs = waiting_for(bound, [AssignedDevice("ns/p", "main", M, "MIG-1")])  # admitted
     assert to_keep({"MIG-2": M}, {M: ["MIG-2"]}, needs) == {}
+
+
+# --- running pods a restarted kubelet does not list yet -----------------------------------------
+
+
+async def test_a_running_pod_whose_devices_the_kubelet_does_not_list_keeps_every_device():
+    """After a kubelet restart, PodResources lists a pod only once the sync loop's first pod list
+    admitted it again (v1.35: List serves the pod manager's active pods): until then a running
+    pod's MIG instance looks free. Which device is its own is unknown, so every device of the
+    resource stays; a pod waiting for admission is counted as before."""
+    bound = [BoundPod("ns/run", {M: 1}, "Running"), BoundPod("ns/wait", {M: 1})]
+    needs = waiting_for(bound, [])
+    assert needs == {M: Need(1, ("ns/wait",), (), (), ("ns/run",))}
+    kept = to_keep({"MIG-1": M, "MIG-2": M}, {M: ["MIG-1", "MIG-2", "MIG-3"]}, needs)
+    assert list(kept) == ["MIG-1", "MIG-2"] and all("ns/run" in why and "restarted kubelet" in why
+                                                    for why in kept.values())
+    # some of its devices listed, not all (and no init container to explain it): the same
+    assert waiting_for([BoundPod("ns/run", {M: 2}, "Running")], [AssignedDevice("ns/run", "c", M, "MIG-1")]) == \
+        {M: Need(0, (), (), (), ("ns/run",))}
+    # once listed again, nothing stays for it
+    assert waiting_for([BoundPod("ns/run", {M: 1}, "Running")], [AssignedDevice("ns/run", "c", M, "MIG-1")]) == {}
+    # an init container explains a shortfall: that case keeps its own reason
+    assert waiting_for([BoundPod("ns/i", {M: 2}, "Running", frozenset({M}))], []) == {M: Need(0, (), (), ("ns/i",))}
+    # through the guard, as a destroy asks it
+    pods, node_pods = FakePodResources(), FakeNodePods()
+    node_pods.bind("ns/run", {M: 1}, phase="Running")
+    assert list(await SliceGuard(pods, node_pods).keep({"MIG-1": M}, {M: ["MIG-1", "MIG-2"]})) == ["MIG-1"]
+
+
+async def test_mps_slices_are_held_while_a_running_pod_has_them_unlisted():
+    """The MPS daemon is not restarted for another set of GPUs (which would end its clients' CUDA
+    contexts) while the API server says a pod with an MPS slice runs here, listed or not."""
+    S = "nvidia.com/gpu-10gb"
+    pods, node_pods = FakePodResources(), FakeNodePods()
+    guard = SliceGuard(pods, node_pods)
+    assert not await guard.mps_held()
+    node_pods.bind("ns/m", {S: 1}, phase="Running")
+    assert await guard.mps_held()  # running, not listed (a kubelet that restarted)
+    pods.assign("ns/m", S, "GPU-0::1")
+    assert await guard.mps_held()
+    node_pods.remove("ns/m")
+    pods.release("ns/m")
+    node_pods.bind("ns/g", {M: 1}, phase="Running")  # another resource's pod: not an MPS client
+    assert not await guard.mps_held()
+    assert not await SliceGuard(pods).mps_held()  # without the API server's pods: PodResources alone

@@ -39,7 +39,12 @@ per-node directory (`<root>/device-plugins/`, `<root>/pod-resources/`):
 - `restart()`: a kubelet restart: Registration socket gone, every socket in the plugin dir
   deleted, kubelet.sock back; the device manager starts from its checkpoint (assignments kept,
   every known resource registered with no device until its plugin registers again), the
-  PodResources socket is re-created, and the node status is written at once.
+  PodResources socket is re-created, and the node status is written at once. Then
+  (`readmit_after_s` later; 0: before any plugin can register again) the sync loop's first pod
+  list admits every pod of the checkpoint again, oldest first, sources not ready (PodResources
+  lists none of them until then): a container running keeps its checkpointed devices unchecked;
+  one not running (a plain init container, a container not started yet) needs them registered
+  and healthy, else the pod fails with `UnexpectedAdmissionError`; no Allocate is made again.
 
 What differs from a real kubelet is listed in tests/e2e/README.md ("The kubelet model").
 """
@@ -195,6 +200,12 @@ class PodState:
     phase: str = "Pending"
     deleted: bool = False
     containers: list[str] = field(default_factory=list)
+    spec: dict[str, Any] = field(default_factory=dict)  # what a re-admission after a restart reads
+    created: str = ""  # metadata.creationTimestamp: HandlePodAdditions admits the oldest first
+    admitted: bool = False  # its admission ended (one in flight at a restart ends on its own)
+    # known to the kubelet's pod manager: False from a restart until the pod's re-admission (the
+    # new kubelet's PodResources does not list it, its predicate check does not count it)
+    in_pod_manager: bool = True
 
 
 PodCallback = Callable[[str, str, str, str, float], None]  # (pod key, phase, reason, message, time)
@@ -239,7 +250,7 @@ class KubeletModel(KubeletDouble):
     def __init__(self, node_name: str, root_dir: str, *, core: client.CoreV1Api | None = None,
                  driver: FakeNvml | None = None, status_period_s: float = 10.0, container_start_s: float = 0.5,
                  holdings: dict[str, list[Holding]] | None = None, on_pod: PodCallback | None = None,
-                 endpoint_grace_s: float = ENDPOINT_GRACE_S):
+                 endpoint_grace_s: float = ENDPOINT_GRACE_S, readmit_after_s: float = 0.0):
         self.node_name = node_name
         self.root_dir = root_dir
         super().__init__(os.path.join(root_dir, "device-plugins"))
@@ -251,6 +262,9 @@ class KubeletModel(KubeletDouble):
         self.holdings = holdings if holdings is not None else {}
         self.on_pod = on_pod
         self.endpoint_grace_s = endpoint_grace_s
+        # after a restart, seconds from the new kubelet.sock to the sync loop's first pod list (the
+        # re-admission); 0: at once, before any plugin can register again
+        self.readmit_after_s = readmit_after_s
         # the device manager
         self.resources: dict[str, ResourceState] = {}
         self.pods: dict[str, PodState] = {}  # admitted (and being admitted) pods: the checkpoint
@@ -270,6 +284,7 @@ class KubeletModel(KubeletDouble):
         self.status_writes: list[tuple[float, dict[str, int]]] = []
         self.status_patches = 0
         self.restarts: list[float] = []  # time.monotonic() when kubelet.sock was back
+        self.readmissions: list[float] = []  # time.monotonic() when a restart's re-admission ended
         self.errors: list[str] = []
         self._holds: dict[str, asyncio.Event] = {}
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -311,7 +326,8 @@ class KubeletModel(KubeletDouble):
         await self.stop()
 
     async def restart(self) -> float:
-        """A kubelet restart; returns time.monotonic() when the new kubelet.sock exists."""
+        """A kubelet restart; returns time.monotonic() when the new kubelet.sock exists (with
+        `readmit_after_s` 0, once the pods were admitted again)."""
         self._admitting.clear()
         try:
             if self._status_task is not None:
@@ -324,12 +340,33 @@ class KubeletModel(KubeletDouble):
             for state in self.resources.values():
                 state.healthy, state.unhealthy, state.devices = set(), set(), {}
                 state.stopped_at = stopped
+            for pod in self.pods.values():
+                pod.in_pod_manager = not pod.admitted  # the new kubelet knows no pod until its first list
             # kubelet.sock gone, *.sock wiped, then start(): kubelet.sock, PodResources, status loop
             back = await super().restart()
             self.restarts.append(back)
-            return back
+        except BaseException:
+            self._admitting.set()
+            raise
+        first = self._spawn(self._first_list(), "first pod list")
+        if not self.readmit_after_s:
+            await first
+        return back
+
+    async def _first_list(self) -> None:
+        """The sync loop's first ADD after a restart (HandlePodAdditions): every pod the checkpoint
+        has is admitted again, oldest first, before the pods bound since (the admission queue)."""
+        try:
+            if self.readmit_after_s:
+                await asyncio.sleep(self.readmit_after_s)
+            for state in sorted(self.pods.values(), key=lambda p: p.created):
+                if not state.in_pod_manager:
+                    await self._readmit(state)
+            self.readmissions.append(time.monotonic())
         finally:
             self._admitting.set()
+        async with self._changed:
+            self._changed.notify_all()
 
     def _spawn(self, coro: Awaitable[Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=f"kubelet {self.node_name}: {name}")  # type: ignore[arg-type]
@@ -567,12 +604,13 @@ class KubeletModel(KubeletDouble):
         return msgs["PodResources"](name=name, namespace=ns, containers=containers)
 
     async def _pr_list(self, request: Any, context: Any) -> Any:
-        pods = [self._pod_message(p) for p in self.pods.values() if not p.deleted and p.phase != "Failed"]
+        pods = [self._pod_message(p) for p in self.pods.values()
+                if not p.deleted and p.phase != "Failed" and p.in_pod_manager]
         return podresources_messages()["ListPodResourcesResponse"](pod_resources=pods)
 
     async def _pr_get(self, request: Any, context: Any) -> Any:
         pod = self.pods.get(f"{request.pod_namespace}/{request.pod_name}")
-        if pod is None or pod.deleted:
+        if pod is None or pod.deleted or not pod.in_pod_manager:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"pod {request.pod_namespace}/{request.pod_name} not found")
         return podresources_messages()["GetPodResourcesResponse"](pod_resources=self._pod_message(pod))  # type: ignore[arg-type]
 
@@ -662,20 +700,12 @@ class KubeletModel(KubeletDouble):
         containers = spec.get("containers") or []
         # PodResources lists the app containers and the sidecars (restartable init containers)
         listed = [c for c in init if c.get("restartPolicy") == "Always"] + containers
-        state = PodState(key, uid, containers=[c.get("name", "") for c in listed])
+        state = PodState(key, uid, containers=[c.get("name", "") for c in listed], spec=spec,
+                         created=md.get("creationTimestamp") or "")
         state.requests = effective_requests(init, containers)
         self.pods[key] = state
-        # devicemanager Allocate: init containers first, in order; what a plain one got is reused
-        # by the containers after it (the app containers take from it first), a sidecar's is not
-        reusable: dict[str, set[str]] = {}
         try:
-            for c in [*init, *containers]:
-                got = await self._allocate_container(state, c, reusable)
-                for r, ids in got.items():
-                    if c in init and c.get("restartPolicy") != "Always":
-                        reusable.setdefault(r, set()).update(ids)
-                    else:
-                        reusable.setdefault(r, set()).difference_update(ids)
+            await self._allocate_pod(state)
         except _AdmissionError as e:
             return await self._reject(state, "UnexpectedAdmissionError", f"Allocate failed due to {e}, which is unexpected")
         if self.core is not None:
@@ -692,23 +722,66 @@ class KubeletModel(KubeletDouble):
             self.pods.pop(key, None)
             self._release(key)
             return False
+        state.admitted = True
         self._spawn(self._run(state), f"start {key}")
         return True
 
+    async def _readmit(self, state: PodState) -> None:
+        """canAdmitPod again after a restart, for a pod of the checkpoint: its containers find their
+        devices there (no RPC); a container not running needs them healthy (`_allocate_container`)."""
+        state.in_pod_manager = True  # podManager.AddPod, then the admission
+        try:
+            await self._allocate_pod(state, first_list=True)
+        except _AdmissionError as e:
+            await self._reject(state, "UnexpectedAdmissionError", f"Allocate failed due to {e}, which is unexpected")
+            return
+        if self.core is not None:
+            reason = await self._predicate(state)
+            if reason is not None:
+                await self._reject(state, *reason)
+
+    async def _allocate_pod(self, state: PodState, first_list: bool = False) -> None:
+        """devicemanager Allocate for each container: init containers first, in order; what a plain
+        one got is reused by the containers after it (the app containers take from it first), a
+        sidecar's is not. Raises _AdmissionError."""
+        init = state.spec.get("initContainers") or []
+        reusable: dict[str, set[str]] = {}
+        for c in [*init, *(state.spec.get("containers") or [])]:
+            got = await self._allocate_container(state, c, reusable, first_list)
+            for r, ids in got.items():
+                if c in init and c.get("restartPolicy") != "Always":
+                    reusable.setdefault(r, set()).update(ids)
+                else:
+                    reusable.setdefault(r, set()).difference_update(ids)
+
     async def _allocate_container(self, state: PodState, container: dict[str, Any],
-                                  reusable: dict[str, set[str]]) -> dict[str, list[str]]:
-        """One container's devices (devicesToAllocate): the pod's `reusable` ones first (what its
-        plain init containers got), then free healthy ones. Returns resource -> the ids given."""
+                                  reusable: dict[str, set[str]], first_list: bool = False) -> dict[str, list[str]]:
+        """One container's devices (devicesToAllocate): those the checkpoint gives it (after a
+        restart), else the pod's `reusable` ones first (what its plain init containers got), then
+        free healthy ones. `first_list`: the first pod list after a restart (sources not all
+        ready). Returns resource -> the ids given."""
         cname = container.get("name", "")
         given: dict[str, list[str]] = {}
         for resource, required in sorted(container_limits(container).items()):
             if not self.registered(resource) and not self.allocated(resource):
                 continue  # not a device-plugin resource (isDevicePluginResource)
+            kept = state.devices.get(cname, {}).get(resource)
+            if first_list and state.phase == "Running" and cname in state.containers:
+                # reported running by the runtime at the kubelet's start: it has its devices, nothing
+                # is checked (a plugin not registered again yet is no reason to fail it)
+                given[resource] = list(kept or [])
+                continue
             s = self.resources.get(resource)
             if s is None:
                 raise _AdmissionError(f"cannot allocate unregistered device {resource}")
             if not s.healthy:
                 raise _AdmissionError(f"no healthy devices present; cannot allocate unhealthy devices {resource}")
+            if kept is not None:  # a container not running (a plain init container, one not started)
+                if not s.healthy >= set(kept):
+                    raise _AdmissionError("previously allocated devices are no longer healthy; cannot allocate "
+                                          f"unhealthy devices {resource}")
+                given[resource] = list(kept)
+                continue  # nothing needed: no Allocate, the checkpointed response serves the container
             reused = sorted(reusable.get(resource, set()))[:required]
             needed = required - len(reused)
             available = s.healthy - self.allocated(resource)
@@ -769,7 +842,7 @@ class KubeletModel(KubeletDouble):
             if resource not in allocatable:
                 continue  # removeMissingExtendedResources
             used = sum(p.requests.get(resource, 0) for p in self.pods.values()
-                       if not p.deleted and p.phase != "Failed" and p is not state)
+                       if not p.deleted and p.phase != "Failed" and p.in_pod_manager and p is not state)
             if used + n > allocatable[resource]:
                 return (f"OutOf{resource}", f"Node didn't have enough resource: {resource}, requested: {n}, "
                         f"used: {used}, capacity: {allocatable[resource]}")
@@ -790,7 +863,7 @@ class KubeletModel(KubeletDouble):
         """The containers start: a process on each MIG device (or whole GPU) the pod got."""
         if self.container_start_s:
             await asyncio.sleep(self.container_start_s)
-        if state.deleted:
+        if state.deleted or state.phase == "Failed":  # (rejected again by a restart meanwhile)
             return
         for h in self.holdings.get(state.key, []):
             if self.driver is None or h.gpu < 0:

@@ -27,6 +27,7 @@ from tests.e2e.nvidia_plugin_model import NvidiaPluginModel, enumerate_devices
 
 H100 = default_catalog().resolve("H100-80GB")
 MIG1 = "nvidia.com/mig-1g.10gb"
+MPS10 = "nvidia.com/gpu-10gb"
 
 
 def carve(driver: FakeNvml, gpu: int, *profiles: tuple[str, int]) -> list[str]:
@@ -206,6 +207,147 @@ async def test_restart_re_registration_and_checkpoint(kubelet: KubeletModel, dri
         assert [a.pod for a in await KubeletPodResources(kubelet.podresources_socket).list()] == ["ns/a"]
         assert await kubelet.admit_pod(pod("b", MIG1))  # the other device
         assert not await kubelet.admit_pod(pod("c", MIG1))  # the checkpointed pod kept its device
+
+
+def held(kubelet: KubeletModel) -> dict[str, list[tuple[str, int | None]]]:
+    """Pod -> (device, pid of its fake process) for each device it holds."""
+    return {k: [(h.device, h.pid) for h in hs] for k, hs in kubelet.holdings.items()}
+
+
+async def listed(pr: KubeletPodResources) -> list[tuple[str, str, str]]:
+    return sorted((a.pod, a.resource, a.device_id) for a in await pr.list())
+
+
+async def run_init_and_late(kubelet: KubeletModel, driver: FakeNvml, plugins: DevicePluginManager,
+                            late_start_s: float) -> None:
+    """Three pods on MIG1: ns/run running, ns/init running after its plain init container (which
+    held a device) ended, ns/late admitted with its container starting `late_start_s` later."""
+    await plugins.update(advertise(views(driver)))
+    await kubelet.wait_registered(MIG1)
+    starting = pod("init", MIG1)
+    starting["spec"]["initContainers"] = [{"name": "fetch", "resources": {"limits": {MIG1: "1"}}}]
+    assert await kubelet.admit_pod(pod("run", MIG1)) and await kubelet.admit_pod(starting)
+    await asyncio.sleep(0.05)  # the containers start
+    kubelet.container_start_s = late_start_s
+    assert await kubelet.admit_pod(pod("late", MIG1))
+
+
+async def test_running_pods_keep_their_devices_through_a_kubelet_restart(kubelet: KubeletModel, driver: FakeNvml):
+    """A restart admits every pod again (kubelet 1.35 HandlePodAdditions). A container the runtime
+    reports running keeps the devices its checkpoint gives it, unchecked: the MIG pod and the MPS
+    pod survive though the agent's plugin registers again only after that, and no Allocate is made
+    again. Until the sync loop handled its first pod list, the new kubelet's PodResources lists no
+    pod (its pod manager is empty)."""
+    uuids = carve(driver, 0, ("1g.10gb", 0), ("1g.10gb", 1))
+    async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
+        await plugins.update(advertise(views(driver, {1: (10, 10)})))
+        await kubelet.wait_registered(MIG1)
+        await kubelet.wait_registered(MPS10)
+        assert await kubelet.admit_pod(pod("m", MIG1)) and await kubelet.admit_pod(pod("s", MPS10))
+        await asyncio.sleep(0.05)  # the containers start
+        pr = KubeletPodResources(kubelet.podresources_socket)
+        before, pids, calls = await listed(pr), held(kubelet), len(kubelet.allocations)
+        assert [p for p, _, _ in before] == ["ns/m", "ns/s"] and pids["ns/m"][0][1] is not None  # (MPS: no process)
+        kubelet.readmit_after_s = 0.5  # the sync loop's first pod list, 0.5 s after the new kubelet.sock
+        kubelet.refuse_registration = True  # the plugins register again only after it
+        await kubelet.restart()
+        assert await pr.list() == []  # no pod known yet
+        await kubelet.wait_for(lambda: bool(kubelet.readmissions), timeout_s=2)
+        assert kubelet.admission_failures == [] and not any(kubelet.capacity()[1].values())  # no device yet
+        assert await listed(pr) == before and await pr.allocatable() == {}
+        kubelet.refuse_registration = False
+        await kubelet.wait_for(lambda: kubelet.capacity()[1] == {MIG1: 2, MPS10: 2}, timeout_s=2)
+        assert await listed(pr) == before and held(kubelet) == pids and len(kubelet.allocations) == calls
+        (m_gi,) = [h.gi_id for h in kubelet.holdings["ns/m"]]
+        assert driver.processes(0, m_gi) == [pids["ns/m"][0][1]]  # its container was not stopped
+        assert await kubelet.admit_pod(pod("n", MIG1))  # the other instance
+        assert kubelet.allocations[-1].device_ids == [u for u in uuids if u != before[0][2]]
+        assert not await kubelet.admit_pod(pod("o", MIG1))  # ns/m kept its instance
+        assert kubelet.exclusive_violations == []
+
+
+async def test_a_kubelet_restart_fails_the_pods_whose_containers_were_not_running(kubelet: KubeletModel,
+                                                                                  driver: FakeNvml):
+    """A container not running when the kubelet starts (a plain init container that ended, one not
+    started yet) must find the devices its checkpoint gives it healthy. Before its plugin
+    registered again there is none: the pod fails with UnexpectedAdmissionError (kubelet 1.35
+    devicesToAllocate; kubernetes#118559), its containers are stopped and its devices are free
+    again. The running pod keeps its own."""
+    uuids = carve(driver, 0, ("1g.10gb", 0), ("1g.10gb", 1), ("1g.10gb", 2))
+    async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
+        await run_init_and_late(kubelet, driver, plugins, late_start_s=0.3)  # late: not started at the restart
+        pr = KubeletPodResources(kubelet.podresources_socket)
+        before = await listed(pr)
+        (init_gi,) = [h.gi_id for h in kubelet.holdings["ns/init"]]
+        assert driver.processes(0, init_gi)
+        kubelet.refuse_registration = True
+        await kubelet.restart()
+        why = f"Allocate failed due to no healthy devices present; cannot allocate unhealthy devices {MIG1}, which is unexpected"
+        assert kubelet.admission_failures == [("ns/init", "UnexpectedAdmissionError", why),
+                                              ("ns/late", "UnexpectedAdmissionError", why)]
+        assert await listed(pr) == [a for a in before if a[0] == "ns/run"]
+        assert driver.processes(0, init_gi) == [] and list(kubelet.holdings) == ["ns/run"]
+        await asyncio.sleep(0.35)
+        assert list(kubelet.holdings) == ["ns/run"] and kubelet.pods["ns/run"].phase == "Running"  # late never starts
+        kubelet.refuse_registration = False
+        await kubelet.wait_for(lambda: kubelet.resources[MIG1].healthy == set(uuids), timeout_s=2)
+        assert await kubelet.admit_pod(pod("a", MIG1)) and await kubelet.admit_pod(pod("b", MIG1))  # freed
+        assert not await kubelet.admit_pod(pod("c", MIG1))
+
+
+async def test_a_restart_after_the_plugin_registered_again_checks_containers_not_running(kubelet: KubeletModel,
+                                                                                           driver: FakeNvml):
+    """The other order: the plugin registered again before the first pod list. A container not
+    running needs its checkpointed devices listed healthy: the pod whose ended init container's
+    device is still advertised is admitted again, the one not started whose device left the list
+    fails; a running container is not checked (its device left the list too: kept)."""
+    carve(driver, 0, ("1g.10gb", 0), ("1g.10gb", 1), ("1g.10gb", 2))
+    async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
+        await run_init_and_late(kubelet, driver, plugins, late_start_s=5)
+        pr = KubeletPodResources(kubelet.podresources_socket)
+        before = await listed(pr)
+        by_pod = {p: d for p, _, d in before}
+        await plugins.withdraw(by_pod["ns/run"], by_pod["ns/late"])
+        kubelet.readmit_after_s = 1.0
+        back = await kubelet.restart()
+        await kubelet.wait_for(lambda: kubelet.resources[MIG1].healthy == {by_pod["ns/init"]}, timeout_s=2)
+        registered_at = time.monotonic()  # registered again first
+        await kubelet.wait_for(lambda: bool(kubelet.admission_failures), timeout_s=2)
+        assert kubelet.readmissions[0] - back >= 1.0 and kubelet.readmissions[0] > registered_at
+        why = (f"Allocate failed due to previously allocated devices are no longer healthy; cannot allocate unhealthy "
+               f"devices {MIG1}, which is unexpected")
+        assert kubelet.admission_failures == [("ns/late", "UnexpectedAdmissionError", why)]
+        assert await listed(pr) == [a for a in before if a[0] != "ns/late"]
+
+
+async def test_the_agents_guard_keeps_a_running_pods_device_the_restarted_kubelet_does_not_list_yet(
+        kubelet: KubeletModel, driver: FakeNvml):
+    """Between a kubelet restart and its first pod list, PodResources lists no pod: a running
+    pod's MIG instance looks free. The agent's guard, asked before a destroy, keeps every device of
+    the resource while the API server says a pod that asked for it runs here unlisted; once the
+    pod is listed again, only its own device stays."""
+    carve(driver, 0, ("1g.10gb", 0), ("1g.10gb", 1))
+    async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
+        await plugins.update(advertise(views(driver)))
+        await kubelet.wait_registered(MIG1)
+        assert await kubelet.admit_pod(pod("m", MIG1))
+        await asyncio.sleep(0.05)  # its container starts
+        pr = KubeletPodResources(kubelet.podresources_socket)
+        (mine,) = [a.device_id for a in await pr.list()]
+        (other,) = [u for u in (d.id for d in plugins.advertised()[MIG1]) if u != mine]
+        node_pods = FakeNodePods()
+        node_pods.bind("ns/m", {MIG1: 1}, phase="Running")  # what the API server says
+        guard = SliceGuard(pr, node_pods)
+        free = {MIG1: [mine, other]}
+        assert list(await guard.keep({mine: MIG1, other: MIG1}, free)) == []  # listed: neither is kept for it
+        kubelet.readmit_after_s = 1.0
+        await kubelet.restart()
+        assert await pr.list() == []  # the window: the pod looks gone
+        kept = await guard.keep({mine: MIG1, other: MIG1}, free)
+        assert sorted(kept) == sorted([mine, other]) and "ns/m" in kept[mine]
+        await kubelet.wait_for(lambda: bool(kubelet.readmissions), timeout_s=3)
+        assert [a.device_id for a in await pr.list()] == [mine]
+        assert await guard.keep({other: MIG1}, free) == {}
 
 
 async def test_every_message_is_checked_for_a_gpu_advertised_twice(kubelet: KubeletModel, driver: FakeNvml):
