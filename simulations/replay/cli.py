@@ -28,7 +28,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -309,11 +309,17 @@ def _run_jobs(jobs: list[Job], parts: list[Part], catalog: Catalog, n_proc: int)
                 futures = {pool.submit(_one, (parts[jobs[i].part].trace.pods, parts[jobs[i].part].cluster, catalog,
                                               jobs[i].opts)): i for i in order}
                 try:
-                    for f in as_completed(futures):
-                        i = futures[f]
-                        out[i] = f.result()
-                        prog.update(len(out), f"{parts[jobs[i].part].name} {_label(jobs[i])} done "
-                                              f"({out[i].wall_s:.0f}s)")
+                    # woken every second, not only when a replay ends: the periodic line (or the
+                    # bar's clock) shows a run of minutes is alive
+                    pending = set(futures)
+                    while pending:
+                        finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                        note = f"{len(pending)} running"
+                        for f in finished:
+                            i = futures[f]
+                            out[i] = f.result()
+                            note = f"{parts[jobs[i].part].name} {_label(jobs[i])} done ({out[i].wall_s:.0f}s)"
+                        prog.update(len(out), note)
                 except BaseException:
                     pool.shutdown(wait=False, cancel_futures=True)  # a replay failed: run no other
                     raise

@@ -34,12 +34,13 @@ class Progress:
             bar = "#" * filled + "-" * (width - filled)
             self.stream.write(f"\r{self.label} [{bar}] {done}/{self.total} {now - self.t0:5.0f}s {note}\033[K")
             self.stream.flush()
+            self.last = now
         elif (now - self.last >= self.every_s and done < self.total) or (done >= self.total and not self.printed_total):
             self.printed_total = done >= self.total
             self.stream.write(f"{self.label}: {done}/{self.total} ({100 * done // self.total}%) "
                               f"{now - self.t0:.0f}s {note}\n")
             self.stream.flush()
-        self.last = now
+            self.last = now  # (when a line was written: updates more frequent than every_s still get one)
 
     def close(self) -> None:
         if self.enabled and self.tty:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from unittest.mock import patch
 
 from dynpart.simulations.reporting.progress import Progress
 
@@ -26,3 +27,20 @@ def test_disabled_progress_writes_nothing() -> None:
     bar.update(10)
     bar.close()
     assert out.getvalue() == ""
+
+
+def test_plain_stream_gets_a_line_every_so_often_however_often_it_is_told() -> None:
+    """A replay reports every event, far more often than `every_s`: the plain stream (a CI log, a
+    pipe) still gets a line each `every_s`, not only the first one."""
+    now = [1000.0]
+    out = io.StringIO()
+    bar = Progress("replay", total=100, stream=out, every_s=15.0)
+    with patch("dynpart.simulations.reporting.progress.time.monotonic", lambda: now[0]):
+        bar.t0 = now[0]
+        for done in range(100):
+            bar.update(done)
+            now[0] += 1.0  # an update a second
+        bar.update(100)
+    lines = out.getvalue().splitlines()
+    assert [line.split(":")[1].split()[0] for line in lines] == \
+        ["0/100", "15/100", "30/100", "45/100", "60/100", "75/100", "90/100", "100/100"]
