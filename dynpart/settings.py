@@ -233,7 +233,10 @@ class AgentSettings(CommonSettings):
     @classmethod
     def _as_the_api_server_takes_them(cls, value: str, info: ValidationInfo) -> str:
         # checked here, not by the API server at the first MIG change; and never an empty
-        # selector: the agent deletes the pods it selects on its node
+        # selector: the agent deletes the pods it selects on its node. Only where they are used
+        # (a builtin agent never reads them)
+        if info.data.get("device_plugin") != "nvidia":
+            return value
         check = dns_label_problem if info.field_name == "nvidia_plugin_namespace" else selector_problem
         problem = check(value)
         if problem:

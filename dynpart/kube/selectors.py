@@ -12,12 +12,17 @@ _SUBDOMAIN = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9]
 _KEY = re.compile(rf"(?:(?P<prefix>{_SUBDOMAIN})/)?{_NAME}")
 _VALUE = re.compile(rf"(?:{_NAME})?")
 _DNS_LABEL = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
+_INT64 = 1 << 63
 
+# apimachinery's lexer: whitespace is ' ', \t, \r and \n only (not Python's \s: a no-break space
+# copied from a web page is part of a token there, and refused)
+_WS = r"[ \t\r\n]"
+_TOKEN = r"[^ \t\r\n!=<>(),]+"
 # one requirement: `key`, `!key`, `key=v`, `key==v`, `key!=v`, `key in (v,...)`, `key notin (v,...)`,
 # `key>N`, `key<N`; values may be empty where the API server allows it
-_REQUIREMENT = re.compile(r"\s*(?:(?P<not>!)\s*(?P<nkey>[^\s!=<>(),]+)"
-                          r"|(?P<key>[^\s!=<>(),]+)\s*(?:(?P<op>==|!=|=|<|>)\s*(?P<value>[^\s!=<>(),]*)"
-                          r"|\s(?P<set>in|notin)\s*\((?P<values>[^()]*)\))?)\s*")
+_REQUIREMENT = re.compile(rf"{_WS}*(?:(?P<not>!){_WS}*(?P<nkey>{_TOKEN})"
+                          rf"|(?P<key>{_TOKEN}){_WS}*(?:(?P<op>==|!=|=|<|>){_WS}*(?P<value>[^ \t\r\n!=<>(),]*)"
+                          rf"|{_WS}(?P<set>in|notin){_WS}*\((?P<values>[^()]*)\))?){_WS}*")
 
 
 def dns_label_problem(text: str) -> str | None:
@@ -44,7 +49,7 @@ def _value_problem(value: str) -> str | None:
 def selector_problem(text: str) -> str | None:
     """What is wrong with a label selector (the `-l` syntax), or None. An empty selector is a
     problem too: it selects every object."""
-    if not text.strip():
+    if not text.strip(" \t\r\n"):
         return "an empty label selector selects every pod"
     # split on the commas outside parentheses
     parts, depth, start = [], 0, 0
@@ -64,14 +69,16 @@ def selector_problem(text: str) -> str | None:
             return problem
         op, values = m.group("op"), m.group("values")
         if op in ("<", ">"):
-            if not re.fullmatch(r"-?\d+", m.group("value")):
-                return f"{part.strip()!r}: {op} needs an integer"
+            # an int64 (ParseInt), and a valid label value too (so not negative)
+            value = m.group("value")
+            if not re.fullmatch(r"[0-9]+", value) or int(value) >= _INT64:
+                return f"{part.strip()!r}: {op} needs a non-negative 64-bit integer"
+            problem = _value_problem(value)
         elif op is not None:
             problem = _value_problem(m.group("value"))
         elif values is not None:
-            items = [v.strip() for v in values.split(",")]
-            if items == [""]:
-                return f"{part.strip()!r}: a set needs at least one value"
+            # `()` is the set of the empty value, which the API server takes
+            items = [v.strip(" \t\r\n") for v in values.split(",")]
             problem = next(filter(None, map(_value_problem, items)), None)
         if problem:
             return problem

@@ -202,7 +202,8 @@ class PodState:
     containers: list[str] = field(default_factory=list)
     spec: dict[str, Any] = field(default_factory=dict)  # what a re-admission after a restart reads
     created: str = ""  # metadata.creationTimestamp: HandlePodAdditions admits the oldest first
-    admitted: bool = False  # its admission ended (one in flight at a restart ends on its own)
+    admitted: bool = False  # its admission ended (one in flight at a restart ends with the old kubelet)
+    generation: int = 0  # the kubelet process (restarts so far) that admits it
     # known to the kubelet's pod manager: False from a restart until the pod's re-admission (the
     # new kubelet's PodResources does not list it, its predicate check does not count it)
     in_pod_manager: bool = True
@@ -285,6 +286,7 @@ class KubeletModel(KubeletDouble):
         self.status_patches = 0
         self.restarts: list[float] = []  # time.monotonic() when kubelet.sock was back
         self.readmissions: list[float] = []  # time.monotonic() when a restart's re-admission ended
+        self.generation = 0  # kubelet processes started since the first, by restarts
         self.errors: list[str] = []
         self._holds: dict[str, asyncio.Event] = {}
         self._queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -329,6 +331,7 @@ class KubeletModel(KubeletDouble):
         """A kubelet restart; returns time.monotonic() when the new kubelet.sock exists (with
         `readmit_after_s` 0, once the pods were admitted again)."""
         self._admitting.clear()
+        self.generation += 1  # an admission in flight ends with the old process
         try:
             if self._status_task is not None:
                 self._status_task.cancel()
@@ -341,7 +344,9 @@ class KubeletModel(KubeletDouble):
                 state.healthy, state.unhealthy, state.devices = set(), set(), {}
                 state.stopped_at = stopped
             for pod in self.pods.values():
-                pod.in_pod_manager = not pod.admitted  # the new kubelet knows no pod until its first list
+                # the new kubelet knows no pod until its first list, one being admitted by the old
+                # one included (its first list admits it again, its containers not running)
+                pod.in_pod_manager = False
             # kubelet.sock gone, *.sock wiped, then start(): kubelet.sock, PodResources, status loop
             back = await super().restart()
             self.restarts.append(back)
@@ -701,15 +706,19 @@ class KubeletModel(KubeletDouble):
         # PodResources lists the app containers and the sidecars (restartable init containers)
         listed = [c for c in init if c.get("restartPolicy") == "Always"] + containers
         state = PodState(key, uid, containers=[c.get("name", "") for c in listed], spec=spec,
-                         created=md.get("creationTimestamp") or "")
+                         created=md.get("creationTimestamp") or "", generation=self.generation)
         state.requests = effective_requests(init, containers)
         self.pods[key] = state
         try:
             await self._allocate_pod(state)
+        except _EndedByRestart:
+            return False  # the new kubelet's first list admits it again
         except _AdmissionError as e:
             return await self._reject(state, "UnexpectedAdmissionError", f"Allocate failed due to {e}, which is unexpected")
         if self.core is not None:
             reason = await self._predicate(state)
+            if state.generation != self.generation:
+                return False
             if reason is not None:
                 return await self._reject(state, *reason)
         for resource, n in state.requests.items():
@@ -730,8 +739,11 @@ class KubeletModel(KubeletDouble):
         """canAdmitPod again after a restart, for a pod of the checkpoint: its containers find their
         devices there (no RPC); a container not running needs them healthy (`_allocate_container`)."""
         state.in_pod_manager = True  # podManager.AddPod, then the admission
+        state.generation = self.generation
         try:
             await self._allocate_pod(state, first_list=True)
+        except _EndedByRestart:
+            return
         except _AdmissionError as e:
             await self._reject(state, "UnexpectedAdmissionError", f"Allocate failed due to {e}, which is unexpected")
             return
@@ -796,6 +808,8 @@ class KubeletModel(KubeletDouble):
                     preferred = await self.preferred(resource, sorted(available | set(reused)), reused, required)
                 except grpc.aio.AioRpcError as e:
                     raise _AdmissionError(f"rpc error: code = {e.code().name} desc = {e.details()}") from None
+                if state.generation != self.generation:
+                    raise _EndedByRestart
                 # the devices healthy before the call, as the kubelet's devicesToAllocate keeps them:
                 # one withdrawn during the call may still be chosen (Allocate then decides); less
                 # what other admissions of this model took meanwhile (the kubelet admits one at a time)
@@ -813,6 +827,8 @@ class KubeletModel(KubeletDouble):
                     response = await self.allocate(resource, chosen)
                 except grpc.aio.AioRpcError as e:
                     raise _AdmissionError(f"rpc error: code = {e.code().name} desc = {e.details()}") from None
+                if state.generation != self.generation:
+                    raise _EndedByRestart
                 if not response.container_responses:
                     raise _AdmissionError(f"no containers return in allocation response {response}")
                 state.devices.setdefault(cname, {})[resource] = list(chosen)
@@ -914,6 +930,11 @@ class KubeletModel(KubeletDouble):
 
 class _AdmissionError(Exception):
     pass
+
+
+class _EndedByRestart(Exception):
+    """The kubelet restarted while this admission was in flight: the old process's admission ends
+    with it (what its Allocate returned afterwards is in no checkpoint)."""
 
 
 def _same(a: str | None, b: str | None) -> bool:

@@ -350,6 +350,37 @@ async def test_the_agents_guard_keeps_a_running_pods_device_the_restarted_kubele
         assert await guard.keep({other: MIG1}, free) == {}
 
 
+async def test_an_admission_in_flight_at_a_restart_ends_with_the_old_kubelet(kubelet: KubeletModel,
+                                                                             driver: FakeNvml):
+    """v1.35: a restart ends the old kubelet's admission; the new kubelet's pod manager is empty
+    until the first pod list (PodResources lists no pod), which admits that pod again like any
+    other: its container is not running, so with its plugin not registered again it fails with
+    UnexpectedAdmissionError (what the old Allocate returned is in no checkpoint)."""
+    carve(driver, 0, ("1g.10gb", 0))
+    async with DevicePluginManager(kubelet.plugin_dir, poll_s=0.05) as plugins:
+        await plugins.update(advertise(views(driver)))
+        await kubelet.wait_registered(MIG1)
+        msgs = protocol.messages()
+
+        async def slow_allocate(resource, *containers):  # an Allocate RPC that takes 0.3 s
+            await asyncio.sleep(0.3)
+            return msgs["AllocateResponse"](container_responses=[msgs["ContainerAllocateResponse"]()])
+
+        kubelet.allocate = slow_allocate
+        admission = asyncio.create_task(kubelet.admit_pod(pod("f", MIG1)))
+        await asyncio.sleep(0.1)  # inside Allocate
+        kubelet.readmit_after_s = 1.0
+        kubelet.refuse_registration = True
+        await kubelet.restart()
+        assert await admission is False  # ended with the old kubelet
+        await asyncio.sleep(0.1)
+        pr = KubeletPodResources(kubelet.podresources_socket)
+        assert await pr.list() == []  # before the first pod list: no pod known
+        await kubelet.wait_for(lambda: bool(kubelet.readmissions), timeout_s=3)
+        assert [k for k, _, _ in kubelet.admission_failures] == ["ns/f"]
+        assert not kubelet.holdings.get("ns/f") and "ns/f" not in kubelet.pods  # its devices free again
+
+
 async def test_every_message_is_checked_for_a_gpu_advertised_twice(kubelet: KubeletModel, driver: FakeNvml):
     uuid = driver.devices()[1].uuid
     whole = PluginServer("nvidia.com/gpu", kubelet.plugin_dir, [PluginDevice(uuid, "gpu", uuid, 1)])

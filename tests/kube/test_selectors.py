@@ -11,7 +11,9 @@ from dynpart.settings import AgentSettings, load_settings
 
 @pytest.mark.parametrize("text", [
     "app=nvidia-device-plugin-daemonset", "app", "!app", "app!=x", "app==x", "app=", "app in (a, b)",
-    "app notin (a)", "a=b,c in (d,e),!f", "x>3", "nvidia.com/gpu.deploy.device-plugin=true", " app = x ",
+    "app notin (a)", "a=b,c in (d,e),!f", "x>3", "x<9223372036854775807",
+    "app in ()", "app notin ()", "app in ( )", "app in (),b=c",  # `()`: the set of the empty value
+    "nvidia.com/gpu.deploy.device-plugin=true", " app = x ",
 ])
 def test_selectors_the_api_server_takes_are_taken(text):
     assert selector_problem(text) is None
@@ -22,13 +24,23 @@ def test_selectors_the_api_server_takes_are_taken(text):
     ("  ", "an empty label selector selects every pod"),
     ("app=x,", "'' is not a label requirement"),
     ("app=nvidia device", "'app=nvidia device' is not a label requirement"),
-    ("app in ()", "a set needs at least one value"),
+    ("x>-1", "needs a non-negative 64-bit integer"),
+    ("x>9223372036854775808", "needs a non-negative 64-bit integer"),
+    ("x>" + "1" * 64, "needs a non-negative 64-bit integer"),
+    ("x>\u0663", "needs a non-negative 64-bit integer"),
+    # the API server's lexer takes only ' ', \t, \r, \n for whitespace: a no-break space copied
+    # from a web page is part of a token
+    ("app=nvidia-device-plugin-daemonset\u00a0", "is not valid (at most 63"),
+    ("\u00a0app=x", "is not a qualified name"),
+    ("app\u2003in (a)", "is not a label requirement"),
+    ("app=x\f", "is not valid (at most 63"),
+    ("app=x\v", "is not valid (at most 63"),
     ("app in (a,b", "is not a label requirement"),
     ("Nvidia.com/app=x", "label key 'Nvidia.com/app' is not a qualified name"),
     ("a" * 64 + "=x", "is not a qualified name"),
     ("app=" + "v" * 64, "is not valid (at most 63"),
     ("app in (ok, -bad)", "label value '-bad' is not valid"),
-    ("x>three", "> needs an integer"),
+    ("x>three", "> needs a non-negative 64-bit integer"),
 ])
 def test_selectors_the_api_server_refuses_are_named(text, said):
     problem = selector_problem(text)
@@ -43,7 +55,11 @@ def test_namespace_names():
 
 def test_the_agent_refuses_a_plugin_selector_or_namespace_the_api_server_would(monkeypatch):
     """Found when the agent starts, not at the first MIG change; never an empty selector, which
-    would have the agent delete every pod of the namespace on its node."""
+    would have the agent delete every pod of the namespace on its node. Only where NVIDIA's plugin
+    is used: a builtin agent never reads them."""
+    monkeypatch.setenv("DYNPART_AGENT_NVIDIA_PLUGIN_SELECTOR", "")
+    assert load_settings(AgentSettings).device_plugin == "builtin"
+    monkeypatch.setenv("DYNPART_AGENT_DEVICE_PLUGIN", "nvidia")
     monkeypatch.setenv("DYNPART_AGENT_NVIDIA_PLUGIN_SELECTOR", "")
     with pytest.raises(DynpartError, match=r"nvidia_plugin_selector = '': an empty label selector selects every "
                                            r"pod \(environment variable DYNPART_AGENT_NVIDIA_PLUGIN_SELECTOR\)"):
