@@ -406,6 +406,11 @@ class PlanningLoop:
         for key, d in list(state.drains.items()):
             if key not in pending or (d.node not in nodes and d.node not in state.in_flight):
                 del state.drains[key]  # its pod was planned, bound or left (or its node did)
+            elif d.node in nodes and not set(d.gpus) <= {g.index for g in nodes[d.node].gpus}:
+                # a drained GPU left the rounds (reported unhealthy, a reset pending): nothing will
+                # be planned there, so the drain gives way (its pod may drain one elsewhere, and it
+                # no longer counts under drain_max_gpus)
+                del state.drains[key]
         result = plan(self._draining(snapshot, state), catalog, self.options)
         if self._start_drains(snapshot, result, catalog, state):
             result = plan(self._draining(snapshot, state), catalog, self.options)
@@ -463,6 +468,8 @@ class PlanningLoop:
             result = with_drain_flags(result, snapshot, name, want, state.flagged.get(name, set()))
             layout = result.layout_of(name)
             if layout is not None and layout.changed:
+                # (the spec written names only the GPUs of the snapshot's node: a flagged GPU left
+                # out of the rounds loses its flag with it)
                 if want:
                     state.flagged[name] = set(want)
                 else:
