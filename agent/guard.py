@@ -94,7 +94,7 @@ class SliceGuard:
         if any(isinstance(known_resource(a.resource), MpsResource) and "::" in a.device_id for a in assigned):
             return True
         bound = await self.node_pods.bound() if self.node_pods is not None else []
-        needs = waiting_for(bound, assigned) if bound else {}
+        needs = waiting_for(bound, assigned)
         return any(need.unlisted for r, need in needs.items() if isinstance(known_resource(r), MpsResource))
 
     async def release(self, candidates: Mapping[str, str], free: Mapping[str, Iterable[str]] | None = None) -> Released:

@@ -131,6 +131,22 @@ def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -
                     tuple(unlisted.get(r, ()))) for r in sorted(count)}
 
 
+def _unknown_holders(need: Need, resource: str) -> str | None:
+    """Why every device of the resource stays, if some pod may hold one no list shows."""
+    if need.unseen:
+        return (f"kept while pod(s) {', '.join(need.unseen)} start: an init container may use a {resource} device, "
+                "and the kubelet does not list init containers' devices")
+    if need.unlisted:
+        return (f"kept while pod(s) {', '.join(need.unlisted)} run with fewer {resource} devices than they asked for "
+                "listed by the kubelet (a restarted kubelet lists a pod once it has admitted it again): which devices "
+                "are theirs is unknown")
+    if need.init_held:
+        return (f"kept while pod(s) {', '.join(need.init_held)} run: an init container of theirs got a {resource} "
+                "device the kubelet keeps for them, unlisted, until they end (and a kubelet restart admits them again "
+                "only if it still exists)")
+    return None
+
+
 def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], needs: Mapping[str, Need]) -> dict[str, str]:
     """Which of the `candidates` (device id -> resource, free devices the agent wants gone, in the
     order it would remove them) must stay: for each resource, the pods waiting for it must still
@@ -141,22 +157,10 @@ def to_keep(candidates: Mapping[str, str], free: Mapping[str, Iterable[str]], ne
         mine = [i for i, r in candidates.items() if r == resource]
         if not mine:
             continue
-        if need.unseen:
-            for device in mine:
-                kept[device] = (f"kept while pod(s) {', '.join(need.unseen)} start: an init container may use a "
-                                f"{resource} device, and the kubelet does not list init containers' devices")
-            continue
-        if need.unlisted:
-            for device in mine:
-                kept[device] = (f"kept while pod(s) {', '.join(need.unlisted)} run with fewer {resource} devices "
-                                "than they asked for listed by the kubelet (a restarted kubelet lists a pod once it "
-                                "has admitted it again): which devices are theirs is unknown")
-            continue
-        if need.init_held:
-            for device in mine:
-                kept[device] = (f"kept while pod(s) {', '.join(need.init_held)} run: an init container of theirs got "
-                                f"a {resource} device the kubelet keeps for them, unlisted, until they end (and a "
-                                "kubelet restart admits them again only if it still exists)")
+        # pods whose devices cannot be told apart from free ones: every device of the resource stays
+        unknown = _unknown_holders(need, resource)
+        if unknown:
+            kept.update(dict.fromkeys(mine, unknown))
             continue
         others = len(set(free.get(resource, ())) - set(mine))
         n = max(0, min(len(mine), need.count - others))
