@@ -78,14 +78,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="run the probe and those reads on a recording made with --record instead of the driver")
     probe.set_defaults(func=run_probe)
 
-    mps = cmds.add_parser("mps-control", help="run the MPS control daemon as the agent asks (the agent pod's "
-                          "mps-control container)",
+    mps = cmds.add_parser("mps-control", help="run the MPS control daemon as the agent asks (the Helm chart's "
+                          "mps-control DaemonSet)",
                           description="Supervise nvidia-cuda-mps-control as the agent asks through DIR "
-                                      "(the agent's mps_control_dir, a directory both containers share): start it, "
+                                      "(the agent's mps_control_dir, a host directory both mount): start it, "
                                       "start it again if it dies, stop it when no GPU wants it; report what runs in "
-                                      "DIR/state.json. Run in a container of its own, the daemon outlives restarts "
-                                      "of the agent's container; it is told to quit when this command ends (SIGTERM) "
-                                      "(docs/agent.md, MPS).")
+                                      "DIR/state.json. Run in a pod of its own, the daemon outlives restarts and "
+                                      "replacements of the agent; it is told to quit when this command ends "
+                                      "(SIGTERM) (docs/agent.md, MPS).")
     mps.add_argument("--dir", dest="control_dir", default="/run/dynpart-mps", metavar="DIR",
                      help="the directory shared with the agent (default /run/dynpart-mps)")
     mps.add_argument("--mps-control-binary", metavar="PATH", help=argparse.SUPPRESS)  # tests
@@ -464,8 +464,8 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     daemon: MpsDaemon
     shutdown = shutdown or Shutdown()
     if settings.mps_control_dir:
-        # run by the mps-control container: it outlives this one, and the agent's way out leaves it
-        # (and the MPS pods' CUDA contexts) running
+        # run by mps-control, in a pod of its own: it outlives this one, and the agent's way out
+        # leaves it (and the MPS pods' CUDA contexts) running
         daemon = SupervisedMpsDaemon(settings.mps_control_dir)
     else:
         daemon = ProcessMpsDaemon()

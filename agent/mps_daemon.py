@@ -15,9 +15,9 @@ plugin): MPS slices are advertised only while it runs, since a client without it
   to be the daemon: a stale file's pid may name another process since) lives is busy or hung, not
   gone: it is neither told to quit nor started a second time;
 - `SupervisedMpsDaemon`: the agent's side of the daemon run by `dynpart agent mps-control`
-  (agent/mps_supervisor.py) in a container of its own, so that a restart of the agent's container
-  does not end it: the agent writes what it wants (`desired.json`) into a directory both
-  containers share and reads back what runs (`state.json`);
+  (agent/mps_supervisor.py) in a pod of its own (the Helm chart's mps-control DaemonSet), so that a
+  restart or replacement of the agent does not end it: the agent writes what it wants
+  (`desired.json`) into a host directory both pods mount and reads back what runs (`state.json`);
 - `FakeMpsDaemon`: the tests' double (`fail_with`, `die()`).
 """
 
@@ -50,7 +50,8 @@ DAEMON_COMM = MPS_CONTROL[:15]
 # the files the agent (SupervisedMpsDaemon) and `dynpart agent mps-control` share
 DESIRED = "desired.json"  # the agent's: {"seq", "gpus", "pipe_dir", "log_dir"}
 STATE = "state.json"  # the supervisor's: {"seq", "gpus", "pipe_dir", "log_dir", "running", "busy", "error", "at", ...}
-MPS_CONTROL_CONTAINER = "mps-control"  # the agent pod's container that runs the supervisor (the Helm chart)
+# who runs the supervisor, for messages (the Helm chart: the node's pod of the mps-control DaemonSet)
+SUPERVISOR = "mps-control (`dynpart agent mps-control`)"
 
 
 def read_json(path: str) -> dict[str, Any] | None:
@@ -369,12 +370,11 @@ class SupervisedMpsDaemon:
         state = read_json(path)
         at = state.get("at") if state else None
         if state is None or not isinstance(at, (int, float)):
-            self.error = (f"no state from the {MPS_CONTROL_CONTAINER} container ({path} is absent or unreadable): "
-                          "is it running?")
+            self.error = f"no state from {SUPERVISOR} ({path} is absent or unreadable): is it running on this node?"
             return None
         age = self.clock() - at
         if age > self.stale_s:
-            self.error = (f"the {MPS_CONTROL_CONTAINER} container has not written {path} for {age:.0f}s: "
+            self.error = (f"{SUPERVISOR} has not written {path} for {age:.0f}s: "
                           "it does not run (see its logs)")
             return None
         self.error = None
@@ -402,7 +402,7 @@ class SupervisedMpsDaemon:
             write_json(self.desired_path, {"seq": seq, **want})
         except OSError as e:
             raise MpsDaemonError(f"writing {self.desired_path}: {e.strerror or e}") from None
-        log.info("asked the %s container to run the MPS control daemon for %s (seq %d)", MPS_CONTROL_CONTAINER,
+        log.info("asked %s to run the MPS control daemon for %s (seq %d)", SUPERVISOR,
                  ", ".join(gpus) or "no GPU", seq)
         return seq
 
@@ -417,7 +417,7 @@ class SupervisedMpsDaemon:
             if time.monotonic() >= deadline:
                 if state is None:
                     raise MpsDaemonError(str(self.error))
-                raise MpsDaemonError(f"the {MPS_CONTROL_CONTAINER} container has not acted on {self.desired_path} "
+                raise MpsDaemonError(f"{SUPERVISOR} has not acted on {self.desired_path} "
                                      f"(seq {seq}) in {self.wait_s:.0f}s (it last did for seq {acted}; "
                                      f"{state.get('error') or 'still starting or stopping the daemon?'})")
             await asyncio.sleep(self.poll_s)
@@ -432,7 +432,7 @@ class SupervisedMpsDaemon:
         if error:
             raise MpsDaemonError(str(error))
         if gpu_uuids and not state.get("running"):
-            raise MpsDaemonError(f"the {MPS_CONTROL_CONTAINER} container reports the MPS control daemon not running")
+            raise MpsDaemonError(f"{SUPERVISOR} reports the MPS control daemon not running")
 
     async def alive(self) -> bool | None:
         state = self._state()

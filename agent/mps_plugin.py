@@ -236,7 +236,7 @@ class MpsPluginAgent:
             return []
         errors: list[str] = []
         if self._daemon_gpus is None:
-            # a restarted agent, the daemon still running in the mps-control container: what it
+            # a restarted agent, the daemon still running in the mps-control pod: what it
             # runs for is what this agent made it run for (not changed under pods using it)
             self._daemon_gpus = self.daemon.running_for()
         changed = self._daemon_gpus is not None and set(gpus) != set(self._daemon_gpus)

@@ -1,8 +1,10 @@
-"""`dynpart agent mps-control`: the MPS control daemon run in a container of its own (the agent
-pod's `mps-control`), so that a restart of the agent's container (a crash, an OOM kill, a failed
-liveness probe) leaves the daemon, and the CUDA contexts of the node's MPS pods, as they are.
+"""`dynpart agent mps-control`: the MPS control daemon run in a pod of its own (the Helm chart's
+mps-control DaemonSet), so that a restart or a replacement of the agent (a crash, an OOM kill, a
+failed liveness probe, an upgrade) leaves the daemon, and the CUDA contexts of the node's MPS
+pods, as they are.
 
-The two containers share a directory (an emptyDir, `mps_control_dir`):
+The agent and this supervisor share a directory (on the host, `mps_control_dir`; either side
+replaced finds what the other wrote, as after a restart of its container):
 
 - `desired.json`, written by the agent (`SupervisedMpsDaemon`, agent/mps_daemon.py):
   {"seq": n, "gpus": [UUIDs in NVML index order], "pipe_dir": ..., "log_dir": ...}; `seq` grows
@@ -112,8 +114,8 @@ class Supervisor:
         self._resume()
 
     def _resume(self) -> None:
-        """A restarted supervisor (its container restarted; the emptyDir kept state.json): the
-        daemon it ran is taken as running for the GPUs it recorded, so that the next check only
+        """A restarted supervisor (its container restarted or its pod replaced; the host directory
+        kept state.json): the daemon it ran is taken as running for the GPUs it recorded, so that the next check only
         asks it (ProcessMpsDaemon starts it again if it is gone, and does not restart one that
         answers for these GPUs)."""
         old = read_json(os.path.join(self.dir, STATE))

@@ -210,12 +210,12 @@ class AgentSettings(CommonSettings):
     mps_pipe_dir: str = Field(default="/var/lib/dynpart/mps", description="MPS: host directory of the MPS control "
                               "daemon's pipes, mounted into MPS pods (the same path inside the agent)")
     mps_log_dir: str = Field(default="/var/lib/dynpart/mps-log", description="MPS: the MPS control daemon's logs")
-    mps_control_dir: str | None = Field(default=None, description="MPS: a directory shared with a container that "
+    mps_control_dir: str | None = Field(default=None, description="MPS: a host directory shared with a pod that "
                                         "runs `dynpart agent mps-control --dir` on it (the Helm chart's `mps-control` "
-                                        "container): the MPS control daemon runs there, and a restart of the agent's "
-                                        "container leaves it and its clients running. Unset: the agent runs the daemon "
-                                        "in its own container, and its restart or exit ends every MPS client on the "
-                                        "node")
+                                        "DaemonSet): the MPS control daemon runs there, and a restart or replacement "
+                                        "of the agent leaves it and its clients running. Unset: the agent runs the "
+                                        "daemon in its own container, and its restart or exit ends every MPS client "
+                                        "on the node")
     publish_allocatable: bool = Field(default=True, description="the agent's own device plugin: write the node's "
                                       "status.allocatable of the slice resources as soon as the kubelet holds the "
                                       "devices (never more than it holds), instead of waiting for the kubelet's next "

@@ -28,6 +28,8 @@ KUBECONFORM = CACHE / "tools" / "bin" / "kubeconform"
 SCHEMAS = CACHE / "kube-schemas"
 NAMESPACE = "dynpart-system"
 PARTITIONING_LABEL = "dynpart.io/gpu-partitioning"
+AGENT_DS = "dynpart-agent"
+MPS_CONTROL_DS = "dynpart-mps-control"
 
 
 def _in_ci() -> bool:
@@ -136,14 +138,16 @@ def test_planner_config_is_valid_planner_settings(default, full, tmp_path, monke
 
 
 def test_agent_may_stay_during_driver_upgrades():
-    ds = find(render("--set", "agent.leaveDuringDriverUpgrade=false"), "DaemonSet")
-    terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
-        {"key": PARTITIONING_LABEL, "operator": "In", "values": ["mig", "mps"]}]}]
+    objs = render("--set", "agent.leaveDuringDriverUpgrade=false")
+    for name in (AGENT_DS, MPS_CONTROL_DS):  # (the MPS daemon too: a CUDA client of the driver)
+        ds = find(objs, "DaemonSet", name)
+        terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
+            {"key": PARTITIONING_LABEL, "operator": "In", "values": ["mig", "mps"]}]}]
 
 
 def test_agent_daemonset(default):
-    ds = find(default, "DaemonSet")
+    ds = find(default, "DaemonSet", AGENT_DS)
     pod = ds["spec"]["template"]["spec"]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert terms == [{"matchExpressions": [
@@ -168,11 +172,10 @@ def test_agent_daemonset(default):
     assert vols["device-plugins"]["hostPath"] == {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}
     assert {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"} in c["volumeMounts"]
     assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"], vols["state"], vols["device-plugins"]]
-    assert pod["hostIPC"] is True  # the MPS control daemon and its clients share memory
-    # restarting an agent ends its node's MPS clients: never on its own
-    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
-    # the MPS control daemon and servers live in the container: an OOM kill ends every MPS client
-    assert "memory" not in c["resources"].get("limits", {})
+    # the MPS control daemon, which shares memory with its clients, runs in the mps-control pods
+    assert "hostIPC" not in pod and [x["name"] for x in pod["containers"]] == ["agent"]
+    # a replaced agent leaves the MIG instances, the MPS daemon and their pods running: rolled
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
     assert {"name": "state", "mountPath": "/var/lib/dynpart"} in c["volumeMounts"]
     assert "device-plugin-config" not in vols and c["args"] == ["agent", "run", "--config", "/etc/dynpart/agent.yaml",
                                                                 "--node", "$(NODE_NAME)"]  # no ConfigMap of MPS configs
@@ -183,44 +186,57 @@ def container(pod: dict[str, Any], name: str) -> dict[str, Any]:
     return c
 
 
-def test_mps_control_container_outlives_agent_restarts(default, full, tmp_path, monkeypatch):
-    """The MPS control daemon runs in the agent pod's `mps-control` container, so that a restart of
-    the agent's container leaves it running: the supervisor's command line (parsed by the real
-    parser), the GPU environment, the state directory (pipes and logs), no liveness probe, and an
-    emptyDir shared with the agent, whose settings name it as mps_control_dir."""
+def test_mps_control_daemonset_outlives_agent_replacements(default, full, tmp_path, monkeypatch):
+    """The MPS control daemon runs in a DaemonSet of its own, `mps-control`, so that an agent's
+    restart or replacement (a rolling upgrade) leaves it, and the node's MPS clients, running: on
+    the agent's nodes (a node switched to MIG keeps its MPS pods, and their daemon, until they
+    end), updated only on delete, the supervisor's command line (parsed by the real parser), the
+    GPU environment, the host's IPC namespace, no liveness probe, no memory limit, no API
+    credential, and the agent's state directory on the host, where the agent's settings put
+    mps_control_dir: either pod replaced finds what the other wrote."""
     from dynpart.cli import build_parser
 
     for objs in (default, full):
-        pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
-        assert [c["name"] for c in pod["containers"]] == ["agent", "mps-control"]
-        agent, mps = container(pod, "agent"), container(pod, "mps-control")
+        agent_ds, ds = find(objs, "DaemonSet", AGENT_DS), find(objs, "DaemonSet", MPS_CONTROL_DS)
+        agent_pod, pod = agent_ds["spec"]["template"]["spec"], ds["spec"]["template"]["spec"]
+        assert ds["spec"]["updateStrategy"]["type"] == ("OnDelete" if objs is default else "RollingUpdate")
+        labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == "mps-control"
+        assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        # the two DaemonSets select each other's pods in no way
+        assert not agent_ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        for key in ("affinity", "tolerations", "runtimeClassName", "priorityClassName"):
+            assert pod.get(key) == agent_pod.get(key), key
+        (mps,) = pod["containers"]
+        agent = container(agent_pod, "agent")
         ns = build_parser().parse_args(mps["args"])
-        assert (ns.command, ns.agent_command, ns.control_dir) == ("agent", "mps-control", "/run/dynpart-mps")
+        assert (ns.command, ns.agent_command) == ("agent", "mps-control")
         assert mps["image"] == agent["image"]
         env = {e["name"]: e.get("value") for e in mps["env"]}
         assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
         assert "livenessProbe" not in mps and "readinessProbe" not in mps and "livenessProbe" in agent
         assert mps["securityContext"] == agent["securityContext"]  # what the daemon had in the agent's container
         assert "memory" not in mps["resources"].get("limits", {})  # an OOM kill would end every MPS client
+        assert pod["hostIPC"] is True and pod["automountServiceAccountToken"] is False
+        assert "projected" not in str(pod["volumes"]) and not mps.get("ports")
         vols = {v["name"]: v for v in pod["volumes"]}
-        assert "emptyDir" in vols["mps-control"]
-        shared = {"name": "mps-control", "mountPath": "/run/dynpart-mps"}
-        assert shared in agent["volumeMounts"] and shared in mps["volumeMounts"]
-        state = next(m for m in agent["volumeMounts"] if m["name"] == "state")  # the pipes' and logs' host directory
-        assert state in mps["volumeMounts"] and "hostPath" in vols["state"]
-        assert pod["hostIPC"] is True
+        agent_vols = {v["name"]: v for v in agent_pod["volumes"]}
+        state = next(m for m in agent["volumeMounts"] if m["name"] == "state")
+        assert state in mps["volumeMounts"] and vols["state"] == agent_vols["state"]
+        assert ns.control_dir.startswith(state["mountPath"] + "/")  # on the host, in both pods
         _, s = _agent_settings(objs, tmp_path, monkeypatch)
         assert s.mps_control_dir == ns.control_dir  # the agent asks where the supervisor reads
 
 
 def test_agent_with_nvidias_device_plugin():
     """devicePlugin.mode=nvidia: NVIDIA's plugin on MIG nodes, the agent's own on MPS nodes (so the
-    device-plugin socket dir, hostIPC and nodes/status stay); a Role to restart NVIDIA's plugin pod
-    in its namespace, narrowed by the pod-deletion policy."""
+    device-plugin socket dir, the MPS daemon's pods and nodes/status stay); a Role to restart
+    NVIDIA's plugin pod in its namespace, narrowed by the pod-deletion policy."""
     objs = render("--set", "devicePlugin.mode=nvidia", "--set", "devicePlugin.nvidia.namespace=gpu-op",
                   "--set", "devicePlugin.nvidia.selector=app=nvidia-device-plugin-daemonset")
-    pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
-    assert "device-plugins" in {v["name"] for v in pod["volumes"]} and pod["hostIPC"] is True
+    pod = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
+    assert "device-plugins" in {v["name"] for v in pod["volumes"]}
+    assert find(objs, "DaemonSet", MPS_CONTROL_DS)["spec"]["template"]["spec"]["hostIPC"] is True
     assert ("", "nodes/status", ()) in rules(find(objs, "ClusterRole", "dynpart-agent"))
     role = find(objs, "Role", "dynpart-agent-nvidia-plugin-restart")
     assert role["metadata"]["namespace"] == "gpu-op" and rules(role) == {("", "pods", ()): {"list", "delete"}}
@@ -249,7 +265,7 @@ def test_agent_token_is_pod_bound_and_projected(default, full):
     look for it, with the CA and namespace beside it: what the ServiceAccount admission plugin
     would mount, made explicit (automount off)."""
     for objs in (default, full):
-        pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
+        pod = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
         assert pod["automountServiceAccountToken"] is False
         vols = {v["name"]: v for v in pod["volumes"]}
         sources = vols["kube-api-access"]["projected"]["sources"]
@@ -260,8 +276,6 @@ def test_agent_token_is_pod_bound_and_projected(default, full):
         ]
         c = container(pod, "agent")
         mount = next(m for m in c["volumeMounts"] if m["name"] == "kube-api-access")
-        # mps-control needs no API credential
-        assert "kube-api-access" not in {m["name"] for m in container(pod, "mps-control")["volumeMounts"]}
         assert mount == {"name": "kube-api-access", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
 
 
@@ -273,7 +287,7 @@ def _agent_settings(objs: list[dict[str, Any]], tmp_path: Path, monkeypatch,
     from dynpart.cli import build_parser
     from dynpart.settings import AgentSettings, load_settings
 
-    pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
+    pod = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
     c = container(pod, "agent")
     env = {e["name"]: e.get("value", "gpu-node-1") for e in c["env"]}  # fieldRefs: the node name
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
@@ -353,7 +367,7 @@ def test_service_links_cannot_set_the_settings(default, full, tmp_path, monkeypa
         assert links["DYNPART_PLANNER_METRICS_PORT"] == f"tcp://10.96.0.10:{port}"
         assert links[f"DYNPART_PLANNER_METRICS_PORT_{port}_TCP_ADDR"] == "10.96.0.10"
         planner = find(objs, "Deployment")["spec"]["template"]["spec"]
-        agent = find(objs, "DaemonSet")["spec"]["template"]["spec"]
+        agent = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
         (tmp_path / "planner.yaml").write_text(find(objs, "ConfigMap", "dynpart-planner")["data"]["planner.yaml"])
         with monkeypatch.context() as m:
             for k, v in {**service_link_env(objs, planner), "DYNPART_PLANNER_IDENTITY": "p-0"}.items():
@@ -469,9 +483,10 @@ def test_no_wildcards_secrets_or_deletes(default, full):
 def test_one_service_account_each_and_bindings_point_to_them(default):
     sas = {o["metadata"]["name"] for o in default if o["kind"] == "ServiceAccount"}
     assert sas == {"dynpart-planner", "dynpart-agent"}
-    pods = {o["kind"]: o["spec"]["template"]["spec"]["serviceAccountName"] for o in default
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"]["serviceAccountName"] for o in default
             if o["kind"] in ("Deployment", "DaemonSet")}
-    assert pods == {"Deployment": "dynpart-planner", "DaemonSet": "dynpart-agent"}
+    # (mps-control mounts no token of it: test_mps_control_daemonset_outlives_agent_replacements)
+    assert pods == {"dynpart-planner": "dynpart-planner", AGENT_DS: "dynpart-agent", MPS_CONTROL_DS: "dynpart-agent"}
     kinds = {(o["kind"], o["metadata"]["name"]) for o in default}
     for b in (o for o in default if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
         assert (b["roleRef"]["kind"], b["roleRef"]["name"]) in kinds
@@ -535,7 +550,7 @@ def test_node_write_policies_can_be_turned_off():
     assert policies == {(kind, name) for kind in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
                         # labelPolicy.enabled and podEnvPolicy.enabled: on their own
                         for name in ("dynpart-partitioning-label", "dynpart-pod-env")}
-    assert find(objs, "DaemonSet") and find(objs, "ClusterRole", "dynpart-agent")  # the rest is unchanged
+    assert find(objs, "DaemonSet", AGENT_DS) and find(objs, "ClusterRole", "dynpart-agent")  # the rest is unchanged
 
 
 def _template_error(*args: str) -> str:
@@ -596,7 +611,7 @@ def test_partitioning_label_policy(default, full):
         f"oldObject.metadata.labels[{key}] != object.metadata.labels[{key}])")
     (check,) = spec["validations"]
     # the values the agent's DaemonSet runs on
-    (term,) = find(default, "DaemonSet")["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+    (term,) = find(default, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
         "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     (affinity,) = [e for e in term["matchExpressions"] if e["key"] == PARTITIONING_LABEL]
     assert check["expression"] == f"object.metadata.labels[{key}] in {json.dumps(affinity['values'])}"
@@ -689,12 +704,12 @@ def test_network_policy(default, full):
     assert spec["ingress"] == [{"ports": [{"port": 9100, "protocol": "TCP"}], "from": values["networkPolicy"]["metricsFrom"]}]
     # it selects both components' pods, and nothing else
     sel = spec["podSelector"]
-    for kind in ("Deployment", "DaemonSet"):
-        pod_labels = find(full, kind)["spec"]["template"]["metadata"]["labels"]
+    for kind, name in (("Deployment", "dynpart-planner"), ("DaemonSet", AGENT_DS), ("DaemonSet", MPS_CONTROL_DS)):
+        pod_labels = find(full, kind, name)["spec"]["template"]["metadata"]["labels"]
         assert sel["matchLabels"].items() <= pod_labels.items()
         (expr,) = sel["matchExpressions"]
         assert expr["operator"] == "In" and pod_labels[expr["key"]] in expr["values"]
-    assert set(sel["matchExpressions"][0]["values"]) == {"planner", "agent"}
+    assert set(sel["matchExpressions"][0]["values"]) == {"planner", "agent", "mps-control"}
     # no peer: no ingress at all (a rule without `from` would admit every source)
     closed = find(render("--set", "networkPolicy.enabled=true", "--set", "networkPolicy.metricsFrom=null"), "NetworkPolicy")
     assert closed["spec"]["ingress"] == []
@@ -722,7 +737,7 @@ def test_pod_monitor_scrapes_the_agents(full):
     assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "15s")
     assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}]
     # it selects the agent's pods, by the name of a port they have, and nothing else
-    agent = find(full, "DaemonSet")["spec"]["template"]
+    agent = find(full, "DaemonSet", AGENT_DS)["spec"]["template"]
     assert pm["spec"]["selector"]["matchLabels"].items() <= agent["metadata"]["labels"].items()
     assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in agent["spec"]["containers"][0]["ports"]
     planner = find(full, "Deployment")["spec"]["template"]["metadata"]["labels"]
@@ -730,38 +745,47 @@ def test_pod_monitor_scrapes_the_agents(full):
 
 
 def test_agent_state_dir_is_what_the_agent_uses(tmp_path):
-    """The node lock and the MPS pipe and log directories live under agent.stateDir, mounted at
-    the same path as on the host (MPS pods mount the pipe directory from the host)."""
+    """The node lock, the mps-control directory and the MPS pipe and log directories live under
+    agent.stateDir, mounted at the same path as on the host (MPS pods mount the pipe directory from
+    the host) in the agent's and the mps-control pods."""
     from dynpart.settings import AgentSettings, load_settings
 
     objs = render("--set", "agent.stateDir=/srv/dynpart", "--set", "agent.hostIPC=false",
-                  "--set", "agent.updateStrategy.type=RollingUpdate")
-    pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
-    vols = {v["name"]: v for v in pod["volumes"]}
-    assert vols["state"]["hostPath"]["path"] == "/srv/dynpart"
-    for name in ("agent", "mps-control"):  # the daemon's pipes and logs: where the agent's settings say
+                  "--set", "agent.updateStrategy.type=OnDelete")
+    for ds, name in ((AGENT_DS, "agent"), (MPS_CONTROL_DS, "mps-control")):
+        pod = find(objs, "DaemonSet", ds)["spec"]["template"]["spec"]
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols["state"]["hostPath"]["path"] == "/srv/dynpart"
+        # the daemon's pipes and logs, and the files the two share: where the agent's settings say
         assert {"name": "state", "mountPath": "/srv/dynpart"} in container(pod, name)["volumeMounts"]
-    assert pod["hostIPC"] is False and find(objs, "DaemonSet")["spec"]["updateStrategy"] == {"type": "RollingUpdate"}
+        assert not pod.get("hostIPC")
+    mps = container(find(objs, "DaemonSet", MPS_CONTROL_DS)["spec"]["template"]["spec"], "mps-control")
+    assert find(objs, "DaemonSet", AGENT_DS)["spec"]["updateStrategy"] == {"type": "OnDelete"}
     (tmp_path / "agent.yaml").write_text(find(objs, "ConfigMap", "dynpart-agent")["data"]["agent.yaml"])
     s = load_settings(AgentSettings, tmp_path / "agent.yaml")
-    assert (s.node_lock_file, s.mps_pipe_dir, s.mps_log_dir) == (
-        "/srv/dynpart/agent.lock", "/srv/dynpart/mps", "/srv/dynpart/mps-log")
+    assert (s.node_lock_file, s.mps_pipe_dir, s.mps_log_dir, s.mps_control_dir) == (
+        "/srv/dynpart/agent.lock", "/srv/dynpart/mps", "/srv/dynpart/mps-log", "/srv/dynpart/mps-control")
+    assert mps["args"][mps["args"].index("--dir") + 1] == s.mps_control_dir
 
 
 def test_agent_without_privileges_keeps_what_mps_needs(tmp_path):
     """privileged: false drops every capability but SETUID and SETGID (the MPS control daemon
     starts each server under its client's ids), and NOTES say whether MPS and MIG can work."""
     objs = render("--set", "agent.privileged=false")
-    pod = find(objs, "DaemonSet")["spec"]["template"]["spec"]
-    for name in ("agent", "mps-control"):  # (the daemon runs in mps-control)
-        sc = container(pod, name)["securityContext"]
+    for ds, name in ((AGENT_DS, "agent"), (MPS_CONTROL_DS, "mps-control")):  # (the daemon runs in mps-control)
+        sc = container(find(objs, "DaemonSet", ds)["spec"]["template"]["spec"], name)["securityContext"]
         assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SETUID", "SETGID"]} and sc["privileged"] is False
         assert sc["runAsUser"] == 0 and sc["readOnlyRootFilesystem"] is True
     notes = render_notes(tmp_path / "default", "--set", "agent.privileged=false")
     assert "(it does)" not in notes and "(they are)" in notes
     bare = render_notes(tmp_path / "bare", "--set", "agent.privileged=false", "--set", "agent.capabilities={SYS_ADMIN}")
     assert "includes SYS_ADMIN (it does)" in bare and "they are missing" in bare
-    assert "delete pod -l app.kubernetes.io/component=agent" in notes  # OnDelete: how to upgrade
+    # how to upgrade: the agents roll; mps-control updates on delete, once the node runs no MPS pod
+    assert "delete pod -l app.kubernetes.io/component=mps-control" in notes
+    assert "delete pod -l app.kubernetes.io/component=agent" not in notes
+    on_delete = render_notes(tmp_path / "on-delete", "--set", "agent.updateStrategy.type=OnDelete",
+                             "--set", "agent.mpsControl.updateStrategy.type=RollingUpdate")
+    assert "delete pod -l app.kubernetes.io/component=agent" in on_delete and "component=mps-control" not in on_delete
     assert "runtimeClassName: nvidia" in notes
 
 
@@ -771,7 +795,7 @@ def test_full_values_options(full, tmp_path):
     dep = find(full, "Deployment")
     assert dep["spec"]["replicas"] == 3
     assert dep["spec"]["template"]["spec"]["nodeSelector"] == {"kubernetes.io/os": "linux"}
-    pod = find(full, "DaemonSet")["spec"]["template"]["spec"]
+    pod = find(full, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
     assert "runtimeClassName" not in pod
     sc = container(pod, "agent")["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
@@ -819,7 +843,7 @@ def test_extra_env_reaches_the_settings(tmp_path, monkeypatch):
         monkeypatch.setenv(e["name"], e.get("value", "dynpart-planner-abc"))
     assert load_settings(PlannerSettings, tmp_path / "planner.yaml").reservation_s == 42
     ns, s = _agent_settings(objs, tmp_path, monkeypatch, environ={"DYNPART_AGENT_WITHDRAW_SETTLE_S": "1.5"})
-    agent = container(find(objs, "DaemonSet")["spec"]["template"]["spec"], "agent")
+    agent = container(find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"], "agent")
     assert {"name": "DYNPART_AGENT_WITHDRAW_SETTLE_S", "value": "1.5"} in agent["env"]
     assert s.withdraw_settle_s == 1.5
 

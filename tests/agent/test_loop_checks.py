@@ -652,7 +652,7 @@ async def test_device_lists_refused_without_a_plan_are_reported_and_not_retried_
 
 
 async def test_an_agent_started_on_a_mig_node_stops_the_mps_daemon_left_running_once_no_pod_needs_it(tmp_path):
-    """The MPS daemon runs in the mps-control container and outlives the agent's restarts: an agent
+    """The MPS daemon runs in the mps-control pod and outlives the agent's restarts: an agent
     started on a node now in MIG mode stops it, but only once no pod holds an MPS slice."""
     import json
     import time

@@ -265,7 +265,7 @@ def setup(e2e_cluster) -> Iterator[Setup]:
         for name in nodes.values():
             client.ensure(_node(name))
         # the agent's pod on node A, from the DaemonSet's template, as the DaemonSet controller makes it
-        ds = next(o for o in rendered if o["kind"] == "DaemonSet")
+        ds = next(o for o in rendered if o["kind"] == "DaemonSet" and o["metadata"]["name"] == AGENT)
         template = ds["spec"]["template"]
         agent_pod = client.create({"apiVersion": "v1", "kind": "Pod",
                                    "metadata": {**template["metadata"], "name": f"{AGENT}-{suffix}", "namespace": NS},

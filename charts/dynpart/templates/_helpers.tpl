@@ -120,14 +120,61 @@ says all there is to turn off. */}}
 {{- end }}
 {{- end }}
 
-{{/* The directory the agent's container and its mps-control container share (an emptyDir):
-the agent's desired state of the MPS control daemon, the supervisor's report (mps_control_dir). */}}
+{{/* The directory the agent and the node's mps-control pod share, on the host under
+agent.stateDir (both pods mount it): the agent's desired state of the MPS control daemon, the
+supervisor's report (mps_control_dir). On the host, so that either pod can be replaced while the
+other runs: the new one reads what the old one wrote, as after a restart of its container. */}}
 {{- define "dynpart.mpsControlDir" -}}
-/run/dynpart-mps
+{{ .Values.agent.stateDir }}/mps-control
 {{- end }}
 
-{{/* The agent pod's containers' securityContext (the agent's, and mps-control's, which runs the
-MPS control daemon the agent ran in its own container before: the same privileges). */}}
+{{/* A DaemonSet's updateStrategy from its value: rollingUpdate only with type RollingUpdate (a
+--set of the type alone keeps the default's rollingUpdate, which OnDelete has no use for). */}}
+{{- define "dynpart.updateStrategy" -}}
+type: {{ .type }}
+{{- if and (eq .type "RollingUpdate") .rollingUpdate }}
+rollingUpdate:
+  {{- toYaml .rollingUpdate | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{- define "dynpart.mpsControlName" -}}
+{{ include "dynpart.fullname" . }}-mps-control
+{{- end }}
+
+{{/* Where the agent and mps-control pods run: the labelled nodes (both, whatever the mode: a node
+switched from MPS to MIG keeps its MPS pods until they end, and with them the daemon), off a node
+whose driver GPU Operator is swapping. */}}
+{{- define "dynpart.agentPlacement" -}}
+{{- with .Values.agent.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms:
+        - matchExpressions:
+            - key: dynpart.io/gpu-partitioning
+              operator: In
+              values: [mig, mps]
+            {{- if .Values.agent.leaveDuringDriverUpgrade }}
+            # GPU Operator's upgrade controller swaps the driver in these states: NVML and CUDA
+            # clients (the agent, the MPS daemon) must be off the node, or the old kernel modules
+            # cannot be unloaded; the DaemonSet controller removes them and brings them back once
+            # the new driver is validated
+            - key: nvidia.com/gpu-driver-upgrade-state
+              operator: NotIn
+              values: [pod-restart-required, validation-required]
+            {{- end }}
+{{- with .Values.agent.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The securityContext of the agent's container and of mps-control's, which runs the MPS control
+daemon the agent ran in its own container before: the same privileges. */}}
 {{- define "dynpart.agentSecurityContext" -}}
 # root: the kubelet's PodResources socket is root-owned (mode 0600 or 0660); the MPS control
 # daemon starts each MPS server under its client's user and group ids.
