@@ -86,8 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "DIR/state.json. Run in a pod of its own, the daemon outlives restarts and "
                                       "replacements of the agent; it is told to quit when this command ends "
                                       "(SIGTERM) (docs/agent.md, MPS).")
-    mps.add_argument("--dir", dest="control_dir", default="/run/dynpart-mps", metavar="DIR",
-                     help="the directory shared with the agent (default /run/dynpart-mps)")
+    mps.add_argument("--dir", dest="control_dir", default="/var/lib/dynpart/mps-control", metavar="DIR",
+                     help="the directory shared with the agent (default /var/lib/dynpart/mps-control, the chart's)")
     mps.add_argument("--mps-control-binary", metavar="PATH", help=argparse.SUPPRESS)  # tests
     mps.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO")
     mps.add_argument("--log-json", action="store_true")

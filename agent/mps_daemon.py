@@ -52,6 +52,19 @@ DESIRED = "desired.json"  # the agent's: {"seq", "gpus", "pipe_dir", "log_dir"}
 STATE = "state.json"  # the supervisor's: {"seq", "gpus", "pipe_dir", "log_dir", "running", "busy", "error", "at", ...}
 # who runs the supervisor, for messages (the Helm chart: the node's pod of the mps-control DaemonSet)
 SUPERVISOR = "mps-control (`dynpart agent mps-control`)"
+# the host's boot id (not namespaced: every container of the node reads the host's), stamped on
+# both files: they live on the host, so a file written before the node's last boot says nothing
+# of what runs now (no daemon survives a reboot)
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id() -> str | None:
+    """This boot of the host, or None where it cannot be read (then nothing is compared)."""
+    try:
+        with open(BOOT_ID_FILE) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def read_json(path: str) -> dict[str, Any] | None:
@@ -343,11 +356,13 @@ class ProcessMpsDaemon:
 
 
 class SupervisedMpsDaemon:
-    """The daemon as `dynpart agent mps-control` runs it, in the agent pod's `mps-control`
-    container: `ensure` writes `desired.json` in `control_dir` (its `seq` one more only when what
-    is wanted changes) and waits, at most `wait_s`, for `state.json` to say the supervisor acted on
-    it; then raises as ProcessMpsDaemon would (MpsDaemonBusy, MpsDaemonError) or returns. A
-    state.json not rewritten for `stale_s` means the supervisor does not run. Nothing the agent does
+    """The daemon as `dynpart agent mps-control` runs it, in a pod of its own (the Helm chart's
+    mps-control DaemonSet): `ensure` writes `desired.json` in `control_dir` (its `seq` one more only
+    when what is wanted changes) and waits, at most `wait_s`, for `state.json` to say the
+    supervisor acted on it; then raises as ProcessMpsDaemon would (MpsDaemonBusy, MpsDaemonError)
+    or returns. A state.json not rewritten for `stale_s` (or dated more than that ahead, or written
+    before the node's last boot) means the supervisor does not run; `ensure` then gives up after
+    `stale_s`, not `wait_s`. Nothing the agent does
     on its own way out stops the daemon (do not call `stop` then): only `stop`, for a node that left
     MPS mode, asks for it (no GPU)."""
 
@@ -372,10 +387,17 @@ class SupervisedMpsDaemon:
         if state is None or not isinstance(at, (int, float)):
             self.error = f"no state from {SUPERVISOR} ({path} is absent or unreadable): is it running on this node?"
             return None
+        boot = boot_id()
+        if boot and state.get("boot") not in (None, boot):
+            self.error = f"{path} was written before the node's last boot: {SUPERVISOR} has not run since"
+            return None
         age = self.clock() - at
         if age > self.stale_s:
             self.error = (f"{SUPERVISOR} has not written {path} for {age:.0f}s: "
                           "it does not run (see its logs)")
+            return None
+        if age < -self.stale_s:  # (a clock set back since: what wrote it is not known to run)
+            self.error = f"{path} is dated {-age:.0f}s ahead of this clock: {SUPERVISOR} is not known to run"
             return None
         self.error = None
         return state
@@ -386,7 +408,7 @@ class SupervisedMpsDaemon:
             os.makedirs(self.dir, exist_ok=True)
         except OSError as e:
             raise MpsDaemonError(f"MPS control directory {self.dir}: {e.strerror or e}") from None
-        want = {"gpus": list(gpus), "pipe_dir": pipe_dir, "log_dir": log_dir}
+        want = {"gpus": list(gpus), "pipe_dir": pipe_dir, "log_dir": log_dir, "boot": boot_id()}
         old = read_json(self.desired_path) or {}
         seq = old.get("seq")
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
@@ -407,14 +429,19 @@ class SupervisedMpsDaemon:
         return seq
 
     async def _acted(self, seq: int) -> dict[str, Any]:
-        """state.json once it is fresh and says the supervisor acted on `seq` (or a later one)."""
-        deadline = time.monotonic() + self.wait_s
+        """state.json once it is fresh and says the supervisor acted on `seq` (or a later one).
+        Without a fresh state.json for `stale_s`, the supervisor does not run: no use waiting
+        `wait_s` (the agent's pass would stall that long on a node whose mps-control pod is not
+        up yet)."""
+        start = time.monotonic()
+        deadline = start + self.wait_s
         while True:
             state = self._state()
             acted = state.get("seq") if state else None
             if state is not None and isinstance(acted, int) and acted >= seq:
                 return state
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline or (state is None and now - start >= self.stale_s):
                 if state is None:
                     raise MpsDaemonError(str(self.error))
                 raise MpsDaemonError(f"{SUPERVISOR} has not acted on {self.desired_path} "

@@ -14,18 +14,22 @@ replaced finds what the other wrote, as after a restart of its container):
   time of the write, rewritten every `poll_s` while the supervisor runs (its heartbeat),
   "checked_at": wall time of the last check of the daemon}.
 
-Both are written whole (a temporary file, then a rename). The supervisor acts on a new `seq` at
-once, and checks the daemon again every `check_s` (`ProcessMpsDaemon.ensure`: started again if it
-died; a busy one is kept). On its own way out (SIGTERM: the pod or this container going away) it
-tells the daemon to quit: a process of this container, the daemon would be killed with it
-anyway. A malformed desired.json is reported in state.json's "error" and the daemon is left as
-it is.
+Both are written whole (a temporary file, then a rename), and both carry the host's boot id
+("boot"): the files outlive the pods, and one written before the node's last boot is not acted on
+(no daemon survives a reboot; the agent of this boot may want none). The supervisor acts on a new
+`seq` at once, and checks the daemon again every `check_s` (`ProcessMpsDaemon.ensure`: started
+again if it died; a busy one is kept). On its own way out (SIGTERM: the pod or this container
+going away) it tells the daemon to quit (a process of this container, the daemon would be killed
+with it anyway) and writes state.json once more, not running. One supervisor at a time acts on
+the directory (`supervisor.lock`). A malformed desired.json is reported in state.json's "error"
+and the daemon is left as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -37,9 +41,11 @@ from typing import Any
 from dynpart.agent.mps_daemon import (
     DESIRED,
     STATE,
+    SUPERVISOR,
     MpsDaemonBusy,
     MpsDaemonError,
     ProcessMpsDaemon,
+    boot_id,
     read_json,
     write_json,
 )
@@ -56,6 +62,7 @@ class Desired:
     gpus: tuple[str, ...]
     pipe_dir: str
     log_dir: str
+    boot: str | None = None  # the host's boot id when the agent wrote it
 
     def same_target(self, other: Desired) -> bool:
         return (self.gpus, self.pipe_dir, self.log_dir) == (other.gpus, other.pipe_dir, other.log_dir)
@@ -83,7 +90,10 @@ def parse_desired(text: str) -> Desired:
         if not isinstance(value, str) or not os.path.isabs(value):
             raise ValueError(f"{name} must be an absolute path, not {value!r}")
     assert isinstance(pipe_dir, str) and isinstance(log_dir, str)
-    return Desired(seq, tuple(gpus), pipe_dir, log_dir)
+    boot = data.get("boot")
+    if boot is not None and not isinstance(boot, str):
+        raise ValueError(f"boot must be a string, not {boot!r}")
+    return Desired(seq, tuple(gpus), pipe_dir, log_dir, boot)
 
 
 def read_desired(control_dir: str) -> Desired | None:
@@ -111,6 +121,7 @@ class Supervisor:
         self.desired_error: str | None = None  # what is wrong with desired.json, if anything
         self.state: dict[str, Any] = {"seq": 0, "gpus": [], "pipe_dir": None, "log_dir": None, "running": False,
                                       "busy": False, "error": None, "checked_at": None}
+        self.boot = boot_id()
         self._resume()
 
     def _resume(self) -> None:
@@ -121,6 +132,8 @@ class Supervisor:
         old = read_json(os.path.join(self.dir, STATE))
         if not old:
             return
+        if self.boot and old.get("boot") not in (None, self.boot):
+            return  # written before the node's last boot: no daemon of then runs now
         gpus, pipe_dir, log_dir = old.get("gpus"), old.get("pipe_dir"), old.get("log_dir")
         # (its seq is not carried over: until this supervisor has acted, nothing is reported done)
         if (isinstance(gpus, list) and gpus and all(isinstance(g, str) for g in gpus) and isinstance(pipe_dir, str)
@@ -132,7 +145,8 @@ class Supervisor:
         """state.json, its "at" now (the supervisor's heartbeat)."""
         try:
             write_json(os.path.join(self.dir, STATE),
-                       {**self.state, "error": self.desired_error or self.state["error"], "at": self.clock()})
+                       {**self.state, "error": self.desired_error or self.state["error"], "at": self.clock(),
+                        "boot": self.boot})
         except OSError as e:
             log.warning("writing %s: %s", os.path.join(self.dir, STATE), e)
 
@@ -148,6 +162,10 @@ class Supervisor:
             self.publish()
             return
         self.desired_error = None
+        if desired is not None and self.boot and desired.boot not in (None, self.boot):
+            # written before the node's last boot (a reinstall, a relabel while both pods were away):
+            # the agent of this boot has asked for nothing yet, and it may want no daemon at all
+            desired = None
         if desired is None:  # the agent has asked for nothing yet
             self.publish()
             return
@@ -211,19 +229,57 @@ class Supervisor:
                 await beat
 
 
+LOCK = "supervisor.lock"  # one supervisor at a time acts on the directory's daemon
+
+
+async def _lock(control_dir: str, stop: asyncio.Event, poll_s: float) -> int | None:
+    """The supervisor lock's descriptor (held until closed; `flock` locks end with the process,
+    so a killed supervisor leaves none), or None when `stop` came first. Two supervisors of one
+    directory (a rolling update with surge, a force-deleted pod whose containers still run, two
+    releases sharing agent.stateDir) would start the daemon twice on one pipe directory and each
+    quit the other's on its way out."""
+    os.makedirs(control_dir, exist_ok=True)
+    fd = os.open(os.path.join(control_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if not waited:
+                log.warning("another mps-control holds %s; waiting for it to stop", os.path.join(control_dir, LOCK))
+                waited = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), poll_s)
+        if stop.is_set():
+            os.close(fd)
+            return None
+
+
 async def serve(control_dir: str, binary: str | None = None, poll_s: float = POLL_S, check_s: float = CHECK_S) -> int:
-    """`dynpart agent mps-control`: until SIGTERM or SIGINT, then exit leaving the daemon running."""
-    daemon = ProcessMpsDaemon(binary) if binary else ProcessMpsDaemon()
-    supervisor = Supervisor(control_dir, daemon, poll_s=poll_s, check_s=check_s)
+    """`dynpart agent mps-control`: until SIGTERM or SIGINT, then tell the daemon to quit and say
+    so in state.json."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("supervising the MPS control daemon as %s asks", os.path.join(control_dir, DESIRED))
-    await supervisor.run(stop)
-    # the daemon is a process of this container: it ends with it whatever is done here, so it is
-    # told to quit (its pid file and pipes removed) rather than killed
-    if daemon.gpus:
-        log.info("stopping: the MPS control daemon too (it would end with this container)")
-        await daemon.stop()
+    fd = await _lock(control_dir, stop, poll_s)
+    if fd is None:
+        return 0
+    try:
+        daemon = ProcessMpsDaemon(binary) if binary else ProcessMpsDaemon()
+        supervisor = Supervisor(control_dir, daemon, poll_s=poll_s, check_s=check_s)
+        log.info("supervising the MPS control daemon as %s asks", os.path.join(control_dir, DESIRED))
+        await supervisor.run(stop)
+        # the daemon is a process of this container: it ends with it whatever is done here, so it is
+        # told to quit (its pid file and pipes removed) rather than killed
+        if daemon.gpus:
+            log.info("stopping: the MPS control daemon too (it would end with this container)")
+            await daemon.stop()
+        # said at once: the file outlives this pod, and the agent would read "running" from it
+        # until it goes stale
+        supervisor.state.update(gpus=[], running=False, busy=False, error=f"{SUPERVISOR} stopped")
+        supervisor.publish()
+    finally:
+        os.close(fd)
     return 0

@@ -73,6 +73,7 @@ bad_values=(
     "--set planner.extraEnv[0].value=42"
     "--set agent.extraEnv[0].name=not-a-variable"
     "--set agent.mpsControl.resources.limit.memory=1Gi"
+    "--set agent.mpsControl.updateStrategy.rollingUpdate.maxSurge=1"
 )
 for args in "${bad_values[@]}"; do
     # shellcheck disable=SC2086

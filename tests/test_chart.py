@@ -174,8 +174,10 @@ def test_agent_daemonset(default):
     assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"], vols["state"], vols["device-plugins"]]
     # the MPS control daemon, which shares memory with its clients, runs in the mps-control pods
     assert "hostIPC" not in pod and [x["name"] for x in pod["containers"]] == ["agent"]
-    # a replaced agent leaves the MIG instances, the MPS daemon and their pods running: rolled
+    # a replaced agent leaves the MIG instances, the MPS daemon and their pods running: rolled, a
+    # node at a time, each once its agent is ready (a version that cannot start stops the roll)
     assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"} and ds["spec"]["minReadySeconds"] > 0
     assert {"name": "state", "mountPath": "/var/lib/dynpart"} in c["volumeMounts"]
     assert "device-plugin-config" not in vols and c["args"] == ["agent", "run", "--config", "/etc/dynpart/agent.yaml",
                                                                 "--node", "$(NODE_NAME)"]  # no ConfigMap of MPS configs
@@ -204,9 +206,15 @@ def test_mps_control_daemonset_outlives_agent_replacements(default, full, tmp_pa
         assert labels["app.kubernetes.io/component"] == "mps-control"
         assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
         # the two DaemonSets select each other's pods in no way
+        agent_labels = agent_ds["spec"]["template"]["metadata"]["labels"]
         assert not agent_ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        for key in ("affinity", "tolerations", "runtimeClassName", "priorityClassName"):
+        assert not ds["spec"]["selector"]["matchLabels"].items() <= agent_labels.items()
+        # nothing but the selector's labels: a chart or app version in them would leave this OnDelete
+        # DaemonSet out of date at every upgrade (a drain and a deletion on every node)
+        assert labels == ds["spec"]["selector"]["matchLabels"]
+        for key in ("affinity", "tolerations", "nodeSelector", "runtimeClassName", "priorityClassName"):
             assert pod.get(key) == agent_pod.get(key), key
+        assert objs is default or pod["nodeSelector"]  # (full-values sets one)
         (mps,) = pod["containers"]
         agent = container(agent_pod, "agent")
         ns = build_parser().parse_args(mps["args"])
@@ -215,7 +223,12 @@ def test_mps_control_daemonset_outlives_agent_replacements(default, full, tmp_pa
         env = {e["name"]: e.get("value") for e in mps["env"]}
         assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
         assert "livenessProbe" not in mps and "readinessProbe" not in mps and "livenessProbe" in agent
-        assert mps["securityContext"] == agent["securityContext"]  # what the daemon had in the agent's container
+        # privileged as the agent, else SETUID and SETGID only (never the agent's SYS_ADMIN)
+        sc = mps["securityContext"]
+        assert sc["privileged"] is agent["securityContext"]["privileged"] and sc["runAsUser"] == 0
+        if not sc["privileged"]:
+            assert "SYS_ADMIN" in agent["securityContext"]["capabilities"]["add"]  # (full-values)
+            assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SETUID", "SETGID"]}
         assert "memory" not in mps["resources"].get("limits", {})  # an OOM kill would end every MPS client
         assert pod["hostIPC"] is True and pod["automountServiceAccountToken"] is False
         assert "projected" not in str(pod["volumes"]) and not mps.get("ports")

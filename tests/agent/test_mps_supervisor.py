@@ -23,6 +23,7 @@ from dynpart.agent.mps_daemon import (
     MpsDaemonError,
     ProcessMpsDaemon,
     SupervisedMpsDaemon,
+    boot_id,
     write_json,
 )
 from dynpart.agent.mps_supervisor import Supervisor, parse_desired
@@ -42,7 +43,7 @@ class Dirs:
 
     def want(self, seq: int, gpus: list[str]) -> None:
         write_json(str(self.ctl / DESIRED), {"seq": seq, "gpus": gpus, "pipe_dir": str(self.pipe),
-                                             "log_dir": str(self.logs)})
+                                             "log_dir": str(self.logs), "boot": boot_id()})  # as the agent
 
     def state(self) -> dict:
         return json.loads((self.ctl / STATE).read_text())
@@ -322,6 +323,97 @@ def test_the_mps_control_command_exits_on_sigterm_quitting_the_daemon(control, d
     assert proc.returncode == 0, out
     assert "the MPS control daemon too" in out
     assert "quit" in dirs.lines("commands") and dirs.lines("starts") == ["GPU-a"]
+    # said at once in state.json, which outlives the pod on the host: an agent reading it before it
+    # goes stale sees no daemon, not the one just quit
+    final = dirs.state()
+    assert (final["running"], final["gpus"]) == (False, []) and "stopped" in final["error"]
+    assert time.time() - final["at"] < 10
+
+
+def test_a_second_mps_control_on_the_directory_waits_for_the_first(control, dirs):
+    """Two supervisors of one directory (a surge, a force-deleted pod whose containers still run,
+    two releases sharing agent.stateDir) would run `-d` twice on one pipe directory and each quit
+    the other's daemon on its way out: the second waits for the first's lock, acting on nothing,
+    and takes over when the first has gone (its daemon quit), starting it again."""
+    import signal
+    import subprocess
+    import sys
+
+    dirs.want(1, ["GPU-a"])
+    cmd = [sys.executable, "-c", "import sys; from dynpart.cli import main; sys.exit(main())",
+           "agent", "mps-control", "--dir", str(dirs.ctl), "--mps-control-binary", control]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    second = None
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not ((dirs.ctl / STATE).exists() and dirs.state().get("running")):
+            time.sleep(0.05)
+        assert dirs.state()["running"] is True
+        second = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(3)  # long enough for it to have acted, were it not waiting
+        assert second.poll() is None and dirs.lines("starts") == ["GPU-a"] and "quit" not in dirs.lines("commands")
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=20)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and dirs.lines("starts") != ["GPU-a", "GPU-a"]:
+            time.sleep(0.05)
+        assert dirs.lines("starts") == ["GPU-a", "GPU-a"]  # the second started it again, once
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not dirs.state().get("running"):
+            time.sleep(0.05)
+        assert dirs.state()["running"] is True
+        second.send_signal(signal.SIGTERM)
+        out, _ = second.communicate(timeout=20)
+        assert second.returncode == 0 and "another mps-control holds" in out, out
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+
+
+async def test_files_from_before_the_nodes_last_boot_are_not_acted_on(control, dirs, monkeypatch):
+    """desired.json and state.json live on the host: after a reboot (no daemon survives one) a
+    supervisor does not start the daemon the last boot's agent asked for (this boot's agent may
+    want none: the node may be in MIG mode now), takes no daemon of then for running, and the
+    agent reads the old state.json as no state at all."""
+    import dynpart.agent.mps_daemon as mps_daemon
+    import dynpart.agent.mps_supervisor as mps_supervisor
+
+    boot = {"id": "boot-1"}
+    for module in (mps_daemon, mps_supervisor):
+        monkeypatch.setattr(module, "boot_id", lambda: boot["id"])
+    agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=5, stale_s=2, poll_s=0.02)
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05)
+    async with running(sup):
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+    assert json.loads((dirs.ctl / DESIRED).read_text())["boot"] == "boot-1" and dirs.state()["boot"] == "boot-1"
+    dirs.kill_daemon()  # the reboot
+    boot["id"] = "boot-2"
+    assert agent.running_for() is None and "before the node's last boot" in str(agent.error)
+    sup2 = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), check_s=0)
+    assert sup2.daemon.gpus == ()  # nothing resumed
+    await sup2.step()
+    await sup2.step()
+    assert dirs.lines("starts") == ["GPU-a"] and dirs.state()["running"] is False  # not started again
+    # this boot's agent asks: acted on at once
+    async with running(Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05)):
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+        assert await agent.alive() is True
+    assert dirs.lines("starts") == ["GPU-a", "GPU-a"]
+
+
+async def test_a_state_dated_ahead_or_no_supervisor_fails_after_stale_s_not_wait_s(dirs):
+    """A state.json dated ahead of the clock (written before the clock was set back) is no sign of
+    a supervisor; and without one the agent's `ensure` gives up after `stale_s`, not the 30 s it
+    would wait for a supervisor that runs (each pass of a node whose mps-control pod is not up yet
+    would stall that long)."""
+    write_json(str(dirs.ctl / STATE), {"seq": 5, "gpus": ["GPU-a"], "running": True, "at": time.time() + 60})
+    agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=30, stale_s=0.5, poll_s=0.02)
+    assert await agent.alive() is False and "ahead" in str(agent.error) and agent.running_for() is None
+    t0 = time.monotonic()
+    with pytest.raises(MpsDaemonError, match="ahead"):
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+    assert time.monotonic() - t0 < 5
 
 
 async def test_a_restarted_supervisor_reports_nothing_done_before_it_has_acted(control, dirs):

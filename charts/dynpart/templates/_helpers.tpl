@@ -173,11 +173,29 @@ tolerations:
 {{- end }}
 {{- end }}
 
-{{/* The securityContext of the agent's container and of mps-control's, which runs the MPS control
-daemon the agent ran in its own container before: the same privileges. */}}
+{{/* The securityContext of mps-control's container, which runs the MPS control daemon: privileged
+as the agent is (agent.privileged: what the daemon had in the agent's container before), else
+only SETUID and SETGID (it starts each MPS server under its client's user and group ids), never
+the agent's MIG capability. */}}
+{{- define "dynpart.mpsControlSecurityContext" -}}
+runAsUser: 0
+runAsNonRoot: false
+{{- if .Values.agent.privileged }}
+privileged: true
+{{- else }}
+privileged: false
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+  add: [SETUID, SETGID]
+{{- end }}
+{{- end }}
+
+{{/* The securityContext of the agent's container. */}}
 {{- define "dynpart.agentSecurityContext" -}}
-# root: the kubelet's PodResources socket is root-owned (mode 0600 or 0660); the MPS control
-# daemon starts each MPS server under its client's user and group ids.
+# root: the kubelet's PodResources socket is root-owned (mode 0600 or 0660). (SETUID and SETGID in
+# agent.capabilities serve an agent that runs the MPS daemon itself, mps_control_dir unset.)
 runAsUser: 0
 runAsNonRoot: false
 {{- if .Values.agent.privileged }}
