@@ -550,9 +550,9 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
     counts as used until the agent reports which (else a plan could carve away the one a pod
     just started on). Returns the GPUs left to plan: on a MIG node, a GPU that a whole-GPU pod
     holds (one the node serves uncarved) is not the planner's to carve, so it is left out of the
-    node's GPUs. Which GPUs those are: the ones the agent reports out of MIG mode (`not_mig`;
-    the device plugin serves no other whole), else, without a report, the first ones without
-    instances. For a resource in `init_kept` (a pod's init container holds devices of it that no
+    node's GPUs. Which GPUs those are, on either mode: the ones the agent reports out of MIG mode
+    (`not_mig`; the device plugin serves no other whole), else, without a report, the first ones
+    without instances. For a resource in `init_kept` (a pod's init container holds devices of it that no
     one can name) every free one stays, as the agent keeps them."""
     for res, n in bound.items():
         try:
@@ -562,7 +562,9 @@ def _protect_bound_slices(gpus: list[Gpu], bound: Counter[str], mode: str,
         if isinstance(kind, WholeGpuResource):
             missing = n - sum(1 for g in gpus if g.whole_pod)
             free = [g for g in gpus if not g.whole_pod and not g.mps and not g.mig]
-            if mode == "mig" and not_mig is not None:
+            if not_mig is not None:
+                # on either mode the agent serves whole only GPUs out of MIG mode: on an MPS node
+                # one still in MIG mode (relabelled from mig) holds no such pod
                 free = [g for g in free if g.index in not_mig]
             held = free if res in init_kept else free[: max(0, missing)]
             if mode == "mig":
@@ -653,7 +655,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     elsewhere: list[tuple[dict[str, Any], str]] = []
     hosts = _DynpartNodes(nodes)
     host_names: dict[str, frozenset[str]] = {}
-    by_key = {pod_key(p): p for p in pods} if in_flight else {}
+    by_key = {pod_key(p): p for p in pods if not _ended(p)} if in_flight else {}
     placed = PlacedPods([*((p, n) for n, on in by_node.items() for p in on),
                          *((by_key[k], n) for k, n in (in_flight or {}).items() if k in by_key)],
                         {name: labels for name, labels in hosts.labels.items()})
@@ -780,6 +782,11 @@ def _holding_nodes(pod: dict[str, Any], reserved: Mapping[str, str]) -> set[str]
     else the one a dynpart reservation keeps a slice on, and the one the scheduler nominated it to
     after preempting pods there for it (`status.nominatedNodeName`: the slice their end frees is
     the preemptor's, so no plan may carve it away or give it to another pod)."""
+    if _ended(pod):
+        # it ended: the kubelet freed what it held, and the scheduler no longer sees it (its pod
+        # informer selects status.phase!=Succeeded,Failed), so its anti-affinity, host ports and
+        # spread count no more (`dynpart explain` lists every pod, the controller's watch only live ones)
+        return set()
     bound = _field(pod, "spec", "nodeName")
     if isinstance(bound, str) and bound:
         return {bound}
@@ -792,6 +799,12 @@ def _holding_nodes(pod: dict[str, Any], reserved: Mapping[str, str]) -> set[str]
             and not _field(pod, "metadata", "deletionTimestamp")):
         out.add(nominated)
     return out
+
+
+def _ended(pod: dict[str, Any]) -> bool:
+    """The pod is Succeeded or Failed (an ill-typed phase is not: where it is read, it is reported)."""
+    phase = _field(pod, "status", "phase")
+    return isinstance(phase, str) and phase in TERMINAL_PHASES
 
 
 def _switch_message(name: str, reported: str, labelled: str) -> str:
