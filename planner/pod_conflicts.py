@@ -288,9 +288,14 @@ class PlacedPods:
     def _spread_off(self, facts: PodFacts, c: SpreadConstraint, admits: Callable[[str], bool]) -> set[str]:
         """The nodes where the pod would break the constraint, as the PodTopologySpread filter
         decides: those without the topology key, and those whose domain would hold more than
-        `max_skew` matching pods beyond the least held domain (0 while fewer than `min_domains`)."""
-        counted = [n for n in self.node_labels if not c.honour_affinity or admits(n)]
-        domains = {n: self.node_labels[n][c.topology_key] for n in counted if c.topology_key in self.node_labels[n]}
+        `max_skew` matching pods beyond the least held domain (0 while fewer than `min_domains`),
+        counting the nodes that carry every constraint's key."""
+        # a node lacking any of the pod's constraints' keys counts for none of them, as the
+        # scheduler's `nodeLabelsMatchSpreadConstraints`: its empty domain is never the least
+        keys = {k.topology_key for k in facts.spread}
+        counted = [n for n, labels in self.node_labels.items()
+                   if keys <= labels.keys() and (not c.honour_affinity or admits(n))]
+        domains = {n: self.node_labels[n][c.topology_key] for n in counted}
         count = dict.fromkeys(domains.values(), 0)
         for labels, node, terminating in self.by_namespace().get(facts.namespace, []):
             if node in domains and not terminating and c.selects(labels):  # (countPodsMatchSelector skips terminating pods)
