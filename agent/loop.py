@@ -761,6 +761,9 @@ class Agent:
                     log.error("node %s: pass failed: %s", self.node, e)
                 except Exception:  # keep the agent alive; the next pass starts from the real state
                     log.exception("node %s: pass failed", self.node)
+                # (/readyz) started and passing, whatever the pass found: what it failed at is in
+                # the node's status; a version that never gets here stops a rolling update
+                self.liveness.ready = True
                 if self._driver_replaced >= DRIVER_REPLACED_PASSES:
                     raise DriverReplaced(
                         f"node {self.node}: the NVIDIA driver was unloaded, reloaded or upgraded under the agent (NVML "

@@ -478,7 +478,9 @@ class SupervisedMpsDaemon:
         gpus = state.get("gpus") if state and state.get("running") else None
         desired = read_json(self.desired_path) or {}
         acted, asked = (state or {}).get("seq"), desired.get("seq")
-        if isinstance(asked, int) and isinstance(acted, int) and asked > acted:
+        boot = boot_id()
+        this_boot = not boot or desired.get("boot") in (None, boot)  # (the last boot's is acted on by none)
+        if isinstance(asked, int) and isinstance(acted, int) and asked > acted and this_boot:
             gpus = desired.get("gpus")  # the supervisor is acting on it: what the daemon runs for next
         if isinstance(gpus, list) and gpus and all(isinstance(g, str) for g in gpus):
             return list(gpus)

@@ -271,15 +271,16 @@ async def serve(control_dir: str, binary: str | None = None, poll_s: float = POL
         supervisor = Supervisor(control_dir, daemon, poll_s=poll_s, check_s=check_s)
         log.info("supervising the MPS control daemon as %s asks", os.path.join(control_dir, DESIRED))
         await supervisor.run(stop)
-        # the daemon is a process of this container: it ends with it whatever is done here, so it is
-        # told to quit (its pid file and pipes removed) rather than killed
-        if daemon.gpus:
-            log.info("stopping: the MPS control daemon too (it would end with this container)")
-            await daemon.stop()
-        # said at once: the file outlives this pod, and the agent would read "running" from it
-        # until it goes stale
+        # said first (the quit may take its 10 s): the file outlives this pod, and the agent would
+        # read "running" from it until it went stale
         supervisor.state.update(gpus=[], running=False, busy=False, error=f"{SUPERVISOR} stopped")
         supervisor.publish()
+        # the daemon is a process of this container: it ends with it whatever is done here, so it is
+        # told to quit (its pid file and pipes removed) rather than killed; also one whose last
+        # start failed (no GPUs recorded) may still run from before
+        if daemon.dirs is not None:
+            log.info("stopping: the MPS control daemon too (it would end with this container)")
+            await daemon.stop()
     finally:
         os.close(fd)
     return 0

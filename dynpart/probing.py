@@ -25,12 +25,15 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 
 class Liveness:
-    """Named heartbeats, each with the longest silence it may keep."""
+    """Named heartbeats, each with the longest silence it may keep; and readiness (`/readyz`),
+    which a component sets once it has done its work once (`ready`): a rolling update moves on
+    only then, not as soon as the process answers HTTP."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._max_age: dict[str, float] = {}
         self._last: dict[str, float] = {}
+        self.ready = False
 
     def expect(self, name: str, max_age_s: float) -> None:
         """From now on `name` must beat at least every `max_age_s` seconds."""
@@ -123,14 +126,21 @@ class _DeadlineServer(ThreadingWSGIServer):
 
 
 def serve(host: str, port: int, liveness: Liveness) -> ThreadingWSGIServer:
-    """`/metrics` (Prometheus) and `/healthz` (200, or 503 naming what is stuck) on a daemon thread."""
+    """`/metrics` (Prometheus), `/healthz` (200, or 503 naming what is stuck) and `/readyz` (the
+    same, and 503 until `liveness.ready`) on a daemon thread."""
     metrics = make_wsgi_app()
 
     def app(environ: dict[str, object], start_response: Callable[..., object]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") == "/healthz":
+        path = environ.get("PATH_INFO")
+        if path in ("/healthz", "/readyz"):
             stale = liveness.stale()
-            body = ("ok\n" if not stale else "stuck: " + "; ".join(stale) + "\n").encode()
-            start_response("200 OK" if not stale else "503 Service Unavailable",
+            if stale:
+                body = ("stuck: " + "; ".join(stale) + "\n").encode()
+            elif path == "/readyz" and not liveness.ready:
+                body = b"starting\n"
+            else:
+                body = b"ok\n"
+            start_response("200 OK" if body == b"ok\n" else "503 Service Unavailable",
                            [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
             return [body]
         answer: Iterable[bytes] = metrics(environ, start_response)

@@ -177,7 +177,7 @@ def test_agent_daemonset(default):
     # a replaced agent leaves the MIG instances, the MPS daemon and their pods running: rolled, a
     # node at a time, each once its agent is ready (a version that cannot start stops the roll)
     assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"} and ds["spec"]["minReadySeconds"] > 0
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"} and ds["spec"]["minReadySeconds"] > 0
     assert {"name": "state", "mountPath": "/var/lib/dynpart"} in c["volumeMounts"]
     assert "device-plugin-config" not in vols and c["args"] == ["agent", "run", "--config", "/etc/dynpart/agent.yaml",
                                                                 "--node", "$(NODE_NAME)"]  # no ConfigMap of MPS configs

@@ -39,6 +39,22 @@ def test_healthz_and_metrics_over_http():
             assert e.code == 503 and b"reconcile loop: silent for 11 s" in e.read()
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
             assert resp.status == 200 and b"python_info" in resp.read()
+        # /readyz: 503 until the component says it is ready, and while anything is stuck
+        now[0] = 0.0
+        for ready, code, body in ((False, 503, b"starting\n"), (True, 200, b"ok\n")):
+            live.ready = ready
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as resp:
+                    got = (resp.status, resp.read())
+            except urllib.error.HTTPError as e:
+                got = (e.code, e.read())
+            assert got == (code, body)
+        now[0] = 11.0
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5)
+            raise AssertionError("a stuck loop must fail readiness too")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and b"stuck" in e.read()
     finally:
         server.shutdown()
         server.server_close()

@@ -306,6 +306,25 @@ async def test_liveness_fails_when_the_event_loop_is_blocked():
         await asyncio.wait_for(running, 5)
 
 
+async def test_the_agent_is_ready_only_once_its_first_pass_has_ended():
+    """/readyz (the chart's readiness probe, which a rolling update waits for): not while the
+    agent starts or its first pass runs (a version that hangs there stops the roll at the first
+    node), then from the end of that pass on."""
+    rig, agent, liveness = liveness_rig(scale=1)
+    rig.driver.change_delay_s = 0.05
+    rig.node_api.set_annotations(mig_spec({0: [f"1g.10gb@{s}" for s in range(7)]}))
+    assert liveness.ready is False
+    seen_during: list[bool] = []
+    create = rig.driver.create_gpu_instance
+
+    def creating(*args: object) -> int:  # (inside the first pass)
+        seen_during.append(liveness.ready)
+        return create(*args)  # type: ignore[arg-type]
+    rig.driver.create_gpu_instance = creating  # type: ignore[method-assign]
+    await run_for(agent, lambda: liveness.ready, 10)
+    assert seen_during and not any(seen_during[:7]) and len(rig.driver.layout(0)) == 7
+
+
 async def test_a_hung_driver_does_not_fail_liveness(hang):
     """Restarting the agent cannot cure a driver that does not answer, and would end the MPS
     control daemon with its clients: the status says what is wrong, the probe stays OK."""

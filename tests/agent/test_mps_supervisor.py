@@ -395,6 +395,8 @@ async def test_files_from_before_the_nodes_last_boot_are_not_acted_on(control, d
     await sup2.step()
     await sup2.step()
     assert dirs.lines("starts") == ["GPU-a"] and dirs.state()["running"] is False  # not started again
+    # nor does the agent take the last boot's desired GPUs for what the daemon runs for next
+    assert agent.running_for() is None
     # this boot's agent asks: acted on at once
     async with running(Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05)):
         await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
