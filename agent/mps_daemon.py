@@ -67,6 +67,11 @@ def boot_id() -> str | None:
         return None
 
 
+def before_this_boot(stamp: object, boot: str | None) -> bool:
+    """Whether a file stamped `stamp` was written before the boot `boot` (either unknown: no)."""
+    return bool(boot) and stamp not in (None, boot)
+
+
 def read_json(path: str) -> dict[str, Any] | None:
     """A JSON object from `path`; None when absent, unreadable or not an object."""
     try:
@@ -387,8 +392,7 @@ class SupervisedMpsDaemon:
         if state is None or not isinstance(at, (int, float)):
             self.error = f"no state from {SUPERVISOR} ({path} is absent or unreadable): is it running on this node?"
             return None
-        boot = boot_id()
-        if boot and state.get("boot") not in (None, boot):
+        if before_this_boot(state.get("boot"), boot_id()):
             self.error = f"{path} was written before the node's last boot: {SUPERVISOR} has not run since"
             return None
         age = self.clock() - at
@@ -478,8 +482,7 @@ class SupervisedMpsDaemon:
         gpus = state.get("gpus") if state and state.get("running") else None
         desired = read_json(self.desired_path) or {}
         acted, asked = (state or {}).get("seq"), desired.get("seq")
-        boot = boot_id()
-        this_boot = not boot or desired.get("boot") in (None, boot)  # (the last boot's is acted on by none)
+        this_boot = not before_this_boot(desired.get("boot"), boot_id())  # (the last boot's is acted on by none)
         if isinstance(asked, int) and isinstance(acted, int) and asked > acted and this_boot:
             gpus = desired.get("gpus")  # the supervisor is acting on it: what the daemon runs for next
         if isinstance(gpus, list) and gpus and all(isinstance(g, str) for g in gpus):

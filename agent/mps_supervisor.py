@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -45,10 +44,12 @@ from dynpart.agent.mps_daemon import (
     MpsDaemonBusy,
     MpsDaemonError,
     ProcessMpsDaemon,
+    before_this_boot,
     boot_id,
     read_json,
     write_json,
 )
+from dynpart.agent.node_lock import LockNotTaken, node_lock
 
 log = logging.getLogger("dynpart.agent.mps")
 
@@ -132,7 +133,7 @@ class Supervisor:
         old = read_json(os.path.join(self.dir, STATE))
         if not old:
             return
-        if self.boot and old.get("boot") not in (None, self.boot):
+        if before_this_boot(old.get("boot"), self.boot):
             return  # written before the node's last boot: no daemon of then runs now
         gpus, pipe_dir, log_dir = old.get("gpus"), old.get("pipe_dir"), old.get("log_dir")
         # (its seq is not carried over: until this supervisor has acted, nothing is reported done)
@@ -162,7 +163,7 @@ class Supervisor:
             self.publish()
             return
         self.desired_error = None
-        if desired is not None and self.boot and desired.boot not in (None, self.boot):
+        if desired is not None and before_this_boot(desired.boot, self.boot):
             # written before the node's last boot (a reinstall, a relabel while both pods were away):
             # the agent of this boot has asked for nothing yet, and it may want no daemon at all
             desired = None
@@ -229,31 +230,10 @@ class Supervisor:
                 await beat
 
 
-LOCK = "supervisor.lock"  # one supervisor at a time acts on the directory's daemon
-
-
-async def _lock(control_dir: str, stop: asyncio.Event, poll_s: float) -> int | None:
-    """The supervisor lock's descriptor (held until closed; `flock` locks end with the process,
-    so a killed supervisor leaves none), or None when `stop` came first. Two supervisors of one
-    directory (a rolling update with surge, a force-deleted pod whose containers still run, two
-    releases sharing agent.stateDir) would start the daemon twice on one pipe directory and each
-    quit the other's on its way out."""
-    os.makedirs(control_dir, exist_ok=True)
-    fd = os.open(os.path.join(control_dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
-    waited = False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if not waited:
-                log.warning("another mps-control holds %s; waiting for it to stop", os.path.join(control_dir, LOCK))
-                waited = True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), poll_s)
-        if stop.is_set():
-            os.close(fd)
-            return None
+# One supervisor at a time acts on the directory's daemon: two (a rolling update with surge, a
+# force-deleted pod whose containers still run, two releases sharing agent.stateDir) would start
+# it twice on one pipe directory and each quit the other's on its way out.
+LOCK = "supervisor.lock"
 
 
 async def serve(control_dir: str, binary: str | None = None, poll_s: float = POLL_S, check_s: float = CHECK_S) -> int:
@@ -263,24 +243,27 @@ async def serve(control_dir: str, binary: str | None = None, poll_s: float = POL
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    fd = await _lock(control_dir, stop, poll_s)
-    if fd is None:
-        return 0
     try:
-        daemon = ProcessMpsDaemon(binary) if binary else ProcessMpsDaemon()
-        supervisor = Supervisor(control_dir, daemon, poll_s=poll_s, check_s=check_s)
-        log.info("supervising the MPS control daemon as %s asks", os.path.join(control_dir, DESIRED))
-        await supervisor.run(stop)
-        # said first (the quit may take its 10 s): the file outlives this pod, and the agent would
-        # read "running" from it until it went stale
-        supervisor.state.update(gpus=[], running=False, busy=False, error=f"{SUPERVISOR} stopped")
-        supervisor.publish()
-        # the daemon is a process of this container: it ends with it whatever is done here, so it is
-        # told to quit (its pid file and pipes removed) rather than killed; also one whose last
-        # start failed (no GPUs recorded) may still run from before
-        if daemon.dirs is not None:
-            log.info("stopping: the MPS control daemon too (it would end with this container)")
-            await daemon.stop()
-    finally:
-        os.close(fd)
+        async with node_lock(os.path.join(control_dir, LOCK), retry_s=poll_s, holder="mps-control", stop=stop):
+            await _supervise(control_dir, binary, poll_s, check_s, stop)
+    except LockNotTaken:
+        pass
     return 0
+
+
+async def _supervise(control_dir: str, binary: str | None, poll_s: float, check_s: float, stop: asyncio.Event) -> None:
+    """Holding the lock: supervise until `stop`, then say not-running and quit the daemon."""
+    daemon = ProcessMpsDaemon(binary) if binary else ProcessMpsDaemon()
+    supervisor = Supervisor(control_dir, daemon, poll_s=poll_s, check_s=check_s)
+    log.info("supervising the MPS control daemon as %s asks", os.path.join(control_dir, DESIRED))
+    await supervisor.run(stop)
+    # said first (the quit may take its 10 s): the file outlives this pod, and the agent would
+    # read "running" from it until it went stale
+    supervisor.state.update(gpus=[], running=False, busy=False, error=f"{SUPERVISOR} stopped")
+    supervisor.publish()
+    # the daemon is a process of this container: it ends with it whatever is done here, so it is
+    # told to quit (its pid file and pipes removed) rather than killed; also one whose last
+    # start failed (no GPUs recorded) may still run from before
+    if daemon.dirs is not None:
+        log.info("stopping: the MPS control daemon too (it would end with this container)")
+        await daemon.stop()
