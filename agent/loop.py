@@ -88,7 +88,8 @@ PASS_GRACE_S = 3.0
 
 # Liveness (/healthz): the kubelet restarts the agent when one of these stops beating. Neither
 # waits on the GPU driver: a driver that does not answer is reported (every GPU unhealthy), not
-# cured by a restart, which would also end the MPS control daemon and its clients' CUDA contexts.
+# cured by a restart (which, with the MPS daemon in the agent's container, mps_control_dir unset,
+# would also end it and its clients' CUDA contexts).
 # - the event loop turns: a task beats every `loop_beat_s`; silent `loop_stall_s` means the loop
 #   is blocked (nothing else is answered then either: the kubelet's Allocate, ListAndWatch);
 #   expected from the agent's start (cli), before any pass;

@@ -326,8 +326,9 @@ async def test_the_agent_is_ready_only_once_its_first_pass_has_ended():
 
 
 async def test_a_hung_driver_does_not_fail_liveness(hang):
-    """Restarting the agent cannot cure a driver that does not answer, and would end the MPS
-    control daemon with its clients: the status says what is wrong, the probe stays OK."""
+    """Restarting the agent cannot cure a driver that does not answer (and, with the MPS daemon in
+    its own container, would end it with its clients): the status says what is wrong, the probe
+    stays OK."""
     rig, agent, liveness = liveness_rig(scale=200)  # the pass-progress limit becomes 0.3 s
     agent.driver.read_limit_s = agent.driver.change_limit_s = 0.1
     await agent.reconcile_once()  # (the GPUs read once, before the driver stops answering)
