@@ -88,10 +88,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "(SIGTERM) (docs/agent.md, MPS).")
     mps.add_argument("--dir", dest="control_dir", default="/var/lib/dynpart/mps-control", metavar="DIR",
                      help="the directory shared with the agent (default /var/lib/dynpart/mps-control, the chart's)")
+    mps.add_argument("--shm-dir", metavar="HOSTDIR",
+                     help="the host directory mounted at this container's /dev/shm (the chart's <stateDir>/mps-shm, "
+                          "also mounted at its path): the daemon's shared memory, which the agent's device plugin "
+                          "mounts at its clients' /dev/shm, so that they need no hostIPC; reported to the agent only "
+                          "when it is that mount")
     mps.add_argument("--mps-control-binary", metavar="PATH", help=argparse.SUPPRESS)  # tests
     mps.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="INFO")
     mps.add_argument("--log-json", action="store_true")
     mps.set_defaults(func=run_mps_control)
+
+    shm = cmds.add_parser("mps-shm", help="mount a fresh tmpfs for the MPS daemon's shared memory (the chart's "
+                          "mps-control init container)",
+                          description="Mount a fresh tmpfs at HOSTDIR (one mounted there already is detached "
+                                      "first), mode 1777: the MPS control daemon's /dev/shm, which MPS pods are given "
+                                      "at theirs instead of the host's IPC namespace. Needs CAP_SYS_ADMIN, and the "
+                                      "directory mounted Bidirectional for the host to see it (docs/agent.md, MPS).")
+    shm.add_argument("--dir", dest="shm_dir", required=True, metavar="HOSTDIR")
+    shm.add_argument("--size", default="", help="tmpfs size, e.g. 64g or 50%% (default: half the node's memory, "
+                                                "as /dev/shm)")
+    shm.set_defaults(func=run_mps_shm)
 
 
 def _fake_driver(spec: str, catalog: Catalog) -> GpuDriver:
@@ -188,7 +204,15 @@ def run_mps_control(args: argparse.Namespace) -> int:
     from dynpart.logs import setup_logging
 
     setup_logging(args.log_level, args.log_json)
-    return asyncio.run(serve(args.control_dir, binary=args.mps_control_binary))
+    return asyncio.run(serve(args.control_dir, binary=args.mps_control_binary, shm_dir=args.shm_dir))
+
+
+def run_mps_shm(args: argparse.Namespace) -> int:
+    from dynpart.agent.mps_shm import mount_tmpfs
+
+    size = mount_tmpfs(args.shm_dir, args.size or None)
+    print(f"tmpfs of {size} mounted at {args.shm_dir}")
+    return 0
 
 
 def _recording_meta(report: ProbeReport, reads: list[str]) -> dict[str, Any]:
@@ -459,8 +483,6 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     from dynpart.agent.podresources import FakePodResources
 
     capacity = settings.mps_capacity_gb
-    allocate = AllocateSettings(pipe_dir_host=settings.mps_pipe_dir, device_list=settings.device_list_strategy)
-    plugins = DevicePluginManager(settings.device_plugin_dir, allocate=allocate, held=pods.allocatable)
     daemon: MpsDaemon
     shutdown = shutdown or Shutdown()
     if settings.mps_control_dir:
@@ -471,6 +493,10 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
         daemon = ProcessMpsDaemon()
         # the daemon after the plugin stopped listing MPS slices (exits run last first)
         stack.push_async_callback(shutdown.step, "stopping the MPS control daemon", daemon.stop)
+    # MPS clients get the running daemon's /dev/shm where mps-control says it has one of its own
+    allocate = AllocateSettings(pipe_dir_host=settings.mps_pipe_dir, device_list=settings.device_list_strategy,
+                                mps_shm_host=lambda: daemon.shm_dir)
+    plugins = DevicePluginManager(settings.device_plugin_dir, allocate=allocate, held=pods.allocatable)
     await plugins.start()
     stack.push_async_callback(shutdown.step, "stopping the device plugin", plugins.close)
     if isinstance(pods, FakePodResources):  # --fake-gpus without a kubelet: it "holds" all advertised

@@ -177,6 +177,13 @@ class MpsDaemon(Protocol):
         outlives it: None."""
         ...
 
+    @property
+    def shm_dir(self) -> str | None:
+        """The host directory that is the running daemon's /dev/shm, which its clients are given
+        at theirs (they then need no hostIPC); None: the daemon's /dev/shm is its IPC namespace's
+        (clients must share it: hostIPC: true), or unknown."""
+        ...
+
 
 class FakeMpsDaemon:
     """In memory. `fail_with` makes `ensure` fail with that message; `die()` kills it (the next
@@ -188,6 +195,7 @@ class FakeMpsDaemon:
         self.running = False
         self.fail_with: str | None = None
         self.starts: list[tuple[str, ...]] = []
+        self.shm_dir: str | None = None
 
     def die(self) -> None:
         self.running = False
@@ -224,6 +232,9 @@ class ProcessMpsDaemon:
         self.gpus: tuple[str, ...] = ()
         self.dirs: tuple[str, str] | None = None
         self.restarts = 0
+        # its /dev/shm is this container's (the agent's own daemon: clients need hostIPC, and
+        # so does the agent's pod; the supervisor knows and reports its own, Supervisor.shm_dir)
+        self.shm_dir: str | None = None
 
     def _env(self) -> dict[str, str]:
         assert self.dirs is not None
@@ -379,6 +390,8 @@ class SupervisedMpsDaemon:
         self.poll_s = poll_s
         self.clock = clock
         self.error: str | None = None  # why alive() said False, if the supervisor is the reason
+        # the host directory that is the daemon's /dev/shm, as the last fresh state.json said
+        self.shm_dir: str | None = None
 
     @property
     def desired_path(self) -> str:
@@ -389,6 +402,7 @@ class SupervisedMpsDaemon:
         path = os.path.join(self.dir, STATE)
         state = read_json(path)
         at = state.get("at") if state else None
+        self.shm_dir = None  # (unknown until a fresh state says it)
         if state is None or not isinstance(at, (int, float)):
             self.error = f"no state from {SUPERVISOR} ({path} is absent or unreadable): is it running on this node?"
             return None
@@ -404,6 +418,8 @@ class SupervisedMpsDaemon:
             self.error = f"{path} is dated {-age:.0f}s ahead of this clock: {SUPERVISOR} is not known to run"
             return None
         self.error = None
+        shm = state.get("shm_dir")
+        self.shm_dir = shm if isinstance(shm, str) and shm.startswith("/") else None
         return state
 
     def _want(self, gpus: Sequence[str], pipe_dir: str, log_dir: str) -> int:

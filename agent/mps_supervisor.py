@@ -12,7 +12,8 @@ replaced finds what the other wrote, as after a restart of its container):
 - `state.json`, written by this supervisor: {"seq": the desired seq last acted on, "gpus": what
   the daemon runs for, "pipe_dir", "log_dir", "running", "busy", "error": str or null, "at": wall
   time of the write, rewritten every `poll_s` while the supervisor runs (its heartbeat),
-  "checked_at": wall time of the last check of the daemon}.
+  "checked_at": wall time of the last check of the daemon, "shm_dir": the host directory that is
+  the daemon's /dev/shm (`--shm-dir`, checked to be this container's /dev/shm), or null}.
 
 Both are written whole (a temporary file, then a rename), and both carry the host's boot id
 ("boot"): the files outlive the pods, and one written before the node's last boot is not acted on
@@ -107,12 +108,33 @@ def read_desired(control_dir: str) -> Desired | None:
     return parse_desired(text)
 
 
+def same_directory(a: str, b: str) -> bool:
+    """`a` and `b` are one directory (the same device and inode: one a mount of the other)."""
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
 class Supervisor:
-    """Runs the daemon as desired.json says (`step`), and keeps state.json fresh (`publish`)."""
+    """Runs the daemon as desired.json says (`step`), and keeps state.json fresh (`publish`).
+    `shm_dir`: the host directory mounted at this container's /dev/shm (`dev_shm`), the daemon's
+    shared memory, which the agent's device plugin then mounts at its clients' /dev/shm; reported
+    only when it is that mount (seen at the same path through the host directory's mount), so
+    that the agent never gives clients a directory the daemon does not use."""
 
     def __init__(self, control_dir: str, daemon: ProcessMpsDaemon | None = None, *, poll_s: float = POLL_S,
-                 check_s: float = CHECK_S, clock: Any = time.time):
+                 check_s: float = CHECK_S, clock: Any = time.time, shm_dir: str | None = None,
+                 dev_shm: str = "/dev/shm"):
         self.dir = control_dir
+        self.shm_dir: str | None = None
+        if shm_dir:
+            if same_directory(shm_dir, dev_shm):
+                self.shm_dir = shm_dir
+            else:
+                log.error("%s is not this container's %s (not mounted there, or not seen here): MPS pods "
+                          "are given no shared memory of the daemon and need hostIPC: true", shm_dir, dev_shm)
         self.daemon = daemon or ProcessMpsDaemon()
         self.poll_s = poll_s
         self.check_s = check_s
@@ -147,7 +169,7 @@ class Supervisor:
         try:
             write_json(os.path.join(self.dir, STATE),
                        {**self.state, "error": self.desired_error or self.state["error"], "at": self.clock(),
-                        "boot": self.boot})
+                        "boot": self.boot, "shm_dir": self.shm_dir})
         except OSError as e:
             log.warning("writing %s: %s", os.path.join(self.dir, STATE), e)
 
@@ -236,7 +258,8 @@ class Supervisor:
 LOCK = "supervisor.lock"
 
 
-async def serve(control_dir: str, binary: str | None = None, poll_s: float = POLL_S, check_s: float = CHECK_S) -> int:
+async def serve(control_dir: str, binary: str | None = None, poll_s: float = POLL_S, check_s: float = CHECK_S,
+                shm_dir: str | None = None) -> int:
     """`dynpart agent mps-control`: until SIGTERM or SIGINT, then tell the daemon to quit and say
     so in state.json."""
     stop = asyncio.Event()
@@ -245,16 +268,17 @@ async def serve(control_dir: str, binary: str | None = None, poll_s: float = POL
         loop.add_signal_handler(sig, stop.set)
     try:
         async with node_lock(os.path.join(control_dir, LOCK), retry_s=poll_s, holder="mps-control", stop=stop):
-            await _supervise(control_dir, binary, poll_s, check_s, stop)
+            await _supervise(control_dir, binary, poll_s, check_s, stop, shm_dir)
     except LockNotTaken:
         pass
     return 0
 
 
-async def _supervise(control_dir: str, binary: str | None, poll_s: float, check_s: float, stop: asyncio.Event) -> None:
+async def _supervise(control_dir: str, binary: str | None, poll_s: float, check_s: float, stop: asyncio.Event,
+                     shm_dir: str | None = None) -> None:
     """Holding the lock: supervise until `stop`, then say not-running and quit the daemon."""
     daemon = ProcessMpsDaemon(binary) if binary else ProcessMpsDaemon()
-    supervisor = Supervisor(control_dir, daemon, poll_s=poll_s, check_s=check_s)
+    supervisor = Supervisor(control_dir, daemon, poll_s=poll_s, check_s=check_s, shm_dir=shm_dir)
     log.info("supervising the MPS control daemon as %s asks", os.path.join(control_dir, DESIRED))
     await supervisor.run(stop)
     # said first (the quit may take its 10 s): the file outlives this pod, and the agent would

@@ -137,6 +137,11 @@ class PlannerSettings(CommonSettings):
                                        "default scheduler's filters, and a pod another scheduler places (Volcano, "
                                        "a gang scheduler...) is left to it; a kube-scheduler profile of another "
                                        "name with the default filters may be added")
+    mps_clients_host_ipc: bool = Field(default=False, description="MPS pods must run with hostIPC: true, and one "
+                                       "without is warned (an MpsUnreachable Event): the MPS control daemon "
+                                       "shares the host's /dev/shm (the chart's agent.mpsShm.mode hostIPC, or an "
+                                       "agent that runs the daemon itself). False (the chart's default, tmpfs): "
+                                       "the agent's device plugin mounts the daemon's own /dev/shm into its clients")
     leader_election: bool = Field(default=True, description="only the holder of the lease plans")
     lease_name: str = Field(default=LEASE_NAME, min_length=1, description="coordination.k8s.io Lease name")
     lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="namespace of the Lease")

@@ -209,7 +209,7 @@ class ClusterView:
     # nodes left out while their agent runs them in another mode than their label's, whose
     # acknowledged spec keeps the agent there: node -> the labelled mode, for a switching spec
     switching: dict[str, str] = field(default_factory=dict)
-    # objects planned all the same, with advice for their owner (e.g. an MPS pod without hostIPC)
+    # objects planned all the same, with advice for their owner (an MPS pod that will not reach its server)
     warnings: list[tuple[dict[str, Any], str]] = field(default_factory=list)
     # nodes carrying annotations of another dynpart version (ignored): what an operator should know
     skew: list[tuple[dict[str, Any], str]] = field(default_factory=list)
@@ -590,7 +590,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                    exclude_nodes: AbstractSet[str] = frozenset(), exclude_pods: AbstractSet[str] = frozenset(),
                    reserved: Mapping[str, str] | None = None, switching_too: bool = False,
                    scheduler_names: Collection[str] = (DEFAULT_SCHEDULER,), in_flight: Mapping[str, str] | None = None,
-                   no_defer: Mapping[str, AbstractSet[str]] | None = None, volumes: VolumeTopology | None = None) -> ClusterView:
+                   no_defer: Mapping[str, AbstractSet[str]] | None = None, volumes: VolumeTopology | None = None,
+                   mps_host_ipc: bool = False) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
@@ -603,7 +604,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     puts there count as placed), and of two pending pods that conflict, the younger is left to the
     next round (`ClusterView.deferred`), unless the older is one `no_defer` names for it (pod ->
     the pods earlier rounds left it for and could not place: not left again for those). `volumes`: the claims and
-    volumes cached, whose node affinity narrows the pods that use them (`volume_topology`)."""
+    volumes cached, whose node affinity narrows the pods that use them (`volume_topology`). `mps_host_ipc`: MPS
+    pods need hostIPC: true (the planner setting mps_clients_host_ipc); one without is warned."""
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
     reserved = reserved or {}
@@ -704,10 +706,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             host_names[wants.name] = admitting
             pending.append(wants)
             candidates[pod_key(pod)] = pod
-            if isinstance(known_resource(pending[-1].resource), MpsResource) and not _field(pod, "spec", "hostIPC"):
-                warnings.append((pod, f"pod {pod_key(pod)} asks for an MPS slice ({pending[-1].resource}) without "
-                                      "hostIPC: true: the MPS control daemon's shared memory is the host's, so its "
-                                      "CUDA cannot reach the MPS server (planned all the same)"))
+            if isinstance(known_resource(pending[-1].resource), MpsResource):
+                warnings.extend((pod, w) for w in _mps_client_warnings(pod, pending[-1].resource, mps_host_ipc))
         except DynpartError as e:
             problems.append((pod, str(e)))
         except (AttributeError, TypeError, ValueError, KeyError) as e:  # a field of the wrong type
@@ -934,6 +934,37 @@ def _required_affinity(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _mps_client_warnings(pod: dict[str, Any], resource: str, host_ipc: bool) -> list[str]:
+    """Why an MPS pod's CUDA will not reach its MPS server, if the pod says it: no hostIPC where the
+    daemon's shared memory is the host's, or a volume at /dev/shm in a container given the slice,
+    which takes the place of the daemon's /dev/shm (the kubelet mounts a pod's volumes after the
+    device plugin's mounts; with hostIPC it hides the host's /dev/shm alike)."""
+    out = []
+    if host_ipc and not _field(pod, "spec", "hostIPC"):
+        out.append(f"pod {pod_key(pod)} asks for an MPS slice ({resource}) without hostIPC: true: the MPS control "
+                   "daemon's shared memory is the host's, so its CUDA cannot reach the MPS server (planned all the same)")
+    containers = _field(pod, "spec", "containers")
+    for c in containers if isinstance(containers, list) else []:
+        if not isinstance(c, dict) or not _dev_shm_mounts(c):
+            continue
+        limits, requests = _field(c, "resources", "limits"), _field(c, "resources", "requests")
+        if any(isinstance(r, dict) and resource in r for r in (limits, requests)):
+            out.append(f"pod {pod_key(pod)}: container {c.get('name')} mounts a volume at {DEV_SHM} and asks for an "
+                       f"MPS slice ({resource}): the volume takes the place of the MPS control daemon's shared "
+                       f"memory there, so its CUDA cannot reach the MPS server (planned all the same; remove the "
+                       "volume: the daemon's /dev/shm is a tmpfs of half the node's memory)")
+    return out
+
+
+DEV_SHM = "/dev/shm"
+
+
+def _dev_shm_mounts(container: dict[str, Any]) -> list[Any]:
+    mounts = container.get("volumeMounts")
+    return [m for m in mounts if isinstance(m, dict) and str(m.get("mountPath", "")).rstrip("/") == DEV_SHM] \
+        if isinstance(mounts, list) else []
+
+
 def _host_ports(container: dict[str, Any]) -> dict[str, Any]:
     """A container's ports that take a host port (the scheduler's NodePorts filter), as a part of it."""
     ports = container.get("ports")
@@ -1014,7 +1045,8 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         items = spec.get(key)
         if not isinstance(items, list):
             return items  # ill-typed: kept, so the round reports it as it would on the full object
-        return [{**{k: c[k] for k in ("name", "resources", "restartPolicy") if k in c}, **_run_as(c), **_host_ports(c)}
+        return [{**{k: c[k] for k in ("name", "resources", "restartPolicy") if k in c}, **_run_as(c), **_host_ports(c),
+                 **({"volumeMounts": shm} if (shm := _dev_shm_mounts(c)) else {})}
                 if isinstance(c, dict) else c for c in items]
 
     conditions = status.get("conditions")

@@ -708,7 +708,7 @@ class PlannerController:
         view = await asyncio.to_thread(build_snapshot, nodes, pods, self.catalog, awaiting, self.loop.held_pods(),
                                        self._reservations(), scheduler_names=self.settings.scheduler_names,
                                        in_flight={k: n for n, f in self.loop.in_flight.items() for k in f.pods},
-                                       no_defer=self._not_to_defer(),
+                                       no_defer=self._not_to_defer(), mps_host_ipc=self.settings.mps_clients_host_ipc,
                                        volumes=VolumeTopology(dict(self.claims.cache), dict(self.volumes.cache))
                                        if self.claims.synced.is_set() and self.volumes.synced.is_set() else None)
         self.liveness.beat("planning loop")  # (a round at scale takes seconds: each part of it beats)
@@ -744,7 +744,7 @@ class PlannerController:
             for obj, message in _per_object(found):
                 await self._event(obj, reason, message, warning=True)
         for obj, message in view.warnings:
-            await self._event(obj, "MpsNeedsHostIPC", message, warning=True)
+            await self._event(obj, "MpsUnreachable", message, warning=True)
         for obj, message in view.blocked:
             (log.debug if f"{object_key(obj)}: {message}" in logged else log.info)("pod not placed", extra={"fields": {
                 "pod": object_key(obj), "reason": message}})

@@ -230,7 +230,7 @@ def test_mps_control_daemonset_outlives_agent_replacements(default, full, tmp_pa
             assert "SYS_ADMIN" in agent["securityContext"]["capabilities"]["add"]  # (full-values)
             assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SETUID", "SETGID"]}
         assert "memory" not in mps["resources"].get("limits", {})  # an OOM kill would end every MPS client
-        assert pod["hostIPC"] is True and pod["automountServiceAccountToken"] is False
+        assert pod["automountServiceAccountToken"] is False
         assert "projected" not in str(pod["volumes"]) and not mps.get("ports")
         vols = {v["name"]: v for v in pod["volumes"]}
         agent_vols = {v["name"]: v for v in agent_pod["volumes"]}
@@ -239,6 +239,27 @@ def test_mps_control_daemonset_outlives_agent_replacements(default, full, tmp_pa
         assert ns.control_dir.startswith(state["mountPath"] + "/")  # on the host, in both pods
         _, s = _agent_settings(objs, tmp_path, monkeypatch)
         assert s.mps_control_dir == ns.control_dir  # the agent asks where the supervisor reads
+        planner = yaml.safe_load(find(objs, "ConfigMap", "dynpart-planner")["data"]["planner.yaml"])
+        if objs is default:
+            # agent.mpsShm.mode tmpfs: the daemon's own /dev/shm, a tmpfs an init container mounts
+            # on the host, which the agent's device plugin gives its clients: no hostIPC anywhere
+            assert "hostIPC" not in pod and planner["mps_clients_host_ipc"] is False
+            (init,) = pod["initContainers"]
+            init_ns = build_parser().parse_args(init["args"])
+            assert (init_ns.agent_command, init_ns.shm_dir, init_ns.size) == ("mps-shm", ns.shm_dir, "")
+            assert init["securityContext"]["privileged"] is True and init["image"] == mps["image"]
+            assert {"name": "state", "mountPath": state["mountPath"], "mountPropagation": "Bidirectional"} \
+                in init["volumeMounts"]
+            assert ns.shm_dir == state["mountPath"] + "/mps-shm"  # seen there too: the supervisor checks it
+            assert {"name": "mps-shm", "mountPath": "/dev/shm"} in mps["volumeMounts"]
+            assert vols["mps-shm"]["hostPath"] == {"path": ns.shm_dir, "type": "DirectoryOrCreate"}
+            # only the init container is privileged where the agent is not
+            assert "mountPropagation" not in str(mps["volumeMounts"])
+        else:
+            # hostIPC: the daemon and its clients in the host's IPC namespace, nothing mounted
+            assert pod["hostIPC"] is True and planner["mps_clients_host_ipc"] is True
+            assert "initContainers" not in pod and ns.shm_dir is None and "mps-shm" not in vols
+            assert not any(c["securityContext"].get("privileged") for c in pod["containers"])
 
 
 def test_agent_with_nvidias_device_plugin():
@@ -249,7 +270,7 @@ def test_agent_with_nvidias_device_plugin():
                   "--set", "devicePlugin.nvidia.selector=app=nvidia-device-plugin-daemonset")
     pod = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
     assert "device-plugins" in {v["name"] for v in pod["volumes"]}
-    assert find(objs, "DaemonSet", MPS_CONTROL_DS)["spec"]["template"]["spec"]["hostIPC"] is True
+    assert find(objs, "DaemonSet", MPS_CONTROL_DS)["spec"]["template"]["spec"]["initContainers"]
     assert ("", "nodes/status", ()) in rules(find(objs, "ClusterRole", "dynpart-agent"))
     role = find(objs, "Role", "dynpart-agent-nvidia-plugin-restart")
     assert role["metadata"]["namespace"] == "gpu-op" and rules(role) == {("", "pods", ()): {"list", "delete"}}
@@ -763,8 +784,7 @@ def test_agent_state_dir_is_what_the_agent_uses(tmp_path):
     the host) in the agent's and the mps-control pods."""
     from dynpart.settings import AgentSettings, load_settings
 
-    objs = render("--set", "agent.stateDir=/srv/dynpart", "--set", "agent.hostIPC=false",
-                  "--set", "agent.updateStrategy.type=OnDelete")
+    objs = render("--set", "agent.stateDir=/srv/dynpart", "--set", "agent.updateStrategy.type=OnDelete")
     for ds, name in ((AGENT_DS, "agent"), (MPS_CONTROL_DS, "mps-control")):
         pod = find(objs, "DaemonSet", ds)["spec"]["template"]["spec"]
         vols = {v["name"]: v for v in pod["volumes"]}
@@ -772,7 +792,10 @@ def test_agent_state_dir_is_what_the_agent_uses(tmp_path):
         # the daemon's pipes and logs, and the files the two share: where the agent's settings say
         assert {"name": "state", "mountPath": "/srv/dynpart"} in container(pod, name)["volumeMounts"]
         assert not pod.get("hostIPC")
-    mps = container(find(objs, "DaemonSet", MPS_CONTROL_DS)["spec"]["template"]["spec"], "mps-control")
+    mps_pod = find(objs, "DaemonSet", MPS_CONTROL_DS)["spec"]["template"]["spec"]
+    mps = container(mps_pod, "mps-control")
+    assert {v["name"]: v for v in mps_pod["volumes"]}["mps-shm"]["hostPath"]["path"] == "/srv/dynpart/mps-shm"
+    assert mps["args"][mps["args"].index("--shm-dir") + 1] == "/srv/dynpart/mps-shm"
     assert find(objs, "DaemonSet", AGENT_DS)["spec"]["updateStrategy"] == {"type": "OnDelete"}
     (tmp_path / "agent.yaml").write_text(find(objs, "ConfigMap", "dynpart-agent")["data"]["agent.yaml"])
     s = load_settings(AgentSettings, tmp_path / "agent.yaml")

@@ -153,6 +153,9 @@ def resource_kind(resource: str) -> Kind:
 # --- what Allocate hands a container ------------------------------------------------------------
 
 MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+# where an MPS client's CUDA looks for the shared memory of its MPS server (POSIX shared memory:
+# /dev/shm); given the daemon's own (a host directory) by mount, the client needs no hostIPC
+DEV_SHM = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ DEVICE_LIST_MOUNTS = "/var/run/nvidia-container-devices"
 
 def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_PIPE_DIRECTORY,
                          mps_pipe_container: str = MPS_PIPE_DIRECTORY,
-                         device_list: DeviceList = "envvar") -> ContainerAllocation:
+                         device_list: DeviceList = "envvar", mps_shm_host: str | None = None) -> ContainerAllocation:
     """The env vars and mounts for a container given `devices` (all of one resource, as the kubelet
     asks per resource): NVIDIA_VISIBLE_DEVICES names the MIG or GPU UUIDs (the NVIDIA container
     runtime does the rest). MPS slices also get their memory limit per GPU
@@ -188,7 +191,9 @@ def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_P
     moved its limits to device indices in v0.15.0 because limits set by UUID were not applied;
     its daemon sets them by host index, a client's variable counts the client's GPUs): the container's
     GPUs are numbered in PCI bus order (`CUDA_DEVICE_ORDER=PCI_BUS_ID`), which is NVML's index
-    order, so the i-th of its GPUs by index is ordinal i."""
+    order, so the i-th of its GPUs by index is ordinal i. `mps_shm_host`: the host directory that
+    is the MPS control daemon's /dev/shm, mounted at the client's (as NVIDIA's plugin does); None:
+    the daemon shares the host's, which the client reaches only with hostIPC: true."""
     if not devices:
         return ContainerAllocation(envs={})
     if any(d.kind == "mig" for d in devices):
@@ -209,7 +214,8 @@ def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_P
     envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{n}={per_gpu[u]}G" for n, u in enumerate(gpus))
     envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
     envs["CUDA_MPS_PIPE_DIRECTORY"] = mps_pipe_container
-    return ContainerAllocation(envs=envs, mounts=(*visible.mounts, MountSpec(mps_pipe_host, mps_pipe_container)))
+    shm = (MountSpec(mps_shm_host, DEV_SHM),) if mps_shm_host else ()
+    return ContainerAllocation(envs=envs, mounts=(*visible.mounts, MountSpec(mps_pipe_host, mps_pipe_container), *shm))
 
 
 def _visible(ids: list[str], device_list: DeviceList) -> ContainerAllocation:

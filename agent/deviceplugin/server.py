@@ -79,12 +79,15 @@ class _NotServed:
 
 @dataclass(frozen=True)
 class AllocateSettings:
-    """What Allocate hands a container besides its devices: the MPS pipe directory, and how the
-    devices are named to the NVIDIA container runtime (`devices.DeviceList`)."""
+    """What Allocate hands a container besides its devices: the MPS pipe directory, the MPS
+    daemon's shared memory (`mps_shm_host`: asked at each Allocate, the host directory that is the
+    running daemon's /dev/shm, or None), and how the devices are named to the NVIDIA container
+    runtime (`devices.DeviceList`)."""
 
     pipe_dir_host: str = MPS_PIPE_DIRECTORY
     pipe_dir_container: str = MPS_PIPE_DIRECTORY
     device_list: DeviceList = "envvar"
+    mps_shm_host: Callable[[], str | None] = lambda: None
 
 
 class PluginServer:
@@ -309,7 +312,8 @@ class PluginServer:
             for i in ids:
                 self.allocated[i] = now
             a = container_allocation([by_id[i] for i in ids], self.allocate.pipe_dir_host,
-                                     self.allocate.pipe_dir_container, self.allocate.device_list)
+                                     self.allocate.pipe_dir_container, self.allocate.device_list,
+                                     self.allocate.mps_shm_host())
             responses.append(msgs["ContainerAllocateResponse"](
                 envs=a.envs, mounts=[msgs["Mount"](host_path=m.host_path, container_path=m.container_path,
                                                    read_only=m.read_only) for m in a.mounts]))

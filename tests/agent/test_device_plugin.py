@@ -111,6 +111,17 @@ def test_container_allocation_mps_sums_per_gpu():
     assert [(m.host_path, m.container_path) for m in a.mounts] == [("/run/mps", "/mps")]
 
 
+def test_mps_clients_get_the_daemons_own_dev_shm_where_it_has_one():
+    """NVIDIA's plugin mounts its MPS daemon's /dev/shm (a tmpfs on the host) at each client's, so
+    that clients need no hostIPC; MIG devices and whole GPUs get no such mount."""
+    by = advertise(GPUS)
+    mps = container_allocation(by["nvidia.com/gpu-10gb"], "/run/mps", "/mps", mps_shm_host="/var/lib/dynpart/mps-shm")
+    assert [(m.host_path, m.container_path, m.read_only) for m in mps.mounts] == [
+        ("/run/mps", "/mps", False), ("/var/lib/dynpart/mps-shm", "/dev/shm", False)]
+    for resource in ("nvidia.com/mig-1g.10gb", "nvidia.com/gpu"):
+        assert not container_allocation(by[resource][:1], mps_shm_host="/var/lib/dynpart/mps-shm").mounts
+
+
 def test_volume_mounts_name_the_devices_by_mounts_a_pod_cannot_forge():
     """NVIDIA's DEVICE_LIST_STRATEGY=volume-mounts: one /dev/null mount per device id under
     /var/run/nvidia-container-devices, the variable naming that directory (its plugin's apiMounts)."""
@@ -180,6 +191,26 @@ async def test_allocate_mig_whole_and_mps(kubelet, plugins):
     pre = await kubelet.plugins["nvidia.com/gpu"].stub.PreStartContainer(protocol.messages()["PreStartContainerRequest"](
         devices_ids=["GPU-2"]), timeout=5)
     assert pre.ListFields() == []
+
+
+async def test_allocate_mounts_the_shared_memory_the_running_mps_daemon_has_now(kubelet, plugin_dir):
+    """Asked at each Allocate: the daemon mps-control runs now decides (one started by an older
+    mps-control with the host's /dev/shm gives its clients none: they then need hostIPC)."""
+    from dynpart.agent.deviceplugin.server import AllocateSettings
+
+    shm: list[str | None] = [None]
+    allocate = AllocateSettings(mps_shm_host=lambda: shm[0])
+    async with DevicePluginManager(plugin_dir, allocate=allocate, poll_s=0.05, register_timeout_s=2) as plugins:
+        await plugins.update(advertise(GPUS))
+        await kubelet.wait_registered("nvidia.com/gpu-10gb")
+
+        async def mounts():
+            got = (await kubelet.allocate("nvidia.com/gpu-10gb", ["GPU-1::1"])).container_responses[0]
+            return [(m.host_path, m.container_path) for m in got.mounts]
+
+        assert await mounts() == [("/tmp/nvidia-mps", "/tmp/nvidia-mps")]
+        shm[0] = "/var/lib/dynpart/mps-shm"
+        assert await mounts() == [("/tmp/nvidia-mps", "/tmp/nvidia-mps"), ("/var/lib/dynpart/mps-shm", "/dev/shm")]
 
 
 async def test_allocate_refuses_unknown_and_sealed_ids(kubelet, plugins):

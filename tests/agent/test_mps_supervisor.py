@@ -446,3 +446,53 @@ async def test_while_the_supervisor_changes_the_daemons_gpus_a_restarted_agent_t
     assert SupervisedMpsDaemon(str(dirs.ctl)).running_for() == ["GPU-b"]
     dirs.want(4, ["GPU-a"])
     assert SupervisedMpsDaemon(str(dirs.ctl)).running_for() == ["GPU-a"]
+
+
+async def test_the_daemons_own_dev_shm_is_reported_only_when_it_is_mounted_there(control, dirs, tmp_path, caplog):
+    """`--shm-dir`: the host directory the chart mounts at mps-control's /dev/shm. It reaches the
+    agent (whose device plugin mounts it at the clients' /dev/shm) only when this container's
+    /dev/shm is that directory: a client given another one than its daemon's would not reach it."""
+    shm = tmp_path / "mps-shm"
+    shm.mkdir()
+    seen_as = tmp_path / "dev-shm"  # this container's /dev/shm: here a link to the same directory
+    seen_as.symlink_to(shm)
+    dirs.want(1, ["GPU-a"])
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05, check_s=0.2,
+                     shm_dir=str(shm), dev_shm=str(seen_as))
+    agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=10)
+    async with running(sup):
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+        assert dirs.state()["shm_dir"] == str(shm) and agent.shm_dir == str(shm)
+    # the supervisor gone (its state stale): nothing is known of the next daemon's
+    agent.stale_s = 0.0
+    time.sleep(0.01)
+    assert await agent.alive() is False and agent.shm_dir is None
+    # another directory than this container's /dev/shm: not reported, and said why
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05, check_s=0.2,
+                     shm_dir=str(shm), dev_shm=str(other))
+    assert "is not this container's" in caplog.text and "hostIPC" in caplog.text
+    agent = SupervisedMpsDaemon(str(dirs.ctl), wait_s=10)
+    async with running(sup):
+        await asyncio.sleep(0.2)  # (its first state.json written over the last supervisor's)
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+        assert dirs.state()["shm_dir"] is None and agent.shm_dir is None
+    # without --shm-dir (the chart's agent.mpsShm.mode hostIPC): none either
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05, check_s=0.2)
+    write_json(str(dirs.ctl / STATE), {**dirs.state(), "shm_dir": str(shm)})  # (as if the last one had it)
+    async with running(sup):
+        await asyncio.sleep(0.2)
+        await agent.ensure(["GPU-a"], str(dirs.pipe), str(dirs.logs))
+        assert dirs.state()["shm_dir"] is None and agent.shm_dir is None
+
+
+def test_a_state_naming_an_odd_shm_dir_gives_clients_none(dirs):
+    agent = SupervisedMpsDaemon(str(dirs.ctl))
+    for odd in ("relative/dir", 7, ["/x"], ""):
+        write_json(str(dirs.ctl / STATE), {"seq": 1, "gpus": ["GPU-a"], "running": True, "at": time.time(),
+                                           "boot": boot_id(), "shm_dir": odd})
+        assert agent.running_for() == ["GPU-a"] and agent.shm_dir is None
+    write_json(str(dirs.ctl / STATE), {"seq": 1, "gpus": ["GPU-a"], "running": True, "at": time.time(),
+                                       "boot": boot_id(), "shm_dir": "/var/lib/dynpart/mps-shm"})
+    assert agent.running_for() == ["GPU-a"] and agent.shm_dir == "/var/lib/dynpart/mps-shm"

@@ -451,10 +451,37 @@ def test_an_mps_pod_without_host_ipc_is_planned_and_its_owner_told_why_it_will_n
     without = pod_for_planning(pod("a", {"nvidia.com/gpu-10gb": "1"}))
     with_ipc = pod_for_planning(pod("b", {"nvidia.com/gpu-10gb": "1"}, hostIPC=True))
     mig = pod_for_planning(pod("c", {"nvidia.com/mig-1g.10gb": "1"}))
-    view = build_snapshot([node("m", mode="mps", count=1), node("g", count=1)], [without, with_ipc, mig], CAT)
+    nodes = [node("m", mode="mps", count=1), node("g", count=1)]
+    view = build_snapshot(nodes, [without, with_ipc, mig], CAT, mps_host_ipc=True)
     assert {p.name for p in view.snapshot.pending} == {"ml/a", "ml/b", "ml/c"}
     assert [(obj["metadata"]["name"], "hostIPC: true" in m) for obj, m in view.warnings] == [("a", True)]
     assert not view.problems
+    # the daemon's own /dev/shm mounted into its clients (the chart's default): no hostIPC needed
+    assert not build_snapshot(nodes, [without, with_ipc, mig], CAT).warnings
+
+
+def test_an_mps_pod_with_a_volume_at_dev_shm_is_planned_and_its_owner_told_it_hides_the_daemons_shared_memory():
+    from dynpart.planner.cluster_view import pod_for_planning
+
+    def with_shm(name, resources, path="/dev/shm", **spec):
+        p = pod(name, resources, **spec)
+        p["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"},
+                                                      {"name": "shm", "mountPath": path}]
+        p["spec"]["containers"].append({"name": "sidecar", "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]})
+        return pod_for_planning(p)
+
+    mps = with_shm("a", {"nvidia.com/gpu-10gb": "1"}, hostIPC=True)
+    # the cache keeps the /dev/shm mounts only
+    assert mps["spec"]["containers"][0]["volumeMounts"] == [{"name": "shm", "mountPath": "/dev/shm"}]
+    pods = [mps, with_shm("b", {"nvidia.com/gpu-10gb": "1"}, path="/dev/shm/"),
+            with_shm("c", {"nvidia.com/gpu-10gb": "1"}, path="/dev/shmem"), with_shm("d", {"nvidia.com/mig-1g.10gb": "1"})]
+    for host_ipc in (False, True):
+        view = build_snapshot([node("m", mode="mps", count=1), node("g", count=1)], pods, CAT, mps_host_ipc=host_ipc)
+        assert {p.name for p in view.snapshot.pending} == {"ml/a", "ml/b", "ml/c", "ml/d"}
+        found = [(obj["metadata"]["name"], "container c mounts a volume at /dev/shm" in m) for obj, m in view.warnings
+                 if "hostIPC" not in m]
+        # (only the container given the slice: the sidecar's /dev/shm is its own)
+        assert found == [("a", True), ("b", True)]
 
 
 def test_a_gpu_holding_a_profile_the_planners_model_lacks_is_kept_as_it_is_and_the_rest_planned():

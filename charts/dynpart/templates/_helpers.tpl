@@ -128,6 +128,11 @@ other runs: the new one reads what the old one wrote, as after a restart of its 
 {{ .Values.agent.stateDir }}/mps-control
 {{- end }}
 
+{{/* The host directory of the MPS control daemon's /dev/shm (agent.mpsShm.mode tmpfs). */}}
+{{- define "dynpart.mpsShmDir" -}}
+{{ .Values.agent.stateDir }}/mps-shm
+{{- end }}
+
 {{/* A DaemonSet's updateStrategy from its value: rollingUpdate only with type RollingUpdate (a
 --set of the type alone keeps the default's rollingUpdate, which OnDelete has no use for). */}}
 {{- define "dynpart.updateStrategy" -}}
