@@ -164,7 +164,10 @@ class LeaderElector:
                 elif not self.can_write():
                     # step down well before another replica may take the lease over
                     self._set(False)
-                await asyncio.sleep(self.renew_s if self.is_leader else self.retry_s)
+                # a leader whose renewal failed tries again as a standby does, every retry_s, while
+                # it can still write (client-go: RetryPeriod until RenewDeadline): after renew_s, two
+                # failures in a row (an API server restart) left it too little time to renew
+                await asyncio.sleep(self.renew_s if self.is_leader and won else self.retry_s)
         finally:
             if self.is_leader:
                 self._set(False)

@@ -8,6 +8,7 @@ import copy
 import time
 from typing import Any
 
+from dynpart.kube.errors import APIServerError
 from dynpart.kube.leases import LeaderElector
 from tests.kube.fakes import FakeResponse
 
@@ -157,6 +158,65 @@ async def test_a_holder_back_with_a_longer_lease_writes_it_and_leads_no_longer_t
         assert api.lease["spec"]["leaseDurationSeconds"] == 6  # standbys now time 6 s
         # proven for 2/3 of the 3 s the standbys were timing when it renewed, not of its own 6 s
         assert a._valid_until - before <= 3 * 2 / 3 + 0.05, a._valid_until - before
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+class FlakyLeases(FakeLeases):
+    """Every call takes `latency_s`; the next `fail` updates answer 500 (a transient API server failure)."""
+
+    def __init__(self, latency_s: float = 0.0) -> None:
+        super().__init__()
+        self.latency_s = latency_s
+        self.fail = 0
+        self.updates = 0
+
+    async def read_namespaced_lease(self, *args, **kwargs):
+        await asyncio.sleep(self.latency_s)
+        return await super().read_namespaced_lease(*args, **kwargs)
+
+    async def replace_namespaced_lease(self, name, namespace, body):
+        await asyncio.sleep(self.latency_s)
+        self.updates += 1
+        if self.fail:
+            self.fail -= 1
+            raise APIServerError("update lease: 500 Internal Server Error", status=500)
+        return await super().replace_namespaced_lease(name, namespace, body)
+
+
+async def test_two_failed_renewals_in_a_row_cost_the_leader_its_writes_and_its_leadership():
+    """The production ratios (lease 15 s, renew 4 s, retry 1 s), scaled by 1/5: lease 3 s, renew
+    0.8 s, retry 0.2 s; every call takes 30 ms. Two renewals in a row fail (a 500 each, e.g. an
+    API server restart behind the load balancer), then the API server answers again. client-go's
+    leader retries a failed renewal every RetryPeriod until RenewDeadline, so it renews at the
+    third try, 0.2 s later, and never stops leading. dynpart's waits renew_s after a failure too:
+    its third try comes 2.4 s after the last success, past the 2 s it can prove it leads, with a
+    0.05 s deadline for a GET and a PUT: it stops writing, then steps down (the controller drops
+    every plan in flight, `_forget_leader_state`), though nobody else could have taken the lease.
+    (Review 93; fails before the fix.)"""
+    api = FlakyLeases(latency_s=0.03)
+    a = LeaderElector(api, "dynpart-planner", "dynpart-system", "a",  # type: ignore[arg-type]  # a fake API
+                      lease_s=3, renew_s=0.8, retry_s=0.2)
+    changes: list[bool] = []
+    a.on_change = changes.append
+    task = asyncio.create_task(a.run())
+    try:
+        for _ in range(200):
+            if a.can_write():
+                break
+            await asyncio.sleep(0.01)
+        assert a.can_write()
+        updates = api.updates
+        while api.updates == updates:  # just renewed: the next two renewals fail
+            await asyncio.sleep(0.005)
+        api.fail = 2
+        blocked = False
+        for _ in range(400):  # 4 s: more than the lease
+            blocked |= not a.can_write()
+            await asyncio.sleep(0.01)
+        assert changes == [True], f"leadership changed {changes} after two transient failures"
+        assert not blocked, "writes stopped after two transient renewal failures"
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
