@@ -30,6 +30,7 @@ from dynpart.kube.client import Obj
 from dynpart.kube.conventions import (
     PARTITIONING_LABEL,
     PLANNER_COMPONENT,
+    PREFIX,
     SPEC_PLAN,
     SPEC_PODS,
     SPEC_REVOKES,
@@ -98,6 +99,22 @@ class Unelected:
 
     def write_time_left_s(self) -> float:
         return math.inf
+
+
+
+# spec writes refused 409 for changes the plan did not read, written again (`_write_plan`)
+CONFLICT_RETRIES = 3
+
+
+def planning_facts(node: Obj) -> tuple[object, ...]:
+    """What of a Node a plan is made from: its labels, its dynpart annotations (the agent's
+    heartbeat aside: a fresher one changes nothing planned), its spec (taints, unschedulable) and
+    allocatable; not the rest of its status (conditions, images, volumes in use, addresses),
+    which the kubelet rewrites as it goes."""
+    md, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
+    annotations = {k: v for k, v in (md.get("annotations") or {}).items()
+                   if k.startswith(PREFIX) and k != STATUS_HEARTBEAT}
+    return (md.get("labels") or {}, annotations, md.get("deletionTimestamp"), spec, status.get("allocatable"))
 
 
 class PlannerController:
@@ -808,7 +825,7 @@ class PlannerController:
                             extra={"fields": {"plan": plan_id, "written": sorted(written)}})
                 return
             try:
-                await self._patch_as_leader(layout.node, patch, node_obj["metadata"].get("resourceVersion"))
+                await self._write_plan(layout.node, patch, node_obj)
             except APIConflictError as e:
                 metrics.PLAN_ERRORS.labels("conflict").inc()
                 log.info("node changed while planning; will re-plan", extra={"fields": {"node": layout.node, "error": str(e)}})
@@ -959,6 +976,27 @@ class PlannerController:
             log.info("a plan's write got no answer but reached the node", extra={"fields": {
                 "node": name, "plan": node_plan, "error": str(error)}})
         return landed
+
+    async def _write_plan(self, name: str, patch: dict[str, str | None], planned_from: Obj) -> None:
+        """A node's plan, written at the resourceVersion of the node it was planned from. A 409
+        for a change of nothing the plan read (the kubelet's status writes: conditions, images,
+        volumes in use; the agent's heartbeat) is written again at the node's new version, as
+        client-go's RetryOnConflict would: on a node whose status changes faster than a round,
+        every write would otherwise be refused and its pods never placed. APIConflictError: the
+        node changed in what the plan read (or kept changing), re-planned by the next round."""
+        node = planned_from
+        for attempt in range(CONFLICT_RETRIES + 1):
+            try:
+                await self._patch_as_leader(name, patch, node["metadata"].get("resourceVersion"))
+                return
+            except APIConflictError:
+                if attempt == CONFLICT_RETRIES:
+                    raise
+                fresh = await read_node(self.core, name)
+                if planning_facts(fresh) != planning_facts(planned_from):
+                    raise
+                metrics.PLAN_ERRORS.labels("conflict_retried").inc()
+                node = fresh
 
     async def _patch_as_leader(self, name: str, patch: dict[str, str | None], resource_version: str | None) -> Obj:
         """A spec write that lands while this replica can prove it leads, or not at all from its

@@ -6,6 +6,7 @@ a leader that cannot prove it leads writes nothing."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
-from dynpart.annotations import SPEC_PODS, SPEC_TERM, decode_spec, encode_status
+from dynpart.annotations import SPEC_PODS, SPEC_TERM, STATUS_HEARTBEAT, STATUS_PLAN, decode_spec, encode_status
 from dynpart.catalog import default_catalog
 from dynpart.kube.errors import APITransportError
 from dynpart.planner import controller as controller_module
@@ -1030,6 +1031,11 @@ async def test_a_pod_left_for_an_older_one_whose_write_conflicted_is_left_for_it
     async def patch(core, name, p, resource_version=None):
         if not writes and not getattr(patch, "conflicted", False):
             patch.conflicted = True  # type: ignore[attr-defined]
+            # a change the plan read (a label): the write is not made again at the new version
+            changed = copy.deepcopy(c.nodes.cache[name])
+            changed["metadata"]["labels"]["team"] = "b"
+            changed["metadata"]["resourceVersion"] = "8"
+            c.server[name] = changed  # type: ignore[attr-defined]
             raise APIConflictError("the object has been modified", status=409)
         writes.append((name, p))
         return {}
@@ -1039,6 +1045,7 @@ async def test_a_pod_left_for_an_older_one_whose_write_conflicted_is_left_for_it
         c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
     await c.plan_round()
     assert c._deferred == {"ml/web-1": "ml/web-0"} and writes == []
+    c.server.clear()  # type: ignore[attr-defined]
     await c.plan_round()
     assert _planned_on(writes) == {"ml/web-0": writes[0][0]}, "web-1 is left for web-0 again"
     await c.plan_round()  # web-0 in flight: web-1 planned against it, on the other node
@@ -1181,3 +1188,84 @@ async def test_a_label_that_changes_by_itself_does_not_wake_the_waiting_pods(mak
     later["metadata"]["labels"]["nvidia.com/gfd.timestamp"] = "1764200060"
     c._on_node("MODIFIED", later)
     assert not c.window.members and not c.wake.is_set()
+
+
+async def test_a_write_refused_for_a_status_change_the_plan_did_not_read_is_made_again_at_the_new_version(
+        make, monkeypatch):
+    """The kubelet rewrites the Node's status (conditions, images, volumes in use) and the agent its
+    heartbeat while a round plans: the spec write's resourceVersion is stale though nothing the plan
+    read changed. The API server answers 409; the write is made again at the node's new version
+    (client-go's RetryOnConflict), not dropped until the next round, whose cache the kubelet may
+    have moved on from again: on a node whose status changes faster than a round, its pods were
+    never placed (review 93; fails before)."""
+    from dynpart.kube.errors import APIConflictError
+
+    c = make([reported("n1")], Lead(term=1))
+    server = copy.deepcopy(reported("n1"))
+    server["metadata"]["resourceVersion"] = "100"
+    c.nodes.cache["n1"] = copy.deepcopy(server)
+    attempts: list[str | None] = []
+
+    def kubelet_writes_status() -> None:
+        server["metadata"]["resourceVersion"] = str(int(server["metadata"]["resourceVersion"]) + 1)
+        server["status"].setdefault("conditions", []).append({"type": "Ready", "status": "True"})
+        server["metadata"]["annotations"][STATUS_HEARTBEAT] = f"2026-11-27T12:00:{len(attempts):02d}Z"
+
+    async def patch(core, name, p, resource_version=None):
+        attempts.append(resource_version)
+        if len(attempts) == 1:
+            kubelet_writes_status()  # landed between the snapshot and the write
+        if resource_version != server["metadata"]["resourceVersion"]:
+            raise APIConflictError("the object has been modified", status=409)
+        server["metadata"]["annotations"].update({k: v for k, v in p.items() if v is not None})
+        return copy.deepcopy(server)
+
+    async def read(core, name):
+        return copy.deepcopy(server)
+    monkeypatch.setattr(controller_module, "patch_node_annotations", patch)
+    monkeypatch.setattr(controller_module, "read_node", read)
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+    await c.plan_round()
+    assert attempts == ["100", "101"] and "n1" in c.in_flight
+    assert server["metadata"]["annotations"][SPEC_PODS] == "ml/a"
+
+
+async def test_a_write_refused_for_a_change_the_plan_read_or_for_ever_is_left_to_the_next_round(make, monkeypatch):
+    """A 409 for a change of what the plan read (labels, the dynpart annotations, the spec,
+    allocatable) is not written again: the next round plans the node as it is now. A node that
+    changes at every try is given up after CONFLICT_RETRIES more."""
+    from dynpart.kube.errors import APIConflictError
+    from dynpart.planner.controller import CONFLICT_RETRIES
+
+    for change in ("label", "annotation", "taint", "allocatable", "always"):
+        c = make([reported("n1")], Lead(term=1))
+        server = copy.deepcopy(reported("n1"))
+        server["metadata"]["resourceVersion"] = "100"
+        c.nodes.cache["n1"] = copy.deepcopy(server)
+        attempts: list[str | None] = []
+
+        async def patch(core, name, p, resource_version=None, server=server, attempts=attempts, change=change):
+            attempts.append(resource_version)
+            if len(attempts) == 1 or change == "always":
+                md = server["metadata"]
+                md["resourceVersion"] = str(int(md["resourceVersion"]) + 1)
+                if change == "label":
+                    md["labels"]["nvidia.com/gpu.product"] = "NVIDIA-A100-SXM4-80GB"
+                elif change == "annotation":
+                    md["annotations"][STATUS_PLAN] = "p9"
+                elif change == "taint":
+                    server["spec"] = {"taints": [{"key": "gpu", "effect": "NoSchedule"}]}
+                elif change == "allocatable":
+                    server["status"]["allocatable"]["cpu"] = "8"
+            if resource_version != server["metadata"]["resourceVersion"]:
+                raise APIConflictError("the object has been modified", status=409)
+            return copy.deepcopy(server)
+
+        async def read(core, name, server=server):
+            return copy.deepcopy(server)
+        monkeypatch.setattr(controller_module, "patch_node_annotations", patch)
+        monkeypatch.setattr(controller_module, "read_node", read)
+        c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+        await c.plan_round()
+        assert "n1" not in c.in_flight, change
+        assert len(attempts) == (CONFLICT_RETRIES + 1 if change == "always" else 1), (change, attempts)
