@@ -240,6 +240,8 @@ def test_mps_control_daemonset_outlives_agent_replacements(default, full, tmp_pa
         _, s = _agent_settings(objs, tmp_path, monkeypatch)
         assert s.mps_control_dir == ns.control_dir  # the agent asks where the supervisor reads
         planner = yaml.safe_load(find(objs, "ConfigMap", "dynpart-planner")["data"]["planner.yaml"])
+        # the MPS server finds its own PID through /proc/self (agent.mpsControl.hostPID, off in full)
+        assert pod.get("hostPID", False) is (objs is default) and "hostPID" not in agent_pod
         if objs is default:
             # agent.mpsShm.mode tmpfs: the daemon's own /dev/shm, a tmpfs an init container mounts
             # on the host, which the agent's device plugin gives its clients: no hostIPC anywhere
