@@ -242,6 +242,7 @@ def test_mps_control_daemonset_outlives_agent_replacements(default, full, tmp_pa
         planner = yaml.safe_load(find(objs, "ConfigMap", "dynpart-planner")["data"]["planner.yaml"])
         # the MPS server finds its own PID through /proc/self (agent.mpsControl.hostPID, off in full)
         assert pod.get("hostPID", False) is (objs is default) and "hostPID" not in agent_pod
+        assert ({e["name"]: e.get("value") for e in mps["env"]}.get("TINI_SUBREAPER") == "1") is (objs is default)
         if objs is default:
             # agent.mpsShm.mode tmpfs: the daemon's own /dev/shm, a tmpfs an init container mounts
             # on the host, which the agent's device plugin gives its clients: no hostIPC anywhere
