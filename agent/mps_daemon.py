@@ -390,7 +390,9 @@ class SupervisedMpsDaemon:
         self.poll_s = poll_s
         self.clock = clock
         self.error: str | None = None  # why alive() said False, if the supervisor is the reason
-        # the host directory that is the daemon's /dev/shm, as the last fresh state.json said
+        # the host directory that is the daemon's /dev/shm, as the last fresh state.json said; kept
+        # while the state is late (the slices stay listed until a pass says otherwise, and an
+        # Allocate answered without it is the pod's for its life): only a fresh state changes it
         self.shm_dir: str | None = None
 
     @property
@@ -402,7 +404,6 @@ class SupervisedMpsDaemon:
         path = os.path.join(self.dir, STATE)
         state = read_json(path)
         at = state.get("at") if state else None
-        self.shm_dir = None  # (unknown until a fresh state says it)
         if state is None or not isinstance(at, (int, float)):
             self.error = f"no state from {SUPERVISOR} ({path} is absent or unreadable): is it running on this node?"
             return None

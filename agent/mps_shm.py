@@ -9,17 +9,21 @@ chart runs this as the mps-control pod's init container, privileged, with the ho
 mounted `Bidirectional` so that the tmpfs is the host's. A tmpfs, not the host directory itself:
 shared memory is memory, and a directory on the node's disk would be written back to it.
 
-A new mps-control pod means a new daemon: a tmpfs left mounted there by the last pod is detached
-first (lazily: MPS pods of the old daemon keep theirs), so each daemon starts on an empty one.
+A new mps-control pod means a new daemon: a tmpfs left mounted there by the last pod is emptied
+and detached first (lazily: processes that still map its files keep them), so each new pod's
+daemon starts on an empty one. (A restart of the pod's container, which does not run its init
+containers again, keeps the tmpfs and what the last daemon left there.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
 import re
+import shutil
 
 from dynpart.errors import DynpartError
 
@@ -79,9 +83,18 @@ def mount_tmpfs(path: str, size: str | None = None) -> str:
     except OSError as e:
         raise MountError(f"{path}: {e.strerror or e}") from None
     libc = _libc()
-    if is_mount_point(path) and libc.umount2(path.encode(), MNT_DETACH) != 0:
-        err = ctypes.get_errno()
-        raise MountError(f"detaching the tmpfs at {path}: {os.strerror(err)}")
+    if is_mount_point(path):
+        # emptied first: a copy of the mount another container still holds would keep the files
+        for entry in os.listdir(path):
+            target = os.path.join(path, entry)
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(target)
+        if libc.umount2(path.encode(), MNT_DETACH) != 0:
+            err = ctypes.get_errno()
+            raise MountError(f"detaching the tmpfs at {path}: {os.strerror(err)}")
     flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
     if libc.mount(b"dynpart-mps-shm", path.encode(), b"tmpfs", flags, f"size={size},mode=1777".encode()) != 0:
         err = ctypes.get_errno()

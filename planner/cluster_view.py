@@ -9,6 +9,7 @@ object is left out; one bad object never stops the planning of the others.
 from __future__ import annotations
 
 import math
+import posixpath
 import sys
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -943,8 +944,10 @@ def _mps_client_warnings(pod: dict[str, Any], resource: str, host_ipc: bool) -> 
     if host_ipc and not _field(pod, "spec", "hostIPC"):
         out.append(f"pod {pod_key(pod)} asks for an MPS slice ({resource}) without hostIPC: true: the MPS control "
                    "daemon's shared memory is the host's, so its CUDA cannot reach the MPS server (planned all the same)")
-    containers = _field(pod, "spec", "containers")
-    for c in containers if isinstance(containers, list) else []:
+    containers, init = _field(pod, "spec", "containers"), _field(pod, "spec", "initContainers")
+    sidecars = [c for c in init if isinstance(c, dict) and c.get("restartPolicy") == "Always"] \
+        if isinstance(init, list) else []
+    for c in [*(containers if isinstance(containers, list) else []), *sidecars]:
         if not isinstance(c, dict) or not _dev_shm_mounts(c):
             continue
         limits, requests = _field(c, "resources", "limits"), _field(c, "resources", "requests")
@@ -952,7 +955,7 @@ def _mps_client_warnings(pod: dict[str, Any], resource: str, host_ipc: bool) -> 
             out.append(f"pod {pod_key(pod)}: container {c.get('name')} mounts a volume at {DEV_SHM} and asks for an "
                        f"MPS slice ({resource}): the volume takes the place of the MPS control daemon's shared "
                        f"memory there, so its CUDA cannot reach the MPS server (planned all the same; remove the "
-                       "volume: the daemon's /dev/shm is a tmpfs of half the node's memory)")
+                       "volume: the container is given the daemon's /dev/shm, shared by the node's MPS pods)")
     return out
 
 
@@ -961,7 +964,7 @@ DEV_SHM = "/dev/shm"
 
 def _dev_shm_mounts(container: dict[str, Any]) -> list[Any]:
     mounts = container.get("volumeMounts")
-    return [m for m in mounts if isinstance(m, dict) and str(m.get("mountPath", "")).rstrip("/") == DEV_SHM] \
+    return [m for m in mounts if isinstance(m, dict) and posixpath.normpath(str(m.get("mountPath", ""))) == DEV_SHM] \
         if isinstance(mounts, list) else []
 
 

@@ -178,7 +178,7 @@ def test_agent_daemonset(default):
     # node at a time, each once its agent is ready (a version that cannot start stops the roll)
     assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"} and ds["spec"]["minReadySeconds"] > 0
-    assert {"name": "state", "mountPath": "/var/lib/dynpart"} in c["volumeMounts"]
+    assert {"name": "state", "mountPath": "/var/lib/dynpart", "mountPropagation": "HostToContainer"} in c["volumeMounts"]
     assert "device-plugin-config" not in vols and c["args"] == ["agent", "run", "--config", "/etc/dynpart/agent.yaml",
                                                                 "--node", "$(NODE_NAME)"]  # no ConfigMap of MPS configs
 
@@ -256,8 +256,9 @@ def test_mps_control_daemonset_outlives_agent_replacements(default, full, tmp_pa
             assert ns.shm_dir == state["mountPath"] + "/mps-shm"  # seen there too: the supervisor checks it
             assert {"name": "mps-shm", "mountPath": "/dev/shm"} in mps["volumeMounts"]
             assert vols["mps-shm"]["hostPath"] == {"path": ns.shm_dir, "type": "DirectoryOrCreate"}
-            # only the init container is privileged where the agent is not
-            assert "mountPropagation" not in str(mps["volumeMounts"])
+            # only the init container propagates mounts to the host (a privileged container's)
+            assert "Bidirectional" not in str([*mps["volumeMounts"], *agent["volumeMounts"]])
+            assert state["mountPropagation"] == "HostToContainer"  # no private copy of an old tmpfs
         else:
             # hostIPC: the daemon and its clients in the host's IPC namespace, nothing mounted
             assert pod["hostIPC"] is True and planner["mps_clients_host_ipc"] is True
@@ -793,7 +794,8 @@ def test_agent_state_dir_is_what_the_agent_uses(tmp_path):
         vols = {v["name"]: v for v in pod["volumes"]}
         assert vols["state"]["hostPath"]["path"] == "/srv/dynpart"
         # the daemon's pipes and logs, and the files the two share: where the agent's settings say
-        assert {"name": "state", "mountPath": "/srv/dynpart"} in container(pod, name)["volumeMounts"]
+        assert {"name": "state", "mountPath": "/srv/dynpart", "mountPropagation": "HostToContainer"} \
+            in container(pod, name)["volumeMounts"]
         assert not pod.get("hostIPC")
     mps_pod = find(objs, "DaemonSet", MPS_CONTROL_DS)["spec"]["template"]["spec"]
     mps = container(mps_pod, "mps-control")
@@ -891,3 +893,22 @@ def test_notes_mention_the_pod_env_policy(tmp_path):
     on = render_notes(tmp_path / "on")
     assert "ValidatingAdmissionPolicy\ndynpart-pod-env" in on and "Isolation between GPU pods" in on
     assert "dynpart-pod-env" not in render_notes(tmp_path / "off", "--set", "podEnvPolicy.enabled=false")
+
+
+def test_values_that_still_set_agent_host_ipc_keep_their_meaning(tmp_path):
+    """agent.hostIPC (before agent.mpsShm) is still accepted: an upgrade with the old values file
+    must not be refused. true is agent.mpsShm.mode hostIPC (what it meant), false changes nothing;
+    NOTES say it is deprecated (review 94)."""
+    def mps_pod(objs):
+        return find(objs, "DaemonSet", MPS_CONTROL_DS)["spec"]["template"]["spec"]
+
+    def host_ipc_planned(objs):
+        return yaml.safe_load(find(objs, "ConfigMap", "dynpart-planner")["data"]["planner.yaml"])["mps_clients_host_ipc"]
+
+    old_true = render("--set", "agent.hostIPC=true")
+    assert mps_pod(old_true).get("hostIPC") is True and "initContainers" not in mps_pod(old_true)
+    assert host_ipc_planned(old_true) is True
+    for objs in (render("--set", "agent.hostIPC=false"), render()):
+        assert "hostIPC" not in mps_pod(objs) and mps_pod(objs)["initContainers"] and host_ipc_planned(objs) is False
+    assert "agent.hostIPC is deprecated" in render_notes(tmp_path / "t", "--set", "agent.hostIPC=true")
+    assert "agent.hostIPC is deprecated" not in render_notes(tmp_path / "d")

@@ -409,3 +409,38 @@ def test_preferred_allocation_packs_onto_gpus_already_in_use():
     available = ["MIG-0-0", "MIG-0-1", "MIG-1-1", "MIG-2-0", "MIG-2-1", "MIG-unknown"]
     assert packed_first(available, devs, {}) == ["MIG-0-0", "MIG-0-1", "MIG-1-1", "MIG-2-0", "MIG-2-1"]
     assert packed_first(available, devs, {1: 1, 2: 3}) == ["MIG-2-0", "MIG-2-1", "MIG-1-1", "MIG-0-0", "MIG-0-1"]
+
+
+SHM = "/var/lib/dynpart/mps-shm"
+
+
+async def test_a_stale_state_during_a_pass_leaves_a_healthy_slice_allocated_without_the_daemons_dev_shm(
+        tmp_path, kubelet, plugin_dir):
+    """The daemon (mps-control pod) still runs on SHM; its state.json is merely late (a supervisor
+    hiccup of > stale_s). The pass's ensure() reads it stale and sets shm_dir None, then waits
+    stale_s; meanwhile the slices are still listed Healthy from the last pass and the kubelet's
+    Allocate gives the pod no /dev/shm mount, which the kubelet checkpoints for the pod's life
+    (review 94; fails before)."""
+    from dynpart.agent.deviceplugin.server import AllocateSettings
+    from dynpart.agent.mps_daemon import DESIRED, STATE, MpsDaemonError, SupervisedMpsDaemon, boot_id, write_json
+
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    state = {"seq": 1, "gpus": ["GPU-1"], "running": True, "at": time.time(), "boot": boot_id(), "shm_dir": SHM,
+             "pipe_dir": "/p", "log_dir": "/l"}
+    write_json(str(ctl / STATE), state)
+    write_json(str(ctl / DESIRED), {"seq": 1, "gpus": ["GPU-1"], "pipe_dir": "/p", "log_dir": "/l", "boot": boot_id()})
+    daemon = SupervisedMpsDaemon(str(ctl), stale_s=0.5, poll_s=0.05)
+    await daemon.ensure(["GPU-1"], "/p", "/l")
+    assert daemon.shm_dir == SHM
+    allocate = AllocateSettings(mps_shm_host=lambda: daemon.shm_dir)
+    async with DevicePluginManager(plugin_dir, allocate=allocate, poll_s=0.05, register_timeout_s=2) as plugins:
+        await plugins.update(advertise(GPUS))  # the last pass: slices Healthy
+        await kubelet.wait_registered("nvidia.com/gpu-10gb")
+        write_json(str(ctl / STATE), {**state, "at": time.time() - 10})  # late, the daemon unchanged
+        ensure = asyncio.create_task(daemon.ensure(["GPU-1"], "/p", "/l"))  # the next pass
+        await asyncio.sleep(0.1)
+        got = (await kubelet.allocate("nvidia.com/gpu-10gb", ["GPU-1::1"])).container_responses[0]
+        with pytest.raises(MpsDaemonError):
+            await ensure
+    assert (SHM, "/dev/shm") in [(m.host_path, m.container_path) for m in got.mounts]

@@ -75,9 +75,13 @@ def test_a_fresh_tmpfs_each_time_world_writable_as_dev_shm(tmp_path, mounts):
     assert stat.S_IMODE(mode) == 0o1777  # MPS servers run under their clients' user ids
     (tmp_path / "state" / "mps-shm" / "cuda.shm.0").write_text("the last daemon's")
     # the next mps-control pod: the last one's tmpfs detached, an empty one in its place
+    os.makedirs(os.path.join(path, "sub"))
     with open(os.path.join(path, "cuda.shm.0")) as held:  # a client of the last daemon still maps it
         mount_tmpfs(path, "8m")
         assert os.listdir(path) == [] and held.read() == "the last daemon's"
+        # the old tmpfs was emptied before it was detached (a copy of the mount held elsewhere
+        # would keep its files' memory otherwise): its file lives on for the holder alone
+        assert os.fstat(held.fileno()).st_nlink == 0
     assert len(_fstype(path)) == 1  # detached, not stacked
 
 

@@ -473,15 +473,20 @@ def test_an_mps_pod_with_a_volume_at_dev_shm_is_planned_and_its_owner_told_it_hi
     mps = with_shm("a", {"nvidia.com/gpu-10gb": "1"}, hostIPC=True)
     # the cache keeps the /dev/shm mounts only
     assert mps["spec"]["containers"][0]["volumeMounts"] == [{"name": "shm", "mountPath": "/dev/shm"}]
-    pods = [mps, with_shm("b", {"nvidia.com/gpu-10gb": "1"}, path="/dev/shm/"),
-            with_shm("c", {"nvidia.com/gpu-10gb": "1"}, path="/dev/shmem"), with_shm("d", {"nvidia.com/mig-1g.10gb": "1"})]
+    sidecar = pod("e", {"cpu": "1"})
+    sidecar["spec"]["initContainers"] = [{"name": "c", "restartPolicy": "Always",
+                                          "resources": {"limits": {"nvidia.com/gpu-10gb": "1"}},
+                                          "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}]}]
+    pods = [mps, with_shm("b", {"nvidia.com/gpu-10gb": "1"}, path="/dev//shm/"),
+            with_shm("c", {"nvidia.com/gpu-10gb": "1"}, path="/dev/shmem"), with_shm("d", {"nvidia.com/mig-1g.10gb": "1"}),
+            pod_for_planning(sidecar)]
     for host_ipc in (False, True):
         view = build_snapshot([node("m", mode="mps", count=1), node("g", count=1)], pods, CAT, mps_host_ipc=host_ipc)
-        assert {p.name for p in view.snapshot.pending} == {"ml/a", "ml/b", "ml/c", "ml/d"}
+        assert {p.name for p in view.snapshot.pending} == {"ml/a", "ml/b", "ml/c", "ml/d", "ml/e"}
         found = [(obj["metadata"]["name"], "container c mounts a volume at /dev/shm" in m) for obj, m in view.warnings
                  if "hostIPC" not in m]
-        # (only the container given the slice: the sidecar's /dev/shm is its own)
-        assert found == [("a", True), ("b", True)]
+        # (only the container given the slice, a native sidecar too: the other's /dev/shm is its own)
+        assert found == [("a", True), ("b", True), ("e", True)]
 
 
 def test_a_gpu_holding_a_profile_the_planners_model_lacks_is_kept_as_it_is_and_the_rest_planned():

@@ -128,6 +128,12 @@ other runs: the new one reads what the old one wrote, as after a restart of its 
 {{ .Values.agent.stateDir }}/mps-control
 {{- end }}
 
+{{/* How MPS pods share memory with the daemon: agent.mpsShm.mode, or hostIPC where the values
+still set agent.hostIPC: true (its meaning before agent.mpsShm). */}}
+{{- define "dynpart.mpsShmMode" -}}
+{{- if .Values.agent.hostIPC }}hostIPC{{ else }}{{ .Values.agent.mpsShm.mode }}{{ end }}
+{{- end }}
+
 {{/* The host directory of the MPS control daemon's /dev/shm (agent.mpsShm.mode tmpfs). */}}
 {{- define "dynpart.mpsShmDir" -}}
 {{ .Values.agent.stateDir }}/mps-shm
