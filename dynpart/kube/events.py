@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 import uuid
+from collections.abc import Callable
 
 from kubernetes_asyncio import client
 
@@ -13,6 +15,29 @@ from dynpart.kube.client import Obj, raw_api, throttled_writes_not_retried
 from dynpart.kube.errors import APIError, api_errors
 
 log = logging.getLogger(__name__)
+
+
+class _FailureLog:
+    """Failed posts at WARNING at most every `every_s` (with how many failed since), else DEBUG:
+    during an API server outage every Event fails, and each would be a warning line."""
+
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.every_s, self.clock = every_s, clock
+        self.last: float | None = None
+        self.since = 0  # failures not logged at WARNING since the last line that was
+
+    def note(self, message: str) -> None:
+        now = self.clock()
+        if self.last is not None and now - self.last < self.every_s:
+            self.since += 1
+            log.debug("%s", message)
+            return
+        more = f" ({self.since} more Event(s) not posted since the last such warning)" if self.since else ""
+        log.warning("%s%s", message, more)
+        self.last, self.since = now, 0
+
+
+_failed = _FailureLog()
 
 
 def object_reference(obj: Obj) -> Obj:
@@ -48,4 +73,4 @@ async def post_event(core: client.CoreV1Api, obj: Obj, reason: str, message: str
         with api_errors(f"post event {reason} on {ref['name']}"), throttled_writes_not_retried():
             await raw_api(core).create_namespaced_event(namespace, body)
     except APIError as e:
-        log.warning("could not post event %s on %s: %s", reason, ref["name"], e)
+        _failed.note(f"could not post event {reason} on {ref['name']}: {e}")

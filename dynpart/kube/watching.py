@@ -180,6 +180,8 @@ class Informer:
         try:
             event = json.loads(line)
             kind, obj = event["type"], event["object"]
+            if not isinstance(obj, dict):
+                raise TypeError("its object is not a JSON object")
         except (ValueError, KeyError, TypeError) as e:
             raise APIError(f"{what}: not a watch event ({e}): {line[:200]!r}") from None
         if kind == "ERROR":  # a Status: 410 Expired when the resourceVersion is too old

@@ -92,7 +92,9 @@ async def test_a_429_without_a_short_retry_after_is_the_callers(tmp_path, retry_
     assert len(bodies) == 1 and waits == []
 
 
-async def test_reads_and_events_are_not_sent_again(tmp_path, caplog):
+async def test_reads_and_events_are_not_sent_again(tmp_path, caplog, monkeypatch):
+    from dynpart.kube import events as events_module
+    monkeypatch.setattr(events_module, "_failed", events_module._FailureLog())  # (no failure of another test's)
     async with FakeAPIServer() as server:
         reads = throttling(server, "GET", "/api/v1/nodes/n", times=1)
         events = throttling(server, "POST", "/api/v1/namespaces/default/events", times=1)
@@ -107,3 +109,21 @@ async def test_reads_and_events_are_not_sent_again(tmp_path, caplog):
             await api.close()
     assert len(reads) == 1 and len(events) == 2 and waits == []  # the second Event: posted, not a retry
     assert sum("could not post event R" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_failed_event_posts_warn_once_a_minute_with_the_count_since(caplog):
+    """An API server down: every Event fails; one warning a minute says so, the rest at DEBUG."""
+    import logging
+
+    from dynpart.kube.events import _FailureLog
+    now = [0.0]
+    failures = _FailureLog(every_s=60, clock=lambda: now[0])
+    with caplog.at_level(logging.DEBUG, logger="dynpart.kube.events"):
+        for t in (0, 1, 2, 59, 60, 61, 130):
+            now[0] = float(t)
+            failures.note(f"could not post event R at {t}")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == ["could not post event R at 0", "could not post event R at 60 (3 more Event(s) not posted "
+                      "since the last such warning)", "could not post event R at 130 (1 more Event(s) not posted "
+                      "since the last such warning)"]
+    assert sum(r.levelno == logging.DEBUG for r in caplog.records) == 4

@@ -316,3 +316,21 @@ async def test_a_list_that_keeps_failing_the_same_way_is_said_at_warning_every_f
     informer.cache.clear()
     await run_until(informer, lambda: "a" in informer.cache)
     assert [r.levelno for r in caplog.records if "list claims failed" in r.getMessage()] == [logging.WARNING]
+
+
+def test_a_watch_line_whose_object_is_not_an_object_is_an_api_error_not_a_crash():
+    """An ERROR event (or any) whose `object` is not a JSON object (a proxy's, a broken server's)
+    ends the watch as an APIError, which lists again after a back-off, not an AttributeError
+    logged with a stack trace (review 93)."""
+    import json
+
+    import pytest
+
+    from dynpart.kube.errors import APIError
+
+    informer = Informer(lambda **kw: None, lambda kind, obj: None, name="nodes")
+    for event in ({"type": "ERROR", "object": "boom"}, {"type": "ADDED", "object": ["n"]},
+                  {"type": "MODIFIED", "object": None}):
+        with pytest.raises(APIError, match="not a watch event"):
+            informer._apply(json.dumps(event).encode(), "watch nodes")
+    assert informer.cache == {}
