@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from dynpart.agent.selinux import label_for_containers
 from dynpart.errors import DynpartError
 
 log = logging.getLogger("dynpart.agent.mps")
@@ -347,6 +348,9 @@ class ProcessMpsDaemon:
                 os.makedirs(d, exist_ok=True)
             except OSError as e:
                 raise MpsDaemonError(f"MPS directory {d}: {e.strerror}") from None
+        # the clients (other pods) mount the pipe directory: labelled for them where SELinux is on
+        # (the daemon's pipes and sockets made in it then take its label)
+        label_for_containers(pipe_dir)
         rotate_logs(log_dir)
         code, out = await self._run("-d")
         if code != 0:

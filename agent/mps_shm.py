@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 
+from dynpart.agent.selinux import label_for_containers
 from dynpart.errors import DynpartError
 
 # mount(2) flags (linux/mount.h)
@@ -100,4 +101,5 @@ def mount_tmpfs(path: str, size: str | None = None) -> str:
         err = ctypes.get_errno()
         hint = " (the container must be privileged)" if err in (errno.EPERM, errno.EACCES) else ""
         raise MountError(f"mounting a tmpfs at {path}: {os.strerror(err)}{hint}")
+    label_for_containers(path)  # MPS pods mount it: labelled for them where SELinux is on
     return size

@@ -113,3 +113,20 @@ def test_the_command_reports_a_mount_it_may_not_make_in_one_line(tmp_path):
     assert out.returncode == 2 and "Not a directory" in out.stderr and "Traceback" not in out.stderr
     with contextlib.suppress(FileNotFoundError):
         assert not is_mount_point(str(tmp_path / "file" / "shm"))
+
+
+def test_the_tmpfs_is_labelled_for_containers_where_selinux_is_on(tmp_path, mounts, monkeypatch):
+    from dynpart.agent import selinux
+
+    fs = tmp_path / "selinuxfs"
+    fs.mkdir()
+    (fs / "enforce").write_text("1")
+    monkeypatch.setattr(selinux, "SELINUXFS", str(fs))
+    path = str(tmp_path / "mps-shm")
+    mounts.append(path)
+    mount_tmpfs(path, "4m")
+    try:
+        label = os.getxattr(path, selinux.XATTR)
+    except OSError as e:
+        pytest.skip(f"tmpfs here keeps no security.* attribute: {e}")
+    assert label == selinux.CONTAINER_FILE.encode()
