@@ -349,7 +349,8 @@ class ProcessMpsDaemon:
             except OSError as e:
                 raise MpsDaemonError(f"MPS directory {d}: {e.strerror}") from None
         # the clients (other pods) mount the pipe directory: labelled for them where SELinux is on
-        # (the daemon's pipes and sockets made in it then take its label)
+        # (the daemon's pipes and sockets made in it take its type, and the level of the daemon's
+        # process: s0, usable by every container, where mps-control is privileged, spc_t)
         label_for_containers(pipe_dir)
         rotate_logs(log_dir)
         code, out = await self._run("-d")

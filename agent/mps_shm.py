@@ -25,7 +25,7 @@ import os
 import re
 import shutil
 
-from dynpart.agent.selinux import label_for_containers
+from dynpart.agent.selinux import CONTAINER_FILE, selinux_on
 from dynpart.errors import DynpartError
 
 # mount(2) flags (linux/mount.h)
@@ -97,9 +97,13 @@ def mount_tmpfs(path: str, size: str | None = None) -> str:
             err = ctypes.get_errno()
             raise MountError(f"detaching the tmpfs at {path}: {os.strerror(err)}")
     flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
-    if libc.mount(b"dynpart-mps-shm", path.encode(), b"tmpfs", flags, f"size={size},mode=1777".encode()) != 0:
+    options = f"size={size},mode=1777"
+    if selinux_on():
+        # MPS pods mount it: every file in it labelled for them, whoever makes it (a file takes
+        # the level of the process that makes it, which for a container is its own categories)
+        options += f',context="{CONTAINER_FILE}"'
+    if libc.mount(b"dynpart-mps-shm", path.encode(), b"tmpfs", flags, options.encode()) != 0:
         err = ctypes.get_errno()
         hint = " (the container must be privileged)" if err in (errno.EPERM, errno.EACCES) else ""
         raise MountError(f"mounting a tmpfs at {path}: {os.strerror(err)}{hint}")
-    label_for_containers(path)  # MPS pods mount it: labelled for them where SELinux is on
     return size

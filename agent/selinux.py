@@ -18,8 +18,10 @@ XATTR = "security.selinux"
 
 
 def selinux_on(selinuxfs: str | None = None) -> bool:
-    fs = selinuxfs or SELINUXFS
-    return os.path.isdir(fs) and os.path.exists(os.path.join(fs, "enforce"))
+    """The kernel makes /sys/fs/selinux only when SELinux is on; a container's sysfs has the
+    directory but not selinuxfs mounted on it (so no `enforce` there): the directory is the sign,
+    as NVIDIA's plugin takes it."""
+    return os.path.isdir(selinuxfs or SELINUXFS)
 
 
 def label_for_containers(path: str, selinuxfs: str | None = None, label: str = CONTAINER_FILE) -> str | None:

@@ -114,7 +114,9 @@ def planning_facts(node: Obj) -> tuple[object, ...]:
     md, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
     annotations = {k: v for k, v in (md.get("annotations") or {}).items()
                    if k.startswith(PREFIX) and k != STATUS_HEARTBEAT}
-    return (md.get("labels") or {}, annotations, md.get("deletionTimestamp"), spec, status.get("allocatable"))
+    labels = {k: v for k, v in (md.get("labels") or {}).items() if k not in _SELF_CHANGING_LABELS}
+    # (the uid: a node deleted and made again under its name is another node)
+    return (md.get("uid"), labels, annotations, md.get("deletionTimestamp"), spec, status.get("allocatable"))
 
 
 class PlannerController:
@@ -989,13 +991,17 @@ class PlannerController:
             try:
                 await self._patch_as_leader(name, patch, node["metadata"].get("resourceVersion"))
                 return
-            except APIConflictError:
+            except APIConflictError as conflict:
                 if attempt == CONFLICT_RETRIES:
                     raise
-                fresh = await read_node(self.core, name)
+                try:
+                    fresh = await read_node(self.core, name)
+                except APIError:
+                    # the 409 stands (a failed read is no sign the write landed: it did not)
+                    raise conflict from None
                 if planning_facts(fresh) != planning_facts(planned_from):
                     raise
-                metrics.PLAN_ERRORS.labels("conflict_retried").inc()
+                metrics.PLAN_WRITE_RETRIES.inc()
                 node = fresh
 
     async def _patch_as_leader(self, name: str, patch: dict[str, str | None], resource_version: str | None) -> Obj:

@@ -23,9 +23,11 @@ PLAN_ACKS = Counter("dynpart_plan_acks_total", "Node plans acknowledged by their
 PLAN_ACK_SECONDS = Histogram("dynpart_plan_ack_seconds", "From writing a node plan to its acknowledgement",
                              buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
 PLAN_ERRORS = Counter("dynpart_plan_errors_total", "Planning problems by reason: internal, ack_timeout, "
-                      "bad_object, invalid_snapshot, not_leader, conflict (a node's plan left to the next round: the node changed "
-                      "in what the plan read), conflict_retried (written again at the node's new version: it changed in "
-                      "nothing the plan read), patch_failed", ["reason"])
+                      "bad_object, invalid_snapshot, not_leader, conflict (a node's plan left to the next round after a 409 Conflict), "
+                      "patch_failed", ["reason"])
+PLAN_WRITE_RETRIES = Counter("dynpart_plan_write_retries_total", "Node plan writes made again at the node's new "
+                             "resourceVersion after a 409 Conflict for a change of nothing the plan read (the kubelet's "
+                             "status writes)")
 RESERVATIONS_TAKEN = Counter("dynpart_reservations_taken_total", "Reservations ended early: the kube-scheduler gave the "
                                "slice made for the pod to another pod (the pod is planned again)")
 CATALOG_DISAGREEMENTS = Gauge("dynpart_catalog_disagreements",

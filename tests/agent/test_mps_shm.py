@@ -115,18 +115,25 @@ def test_the_command_reports_a_mount_it_may_not_make_in_one_line(tmp_path):
         assert not is_mount_point(str(tmp_path / "file" / "shm"))
 
 
-def test_the_tmpfs_is_labelled_for_containers_where_selinux_is_on(tmp_path, mounts, monkeypatch):
-    from dynpart.agent import selinux
+def test_the_tmpfs_is_labelled_for_containers_where_selinux_is_on(tmp_path, monkeypatch):
+    """Mounted with context=container_file_t:s0: every file in it has that label, whichever
+    process makes it (a label set on its root would pass on the type, not the level: a
+    non-privileged daemon's files would carry its own categories, refused to other pods)."""
+    from dynpart.agent import mps_shm, selinux
 
-    fs = tmp_path / "selinuxfs"
-    fs.mkdir()
-    (fs / "enforce").write_text("1")
-    monkeypatch.setattr(selinux, "SELINUXFS", str(fs))
-    path = str(tmp_path / "mps-shm")
-    mounts.append(path)
-    mount_tmpfs(path, "4m")
-    try:
-        label = os.getxattr(path, selinux.XATTR)
-    except OSError as e:
-        pytest.skip(f"tmpfs here keeps no security.* attribute: {e}")
-    assert label == selinux.CONTAINER_FILE.encode()
+    calls = []
+
+    class Libc:
+        def mount(self, source, target, fstype, flags, data):
+            calls.append(data.decode())
+            return 0
+
+        def umount2(self, target, flags):
+            return 0
+    monkeypatch.setattr(mps_shm, "_libc", Libc)
+    monkeypatch.setattr(selinux, "SELINUXFS", str(tmp_path / "absent"))
+    mount_tmpfs(str(tmp_path / "a"), "4m")
+    (tmp_path / "selinuxfs").mkdir()  # a container's sysfs: the directory, no selinuxfs in it
+    monkeypatch.setattr(selinux, "SELINUXFS", str(tmp_path / "selinuxfs"))
+    mount_tmpfs(str(tmp_path / "b"), "4m")
+    assert calls == ["size=4m,mode=1777", 'size=4m,mode=1777,context="system_u:object_r:container_file_t:s0"']

@@ -1269,3 +1269,63 @@ async def test_a_write_refused_for_a_change_the_plan_read_or_for_ever_is_left_to
         await c.plan_round()
         assert "n1" not in c.in_flight, change
         assert len(attempts) == (CONFLICT_RETRIES + 1 if change == "always" else 1), (change, attempts)
+
+
+async def test_a_write_refused_409_is_never_taken_as_landed_when_the_re_read_fails(make, monkeypatch):
+    """The spec write was refused (409: it did not land). _write_plan re-reads the node; that GET
+    fails (an API server restart). The read's APITransportError escapes _write_plan and plan_round
+    hands it to _landed, which reads once more, fails again, and returns None: 'taken as written'.
+    The node is then in flight with a plan that is not on it, its pods held until the ack time-out,
+    a LayoutPlanned Event and dynpart_node_plans_total counted for a write the server refused
+    (review 95; fails before)."""
+    from dynpart.kube.errors import APIConflictError, APITransportError
+
+    c = make([reported("n1")], Lead(term=1))
+    server = copy.deepcopy(reported("n1"))
+    server["metadata"]["resourceVersion"] = "100"
+    c.nodes.cache["n1"] = copy.deepcopy(server)
+
+    async def patch(core, name, p, resource_version=None):
+        raise APIConflictError("the object has been modified", status=409)
+
+    async def read(core, name):
+        raise APITransportError(f"read node {name}: connection refused")
+    monkeypatch.setattr(controller_module, "patch_node_annotations", patch)
+    monkeypatch.setattr(controller_module, "read_node", read)
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+    await c.plan_round()
+    assert "n1" not in c.in_flight, "a write refused 409 is held in flight as if it had landed"
+    assert "LayoutPlanned" not in [r for r, _ in c.posted]
+
+
+async def test_a_write_refused_for_gpu_feature_discoverys_timestamp_is_made_again(make, monkeypatch):
+    """nvidia.com/gfd.timestamp, rewritten every minute by GPU feature discovery, is nothing a plan
+    reads (review 95); the node's uid is (a node made again under its name is another node)."""
+    from dynpart.kube.errors import APIConflictError
+
+    for change, retried in (("gfd", True), ("uid", False)):
+        c = make([reported("n1")], Lead(term=1))
+        server = copy.deepcopy(reported("n1"))
+        server["metadata"].update(resourceVersion="100", uid="u1")
+        c.nodes.cache["n1"] = copy.deepcopy(server)
+        attempts: list[str | None] = []
+
+        async def patch(core, name, p, resource_version=None, server=server, attempts=attempts, change=change):
+            attempts.append(resource_version)
+            if len(attempts) == 1:
+                server["metadata"]["resourceVersion"] = "101"
+                if change == "gfd":
+                    server["metadata"]["labels"]["nvidia.com/gfd.timestamp"] = "1764244800"
+                else:
+                    server["metadata"]["uid"] = "u2"
+            if resource_version != server["metadata"]["resourceVersion"]:
+                raise APIConflictError("the object has been modified", status=409)
+            return copy.deepcopy(server)
+
+        async def read(core, name, server=server):
+            return copy.deepcopy(server)
+        monkeypatch.setattr(controller_module, "patch_node_annotations", patch)
+        monkeypatch.setattr(controller_module, "read_node", read)
+        c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+        await c.plan_round()
+        assert ("n1" in c.in_flight, attempts) == (retried, ["100", "101"] if retried else ["100"]), change
