@@ -1190,31 +1190,24 @@ async def test_a_label_that_changes_by_itself_does_not_wake_the_waiting_pods(mak
     assert not c.window.members and not c.wake.is_set()
 
 
-async def test_a_write_refused_for_a_status_change_the_plan_did_not_read_is_made_again_at_the_new_version(
-        make, monkeypatch):
-    """The kubelet rewrites the Node's status (conditions, images, volumes in use) and the agent its
-    heartbeat while a round plans: the spec write's resourceVersion is stale though nothing the plan
-    read changed. The API server answers 409; the write is made again at the node's new version
-    (client-go's RetryOnConflict), not dropped until the next round, whose cache the kubelet may
-    have moved on from again: on a node whose status changes faster than a round, its pods were
-    never placed (review 93; fails before)."""
+async def _round_with_a_conflict(make, monkeypatch, change, every_try: bool = False):
+    """One round planning pod ml/a onto n1 (resourceVersion 100 in the cache), where `change`
+    (the server's node -> None) lands between the snapshot and the write (before every write with
+    `every_try`): writes carrying another version than the server's are refused 409, as the API
+    server does. The controller, and the resourceVersion each write carried."""
     from dynpart.kube.errors import APIConflictError
 
     c = make([reported("n1")], Lead(term=1))
     server = copy.deepcopy(reported("n1"))
-    server["metadata"]["resourceVersion"] = "100"
+    server["metadata"].update(resourceVersion="100", uid="u1")
     c.nodes.cache["n1"] = copy.deepcopy(server)
     attempts: list[str | None] = []
 
-    def kubelet_writes_status() -> None:
-        server["metadata"]["resourceVersion"] = str(int(server["metadata"]["resourceVersion"]) + 1)
-        server["status"].setdefault("conditions", []).append({"type": "Ready", "status": "True"})
-        server["metadata"]["annotations"][STATUS_HEARTBEAT] = f"2026-11-27T12:00:{len(attempts):02d}Z"
-
     async def patch(core, name, p, resource_version=None):
         attempts.append(resource_version)
-        if len(attempts) == 1:
-            kubelet_writes_status()  # landed between the snapshot and the write
+        if len(attempts) == 1 or every_try:
+            server["metadata"]["resourceVersion"] = str(int(server["metadata"]["resourceVersion"]) + 1)
+            change(server)
         if resource_version != server["metadata"]["resourceVersion"]:
             raise APIConflictError("the object has been modified", status=409)
         server["metadata"]["annotations"].update({k: v for k, v in p.items() if v is not None})
@@ -1226,49 +1219,47 @@ async def test_a_write_refused_for_a_status_change_the_plan_did_not_read_is_made
     monkeypatch.setattr(controller_module, "read_node", read)
     c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
     await c.plan_round()
+    return c, attempts, server
+
+
+async def test_a_write_refused_for_a_status_change_the_plan_did_not_read_is_made_again_at_the_new_version(
+        make, monkeypatch):
+    """The kubelet rewrites the Node's status (conditions, images, volumes in use) and the agent its
+    heartbeat while a round plans: the spec write's resourceVersion is stale though nothing the plan
+    read changed. The API server answers 409; the write is made again at the node's new version
+    (client-go's RetryOnConflict), not dropped until the next round, whose cache the kubelet may
+    have moved on from again: on a node whose status changes faster than a round, its pods were
+    never placed (review 93; fails before). GPU feature discovery's timestamp label, rewritten every
+    minute, is nothing a plan reads either (review 95)."""
+    def kubelet_writes_status(node):
+        node["status"].setdefault("conditions", []).append({"type": "Ready", "status": "True"})
+        node["metadata"]["annotations"][STATUS_HEARTBEAT] = "2026-11-27T12:00:00Z"
+        node["metadata"]["labels"]["nvidia.com/gfd.timestamp"] = "1764244800"
+
+    c, attempts, server = await _round_with_a_conflict(make, monkeypatch, kubelet_writes_status)
     assert attempts == ["100", "101"] and "n1" in c.in_flight
     assert server["metadata"]["annotations"][SPEC_PODS] == "ml/a"
 
 
 async def test_a_write_refused_for_a_change_the_plan_read_or_for_ever_is_left_to_the_next_round(make, monkeypatch):
     """A 409 for a change of what the plan read (labels, the dynpart annotations, the spec,
-    allocatable) is not written again: the next round plans the node as it is now. A node that
-    changes at every try is given up after CONFLICT_RETRIES more."""
-    from dynpart.kube.errors import APIConflictError
+    allocatable; the node's uid: one made again under its name is another node) is not written
+    again: the next round plans the node as it is now. A node that changes at every try is given
+    up after CONFLICT_RETRIES more."""
     from dynpart.planner.controller import CONFLICT_RETRIES
 
-    for change in ("label", "annotation", "taint", "allocatable", "always"):
-        c = make([reported("n1")], Lead(term=1))
-        server = copy.deepcopy(reported("n1"))
-        server["metadata"]["resourceVersion"] = "100"
-        c.nodes.cache["n1"] = copy.deepcopy(server)
-        attempts: list[str | None] = []
-
-        async def patch(core, name, p, resource_version=None, server=server, attempts=attempts, change=change):
-            attempts.append(resource_version)
-            if len(attempts) == 1 or change == "always":
-                md = server["metadata"]
-                md["resourceVersion"] = str(int(md["resourceVersion"]) + 1)
-                if change == "label":
-                    md["labels"]["nvidia.com/gpu.product"] = "NVIDIA-A100-SXM4-80GB"
-                elif change == "annotation":
-                    md["annotations"][STATUS_PLAN] = "p9"
-                elif change == "taint":
-                    server["spec"] = {"taints": [{"key": "gpu", "effect": "NoSchedule"}]}
-                elif change == "allocatable":
-                    server["status"]["allocatable"]["cpu"] = "8"
-            if resource_version != server["metadata"]["resourceVersion"]:
-                raise APIConflictError("the object has been modified", status=409)
-            return copy.deepcopy(server)
-
-        async def read(core, name, server=server):
-            return copy.deepcopy(server)
-        monkeypatch.setattr(controller_module, "patch_node_annotations", patch)
-        monkeypatch.setattr(controller_module, "read_node", read)
-        c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
-        await c.plan_round()
-        assert "n1" not in c.in_flight, change
-        assert len(attempts) == (CONFLICT_RETRIES + 1 if change == "always" else 1), (change, attempts)
+    changes = {
+        "label": lambda n: n["metadata"]["labels"].update({"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}),
+        "annotation": lambda n: n["metadata"]["annotations"].update({STATUS_PLAN: "p9"}),
+        "taint": lambda n: n.update(spec={"taints": [{"key": "gpu", "effect": "NoSchedule"}]}),
+        "allocatable": lambda n: n["status"]["allocatable"].update(cpu="8"),
+        "uid": lambda n: n["metadata"].update(uid="u2"),
+        "always": lambda n: n["status"].update(conditions=[]),
+    }
+    for name, change in changes.items():
+        c, attempts, _ = await _round_with_a_conflict(make, monkeypatch, change, every_try=name == "always")
+        assert "n1" not in c.in_flight, name
+        assert len(attempts) == (CONFLICT_RETRIES + 1 if name == "always" else 1), (name, attempts)
 
 
 async def test_a_write_refused_409_is_never_taken_as_landed_when_the_re_read_fails(make, monkeypatch):
@@ -1296,36 +1287,3 @@ async def test_a_write_refused_409_is_never_taken_as_landed_when_the_re_read_fai
     await c.plan_round()
     assert "n1" not in c.in_flight, "a write refused 409 is held in flight as if it had landed"
     assert "LayoutPlanned" not in [r for r, _ in c.posted]
-
-
-async def test_a_write_refused_for_gpu_feature_discoverys_timestamp_is_made_again(make, monkeypatch):
-    """nvidia.com/gfd.timestamp, rewritten every minute by GPU feature discovery, is nothing a plan
-    reads (review 95); the node's uid is (a node made again under its name is another node)."""
-    from dynpart.kube.errors import APIConflictError
-
-    for change, retried in (("gfd", True), ("uid", False)):
-        c = make([reported("n1")], Lead(term=1))
-        server = copy.deepcopy(reported("n1"))
-        server["metadata"].update(resourceVersion="100", uid="u1")
-        c.nodes.cache["n1"] = copy.deepcopy(server)
-        attempts: list[str | None] = []
-
-        async def patch(core, name, p, resource_version=None, server=server, attempts=attempts, change=change):
-            attempts.append(resource_version)
-            if len(attempts) == 1:
-                server["metadata"]["resourceVersion"] = "101"
-                if change == "gfd":
-                    server["metadata"]["labels"]["nvidia.com/gfd.timestamp"] = "1764244800"
-                else:
-                    server["metadata"]["uid"] = "u2"
-            if resource_version != server["metadata"]["resourceVersion"]:
-                raise APIConflictError("the object has been modified", status=409)
-            return copy.deepcopy(server)
-
-        async def read(core, name, server=server):
-            return copy.deepcopy(server)
-        monkeypatch.setattr(controller_module, "patch_node_annotations", patch)
-        monkeypatch.setattr(controller_module, "read_node", read)
-        c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
-        await c.plan_round()
-        assert ("n1" in c.in_flight, attempts) == (retried, ["100", "101"] if retried else ["100"]), change
