@@ -233,7 +233,11 @@ class PlannerController:
 
     def _on_pod(self, kind: str, pod: Obj) -> None:
         key = pod_key(pod)
-        if kind != "DELETED" and is_batch_candidate(pod):
+        try:
+            candidate = kind != "DELETED" and is_batch_candidate(pod)
+        except DynpartError:
+            candidate = True  # unreadable (a quantity): the round says what is wrong with it (DynpartInvalid)
+        if candidate:
             self._waiting.add(key)
             if self.loop.pod_waiting(key, self.clock(), _pod_version(pod)):
                 self.wake.set()

@@ -1329,3 +1329,18 @@ async def test_a_round_whose_pods_all_back_off_computes_no_plan(make):
     plans = counted(metrics.PLANS)
     await c.plan_round()
     assert counted(metrics.PLANS) == plans and c.api.written == [] and c.api.of("Unplaceable") == []
+
+
+async def test_a_pod_whose_quantity_the_watch_cannot_read_is_planned_as_invalid_not_lost(make):
+    """A quantity dynpart cannot read (the API server validates them; a newer suffix, a bug): the
+    watch's callback must not raise (the informer would keep the pod cached and never tell the
+    loop again until it changes), and the round reports the pod (DynpartInvalid), as it does a pod
+    it meets in its snapshot."""
+    c = make([reported("n1")])
+    odd = pod("odd", {MIG_1G: "1", "cpu": "lots"})
+    c.pods.cache["ml/odd"] = odd
+    c._on_pod("ADDED", odd)
+    assert "ml/odd" in c._waiting
+    await c.plan_round()
+    [(message, warning, obj)] = c.api.of("DynpartInvalid")
+    assert warning and obj["metadata"]["name"] == "odd" and "lots" in message
