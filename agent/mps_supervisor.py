@@ -209,7 +209,9 @@ class Supervisor:
         try:
             if not desired.gpus:
                 if daemon.gpus:  # running for some GPUs: none is wanted now
-                    await daemon.stop()
+                    # asked first (`ensure` of no GPU): a busy one is kept (MpsDaemonBusy), not told
+                    # to quit by a command killed at its timeout and then taken for stopped
+                    await daemon.ensure((), desired.pipe_dir, desired.log_dir)
                     log.info("MPS control daemon stopped (no GPU wants it)")
                 daemon.gpus, daemon.dirs = (), (desired.pipe_dir, desired.log_dir)
                 running = False
