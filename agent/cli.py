@@ -100,8 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     shm = cmds.add_parser("mps-shm", help="mount a fresh tmpfs for the MPS daemon's shared memory (the chart's "
                           "mps-control init container)",
-                          description="Mount a fresh tmpfs at HOSTDIR (one mounted there already is detached "
-                                      "first), mode 1777: the MPS control daemon's /dev/shm, which MPS pods are given "
+                          description="Mount a fresh tmpfs at HOSTDIR (one mounted there already is emptied and "
+                                      "detached first), mode 1777: the MPS control daemon's /dev/shm, which MPS pods are given "
                                       "at theirs instead of the host's IPC namespace. Needs CAP_SYS_ADMIN, and the "
                                       "directory mounted Bidirectional for the host to see it (docs/agent.md, MPS).")
     shm.add_argument("--dir", dest="shm_dir", required=True, metavar="HOSTDIR")

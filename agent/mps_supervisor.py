@@ -51,6 +51,7 @@ from dynpart.agent.mps_daemon import (
     write_json,
 )
 from dynpart.agent.node_lock import LockNotTaken, node_lock
+from dynpart.kube.conventions import DEV_SHM
 
 log = logging.getLogger("dynpart.agent.mps")
 
@@ -126,7 +127,7 @@ class Supervisor:
 
     def __init__(self, control_dir: str, daemon: ProcessMpsDaemon | None = None, *, poll_s: float = POLL_S,
                  check_s: float = CHECK_S, clock: Any = time.time, shm_dir: str | None = None,
-                 dev_shm: str = "/dev/shm"):
+                 dev_shm: str = DEV_SHM):
         self.dir = control_dir
         self.shm_dir: str | None = None
         if shm_dir:

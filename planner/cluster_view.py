@@ -25,6 +25,7 @@ from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
 from dynpart.kube.conventions import (
     DEFAULT_SCHEDULER,
+    DEV_SHM,
     GPU_COUNT_LABEL,
     GPU_PRODUCT_LABEL,
     PARTITIONING_LABEL,
@@ -957,9 +958,6 @@ def _mps_client_warnings(pod: dict[str, Any], resource: str, host_ipc: bool) -> 
                        f"memory there, so its CUDA cannot reach the MPS server (planned all the same; remove the "
                        "volume: the container is given the daemon's /dev/shm, shared by the node's MPS pods)")
     return out
-
-
-DEV_SHM = "/dev/shm"
 
 
 def _dev_shm_mounts(container: dict[str, Any]) -> list[Any]:

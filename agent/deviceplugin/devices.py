@@ -21,6 +21,7 @@ from typing import Literal
 
 from dynpart.agent.podresources import AssignedDevice
 from dynpart.errors import DynpartError
+from dynpart.kube.conventions import DEV_SHM
 from dynpart.resources import WHOLE_GPU, mig_resource_name, mps_resource_name, parse_resource
 
 Kind = Literal["gpu", "mig", "mps"]
@@ -153,9 +154,6 @@ def resource_kind(resource: str) -> Kind:
 # --- what Allocate hands a container ------------------------------------------------------------
 
 MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
-# where an MPS client's CUDA looks for the shared memory of its MPS server (POSIX shared memory:
-# /dev/shm); given the daemon's own (a host directory) by mount, the client needs no hostIPC
-DEV_SHM = "/dev/shm"
 
 
 @dataclass(frozen=True)

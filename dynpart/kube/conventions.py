@@ -48,6 +48,9 @@ GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 WHOLE_GPU_RESOURCE = "nvidia.com/gpu"
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 MPS_RESOURCE_PREFIX = "nvidia.com/gpu-"
+# Where an MPS client's CUDA finds the shared memory of its MPS server (POSIX shared memory): the
+# agent's device plugin mounts the daemon's own there; a pod's volume there takes its place.
+DEV_SHM = "/dev/shm"
 
 # --- components: the `source` of the Events each one posts ------------------------------------
 PLANNER_COMPONENT = "dynpart-planner"
