@@ -504,7 +504,8 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     extra: dict[str, Any] = {"node_pods": KubeNodePods(api_client, settings.node_name, settings.kube),
                              "plugins": plugins, "mps_daemon": daemon, "mps_log_dir": settings.mps_log_dir,
                              "publish_allocatable": settings.publish_allocatable,
-                             "withdraw_settle_s": settings.withdraw_settle_s}
+                             "withdraw_settle_s": settings.withdraw_settle_s,
+                             "mps_exclusive_process": settings.mps_exclusive_process}
     if settings.device_plugin == "nvidia":
         extra["plugin_pods"] = KubePluginPods(api_client, settings.node_name, settings.nvidia_plugin_namespace,
                                               settings.nvidia_plugin_selector)

@@ -127,7 +127,7 @@ class Agent:
                  plugins: DevicePluginManager | None = None, node_pods: NodePods | None = None,
                  mps_daemon: MpsDaemon | None = None, mps_log_dir: str = "/var/log/nvidia-mps",
                  publish_allocatable: bool = True, plugin_pods: PluginPods | None = None,
-                 withdraw_settle_s: float = 0.5, retry_s: float = 0.5):
+                 withdraw_settle_s: float = 0.5, retry_s: float = 0.5, mps_exclusive_process: bool = True):
         self.node = node
         pods = _Remembering(pods)  # every reader shares it: the last assignments seen, without a call more
         # the built-in device plugin (started and closed by the caller): it serves the node's devices,
@@ -142,6 +142,7 @@ class Agent:
         self.node_pods = node_pods  # pods bound to the node: what they need is never destroyed
         self.mps_daemon = mps_daemon
         self.mps_log_dir = mps_log_dir
+        self.mps_exclusive_process = mps_exclusive_process
         self.publish_allocatable = publish_allocatable
         self.plugin_pods = plugin_pods  # NVIDIA's plugin pod on this node, restarted after a MIG change
         self._builtin = False  # whether the built-in plugin serves the node (set by each pass, from its mode)
@@ -323,7 +324,8 @@ class Agent:
                 if self._mps_plugin is None:
                     self._mps_plugin = MpsPluginAgent(self.driver, self.pods, capacity, guard=self.guard,
                                                       daemon=self.mps_daemon, pipe_dir=self.plugins.allocate.pipe_dir_host,
-                                                      log_dir=self.mps_log_dir)
+                                                      log_dir=self.mps_log_dir,
+                                                      exclusive_process=self.mps_exclusive_process)
                 desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
                 result = await self._mps_plugin.apply(desired_mps, spec.drain)
         except DynpartError as e:
@@ -412,7 +414,8 @@ class Agent:
         until they are gone."""
         assert self._mig is not None
         mps = self._mps_plugin
-        if mps is None or not any(mps.live.values()):
+        # (a GPU its last pass could not set back to DEFAULT compute mode is tried again)
+        if mps is None or not (any(mps.live.values()) or mps.whole_blocked):
             self._mig.mps_left = {}
             if mps is None:
                 await self._stop_daemon_left()
@@ -517,6 +520,8 @@ class Agent:
             elif self._mps_plugin is not None and self._mps_plugin.live.get(d.index):
                 sizes, numbers = self._mps_plugin.view(d.index)
                 view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.serves(d.uuid))
+            elif self._mps_plugin is not None and not self._mps_plugin.serves_whole(d.uuid):
+                view = replace(view, healthy=False)  # left in EXCLUSIVE_PROCESS: one process at most
             out.append(view)
         self.unhealthy = unhealthy
         return out

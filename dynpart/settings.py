@@ -221,6 +221,13 @@ class AgentSettings(CommonSettings):
                                         "of the agent leaves it and its clients running. Unset: the agent runs the "
                                         "daemon in its own container, and its restart or exit ends every MPS client "
                                         "on the node")
+    mps_exclusive_process: bool = Field(default=True, description="MPS: put each GPU with MPS slices in "
+                                        "EXCLUSIVE_PROCESS compute mode, as NVIDIA's MPS daemon does (the MPS server "
+                                        "is then its only process: a client that misses the daemon gets no context "
+                                        "instead of running beside it without its slice's limits), and each GPU "
+                                        "without slices back in DEFAULT before it is listed whole (listed Unhealthy "
+                                        "if it cannot be). Needs root on the node's GPUs (the chart's agent). False: "
+                                        "compute modes are left as they are")
     publish_allocatable: bool = Field(default=True, description="the agent's own device plugin: write the node's "
                                       "status.allocatable of the slice resources as soon as the kubelet holds the "
                                       "devices (never more than it holds), instead of waiting for the kubelet's next "

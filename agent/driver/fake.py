@@ -14,12 +14,17 @@ from dataclasses import dataclass, field
 from typing import Concatenate, NoReturn, ParamSpec, TypeVar
 
 from dynpart.agent.driver.interface import (
+    COMPUTE_MODES,
+    DEFAULT_COMPUTE,
+    EXCLUSIVE_PROCESS,
     GPU_IS_LOST,
     IN_USE,
     INSUFFICIENT_RESOURCES,
     INVALID_ARGUMENT,
+    NO_PERMISSION,
     NOT_FOUND,
     NOT_SUPPORTED,
+    PROHIBITED,
     RESET_REQUIRED,
     DeviceInfo,
     DriverVersions,
@@ -59,6 +64,11 @@ def _driver_call(read: bool) -> Callable[[Callable[Concatenate[FakeNvml, P], R]]
     return wrap
 
 
+class ContextRefused(Exception):
+    """`FakeNvml.attach`: CUDA refuses the process a context on the GPU (its compute mode:
+    cudaErrorDevicesUnavailable)."""
+
+
 class SimulatedCrash(BaseException):
     """Raised by FakeNvml.crash_after: the agent process 'dies' in the middle of a pass."""
 
@@ -67,7 +77,7 @@ class SimulatedCrash(BaseException):
 class FakeOp:
     """One mutating call, as FakeNvml's `ops` log records it."""
 
-    op: str  # set_mig_mode | create_gi | create_ci | destroy_ci | destroy_gi
+    op: str  # set_mig_mode | set_compute_mode | create_gi | create_ci | destroy_ci | destroy_gi
     device: int
     gi_id: int | None = None
     profile: str | None = None
@@ -95,6 +105,7 @@ class _FakeGpu:
     gis: dict[int, _FakeGi] = field(default_factory=dict)
     pids: set[int] = field(default_factory=set)  # processes on the whole GPU (MIG off)
     holders: set[str] = field(default_factory=set)  # clients holding it open that are not compute processes
+    compute_mode: str = DEFAULT_COMPUTE
 
 
 class FakeNvml:
@@ -117,6 +128,11 @@ class FakeNvml:
     applies it. With `mode_needs_reset` the mode is left pending with RESET_REQUIRED until
     `reset(i)`. Disabling MIG mode while GPU instances exist is refused (IN_USE).
 
+    Compute modes as nvmlDeviceSetComputeMode sets them: for root only (`root=False`: refused with
+    NO_PERMISSION), back to DEFAULT at a reset or a reboot; they govern `attach` (a process creating
+    a context on the whole GPU: refused with ContextRefused in PROHIBITED, and in EXCLUSIVE_PROCESS
+    while another process is on it, unless it comes through the MPS server, `through_mps`).
+
     Test controls: `attach`/`detach` processes, `hold`/`release` (a client that is not a
     compute process: `processes()` does not list it; on a GPU it keeps MIG mode changes pending,
     on a GPU instance its destroy refused with IN_USE), `lose(i)` (the GPU fell off the bus:
@@ -129,7 +145,7 @@ class FakeNvml:
 
     def __init__(self, model: GpuModel, count: int = 1, *, mig_enabled: bool = True,
                  mig_persists: bool | None = None, mode_needs_reset: bool = False, name: str | None = None,
-                 memory_mib: int | None = None, profiles_need_mig: bool = False):
+                 memory_mib: int | None = None, profiles_need_mig: bool = False, root: bool = True):
         if not model.supports_mig and mig_enabled:
             mig_enabled = False
         self.model = model
@@ -147,6 +163,7 @@ class FakeNvml:
         # list them whatever the mode (tests/fixtures/nvml); this plays a driver that does not.
         self.profiles_need_mig = profiles_need_mig
         self._by_id = {p.gi_profile_id: p for p in model.mig_profiles}
+        self.root = root  # False: the caller is not root (NVML refuses it a compute-mode change)
         # real GPU UUIDs are unique the world over, so MIG UUIDs derived from them are unique across
         # nodes too; the fake's GPU UUIDs repeat on every fake node (GPU-fake-0000): its MIG UUIDs
         # are derived in a namespace of this driver's own
@@ -181,9 +198,14 @@ class FakeNvml:
         self._crash_in = n
 
     @_locked
-    def attach(self, index: int, pid: int, gi_id: int | None = None) -> None:
+    def attach(self, index: int, pid: int, gi_id: int | None = None, through_mps: bool = False) -> None:
         gpu = self._gpu(index)
         if gi_id is None:
+            if gpu.compute_mode == PROHIBITED:
+                raise ContextRefused(f"GPU {index} is in PROHIBITED compute mode")
+            if gpu.compute_mode == EXCLUSIVE_PROCESS and gpu.pids - {pid} and not through_mps:
+                raise ContextRefused(f"GPU {index} is in EXCLUSIVE_PROCESS compute mode and process "
+                                     f"{min(gpu.pids - {pid})} has a context on it")
             gpu.pids.add(pid)
             return
         gi = self._gi(gpu, gi_id)
@@ -233,6 +255,7 @@ class FakeNvml:
         gpu.gis.clear()
         gpu.pids.clear()
         gpu.mig_current = gpu.mig_pending
+        gpu.compute_mode = DEFAULT_COMPUTE
 
     @_locked
     def reboot(self) -> None:
@@ -241,6 +264,7 @@ class FakeNvml:
             gpu.gis.clear()
             gpu.pids.clear()
             gpu.mig_current = gpu.mig_pending = gpu.mig_pending and self.mig_persists
+            gpu.compute_mode = DEFAULT_COMPUTE
 
     @_locked
     def gi_at(self, index: int, start: int) -> int | None:
@@ -288,6 +312,20 @@ class FakeNvml:
             op.result = f"pending:{activation}"
             raise MigModePending(index, enabled, activation)
         gpu.mig_current = enabled
+
+    @_driver_call(read=True)
+    def compute_mode(self, index: int) -> str:
+        return self._gpu(index).compute_mode
+
+    @_driver_call(read=False)
+    def set_compute_mode(self, index: int, mode: str) -> None:
+        gpu = self._gpu(index)
+        op = self._begin(FakeOp("set_compute_mode", index, profile=mode))
+        if mode not in COMPUTE_MODES:
+            self._fail(op, INVALID_ARGUMENT, f"compute mode {mode!r} is not one of {', '.join(COMPUTE_MODES)}")
+        if not self.root:
+            self._fail(op, NO_PERMISSION, f"GPU {index}: setting the compute mode needs root")
+        gpu.compute_mode = mode
 
     @_driver_call(read=True)
     def gpu_instances(self, index: int) -> list[GpuInstanceInfo]:

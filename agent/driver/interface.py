@@ -24,8 +24,18 @@ INVALID_ARGUMENT = "INVALID_ARGUMENT"
 NOT_FOUND = "NOT_FOUND"
 NOT_SUPPORTED = "NOT_SUPPORTED"
 RESET_REQUIRED = "RESET_REQUIRED"
+NO_PERMISSION = "NO_PERMISSION"
 # not NVML's: a call did not return within its time limit (`DriverNotResponding`)
 NOT_RESPONDING = "NOT_RESPONDING"
+
+# A GPU's compute mode (NVML_COMPUTEMODE_* without the prefix; EXCLUSIVE_THREAD is no longer
+# supported by the driver): who may create a CUDA context on it. DEFAULT: any number of processes;
+# EXCLUSIVE_PROCESS: one process at a time (an MPS server counts as one, its clients through it);
+# PROHIBITED: none.
+DEFAULT_COMPUTE = "DEFAULT"
+EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
+PROHIBITED = "PROHIBITED"
+COMPUTE_MODES = (DEFAULT_COMPUTE, EXCLUSIVE_PROCESS, PROHIBITED)
 
 
 class GpuDriverError(DynpartError):
@@ -168,6 +178,16 @@ class GpuDriver(Protocol):
 
     def possible_placements(self, index: int, profile_id: int) -> list[tuple[int, int]]:
         """Every (start, size) the profile may be created at on an empty GPU."""
+        ...
+
+    def compute_mode(self, index: int) -> str:
+        """GPU `index`'s compute mode, one of COMPUTE_MODES (nvmlDeviceGetComputeMode)."""
+        ...
+
+    def set_compute_mode(self, index: int, mode: str) -> None:
+        """Set GPU `index`'s compute mode (nvmlDeviceSetComputeMode: root only, NO_PERMISSION
+        otherwise; it holds until changed again, a GPU reset or a reboot, and applies to contexts
+        created from then on: one that exists stays)."""
         ...
 
     def health(self, index: int) -> str | None:

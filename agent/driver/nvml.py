@@ -15,7 +15,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from dynpart.agent.driver.interface import (
+    DEFAULT_COMPUTE,
+    EXCLUSIVE_PROCESS,
     INVALID_ARGUMENT,
+    PROHIBITED,
     DeviceInfo,
     DriverVersions,
     GpuDriverError,
@@ -322,6 +325,23 @@ class RealNvml:
                      if n.startswith("NVML_GPU_RECOVERY_ACTION_") and isinstance(getattr(nv, n), int)}
             return names.get(action, str(action))
         return None
+
+    def compute_mode(self, index: int) -> str:
+        nv = self._nv
+        mode = int(self._call(nv.nvmlDeviceGetComputeMode, self._handle(index)))
+        names = {nv.NVML_COMPUTEMODE_DEFAULT: DEFAULT_COMPUTE, nv.NVML_COMPUTEMODE_PROHIBITED: PROHIBITED,
+                 nv.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: EXCLUSIVE_PROCESS}
+        if mode not in names:
+            raise GpuDriverError("UNKNOWN", f"GPU {index}: compute mode {mode} is not one NVML documents")
+        return names[mode]
+
+    def set_compute_mode(self, index: int, mode: str) -> None:
+        nv = self._nv
+        values = {DEFAULT_COMPUTE: nv.NVML_COMPUTEMODE_DEFAULT, PROHIBITED: nv.NVML_COMPUTEMODE_PROHIBITED,
+                  EXCLUSIVE_PROCESS: nv.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS}
+        if mode not in values:
+            raise GpuDriverError(INVALID_ARGUMENT, f"compute mode {mode!r} is not one of {', '.join(values)}")
+        self._call(nv.nvmlDeviceSetComputeMode, self._handle(index), values[mode])
 
     def health(self, index: int) -> str | None:
         """Unhealthy when NVML cannot read the GPU any more (lost, fallen off the bus), when the

@@ -228,6 +228,9 @@ class AsyncDriver:
         return await self._call(self.read_limit_s, f"possible_placements({index}, {profile_id})",
                                 self.sync.possible_placements, index, profile_id)
 
+    async def compute_mode(self, index: int) -> str:
+        return await self._call(self.read_limit_s, f"compute_mode({index})", self.sync.compute_mode, index)
+
     async def health(self, index: int) -> str | None:
         return await self._call(self.read_limit_s, f"health({index})", self.sync.health, index)
 
@@ -244,6 +247,10 @@ class AsyncDriver:
     async def set_mig_mode(self, index: int, enabled: bool) -> None:
         await self._call(self.change_limit_s, f"set_mig_mode({index}, {enabled})", self.sync.set_mig_mode, index,
                          enabled)
+
+    async def set_compute_mode(self, index: int, mode: str) -> None:
+        await self._call(self.change_limit_s, f"set_compute_mode({index}, {mode})", self.sync.set_compute_mode,
+                         index, mode)
 
     async def create_gpu_instance(self, index: int, profile_id: int, start: int, size: int) -> int:
         return await self._call(self.change_limit_s, f"create_gpu_instance({index}, {profile_id}, {start}, {size})",

@@ -16,7 +16,7 @@ import pynvml
 
 from dynpart.catalog import GpuModel
 
-SUCCESS, INVALID_ARGUMENT, NOT_SUPPORTED, NOT_FOUND, INSUFFICIENT_SIZE = 0, 2, 3, 6, 7
+SUCCESS, INVALID_ARGUMENT, NOT_SUPPORTED, NO_PERMISSION, NOT_FOUND, INSUFFICIENT_SIZE = 0, 2, 3, 4, 6, 7
 
 
 def _put(arg: Any, value: Any) -> None:
@@ -38,6 +38,8 @@ class SimulatedNvmlLibrary:
         self.calls: list[str] = []
         self.remapped_rows = (0, 0, 0, 0)  # corrected, uncorrected, remapping pending, remapping failed
         self.recovery_action: int | None = None  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION; None: field not supported
+        self.compute_mode = 0  # NVML_COMPUTEMODE_DEFAULT
+        self.root = True  # False: nvmlDeviceSetComputeMode answers NO_PERMISSION
 
     def __getattr__(self, name: str) -> Callable[..., int]:
         if name.startswith("_"):
@@ -147,6 +149,20 @@ class SimulatedNvmlLibrary:
                 v.nvmlReturn, v.valueType, v.value.uiVal = SUCCESS, 1, self.recovery_action
             else:
                 v.nvmlReturn = NOT_SUPPORTED
+        return SUCCESS
+
+    def c_nvmlDeviceGetComputeMode(self, handle: Any, mode: Any) -> int:
+        if not self._device(handle):
+            return INVALID_ARGUMENT
+        _put(mode, self.compute_mode)
+        return SUCCESS
+
+    def c_nvmlDeviceSetComputeMode(self, handle: Any, mode: Any) -> int:
+        if not self._device(handle):
+            return INVALID_ARGUMENT
+        if not self.root:
+            return NO_PERMISSION
+        self.compute_mode = mode.value  # (pynvml passes an _nvmlComputeMode_t by value)
         return SUCCESS
 
     def c_nvmlDeviceGetRetiredPagesPendingStatus(self, handle: Any, pending: Any) -> int:
