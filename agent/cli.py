@@ -505,7 +505,8 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
                              "plugins": plugins, "mps_daemon": daemon, "mps_log_dir": settings.mps_log_dir,
                              "publish_allocatable": settings.publish_allocatable,
                              "withdraw_settle_s": settings.withdraw_settle_s,
-                             "mps_exclusive_process": settings.mps_exclusive_process}
+                             "mps_exclusive_process": settings.mps_exclusive_process,
+                             "compute_modes_file": settings.compute_modes_file}
     if settings.device_plugin == "nvidia":
         extra["plugin_pods"] = KubePluginPods(api_client, settings.node_name, settings.nvidia_plugin_namespace,
                                               settings.nvidia_plugin_selector)

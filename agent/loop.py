@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 
 from dynpart.agent import metrics
 from dynpart.agent.capability_reader import mig_state, read_capability
+from dynpart.agent.compute_modes import ComputeModes
 from dynpart.agent.deviceplugin.devices import (
     DeviceListError,
     GpuView,
@@ -127,7 +128,8 @@ class Agent:
                  plugins: DevicePluginManager | None = None, node_pods: NodePods | None = None,
                  mps_daemon: MpsDaemon | None = None, mps_log_dir: str = "/var/log/nvidia-mps",
                  publish_allocatable: bool = True, plugin_pods: PluginPods | None = None,
-                 withdraw_settle_s: float = 0.5, retry_s: float = 0.5, mps_exclusive_process: bool = True):
+                 withdraw_settle_s: float = 0.5, retry_s: float = 0.5, mps_exclusive_process: bool = True,
+                 compute_modes_file: str | None = None):
         self.node = node
         pods = _Remembering(pods)  # every reader shares it: the last assignments seen, without a call more
         # the built-in device plugin (started and closed by the caller): it serves the node's devices,
@@ -142,7 +144,6 @@ class Agent:
         self.node_pods = node_pods  # pods bound to the node: what they need is never destroyed
         self.mps_daemon = mps_daemon
         self.mps_log_dir = mps_log_dir
-        self.mps_exclusive_process = mps_exclusive_process
         self.publish_allocatable = publish_allocatable
         self.plugin_pods = plugin_pods  # NVIDIA's plugin pod on this node, restarted after a MIG change
         self._builtin = False  # whether the built-in plugin serves the node (set by each pass, from its mode)
@@ -189,6 +190,8 @@ class Agent:
         # every driver call is awaited: made on the driver's own thread within a time limit, so that
         # this loop (the device plugin's Allocate and ListAndWatch, the node watch) never waits on NVML
         self.driver = as_async(driver)
+        # EXCLUSIVE_PROCESS on the GPUs with MPS slices; what dynpart set is remembered in the file
+        self.compute_modes = ComputeModes(self.driver, compute_modes_file, enabled=mps_exclusive_process)
         self.driver.on_answer = lambda: self.liveness.beat(PASS_BEAT)
         self.pods = pods
         self.catalog = catalog
@@ -305,6 +308,9 @@ class Agent:
                 desired_mig = None if layout is None else {g.index: [(m.profile, m.start) for m in g.mig]
                                                            for g in layout.gpus}
                 left_errors = await self._leave_mps() if layout is not None else []
+                # before the MIG pass: a GPU whose last MPS slice just went is set back before it
+                # may enter MIG mode (its compute mode is then out of reach)
+                left_errors += await self.compute_modes.sync(devices, self._mps_sliced())
                 if desired_mig is not None and self.plugin_pods is not None and not self._builtin:
                     by_index = sorted(i for _, i in _mig_ids(await self.pods.allocatable()) if not i.startswith("MIG-"))
                     if by_index:
@@ -324,10 +330,11 @@ class Agent:
                 if self._mps_plugin is None:
                     self._mps_plugin = MpsPluginAgent(self.driver, self.pods, capacity, guard=self.guard,
                                                       daemon=self.mps_daemon, pipe_dir=self.plugins.allocate.pipe_dir_host,
-                                                      log_dir=self.mps_log_dir,
-                                                      exclusive_process=self.mps_exclusive_process)
+                                                      log_dir=self.mps_log_dir)
                 desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
                 result = await self._mps_plugin.apply(desired_mps, spec.drain)
+                # before the slices, or the GPUs left whole, are listed (_serve)
+                result.errors += await self.compute_modes.sync(result.devices, self._mps_sliced())
         except DynpartError as e:
             # Not safe to act or to describe the GPUs: keep the last status, report the error.
             self._log_problems(logging.ERROR, [str(e)])
@@ -414,8 +421,7 @@ class Agent:
         until they are gone."""
         assert self._mig is not None
         mps = self._mps_plugin
-        # (a GPU its last pass could not set back to DEFAULT compute mode is tried again)
-        if mps is None or not (any(mps.live.values()) or mps.whole_blocked):
+        if mps is None or not any(mps.live.values()):
             self._mig.mps_left = {}
             if mps is None:
                 await self._stop_daemon_left()
@@ -426,6 +432,10 @@ class Agent:
         self._mig.mps_left = {g.index: [f"MPS slice {s.size}gb ({'in use' if s.used else 'kept'})" for s in g.mps]
                               for g in result.gpus if g.mps}
         return [f"leaving MPS mode: {e}" for e in result.errors]
+
+    def _mps_sliced(self) -> set[int]:
+        """Indices of the GPUs with MPS slices now (listed, in use or kept)."""
+        return {g for g, slices in self._mps_plugin.live.items() if slices} if self._mps_plugin else set()
 
     async def _stop_daemon_left(self) -> None:
         """An agent started on a MIG node finds the MPS daemon still running in the mps-control
@@ -510,6 +520,7 @@ class Agent:
         read = await self.driver.read(health_and_instances, devices)
         for d, (problem, instances) in zip(devices, read, strict=True):
             self._indices.add(d.index)
+            problem = problem or self.compute_modes.blocked.get(d.index)
             if problem:
                 unhealthy[d.index] = problem
             view = GpuView(index=d.index, uuid=d.uuid, memory_gb=self._capacity or d.memory_mib // 1024,
@@ -520,8 +531,6 @@ class Agent:
             elif self._mps_plugin is not None and self._mps_plugin.live.get(d.index):
                 sizes, numbers = self._mps_plugin.view(d.index)
                 view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.serves(d.uuid))
-            elif self._mps_plugin is not None and not self._mps_plugin.serves_whole(d.uuid):
-                view = replace(view, healthy=False)  # left in EXCLUSIVE_PROCESS: one process at most
             out.append(view)
         self.unhealthy = unhealthy
         return out
@@ -531,7 +540,7 @@ class Agent:
         out = {}
         for d in devices:
             self._indices.add(d.index)
-            problem = await self.driver.health(d.index)
+            problem = await self.driver.health(d.index) or self.compute_modes.blocked.get(d.index)
             if problem:
                 out[d.index] = problem
         return out

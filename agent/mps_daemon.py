@@ -307,15 +307,24 @@ class ProcessMpsDaemon:
     async def stop(self) -> None:
         """`quit`, one command of at most `timeout_s` (asking `alive()` first would double that on
         the agent's way out; with no daemon, `quit` just fails)."""
+        await self._quit()
+
+    async def _quit(self) -> bool:
+        """`quit`; False when it got no answer in time and the daemon's process still lives (busy
+        or hung: it runs on, for its GPUs, and may yet quit)."""
         if self.dirs is None:
-            return
+            return True
         try:
             code, out = await self._run(stdin="quit\n")
+        except MpsDaemonTimeout as e:
+            log.warning("stopping the MPS control daemon: %s", e)
+            return not self._process_lives()
         except MpsDaemonError as e:
             log.warning("stopping the MPS control daemon: %s", e)
-            return
+            return True
         if code != 0:
             log.debug("stopping the MPS control daemon: none answered (%s)", out or f"exit code {code}")
+        return True
 
     def running_for(self) -> list[str] | None:
         return None  # a child of this process's container: it ends with the agent
@@ -334,9 +343,11 @@ class ProcessMpsDaemon:
             # while it runs, and a restart would end its clients' CUDA contexts: kept, and its
             # slices listed Unhealthy (the caller) until it answers again
             raise self._busy(log_dir)
-        if state:
-            # its GPUs are fixed when it starts (CUDA_VISIBLE_DEVICES): a change needs a restart
-            await self.stop()
+        if state and not await self._quit():
+            # its GPUs are fixed when it starts (CUDA_VISIBLE_DEVICES): a change needs a restart.
+            # A quit it did not answer in time leaves it running for the old ones: reported busy,
+            # not taken for stopped (nor a `-d` tried beside it)
+            raise self._busy(log_dir)
         elif self.dirs is not None and same:
             log.warning("the MPS control daemon for %s is not running; starting it again", ", ".join(self.gpus))
             self.restarts += 1
@@ -519,6 +530,10 @@ class SupervisedMpsDaemon:
         if not isinstance(pipe_dir, str) or not isinstance(log_dir, str):
             return  # never asked for one
         try:
-            await self._acted(self._want([], pipe_dir, log_dir))
+            state = await self._acted(self._want([], pipe_dir, log_dir))
         except MpsDaemonError as e:
             log.warning("stopping the MPS control daemon: %s", e)
+            return
+        if state.get("busy"):  # (asked again at each of its checks: it stops once it answers)
+            log.warning("stopping the MPS control daemon: %s; %s stops it once it answers",
+                        state.get("error") or "it does not answer but runs", SUPERVISOR)

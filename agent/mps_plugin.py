@@ -14,12 +14,7 @@ advertises (`nvidia.com/gpu-<N>gb`, device id `<GPU UUID>::<n>`); no ConfigMap, 
 - The MPS control daemon (`MpsDaemon`) runs for the node's non-MIG GPUs while any GPU has
   slices; when it cannot run, the slices are listed Unhealthy (the kubelet gives them to no
   pod) and the error says why.
-- A GPU with slices is put in EXCLUSIVE_PROCESS compute mode before its slices are listed, as
-  NVIDIA's MPS control daemon puts its GPUs (its MPS server is then the GPU's one process, and a
-  client that misses the daemon gets no context beside it, instead of running without the
-  slice's limits); a GPU without slices is set back to DEFAULT before it is listed whole (in
-  EXCLUSIVE_PROCESS a whole-GPU pod could run one CUDA process): one that cannot be is listed
-  Unhealthy. A GPU in PROHIBITED mode (an administrator's) is left as it is.
+- The compute modes of the GPUs with slices: agent/compute_modes.py, from the agent's pass.
 """
 
 from __future__ import annotations
@@ -29,14 +24,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from dynpart.agent.deviceplugin.devices import mps_device_id
-from dynpart.agent.driver.interface import (
-    DEFAULT_COMPUTE,
-    EXCLUSIVE_PROCESS,
-    PROHIBITED,
-    DeviceInfo,
-    GpuDriver,
-    GpuDriverError,
-)
+from dynpart.agent.driver.interface import DeviceInfo, GpuDriver
 from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import UNCONFIRMED, Released, SliceGuard
 from dynpart.agent.mig_agent import PassResult
@@ -76,7 +64,7 @@ def assign_slices(sizes: list[int], fixed: Mapping[int, int], previous: Mapping[
 class MpsPluginAgent:
     def __init__(self, driver: GpuDriver | AsyncDriver, pods: PodResources, capacity_gb: int, *,
                  guard: SliceGuard | None = None, daemon: MpsDaemon | None = None, pipe_dir: str = "/tmp/nvidia-mps",
-                 log_dir: str = "/var/log/nvidia-mps", exclusive_process: bool = True):
+                 log_dir: str = "/var/log/nvidia-mps"):
         self.driver = as_async(driver)  # awaited: made on the driver's own thread (driver/threaded.py)
         self.pods = pods
         self.capacity_gb = capacity_gb
@@ -88,10 +76,6 @@ class MpsPluginAgent:
         self.daemon_error: str | None = None
         self._daemon_gpus: list[str] | None = None  # the GPUs the daemon was last made to run for
         self.uncovered: set[str] = set()  # UUIDs of GPUs with MPS slices the daemon does not run for
-        self.exclusive_process = exclusive_process  # False: compute modes are left as they are
-        # UUIDs of GPUs without slices left in EXCLUSIVE_PROCESS (DEFAULT could not be set): not
-        # listed whole, a pod given one could run a single CUDA process -> why
-        self.whole_blocked: dict[str, str] = {}
 
     def view(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(sizes, numbers) of GPU `index`'s slices, for its GpuView."""
@@ -105,10 +89,6 @@ class MpsPluginAgent:
     def serves(self, gpu_uuid: str) -> bool:
         """Whether a pod given a slice of this GPU finds the MPS daemon running for it."""
         return self.daemon_error is None and gpu_uuid not in self.uncovered
-
-    def serves_whole(self, gpu_uuid: str) -> bool:
-        """Whether a pod given this GPU whole may run as many CUDA processes as it likes on it."""
-        return gpu_uuid not in self.whole_blocked
 
     async def apply(self, desired: dict[int, list[int]] | None, drain: tuple[int, ...] = ()) -> PassResult:
         """One pass. `desired` None: no spec, observe only. `drain`: GPUs whose idle slices go
@@ -142,8 +122,6 @@ class MpsPluginAgent:
         for d in devices:
             if d.mig_current and d.index not in used:
                 self.live.pop(d.index, None)
-        if self.exclusive_process:
-            errors += await self._compute_modes(devices)
         errors += await self._daemon({d.uuid: d.index for d in devices if not d.mig_current}, in_use=bool(used))
         gpus = []
         for d in devices:
@@ -232,46 +210,6 @@ class MpsPluginAgent:
         for i in released.destroyable:
             log.info("%s removed", label(i))
         self.live = {g: s for g, s in new.items() if s}
-        return errors
-
-    async def _compute_modes(self, devices: list[DeviceInfo]) -> list[str]:
-        """EXCLUSIVE_PROCESS on the GPUs with slices, DEFAULT again on the others (only these two
-        modes are changed: PROHIBITED is an administrator's, and stays). Read and set every pass:
-        what a restart, a GPU reset or another tool changed is put right."""
-        errors: list[str] = []
-        blocked: dict[str, str] = {}
-        for d in devices:
-            if d.mig_current:
-                continue
-            sliced = bool(self.live.get(d.index))
-            want = EXCLUSIVE_PROCESS if sliced else DEFAULT_COMPUTE
-            try:
-                mode = await self.driver.compute_mode(d.index)
-            except GpuDriverError as e:  # (NVML failing: the GPU's health says so too)
-                errors.append(f"GPU {d.index}: its compute mode cannot be read ({e})")
-                continue
-            if mode == PROHIBITED:
-                if sliced:
-                    errors.append(f"GPU {d.index} is in PROHIBITED compute mode (not set by dynpart): no MPS "
-                                  "server can run on it, its slices serve no pod")
-                continue
-            if mode == want:
-                continue
-            try:
-                await self.driver.set_compute_mode(d.index, want)
-            except GpuDriverError as e:
-                if sliced:
-                    errors.append(f"GPU {d.index}: EXCLUSIVE_PROCESS compute mode could not be set ({e}): a process "
-                                  "that does not reach the MPS daemon can run on it beside its clients, "
-                                  "without a slice's limits")
-                else:
-                    why = f"GPU {d.index} could not be set back to DEFAULT compute mode from {mode} ({e})"
-                    blocked[d.uuid] = why
-                    errors.append(f"{why}: it is listed Unhealthy until it is (a pod given it whole could run a "
-                                  "single CUDA process)")
-                continue
-            log.info("GPU %d: compute mode %s (was %s)", d.index, want, mode)
-        self.whole_blocked = blocked
         return errors
 
     async def _slices_held(self) -> bool:

@@ -224,10 +224,16 @@ class AgentSettings(CommonSettings):
     mps_exclusive_process: bool = Field(default=True, description="MPS: put each GPU with MPS slices in "
                                         "EXCLUSIVE_PROCESS compute mode, as NVIDIA's MPS daemon does (the MPS server "
                                         "is then its only process: a client that misses the daemon gets no context "
-                                        "instead of running beside it without its slice's limits), and each GPU "
-                                        "without slices back in DEFAULT before it is listed whole (listed Unhealthy "
-                                        "if it cannot be). Needs root on the node's GPUs (the chart's agent). False: "
-                                        "compute modes are left as they are")
+                                        "instead of running beside it without its slice's limits); a GPU it put so is "
+                                        "set back to DEFAULT once it has no slice, before it is listed whole (reported "
+                                        "unhealthy while it cannot be), whatever this setting says later. Needs "
+                                        "CAP_SYS_ADMIN on the GPUs (the chart sets this false for an agent without "
+                                        "it). False: no GPU is put in EXCLUSIVE_PROCESS")
+    compute_modes_file: str = Field(default="/var/lib/dynpart/compute-modes.json", description="MPS: a file on the "
+                                    "node's filesystem where the agent remembers which GPUs it put in "
+                                    "EXCLUSIVE_PROCESS (mps_exclusive_process), so that a restarted agent still sets "
+                                    "them back to DEFAULT once they have no slice, and leaves other GPUs' modes as "
+                                    "they are (empty: remembered in memory only)")
     publish_allocatable: bool = Field(default=True, description="the agent's own device plugin: write the node's "
                                       "status.allocatable of the slice resources as soon as the kubelet holds the "
                                       "devices (never more than it holds), instead of waiting for the kubelet's next "

@@ -804,8 +804,9 @@ def test_agent_state_dir_is_what_the_agent_uses(tmp_path):
     assert find(objs, "DaemonSet", AGENT_DS)["spec"]["updateStrategy"] == {"type": "OnDelete"}
     (tmp_path / "agent.yaml").write_text(find(objs, "ConfigMap", "dynpart-agent")["data"]["agent.yaml"])
     s = load_settings(AgentSettings, tmp_path / "agent.yaml")
-    assert (s.node_lock_file, s.mps_pipe_dir, s.mps_log_dir, s.mps_control_dir) == (
-        "/srv/dynpart/agent.lock", "/srv/dynpart/mps", "/srv/dynpart/mps-log", "/srv/dynpart/mps-control")
+    assert (s.node_lock_file, s.mps_pipe_dir, s.mps_log_dir, s.mps_control_dir, s.compute_modes_file) == (
+        "/srv/dynpart/agent.lock", "/srv/dynpart/mps", "/srv/dynpart/mps-log", "/srv/dynpart/mps-control",
+        "/srv/dynpart/compute-modes.json")
     assert mps["args"][mps["args"].index("--dir") + 1] == s.mps_control_dir
 
 
@@ -828,6 +829,20 @@ def test_agent_without_privileges_keeps_what_mps_needs(tmp_path):
                              "--set", "agent.mpsControl.updateStrategy.type=RollingUpdate")
     assert "delete pod -l app.kubernetes.io/component=agent" in on_delete and "component=mps-control" not in on_delete
     assert "runtimeClassName: nvidia" in notes
+
+
+@pytest.mark.parametrize(("values", "exclusive"), [
+    ((), True),
+    (("agent.privileged=false",), False),  # no CAP_SYS_ADMIN: NVML would refuse every change
+    (("agent.privileged=false", "agent.capabilities={SETUID,SETGID,SYS_ADMIN}"), True),
+    (("agent.mpsExclusiveProcess=false",), False),
+])
+def test_gpus_are_put_in_exclusive_process_only_by_an_agent_allowed_to(tmp_path, values, exclusive):
+    from dynpart.settings import AgentSettings, load_settings
+
+    objs = render(*(a for v in values for a in ("--set", v)))
+    (tmp_path / "agent.yaml").write_text(find(objs, "ConfigMap", "dynpart-agent")["data"]["agent.yaml"])
+    assert load_settings(AgentSettings, tmp_path / "agent.yaml").mps_exclusive_process is exclusive
 
 
 def test_full_values_options(full, tmp_path):

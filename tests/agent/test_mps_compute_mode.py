@@ -5,8 +5,11 @@ before it is listed whole; an administrator's PROHIBITED is left alone. The driv
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from dynpart.agent.compute_modes import ComputeModes
 from dynpart.agent.driver.fake import ContextRefused, FakeNvml
 from dynpart.agent.driver.interface import (
     DEFAULT_COMPUTE,
@@ -17,11 +20,8 @@ from dynpart.agent.driver.interface import (
 )
 from dynpart.agent.driver.nvml import RealNvml
 from dynpart.agent.driver.nvml_recording import ReadOnlyViolation, fresh_pynvml, record_nvml
-from dynpart.agent.mps_daemon import FakeMpsDaemon
-from dynpart.agent.mps_plugin import MpsPluginAgent
-from dynpart.agent.podresources import FakePodResources
 
-from .conftest import H100, ROUND_80GIB, make_rig, mps_spec
+from .conftest import H100, ROUND_80GIB, make_rig, mig_spec, mps_spec
 from .nvml_c_double import SimulatedNvmlLibrary
 
 TEN = "nvidia.com/gpu-10gb"
@@ -33,13 +33,6 @@ def modes(driver: FakeNvml) -> list[str]:
 
 def mode_changes(driver: FakeNvml) -> list[tuple[int, str | None, str]]:
     return [(op.device, op.profile, op.result) for op in driver.ops if op.op == "set_compute_mode"]
-
-
-def direct(count: int = 2, *, exclusive_process: bool = True) -> tuple[FakeNvml, FakePodResources, MpsPluginAgent]:
-    driver = FakeNvml(H100, count, mig_enabled=False, **ROUND_80GIB)
-    pods = FakePodResources()
-    return driver, pods, MpsPluginAgent(driver, pods, 80, daemon=FakeMpsDaemon(),
-                                        exclusive_process=exclusive_process)
 
 
 # --- the fake driver ----------------------------------------------------------------------------
@@ -130,112 +123,179 @@ def test_a_recording_session_reads_the_compute_mode_and_refuses_to_set_it():
     assert any(c["fn"] == "nvmlDeviceGetComputeMode" for c in recording.calls)
 
 
-# --- the MPS pass ---------------------------------------------------------------------------------
+# --- ComputeModes ------------------------------------------------------------------------------------
 
 
-async def test_a_gpu_with_slices_is_exclusive_and_one_without_back_in_default():
-    driver, _, mps = direct(2)
-    result = await mps.apply({0: [40, 40]})
-    assert not result.errors, result.errors
-    assert modes(driver) == [EXCLUSIVE_PROCESS, DEFAULT_COMPUTE]
-    assert mode_changes(driver) == [(0, EXCLUSIVE_PROCESS, "ok")]
-    await mps.apply({0: [40, 40]})
-    assert len(mode_changes(driver)) == 1  # nothing to change: nothing set again
-    await mps.apply({1: [10]})  # GPU 0's slices go, GPU 1 gets one
-    assert modes(driver) == [DEFAULT_COMPUTE, EXCLUSIVE_PROCESS]
-    assert all(mps.serves_whole(f"GPU-fake-{i:04d}") for i in (0, 1))
+def modes_rig(count: int = 3, path=None, enabled: bool = True) -> tuple[FakeNvml, ComputeModes]:
+    driver = FakeNvml(H100, count, mig_enabled=False, **ROUND_80GIB)
+    return driver, ComputeModes(driver, str(path) if path else None, enabled=enabled)
 
 
-async def test_what_something_else_changed_is_put_right_and_prohibited_is_left_alone():
-    driver, _, mps = direct(3)
-    driver.set_compute_mode(1, EXCLUSIVE_PROCESS)  # left by an earlier MPS time, or another tool
-    driver.set_compute_mode(2, PROHIBITED)  # an administrator's
-    result = await mps.apply({0: [40], 2: [40]})
-    assert modes(driver) == [EXCLUSIVE_PROCESS, DEFAULT_COMPUTE, PROHIBITED]
-    assert [e for e in result.errors if "compute mode" in e] == [
-        "GPU 2 is in PROHIBITED compute mode (not set by dynpart): no MPS server can run on it, its slices "
-        "serve no pod"]
-    driver.reset(0)  # (a GPU reset forgets it)
-    await mps.apply(None)
+async def test_a_gpu_with_slices_is_exclusive_and_set_back_to_default_once_it_has_none():
+    driver, cm = modes_rig(2)
+    assert await cm.sync(driver.devices(), {0}) == []
+    assert modes(driver) == [EXCLUSIVE_PROCESS, DEFAULT_COMPUTE] and cm.ours == {"GPU-fake-0000"}
+    await cm.sync(driver.devices(), {0})
+    assert mode_changes(driver) == [(0, EXCLUSIVE_PROCESS, "ok")]  # nothing to change: nothing set again
+    await cm.sync(driver.devices(), {1})
+    assert modes(driver) == [DEFAULT_COMPUTE, EXCLUSIVE_PROCESS] and cm.ours == {"GPU-fake-0001"}
+    driver.reset(1)  # (a GPU reset forgets it): set again
+    await cm.sync(driver.devices(), {1})
+    assert driver.compute_mode(1) == EXCLUSIVE_PROCESS and cm.blocked == {}
+
+
+async def test_modes_set_by_others_are_left_as_they_are():
+    driver, cm = modes_rig(3)
+    driver.set_compute_mode(1, EXCLUSIVE_PROCESS)  # an administrator's, before the GPU got slices
+    driver.set_compute_mode(2, PROHIBITED)
+    errors = await cm.sync(driver.devices(), {0, 1, 2})
+    assert modes(driver) == [EXCLUSIVE_PROCESS, EXCLUSIVE_PROCESS, PROHIBITED] and cm.ours == {"GPU-fake-0000"}
+    assert errors == ["GPU 2 is in PROHIBITED compute mode (not set by dynpart): no process, the MPS server included, "
+                      "can use it, and the pods given its slices fail to start CUDA"]
+    assert await cm.sync(driver.devices(), set()) == []
+    assert modes(driver) == [DEFAULT_COMPUTE, EXCLUSIVE_PROCESS, PROHIBITED]  # only its own set back
+
+
+async def test_what_it_set_is_remembered_across_a_restart_and_undone_even_turned_off(tmp_path):
+    path = tmp_path / "state" / "compute-modes.json"
+    driver, cm = modes_rig(2, path)
+    await cm.sync(driver.devices(), {0, 1})
+    assert json.loads(path.read_text())["exclusive_process"] == ["GPU-fake-0000", "GPU-fake-0001"]
+    again = ComputeModes(driver, str(path), enabled=False)  # a restarted agent, the setting now off
+    assert again.ours == {"GPU-fake-0000", "GPU-fake-0001"}
+    await again.sync(driver.devices(), {1})
+    assert modes(driver) == [DEFAULT_COMPUTE, EXCLUSIVE_PROCESS]  # GPU 1 keeps slices: left until they go
+    await again.sync(driver.devices(), set())
+    assert modes(driver) == [DEFAULT_COMPUTE, DEFAULT_COMPUTE] and json.loads(path.read_text())["exclusive_process"] == []
+    driver.set_compute_mode(0, EXCLUSIVE_PROCESS)  # someone else's now
+    await ComputeModes(driver, str(path)).sync(driver.devices(), set())
     assert driver.compute_mode(0) == EXCLUSIVE_PROCESS
-    result = await mps.apply({0: [40]})
-    assert driver.compute_mode(2) == PROHIBITED and not any("compute mode" in e for e in result.errors)
 
 
-async def test_without_root_the_slices_are_listed_and_a_gpu_left_exclusive_is_not_offered_whole():
-    driver, _, mps = direct(2)
-    driver.set_compute_mode(1, EXCLUSIVE_PROCESS)
+async def test_a_file_from_before_the_last_boot_or_broken_says_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "compute-modes.json"
+    path.write_text(json.dumps({"exclusive_process": ["GPU-fake-0000"], "boot": "an-earlier-boot"}))
+    monkeypatch.setattr("dynpart.agent.compute_modes.boot_id", lambda: "this-boot")
+    driver, cm = modes_rig(1, path)
+    assert cm.ours == set()
+    path.write_text("{not json")
+    assert ComputeModes(driver, str(path)).ours == set()
+    path.write_text(json.dumps({"exclusive_process": ["GPU-fake-0000"], "boot": "this-boot"}))
+    assert ComputeModes(driver, str(path)).ours == {"GPU-fake-0000"}
+
+
+async def test_refused_for_want_of_permission_it_says_so_once_and_tries_no_more():
+    driver, cm = modes_rig(2)
     driver.root = False
-    result = await mps.apply({0: [40, 40]})
-    assert modes(driver) == [DEFAULT_COMPUTE, EXCLUSIVE_PROCESS]
-    assert any(e.startswith("GPU 0: EXCLUSIVE_PROCESS compute mode could not be set") for e in result.errors)
-    assert any(e.startswith("GPU 1 could not be set back to DEFAULT compute mode from EXCLUSIVE_PROCESS")
-               for e in result.errors), result.errors
-    assert mps.view(0) == ((40, 40), (0, 1)) and mps.serves("GPU-fake-0000")  # MPS as before, less guarded
-    assert not mps.serves_whole("GPU-fake-0001") and mps.serves_whole("GPU-fake-0000")
+    errors = await cm.sync(driver.devices(), {0, 1})
+    assert len(errors) == 1 and errors[0].startswith("GPU 0: EXCLUSIVE_PROCESS compute mode cannot be set")
+    assert "CAP_SYS_ADMIN" in errors[0] and cm.denied and cm.ours == set()
+    assert await cm.sync(driver.devices(), {0, 1}) == []
+    assert [c[0] for c in mode_changes(driver)] == [0]  # one try
+
+
+async def test_one_it_cannot_set_back_is_blocked_until_it_can():
+    driver, cm = modes_rig(2)
+    await cm.sync(driver.devices(), {1})
+    driver.root = False
+    assert await cm.sync(driver.devices(), set()) == []  # (reported as the GPU's health)
+    assert set(cm.blocked) == {1} and "EXCLUSIVE_PROCESS" in cm.blocked[1] and "needs root" in cm.blocked[1]
+    assert cm.ours == {"GPU-fake-0001"}
     driver.root = True
-    result = await mps.apply({0: [40, 40]})
-    assert not result.errors and modes(driver) == [EXCLUSIVE_PROCESS, DEFAULT_COMPUTE]
-    assert mps.serves_whole("GPU-fake-0001")
+    await cm.sync(driver.devices(), set())
+    assert cm.blocked == {} and modes(driver) == [DEFAULT_COMPUTE, DEFAULT_COMPUTE] and cm.ours == set()
 
 
-async def test_turned_off_no_compute_mode_is_read_or_changed():
-    driver, _, mps = direct(2, exclusive_process=False)
-    driver.set_compute_mode(1, EXCLUSIVE_PROCESS)
-    driver.ops.clear()
-    reads: list[int] = []
-    real = driver.compute_mode
-    driver.compute_mode = lambda index: reads.append(index) or real(index)  # type: ignore[method-assign]
-    result = await mps.apply({0: [40]})
-    assert not result.errors and modes(driver) == [DEFAULT_COMPUTE, EXCLUSIVE_PROCESS]
-    assert driver.ops == [] and reads == [0, 1]  # (only this test's own reads, by `modes`)
-    assert mps.serves_whole("GPU-fake-0001")
-
-
-async def test_gpus_in_mig_mode_are_left_as_they_are():
-    driver = FakeNvml(H100, 2, mig_enabled=False, **ROUND_80GIB)
+async def test_gpus_in_mig_mode_are_not_touched_and_set_back_once_out_of_it():
+    driver, cm = modes_rig(2)
+    await cm.sync(driver.devices(), {0, 1})
     driver.set_mig_mode(1, True)
-    driver.set_compute_mode(1, EXCLUSIVE_PROCESS)
-    driver.ops.clear()
-    mps = MpsPluginAgent(driver, FakePodResources(), 80, daemon=FakeMpsDaemon())
-    await mps.apply({0: [40]})
-    assert modes(driver) == [EXCLUSIVE_PROCESS, EXCLUSIVE_PROCESS] and mode_changes(driver) == [
-        (0, EXCLUSIVE_PROCESS, "ok")]
+    await cm.sync(driver.devices(), set())
+    assert modes(driver) == [DEFAULT_COMPUTE, EXCLUSIVE_PROCESS] and cm.ours == {"GPU-fake-0001"}
+    driver.set_mig_mode(1, False)
+    await cm.sync(driver.devices(), set())
+    assert modes(driver) == [DEFAULT_COMPUTE, DEFAULT_COMPUTE]
 
 
 async def test_a_read_that_fails_is_reported_and_changes_nothing():
-    driver, _, mps = direct(1)
-    real = driver.compute_mode
+    driver, cm = modes_rig(1)
 
     def failing(index: int) -> str:
         raise GpuDriverError("UNKNOWN", "nvmlDeviceGetComputeMode: Unknown Error")
 
+    real = driver.compute_mode
     driver.compute_mode = failing  # type: ignore[method-assign]
-    result = await mps.apply({0: [40]})
-    assert "GPU 0: its compute mode cannot be read (nvmlDeviceGetComputeMode: Unknown Error)" in result.errors
-    assert mode_changes(driver) == [] and mps.serves_whole("GPU-fake-0000")
+    assert await cm.sync(driver.devices(), {0}) == [
+        "GPU 0: its compute mode cannot be read (nvmlDeviceGetComputeMode: Unknown Error)"]
     driver.compute_mode = real  # type: ignore[method-assign]
+    await cm.sync(driver.devices(), {0})
+    driver.compute_mode = failing  # type: ignore[method-assign]
+    await cm.sync(driver.devices(), set())  # dynpart's, no slice left, its mode unknown: not offered whole
+    assert set(cm.blocked) == {0} and cm.ours == {"GPU-fake-0000"}
+    assert mode_changes(driver) == [(0, EXCLUSIVE_PROCESS, "ok")]
 
 
-# --- the agent: what it advertises ------------------------------------------------------------------
+async def test_turned_off_no_gpu_is_put_in_exclusive_process():
+    driver, cm = modes_rig(2, enabled=False)
+    assert await cm.sync(driver.devices(), {0, 1}) == [] and driver.ops == []
 
 
-async def test_the_agent_lists_a_gpu_it_cannot_set_back_to_default_unhealthy_until_it_can():
+# --- the agent --------------------------------------------------------------------------------------
+
+
+def advertised_health(rig) -> dict[str, dict[str, bool]]:
+    return {r: {d.id: d.healthy for d in ds} for r, ds in rig.plugins.advertised().items() if ds}
+
+
+async def test_the_agent_sets_the_mode_before_listing_and_reports_a_gpu_it_cannot_set_back():
     rig = make_rig(H100, 2, mig_enabled=False, **ROUND_80GIB).with_plugins()
+    seen: list[tuple[str, list[str]]] = []
+    real_update = rig.plugins.update
+
+    async def update(devices_by_resource):
+        seen.append((str(sorted(r for r, ds in devices_by_resource.items() if ds)), modes(rig.driver)))
+        await real_update(devices_by_resource)
+
+    rig.plugins.update = update  # type: ignore[method-assign]
     rig.node_api.set_annotations(mps_spec({0: [40, 20, 10, 10]}, plan="m1"))
     agent = rig.agent()
     await agent.reconcile_once()
-    assert [rig.driver.compute_mode(i) for i in (0, 1)] == [EXCLUSIVE_PROCESS, DEFAULT_COMPUTE]
-    rig.driver.set_compute_mode(1, EXCLUSIVE_PROCESS)
-    rig.driver.root = False
-    report = await agent.reconcile_once()
-    assert any("GPU 1 could not be set back to DEFAULT" in e for e in report.errors), report.errors
-    assert rig.plugins is not None
-    whole = {d.id: d.healthy for d in rig.plugins.advertised()["nvidia.com/gpu"]}
-    assert whole == {"GPU-fake-0001": False}
-    assert all(d.healthy for d in rig.plugins.advertised()[TEN])
-    rig.driver.root = True
+    assert seen and all(m[0] == EXCLUSIVE_PROCESS for _, m in seen)  # never listed in DEFAULT
+    real_set = rig.driver.set_compute_mode
+    refuse = True
+
+    def set_mode(index: int, mode: str) -> None:
+        if refuse and mode == DEFAULT_COMPUTE:
+            raise GpuDriverError("UNKNOWN", "nvmlDeviceSetComputeMode: Unknown Error")
+        real_set(index, mode)
+
+    rig.driver.set_compute_mode = set_mode  # type: ignore[method-assign]
+    rig.node_api.set_annotations({**mps_spec({1: [40, 40]}, plan="m2"), "dynpart.io/spec-gpu-0-20gb": None,
+                                  "dynpart.io/spec-gpu-0-10gb": None, "dynpart.io/spec-gpu-0-40gb": None})
+    for _ in range(3):
+        report = await agent.reconcile_once()
+    assert modes(rig.driver) == [EXCLUSIVE_PROCESS, EXCLUSIVE_PROCESS]
+    assert any("GPU 0 is unhealthy (left in EXCLUSIVE_PROCESS compute mode" in e for e in report.errors), report.errors
+    assert advertised_health(rig)["nvidia.com/gpu"] == {"GPU-fake-0000": False}
+    assert seen[-1][1] == [EXCLUSIVE_PROCESS, EXCLUSIVE_PROCESS]  # GPU 1's slices listed once it was exclusive
+    refuse = False
     report = await agent.reconcile_once()
     assert not any("compute mode" in e for e in report.errors), report.errors
-    assert {d.id: d.healthy for d in rig.plugins.advertised()["nvidia.com/gpu"]} == {"GPU-fake-0001": True}
-    assert rig.driver.compute_mode(1) == DEFAULT_COMPUTE
+    assert advertised_health(rig)["nvidia.com/gpu"] == {"GPU-fake-0000": True}
+    assert modes(rig.driver) == [DEFAULT_COMPUTE, EXCLUSIVE_PROCESS]
+
+
+async def test_a_node_switched_to_mig_sets_its_gpus_back_before_they_enter_mig_mode(tmp_path):
+    """Each pass by a new agent process (restarted): what it set is known from the file only."""
+    rig = make_rig(H100, 1, mig_enabled=False, **ROUND_80GIB).with_plugins()
+    file = str(tmp_path / "compute-modes.json")
+    rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
+    await rig.agent(compute_modes_file=file).reconcile_once()
+    assert modes(rig.driver) == [EXCLUSIVE_PROCESS]
+    order: list[tuple[str, str | None]] = []
+    rig.driver.before_op = lambda op: order.append((op.op, op.profile))
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="g1"), "dynpart.io/spec-gpu-0-40gb": None})
+    for _ in range(3):
+        await rig.agent(compute_modes_file=file).reconcile_once()
+    assert order[0] == ("set_compute_mode", DEFAULT_COMPUTE) and ("set_mig_mode", "enable") in order
+    assert rig.driver.layout(0) == [("7g.80gb", 0)]

@@ -33,7 +33,7 @@ from tests.agent.test_nodepods import installed_control
 
 # as tests/agent/test_nodepods.py's stand-in, and: each command is logged; a BUSY file in the pipe
 # directory makes the control commands hang (a daemon slow to answer); HANG makes them hang for
-# good, recording the hanging command's pid; -d refuses while a daemon runs, as the real one does.
+# good, recording the hanging command's pid (QUIT_HANGS: only `quit`); -d refuses while a daemon runs, as the real one does.
 # The daemon is a `sleep` named as the real one (its /proc comm "nvidia-cuda-mps": a link's name)
 FAKE_CONTROL = textwrap.dedent("""\
     #!/bin/sh
@@ -53,6 +53,7 @@ FAKE_CONTROL = textwrap.dedent("""\
     read cmd
     echo "$cmd" >> "$CUDA_MPS_LOG_DIRECTORY/commands"
     if [ -f "$CUDA_MPS_PIPE_DIRECTORY/HANG" ]; then echo $$ > "$CUDA_MPS_LOG_DIRECTORY/hung"; exec sleep 300; fi
+    [ "$cmd" = quit ] && [ -f "$CUDA_MPS_PIPE_DIRECTORY/QUIT_HANGS" ] && exec sleep 300
     [ -f "$CUDA_MPS_PIPE_DIRECTORY/BUSY" ] && sleep 5
     alive || exit 1
     if [ "$cmd" = "quit" ]; then kill "$(cat "$pidfile")"; rm -f "$pidfile"; fi
@@ -99,6 +100,25 @@ async def test_a_busy_daemon_is_kept_not_started_again(control, tmp_path):
         await asyncio.sleep(0.02)
     assert await daemon.alive() is False
     await _answers_and_is_started_again(daemon, pipe, logs)
+
+
+async def test_a_daemon_that_answers_but_does_not_quit_in_time_is_kept_busy_not_taken_for_stopped(control, tmp_path):
+    """It answers `alive()`, then its `quit` (for no GPU, or for others) gets no answer in time:
+    it still runs, for its old GPUs. Taken for stopped, a node leaving MPS mode would be told the
+    daemon is gone while it runs on (and never asked again), and a change of GPUs would try a
+    `-d` beside it."""
+    pipe, logs = tmp_path / "pipe", tmp_path / "log"
+    daemon = ProcessMpsDaemon(control, timeout_s=0.5)
+    await daemon.ensure(["GPU-a"], str(pipe), str(logs))
+    (pipe / "QUIT_HANGS").touch()
+    for wanted in ([], ["GPU-b"]):
+        with pytest.raises(MpsDaemonBusy, match="but runs: kept") as busy:
+            await daemon.ensure(wanted, str(pipe), str(logs))
+        assert busy.value.gpus == ("GPU-a",) and daemon.gpus == ("GPU-a",)
+    assert _lines(logs / "starts") == ["GPU-a"] and await daemon.alive()
+    (pipe / "QUIT_HANGS").unlink()
+    await daemon.ensure([], str(pipe), str(logs))  # quits now
+    assert daemon.gpus == () and await daemon.alive() is False
 
 
 async def test_stop_is_one_quit(control, tmp_path):

@@ -181,6 +181,8 @@ async def test_a_busy_daemon_asked_to_stop_for_no_gpu_is_kept_reported_and_stopp
     assert (state["seq"], state["running"], state["busy"], state["gpus"]) == (2, True, True, ["GPU-a"])
     assert "does not answer" in state["error"]
     assert await SupervisedMpsDaemon(str(dirs.ctl)).alive() is None
+    await SupervisedMpsDaemon(str(dirs.ctl)).stop()  # the agent's side: told it is not stopped yet
+    assert "does not answer" in caplog.text and "stops it once it answers" in caplog.text
     (dirs.pipe / "BUSY").unlink()
     await sup.step()  # the next check
     state = dirs.state()
