@@ -22,7 +22,9 @@ from collections.abc import Iterable
 from dynpart.agent.driver.interface import (
     DEFAULT_COMPUTE,
     EXCLUSIVE_PROCESS,
+    INVALID_ARGUMENT,
     NO_PERMISSION,
+    NOT_SUPPORTED,
     PROHIBITED,
     DeviceInfo,
     GpuDriver,
@@ -32,6 +34,9 @@ from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.mps_daemon import before_this_boot, boot_id, read_json, write_json
 
 log = logging.getLogger("dynpart.agent.mps")
+
+# the driver's answers that say a change was not made (any other failure leaves it unknown)
+_REFUSED = frozenset({NO_PERMISSION, INVALID_ARGUMENT, NOT_SUPPORTED})
 
 
 class ComputeModes:
@@ -105,8 +110,9 @@ class ComputeModes:
         try:
             await self.driver.set_compute_mode(d.index, EXCLUSIVE_PROCESS)
         except GpuDriverError as e:
-            self.ours.discard(d.uuid)
-            self._save()
+            if e.code in _REFUSED:  # else (no answer in time, say) it may have been set: still ours
+                self.ours.discard(d.uuid)
+                self._save()
             if e.code == NO_PERMISSION:
                 self.denied = True
                 return [f"GPU {d.index}: EXCLUSIVE_PROCESS compute mode cannot be set ({e}): the agent needs "

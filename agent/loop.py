@@ -309,8 +309,14 @@ class Agent:
                                                            for g in layout.gpus}
                 left_errors = await self._leave_mps() if layout is not None else []
                 # before the MIG pass: a GPU whose last MPS slice just went is set back before it
-                # may enter MIG mode (its compute mode is then out of reach)
-                left_errors += await self.compute_modes.sync(devices, self._mps_sliced())
+                # may enter MIG mode (its compute mode is then out of reach); one that could not be
+                # counts as in use for MIG, its mode not changed, until it is
+                left_errors += await self.compute_modes.sync(devices, await self._mps_sliced(devices))
+                left = dict(self._mig.mps_left)
+                for index in self.compute_modes.blocked:
+                    if COMPUTE_MODE_IN_USE not in left.get(index, ()):
+                        left[index] = [*left.get(index, ()), COMPUTE_MODE_IN_USE]
+                self._mig.mps_left = left
                 if desired_mig is not None and self.plugin_pods is not None and not self._builtin:
                     by_index = sorted(i for _, i in _mig_ids(await self.pods.allocatable()) if not i.startswith("MIG-"))
                     if by_index:
@@ -334,7 +340,7 @@ class Agent:
                 desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
                 result = await self._mps_plugin.apply(desired_mps, spec.drain)
                 # before the slices, or the GPUs left whole, are listed (_serve)
-                result.errors += await self.compute_modes.sync(result.devices, self._mps_sliced())
+                result.errors += await self.compute_modes.sync(result.devices, await self._mps_sliced(result.devices))
         except DynpartError as e:
             # Not safe to act or to describe the GPUs: keep the last status, report the error.
             self._log_problems(logging.ERROR, [str(e)])
@@ -433,9 +439,18 @@ class Agent:
                               for g in result.gpus if g.mps}
         return [f"leaving MPS mode: {e}" for e in result.errors]
 
-    def _mps_sliced(self) -> set[int]:
-        """Indices of the GPUs with MPS slices now (listed, in use or kept)."""
-        return {g for g, slices in self._mps_plugin.live.items() if slices} if self._mps_plugin else set()
+    async def _mps_sliced(self, devices: list[DeviceInfo]) -> set[int]:
+        """Indices of the GPUs with MPS slices now (listed, in use or kept); without the MPS pass
+        (an agent started on a node now in MIG mode), those of the slices pods hold, asked only
+        while a GPU of dynpart's may be in EXCLUSIVE_PROCESS (read, the error stops the pass: a
+        GPU whose clients still run must not be set back)."""
+        if self._mps_plugin is not None:
+            return {g for g, slices in self._mps_plugin.live.items() if slices}
+        if not self.compute_modes.ours:
+            return set()
+        index_of = {d.uuid: d.index for d in devices}
+        return {index_of[base] for a in await self.pods.list() if isinstance(known_resource(a.resource), MpsResource)
+                for base, sep, _ in [a.device_id.partition("::")] if sep and base in index_of}
 
     async def _stop_daemon_left(self) -> None:
         """An agent started on a MIG node finds the MPS daemon still running in the mps-control
@@ -921,6 +936,10 @@ class _Remembering:
 
     async def allocatable(self) -> dict[str, DeviceIds]:
         return await self.inner.allocatable()
+
+
+# why a GPU of dynpart's left in EXCLUSIVE_PROCESS is not put in MIG mode yet (MigAgent.mps_left)
+COMPUTE_MODE_IN_USE = "its EXCLUSIVE_PROCESS compute mode, not yet set back to DEFAULT"
 
 
 def _status_gpus(annotations: dict[str, str]) -> set[int]:

@@ -410,6 +410,7 @@ class SupervisedMpsDaemon:
         # while the state is late (the slices stay listed until a pass says otherwise, and an
         # Allocate answered without it is the pod's for its life): only a fresh state changes it
         self.shm_dir: str | None = None
+        self._said_busy = False  # `stop` said the daemon is busy (said once, not at each call)
 
     @property
     def desired_path(self) -> str:
@@ -534,6 +535,8 @@ class SupervisedMpsDaemon:
         except MpsDaemonError as e:
             log.warning("stopping the MPS control daemon: %s", e)
             return
-        if state.get("busy"):  # (asked again at each of its checks: it stops once it answers)
+        busy = bool(state.get("busy"))
+        if busy and not self._said_busy:  # (asked again at each of its checks: it stops once it answers)
             log.warning("stopping the MPS control daemon: %s; %s stops it once it answers",
                         state.get("error") or "it does not answer but runs", SUPERVISOR)
+        self._said_busy = busy

@@ -16,10 +16,12 @@ from dynpart.agent.driver.interface import (
     EXCLUSIVE_PROCESS,
     NO_PERMISSION,
     PROHIBITED,
+    DriverNotResponding,
     GpuDriverError,
 )
 from dynpart.agent.driver.nvml import RealNvml
 from dynpart.agent.driver.nvml_recording import ReadOnlyViolation, fresh_pynvml, record_nvml
+from dynpart.agent.loop import COMPUTE_MODE_IN_USE
 
 from .conftest import H100, ROUND_80GIB, make_rig, mig_spec, mps_spec
 from .nvml_c_double import SimulatedNvmlLibrary
@@ -299,3 +301,63 @@ async def test_a_node_switched_to_mig_sets_its_gpus_back_before_they_enter_mig_m
         await rig.agent(compute_modes_file=file).reconcile_once()
     assert order[0] == ("set_compute_mode", DEFAULT_COMPUTE) and ("set_mig_mode", "enable") in order
     assert rig.driver.layout(0) == [("7g.80gb", 0)]
+
+
+async def test_a_change_whose_outcome_is_unknown_stays_dynparts_to_undo():
+    """No answer in time: the mode may have been set. Forgotten, the GPU would be listed whole
+    in EXCLUSIVE_PROCESS once its slices go."""
+    driver, cm = modes_rig(1)
+    real = driver.set_compute_mode
+
+    def lands_then_times_out(index: int, mode: str) -> None:
+        real(index, mode)
+        raise DriverNotResponding("set_compute_mode(0, EXCLUSIVE_PROCESS): no answer in 120 s")
+
+    driver.set_compute_mode = lands_then_times_out  # type: ignore[method-assign]
+    errors = await cm.sync(driver.devices(), {0})
+    assert len(errors) == 1 and "could not be set" in errors[0] and not cm.denied
+    driver.set_compute_mode = real  # type: ignore[method-assign]
+    assert driver.compute_mode(0) == EXCLUSIVE_PROCESS and cm.ours == {"GPU-fake-0000"}
+    await cm.sync(driver.devices(), set())
+    assert driver.compute_mode(0) == DEFAULT_COMPUTE and cm.ours == set()
+
+
+async def test_a_gpu_that_cannot_be_set_back_does_not_enter_mig_mode_until_it_is(tmp_path):
+    rig = make_rig(H100, 1, mig_enabled=False, **ROUND_80GIB).with_plugins()
+    agent = rig.agent(compute_modes_file=str(tmp_path / "compute-modes.json"))
+    rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
+    await agent.reconcile_once()
+    real = rig.driver.set_compute_mode
+    refuse = True
+
+    def set_mode(index: int, mode: str) -> None:
+        if refuse and mode == DEFAULT_COMPUTE:
+            raise GpuDriverError("UNKNOWN", "nvmlDeviceSetComputeMode: Unknown Error")
+        real(index, mode)
+
+    rig.driver.set_compute_mode = set_mode  # type: ignore[method-assign]
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="g1"), "dynpart.io/spec-gpu-0-40gb": None})
+    for _ in range(3):
+        report = await agent.reconcile_once()
+    assert not rig.driver.devices()[0].mig_current and modes(rig.driver) == [EXCLUSIVE_PROCESS]
+    assert any(COMPUTE_MODE_IN_USE in e for e in report.errors), report.errors
+    assert sum(COMPUTE_MODE_IN_USE in e for e in report.errors) == 1  # (said once, not once per pass)
+    refuse = False
+    for _ in range(3):
+        await agent.reconcile_once()
+    assert rig.driver.devices()[0].mig_current and rig.driver.layout(0) == [("7g.80gb", 0)]
+    assert agent.compute_modes.ours == set()
+
+
+async def test_a_restarted_agent_on_a_node_now_in_mig_mode_keeps_the_mode_while_a_pod_holds_a_slice(tmp_path):
+    rig = make_rig(H100, 1, mig_enabled=False, **ROUND_80GIB).with_plugins()
+    file = str(tmp_path / "compute-modes.json")
+    rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
+    await rig.agent(compute_modes_file=file).reconcile_once()
+    rig.pods.assign("ns/a", "nvidia.com/gpu-40gb", "GPU-fake-0000::0")
+    rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="g1"), "dynpart.io/spec-gpu-0-40gb": None})
+    await rig.agent(compute_modes_file=file).reconcile_once()
+    assert modes(rig.driver) == [EXCLUSIVE_PROCESS]  # its MPS clients still run
+    rig.pods.release("ns/a")
+    await rig.agent(compute_modes_file=file).reconcile_once()
+    assert modes(rig.driver) == [DEFAULT_COMPUTE]
