@@ -242,6 +242,21 @@ async def test_turned_off_no_gpu_is_put_in_exclusive_process():
     assert await cm.sync(driver.devices(), {0, 1}) == [] and driver.ops == []
 
 
+class RefusingDefault:
+    """`driver.set_compute_mode` fails for DEFAULT while `refuse` is true (a driver error that is
+    no refusal for want of permission: the GPU stays dynpart's)."""
+
+    def __init__(self, driver: FakeNvml):
+        self.refuse = True
+        self.real = driver.set_compute_mode
+        driver.set_compute_mode = self  # type: ignore[method-assign]
+
+    def __call__(self, index: int, mode: str) -> None:
+        if self.refuse and mode == DEFAULT_COMPUTE:
+            raise GpuDriverError("UNKNOWN", "nvmlDeviceSetComputeMode: Unknown Error")
+        self.real(index, mode)
+
+
 # --- the agent --------------------------------------------------------------------------------------
 
 
@@ -263,15 +278,7 @@ async def test_the_agent_sets_the_mode_before_listing_and_reports_a_gpu_it_canno
     agent = rig.agent()
     await agent.reconcile_once()
     assert seen and all(m[0] == EXCLUSIVE_PROCESS for _, m in seen)  # never listed in DEFAULT
-    real_set = rig.driver.set_compute_mode
-    refuse = True
-
-    def set_mode(index: int, mode: str) -> None:
-        if refuse and mode == DEFAULT_COMPUTE:
-            raise GpuDriverError("UNKNOWN", "nvmlDeviceSetComputeMode: Unknown Error")
-        real_set(index, mode)
-
-    rig.driver.set_compute_mode = set_mode  # type: ignore[method-assign]
+    refusing = RefusingDefault(rig.driver)
     rig.node_api.set_annotations({**mps_spec({1: [40, 40]}, plan="m2"), "dynpart.io/spec-gpu-0-20gb": None,
                                   "dynpart.io/spec-gpu-0-10gb": None, "dynpart.io/spec-gpu-0-40gb": None})
     for _ in range(3):
@@ -280,7 +287,7 @@ async def test_the_agent_sets_the_mode_before_listing_and_reports_a_gpu_it_canno
     assert any("GPU 0 is unhealthy (left in EXCLUSIVE_PROCESS compute mode" in e for e in report.errors), report.errors
     assert advertised_health(rig)["nvidia.com/gpu"] == {"GPU-fake-0000": False}
     assert seen[-1][1] == [EXCLUSIVE_PROCESS, EXCLUSIVE_PROCESS]  # GPU 1's slices listed once it was exclusive
-    refuse = False
+    refusing.refuse = False
     report = await agent.reconcile_once()
     assert not any("compute mode" in e for e in report.errors), report.errors
     assert advertised_health(rig)["nvidia.com/gpu"] == {"GPU-fake-0000": True}
@@ -327,22 +334,14 @@ async def test_a_gpu_that_cannot_be_set_back_does_not_enter_mig_mode_until_it_is
     agent = rig.agent(compute_modes_file=str(tmp_path / "compute-modes.json"))
     rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
     await agent.reconcile_once()
-    real = rig.driver.set_compute_mode
-    refuse = True
-
-    def set_mode(index: int, mode: str) -> None:
-        if refuse and mode == DEFAULT_COMPUTE:
-            raise GpuDriverError("UNKNOWN", "nvmlDeviceSetComputeMode: Unknown Error")
-        real(index, mode)
-
-    rig.driver.set_compute_mode = set_mode  # type: ignore[method-assign]
+    refusing = RefusingDefault(rig.driver)
     rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="g1"), "dynpart.io/spec-gpu-0-40gb": None})
     for _ in range(3):
         report = await agent.reconcile_once()
     assert not rig.driver.devices()[0].mig_current and modes(rig.driver) == [EXCLUSIVE_PROCESS]
     assert any(COMPUTE_MODE_IN_USE in e for e in report.errors), report.errors
     assert sum(COMPUTE_MODE_IN_USE in e for e in report.errors) == 1  # (said once, not once per pass)
-    refuse = False
+    refusing.refuse = False
     for _ in range(3):
         await agent.reconcile_once()
     assert rig.driver.devices()[0].mig_current and rig.driver.layout(0) == [("7g.80gb", 0)]
