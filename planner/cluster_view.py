@@ -1032,6 +1032,21 @@ def mps_user_clashes(placements: Iterable[tuple[str, str]], pods: Mapping[str, d
     return out
 
 
+def node_for_planning(node: dict[str, Any]) -> dict[str, Any]:
+    """The part of a Node the planner reads (this module, `planning_facts`, Events and the spec
+    writes: metadata, spec, allocatable): what the controller's node cache keeps. Managed fields
+    and the status the kubelet keeps rewriting (images, often tens of kilobytes on a GPU node,
+    conditions, addresses, volumes, node info) are dropped; ill-typed parts are kept as they are,
+    so that the round reports them as it would on the full object."""
+    out = {k: v for k, v in node.items() if k not in ("metadata", "status")}
+    md, status = node.get("metadata"), node.get("status")
+    if "metadata" in node:
+        out["metadata"] = {k: v for k, v in md.items() if k != "managedFields"} if isinstance(md, dict) else md
+    if "status" in node:
+        out["status"] = {k: status[k] for k in ("allocatable",) if k in status} if isinstance(status, dict) else status
+    return out
+
+
 def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
     """The part of a pod the planner reads (this module, and Events: kind, name, namespace, uid):
     what the controller's pod cache keeps. Managed fields, env, volumes, images and the like are
@@ -1051,6 +1066,8 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
                 if isinstance(c, dict) else c for c in items]
 
     conditions = status.get("conditions")
+    # an ill-typed part is kept as it is: the round reports the pod as it would the full object
+    ill_typed: dict[str, Any] = {k: pod[k] for k in ("spec", "status") if k in pod and not isinstance(pod[k], dict)}
     return {
         "kind": "Pod",
         "metadata": {**{k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation",
@@ -1066,4 +1083,5 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         "status": {**{k: status[k] for k in ("phase", "nominatedNodeName") if k in status},
                    "conditions": [c for c in conditions if isinstance(c, dict) and c.get("type") == "PodScheduled"]
                    if isinstance(conditions, list) else conditions},
+        **ill_typed,
     }

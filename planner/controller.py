@@ -55,6 +55,7 @@ from dynpart.planner.cluster_view import (
     is_batch_candidate,
     keeping_unread,
     mps_user_clashes,
+    node_for_planning,
     node_gpu_model,
     planned_patches,
     pod_for_planning,
@@ -171,7 +172,8 @@ class PlannerController:
         self._gauges_set = False
         self._ids = itertools.count(1)
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
-                              settings=settings.kube, on_beat=lambda: self.liveness.beat("watch nodes"))
+                              settings=settings.kube, transform=node_for_planning,
+                              on_beat=lambda: self.liveness.beat("watch nodes"))
         # pods that ended are not kept (they hold nothing): one that ends arrives as DELETED
         self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods", settings=settings.kube,
                              field_selector=LIVE_PODS, transform=pod_for_planning,

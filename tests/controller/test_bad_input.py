@@ -22,7 +22,14 @@ from hypothesis import strategies as st
 
 from dynpart.annotations import decode_spec
 from dynpart.catalog import default_catalog
-from dynpart.planner.cluster_view import MAX_STATUS_BYTES, build_snapshot, planned_patches, pod_for_planning
+from dynpart.planner.cluster_view import (
+    MAX_STATUS_BYTES,
+    build_snapshot,
+    node_for_planning,
+    planned_patches,
+    pod_for_planning,
+)
+from dynpart.planner.controller import planning_facts
 from dynpart.planner.core import plan
 from dynpart.snapshot import validate_snapshot
 from tests.controller.test_cluster_view import node, pod
@@ -154,6 +161,22 @@ def test_the_pod_cache_keeps_what_planning_reads_and_drops_the_rest():
     assert build_snapshot(NODES, [kept], CAT).snapshot == build_snapshot(NODES, [full], CAT).snapshot
 
 
+def test_the_node_cache_keeps_what_planning_reads_and_drops_the_rest():
+    full = copy.deepcopy(NODES[0])
+    full["metadata"]["managedFields"] = [{"manager": "kubelet", "fieldsV1": {"f:status": {"f:images": {}}}}] * 20
+    full["status"].update(images=[{"names": [f"registry/image-{i}@sha256:{'0' * 64}"], "sizeBytes": 10**9}
+                                  for i in range(100)],
+                          conditions=[{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
+                          nodeInfo={"kubeletVersion": "v1.34.0"}, capacity={"cpu": "64"})
+    kept = node_for_planning(full)
+    assert len(str(kept)) * 5 < len(str(full))
+    assert kept["status"] == {"allocatable": full["status"]["allocatable"]} and "managedFields" not in kept["metadata"]
+    assert kept["metadata"]["annotations"] == full["metadata"]["annotations"] and kept.get("spec") == full.get("spec")
+    assert planning_facts(kept) == planning_facts(full)
+    assert build_snapshot([kept, *NODES[1:]], GOOD, CAT).snapshot == build_snapshot(NODES, GOOD, CAT).snapshot
+    assert node_for_planning({"status": "junk", "metadata": 3}) == {"status": "junk", "metadata": 3}
+
+
 # --- generated and mutated cluster states ---------------------------------------------------
 
 PRODUCTS = ["NVIDIA-H100-80GB-HBM3", "NVIDIA-A100-SXM4-80GB", "NVIDIA-A30", "NVIDIA-A100-SXM4-40GB", "NVIDIA-Nope", ""]
@@ -208,7 +231,8 @@ def mutate(obj: dict[str, Any], path: list[str], value: Any) -> None:
 
 
 MUTABLE = [["metadata", "labels"], ["metadata", "annotations"], ["spec", "nodeSelector"], ["spec", "containers"],
-           ["status", "allocatable"], ["status", "phase"], ["spec", "priority"], ["metadata", "namespace"]]
+           ["status", "allocatable"], ["status", "phase"], ["spec", "priority"], ["metadata", "namespace"],
+           ["status"], ["status", "images"], ["metadata", "managedFields"]]
 
 
 @st.composite
@@ -238,7 +262,7 @@ def test_no_generated_cluster_state_stops_planning(state):
     for obj, message in problems:
         assert isinstance(message, str) and message, obj
     # the controller's pod cache keeps only pod_for_planning(pod): the round must not change
-    trimmed = build_snapshot(nodes, [pod_for_planning(p) for p in pods], CAT)
+    trimmed = build_snapshot([node_for_planning(n) for n in nodes], [pod_for_planning(p) for p in pods], CAT)
     assert trimmed.snapshot == snapshot
     assert [m for _, m in trimmed.problems] == [m for _, m in problems]
     by_name = {n.name: n for n in snapshot.nodes}
