@@ -312,11 +312,10 @@ class Agent:
                 # may enter MIG mode (its compute mode is then out of reach); one that could not be
                 # counts as in use for MIG, its mode not changed, until it is
                 left_errors += await self.compute_modes.sync(devices, await self._mps_sliced(devices))
-                left = dict(self._mig.mps_left)
+                left = {i: [u for u in users if u != COMPUTE_MODE_IN_USE] for i, users in self._mig.mps_left.items()}
                 for index in self.compute_modes.blocked:
-                    if COMPUTE_MODE_IN_USE not in left.get(index, ()):
-                        left[index] = [*left.get(index, ()), COMPUTE_MODE_IN_USE]
-                self._mig.mps_left = left
+                    left[index] = [*left.get(index, ()), COMPUTE_MODE_IN_USE]
+                self._mig.mps_left = {i: users for i, users in left.items() if users}
                 if desired_mig is not None and self.plugin_pods is not None and not self._builtin:
                     by_index = sorted(i for _, i in _mig_ids(await self.pods.allocatable()) if not i.startswith("MIG-"))
                     if by_index:

@@ -329,13 +329,19 @@ async def test_a_change_whose_outcome_is_unknown_stays_dynparts_to_undo():
     assert driver.compute_mode(0) == DEFAULT_COMPUTE and cm.ours == set()
 
 
-async def test_a_gpu_that_cannot_be_set_back_does_not_enter_mig_mode_until_it_is(tmp_path):
+async def switched_to_mig_while_set_back_fails(tmp_path):
+    """A GPU with MPS slices, its node switched to MIG, and DEFAULT refused: (rig, agent, refusing)."""
     rig = make_rig(H100, 1, mig_enabled=False, **ROUND_80GIB).with_plugins()
     agent = rig.agent(compute_modes_file=str(tmp_path / "compute-modes.json"))
     rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
     await agent.reconcile_once()
     refusing = RefusingDefault(rig.driver)
     rig.node_api.set_annotations({**mig_spec({0: ["7g.80gb@0"]}, plan="g1"), "dynpart.io/spec-gpu-0-40gb": None})
+    return rig, agent, refusing
+
+
+async def test_a_gpu_that_cannot_be_set_back_does_not_enter_mig_mode_until_it_is(tmp_path):
+    rig, agent, refusing = await switched_to_mig_while_set_back_fails(tmp_path)
     for _ in range(3):
         report = await agent.reconcile_once()
     assert not rig.driver.devices()[0].mig_current and modes(rig.driver) == [EXCLUSIVE_PROCESS]
@@ -360,3 +366,15 @@ async def test_a_restarted_agent_on_a_node_now_in_mig_mode_keeps_the_mode_while_
     rig.pods.release("ns/a")
     await rig.agent(compute_modes_file=file).reconcile_once()
     assert modes(rig.driver) == [DEFAULT_COMPUTE]
+
+
+async def test_the_in_use_mark_goes_once_the_gpu_is_set_back_also_without_a_spec(tmp_path):
+    rig, agent, refusing = await switched_to_mig_while_set_back_fails(tmp_path)
+    for _ in range(2):
+        await agent.reconcile_once()
+    assert agent._mig is not None and COMPUTE_MODE_IN_USE in agent._mig.mps_left.get(0, [])
+    rig.node_api.labels["dynpart.io/gpu-partitioning"] = "mig"
+    rig.node_api.set_annotations({"dynpart.io/spec-plan": None})  # no spec: observe only, as a MIG node
+    refusing.refuse = False
+    await agent.reconcile_once()
+    assert modes(rig.driver) == [DEFAULT_COMPUTE] and 0 not in agent._mig.mps_left
