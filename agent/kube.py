@@ -188,6 +188,7 @@ class KubeNodeApi:
         # minute), and the last GET that answered the version the watch holds
         self._heard = self._confirmed = -float("inf")
         self.reads = 0  # GETs sent (the watch serves the others)
+        self.quorum_reads = 0  # of those, the reads from etcd (not from the API server's watch cache)
 
     async def get(self) -> NodeView:
         """The node as the watch last delivered it, while the watch is open, said something or was
@@ -200,7 +201,20 @@ class KubeNodeApi:
         cached = self._watched()
         if cached is not None:
             return cached
+        informer = self._informer
+        held = informer.cache.get(self.name) if informer is not None and informer.watching else None
+        if held is not None and not self._unseen:
+            # only the watch's silence is in doubt (a quiet node: no event for FRESH_S): the API
+            # server's watch cache answering the version the watch holds confirms it without a
+            # quorum read (at 1,000 quiet nodes, one etcd read a second less); any other answer
+            # (newer: the watch is cut; older: a lagging API server) is settled by a quorum read
+            self.reads += 1
+            fresh = await read_node(self._v1, self.name, any_version=True)
+            if _version(fresh) and _version(fresh) == _version(held):
+                self._confirmed = time.monotonic()
+                return NodeView.from_dict(held)
         self.reads += 1
+        self.quorum_reads += 1
         obj = await read_node(self._v1, self.name)
         self._learnt(obj, read=True)
         return NodeView.from_dict(obj)

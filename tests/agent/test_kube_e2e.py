@@ -207,6 +207,22 @@ async def test_the_agents_node_reads_come_from_its_watch_and_see_its_own_writes(
         await node_api.patch(annotations={"dynpart.io/status-plan": "p4"})
         await node_api.get()
         assert node_api.reads == reads
+        # a quiet watch (nothing heard for FRESH_S): the API server's watch cache confirms the
+        # copy, without a quorum read; then the watch serves the reads again
+        quorum = node_api.quorum_reads
+        node_api._heard = node_api._confirmed = -float("inf")
+        assert (await node_api.get()).annotations["dynpart.io/status-plan"] == "p4"
+        assert (node_api.reads, node_api.quorum_reads) == (reads + 1, quorum)
+        await node_api.get()
+        assert node_api.reads == reads + 1
+        # a quiet watch whose copy is behind the API server's (its connection cut): a quorum read
+        informer = node_api._informer
+        assert informer is not None
+        current = informer.cache[name]
+        informer.cache[name] = {**current, "metadata": {**current["metadata"], "resourceVersion": "1"}}
+        node_api._heard = node_api._confirmed = -float("inf")
+        assert (await node_api.get()).resource_version == current["metadata"]["resourceVersion"]
+        assert (node_api.reads, node_api.quorum_reads) == (reads + 3, quorum + 1)
     finally:
         watching.cancel()
         await asyncio.gather(watching, return_exceptions=True)
