@@ -1066,8 +1066,6 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
                 if isinstance(c, dict) else c for c in items]
 
     conditions = status.get("conditions")
-    # an ill-typed part is kept as it is: the round reports the pod as it would the full object
-    ill_typed: dict[str, Any] = {k: pod[k] for k in ("spec", "status") if k in pod and not isinstance(pod[k], dict)}
     return {
         "kind": "Pod",
         "metadata": {**{k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation",
@@ -1083,5 +1081,4 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
         "status": {**{k: status[k] for k in ("phase", "nominatedNodeName") if k in status},
                    "conditions": [c for c in conditions if isinstance(c, dict) and c.get("type") == "PodScheduled"]
                    if isinstance(conditions, list) else conditions},
-        **ill_typed,
     }

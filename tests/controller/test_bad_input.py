@@ -232,7 +232,7 @@ def mutate(obj: dict[str, Any], path: list[str], value: Any) -> None:
 
 MUTABLE = [["metadata", "labels"], ["metadata", "annotations"], ["spec", "nodeSelector"], ["spec", "containers"],
            ["status", "allocatable"], ["status", "phase"], ["spec", "priority"], ["metadata", "namespace"],
-           ["status"], ["status", "images"], ["metadata", "managedFields"]]
+           ["status", "images"], ["metadata", "managedFields"]]
 
 
 @st.composite
