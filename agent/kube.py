@@ -162,6 +162,9 @@ async def connect(kubeconfig: str | None = None, settings: KubeSettings | None =
 # confirmed the copy) this recently: a connection cut without a close is noticed by the watch only
 # after watch_idle_timeout_s (120 s), longer than the planner waits for an acknowledgement (60 s)
 FRESH_S = 30.0
+# a quiet watch is confirmed from the API server's watch cache (resourceVersion=0), which lags etcd
+# when the watch does (one stuck API server): a quorum read at least this often
+QUORUM_S = 300.0
 
 
 def _version(obj: Obj) -> str:
@@ -189,6 +192,7 @@ class KubeNodeApi:
         self._heard = self._confirmed = -float("inf")
         self.reads = 0  # GETs sent (the watch serves the others)
         self.quorum_reads = 0  # of those, the reads from etcd (not from the API server's watch cache)
+        self._quorum_at = -float("inf")  # (time.monotonic) the last quorum read
 
     async def get(self) -> NodeView:
         """The node as the watch last delivered it, while the watch is open, said something or was
@@ -203,18 +207,24 @@ class KubeNodeApi:
             return cached
         informer = self._informer
         held = informer.cache.get(self.name) if informer is not None and informer.watching else None
-        if held is not None and not self._unseen:
+        if informer is not None and held is not None and not self._unseen and time.monotonic() - self._quorum_at < QUORUM_S:
             # only the watch's silence is in doubt (a quiet node: no event for FRESH_S): the API
             # server's watch cache answering the version the watch holds confirms it without a
             # quorum read (at 1,000 quiet nodes, one etcd read a second less); any other answer
-            # (newer: the watch is cut; older: a lagging API server) is settled by a quorum read
+            # (newer: the watch is cut), or none, is settled by a quorum read. The watch and that
+            # cache can lag etcd together: a quorum read at least every QUORUM_S catches it
             self.reads += 1
-            fresh = await read_node(self._v1, self.name, any_version=True)
-            if _version(fresh) and _version(fresh) == _version(held):
+            try:
+                fresh: Obj | None = await read_node(self._v1, self.name, any_version=True)
+            except APIError as e:
+                log.debug("node %s: reading it from the API server's cache: %s; reading it from etcd", self.name, e)
+                fresh = None
+            if fresh is not None and _version(fresh) and _version(fresh) == _version(held):
                 self._confirmed = time.monotonic()
-                return NodeView.from_dict(held)
+                return NodeView.from_dict(informer.cache.get(self.name) or held)  # (or newer, delivered since)
         self.reads += 1
         self.quorum_reads += 1
+        self._quorum_at = time.monotonic()
         obj = await read_node(self._v1, self.name)
         self._learnt(obj, read=True)
         return NodeView.from_dict(obj)

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 from kubernetes_asyncio import client
 
-from dynpart.agent.kube import FRESH_S, KubeNodeApi
+from dynpart.agent.kube import FRESH_S, QUORUM_S, KubeNodeApi
+from dynpart.kube.errors import APIServerError
 
 
 def node(version: str, plan: str = "p1") -> dict:
@@ -72,3 +73,39 @@ async def test_a_silent_watch_is_confirmed_by_a_get_before_its_copy_is_read():
     assert api._watched() is not None
     api._confirmed -= FRESH_S + 1
     assert api._watched() is None
+
+
+async def test_a_silent_watch_is_confirmed_from_the_servers_cache_and_else_from_etcd(monkeypatch):
+    """The quiet watch's confirmation is a read of any version (the API server's watch cache):
+    its version confirms the copy; another version, an error, or no quorum read for QUORUM_S
+    sends the read to etcd."""
+    calls: list[bool] = []
+    answers: dict[bool, object] = {}
+
+    async def read_node(core, name, any_version=False):
+        calls.append(any_version)
+        answer = answers[any_version]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr("dynpart.agent.kube.read_node", read_node)
+    api, informer = watched("5")
+    api._quorum_at = time.monotonic()
+    answers.update({True: node("5"), False: node("5")})
+    api._heard -= FRESH_S + 1
+    assert (await api.get()).resource_version == "5" and calls == [True] and api.quorum_reads == 0
+    assert api._watched() is not None  # confirmed
+    for answer in (node("6", "p2"), APIServerError("read node n (any version): 503", status=503)):
+        answers.update({True: answer, False: node("6", "p2")})
+        api._confirmed = api._heard = -float("inf")
+        calls.clear()
+        assert (await api.get()).resource_version == "6" and calls == [True, False]
+        informer.cache["n"] = node("6", "p2")
+        api._delivered("6")
+    api._confirmed = api._heard = -float("inf")
+    api._quorum_at = time.monotonic() - QUORUM_S - 1
+    calls.clear()
+    answers.update({True: node("6", "p2"), False: node("6", "p2")})
+    await api.get()
+    assert calls == [False] and api.quorum_reads == 3
