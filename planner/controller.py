@@ -211,6 +211,16 @@ class PlannerController:
         (self.leading.set if leader else self.leading.clear)()
         self.wake.set()
 
+    def highest_written_term(self) -> int | None:
+        """The highest leader term on the nodes' specs (-1: none), None until the node cache is
+        synced: the lease's `term_floor`. A lease made again restarts its count at 0, and a new
+        leader's term must stay above every earlier leader's, or agents could not fence their late
+        writes (dynpart.kube.leases)."""
+        if not self.nodes.synced.is_set():
+            return None
+        terms = (decode_fencing(node["metadata"].get("annotations") or {}, [])[0] for node in self.nodes.cache.values())
+        return max((t for t in terms if t is not None), default=-1)
+
     def _check_term(self) -> None:
         """A term that changed without a loss being signalled (the event loop stalled past the
         lease, and the lease was taken over and handed back): the same as a loss."""

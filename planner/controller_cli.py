@@ -76,7 +76,7 @@ async def _main(settings: PlannerSettings, catalog: Catalog) -> None:
             controller.set_leading(leader)
         elector = LeaderElector(client.CoordinationV1Api(api), settings.lease_name, settings.lease_namespace,
                                 settings.identity, settings.lease_duration_s, settings.lease_renew_s,
-                                settings.lease_retry_s, on_change)
+                                settings.lease_retry_s, on_change, term_floor=controller.highest_written_term)
         controller.leadership = elector  # each write checks it, and carries its term
         tasks.append(asyncio.create_task(elector.run()))
     else:

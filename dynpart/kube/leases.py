@@ -13,7 +13,15 @@ every attempt has a deadline, and `can_write()` says whether the leader can stil
 before each write. `term` is the lease's `leaseTransitions` when this replica took it: a number
 that grows with every change of leader, written with each plan so that agents can ignore a plan
 from a deposed leader (fencing). On a clean stop the lease is released so that a standby takes
-over at once."""
+over at once.
+
+The term must stay above every term already written, also when the Lease is deleted and made
+again (its namespace deleted and the chart installed again, `kubectl delete lease`): its
+`leaseTransitions` would restart at 0, below the terms on the nodes, and a deposed leader's late
+write could no longer be told from the new leader's. So a replica that creates or takes over the
+lease asks `term_floor` for the highest term written on the nodes and takes the next one at
+least; until that is known (the node cache not yet synced) it neither creates nor takes over the
+lease."""
 
 from __future__ import annotations
 
@@ -39,8 +47,11 @@ def _now() -> str:
 class LeaderElector:
     def __init__(self, api: client.CoordinationV1Api, name: str, namespace: str, identity: str,
                  lease_s: int = 15, renew_s: float = 5.0, retry_s: float = 1.0,
-                 on_change: Callable[[bool], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_change: Callable[[bool], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 term_floor: Callable[[], int | None] | None = None):
         self.api, self.name, self.namespace, self.identity = api, name, namespace, identity
+        # the highest term written where agents read it (-1: none), None while unknown
+        self.term_floor = term_floor
         self.lease_s, self.renew_s, self.retry_s = lease_s, renew_s, retry_s
         self.on_change = on_change
         self.is_leader = False
@@ -87,18 +98,29 @@ class LeaderElector:
             resp = await self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False)
         return await read_json(resp, what)
 
+    def _next_term(self, term: int) -> int | None:
+        """The term a replica creating or taking over the lease writes: `term`, or above the highest
+        term already written; None while that is unknown."""
+        if self.term_floor is None:
+            return term
+        floor = self.term_floor()
+        return None if floor is None else max(term, floor + 1)
+
     async def _try(self) -> bool:
         try:
             lease = await self._read()
         except APINotFoundError:
+            term = self._next_term(0)
+            if term is None:
+                return False
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                     "metadata": {"name": self.name, "namespace": self.namespace},
                     "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": self.lease_s,
-                             "acquireTime": _now(), "renewTime": _now(), "leaseTransitions": 0}}
+                             "acquireTime": _now(), "renewTime": _now(), "leaseTransitions": term}}
             try:
                 with api_errors(f"create lease {self.namespace}/{self.name}"):
                     await raw_api(self.api).create_namespaced_lease(self.namespace, body)
-                self._term_read, self._duration_read = 0, self.lease_s
+                self._term_read, self._duration_read = term, self.lease_s
                 return True
             except APIConflictError:
                 return False
@@ -111,8 +133,11 @@ class LeaderElector:
             # (same identity) must not go on leading by its own while standbys time the record's
             spec.update(renewTime=_now(), leaseDurationSeconds=self.lease_s)
         elif not holder or unchanged_s > duration:
+            term = self._next_term((spec.get("leaseTransitions") or 0) + 1)
+            if term is None:
+                return False
             spec.update(holderIdentity=self.identity, acquireTime=_now(), renewTime=_now(),
-                        leaseDurationSeconds=self.lease_s, leaseTransitions=(spec.get("leaseTransitions") or 0) + 1)
+                        leaseDurationSeconds=self.lease_s, leaseTransitions=term)
         else:
             return False
         lease["spec"] = spec

@@ -1344,3 +1344,17 @@ async def test_a_pod_whose_quantity_the_watch_cannot_read_is_planned_as_invalid_
     await c.plan_round()
     [(message, warning, obj)] = c.api.of("DynpartInvalid")
     assert warning and obj["metadata"]["name"] == "odd" and "lots" in message
+
+
+async def test_the_term_floor_is_the_highest_term_on_the_nodes_once_they_are_read(make):
+    """The lease's term_floor (dynpart.kube.leases): unknown until the node cache is synced; then
+    the highest spec-term on a node (-1 with none; a malformed one is no term)."""
+    c = make([node("a", annotations={SPEC_TERM: "4"}), node("b", annotations={SPEC_TERM: "11"}),
+              node("c", annotations={SPEC_TERM: "x"}), node("d")])
+    assert c.highest_written_term() is None
+    c.nodes.synced.set()
+    assert c.highest_written_term() == 11
+    del c.nodes.cache["b"]
+    assert c.highest_written_term() == 4
+    c.nodes.cache.clear()
+    assert c.highest_written_term() == -1

@@ -220,3 +220,36 @@ async def test_two_failed_renewals_in_a_row_cost_the_leader_its_writes_and_its_l
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_lease_made_again_keeps_the_term_above_every_term_written():
+    """The Lease deleted (a reinstall into a new namespace, `kubectl delete lease`) would restart
+    leaseTransitions at 0, below the terms the nodes' specs carry: a deposed leader's late write
+    could then not be told from the new leader's. A replica that creates or takes over the lease
+    takes the term after the highest one written, and does neither before that is known."""
+    api, t = FakeLeases(), [100.0]
+    floor: list[int | None] = [None]
+    a = LeaderElector(api, "dynpart-planner", "dynpart-system", "a", lease_s=3,  # type: ignore[arg-type]  # a fake API
+                      clock=lambda: t[0], term_floor=lambda: floor[0])
+    assert not await a._try() and api.lease is None, "the node cache not synced: no lease made"
+    floor[0] = 6  # a spec of term 6 on some node
+    assert await a._try() and api.lease is not None and api.lease["spec"]["leaseTransitions"] == 7
+    floor[0] = -1  # no spec carries a term: the count starts at 0 as before
+    api.lease = None
+    assert await a._try() and api.lease["spec"]["leaseTransitions"] == 0
+    # taken over from a dead holder whose record is at 4 while the nodes carry term 9
+    b = LeaderElector(api, "dynpart-planner", "dynpart-system", "b", lease_s=3,  # type: ignore[arg-type]  # a fake API
+                      clock=lambda: t[0], term_floor=lambda: floor[0])
+    held_by_other(api, "2026-01-01T00:00:00.000000Z")
+    floor[0] = 9
+    assert not await b._try()
+    t[0] += 3.5
+    floor[0] = None
+    assert not await b._try() and api.lease["spec"]["holderIdentity"] == "other", "floor unknown: not taken over"
+    floor[0] = 9
+    assert await b._try() and api.lease["spec"]["leaseTransitions"] == 10 and b._term_read == 10
+    floor[0] = 2  # below the record: the record's next term, as before
+    held_by_other(api, "2026-01-01T00:00:05.000000Z")
+    assert not await b._try()
+    t[0] += 3.5
+    assert await b._try() and api.lease["spec"]["leaseTransitions"] == 5
