@@ -811,17 +811,23 @@ def test_agent_state_dir_is_what_the_agent_uses(tmp_path):
 
 
 def test_agent_without_privileges_keeps_what_mps_needs(tmp_path):
-    """privileged: false drops every capability but SETUID and SETGID (the MPS control daemon
-    starts each server under its client's ids), and NOTES say whether MPS and MIG can work."""
+    """privileged: false drops every capability of the agent (it never runs the MPS control
+    daemon: the chart always sets mps_control_dir), and all but SETUID and SETGID of mps-control
+    (the daemon starts each server under its client's ids); NOTES say whether MIG can work."""
     objs = render("--set", "agent.privileged=false")
-    for ds, name in ((AGENT_DS, "agent"), (MPS_CONTROL_DS, "mps-control")):  # (the daemon runs in mps-control)
+    want = {"agent": {"drop": ["ALL"]}, "mps-control": {"drop": ["ALL"], "add": ["SETUID", "SETGID"]}}
+    for ds, name in ((AGENT_DS, "agent"), (MPS_CONTROL_DS, "mps-control")):
         sc = container(find(objs, "DaemonSet", ds)["spec"]["template"]["spec"], name)["securityContext"]
-        assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SETUID", "SETGID"]} and sc["privileged"] is False
+        assert sc["capabilities"] == want[name] and sc["privileged"] is False
         assert sc["runAsUser"] == 0 and sc["readOnlyRootFilesystem"] is True
+    assert yaml.safe_load(find(objs, "ConfigMap", "dynpart-agent")["data"]["agent.yaml"])["mps_control_dir"]
     notes = render_notes(tmp_path / "default", "--set", "agent.privileged=false")
-    assert "(it does)" not in notes and "(they are)" in notes
+    assert "(it does)" not in notes and "SETUID" in notes
     bare = render_notes(tmp_path / "bare", "--set", "agent.privileged=false", "--set", "agent.capabilities={SYS_ADMIN}")
-    assert "includes SYS_ADMIN (it does)" in bare and "they are missing" in bare
+    assert "includes SYS_ADMIN (it does)" in bare
+    sc = container(find(render("--set", "agent.privileged=false", "--set", "agent.capabilities={SYS_ADMIN}"),
+                        "DaemonSet", AGENT_DS)["spec"]["template"]["spec"], "agent")["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
     # how to upgrade: the agents roll; mps-control updates on delete, once the node runs no MPS pod
     assert "delete pod -l app.kubernetes.io/component=mps-control" in notes
     assert "delete pod -l app.kubernetes.io/component=agent" not in notes
@@ -834,7 +840,7 @@ def test_agent_without_privileges_keeps_what_mps_needs(tmp_path):
 @pytest.mark.parametrize(("values", "exclusive"), [
     ((), True),
     (("agent.privileged=false",), False),  # no CAP_SYS_ADMIN: NVML would refuse every change
-    (("agent.privileged=false", "agent.capabilities={SETUID,SETGID,SYS_ADMIN}"), True),
+    (("agent.privileged=false", "agent.capabilities={SYS_ADMIN}"), True),
     (("agent.mpsExclusiveProcess=false",), False),
 ])
 def test_gpus_are_put_in_exclusive_process_only_by_an_agent_allowed_to(tmp_path, values, exclusive):
@@ -855,7 +861,7 @@ def test_full_values_options(full, tmp_path):
     assert "runtimeClassName" not in pod
     sc = container(pod, "agent")["securityContext"]
     assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
-    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN", "SETUID", "SETGID"]}
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]}
     digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
     for c in pod["containers"]:  # image.digest pins it
         assert c["image"] == f"registry.example.com/gpu/dynpart@{digest}"
@@ -927,3 +933,35 @@ def test_values_that_still_set_agent_host_ipc_keep_their_meaning(tmp_path):
         assert "hostIPC" not in mps_pod(objs) and mps_pod(objs)["initContainers"] and host_ipc_planned(objs) is False
     assert "agent.hostIPC is deprecated" in render_notes(tmp_path / "t", "--set", "agent.hostIPC=true")
     assert "agent.hostIPC is deprecated" not in render_notes(tmp_path / "d")
+
+
+@pytest.mark.parametrize(("values", "error"), [
+    # PlannerSettings refuses batch_idle_s > batch_timeout_s: the planner would crash-loop
+    ({"planner": {"batchIdleSeconds": 5}}, "batchIdleSeconds"),
+    ({"planner": {"batchIdleSeconds": 1, "batchTimeoutSeconds": 0.5}}, "batchIdleSeconds"),
+    # workload entries are PlannerSettings' snake_case models (extra keys forbidden): a pod spec's
+    # camelCase or a field they do not have must be refused by the schema, not by the planner's start
+    ({"planner": {"workload": [{"resource": "nvidia.com/mig-1g.10gb", "node_affinity": [
+        {"matchExpressions": [{"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["z1"]}]}]}]}},
+     "/planner/workload/0/node_affinity/0"),
+    ({"planner": {"workload": [{"resource": "nvidia.com/mig-1g.10gb", "node_affinity": [
+        {"match_expressions": [{"key": "zone", "operator": "in", "values": ["z1"]}]}]}]}},
+     "/planner/workload/0/node_affinity/0/match_expressions/0/operator"),
+    ({"planner": {"workload": [{"resource": "nvidia.com/mig-1g.10gb", "tolerations": [
+        {"key": "team", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60}]}]}},
+     "/planner/workload/0/tolerations/0"),
+])
+def test_planner_values_the_planner_would_refuse_are_refused(tmp_path, values, error):
+    """Values that render but that PlannerSettings refuses would leave every planner replica in a
+    crash loop after `helm install` or `helm upgrade` succeeded: the chart refuses them itself."""
+    from dynpart.settings import PlannerSettings, load_settings
+
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    assert error in _template_error("-f", str(tmp_path / "values.yaml"))
+    # (what the planner says of the same settings)
+    p = values["planner"]
+    cfg = {"batch_idle_s": p.get("batchIdleSeconds", 0.5), "batch_timeout_s": p.get("batchTimeoutSeconds", 3),
+           "workload": p.get("workload", [])}
+    (tmp_path / "planner.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(Exception):
+        load_settings(PlannerSettings, tmp_path / "planner.yaml")

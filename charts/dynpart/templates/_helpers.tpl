@@ -205,8 +205,8 @@ capabilities:
 
 {{/* The securityContext of the agent's container. */}}
 {{- define "dynpart.agentSecurityContext" -}}
-# root: the kubelet's PodResources socket is root-owned (mode 0600 or 0660). (SETUID and SETGID in
-# agent.capabilities serve an agent that runs the MPS daemon itself, mps_control_dir unset.)
+# root: the kubelet's PodResources socket is root-owned (mode 0600 or 0660). (The MPS daemon, which
+# needs SETUID and SETGID, runs in mps-control: the chart always sets mps_control_dir.)
 runAsUser: 0
 runAsNonRoot: false
 {{- if .Values.agent.privileged }}
