@@ -241,7 +241,8 @@ def test_mps_control_daemonset_outlives_agent_replacements(default, full, tmp_pa
         assert s.mps_control_dir == ns.control_dir  # the agent asks where the supervisor reads
         planner = yaml.safe_load(find(objs, "ConfigMap", "dynpart-planner")["data"]["planner.yaml"])
         # the MPS server finds its own PID through /proc/self (agent.mpsControl.hostPID, off in full)
-        assert pod.get("hostPID", False) is (objs is default) and "hostPID" not in agent_pod
+        # (and the agent sees every GPU process through NVML with agent.hostPID, on in both)
+        assert pod.get("hostPID", False) is (objs is default) and agent_pod["hostPID"] is True
         assert ({e["name"]: e.get("value") for e in mps["env"]}.get("TINI_SUBREAPER") == "1") is (objs is default)
         if objs is default:
             # agent.mpsShm.mode tmpfs: the daemon's own /dev/shm, a tmpfs an init container mounts
@@ -954,6 +955,7 @@ def test_values_that_still_set_agent_host_ipc_keep_their_meaning(tmp_path):
 def test_planner_values_the_planner_would_refuse_are_refused(tmp_path, values, error):
     """Values that render but that PlannerSettings refuses would leave every planner replica in a
     crash loop after `helm install` or `helm upgrade` succeeded: the chart refuses them itself."""
+    from dynpart.errors import DynpartError
     from dynpart.settings import PlannerSettings, load_settings
 
     (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
@@ -963,5 +965,14 @@ def test_planner_values_the_planner_would_refuse_are_refused(tmp_path, values, e
     cfg = {"batch_idle_s": p.get("batchIdleSeconds", 0.5), "batch_timeout_s": p.get("batchTimeoutSeconds", 3),
            "workload": p.get("workload", [])}
     (tmp_path / "planner.yaml").write_text(yaml.safe_dump(cfg))
-    with pytest.raises(Exception):
+    with pytest.raises(DynpartError, match="setting"):
         load_settings(PlannerSettings, tmp_path / "planner.yaml")
+
+
+def test_the_agent_sees_every_gpu_process():
+    """NVML lists a GPU's processes in the caller's PID namespace and leaves out those it cannot
+    see: the agent's last check before destroying a MIG instance needs the host's (agent.hostPID)."""
+    pod = find(render(), "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
+    assert pod["hostPID"] is True and "hostIPC" not in pod
+    off = find(render("--set", "agent.hostPID=false"), "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
+    assert "hostPID" not in off

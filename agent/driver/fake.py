@@ -163,7 +163,14 @@ class FakeNvml:
         # list them whatever the mode (tests/fixtures/nvml); this plays a driver that does not.
         self.profiles_need_mig = profiles_need_mig
         self._by_id = {p.gi_profile_id: p for p in model.mig_profiles}
-        self.root = root  # False: the caller is not root (NVML refuses it a compute-mode change)
+        self.root = root  # False: the caller is not root (NVML refuses it a compute-mode or MIG change)
+        # True: the caller (the agent) runs in a PID namespace of its own (a pod without hostPID):
+        # `processes()` lists none of the processes `attach` started (they run in other pods' or the
+        # host's namespaces). The driver translates each pid into the caller's namespace and leaves
+        # out those it cannot see (open-gpu-kernel-modules gpuGetProcWithObject: os_find_ns_pid,
+        # pid_vnr 0 -> NV_ERR_OBJECT_NOT_FOUND -> skipped); they still hold the GPU (IN_USE, a MIG
+        # mode change left pending). False (default): the caller sees every pid (hostPID).
+        self.own_pid_namespace = False
         # real GPU UUIDs are unique the world over, so MIG UUIDs derived from them are unique across
         # nodes too; the fake's GPU UUIDs repeat on every fake node (GPU-fake-0000): its MIG UUIDs
         # are derived in a namespace of this driver's own
@@ -298,6 +305,8 @@ class FakeNvml:
         op = self._begin(FakeOp("set_mig_mode", index, profile="enable" if enabled else "disable"))
         if not self.model.supports_mig:
             self._fail(op, NOT_SUPPORTED, f"GPU {index} ({self.model.name}) does not support MIG")
+        if not self.root:  # (nvml.h: requires root)
+            self._fail(op, NO_PERMISSION, f"GPU {index}: changing the MIG mode needs root")
         if not enabled and gpu.gis:
             self._fail(op, IN_USE, f"GPU {index} still has GPU instances; MIG mode not changed")
         gpu.mig_pending = enabled
@@ -330,6 +339,10 @@ class FakeNvml:
     @_driver_call(read=True)
     def gpu_instances(self, index: int) -> list[GpuInstanceInfo]:
         gpu = self._gpu(index)
+        if not gpu.mig_current and self._profiles(index):
+            # as RealNvml: nvmlDeviceGetGpuInstances answers NOT_SUPPORTED without MIG mode (nvml.h);
+            # (a driver that lists no profile then is never asked: an empty list)
+            raise GpuDriverError(NOT_SUPPORTED, f"GPU {index}: MIG mode is disabled")
         return [GpuInstanceInfo(g.gi_id, g.profile.gi_profile_id, g.start, g.profile.memory,
                                 () if g.ci is None else (g.ci,), g.uuid)
                 for g in sorted(gpu.gis.values(), key=lambda g: g.gi_id)]
@@ -341,6 +354,8 @@ class FakeNvml:
         op = self._begin(FakeOp("create_gi", index, profile=profile.name if profile else str(profile_id), start=start))
         if not gpu.mig_current:
             self._fail(op, NOT_SUPPORTED, f"GPU {index}: MIG mode is disabled")
+        if not self.root:  # (nvml.h: requires a privileged user)
+            self._fail(op, NO_PERMISSION, f"GPU {index}: creating a GPU instance needs root")
         if profile is None:
             self._fail(op, INVALID_ARGUMENT, f"GPU {index}: no GPU instance profile id {profile_id}")
         if size != profile.memory or start not in profile.starts:
@@ -359,6 +374,7 @@ class FakeNvml:
         gpu = self._gpu(index)
         gi = gpu.gis.get(gi_id)
         op = self._begin(FakeOp("create_ci", index, gi_id, gi.profile.name if gi else None, gi.start if gi else None))
+        self._check_mig_change(op, gpu)
         if gi is None:
             self._fail(op, NOT_FOUND, f"GPU {index}: no GPU instance {gi_id}")
         if slices != gi.profile.compute:
@@ -375,6 +391,7 @@ class FakeNvml:
         gpu = self._gpu(index)
         gi = gpu.gis.get(gi_id)
         op = self._begin(FakeOp("destroy_ci", index, gi_id, gi.profile.name if gi else None, gi.start if gi else None))
+        self._check_mig_change(op, gpu)
         if gi is None or gi.ci != ci_id:
             self._fail(op, NOT_FOUND, f"GPU {index}: no compute instance {ci_id} in GI {gi_id}")
         if gi.pids:
@@ -389,6 +406,7 @@ class FakeNvml:
         gpu = self._gpu(index)
         gi = gpu.gis.get(gi_id)
         op = self._begin(FakeOp("destroy_gi", index, gi_id, gi.profile.name if gi else None, gi.start if gi else None))
+        self._check_mig_change(op, gpu)
         if gi is None:
             self._fail(op, NOT_FOUND, f"GPU {index}: no GPU instance {gi_id}")
         if gi.ci is not None or gi.pids or gi.holders:
@@ -398,6 +416,10 @@ class FakeNvml:
     @_driver_call(read=True)
     def processes(self, index: int, gi_id: int | None = None) -> list[int]:
         gpu = self._gpu(index)
+        if self.own_pid_namespace:  # (see __init__: the driver leaves out pids the caller cannot see)
+            if gi_id is not None:
+                self._gi(gpu, gi_id)
+            return []
         if gi_id is None:
             return sorted(gpu.pids.union(*(g.pids for g in gpu.gis.values())))
         return sorted(self._gi(gpu, gi_id).pids)
@@ -455,6 +477,14 @@ class FakeNvml:
         if index in self.lost:
             raise GpuDriverError(GPU_IS_LOST, f"GPU {index} is lost (fallen off the bus): reset it or reboot")
         return self._gpus[index]
+
+    def _check_mig_change(self, op: FakeOp, gpu: _FakeGpu) -> None:
+        # RealNvml looks the GPU instance up first (nvmlDeviceGetGpuInstanceById): NOT_SUPPORTED
+        # without MIG mode; creating and destroying instances need a privileged user (nvml.h)
+        if not gpu.mig_current:
+            self._fail(op, NOT_SUPPORTED, f"GPU {gpu.index}: MIG mode is disabled")
+        if not self.root:
+            self._fail(op, NO_PERMISSION, f"GPU {gpu.index}: changing GPU instances needs root")
 
     def _gi(self, gpu: _FakeGpu, gi_id: int) -> _FakeGi:
         gi = gpu.gis.get(gi_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,21 @@ import grpc.aio
 
 from dynpart.agent import podresources
 from dynpart.agent.deviceplugin import protocol
+
+_QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def is_extended_resource_name(name: str) -> bool:
+    """v1helper.IsExtendedResourceName, which the kubelet's Register checks: not a native
+    resource (a domain prefix outside kubernetes.io), and `requests.<name>` a qualified name (DNS
+    subdomain prefix, a name part of at most 63 characters of [-A-Za-z0-9_.] starting and ending
+    alphanumeric)."""
+    if "/" not in name or name.startswith("requests.") or "kubernetes.io/" in name:
+        return False
+    prefix, _, part = ("requests." + name).partition("/")
+    return (len(prefix) <= 253 and bool(_DNS_SUBDOMAIN.fullmatch(prefix)) and "/" not in part
+            and 0 < len(part) <= 63 and bool(_QUALIFIED_NAME.fullmatch(part)))
 
 
 class AdmissionError(Exception):
@@ -148,6 +164,16 @@ class KubeletDouble:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the kubelet's device manager is not ready")
         if request.version != protocol.VERSION:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version!r}")
+        if not is_extended_resource_name(request.resource_name):
+            await context.abort(grpc.StatusCode.UNKNOWN, f"invalid name of device plugin socket: {request.resource_name!r}")
+        # the kubelet (1.26+, plugin/v1beta1 server.go Register -> connectClient -> client.Connect):
+        # it dials the plugin's socket (blocking, 10 s at most) and asks GetDevicePluginOptions
+        # before it answers; either failing fails the Register. ListAndWatch starts afterwards.
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{os.path.join(self.plugin_dir, request.endpoint)}") as ch:
+                await protocol.DevicePluginStub(ch).GetDevicePluginOptions(protocol.messages()["Empty"](), timeout=10)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(grpc.StatusCode.UNKNOWN, f"failed to dial device plugin: {e.code().name}: {e.details()}")
         p = self.plugins.get(request.resource_name)
         if p is None:
             p = self.plugins[request.resource_name] = PluginSeen(request.resource_name, request.endpoint)
@@ -264,10 +290,16 @@ class KubeletDouble:
                        f"({', '.join(free) or 'none'})")
             self.admission_errors.append(message)
             raise AdmissionError(message)
+        # as devicesToAllocate (devicemanager/manager.go): the plugin's preference counts only for
+        # the devices available (any other id it names is ignored), the rest is filled in sorted
+        # order (sets.List), as it is without a preference
+        available = sorted(free)
+        chosen: list[str] = []
         p = self.plugins[resource]
         if p.options is not None and p.options.get_preferred_allocation_available:
-            return await self.preferred(resource, free, [], n)
-        return free[:n]
+            preferred = await self.preferred(resource, available, [], n)
+            chosen = [i for i in dict.fromkeys(preferred) if i in free][:n]
+        return chosen + [i for i in available if i not in chosen][:n - len(chosen)]
 
     async def admit(self, pod: str, resource: str, n: int = 1, container: str = "main", plain_init: bool = False) -> Any:
         """Admit a pod's container: choose, Allocate, record (the Allocate response is returned).

@@ -444,3 +444,22 @@ async def test_a_stale_state_during_a_pass_leaves_a_healthy_slice_allocated_with
         with pytest.raises(MpsDaemonError):
             await ensure
     assert (SHM, "/dev/shm") in [(m.host_path, m.container_path) for m in got.mounts]
+
+
+async def test_the_kubelet_double_registers_as_the_kubelet(plugin_dir, kubelet):
+    """Register is answered only after the kubelet dialed the plugin and got its options, and is
+    refused for a name that is not an extended resource name (kubelet plugin/v1beta1 server.go)."""
+    from dynpart.agent.deviceplugin.server import PluginServer
+
+    bad = PluginServer("nvidia.com/mig-1g.10gb+me", plugin_dir)
+    await bad.start()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await bad.register(kubelet.socket)
+        assert "invalid name" in (e.value.details() or "")
+    finally:
+        await bad.stop(0)
+    unserved = PluginServer("nvidia.com/gpu", plugin_dir)  # its socket not served: the dial fails
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await unserved.register(kubelet.socket, timeout_s=15)
+    assert "failed to dial" in (e.value.details() or "") and "nvidia.com/gpu" not in kubelet.plugins

@@ -162,7 +162,10 @@ def test_reboot_and_reset():
     h = FakeNvml(H100)
     create(h, 0, "7g.80gb", 0)
     h.reboot()
-    assert h.gpu_instances(0) == [] and not h.devices()[0].mig_current  # Hopper: MIG mode lost
+    assert not h.devices()[0].mig_current  # Hopper: MIG mode lost
+    with pytest.raises(GpuDriverError) as lost:  # nvmlDeviceGetGpuInstances without MIG mode (nvml.h)
+        h.gpu_instances(0)
+    assert lost.value.code == NOT_SUPPORTED
     a = FakeNvml(A100)
     create(a, 0, "7g.40gb", 0)
     a.reboot()
@@ -239,3 +242,32 @@ def test_fake_accepts_exactly_what_a_brute_force_reading_of_the_rules_accepts(da
         d.create_compute_instance(0, gi, p.compute)
         held.append((name, start))
     assert d.layout(0) == sorted(held, key=lambda x: (x[1], x[0]))
+
+
+def test_processes_in_other_pid_namespaces_are_not_listed():
+    d = FakeNvml(H100)
+    create(d, 0, "7g.80gb", 0)
+    gi = d.gpu_instances(0)[0]
+    d.attach(0, 4242, gi.gi_id)
+    assert d.processes(0, gi.gi_id) == [4242]
+    d.own_pid_namespace = True  # the caller without hostPID: the driver omits pids it cannot see
+    assert d.processes(0, gi.gi_id) == [] and d.processes(0) == []
+    with pytest.raises(GpuDriverError) as e:  # ... which still use the instance
+        d.destroy_compute_instance(0, gi.gi_id, gi.compute_instances[0])
+    assert e.value.code == "IN_USE"
+
+
+def test_mig_changes_need_root_and_mig_mode():
+    d = FakeNvml(H100, root=False)
+    p = H100.profile("7g.80gb")
+    for call in (lambda: d.set_mig_mode(0, False), lambda: d.create_gpu_instance(0, p.gi_profile_id, 0, 8)):
+        with pytest.raises(GpuDriverError) as e:
+            call()
+        assert e.value.code == "NO_PERMISSION"
+    off = FakeNvml(H100, mig_enabled=False)
+    for call in (lambda: off.create_compute_instance(0, 0, 7), lambda: off.destroy_gpu_instance(0, 0),
+                 lambda: off.gpu_instances(0)):  # nvmlDeviceGetGpuInstance(s|ById): NOT_SUPPORTED without MIG mode
+        with pytest.raises(GpuDriverError) as e:
+            call()
+        assert e.value.code == NOT_SUPPORTED
+    assert FakeNvml(H100, mig_enabled=False, profiles_need_mig=True).gpu_instances(0) == []

@@ -450,3 +450,20 @@ async def test_an_unknown_instance_is_named_in_the_status_and_the_plan_not_ackno
             "(GI profile id 77, placement start 4 size 4)") in error
     status = decode_status(rig.node_api.annotations, H100, node="node-1")
     assert [(m.profile, m.start) for m in status.layout.gpus[1].mig] == [("4g.40gb", 0)]
+
+
+async def test_a_process_the_agent_cannot_see_is_kept_by_the_drivers_refusal_only(rig: Rig):
+    # the agent in a PID namespace of its own (the chart's agent pod has no hostPID): the driver
+    # leaves other namespaces' processes out of its answers, so the process check before a destroy
+    # sees nothing and only the driver's IN_USE keeps the instance (it is tried, and reported used)
+    rig.driver.own_pid_namespace = True
+    g = rig.carve(0, "3g.40gb@0", "3g.40gb@4")
+    rig.run_pod("ns/c", 0, g["3g.40gb@0"], assigned=False)  # a process only (no pod lists it)
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p1"))
+
+    report = await rig.agent().reconcile_once()
+
+    tried = touched(rig.driver, 0, {g["3g.40gb@0"]})
+    assert [(o.op, o.result) for o in tried] == [("destroy_ci", "IN_USE")]  # tried: a pid the agent cannot see
+    assert ("3g.40gb", 0) in rig.driver.layout(0)
+    assert "destroying 3g.40gb@0 failed" in "\n".join(report.errors)
