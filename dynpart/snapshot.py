@@ -18,6 +18,10 @@ from dynpart.mig import MigRules
 from dynpart.resources import MigResource, parse_resource
 from dynpart.scheduling import NodeSelectorTerm, Taint, Toleration
 
+# the largest CPU (millicores), memory (MiB) and slice count a snapshot holds: the planner keeps them
+# in 64-bit integer arrays, and a larger number (far beyond any machine) made it fail with OverflowError
+MAX_AMOUNT = 2**53
+
 Mode = Literal["mig", "mps"]
 
 
@@ -54,8 +58,8 @@ class Node(_Model):
     name: str = Field(min_length=1)
     mode: Mode
     gpu_model: str  # catalog name or `nvidia.com/gpu.product` label value
-    cpu_milli_free: int = Field(default=1_000_000, ge=0)
-    memory_mib_free: int = Field(default=1 << 30, ge=0)
+    cpu_milli_free: int = Field(default=1_000_000, ge=0, le=MAX_AMOUNT)
+    memory_mib_free: int = Field(default=1 << 30, ge=0, le=MAX_AMOUNT)
     labels: dict[str, str] = {}
     gpus: list[Gpu] = []
     unschedulable: bool = False  # cordoned (node.spec.unschedulable)
@@ -65,9 +69,9 @@ class Node(_Model):
 class PendingPod(_Model):
     name: str = Field(min_length=1)  # namespace/name
     resource: str  # nvidia.com/mig-1g.10gb, nvidia.com/gpu-10gb or nvidia.com/gpu
-    count: int = Field(default=1, ge=1)
-    cpu_milli: int = Field(default=0, ge=0)
-    memory_mib: int = Field(default=0, ge=0)
+    count: int = Field(default=1, ge=1, le=MAX_AMOUNT)
+    cpu_milli: int = Field(default=0, ge=0, le=MAX_AMOUNT)
+    memory_mib: int = Field(default=0, ge=0, le=MAX_AMOUNT)
     priority: int = 0
     node_selector: dict[str, str] = {}
     gpu_models: list[str] = []  # accepted models (names or product labels); empty = any
@@ -82,9 +86,9 @@ class RequestShare(_Model):
     (docs/planner.md, "Objective")."""
 
     resource: str  # as PendingPod.resource
-    count: int = Field(default=1, ge=1)
-    cpu_milli: int = Field(default=0, ge=0)
-    memory_mib: int = Field(default=0, ge=0)
+    count: int = Field(default=1, ge=1, le=MAX_AMOUNT)
+    cpu_milli: int = Field(default=0, ge=0, le=MAX_AMOUNT)
+    memory_mib: int = Field(default=0, ge=0, le=MAX_AMOUNT)
     # the nodes its pods may use, as PendingPod's fields (a pool, a GPU model, tolerated taints)
     gpu_models: list[str] = []
     node_selector: dict[str, str] = {}

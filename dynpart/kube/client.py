@@ -15,11 +15,12 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import aiohttp
+import yaml
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client import rest
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from dynpart.errors import DynpartError
+from dynpart.errors import DynpartError, yaml_problem
 from dynpart.kube.errors import APIError, api_errors, status_error
 from dynpart.kube.retrying import retry_after
 from dynpart.settings import KubeSettings
@@ -43,7 +44,13 @@ async def api_client(kubeconfig: str | None = None, settings: KubeSettings | Non
     try:
         if path:
             cfg = client.Configuration()
-            loader = await config.load_kube_config(config_file=path, client_configuration=cfg)
+            try:
+                loader = await config.load_kube_config(config_file=path, client_configuration=cfg)
+            except yaml.YAMLError as e:
+                raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {yaml_problem(path, e)}") from None
+            except (TypeError, AttributeError) as e:  # a YAML list or string: the loader indexes it as a mapping
+                raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {path}: not a kubeconfig (a mapping "
+                                   f"of clusters, contexts and users): {e}") from None
             credentials = _Credentials.of(loader, cfg)
             api = client.ApiClient(configuration=cfg)
         else:

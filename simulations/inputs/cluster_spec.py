@@ -170,7 +170,7 @@ def parse_cluster(doc: Any, source: str = "<cluster>", catalog: Catalog | None =
                 raise ValueError(f"gpus {gpus} without gpu_model")
             if model and not gpus:
                 raise ValueError(f"gpu_model {model!r} with gpus 0")
-            mode = group.get("mode") or _default_mode(model, catalog)
+            mode = group["mode"] if group.get("mode") is not None else _default_mode(model, catalog)
             if mode not in ("mig", "mps"):
                 raise ValueError(f"mode {mode!r}: expected mig or mps")
             cpu = parse_cpu_milli(group.get("cpu", DEFAULT_CPU_MILLI / 1000))

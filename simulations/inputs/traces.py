@@ -23,6 +23,10 @@ MILLI = 1000  # GPU milli of one whole GPU
 
 POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
 MAX_TIME_S = 10**12  # the largest creation or deletion time read (the built-in workload's bound too)
+# the largest CPU (millicores) and memory (MiB) read, as a cluster file's (cluster_spec): the
+# planner and the packing state hold them as 64-bit integers
+MAX_CPU_MILLI = 100_000 * 1000
+MAX_MEMORY_MIB = 1 << 30  # 1 PiB
 POD_OPTIONAL = ("gpu_spec", "qos", "pod_phase", "creation_time", "deletion_time", "scheduled_time")
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 
@@ -118,9 +122,25 @@ def _rows(text: str, path: str, required: tuple[str, ...]) -> tuple[list[str], l
                                  f"{len(row)} fields where the header has {len(header)}: an unclosed quote?")
             raise TraceError(path, line, f"{len(row)} fields, the header has {len(header)}")
         rows.append((first, [c.strip() for c in row]))
+    if rows and reader.line_num > rows[-1][0]:
+        _closed(text, path, rows[-1][0])
     if header is None:
         raise TraceError(path, None, "empty file (no header)")
     return header, rows
+
+
+def _closed(text: str, path: str, first: int) -> None:
+    """The last row ran over several lines: a TraceError when its quote is never closed (the csv
+    reader ends the field at the end of the file, so a quote opened in the last column takes
+    every row after it into that field, with the header's number of fields)."""
+    tail = "".join(io.StringIO(text).readlines()[first - 1:])
+    try:
+        for _ in csv.reader(io.StringIO(tail), strict=True):
+            pass
+    except csv.Error as e:
+        if "end of data" in str(e):
+            raise TraceError(path, first, f"a quoted field runs from line {first} to the end of the file: "
+                             "an unclosed quote?") from None
 
 
 def _int(path: str, line: int, column: str, value: str, lo: int = 0, hi: int | None = None) -> int:
@@ -152,8 +172,8 @@ def parse_pods(text: str, path: str = "<pods>") -> PodTrace:
     seen: dict[str, int] = {}
     for line, row in rows:
         name = _new_name(path, line, row[col["name"]], seen, "name", "pod")
-        cpu = _int(path, line, "cpu_milli", row[col["cpu_milli"]])
-        mem = _int(path, line, "memory_mib", row[col["memory_mib"]])
+        cpu = _int(path, line, "cpu_milli", row[col["cpu_milli"]], hi=MAX_CPU_MILLI)
+        mem = _int(path, line, "memory_mib", row[col["memory_mib"]], hi=MAX_MEMORY_MIB)
         num_gpu = _int(path, line, "num_gpu", row[col["num_gpu"]], 0, 64)
         gpu_milli = _int(path, line, "gpu_milli", row[col["gpu_milli"]], 0, MILLI)
         if num_gpu == 0 and gpu_milli:
@@ -190,8 +210,8 @@ def parse_nodes(text: str, path: str = "<nodes>") -> NodeList:
     seen: dict[str, int] = {}
     for line, row in rows:
         name = _new_name(path, line, row[col["sn"]], seen, "sn (node name)", "node")
-        cpu = _int(path, line, "cpu_milli", row[col["cpu_milli"]], 1)
-        mem = _int(path, line, "memory_mib", row[col["memory_mib"]], 1)
+        cpu = _int(path, line, "cpu_milli", row[col["cpu_milli"]], 1, MAX_CPU_MILLI)
+        mem = _int(path, line, "memory_mib", row[col["memory_mib"]], 1, MAX_MEMORY_MIB)
         gpus = _int(path, line, "gpu", row[col["gpu"]], 0, 64)
         model = row[col["model"]]
         if gpus and not model:

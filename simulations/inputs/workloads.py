@@ -49,6 +49,8 @@ def _parse_mix(value: Any) -> Any:
         name, sep, weight = part.partition(":")
         if not sep or not name.strip():
             raise ValueError(f"{part!r}: expected NAME:WEIGHT, e.g. 1g.10gb:40")
+        if name.strip() in out:
+            raise ValueError(f"{name.strip()!r} given twice")
         out[name.strip()] = weight.strip()
     return out
 

@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     catalog = load_catalog(args.catalog)
     seeds = command_line.parse_seeds(args.seeds)
     policies = command_line.parse_policies(args.policy)
+    if not policies:
+        raise SimulationError(f"--policy {args.policy!r}: expected one of {', '.join(bp.POLICIES)}")
     for pol in policies:
         bp.validate(pol, args.batch if pol == "dynpart" else 1, args.tune)
     if args.batch != 1 and "dynpart" not in policies:

@@ -46,6 +46,7 @@ from dynpart.simulations.replay.engine import (
     REPLAY_POLICIES,
     ReplayOptions,
     ReplayResult,
+    check_arrivals,
     run_replay,
 )
 from dynpart.simulations.replay.mapping import RULES, request_for, static_contenders, static_fits, static_layout
@@ -247,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
                          mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay, planner=planner)
     base.check()
     parts, spec = _parts(args, catalog, "static" in policies)
+    for part in parts:
+        check_arrivals(part.trace.pods, args.compress)
     _check_workload_profiles(planner, parts, args.planner_config)
     out = report.out_dir(args.out) if args.out is not None else None  # a bad --out is found before the run
     jobs: list[Job] = []

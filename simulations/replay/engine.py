@@ -44,7 +44,7 @@ from dynpart.settings import PlannerSettings, default_planner_settings
 from dynpart.simulations import bridge
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
-from dynpart.simulations.inputs.traces import TracePod
+from dynpart.simulations.inputs.traces import MAX_TIME_S, TracePod
 from dynpart.simulations.replay import scheduler
 from dynpart.simulations.replay.cluster import ReplayCluster
 from dynpart.simulations.replay.mapping import RULES, request_for
@@ -328,9 +328,20 @@ class _Replay:
             self.push(at, "wake")
 
 
+def check_arrivals(pods: Sequence[TracePod], compress: float) -> None:
+    """The arrival times divided by `compress` stay within MAX_TIME_S (a --compress below 1
+    spreads them): beyond it a float clock no longer tells a run time apart."""
+    times = [p.creation_time for p in pods if p.creation_time is not None]
+    last = (max(times) - min(times)) / compress if times else 0.0
+    if last > MAX_TIME_S:
+        raise SimulationError(f"--compress {compress:g}: the last pod would arrive at {last:.3g} s, after "
+                              f"{MAX_TIME_S:.0e} s, where a float clock no longer tells a run time apart")
+
+
 def run_replay(pods: Sequence[TracePod], spec: ClusterSpec, catalog: Catalog, opts: ReplayOptions,
                progress: Callable[[float, float], None] | None = None) -> ReplayResult:
     opts.check()
+    check_arrivals(pods, opts.compress)
     t_wall = time.perf_counter()
     cl = ReplayCluster(spec, catalog, opts.mode)
     origin = min((p.creation_time or 0 for p in pods), default=0)

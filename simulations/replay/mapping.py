@@ -131,13 +131,14 @@ def static_layout(name: str, model: GpuModel, mode: str) -> dict[str, str]:
     if mode == "mps":
         if name == "all-balanced":
             return {}
-        if name.startswith("mps-") and name[4:].isdigit() and int(name[4:]) >= 1:
+        most = min(model.mps_capacity_gb, model.mps_max_clients or model.mps_capacity_gb)
+        if name.startswith("mps-") and name[4:].isdigit() and 1 <= int(name[4:]) <= most:
             return {"mps": name[4:]}
         size = name[4:-2] if name.startswith("mps-") and name.endswith("gb") else ""
         if size.isdigit() and 1 <= int(size) <= model.mps_capacity_gb:
             return {"mps_size": size}
-        raise SimulationError(f"--static-geometry {name!r}: in mps mode use all-balanced, mps-N (N equal slices) or "
-                              f"mps-<S>gb (slices of S GB, S in 1..{model.mps_capacity_gb})")
+        raise SimulationError(f"--static-geometry {name!r}: in mps mode use all-balanced, mps-N (N equal slices, "
+                              f"N in 1..{most}) or mps-<S>gb (slices of S GB, S in 1..{model.mps_capacity_gb})")
     if name == "all-balanced":
         if balanced_counts(model) is None:
             raise SimulationError(f"--static-geometry all-balanced: {model.name} has no all-balanced layout (its "

@@ -123,6 +123,24 @@ async def test_a_kubeconfig_that_does_not_exist_is_named():
         await api_client("/no/such.yaml")
 
 
+async def test_a_kubeconfig_that_is_not_one_is_a_one_line_error(tmp_path):
+    """Malformed YAML, or a YAML list or string, made the client's loader raise a YAMLError or a
+    TypeError: a traceback from `dynpart explain --kubeconfig` (helper h1's black-box run)."""
+    import pytest
+
+    from dynpart.errors import DynpartError
+    from dynpart.kube.client import api_client
+
+    bad = tmp_path / "kc.yaml"
+    for text, message in (("garbage: [\n", f"kubeconfig {bad}:2:1: not valid YAML: expected the node content"),
+                          ("[]\n", f"kubeconfig {bad}: not a kubeconfig (a mapping of clusters, contexts and users)"),
+                          ("x\n", f"kubeconfig {bad}: not a kubeconfig (a mapping of clusters, contexts and users)")):
+        bad.write_text(text)
+        with pytest.raises(DynpartError) as e:
+            await api_client(str(bad))
+        assert str(e.value).startswith(f"cannot connect to Kubernetes with {message}")
+
+
 async def test_a_kubeconfig_list_or_a_home_path_is_the_clients_to_read(tmp_path, monkeypatch):
     """$KUBECONFIG may list files (`a:b`) and a path may start with ~: one existing file is enough
     for the client, which merges them and expands ~ itself."""

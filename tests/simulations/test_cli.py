@@ -354,3 +354,50 @@ def test_results_of_another_run_in_out_are_said_and_left(capsys, tmp_path):
     assert (f"note: --out {out} also holds pending_bars.png, pending_cdf.png, pods.csv, timeline.png, not written "
             "by this run (left as they were)") in err
     assert (out / "pods.csv").exists() and json.loads((out / "summary.json").read_text()).get("parts") is None
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    # (helper h1's black-box run: each was a traceback, or nonsense accepted without a word)
+    (["bench", "packing", "--seeds", "1", "--policy", ""], "--policy '': expected one of dynpart"),
+    (["bench", "packing", "--seeds", "1", "--policy", "best-fit", "--trace", "OPENQUOTE", "--cluster", "1x8xT4"],
+     "OPENQUOTE:2: a quoted field runs from line 2 to the end of the file: an unclosed quote?"),
+    (["bench", "packing", "--seeds", "1", "--policy", "best-fit", "--trace", "TRACE", "--nodes", "NODEQUOTE"],
+     "NODEQUOTE:2: a quoted field runs from line 2 to the end of the file: an unclosed quote?"),
+    (["bench", "packing", "--seeds", "1", "--policy", "dynpart", "--trace", "HUGECPU", "--cluster", "1x8xT4"],
+     "HUGECPU:2: cpu_milli = 99999999999999999999999: out of range (0..100000000)"),
+    (["bench", "packing", "--seeds", "1", "--policy", "best-fit", "--trace", "TRACE", "--nodes", "HUGENODE"],
+     "HUGENODE:2: cpu_milli = 99999999999999999999999: out of range (1..100000000)"),
+    (["simulate", "--workload", "pods=5,mps_pods=0,mix=1g.10gb:1,1g.10gb:2"], "--workload: mix: '1g.10gb' given twice"),
+    (["simulate", "--trace", "TRACE", "--cluster", "1x8xH100-80GB", "--mode", "mps", "--policy", "static",
+      "--static-geometry", "mps-1000"], "--static-geometry 'mps-1000': in mps mode use all-balanced, mps-N (N equal "
+                                       "slices, N in 1..48)"),
+    (["simulate", "--trace", "LONG", "--compress", "1e-6"], "--compress 1e-06: the last pod would arrive at 1e+13 s"),
+    (["simulate", "--trace", "TRACE", "--cluster", "1x8xH100-80GB:"], "nodes[0]: mode '': expected mig or mps"),
+    (["explain", "--snapshot", "HUGESNAP"], "pending[0].cpu_milli = 99999999999999999999: Input should be less than"),
+    (["simulate", "--trace", "TRACE", "--planner-config", "HUGESHARE"],
+     "setting workload.0.cpu_milli = 99999999999999999999: Input should be less than"),
+])
+def test_more_bad_inputs_are_one_line_errors(argv, message, capsys, tmp_path):
+    nodes = "sn,cpu_milli,memory_mib,gpu,model\n"
+    files = {"TRACE": _trace(tmp_path, "p1,1000,1024,1,1000,,LS,Running,0,100,0\n"),
+             # a quote opened in the last column and never closed took every later row into it
+             "OPENQUOTE": _trace(tmp_path, 'p1,1000,1024,1,500,,LS,Running,0,100,"0\np2,1000,1024,1,500,,LS,Running,0,'
+                                           '100,0\n', "open.csv"),
+             "NODEQUOTE": str(tmp_path / "nodes.csv"),
+             "HUGECPU": _trace(tmp_path, "p1,99999999999999999999999,1024,1,500,,LS,Running,0,100,0\n", "huge.csv"),
+             "HUGENODE": str(tmp_path / "hugenodes.csv"),
+             "LONG": _trace(tmp_path, "p1,1000,1024,1,500,,LS,Running,0,100,0\np2,1000,1024,1,500,,LS,Running,"
+                                      "10000000,10000100,0\n", "long.csv"),
+             "HUGESNAP": str(tmp_path / "snap.yaml"), "HUGESHARE": str(tmp_path / "planner.yaml")}
+    (tmp_path / "nodes.csv").write_text(nodes + 'n1,32000,65536,8,"G2\nn2,32000,65536,8,G2\nn3,32000,65536,8,G2\n')
+    (tmp_path / "hugenodes.csv").write_text(nodes + "n1,99999999999999999999999,65536,8,G2\nn2,32000,65536,8,G2\n")
+    (tmp_path / "snap.yaml").write_text("nodes: [{name: n1, mode: mps, gpu_model: H100-80GB, gpus: [{index: 0}]}]\n"
+                                        "pending: [{name: ns/a, resource: nvidia.com/gpu-10gb, "
+                                        "cpu_milli: 99999999999999999999}]\n")
+    (tmp_path / "planner.yaml").write_text("workload: [{resource: nvidia.com/mig-1g.10gb, "
+                                           "cpu_milli: 99999999999999999999}]\n")
+    assert main([files.get(a, a) for a in argv] + (["--jobs", "1"] if argv[0] != "explain" else [])) == 2
+    err = capsys.readouterr().err.strip()
+    for name, path in files.items():
+        message = message.replace(name, path)
+    assert err.startswith("dynpart: error: ") and message in err and "\n" not in err
