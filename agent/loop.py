@@ -811,6 +811,7 @@ class Agent:
                 self.plugins.on_registered = None
             await _cancel(watcher, publisher)
             await self._unpublish()
+            await self._hand_back()
             await _cancel(ticker)  # last: the loop still answers while the agent stops
 
     async def _pass_until(self, stop: asyncio.Event, grace_s: float) -> None:
@@ -834,6 +835,34 @@ class Agent:
             stopping.cancel()
             if not task.done():  # run() itself cancelled
                 task.cancel()
+
+    async def _hand_back(self) -> None:
+        """On the way out of a node that left dynpart (its partitioning label removed or not mig or
+        mps: the DaemonSet takes the agent away with it, and NVIDIA's plugin is to serve its GPUs
+        whole): the GPUs dynpart put in EXCLUSIVE_PROCESS go back to DEFAULT, or a pod given one
+        whole could run a single CUDA process. A restart or an upgrade keeps the label: then
+        nothing changes, and the next agent finds its GPUs in the compute-modes file. Bounded: the
+        kubelet kills the agent soon after SIGTERM."""
+        if not self.compute_modes.ours:
+            return
+        try:
+            node = await asyncio.wait_for(self.node_api.get(), timeout=5)
+            if node.labels.get(PARTITIONING_LABEL) in ("mig", "mps"):
+                return
+            devices = await asyncio.wait_for(self.driver.devices(), timeout=5)
+            errors = await asyncio.wait_for(self.compute_modes.sync(devices, set()), timeout=5)
+        except Exception as e:  # (the node deleted, the API server or the driver not answering)
+            log.warning("node %s: stopping: the GPUs put in EXCLUSIVE_PROCESS compute mode were not set back to "
+                        "DEFAULT (%s): %s", self.node, e, sorted(self.compute_modes.ours))
+            return
+        left = sorted(self.compute_modes.ours)
+        if left:
+            log.warning("node %s: stopping on a node that left dynpart: GPUs %s stay in EXCLUSIVE_PROCESS compute mode "
+                        "(%s); set them back with nvidia-smi -i <UUID> -c DEFAULT", self.node, left,
+                        "; ".join([*errors, *self.compute_modes.blocked.values()]))
+        else:
+            log.info("node %s: stopping on a node that left dynpart: its GPUs' compute modes set back to DEFAULT",
+                     self.node)
 
     async def _unpublish(self) -> None:
         """On the way out (the plugin stops serving with this process): publish 0 for what the

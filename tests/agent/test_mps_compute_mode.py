@@ -378,3 +378,34 @@ async def test_the_in_use_mark_goes_once_the_gpu_is_set_back_also_without_a_spec
     refusing.refuse = False
     await agent.reconcile_once()
     assert modes(rig.driver) == [DEFAULT_COMPUTE] and 0 not in agent._mig.mps_left
+
+
+@pytest.mark.parametrize("label", ["mps", None, "off"])
+async def test_an_agent_leaving_a_node_that_left_dynpart_sets_its_gpus_back(tmp_path, label, caplog):
+    """The DaemonSet takes the agent away with the node's partitioning label: on its way out the
+    agent sets the GPUs it put in EXCLUSIVE_PROCESS back to DEFAULT, for NVIDIA's plugin to serve
+    them whole. A stop with the label in place (a restart, an upgrade) changes nothing: the next
+    agent finds them in its file."""
+    import asyncio
+
+    rig = make_rig(H100, 2, mig_enabled=False, **ROUND_80GIB).with_plugins()
+    rig.node_api.labels["dynpart.io/gpu-partitioning"] = "mps"
+    file = str(tmp_path / "compute-modes.json")
+    rig.node_api.set_annotations(mps_spec({0: [40, 20]}, plan="m1"))
+    agent = rig.agent(compute_modes_file=file)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop))
+    for _ in range(300):
+        if modes(rig.driver)[0] == EXCLUSIVE_PROCESS:
+            break
+        await asyncio.sleep(0.01)
+    assert modes(rig.driver) == [EXCLUSIVE_PROCESS, DEFAULT_COMPUTE]
+    if label is None:
+        del rig.node_api.labels["dynpart.io/gpu-partitioning"]
+    else:
+        rig.node_api.labels["dynpart.io/gpu-partitioning"] = label
+    stop.set()
+    await asyncio.wait_for(task, 10)
+    left = label == "mps"
+    assert modes(rig.driver) == [EXCLUSIVE_PROCESS if left else DEFAULT_COMPUTE, DEFAULT_COMPUTE]
+    assert json.loads(open(file).read())["exclusive_process"] == (["GPU-fake-0000"] if left else [])
