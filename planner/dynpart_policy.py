@@ -62,7 +62,7 @@ class DynpartPolicy:
                 base = [new_state(g) for g in problem.gpus]
                 res = solve_exact(problem, base, list(range(len(problem.nodes))), problem.requests, placed,
                                   opts.time_limit_s, [n.cpu_free for n in problem.nodes],
-                                  [n.mem_free for n in problem.nodes])
+                                  [n.mem_free for n in problem.nodes], states)
                 greedy_obj = objective(states, {i: problem.requests[i].weight for i in placed})
                 if res is not None:
                     solver = ("cp-sat optimal" if res.optimal else
@@ -114,14 +114,18 @@ def _improve_by_windows(problem: Problem, states: list[GpuState], placed: Placem
     budget = opts.time_limit_s
     per_window = max(0.02, budget / 10)
     improved = 0
+    tried: dict[int, int] = {}  # per node, the windows with it that did not improve
     for req in open_reqs:
         if budget <= 0 or time.perf_counter() - t0 > 10 * opts.time_limit_s + 5:
             break
         if req.idx in placed:
             continue
+        # nodes of windows that did not improve go after the others: re-solving the same
+        # window (every pod that may use any node would get the one of the most slack) finds
+        # the same plan again, where another window may improve
         ranked = sorted((n for n in req.candidates
                          if problem.nodes[n].cpu_free >= req.cpu and problem.nodes[n].mem_free >= req.mem),
-                        key=lambda n: (-slack[n], n))
+                        key=lambda n: (tried.get(n, 0), -slack[n], n))
         window = sorted(ranked[: opts.window_nodes])
         if not window:
             continue
@@ -138,12 +142,12 @@ def _improve_by_windows(problem: Problem, states: list[GpuState], placed: Placem
             base[g] = new_state(problem.gpus[g])
         cpu_left = {n: problem.nodes[n].cpu_free for n in window}
         mem_left = {n: problem.nodes[n].mem_free for n in window}
-        res = solve_exact(problem, base, window, reqs, placed, per_window, cpu_left, mem_left)
+        res = solve_exact(problem, base, window, reqs, placed, per_window, cpu_left, mem_left, states)
         budget -= per_window
-        if res is None:
-            continue
         before = objective([states[g] for g in gids], {i: problem.requests[i].weight for i in in_window})
-        if not _better(res.objective, before, opts.minimise_changes):
+        if res is None or not _better(res.objective, before, opts.minimise_changes):
+            for n in window:
+                tried[n] = tried.get(n, 0) + 1
             continue
         improved += 1
         for g in gids:

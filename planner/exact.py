@@ -16,11 +16,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import singledispatch
+from functools import lru_cache, singledispatch
 from typing import Protocol, TypeAlias
 
+import numpy as np
 from ortools.sat.python import cp_model
 
+from dynpart.catalog import GpuModel
 from dynpart.mig import Placement, feasible_geometries
 from dynpart.planner.mig_state import MigState
 from dynpart.planner.mps_state import MpsState
@@ -62,30 +64,38 @@ def _mig_configs(st: MigState, demanded: set[str]) -> list[MigConfig]:
     """(offered counts over demanded profiles, cost, geometry) per useful configuration."""
     info = st.info
     names = st.rules.names
-    fixed = [(names[p], s) for p, s, _ in info.used_mig]
-    free = {(names[p], s) for p, s in info.free_mig}
-    allowed = sorted(demanded | {n for n, _ in free})
+    fixed = tuple(sorted(((names[p], s) for p, s, _ in info.used_mig), key=lambda x: (x[1], x[0])))
+    free = frozenset((names[p], s) for p, s in info.free_mig)
+    return _configs_of(info.model, fixed, free, tuple(sorted(demanded)))
+
+
+@lru_cache(maxsize=4096)
+def _configs_of(model: GpuModel, fixed: tuple[tuple[str, int], ...], free: frozenset[tuple[str, int]],
+                demanded: tuple[str, ...]) -> list[MigConfig]:
+    """`_mig_configs` of a GPU by what it reads (GPUs in the same state, and one GPU in the
+    windows of the large-neighbourhood search, share it; the configurations are read only)."""
+    allowed = sorted(set(demanded) | {n for n, _ in free})
     best: dict[tuple[int, ...], tuple[int, frozenset[Placement]]] = {}
     fixed_set = set(fixed)
-    for geom in feasible_geometries(info.model, allowed, fixed):
+    for geom in feasible_geometries(model, allowed, fixed):
         rest = [pl for pl in geom if pl not in fixed_set]
         destroyed = len(free - set(geom))
         changed = 1 if destroyed or any(pl not in free for pl in rest) else 0
         cnt = Counter(n for n, _ in rest if n in demanded)
-        vec = tuple(cnt.get(d, 0) for d in sorted(demanded))
+        vec = tuple(cnt.get(d, 0) for d in demanded)
         cost = destroyed + changed
         if vec not in best or cost < best[vec][0]:
             best[vec] = (cost, geom)
     items = sorted(best.items())
-    kept = []
-    for vec, (cost, geom) in items:
-        dominated = any(
-            other != vec and oc <= cost and all(a >= b for a, b in zip(other, vec))
-            for other, (oc, _) in items
-        )
-        if not dominated:
-            kept.append((dict(zip(sorted(demanded), vec)), cost, geom))
-    return kept
+    # dominated: another offer (the vectors are distinct) at most as dear with at least as many
+    # of every profile
+    vecs = np.array([vec for vec, _ in items], dtype=np.int64).reshape(len(items), len(demanded))
+    costs = np.array([cost for _, (cost, _) in items], dtype=np.int64)
+    covers = (vecs[:, None, :] >= vecs[None, :, :]).all(axis=2) & (costs[:, None] <= costs[None, :])
+    np.fill_diagonal(covers, False)
+    dominated = covers.any(axis=0).tolist()
+    return [(dict(zip(demanded, vec)), cost, geom)
+            for (vec, (cost, geom)), dom in zip(items, dominated) if not dom]
 
 
 class _MigModel:
@@ -102,6 +112,20 @@ class _MigModel:
             for d in demanded
         }
         self.cost: Expr = sum(cfg[1] * y for cfg, y in zip(self.configs, self.ys))
+
+    def hint(self, m: cp_model.CpModel, st: GpuState) -> None:
+        """Hint the configuration that offers at least what the layout `st` (the greedy plan's)
+        offers to the demanded profiles at the least cost: the hint is then a whole solution,
+        which CP-SAT takes at once (a hint of the pods alone it has to complete by search)."""
+        if not isinstance(st, MigState):
+            return
+        names, fixed = st.rules.names, {(st.rules.names[p], s) for p, s, _ in self.info.used_mig}
+        have = Counter(names[i.p] for i in st.insts if (names[i.p], i.start) not in fixed)
+        fits = [c for c, cfg in enumerate(self.configs) if all(v >= have.get(d, 0) for d, v in cfg[0].items())]
+        if fits:
+            pick = min(fits, key=lambda c: (self.configs[c][1], c))
+            for c, y in enumerate(self.ys):
+                m.add_hint(y, 1 if c == pick else 0)
 
     def decode(self, solver: cp_model.CpSolver) -> GpuState:
         st = MigState(self.info)
@@ -171,9 +195,11 @@ def _mps_model(st: MpsState, m: cp_model.CpModel, g: int, demanded: set[SliceRef
 def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: list[Request],
                 hint: Placements | None, time_limit_s: float,
                 cpu_left: Sequence[int] | Mapping[int, int],
-                mem_left: Sequence[int] | Mapping[int, int]) -> ExactResult | None:
+                mem_left: Sequence[int] | Mapping[int, int],
+                hint_states: Sequence[GpuState] | None = None) -> ExactResult | None:
     """Plan `reqs` on `nodes` from the states in `base` (window GPUs must hold no planned pods).
-    cpu_left/mem_left: what each of `nodes` has for these pods, indexed by node index."""
+    cpu_left/mem_left: what each of `nodes` has for these pods, indexed by node index.
+    `hint_states`: the GPU states (by GPU id) of the plan that `hint` places the pods by."""
     m = cp_model.CpModel()
     node_set = set(nodes)
     gids = [g for n in nodes for g in problem.nodes[n].gpus]
@@ -243,10 +269,22 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
     occ_expr = sum(occ.values()) if occ else 0
 
     if hint:
+        on_gpu: Counter[tuple[int, int]] = Counter()
         for r in reqs:
             h = hint.get(r.idx)
             for n in cand[r.idx]:
                 m.add_hint(x[(r.idx, n)], 1 if h is not None and h.node == n else 0)
+            if h is not None and h.node in node_set:
+                on_gpu.update((r.idx, g) for g in h.gpus)
+        if hint_states is not None:
+            for g, gpu_model in models.items():
+                if isinstance(gpu_model, _MigModel):
+                    gpu_model.hint(m, hint_states[g])
+            for (i, g), av in a.items():
+                m.add_hint(av, on_gpu.get((i, g), 0))
+            hosting = {g for _, g in on_gpu}
+            for g, ov in occ.items():
+                m.add_hint(ov, 1 if base[g].has_pod() or g in hosting else 0)
 
     # Lexicographic: first the most (priority-weighted) pods, then, with that fixed, the fewest
     # changes and then the fewest occupied GPUs. Two solves prove optimality far sooner than
