@@ -93,7 +93,7 @@ def _configs_of(model: GpuModel, fixed: tuple[tuple[str, int], ...], free: froze
     costs = np.array([cost for _, (cost, _) in items], dtype=np.int64)
     covers = (vecs[:, None, :] >= vecs[None, :, :]).all(axis=2) & (costs[:, None] <= costs[None, :])
     np.fill_diagonal(covers, False)
-    dominated = covers.any(axis=0).tolist()
+    dominated = [bool(covers[:, j].any()) for j in range(len(items))]
     return [(dict(zip(demanded, vec)), cost, geom)
             for (vec, (cost, geom)), dom in zip(items, dominated) if not dom]
 
