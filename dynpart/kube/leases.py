@@ -21,7 +21,7 @@ again (its namespace deleted and the chart installed again, `kubectl delete leas
 write could no longer be told from the new leader's. So a replica that creates or takes over the
 lease asks `term_floor` for the highest term written on the nodes and takes the next one at
 least; until that is known (the node cache not yet synced) it neither creates nor takes over the
-lease."""
+lease. A lease made again also takes the term after the last one seen on it (`_deleted_term`)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 from kubernetes_asyncio import client
 
+from dynpart.annotations import MAX_TERM
 from dynpart.kube.client import Obj, raw_api, read_json
 from dynpart.kube.errors import APIConflictError, APIError, APINotFoundError, api_errors
 
@@ -100,17 +101,33 @@ class LeaderElector:
 
     def _next_term(self, term: int) -> int | None:
         """The term a replica creating or taking over the lease writes: `term`, or above the highest
-        term already written; None while that is unknown."""
-        if self.term_floor is None:
-            return term
-        floor = self.term_floor()
-        return None if floor is None else max(term, floor + 1)
+        term already written; None while that is unknown. At most MAX_TERM, the largest an agent
+        reads (a larger one, from a node's hand-edited spec-term, would stop every plan)."""
+        if self.term_floor is not None:
+            floor = self.term_floor()
+            if floor is None:
+                return None
+            term = max(term, floor + 1)
+        if term > MAX_TERM:
+            log.error("lease %s/%s: the next leader term would be %d, above the largest an agent reads (%d; a "
+                      "node's dynpart.io/spec-term is that high): taking %d", self.namespace, self.name, term,
+                      MAX_TERM, MAX_TERM)
+            term = MAX_TERM
+        return term
+
+    def _deleted_term(self) -> int:
+        """The term of a lease made again after it was deleted: after the last one this replica
+        saw. Its holder (this replica, or a leader that may write until its renewal fails) may not
+        have written its term on any node yet: the same term again would let both lead under it,
+        and agents could fence neither."""
+        seen = self._observed[3] if self._observed is not None else None
+        return seen + 1 if isinstance(seen, int) and not isinstance(seen, bool) and seen >= 0 else 0
 
     async def _try(self) -> bool:
         try:
             lease = await self._read()
         except APINotFoundError:
-            term = self._next_term(0)
+            term = self._next_term(self._deleted_term())
             if term is None:
                 return False
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",

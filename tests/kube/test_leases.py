@@ -253,3 +253,38 @@ async def test_a_lease_made_again_keeps_the_term_above_every_term_written():
     assert not await b._try()
     t[0] += 3.5
     assert await b._try() and api.lease["spec"]["leaseTransitions"] == 5
+
+
+async def test_a_lease_deleted_under_a_live_leader_is_made_again_above_its_term():
+    """`kubectl delete lease` while the leader runs: its term (1) is on no node yet (it has written
+    nothing since it took over), so the term after the highest written would be 1 again, and a
+    standby making the lease again would lead beside it under the same term while it can still
+    write: agents could fence neither. The lease is made again after the last term seen (helper-106's
+    case); the leader finding its own lease gone does the same, and so changes term too."""
+    api, t = FakeLeases(), [100.0]
+    floor = [0]  # the nodes carry term 0 (an earlier leader's)
+
+    def replica(identity: str) -> LeaderElector:
+        return LeaderElector(api, "dynpart-planner", "dynpart-system", identity, lease_s=3,  # type: ignore[arg-type]
+                             clock=lambda: t[0], term_floor=lambda: floor[0])
+
+    b, a = replica("b"), replica("a")
+    assert await b._try() and b._term_read == 1
+    assert not await a._try()  # a standby: it saw term 1
+    api.lease = None  # kubectl delete lease
+    assert await a._try() and api.lease["spec"]["leaseTransitions"] == 2 and a._term_read == 2
+    assert not await b._try()  # b's renewal: the lease is a's now (409 on its create, or held)
+    api.lease = None
+    assert await b._try() and api.lease["spec"]["leaseTransitions"] == 3  # after the 2 it saw
+    assert await b._try() and b._term_read == 3  # its renewal keeps it
+    api.lease = None
+    assert await b._try() and b._term_read == 4, "its own lease gone: made again under a new term"
+
+
+async def test_a_term_is_never_above_what_agents_read():
+    from dynpart.annotations import MAX_TERM
+
+    api = FakeLeases()
+    a = LeaderElector(api, "dynpart-planner", "dynpart-system", "a", lease_s=3,  # type: ignore[arg-type]
+                      term_floor=lambda: MAX_TERM)  # a hand-edited spec-term on some node
+    assert await a._try() and api.lease["spec"]["leaseTransitions"] == MAX_TERM
