@@ -83,6 +83,9 @@ log = logging.getLogger("dynpart.agent")
 DRIVER_REPLACED = frozenset({"LIB_RM_VERSION_MISMATCH", "DRIVER_NOT_LOADED"})
 # passes in a row failing so before the agent exits for the kubelet to start it again
 DRIVER_REPLACED_PASSES = 3
+# On the way out of a node that left dynpart: the node read, the GPU list and the compute modes set
+# back, all together (the kubelet kills the agent soon after SIGTERM)
+HAND_BACK_S = 8.0
 # SIGTERM (a rollout, a node drain): the pass running may end within this long, then it is cancelled
 # (the kubelet SIGKILLs the agent terminationGracePeriodSeconds, 30 s in the chart, after SIGTERM)
 PASS_GRACE_S = 3.0
@@ -845,15 +848,22 @@ class Agent:
         kubelet kills the agent soon after SIGTERM."""
         if not self.compute_modes.ours:
             return
-        try:
-            node = await asyncio.wait_for(self.node_api.get(), timeout=5)
+
+        async def hand_back() -> list[str] | None:
+            node = await self.node_api.get()
             if node.labels.get(PARTITIONING_LABEL) in ("mig", "mps"):
+                return None
+            return await self.compute_modes.sync(await self.driver.devices(), set())
+
+        try:
+            # within the agent's shutdown (cli.SHUTDOWN_S), after _unpublish's 5 s at most
+            errors = await asyncio.wait_for(hand_back(), timeout=HAND_BACK_S)
+            if errors is None:
                 return
-            devices = await asyncio.wait_for(self.driver.devices(), timeout=5)
-            errors = await asyncio.wait_for(self.compute_modes.sync(devices, set()), timeout=5)
         except Exception as e:  # (the node deleted, the API server or the driver not answering)
             log.warning("node %s: stopping: the GPUs put in EXCLUSIVE_PROCESS compute mode were not set back to "
-                        "DEFAULT (%s): %s", self.node, e, sorted(self.compute_modes.ours))
+                        "DEFAULT (%s): %s", self.node, str(e) or f"no answer within {HAND_BACK_S:g} s",
+                        sorted(self.compute_modes.ours))
             return
         left = sorted(self.compute_modes.ours)
         if left:
