@@ -110,13 +110,16 @@ def _improve_by_windows(problem: Problem, states: list[GpuState], placed: Placem
     on_node: dict[int, set[int]] = {}
     for idx, where in placed.items():
         on_node.setdefault(where.node, set()).add(idx)
-    # the windows' budget is deterministic time; the wall clock only stops a runaway
+    # the windows' budget is deterministic time (same snapshot, same plan); the wall clock only
+    # stops a runaway: far past what the windows take on a loaded machine (each of a window's two
+    # solves has its own wall-clock net, exact._solver), so that a slow machine plans the same
     budget = opts.time_limit_s
     per_window = max(0.02, budget / 10)
+    runaway_s = max(60.0, 20 * (10 * max(0.05, per_window) + 5))
     improved = 0
     tried: dict[int, int] = {}  # per node, the windows with it that did not improve
     for req in open_reqs:
-        if budget <= 0 or time.perf_counter() - t0 > 10 * opts.time_limit_s + 5:
+        if budget <= 0 or time.perf_counter() - t0 > runaway_s:
             break
         if req.idx in placed:
             continue

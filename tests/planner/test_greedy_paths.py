@@ -5,6 +5,7 @@ GPU models that some pods name (the objective's access groups)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -193,3 +194,33 @@ def test_a_request_left_out_is_weighed_again_after_a_commit(monkeypatch: pytest.
     weighed.clear()
     plan(Snapshot(nodes=nodes, pending=[pods[0], pods[2]]), default_catalog(), PlanOptions(time_limit_s=0))
     assert weighed == ["big1", "big1"]
+
+
+def test_a_slow_machine_gets_the_same_plan():
+    """Same snapshot, same plan: the large-neighbourhood search is budgeted in CP-SAT's
+    deterministic time, and the wall clock stops only a runaway. With a clock that runs 11 s per
+    reading (a machine far slower than any the planner runs on), every window is still tried; the
+    stop at 10 s of wall time it had before skipped them all (helper-105 saw it hit at 10.9 s on
+    the shared machine)."""
+    import dynpart.planner.dynpart_policy as policy
+
+    cat = default_catalog()
+    snap = random_snapshot(2, 3, 8, "H100-80GB", 40, "mig", 0.9, cat)
+    opts = PlanOptions(exact_max_gpus=0)  # the windows, not the whole-cluster solve, on 3 nodes
+    quick = plan(snap, cat, opts)
+    assert "windows (3 improved)" in quick.stats.solver
+    ticks = itertools.count()
+
+    class SlowClock:
+        @staticmethod
+        def perf_counter() -> float:
+            return 11.0 * next(ticks)
+
+    real = policy.time
+    policy.time = SlowClock  # type: ignore[assignment]
+    try:
+        slow = plan(snap, cat, opts)
+    finally:
+        policy.time = real
+    assert next(ticks) > 2  # the policy read the clock
+    assert slow.model_dump(exclude={"stats": {"solve_s"}}) == quick.model_dump(exclude={"stats": {"solve_s"}})
