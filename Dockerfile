@@ -26,8 +26,10 @@ ENV PATH=/opt/dynpart/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     MPLCONFIGDIR=/tmp/matplotlib
 COPY --from=build /opt/dynpart /opt/dynpart
-# tini as PID 1: the agent starts the MPS control daemon with `-d`, which forks; when the daemon
-# ends, it is reaped by PID 1, which dynpart is not written to be (a zombie per daemon restart)
+# tini: `dynpart agent mps-control` starts the MPS control daemon with `-d`, which forks; when the
+# daemon ends it is reaped by tini, as PID 1 or, in the host's PID namespace (the chart's default
+# for mps-control), as a subreaper (TINI_SUBREAPER): dynpart is not written to reap (a zombie per
+# daemon restart)
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/*
