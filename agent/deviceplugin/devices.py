@@ -187,9 +187,9 @@ def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_P
     proportional to the memory share (the largest over the GPUs), and the MPS pipe directory.
     The limit names the GPUs by the CUDA ordinal the container sees, not by UUID (NVIDIA's plugin
     moved its limits to device indices in v0.15.0 because limits set by UUID were not applied;
-    its daemon sets them by host index, a client's variable counts the client's GPUs): the container's
-    GPUs are numbered in PCI bus order (`CUDA_DEVICE_ORDER=PCI_BUS_ID`), which is NVML's index
-    order, so the i-th of its GPUs by index is ordinal i. `mps_shm_host`: the host directory that
+    its daemon sets them by host index, a client's variable counts the client's GPUs): ordinal i is
+    the i-th UUID of `CUDA_VISIBLE_DEVICES`, set to the slices' GPUs in NVML index order (and
+    `CUDA_DEVICE_ORDER=PCI_BUS_ID`, the same order, for a pod that overrides it with indices). `mps_shm_host`: the host directory that
     is the MPS control daemon's /dev/shm, mounted at the client's (as NVIDIA's plugin does); None:
     the daemon shares the host's, which the client reaches only with hostIPC: true."""
     if not devices:
@@ -209,6 +209,11 @@ def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_P
         total = per_gpu[d.gpu_uuid]
         share = max(share, min(100, max(1, round(100 * total / d.gpu_memory_gb))) if d.gpu_memory_gb else 100)
     envs["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    # the ordinals the limit names, pinned: CUDA sees exactly these GPUs, in this order (UUIDs, as
+    # NVIDIA's MPS guide recommends for clients). Without it a GPU the container gets from another
+    # resource (the kubelet merges the responses: first env value wins, mounts add up) would be a
+    # CUDA device no limit names, usable whole
+    envs["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(f"{n}={per_gpu[u]}G" for n, u in enumerate(gpus))
     envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
     envs["CUDA_MPS_PIPE_DIRECTORY"] = mps_pipe_container

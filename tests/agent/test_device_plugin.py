@@ -15,6 +15,7 @@ import pytest
 
 from dynpart.agent.deviceplugin import protocol
 from dynpart.agent.deviceplugin.devices import (
+    DEVICE_LIST_MOUNTS,
     DeviceListError,
     GpuView,
     MigDeviceView,
@@ -106,7 +107,7 @@ def test_container_allocation_mps_sums_per_gpu():
     by = advertise([MPS_GPU, GpuView(index=0, uuid="GPU-0", memory_gb=40, mps=(10,))])
     a = container_allocation(by["nvidia.com/gpu-10gb"], "/run/mps", "/mps")
     assert a.envs == {"NVIDIA_VISIBLE_DEVICES": "GPU-0,GPU-1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                      "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10G,1=20G",
+                      "CUDA_VISIBLE_DEVICES": "GPU-0,GPU-1", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10G,1=20G",
                       "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25", "CUDA_MPS_PIPE_DIRECTORY": "/mps"}
     assert [(m.host_path, m.container_path) for m in a.mounts] == [("/run/mps", "/mps")]
 
@@ -134,6 +135,42 @@ def test_volume_mounts_name_the_devices_by_mounts_a_pod_cannot_forge():
     assert mps.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20G"
     assert [(m.host_path, m.container_path) for m in mps.mounts] == [
         ("/dev/null", "/var/run/nvidia-container-devices/GPU-1"), ("/run/mps", "/mps")]
+
+
+def _kubelet_merge(*allocations):
+    """What the kubelet gives a container asking for several resources (devicemanager
+    pod_devices.go, deviceRunContainerOptions): one Allocate response per resource, an env
+    variable's first value kept (later ones skipped, with an error logged), mounts by container path."""
+    envs, mounts = {}, {}
+    for a in allocations:
+        for k, v in a.envs.items():
+            envs.setdefault(k, v)
+        for m in a.mounts:
+            mounts.setdefault(m.container_path, m.host_path)
+    return envs, mounts
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_gpu_from_another_resource_is_no_unlimited_cuda_device(first):
+    """A container asking for two MPS sizes (nvidia.com/gpu-10gb and nvidia.com/gpu-20gb, slices on
+    two GPUs) with volume-mounts: both GPUs are mounted (NVIDIA_VISIBLE_DEVICES is the same
+    directory), but only the first resource's CUDA_MPS_PINNED_DEVICE_MEM_LIMIT survives the merge.
+    Every GPU CUDA can use must be one that limit names: before, the other GPU was a CUDA device
+    with no limit (the pod could take its whole memory, other pods' slices included)."""
+    gpus = [GpuView(index=0, uuid="GPU-0", memory_gb=80, mps=(10,)), GpuView(index=1, uuid="GPU-1", memory_gb=80, mps=(20,))]
+    by = advertise(gpus)
+    allocs = [container_allocation(by[r], "/run/mps", "/mps", device_list="volume-mounts")
+              for r in ("nvidia.com/gpu-10gb", "nvidia.com/gpu-20gb")]
+    envs, mounts = _kubelet_merge(*(allocs if first == 0 else allocs[::-1]))
+    mounted = sorted(p.rsplit("/", 1)[1] for p in mounts if p.startswith(DEVICE_LIST_MOUNTS + "/"))
+    assert mounted == ["GPU-0", "GPU-1"]
+    # the CUDA devices: CUDA_VISIBLE_DEVICES' UUIDs in its order, else every mounted GPU in PCI bus order
+    cuda = envs["CUDA_VISIBLE_DEVICES"].split(",") if "CUDA_VISIBLE_DEVICES" in envs else mounted
+    limited = {int(n) for n, _ in (x.split("=") for x in envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"].split(","))}
+    assert set(cuda) <= set(mounted)
+    assert set(range(len(cuda))) <= limited, (cuda, envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"])
+    size = {"GPU-0": "10G", "GPU-1": "20G"}
+    assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == ",".join(f"{i}={size[u]}" for i, u in enumerate(cuda))
 
 
 # --- over gRPC ----------------------------------------------------------------------------------
@@ -185,7 +222,7 @@ async def test_allocate_mig_whole_and_mps(kubelet, plugins):
     assert dict(whole.container_responses[0].envs) == {"NVIDIA_VISIBLE_DEVICES": "GPU-2"}
     mps = (await kubelet.allocate("nvidia.com/gpu-10gb", ["GPU-1::1"])).container_responses[0]
     assert dict(mps.envs) == {"NVIDIA_VISIBLE_DEVICES": "GPU-1", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=10G",
-                              "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                              "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "GPU-1",
                               "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "12", "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps"}
     assert [(m.host_path, m.container_path) for m in mps.mounts] == [("/tmp/nvidia-mps", "/tmp/nvidia-mps")]
     pre = await kubelet.plugins["nvidia.com/gpu"].stub.PreStartContainer(protocol.messages()["PreStartContainerRequest"](
