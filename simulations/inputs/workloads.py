@@ -209,6 +209,9 @@ def read_workload(value: str | None) -> WorkloadSpec:
         return WorkloadSpec()
     if "=" in value:
         return workload_spec(parse_inline(value))
+    if not value.strip():
+        raise SimulationError("--workload '': empty (give key=value,... or a YAML file, or leave --workload out "
+                              "for the defaults)")
     try:
         text = Path(value).read_text()
     except (OSError, UnicodeDecodeError) as e:

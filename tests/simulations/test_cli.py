@@ -368,6 +368,7 @@ def test_results_of_another_run_in_out_are_said_and_left(capsys, tmp_path):
     (["bench", "packing", "--seeds", "1", "--policy", "best-fit", "--trace", "TRACE", "--nodes", "HUGENODE"],
      "HUGENODE:2: cpu_milli = 99999999999999999999999: out of range (1..100000000)"),
     (["simulate", "--workload", "pods=5,mps_pods=0,mix=1g.10gb:1,1g.10gb:2"], "--workload: mix: '1g.10gb' given twice"),
+    (["simulate", "--workload", ""], "--workload '': empty (give key=value,... or a YAML file"),
     (["simulate", "--trace", "TRACE", "--cluster", "1x8xH100-80GB", "--mode", "mps", "--policy", "static",
       "--static-geometry", "mps-1000"], "--static-geometry 'mps-1000': in mps mode use all-balanced, mps-N (N equal "
                                        "slices, N in 1..48)"),
