@@ -111,11 +111,14 @@ def _improve_by_windows(problem: Problem, states: list[GpuState], placed: Placem
     for idx, where in placed.items():
         on_node.setdefault(where.node, set()).add(idx)
     # the windows' budget is deterministic time (same snapshot, same plan); the wall clock only
-    # stops a runaway: far past what the windows take on a loaded machine (each of a window's two
-    # solves has its own wall-clock net, exact._solver), so that a slow machine plans the same
+    # stops a runaway: past what the windows take on a loaded machine, each of a window's two
+    # solves up to its own wall-clock net (exact._solver: 10 x its share of per_window + 5 s), and
+    # a minute more for the greedy and the models, so that a slow machine plans the same. Windows:
+    # budget / per_window, and one more where `budget -= per_window` leaves a float residue above 0
     budget = opts.time_limit_s
     per_window = max(0.02, budget / 10)
-    runaway_s = max(60.0, 20 * (10 * max(0.05, per_window) + 5))
+    windows = int(budget / per_window) + 1
+    runaway_s = windows * (10 * per_window + 2 * 5) + 60.0
     improved = 0
     tried: dict[int, int] = {}  # per node, the windows with it that did not improve
     for req in open_reqs:

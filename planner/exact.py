@@ -322,7 +322,8 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
             taken = a.get((r.idx, g))
             k = solver.value(taken) if taken is not None else 0
             if k:
-                used_gids.append(g)
+                # one entry per slice, as the greedy's (`hint` counts a pod's slices on a GPU so)
+                used_gids.extend([g] * k)
                 _assign(new_states[g], r, k)
         placed[r.idx] = Assignment(node, tuple(used_gids))
     obj = objective(list(new_states.values()), {i: problem.requests[i].weight for i in placed})

@@ -224,3 +224,45 @@ def test_a_slow_machine_gets_the_same_plan():
         policy.time = real
     assert next(ticks) > 2  # the policy read the clock
     assert slow.model_dump(exclude={"stats": {"solve_s"}}) == quick.model_dump(exclude={"stats": {"solve_s"}})
+
+
+def test_windows_whose_solves_run_to_their_wall_clock_nets_are_all_tried():
+    """The large-neighbourhood search's wall-clock stop is past the sum of its windows' solves' own
+    nets: on a machine where the greedy takes 10 s and every solve runs to its wall-clock net
+    (exact._solver), every window is still tried. The default budget tries 11 windows (the float
+    residue of `budget -= per_window`); the stop at 110 s it had came after the 10th (10 + 10 x 10.5 s)."""
+    import dynpart.planner.dynpart_policy as policy
+
+    cat = default_catalog()
+    snap = random_snapshot(0, 3, 8, "H100-80GB", 60, "mig", 0.9, cat)
+    opts = PlanOptions(exact_max_gpus=0)
+    real_solve, real_time = policy.solve_exact, policy.time
+    calls: list[float] = []
+    now = [0.0]
+
+    def solve_on_a_slow_machine(*args, **kwargs):  # type: ignore[no-untyped-def]
+        per_window = args[5]
+        calls.append(per_window)
+        now[0] += (10 * per_window * 0.6 + 5) + (10 * per_window * 0.4 + 5)  # both solves' nets
+        return real_solve(*args, **kwargs)
+
+    class SlowClock:
+        readings = 0
+
+        @classmethod
+        def perf_counter(cls) -> float:
+            cls.readings += 1
+            if cls.readings == 1:
+                return 0.0  # t0, before the greedy
+            return 10.0 + now[0]  # the greedy took 10 s
+
+    policy.solve_exact = solve_on_a_slow_machine  # type: ignore[assignment]
+    try:
+        quick = plan(snap, cat, opts)
+        expected, calls[:], now[0] = len(calls), [], 0.0
+        policy.time = SlowClock  # type: ignore[assignment]
+        slow = plan(snap, cat, opts)
+    finally:
+        policy.solve_exact, policy.time = real_solve, real_time  # type: ignore[assignment]
+    assert expected == 11 and len(calls) == expected
+    assert slow.model_dump(exclude={"stats": {"solve_s"}}) == quick.model_dump(exclude={"stats": {"solve_s"}})
