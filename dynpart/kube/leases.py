@@ -138,6 +138,7 @@ class LeaderElector:
                 with api_errors(f"create lease {self.namespace}/{self.name}"):
                     await raw_api(self.api).create_namespaced_lease(self.namespace, body)
                 self._term_read, self._duration_read = term, self.lease_s
+                self._observe(body["spec"])  # its term is the last one seen, should it be deleted again
                 return True
             except APIConflictError:
                 return False

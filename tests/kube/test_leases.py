@@ -234,9 +234,13 @@ async def test_a_lease_made_again_keeps_the_term_above_every_term_written():
     assert not await a._try() and api.lease is None, "the node cache not synced: no lease made"
     floor[0] = 6  # a spec of term 6 on some node
     assert await a._try() and api.lease is not None and api.lease["spec"]["leaseTransitions"] == 7
-    floor[0] = -1  # no spec carries a term: the count starts at 0 as before
+    floor[0] = -1  # no spec carries a term
     api.lease = None
-    assert await a._try() and api.lease["spec"]["leaseTransitions"] == 0
+    assert await a._try() and api.lease["spec"]["leaseTransitions"] == 8  # after the 7 it made
+    fresh = LeaderElector(api, "dynpart-planner", "dynpart-system", "f", lease_s=3,  # type: ignore[arg-type]
+                          clock=lambda: t[0], term_floor=lambda: floor[0])
+    api.lease = None
+    assert await fresh._try() and api.lease["spec"]["leaseTransitions"] == 0  # it saw none: 0, as before
     # taken over from a dead holder whose record is at 4 while the nodes carry term 9
     b = LeaderElector(api, "dynpart-planner", "dynpart-system", "b", lease_s=3,  # type: ignore[arg-type]  # a fake API
                       clock=lambda: t[0], term_floor=lambda: floor[0])
@@ -288,3 +292,16 @@ async def test_a_term_is_never_above_what_agents_read():
     a = LeaderElector(api, "dynpart-planner", "dynpart-system", "a", lease_s=3,  # type: ignore[arg-type]
                       term_floor=lambda: MAX_TERM)  # a hand-edited spec-term on some node
     assert await a._try() and api.lease["spec"]["leaseTransitions"] == MAX_TERM
+
+
+async def test_a_lease_this_replica_made_counts_as_seen():
+    """Made again, then deleted again before this replica read it back: the next one is made after
+    the term it made, not after the one before (two replicas could lead under one term)."""
+    api, t = FakeLeases(), [100.0]
+    a = LeaderElector(api, "dynpart-planner", "dynpart-system", "a", lease_s=3,  # type: ignore[arg-type]
+                      clock=lambda: t[0], term_floor=lambda: -1)
+    assert await a._try() and a._term_read == 0
+    api.lease = None
+    assert await a._try() and a._term_read == 1
+    api.lease = None
+    assert await a._try() and a._term_read == 2
