@@ -130,15 +130,15 @@ class LeaderElector:
             term = self._next_term(self._deleted_term())
             if term is None:
                 return False
+            spec: Obj = {"holderIdentity": self.identity, "leaseDurationSeconds": self.lease_s,
+                         "acquireTime": _now(), "renewTime": _now(), "leaseTransitions": term}
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": self.name, "namespace": self.namespace},
-                    "spec": {"holderIdentity": self.identity, "leaseDurationSeconds": self.lease_s,
-                             "acquireTime": _now(), "renewTime": _now(), "leaseTransitions": term}}
+                    "metadata": {"name": self.name, "namespace": self.namespace}, "spec": spec}
             try:
                 with api_errors(f"create lease {self.namespace}/{self.name}"):
                     await raw_api(self.api).create_namespaced_lease(self.namespace, body)
                 self._term_read, self._duration_read = term, self.lease_s
-                self._observe(body["spec"])  # its term is the last one seen, should it be deleted again
+                self._observe(spec)  # its term is the last one seen, should it be deleted again
                 return True
             except APIConflictError:
                 return False
