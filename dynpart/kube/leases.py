@@ -56,7 +56,6 @@ class LeaderElector:
         self.lease_s, self.renew_s, self.retry_s = lease_s, renew_s, retry_s
         self.on_change = on_change
         self.is_leader = False
-        self.leading = asyncio.Event()
         self.term = 0
         self._valid_until = 0.0  # monotonic time until which this replica can prove it leads
         self._term_read = 0
@@ -88,7 +87,6 @@ class LeaderElector:
     def _set(self, leader: bool) -> None:
         if leader != self.is_leader:
             self.is_leader = leader
-            (self.leading.set if leader else self.leading.clear)()
             log.info("%s leadership of lease %s/%s", "acquired" if leader else "lost", self.namespace, self.name)
             if self.on_change:
                 self.on_change(leader)
