@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from dynpart.planner.bound import placed_upper_bound
-from dynpart.planner.exact import objective, solve_exact
+from dynpart.planner.exact import objective, solve_exact, wall_limit_s
 from dynpart.planner.greedy import Greedy, arrival_order, request_order
 from dynpart.planner.index import PlanCache
 from dynpart.planner.policy import PlanOptions, PolicyName, PolicyResult
@@ -118,7 +118,7 @@ def _improve_by_windows(problem: Problem, states: list[GpuState], placed: Placem
     budget = opts.time_limit_s
     per_window = max(0.02, budget / 10)
     windows = int(budget / per_window) + 1
-    runaway_s = windows * (10 * per_window + 2 * 5) + 60.0
+    runaway_s = windows * wall_limit_s(per_window) + 60.0
     improved = 0
     tried: dict[int, int] = {}  # per node, the windows with it that did not improve
     for req in open_reqs:

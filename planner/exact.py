@@ -330,6 +330,16 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
     return ExactResult(new_states, placed, optimal, placed_optimal, obj)
 
 
+def _wall_limit_s(budget_s: float) -> float:
+    """One solve's wall-clock net, for a deterministic budget of `budget_s`."""
+    return 10 * budget_s + 5
+
+
+def wall_limit_s(time_limit_s: float) -> float:
+    """The wall-clock nets of `solve_exact`'s two solves together, for its `time_limit_s`."""
+    return _wall_limit_s(time_limit_s * 0.6) + _wall_limit_s(time_limit_s * 0.4)
+
+
 def _solver(budget_s: float) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
     p = solver.parameters
@@ -340,7 +350,7 @@ def _solver(budget_s: float) -> cp_model.CpSolver:
     # deterministic budget (same input, same plan); the wall-clock limit is only a safety net
     # against a runaway, loose enough that a loaded machine does not hit it first
     p.max_deterministic_time = max(0.05, budget_s)
-    p.max_time_in_seconds = 10 * budget_s + 5
+    p.max_time_in_seconds = _wall_limit_s(budget_s)
     return solver
 
 
