@@ -26,6 +26,22 @@ def mig_state(d: DeviceInfo) -> MigState:
     return "off-pending" if d.mig_current else "on-pending"
 
 
+def mps_memory_mib(d: DeviceInfo, catalog: Catalog) -> int:
+    """What MPS slices may take of GPU `d`, in MiB: NVML's total less what the driver reserves (not
+    free even on an idle GPU: 480 MiB on an H100, 616 on an H200, tests/fixtures/nvml). A driver
+    that cannot say what it reserves is taken to reserve what the catalog measured on the same GPU
+    (same product, same total), else nothing."""
+    reserved = d.reserved_mib
+    if reserved is None:
+        try:
+            model = catalog.resolve(d.name)
+        except DynpartError:
+            model = None
+        if model is not None and model.memory_mib == d.memory_mib:
+            reserved = model.reserved_mib
+    return max(1, d.memory_mib - (reserved or 0))
+
+
 def read_profiles(driver: GpuDriver, index: int, catalog: Catalog, product: str,
                   problems: list[str]) -> list[ProfileCapability]:
     """The profiles the driver offers on GPU `index` (in MIG mode), with their placements. A
@@ -84,7 +100,7 @@ def read_capability(driver: GpuDriver, catalog: Catalog) -> tuple[NodeCapability
     for d in sorted(devices, key=lambda d: d.index):
         profiles = read.get((d.name, d.memory_mib), ())
         try:
-            kind = GpuKind(product=d.name[:96], memory_mib=d.memory_mib,
+            kind = GpuKind(product=d.name[:96], memory_mib=mps_memory_mib(d, catalog),
                            memory_slices=max((s + p.memory for p in profiles for s in p.starts), default=0),
                            compute_slices=max((p.compute for p in profiles), default=0), profiles=profiles)
         except ValidationError as e:  # e.g. no product name: nothing to plan this node with

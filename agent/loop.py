@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from dynpart.agent import metrics
-from dynpart.agent.capability_reader import mig_state, read_capability
+from dynpart.agent.capability_reader import mig_state, mps_memory_mib, read_capability
 from dynpart.agent.compute_modes import ComputeModes
 from dynpart.agent.deviceplugin.devices import (
     DeviceListError,
@@ -540,7 +540,7 @@ class Agent:
             problem = problem or self.compute_modes.blocked.get(d.index)
             if problem:
                 unhealthy[d.index] = problem
-            view = GpuView(index=d.index, uuid=d.uuid, memory_gb=self._capacity or d.memory_mib // 1024,
+            view = GpuView(index=d.index, uuid=d.uuid, memory_gb=self._capacity or mps_memory_mib(d, self.catalog) // 1024,
                            mig_enabled=d.mig_current, healthy=problem is None)
             if d.mig_current:
                 view = replace(view, mig=tuple(MigDeviceView(by_id[gi.profile_id], gi.uuid)

@@ -47,7 +47,8 @@ def probe(driver: GpuDriver, catalog: Catalog) -> ProbeReport:
         return report
     for d in devices:
         state = mig_state(d)
-        out.append(f"GPU {d.index}: {d.name} {d.uuid} {d.memory_mib} MiB, MIG {state}")
+        reserved = f" ({d.reserved_mib} reserved)" if d.reserved_mib is not None else ""
+        out.append(f"GPU {d.index}: {d.name} {d.uuid} {d.memory_mib} MiB{reserved}, MIG {state}")
         report.gpus.append({**asdict(d), "mig": state, "model": None, "profiles": [], "instances": []})
     try:
         capability, unread = read_capability(driver, catalog)

@@ -5,7 +5,7 @@ plan that node with (`node_model`). Pure code, no I/O.
 Wire format (docs/protocol.md), compact JSON, GPUs of one kind described once:
 
     {"v": 1,
-     "kinds": [{"product": "NVIDIA H100 80GB HBM3", "memory_mib": 81559, "slices": [8, 7],
+     "kinds": [{"product": "NVIDIA H100 80GB HBM3", "memory_mib": 81079, "slices": [8, 7],
                 "profiles": [["1g.10gb", 19, "1_SLICE", 1, 1, 7, [0, 1, 2, 3, 4, 5, 6]], ...]}],
      "gpus": [[0, "on"], [0, "on"], ...]}
 
@@ -268,7 +268,8 @@ def _kind_model(kind: GpuKind, mig_known: bool, catalog: Catalog) -> NodeModel:
     except DynpartError:
         base = None
     # the nominal size (the catalog's; the driver's in GiB for a GPU the catalog lacks) and what the
-    # driver reports, which the MPS capacity follows (GiB: what an MPS memory limit of N "G" means)
+    # agent reports (NVML's total less what the driver reserves), which the MPS capacity follows
+    # (GiB: what an MPS memory limit of N "G" means)
     memory_gb = base.memory_gb if base is not None else max(1, kind.memory_mib // 1024)
     notes: list[str] = []
     if base is None:
@@ -284,7 +285,8 @@ def _kind_model(kind: GpuKind, mig_known: bool, catalog: Catalog) -> NodeModel:
         else:  # the driver listed none (MIG mode off on a driver that lists none then): the catalog's
             profiles, slices = list(base.mig_profiles), (base.memory_slices, base.compute_slices)
         # memory is not a disagreement: the catalog's is the nominal size, the driver's a little
-        # less (81,559 MiB on an H100-80GB); MPS slices add up to at most what the driver reports
+        # less (81,559 MiB on an H100-80GB, 480 of them reserved by the driver); MPS slices add up
+        # to at most what the agent reports
     model = GpuModel(name=family, memory_gb=memory_gb, memory_mib=kind.memory_mib, products=products,
                      memory_slices=slices[0],
                      compute_slices=slices[1], mig_profiles=tuple(profiles),

@@ -73,6 +73,10 @@ class GpuModel(BaseModel):
     # the total NVML reports, where measured (a little less than the nominal size: 81,559 MiB on
     # an H100 80GB HBM3); the MPS capacity follows it
     memory_mib: int | None = Field(default=None, gt=0)
+    # what the driver keeps of that total for itself, where measured (NVML's `reserved`, 480 MiB on
+    # that H100): not free even on an idle GPU, so not in the MPS capacity; a node's agent reads it
+    # from its driver, and uses this figure only where the driver cannot say (no nvmlMemory_v2)
+    reserved_mib: int | None = Field(default=None, ge=0)
     products: tuple[str, ...] = ()
     memory_slices: int = Field(default=0, ge=0)
     compute_slices: int = Field(default=0, ge=0)
@@ -93,11 +97,17 @@ class GpuModel(BaseModel):
     @property
     def mps_capacity_gb(self) -> int:
         """What one GPU holds of MPS slices, in GiB (the unit of an MPS memory limit "<N>G"): the
-        memory NVML reports where it is known, as a node's agent plans with, else the nominal size."""
-        return max(1, self.memory_mib // 1024) if self.memory_mib else self.memory_gb
+        memory NVML reports less what the driver reserves, where known, as a node's agent plans
+        with, else the nominal size."""
+        if not self.memory_mib:
+            return self.memory_gb
+        return max(1, (self.memory_mib - (self.reserved_mib or 0)) // 1024)
 
     @model_validator(mode="after")
     def _check_profiles(self) -> GpuModel:
+        if self.reserved_mib is not None and (self.memory_mib is None or self.reserved_mib >= self.memory_mib):
+            raise ValueError(f"model {self.name}: reserved_mib {self.reserved_mib} needs a memory_mib above it "
+                             f"(the total it is part of)")
         seen: set[str] = set()
         for p in self.mig_profiles:
             if p.name in seen:

@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
                           "profiles": [p.model_dump(by_alias=True) for p in model.mig_profiles],
                           "maximal_geometries": [dict(g) for g in geometries]}, indent=2))
         return 0
-    measured = f" (NVML reports {model.memory_mib} MiB)" if model.memory_mib else ""
+    reserved = f", {model.reserved_mib} reserved" if model.reserved_mib is not None else ""
+    measured = f" (NVML reports {model.memory_mib} MiB{reserved})" if model.memory_mib else ""
     clients = f" (at most {model.mps_max_clients} slices a GPU)" if model.mps_max_clients else ""
     print(f"{model.name}: {model.memory_gb} GB{measured}, MPS capacity {model.mps_capacity_gb} GB{clients}, "
           f"{model.compute_slices} compute / {model.memory_slices} memory slices")

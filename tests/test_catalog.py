@@ -1,6 +1,6 @@
 import pytest
 
-from dynpart.catalog import Catalog, default_catalog, load_catalog
+from dynpart.catalog import Catalog, GpuModel, default_catalog, load_catalog
 from dynpart.errors import CatalogError, UnknownGpuModel
 
 EXPECTED_MODELS = ["A30-24GB", "A100-40GB", "A100-80GB", "H100-80GB", "H100-94GB", "H200-141GB",
@@ -208,9 +208,12 @@ def test_catalog_is_an_ordered_mapping_later_wins():
 
 def test_mps_capacity_follows_the_memory_nvml_reports_where_measured():
     cat = default_catalog()
-    # measured on real GPUs (tests/fixtures/nvml): 81,559 and 143,771 MiB
-    assert (cat.models["H100-80GB"].memory_mib, cat.models["H100-80GB"].mps_capacity_gb) == (81559, 79)
-    assert (cat.models["H200-141GB"].memory_mib, cat.models["H200-141GB"].mps_capacity_gb) == (143771, 140)
+    # measured on real GPUs (tests/fixtures/nvml): 81,559 and 143,771 MiB, of which the driver
+    # reserves 480 and 616 MiB, free even on an idle GPU: 81,079 and 143,155 MiB
+    h100, h200 = cat.models["H100-80GB"], cat.models["H200-141GB"]
+    assert (h100.memory_mib, h100.reserved_mib, h100.mps_capacity_gb) == (81559, 480, 79)
+    assert (h200.memory_mib, h200.reserved_mib, h200.mps_capacity_gb) == (143771, 616, 139)
+    assert 140 * 1024 > 143771 - 616  # what the total alone gave: 204 MiB more than an idle H200 has free
     # not measured: the nominal size
     assert (cat.models["A100-80GB"].memory_mib, cat.models["A100-80GB"].mps_capacity_gb) == (None, 80)
 
@@ -225,3 +228,13 @@ def test_dynpart_catalog_shows_the_mps_bounds(capsys):
     assert main(["catalog", "H100-80GB", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert (doc["mps_capacity_gb"], doc["mps_max_clients"]) == (79, 48)
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"reserved_mib": 100}, "reserved_mib 100 needs a memory_mib above it"),
+    ({"memory_mib": 1000, "reserved_mib": 1000}, "reserved_mib 1000 needs a memory_mib above it"),
+    ({"memory_mib": 1000, "reserved_mib": -1}, "reserved_mib"),
+])
+def test_a_reserved_memory_beyond_the_total_is_refused(fields, problem):
+    with pytest.raises(ValueError, match=problem):
+        GpuModel(name="X-1GB", memory_gb=1, **fields)

@@ -154,6 +154,9 @@ class FakeNvml:
         # what NVML reports as total memory: below the nominal size on real GPUs (81,559 MiB on
         # an H100-80GB); the catalog's measured figure, else the nominal size, unless a test gives one
         self.memory_mib = memory_mib if memory_mib is not None else model.memory_mib or model.memory_gb * 1024
+        # what the driver reserves of it (nvmlMemory_v2 `reserved`): the catalog's measured figure
+        # on the GPU it was measured on, else none. None plays a driver without nvmlMemory_v2.
+        self.reserved_mib: int | None = (model.reserved_mib or 0) if self.memory_mib == model.memory_mib else 0
         # Ampere keeps MIG mode across a reboot; Hopper and later lose it (facts file section 1).
         self.mig_persists = model.name.startswith("A") if mig_persists is None else mig_persists
         # A MIG mode change that stays pending until `reset()` (as when the driver cannot reset
@@ -297,7 +300,7 @@ class FakeNvml:
         for index in sorted(self.lost):  # (RealNvml reads every GPU: one lost fails the whole list)
             self._gpu(index)
         return [DeviceInfo(g.index, self.name, g.uuid, self.memory_mib, self.model.supports_mig,
-                           g.mig_current, g.mig_pending) for g in self._gpus]
+                           g.mig_current, g.mig_pending, self.reserved_mib) for g in self._gpus]
 
     @_driver_call(read=False)
     def set_mig_mode(self, index: int, enabled: bool) -> None:

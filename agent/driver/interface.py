@@ -102,10 +102,13 @@ class DeviceInfo:
     index: int
     name: str  # product name as NVML reports it, e.g. "NVIDIA H100 80GB HBM3"
     uuid: str  # "GPU-..."
-    memory_mib: int
+    memory_mib: int  # NVML's total
     mig_capable: bool
     mig_current: bool  # MIG mode now
     mig_pending: bool  # MIG mode after the next GPU reset
+    # what the driver keeps of the total for itself (nvmlMemory_v2 `reserved`): not free even on an
+    # idle GPU. None: the driver cannot say (no nvmlDeviceGetMemoryInfo_v2)
+    reserved_mib: int | None = None
 
 
 @dataclass(frozen=True)

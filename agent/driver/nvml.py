@@ -162,7 +162,7 @@ class RealNvml:
             h = self._handle(index)
             name = self._call(nv.nvmlDeviceGetName, h)
             uuid = self._call(nv.nvmlDeviceGetUUID, h)
-            memory = self._call(nv.nvmlDeviceGetMemoryInfo, h).total // (1 << 20)
+            memory, reserved = self._memory(h)
             try:
                 current, pending = nv.nvmlDeviceGetMigMode(h)
                 capable = True
@@ -171,9 +171,24 @@ class RealNvml:
                 capable = False
             except nv.NVMLError as e:
                 raise GpuDriverError(self._codes.get(e.value, "UNKNOWN"), f"nvmlDeviceGetMigMode: {e}") from None
-            out.append(DeviceInfo(index, str(name), str(uuid), int(memory), capable,
-                                  current == nv.NVML_DEVICE_MIG_ENABLE, pending == nv.NVML_DEVICE_MIG_ENABLE))
+            out.append(DeviceInfo(index, str(name), str(uuid), memory, capable,
+                                  current == nv.NVML_DEVICE_MIG_ENABLE, pending == nv.NVML_DEVICE_MIG_ENABLE,
+                                  reserved))
         return out
+
+    def _memory(self, handle: Any) -> tuple[int, int | None]:
+        """The GPU's total memory and what the driver reserves of it, in MiB. Version 2 of
+        nvmlDeviceGetMemoryInfo says the reserved part (R510 and later); a library without it, or a
+        driver refusing that version, leaves only the total (version 1: its `used` counts the
+        reserved memory with what processes hold, so it tells nothing once a pod runs)."""
+        nv = self._nv
+        try:
+            m = self._call(nv.nvmlDeviceGetMemoryInfo, handle, nv.nvmlMemory_v2)
+            return int(m.total) >> 20, int(m.reserved) >> 20
+        except GpuDriverError as e:
+            if e.code not in ("FUNCTION_NOT_FOUND", "NOT_SUPPORTED", "ARGUMENT_VERSION_MISMATCH"):
+                raise
+        return int(self._call(nv.nvmlDeviceGetMemoryInfo, handle).total) >> 20, None
 
     def set_mig_mode(self, index: int, enabled: bool) -> None:
         nv = self._nv

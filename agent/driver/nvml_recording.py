@@ -6,7 +6,8 @@ around the host's libnvidia-ml: every C call is logged with its arguments, the b
 buffer it was given before and after, and its return code. Only read functions pass (`READ_ONLY`):
 any other name is refused before the library is reached, so a recording session cannot change a
 GPU. `RecordedNvml` is a `RealNvml` over a `ReplayedLibrary` that answers each call from the log
-and refuses any call it has no answer for (`NvmlReplayMissing`).
+and refuses any call it has no answer for (`NvmlReplayMissing`), but for the reads newer than the
+recording that have a fallback (`ASKED_LATER`), answered as by a driver without the function.
 
 Each driver runs on its own copy of the `pynvml` module (a fresh import of the same file), so
 recording or replaying never touches the `pynvml` the rest of the process uses.
@@ -43,6 +44,12 @@ FORMAT = "dynpart.io/nvml-recording/v1"
 READ_ONLY = re.compile(
     r"nvml(?:Init(?:WithFlags|_v2)?|Shutdown|ErrorString"
     r"|SystemGet\w+|DeviceGet\w+|GpuInstanceGet\w+|ComputeInstanceGetInfo\w*)")
+
+# Reads the agent makes that recordings older than them never asked, each with a fallback in
+# RealNvml for a driver that lacks the function: a recording with no call of one at all replays a
+# driver without it (FUNCTION_NOT_FOUND), so older recordings replay on newer code. Any other
+# question a recording has no answer for still raises NvmlReplayMissing.
+ASKED_LATER = frozenset({"nvmlDeviceGetMemoryInfo_v2"})
 
 _byref_type = type(ctypes.byref(ctypes.c_int()))
 _module_copies = itertools.count()
@@ -282,6 +289,7 @@ class ReplayedLibrary:
     def __init__(self, recording: NvmlRecording):
         self.answers: dict[str, deque[dict[str, Any]]] = defaultdict(deque)
         self.missing = {c["fn"] for c in recording.calls if c.get("missing")}
+        self.missing |= ASKED_LATER - {c["fn"] for c in recording.calls}
         for call in recording.calls:
             if not call.get("missing"):
                 self.answers[_key(call["fn"], call["args"])].append(call)

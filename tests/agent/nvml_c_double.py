@@ -17,6 +17,7 @@ import pynvml
 from dynpart.catalog import GpuModel
 
 SUCCESS, INVALID_ARGUMENT, NOT_SUPPORTED, NO_PERMISSION, NOT_FOUND, INSUFFICIENT_SIZE = 0, 2, 3, 4, 6, 7
+ARGUMENT_VERSION_MISMATCH = 25
 
 
 def _put(arg: Any, value: Any) -> None:
@@ -40,6 +41,7 @@ class SimulatedNvmlLibrary:
         self.recovery_action: int | None = None  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION; None: field not supported
         self.compute_mode = 0  # NVML_COMPUTEMODE_DEFAULT
         self.root = True  # False: nvmlDeviceSetComputeMode answers NO_PERMISSION
+        self.reserved_mib: int | None = 480  # what nvmlMemory_v2 says is reserved; None: not supported
 
     def __getattr__(self, name: str) -> Callable[..., int]:
         if name.startswith("_"):
@@ -88,8 +90,19 @@ class SimulatedNvmlLibrary:
         return SUCCESS
 
     def c_nvmlDeviceGetMemoryInfo(self, handle: Any, memory: Any) -> int:
+        # version 1: `used` counts the reserved memory (as driver 580 answers, tests/fixtures/nvml)
         m = memory._obj
         m.total, m.free, m.used = self.memory_mib << 20, (self.memory_mib - 500) << 20, 500 << 20
+        return SUCCESS
+
+    def c_nvmlDeviceGetMemoryInfo_v2(self, handle: Any, memory: Any) -> int:
+        m = memory._obj
+        if self.reserved_mib is None:
+            return NOT_SUPPORTED  # (a library without the function answers FUNCTION_NOT_FOUND instead)
+        if m.version != pynvml.nvmlMemory_v2:
+            return ARGUMENT_VERSION_MISMATCH
+        m.total, m.reserved = self.memory_mib << 20, self.reserved_mib << 20
+        m.free, m.used = (self.memory_mib - 500) << 20, (500 - self.reserved_mib) << 20
         return SUCCESS
 
     def c_nvmlDeviceGetMigMode(self, handle: Any, current: Any, pending: Any) -> int:

@@ -349,8 +349,15 @@ def test_a_second_mps_control_on_the_directory_waits_for_the_first(control, dirs
         while time.monotonic() < deadline and not ((dirs.ctl / STATE).exists() and dirs.state().get("running")):
             time.sleep(0.05)
         assert dirs.state()["running"] is True
-        second = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        time.sleep(3)  # long enough for it to have acted, were it not waiting
+        log = dirs.ctl.parent / "second.log"
+        with open(log, "w") as out_file:
+            second = subprocess.Popen(cmd, stdout=out_file, stderr=subprocess.STDOUT, text=True)
+        # until it says it waits (its start takes seconds on a loaded machine), then a while more:
+        # long enough for it to have acted, were it not waiting
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "another mps-control holds" not in log.read_text():
+            time.sleep(0.05)
+        time.sleep(1)
         assert second.poll() is None and dirs.lines("starts") == ["GPU-a"] and "quit" not in dirs.lines("commands")
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=20)
@@ -363,7 +370,8 @@ def test_a_second_mps_control_on_the_directory_waits_for_the_first(control, dirs
             time.sleep(0.05)
         assert dirs.state()["running"] is True
         second.send_signal(signal.SIGTERM)
-        out, _ = second.communicate(timeout=20)
+        second.wait(timeout=20)
+        out = log.read_text()
         assert second.returncode == 0 and "another mps-control holds" in out, out
     finally:
         for proc in (first, second):

@@ -62,7 +62,8 @@ def fake_pynvml() -> types.ModuleType:
     nv.nvmlDeviceGetHandleByIndex = handle  # type: ignore[attr-defined]
     nv.nvmlDeviceGetName = on_gpu("NVIDIA H100 80GB HBM3")  # type: ignore[attr-defined]
     nv.nvmlDeviceGetUUID = on_gpu("GPU-f270ccfa")  # type: ignore[attr-defined]
-    nv.nvmlDeviceGetMemoryInfo = on_gpu(types.SimpleNamespace(total=81559 << 20))  # type: ignore[attr-defined]
+    nv.nvmlMemory_v2 = 0x02000028  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetMemoryInfo = on_gpu(types.SimpleNamespace(total=81559 << 20, reserved=480 << 20))  # type: ignore[attr-defined]
     nv.nvmlDeviceGetMigMode = on_gpu((0, 0))  # type: ignore[attr-defined]
     nv.nvmlDeviceGetRemappedRows = on_gpu((0, 0, 0, 0))  # type: ignore[attr-defined]
     nv.nvmlDeviceGetRetiredPagesPendingStatus = not_supported  # type: ignore[attr-defined]  # as on an H100

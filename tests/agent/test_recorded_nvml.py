@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from dynpart.agent.capability_reader import read_capability
 from dynpart.agent.driver.interface import DeviceInfo, DriverVersions
 from dynpart.agent.driver.nvml_recording import (
+    ASKED_LATER,
     NvmlRecording,
     NvmlRecordingError,
     NvmlReplayMissing,
@@ -40,7 +41,7 @@ FIXTURES = Path(__file__).parent.parent / "fixtures" / "nvml"
 # recording -> (GPU name NVML gives, its memory in MiB, the catalog model, MPS capacity in GiB)
 RECORDED = {
     "h100-580.159.04-mig-off": ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB", 79),
-    "h200-580.159.04-mig-off": ("NVIDIA H200", 143771, "H200-141GB", 140),
+    "h200-580.159.04-mig-off": ("NVIDIA H200", 143771, "H200-141GB", 139),
 }
 H200 = FIXTURES / "h200-580.159.04-mig-off.json"
 CATALOG = load_catalog([])
@@ -101,10 +102,14 @@ def test_profiles_and_placements_read_with_mig_off_are_the_catalogs(recorded):
         p.name: p.nvml.removeprefix("NVML_GPU_INSTANCE_PROFILE_") for p in catalog.mig_profiles}
     choice = node_model(capability, CATALOG)
     assert choice.disagreements == ()
-    # the catalog's model itself: its profiles, and the memory the driver reports (MiB // 1024 GiB
-    # of MPS capacity)
+    # the catalog's model itself: its profiles, and the memory the driver reports less what it
+    # reserves ((MiB - reserved) // 1024 GiB of MPS capacity). These recordings predate the agent's
+    # nvmlMemory_v2 read: they replay a driver without it, so the catalog's reserved figure, measured
+    # on the same GPU (nvidia-smi -q "Reserved"), is taken
+    assert driver.devices()[0].reserved_mib is None
+    assert re.search(rf"Reserved\s+: {catalog.reserved_mib} MiB", _smi(stem, "q"))
     assert choice.model is catalog and catalog.mps_capacity_gb == capacity
-    assert catalog.memory_mib == capability.kinds[0].memory_mib
+    assert capability.kinds[0].memory_mib == catalog.memory_mib - catalog.reserved_mib
 
 
 def test_nvidia_smi_on_the_same_gpu_agrees_with_the_recorded_nvml(recorded):
@@ -162,6 +167,9 @@ def test_recording_the_replay_gives_back_the_recorded_answers():
         read_paths(driver, CATALOG)
     assert len(again.calls) > 50
     for call in again.calls:
+        if call.get("missing"):  # a read newer than the recording: replayed as a driver without it
+            assert call["fn"] in ASKED_LATER
+            continue
         key = json.dumps([call["fn"], call["args"]], sort_keys=True)
         assert answers[key] == (call.get("result"), call.get("out")), call["fn"]
 
@@ -220,6 +228,38 @@ def test_probe_command_replays_a_recording(capsys, tmp_path):
     assert "exclude each other" in capsys.readouterr().err
     assert main(["agent", "probe", "--record", str(tmp_path / "no" / "r.json")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("reserved", "total", "kind_mib", "capacity"), [
+    (480, 81559, 81079, 79),  # what the H100 of tests/fixtures/nvml reserves: the catalog's model
+    (2000, 81559, 79559, 77),  # a driver reserving more: what it says wins over the catalog's figure
+    (None, 81559, 81079, 79),  # a driver that cannot say: the catalog's figure for the same GPU
+    (None, 81000, 81000, 79),  # nor can the catalog (another total): the total
+])
+def test_the_mps_capacity_leaves_out_what_the_driver_reserves(reserved, total, kind_mib, capacity):
+    lib = SimulatedNvmlLibrary(CATALOG.resolve("H100-80GB"), "NVIDIA H100 80GB HBM3", total, mig=False)
+    lib.reserved_mib = reserved
+    with record_nvml(lib) as (driver, recording):
+        assert driver.devices()[0].reserved_mib == reserved
+        capability, _ = read_capability(driver, CATALOG)
+    assert capability.kinds[0].memory_mib == kind_mib
+    choice = node_model(capability, CATALOG)
+    assert choice.model.mps_capacity_gb == capacity and choice.model.family_name == "H100-80GB"
+    assert (choice.model is CATALOG.models["H100-80GB"]) == (capacity == 79)
+    # the version-2 call is made (and recorded) first; version 1 only where it is not supported
+    asked = [c["fn"] for c in recording.calls if c["fn"].startswith("nvmlDeviceGetMemoryInfo")]
+    assert asked[:2] == (["nvmlDeviceGetMemoryInfo_v2"] * 2 if reserved is not None
+                         else ["nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo"])
+
+
+def test_a_recording_without_the_reserved_memory_read_replays_a_driver_without_it(h200):
+    # a read newer than the recording, with a fallback: answered as by a driver lacking the function
+    nv = h200._nv
+    with pytest.raises(nv.NVMLError_FunctionNotFound):
+        nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(0), nv.nvmlMemory_v2)
+    # any other question the recording never asked is still refused
+    with pytest.raises(NvmlReplayMissing, match="nvmlDeviceGetBAR1MemoryInfo"):
+        nv.nvmlDeviceGetBAR1MemoryInfo(nv.nvmlDeviceGetHandleByIndex(0))
 
 
 @pytest.mark.parametrize(("rows", "action", "why"), [
