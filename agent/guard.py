@@ -65,10 +65,11 @@ class SliceGuard:
         return waiting_for(bound, await self.pods.list()) if bound else {}
 
     def advertised(self) -> set[str] | None:
-        """Ids the built-in plugin lists now (None: not the built-in plugin; every device counts)."""
+        """Ids the built-in plugin lists healthy now (None: not the built-in plugin; every device
+        counts): the kubelet gives a pod no Unhealthy device, so such a device is no free one."""
         if self.plugins is None:
             return None
-        return {d.id for ds in self.plugins.advertised().values() for d in ds}
+        return {d.id for ds in self.plugins.advertised().values() for d in ds if d.healthy}
 
     async def keep(self, candidates: Mapping[str, str], free: Mapping[str, Iterable[str]]) -> dict[str, str]:
         """Device id -> why it stays, among `candidates` (id -> resource, free devices to be
@@ -135,6 +136,13 @@ class SliceGuard:
                 listed = self.advertised() or set()
                 now_free = {r: [i for i in devs if i in listed and i not in holders] for r, devs in (free or {}).items()}
                 out.needed = to_keep(unused, now_free, needs)
+        # an Allocate that landed while the bound pods were listed (an await) was served: the
+        # device is withdrawn, not sealed yet; read the record again right before sealing
+        for i in list(unused):
+            last = self.plugins.last_allocated(i)
+            if i not in out.needed and last is not None and last >= since - self.settle_s:
+                out.in_use[i] = ["a kubelet Allocate call"]
+                del unused[i]
         out.destroyable = [i for i in unused if i not in out.needed]
         # sealed before anything is readmitted: an Allocate that lands while the kubelet reads the
         # readmitted lists must not get a device about to be destroyed

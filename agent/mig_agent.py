@@ -11,7 +11,7 @@ observe again. Safety rules carried out here:
   is asked again at later passes while the GPU is idle; one that waits for a GPU reset is not;
 - a creation that needs the slices of an instance that could not be destroyed is skipped; one the
   driver refused to destroy with nothing using it (a client such as DCGM holds it) is reported
-  used for `HELD_OPEN_S`;
+  used for `HELD_OPEN_S`, also when its compute instances went and only the GPU instance stays;
 - nothing is changed while the driver's GI profile ids disagree with the catalog's;
 - a plan is not acknowledged while a GPU it carves has its MIG mode pending, or while an
   instance of a GI profile the catalog does not know keeps one of its instances from being made
@@ -133,9 +133,10 @@ class MigAgent:
         # GPU UUID -> the activation status the driver gave when MIG mode was last enabled there
         # and stayed pending (IN_USE: asked again while idle; RESET_REQUIRED...: waits for a reset)
         self._activation: dict[str, str] = {}
-        # MIG device UUID -> time.monotonic() until which it is reported used: the driver refused to
-        # destroy it (IN_USE) while no process and no pod used it
-        self._held_open: dict[str, float] = {}
+        # MIG device UUID, or (GPU index, GI id) for a GPU instance without a compute instance (it
+        # has no UUID then) -> time.monotonic() until which it is reported used: the driver refused
+        # to destroy it (IN_USE) while no process and no pod used it
+        self._held_open: dict[str | tuple[int, int], float] = {}
 
     async def observe(self) -> _Observed:
         readings = await self.driver.read(instances_and_processes)
@@ -154,9 +155,9 @@ class MigAgent:
                     gi_users = [f"pid {p}" for p in reading.pids.get(gi.gi_id, [])]
                     if gi.uuid:
                         gi_users += [f"pod {p}" for p in holders.get(gi.uuid, [])]
-                        if self._held_open.get(gi.uuid, 0.0) > time.monotonic():
-                            gi_users.append("a client that is not a compute process (the driver refused to destroy "
-                                            "it: IN_USE)")
+                    if self._held_open.get(gi.uuid or (d.index, gi.gi_id), 0.0) > time.monotonic():
+                        gi_users.append("a client that is not a compute process (the driver refused to destroy "
+                                        "it: IN_USE)")
                     instances.append(Instance(gi.gi_id, profile.name if profile else None, gi.profile_id, gi.start,
                                               gi.size, bool(gi.compute_instances), tuple(gi_users)))
             else:
@@ -299,6 +300,7 @@ class MigAgent:
                 await self.driver.destroy_gpu_instance(d.gpu, d.gi_id)
                 metrics.INSTANCES_DESTROYED.inc()
                 log.info("GPU %d: destroyed %s (GI %d)", d.gpu, d.label, d.gi_id)
+                self._held_open.pop((d.gpu, d.gi_id), None)
                 if gi.uuid:
                     self._held_open.pop(gi.uuid, None)
                     if self.guard is not None:  # before a creation can give its id to a new instance
@@ -309,11 +311,12 @@ class MigAgent:
                 errors.append(f"GPU {d.gpu}: destroying {d.label} failed: {ex}")
                 if ex.code == IN_USE:
                     metrics.IN_USE_KEPT.inc()
-                    if gi.uuid:
-                        # no process and no pod, yet the driver refuses: a client that is not a compute
-                        # process holds it open (DCGM, a leaked handle). Reported used for a while, so
-                        # that plans stop counting on it instead of failing on it again and again
-                        self._held_open[gi.uuid] = time.monotonic() + HELD_OPEN_S
+                    # no process and no pod, yet the driver refuses: a client that is not a compute
+                    # process holds it open (DCGM, a leaked handle). Reported used for a while, so
+                    # that plans stop counting on it instead of failing on it again and again. Its
+                    # compute instances destroyed, it has no UUID left: known by its GI id then
+                    self._held_open[gi.uuid if gi.uuid and not cis_destroyed else (d.gpu, d.gi_id)] = (
+                        time.monotonic() + HELD_OPEN_S)
                 not_destroyed.append(d)
                 if cis_destroyed and gi.uuid and self.guard is not None:
                     # the GPU instance stays but its compute instance is gone: so is the MIG device
@@ -381,7 +384,9 @@ class MigAgent:
             await self.guard.restore([device_id])
 
     def _layout(self, state: MigGpuState) -> GpuLayout:
+        # an incomplete instance (no compute instance: nothing can run on it yet) is left out, as
+        # one about to be completed or destroyed, unless it is used (held open): its slices are taken
         return GpuLayout(index=state.index, mig=[
             MigInstance(profile=i.profile, start=i.start, used=i.used)
-            for i in state.instances if i.profile is not None and i.complete
+            for i in state.instances if i.profile is not None and (i.complete or i.used)
         ])

@@ -37,6 +37,11 @@ class BoundPod:
     # resources a plain init container asks for: PodResources lists no plain init container's
     # devices, so what it uses cannot be seen while it runs
     init_only: frozenset[str] = frozenset()
+    # the kubelet admitted it (`status.startTime`: set when the kubelet acknowledges the pod, before
+    # it pulls the images; a rejected pod goes Failed): a Pending pod that pulls its images holds its
+    # devices in the kubelet's checkpoint, which a restarted kubelet lists only once it admitted it
+    # again
+    admitted: bool = False
 
 
 class NodePods(Protocol):
@@ -118,7 +123,7 @@ def waiting_for(bound: Iterable[BoundPod], assigned: Iterable[AssignedDevice]) -
                 unseen.setdefault(resource, []).append(p.key)
                 count.setdefault(resource, 0)
             held = len(listed.get((p.key, resource), ()))
-            if held or p.phase == "Running":  # admitted: the kubelet gave it all n devices then
+            if held or p.phase == "Running" or p.admitted:  # admitted: the kubelet gave it all n devices then
                 if n > held:
                     # more than its app containers list: an init container's devices kept for it,
                     # or a kubelet that has not admitted it again since it restarted
@@ -178,8 +183,9 @@ class FakeNodePods:
         self.pods: dict[str, BoundPod] = {}
         self.calls = 0
 
-    def bind(self, key: str, requests: dict[str, int], phase: str = "Pending", init_only: frozenset[str] = frozenset()) -> None:
-        self.pods[key] = BoundPod(key, dict(requests), phase, init_only)
+    def bind(self, key: str, requests: dict[str, int], phase: str = "Pending", init_only: frozenset[str] = frozenset(),
+             admitted: bool = False) -> None:
+        self.pods[key] = BoundPod(key, dict(requests), phase, init_only, admitted)
 
     def remove(self, key: str) -> None:
         self.pods.pop(key, None)
@@ -208,12 +214,14 @@ class KubeNodePods:
         out = []
         for pod in body.get("items") or []:
             meta = pod.get("metadata") or {}
-            phase = (pod.get("status") or {}).get("phase") or "Pending"
+            status = pod.get("status") or {}
+            phase = status.get("phase") or "Pending"
             try:
                 requests = requests_of(pod)
                 init = init_only(pod)
             except ValueError:
                 continue  # the API server validates quantities; a pod it let through is not ours to judge
             if requests and phase not in TERMINAL_PHASES:
-                out.append(BoundPod(f"{meta.get('namespace')}/{meta.get('name')}", requests, phase, init))
+                out.append(BoundPod(f"{meta.get('namespace')}/{meta.get('name')}", requests, phase, init,
+                                    bool(status.get("startTime"))))
         return out

@@ -167,6 +167,8 @@ def decode_capability(text: str) -> NodeCapability:
         raw = json.loads(text)
     except ValueError as e:
         raise CapabilityError(f"capability report is not JSON ({e})") from None
+    except RecursionError:  # nested deeper than json's recursion limit: no report of ours is
+        raise CapabilityError("capability report is nested too deeply to be one; not read") from None
     if not isinstance(raw, dict) or raw.get("v") != CAPABILITY_VERSION:
         version = raw.get("v") if isinstance(raw, dict) else None
         raise CapabilityError(f"capability report version {version!r} is not one this dynpart reads "

@@ -27,7 +27,9 @@ MIG_PROFILE_VARIANTS: tuple[str, ...] = ("+me", "+me.all", "-me", "+gfx")
 # Profiles that take media engines: at most one of them per GPU (`dynpart.mig.MigRules`). `+me.all`
 # takes all of them, so it is counted with `+me` (a conservative reading: never a plan the driver refuses).
 MEDIA_VARIANTS: frozenset[str] = frozenset({"+me", "+me.all"})
-MIG_PROFILE_PATTERN = r"\d+g\.\d+gb(?:" + "|".join(re.escape(v) for v in MIG_PROFILE_VARIANTS) + ")?"
+# Bounded and ASCII as an annotation key carries it (`dynpart.annotations.slice_token`): a profile
+# named otherwise could be reported or listed, planned, and then not be written in a spec
+MIG_PROFILE_PATTERN = r"[1-9][0-9]?g\.[1-9][0-9]{0,3}gb(?:" + "|".join(re.escape(v) for v in MIG_PROFILE_VARIANTS) + ")?"
 
 
 def profile_variant(name: str) -> str:
