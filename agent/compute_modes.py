@@ -9,7 +9,8 @@ that a restarted agent, a node switched to MIG mode or the setting turned off st
 to DEFAULT once they have no slice. A mode set by someone else (EXCLUSIVE_PROCESS on a GPU before
 it got slices, PROHIBITED) is left as it is. A GPU of dynpart's that has no slice and cannot be
 set back is `blocked`: the agent lists it Unhealthy (in EXCLUSIVE_PROCESS a pod given it whole
-could run a single CUDA process). Setting a compute mode needs CAP_SYS_ADMIN on the GPUs; refused
+could run a single CUDA process); so is a GPU with slices that someone keeps in PROHIBITED (no
+pod could start CUDA on its slices). Setting a compute mode needs CAP_SYS_ADMIN on the GPUs; refused
 once (NO_PERMISSION), no GPU is put in EXCLUSIVE_PROCESS any more by this agent process.
 """
 
@@ -75,8 +76,7 @@ class ComputeModes:
             if d.mig_current:
                 continue
             if d.index in sliced:
-                if self.enabled and not self.denied:
-                    errors += await self._exclusive(d)
+                errors += await self._sliced(d, blocked)
                 continue
             if d.uuid not in self.ours:
                 continue
@@ -95,15 +95,20 @@ class ComputeModes:
         self.blocked = blocked
         return errors
 
-    async def _exclusive(self, d: DeviceInfo) -> list[str]:
+    async def _sliced(self, d: DeviceInfo, blocked: dict[int, str]) -> list[str]:
+        """A GPU with MPS slices: EXCLUSIVE_PROCESS where it is DEFAULT (and changes are on), listed
+        Unhealthy (`blocked`) while someone else keeps it in PROHIBITED."""
         try:
             mode = await self.driver.compute_mode(d.index)
         except GpuDriverError as e:  # (NVML failing: the GPU's health says so too)
             return [f"GPU {d.index}: its compute mode cannot be read ({e})"]
         if mode == PROHIBITED:
-            return [f"GPU {d.index} is in PROHIBITED compute mode (not set by dynpart): no process, the MPS server "
-                    "included, can use it, and the pods given its slices fail to start CUDA"]
-        if mode != DEFAULT_COMPUTE:
+            # its slices listed Unhealthy: the kubelet admits no pod to them (each would fail to
+            # start CUDA), and the planner plans nothing new there, until the mode is changed back
+            blocked[d.index] = ("in PROHIBITED compute mode, not set by dynpart: no process, the MPS server included, "
+                                "can use it, so its slices would fail to start CUDA")
+            return []
+        if mode != DEFAULT_COMPUTE or not self.enabled or self.denied:
             return []  # EXCLUSIVE_PROCESS already (dynpart's, or set before it got slices: then left so)
         self.ours.add(d.uuid)
         self._save()  # before the change: an agent killed right after it still knows the GPU is its

@@ -24,11 +24,12 @@ from dynpart.agent.driver.interface import (
     GpuDriverError,
 )
 from dynpart.agent.kube import FakePluginPods
+from dynpart.annotations import decode_status
 
 from .conftest import H100, ROUND_80GIB, make_rig, mig_spec, mps_spec
 from .test_mps_compute_mode import RefusingDefault, mode_changes, modes, modes_rig
 
-PROHIBITED_SAID = "GPU 0 is in PROHIBITED compute mode (not set by dynpart)"
+PROHIBITED_SAID = "GPU 0 is unhealthy (in PROHIBITED compute mode, not set by dynpart"
 
 
 # --- ComputeModes ------------------------------------------------------------------------------------
@@ -106,8 +107,17 @@ async def test_a_mode_that_keeps_slices_from_working_is_reported_by_an_mps_pass(
     rig = make_rig(H100, 1, mig_enabled=False, **ROUND_80GIB).with_plugins()
     rig.driver.set_compute_mode(0, PROHIBITED)  # an administrator's
     rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
-    report = await rig.agent().reconcile_once()
+    agent = rig.agent()
+    report = await agent.reconcile_once()
     assert any(e.startswith(PROHIBITED_SAID) for e in report.errors), report.errors
+    # its slices listed Unhealthy: the kubelet admits no pod to them
+    listed = rig.plugins.advertised()["nvidia.com/gpu-40gb"]
+    assert len(listed) == 2 and not any(d.healthy for d in listed)
+    assert decode_status(rig.node_api.annotations, H100, node="node-1").unhealthy == (0,)
+    rig.driver.set_compute_mode(0, DEFAULT_COMPUTE)  # changed back: healthy again, and made exclusive
+    report = await agent.reconcile_once()
+    assert all(d.healthy for d in rig.plugins.advertised()["nvidia.com/gpu-40gb"]), report.errors
+    assert rig.driver.compute_mode(0) == EXCLUSIVE_PROCESS
 
 
 async def test_a_mode_that_keeps_slices_left_from_working_is_reported_by_a_mig_pass():

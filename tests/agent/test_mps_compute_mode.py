@@ -152,10 +152,23 @@ async def test_modes_set_by_others_are_left_as_they_are():
     driver.set_compute_mode(2, PROHIBITED)
     errors = await cm.sync(driver.devices(), {0, 1, 2})
     assert modes(driver) == [EXCLUSIVE_PROCESS, EXCLUSIVE_PROCESS, PROHIBITED] and cm.ours == {"GPU-fake-0000"}
-    assert errors == ["GPU 2 is in PROHIBITED compute mode (not set by dynpart): no process, the MPS server included, "
-                      "can use it, and the pods given its slices fail to start CUDA"]
-    assert await cm.sync(driver.devices(), set()) == []
+    # a sliced GPU kept in PROHIBITED is listed Unhealthy (reported with the GPU's health)
+    assert errors == [] and list(cm.blocked) == [2] and "PROHIBITED" in cm.blocked[2]
+    assert await cm.sync(driver.devices(), set()) == [] and cm.blocked == {}
     assert modes(driver) == [DEFAULT_COMPUTE, EXCLUSIVE_PROCESS, PROHIBITED]  # only its own set back
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_a_sliced_gpu_kept_in_prohibited_is_blocked_until_it_leaves_that_mode(enabled):
+    """Whether the agent sets compute modes or not (`mps_exclusive_process`): no CUDA context, the
+    MPS server's included, can be made on a PROHIBITED GPU, so its slices must not be admitted."""
+    driver, cm = modes_rig(1, enabled=enabled)
+    driver.set_compute_mode(0, PROHIBITED)  # an administrator's
+    assert await cm.sync(driver.devices(), {0}) == [] and list(cm.blocked) == [0]
+    assert driver.compute_mode(0) == PROHIBITED  # left as it is
+    driver.set_compute_mode(0, DEFAULT_COMPUTE)  # changed back
+    await cm.sync(driver.devices(), {0})
+    assert cm.blocked == {} and driver.compute_mode(0) == (EXCLUSIVE_PROCESS if enabled else DEFAULT_COMPUTE)
 
 
 async def test_what_it_set_is_remembered_across_a_restart_and_undone_even_turned_off(tmp_path):
