@@ -340,7 +340,6 @@ class PlannerController:
         watch_limit_s = kube.watch_timeout_s + kube.watch_idle_timeout_s + kube.backoff_max_s
         for informer in (self.nodes, self.pods):
             self.liveness.expect(f"watch {informer.name}", watch_limit_s)
-        self.liveness.expect("planning loop", max(60.0, 4 * self.settings.resync_s))
 
         async def optional(informer: Informer) -> None:
             # claims and volumes only narrow pods that use volumes: a list they keep failing (an RBAC
@@ -358,6 +357,9 @@ class PlannerController:
         try:
             await self.nodes.synced.wait()
             await self.pods.synced.wait()
+            # the loop is watched from its start: the first lists (minutes for 100,000 pods on a
+            # throttled API server) beat the watches' heartbeats page by page, not the loop's
+            self.liveness.expect("planning loop", max(60.0, 4 * self.settings.resync_s))
             log.info("caches synced", extra={"fields": {"nodes": len(self.nodes.cache), "pods": len(self.pods.cache)}})
             while True:
                 try:

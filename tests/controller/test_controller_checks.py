@@ -425,9 +425,12 @@ async def _turns(n: int = 5) -> None:
 async def test_planning_starts_once_nodes_and_pods_are_listed_and_the_watches_are_watched(make, monkeypatch, resync_s,
                                                                                           first):
     """A round on half-listed caches would miss the specs in flight on unlisted nodes (and plan
-    their pods twice). The liveness probe watches the node and pod watches and the loop from the
-    start, the claim and volume watches only once listed; ending the loop ends every watch."""
-    liveness = Liveness()
+    their pods twice). The liveness probe watches the node and pod watches from the start, the
+    loop once both are listed (a first list longer than the loop's limit, each page beating its
+    watch, must not get the planner restarted and listing again for ever), the claim and volume
+    watches only once listed; ending the loop ends every watch."""
+    now = [0.0]
+    liveness = Liveness(clock=lambda: now[0])
     c = PlannerController(client.ApiClient(), PlannerSettings(resync_s=resync_s), CAT, liveness=liveness,
                           leadership=Lead(term=3))
     assert c.liveness is liveness
@@ -445,6 +448,12 @@ async def test_planning_starts_once_nodes_and_pods_are_listed_and_the_watches_ar
     listed.synced.set()
     await _turns()
     assert steps == [], f"the {then.name} are not listed yet"
+    assert "planning loop" not in liveness._max_age
+    for _ in range(10):  # a long first list: 10 pages, 50 s apart
+        now[0] += 50.0
+        liveness.beat(f"watch {then.name}")
+        liveness.beat(f"watch {listed.name}")
+    assert liveness.stale() == []
     then.synced.set()
     await _turns()
     assert steps == [1]
