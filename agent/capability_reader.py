@@ -95,12 +95,19 @@ def read_capability(driver: GpuDriver, catalog: Catalog) -> tuple[NodeCapability
             read[key] = tuple(read_profiles(driver, d.index, catalog, d.name, problems))
             if read[key] or len(problems) > before:
                 settled.add(key)
+    # what MPS slices may take, per kind (product, total): the least of its GPUs. What the driver
+    # reserves is read per GPU and may differ between GPUs of one product (MIG mode, firmware):
+    # one kind a product and total, as before, or the node would be of several kinds, not planned
+    mps_mib: dict[tuple[str, int], int] = {}
+    for d in devices:
+        key = (d.name, d.memory_mib)
+        mps_mib[key] = min(mps_mib.get(key, d.memory_mib), mps_memory_mib(d, catalog))
     kinds: dict[GpuKind, int] = {}
     gpus: list[GpuReport] = []
     for d in sorted(devices, key=lambda d: d.index):
         profiles = read.get((d.name, d.memory_mib), ())
         try:
-            kind = GpuKind(product=d.name[:96], memory_mib=mps_memory_mib(d, catalog),
+            kind = GpuKind(product=d.name[:96], memory_mib=mps_mib[(d.name, d.memory_mib)],
                            memory_slices=max((s + p.memory for p in profiles for s in p.starts), default=0),
                            compute_slices=max((p.compute for p in profiles), default=0), profiles=profiles)
         except ValidationError as e:  # e.g. no product name: nothing to plan this node with

@@ -83,6 +83,10 @@ class SliceGuard:
         listed = self.advertised()
         if listed is not None:
             free = {r: [i for i in ids if i in listed] for r, ids in free.items()}
+            # to_keep keeps the last candidates: an Unhealthy one (not listed) kept for a pod is
+            # of no use to it (the kubelet gives it no such device), so those are the first to go
+            candidates = {**{i: r for i, r in candidates.items() if i not in listed},
+                          **{i: r for i, r in candidates.items() if i in listed}}
         return to_keep(candidates, free, needs)
 
     async def mps_held(self) -> bool:

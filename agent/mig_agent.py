@@ -155,7 +155,11 @@ class MigAgent:
                     gi_users = [f"pid {p}" for p in reading.pids.get(gi.gi_id, [])]
                     if gi.uuid:
                         gi_users += [f"pod {p}" for p in holders.get(gi.uuid, [])]
-                    if self._held_open.get(gi.uuid or (d.index, gi.gi_id), 0.0) > time.monotonic():
+                    # by its MIG UUID, or by its GI id once a compute instance went (its UUID then
+                    # gone, or another compute instance's)
+                    held = max(self._held_open.get(gi.uuid, 0.0) if gi.uuid else 0.0,
+                               self._held_open.get((d.index, gi.gi_id), 0.0))
+                    if held > time.monotonic():
                         gi_users.append("a client that is not a compute process (the driver refused to destroy "
                                         "it: IN_USE)")
                     instances.append(Instance(gi.gi_id, profile.name if profile else None, gi.profile_id, gi.start,
@@ -168,6 +172,12 @@ class MigAgent:
                 self._activation.pop(d.uuid, None)  # active (or given up): what the driver said is stale
             states.append(MigGpuState(d.index, d.mig_current, pending, tuple(instances), tuple(users),
                                       self._activation.get(d.uuid) if pending else None))
+        # a GPU instance known by its GI id that is gone (destroyed by hand, a GPU reset, MIG mode
+        # off) is forgotten: GI ids are reused, and a new instance without its compute instance yet
+        # (its creation failed once) must not be taken for the one held open
+        read_gpus = {r.device.index for r in readings}
+        for key in [k for k in self._held_open if isinstance(k, tuple) and k[0] in read_gpus and k not in raw]:
+            del self._held_open[key]
         return _Observed([r.device for r in readings], states, raw)
 
     async def _check_catalog(self, observed: _Observed) -> list[str]:

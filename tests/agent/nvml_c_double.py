@@ -42,6 +42,7 @@ class SimulatedNvmlLibrary:
         self.compute_mode = 0  # NVML_COMPUTEMODE_DEFAULT
         self.root = True  # False: nvmlDeviceSetComputeMode answers NO_PERMISSION
         self.reserved_mib: int | None = 480  # what nvmlMemory_v2 says is reserved; None: not supported
+        self.reserved_bytes: int | None = None  # the same in bytes, where not whole MiB
 
     def __getattr__(self, name: str) -> Callable[..., int]:
         if name.startswith("_"):
@@ -101,7 +102,8 @@ class SimulatedNvmlLibrary:
             return NOT_SUPPORTED  # (a library without the function answers FUNCTION_NOT_FOUND instead)
         if m.version != pynvml.nvmlMemory_v2:
             return ARGUMENT_VERSION_MISMATCH
-        m.total, m.reserved = self.memory_mib << 20, self.reserved_mib << 20
+        m.total = self.memory_mib << 20
+        m.reserved = self.reserved_bytes if self.reserved_bytes is not None else self.reserved_mib << 20
         m.free, m.used = (self.memory_mib - 500) << 20, (500 - self.reserved_mib) << 20
         return SUCCESS
 

@@ -252,6 +252,19 @@ def test_the_mps_capacity_leaves_out_what_the_driver_reserves(reserved, total, k
                          else ["nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo"])
 
 
+def test_the_reserved_memory_is_rounded_up_to_whole_mib():
+    """An H200's driver counts 615.06 MiB in version 1's `used` on an idle GPU, and nvidia-smi shows
+    616 MiB "Reserved" (tests/fixtures/nvml): whole MiB up, so that the total less it is never above
+    what is free (the catalog's figure for the same GPU gives the same)."""
+    lib = SimulatedNvmlLibrary(CATALOG.resolve("H200-141GB"), "NVIDIA H200", 143771, mig=False)
+    lib.reserved_bytes = 644_939_776  # 615.0625 MiB
+    with record_nvml(lib) as (driver, _):
+        assert driver.devices()[0].reserved_mib == 616
+        capability, _ = read_capability(driver, CATALOG)
+    assert capability.kinds[0].memory_mib == 143771 - 616 == 143155
+    assert node_model(capability, CATALOG).model is CATALOG.models["H200-141GB"]
+
+
 def test_a_recording_without_the_reserved_memory_read_replays_a_driver_without_it(h200):
     # a read newer than the recording, with a fallback: answered as by a driver lacking the function
     nv = h200._nv
