@@ -65,19 +65,10 @@ async def test_a_gi_id_held_open_is_forgotten_once_its_gpu_instance_is_gone():
 
     from dynpart.agent.driver.interface import GpuDriverError
 
-    from .conftest import make_rig, mig_spec
+    from .conftest import mig_spec
+    from .test_mig_apply_races import two_3g_the_first_held_once_its_ci_goes
 
-    rig = make_rig(count=1)
-    agent = rig.agent()
-    rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"]}, plan="p1"))
-    assert (await agent.reconcile_once()).plan_id == "p1"
-    gi = rig.driver.gi_at(0, 0)
-
-    def hold_after_the_ci(op: Any) -> None:
-        if op.op == "destroy_gi" and op.gi_id == gi:
-            rig.driver.hold(0, "leaked-handle", gi_id=gi)
-
-    rig.driver.before_op = hold_after_the_ci
+    rig, agent, gi = await two_3g_the_first_held_once_its_ci_goes()
     rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@4"]}, plan="p2"))
     await agent.reconcile_once()
     assert [g.start for g in rig.driver.gpu_instances(0)] == [0, 4]  # held, without its CI

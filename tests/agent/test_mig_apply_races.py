@@ -62,13 +62,9 @@ async def test_a_whole_gpu_allocated_while_the_guard_lists_the_bound_pods_gets_n
         "MIG mode enabled on a GPU the kubelet had just allocated to a pod", report.errors)
 
 
-async def test_a_gpu_instance_held_open_after_its_compute_instance_went_is_not_reported_free(monkeypatch):
-    """The driver destroys the compute instance, then refuses the GPU instance (IN_USE: a client
-    holds it, which docs/agent.md says may happen for either). The GPU instance stays, without
-    a compute instance; it still takes its memory slices. Reported nowhere, the planner sees those
-    slices free and plans an instance over them, which the agent cannot create: the plan is never
-    acknowledged and the next plan is the same. As for a complete instance held open, the status
-    must not show those slices free (the planner must see them taken)."""
+async def two_3g_the_first_held_once_its_ci_goes() -> tuple[Any, Any, int]:
+    """An H100 with 3g.40gb@0 and @4 applied; from now on, destroying the first's GPU instance
+    finds it held open by a client (its compute instance destroyed first, as the agent does)."""
     rig = make_rig(count=1)
     agent = rig.agent()
     rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"]}, plan="p1"))
@@ -80,6 +76,17 @@ async def test_a_gpu_instance_held_open_after_its_compute_instance_went_is_not_r
             rig.driver.hold(0, "leaked-handle", gi_id=gi)
 
     rig.driver.before_op = hold_after_the_ci
+    return rig, agent, gi
+
+
+async def test_a_gpu_instance_held_open_after_its_compute_instance_went_is_not_reported_free(monkeypatch):
+    """The driver destroys the compute instance, then refuses the GPU instance (IN_USE: a client
+    holds it, which docs/agent.md says may happen for either). The GPU instance stays, without
+    a compute instance; it still takes its memory slices. Reported nowhere, the planner sees those
+    slices free and plans an instance over them, which the agent cannot create: the plan is never
+    acknowledged and the next plan is the same. As for a complete instance held open, the status
+    must not show those slices free (the planner must see them taken)."""
+    rig, agent, gi = await two_3g_the_first_held_once_its_ci_goes()
     rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p2") | {"dynpart.io/spec-gpu-0-3g.40gb": None})
     report = await agent.reconcile_once()
     assert any("destroying 3g.40gb@0 failed" in e for e in report.errors), report.errors
