@@ -708,11 +708,19 @@ def test_pod_env_policy(default, full):
     assert sets in variables["setters"] and "envFrom" not in variables["setters"]
     for kind in ("container", "init container", "ephemeral container"):
         assert f"'{kind} \"' + c.name" in variables["setters"]
-    (check,) = spec["validations"]
+    check, mixes = spec["validations"]
     assert check["expression"] == "variables.setters.size() == 0" and check["reason"] == "Forbidden"
     assert "variables.setters.join('; ')" in check["messageExpression"]
     for text in (check["message"], check["messageExpression"]):
         assert "NVIDIA_VISIBLE_DEVICES" in text and "CUDA_MPS_" in text and "device plugin sets" in text
+    # a container asking for an MPS slice and another GPU resource (whole GPU, MIG, another size)
+    assert mixes["expression"] == "variables.mixers.size() == 0" and mixes["reason"] == "Forbidden"
+    mixers = variables["mixers"]
+    assert "m.matches('^nvidia[.]com/gpu-[0-9]+gb$')" in mixers and "r != m" in mixers
+    assert "r.matches('^nvidia[.]com/(gpu|mig-.+|gpu-[0-9]+gb)$')" in mixers
+    assert "'container \"' + c.name" in mixers and "'init container \"' + c.name" in mixers
+    assert mixers.startswith("request.?subResource.orValue('') == 'ephemeralcontainers' ? [] :")
+    assert "variables.mixers.join('; ')" in mixes["messageExpression"] and "CUDA_VISIBLE_DEVICES" in mixes["message"]
 
 
 def test_pod_env_policy_follows_the_release_and_can_be_turned_off():

@@ -121,6 +121,12 @@ ACCEPTED = {
         "no-slice-mps-env", container(env={"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps"}),
         init=[container("validator", env={"NVIDIA_VISIBLE_DEVICES": "all"})]),
     # envFrom is not seen at admission (docs/helm.md): the documented gap
+    # one MPS size per container, whatever the other containers ask for
+    "two slices of one MPS size": pod("mps-two", container(limits={"nvidia.com/gpu-10gb": "2"})),
+    "an MPS slice and a whole GPU in two containers": pod(
+        "mps-and-gpu-apart", container(limits=MPS), container("other", limits={"nvidia.com/gpu": "1"})),
+    "MIG profiles of two kinds in one container": pod(
+        "two-mig", container(limits={**MIG, "nvidia.com/mig-2g.20gb": "1"})),
     "envFrom (not seen)": pod("env-from", container(limits=MPS, envFrom=[{"configMapRef": {"name": "mps-env"}}])),
 }
 
@@ -151,6 +157,31 @@ REFUSED = {
             {"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['gpus']"}}}]}),
         ['container "main": NVIDIA_VISIBLE_DEVICES']),
 }
+
+
+MIXED = {
+    "an MPS slice and a whole GPU": (
+        pod("mps-and-gpu", container(limits={**MPS, "nvidia.com/gpu": "1"})), ['container "main"']),
+    "two MPS sizes (requests)": (
+        pod("two-sizes", container(requests={**MPS, "nvidia.com/gpu-20gb": "1"},
+                                   limits={**MPS, "nvidia.com/gpu-20gb": "1"})), ['container "main"']),
+    "an init container's MPS slice and MIG instance": (
+        pod("init-mix", container("main", limits=MIG),
+            init=[container("prep", limits={**MPS, "nvidia.com/mig-1g.10gb": "1"})]), ['init container "prep"']),
+}
+
+
+@pytest.mark.parametrize("name", MIXED)
+def test_a_container_mixing_an_mps_slice_with_another_gpu_resource_is_refused(setup, name):
+    """The kubelet allocates each resource with its own plugin call and keeps the first answer's
+    value of each environment variable (pod_devices.go, in map order): the MPS answer's
+    CUDA_VISIBLE_DEVICES then hides the other resource's GPU, or names one the runtime did not give."""
+    obj, what = MIXED[name]
+    status, message = setup.create(obj)
+    assert status == 403 and DENIED in str(message), f"{name}: {status} {message}"
+    assert ("a container asking for an MPS slice (nvidia.com/gpu-<N>gb) may not ask for another GPU resource "
+            "(nvidia.com/gpu, nvidia.com/mig-*, another MPS size): " + "; ".join(what) + " (") in message, message
+    assert setup.call("GET", f"/api/v1/namespaces/{NS}/pods/{obj['metadata']['name']}")[0] == 404
 
 
 @pytest.mark.parametrize("name", ACCEPTED)
@@ -205,7 +236,7 @@ def test_without_the_binding_every_refused_pod_is_created(setup):
     setup.client.delete(binding)
     try:
         wait_for("the binding's removal", lambda: _not_enforced(setup))
-        results = {name: setup.create(obj, dry_run=True) for name, (obj, _) in REFUSED.items()}
+        results = {name: setup.create(obj, dry_run=True) for name, (obj, _) in {**REFUSED, **MIXED}.items()}
         assert {name: r for name, r in results.items() if r[0] != 201} == {}
     finally:
         setup.client.ensure(binding)
