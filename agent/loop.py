@@ -248,6 +248,7 @@ class Agent:
                 self._mig = None  # built for the old model
                 if self._mps_plugin is not None:  # (a lower capacity_gb is in the model's already)
                     self._mps_plugin.capacity_gb = choice.model.mps_capacity_gb
+                    self._mps_plugin.max_slices = choice.model.mps_max_clients
                 for note in [*unread, *choice.disagreements]:
                     log.warning("node %s: %s", self.node, note)
             self._model, self._mig_states = choice.model, states
@@ -338,7 +339,7 @@ class Agent:
                 if self._mps_plugin is None:
                     self._mps_plugin = MpsPluginAgent(self.driver, self.pods, capacity, guard=self.guard,
                                                       daemon=self.mps_daemon, pipe_dir=self.plugins.allocate.pipe_dir_host,
-                                                      log_dir=self.mps_log_dir)
+                                                      log_dir=self.mps_log_dir, max_slices=model.mps_max_clients)
                 desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
                 result = await self._mps_plugin.apply(desired_mps, spec.drain)
                 # before the slices, or the GPUs left whole, are listed (_serve)
@@ -433,6 +434,10 @@ class Agent:
             self._mig.mps_left = {}
             if mps is None:
                 await self._stop_daemon_left()
+            elif not await mps._slices_held():
+                # the slices went before the switch (in MPS mode, the daemon was kept running for
+                # GPUs with none): nothing needs it on a MIG node now
+                await mps.stop_daemon()
             return []
         result = await mps.apply({}, ())
         if not any(mps.live.values()):

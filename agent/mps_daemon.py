@@ -523,6 +523,20 @@ class SupervisedMpsDaemon:
             return list(gpus)
         return None
 
+    def running_dirs(self) -> tuple[str, str] | None:
+        """(pipe_dir, log_dir) of the daemon `running_for` names, as the same files say; None when
+        unknown."""
+        if not self.running_for():
+            return None
+        state = self._state() or {}
+        desired = read_json(self.desired_path) or {}
+        acted, asked = state.get("seq"), desired.get("seq")
+        if isinstance(asked, int) and isinstance(acted, int) and asked > acted \
+                and not before_this_boot(desired.get("boot"), boot_id()):
+            state = desired
+        pipe_dir, log_dir = state.get("pipe_dir"), state.get("log_dir")
+        return (pipe_dir, log_dir) if isinstance(pipe_dir, str) and isinstance(log_dir, str) else None
+
     async def stop(self) -> None:
         """No GPU wants the daemon (the node left MPS mode): the supervisor stops it. Waits for that
         as `ensure` does; a supervisor that does not answer is only logged."""

@@ -64,10 +64,11 @@ def assign_slices(sizes: list[int], fixed: Mapping[int, int], previous: Mapping[
 class MpsPluginAgent:
     def __init__(self, driver: GpuDriver | AsyncDriver, pods: PodResources, capacity_gb: int, *,
                  guard: SliceGuard | None = None, daemon: MpsDaemon | None = None, pipe_dir: str = "/tmp/nvidia-mps",
-                 log_dir: str = "/var/log/nvidia-mps"):
+                 log_dir: str = "/var/log/nvidia-mps", max_slices: int | None = None):
         self.driver = as_async(driver)  # awaited: made on the driver's own thread (driver/threaded.py)
         self.pods = pods
         self.capacity_gb = capacity_gb
+        self.max_slices = max_slices  # the MPS server's clients per GPU (catalog mps_max_clients; None: no bound)
         self.guard = guard
         self.daemon = daemon
         self.pipe_dir = pipe_dir
@@ -75,6 +76,8 @@ class MpsPluginAgent:
         self.live: dict[int, Slices] = {}  # GPU index -> its slices, as advertised
         self.daemon_error: str | None = None
         self._daemon_gpus: list[str] | None = None  # the GPUs the daemon was last made to run for
+        # its (pipe, log) directories, where it outlives this agent and they may differ from ours
+        self._daemon_dirs: tuple[str, str] | None = None
         self.uncovered: set[str] = set()  # UUIDs of GPUs with MPS slices the daemon does not run for
 
     def view(self, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -148,7 +151,7 @@ class MpsPluginAgent:
         def plan(fixed: dict[int, Slices]) -> tuple[dict[int, Slices], list[str]]:
             sizes, problems = reconcile_mps({i: s for i, s in wanted.items() if i not in whole_kept},
                                             {g: Counter(f.values()) for g, f in fixed.items()}, shareable,
-                                            self.capacity_gb)
+                                            self.capacity_gb, self.max_slices)
             new = {g: assign_slices(sizes.get(g, []), fixed.get(g, {}), self.live.get(g, {})) for g in shareable}
             for g, f in fixed.items():  # held slices on a GPU not shareable now stay listed
                 if g not in new:
@@ -240,7 +243,12 @@ class MpsPluginAgent:
             # a restarted agent, the daemon still running in the mps-control pod: what it
             # runs for is what this agent made it run for (not changed under pods using it)
             self._daemon_gpus = self.daemon.running_for()
-        changed = self._daemon_gpus is not None and set(gpus) != set(self._daemon_gpus)
+            running_dirs = getattr(self.daemon, "running_dirs", None)
+            self._daemon_dirs = running_dirs() if running_dirs is not None and self._daemon_gpus else None
+        dirs = (self.pipe_dir, self.log_dir)
+        # other directories (an agent of another version or settings): a restart as for other GPUs
+        moved = self._daemon_dirs is not None and self._daemon_dirs != dirs
+        changed = self._daemon_gpus is not None and (set(gpus) != set(self._daemon_gpus) or moved)
         if changed and not in_use:
             # `in_use` is the pass's first PodResources list: the guard's waits since (withdraw,
             # settle) leave the kubelet time to give a slice to a pod, whose CUDA context the
@@ -254,6 +262,11 @@ class MpsPluginAgent:
             # answers does not matter: one that is slow to answer must not be told to quit
             # (ensure restarts it for the same GPUs only if it is gone)
             self.uncovered = set(gpus) - set(self._daemon_gpus)
+            if moved:
+                assert self._daemon_dirs is not None
+                if self._daemon_dirs[0] != self.pipe_dir:  # a new pod given our pipe directory would miss it
+                    self.uncovered = set(gpus)
+                dirs = self._daemon_dirs
             if any(self.live.get(gpus[u]) for u in self.uncovered):
                 errors.append(f"the MPS daemon runs for {', '.join(self._daemon_gpus)} and is not restarted while "
                               f"pods use MPS slices: the slices of {', '.join(sorted(self.uncovered))} are listed "
@@ -262,8 +275,9 @@ class MpsPluginAgent:
         else:
             running = sorted(gpus, key=lambda u: gpus[u])  # NVML index order: the clients' device numbers
         try:
-            await self.daemon.ensure(running, self.pipe_dir, self.log_dir)
+            await self.daemon.ensure(running, *dirs)
             self._daemon_gpus = running
+            self._daemon_dirs = dirs
         except MpsDaemonError as e:
             # what it runs for now (a busy one is kept as it was), else what it was asked to run
             # for: a later pass with slices in use must not take a difference for a change of GPUs

@@ -266,9 +266,10 @@ def drained_mps(desired: Mapping[int, Iterable[int]], used: Mapping[int, Counter
 
 
 def reconcile_mps(desired: Mapping[int, Iterable[int]], used: Mapping[int, Counter[int]], gpus: Iterable[int],
-                  capacity: int) -> tuple[dict[int, list[int]], list[str]]:
+                  capacity: int, max_slices: int | None = None) -> tuple[dict[int, list[int]], list[str]]:
     """Slice sizes per GPU to configure, and the errors. Slices pods hold are always kept;
-    the spec's other slices are added largest first while they fit in `capacity`."""
+    the spec's other slices are added largest first while they fit in `capacity` and the GPU has
+    fewer than `max_slices` (the MPS server's clients per GPU; None: no bound)."""
     errors: list[str] = []
     gpu_set = set(gpus)
     for index in sorted(set(desired) - gpu_set):
@@ -290,6 +291,11 @@ def reconcile_mps(desired: Mapping[int, Iterable[int]], used: Mapping[int, Count
                 if total + size > capacity:
                     errors.append(f"GPU {index}: a {size}gb slice does not fit next to the slices in use "
                                   f"({total} of {capacity} GB taken); it will be added once they are free")
+                    continue
+                if max_slices is not None and len(sizes) >= max_slices:
+                    errors.append(f"GPU {index}: a {size}gb slice would be the MPS server's client "
+                                  f"{len(sizes) + 1} (at most {max_slices} a GPU); it will be added once slices in "
+                                  "use are free")
                     continue
                 sizes.append(size)
                 total += size
