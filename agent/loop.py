@@ -434,9 +434,10 @@ class Agent:
             self._mig.mps_left = {}
             if mps is None:
                 await self._stop_daemon_left()
-            elif not await mps._slices_held():
+            elif mps.daemon_running() and not await mps._slices_held():
                 # the slices went before the switch (in MPS mode, the daemon was kept running for
-                # GPUs with none): nothing needs it on a MIG node now
+                # GPUs with none): nothing needs it on a MIG node now (asked while it runs only:
+                # the pods' list is an API call)
                 await mps.stop_daemon()
             return []
         result = await mps.apply({}, ())

@@ -226,6 +226,10 @@ class MpsPluginAgent:
                         "cannot be read (%s)", e)
             return True
 
+    def daemon_running(self) -> bool:
+        """Whether this agent made the daemon run (and has not stopped it since)."""
+        return self.daemon is not None and self._daemon_gpus is not None
+
     async def stop_daemon(self) -> None:
         """The node left MPS mode and no slice is left: nothing needs the daemon."""
         if self.daemon is not None and self._daemon_gpus is not None:

@@ -40,7 +40,7 @@ async def test_a_whole_gpu_allocated_while_the_guard_lists_the_bound_pods_gets_n
     bound = node_pods.bound
 
     async def listing() -> list[BoundPod]:
-        if node_pods.calls == 1 and uuid in plugins.withdrawn and uuid not in plugins.sealed:
+        if not served and uuid in plugins.withdrawn and uuid not in plugins.sealed:
             # the release's re-check: the kubelet's Allocate (it chose the GPU before it read the
             # shorter list) lands while the API server answers
             msgs = protocol.messages()
