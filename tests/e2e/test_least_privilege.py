@@ -15,6 +15,7 @@ sharing the cluster are not affected; what the module created is deleted at the 
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import os
@@ -205,6 +206,15 @@ class Setup:
         return self.callers[case.who].patch_node(self.nodes[case.node], case.body(), case.subresource)
 
 
+def _projection(setup: "Setup") -> dict[str, Any]:
+    """The DaemonSet's projected serviceAccountToken source."""
+    ds = next(o for o in render(RELEASE, NS, "--set", "agent.runtimeClassName=")
+              if o["kind"] == "DaemonSet" and o["metadata"]["name"] == AGENT)
+    (projection,) = [s["serviceAccountToken"] for v in ds["spec"]["template"]["spec"]["volumes"] if "projected" in v
+                     for s in v["projected"]["sources"] if "serviceAccountToken" in s]
+    return dict(projection)
+
+
 def _node(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Node", "metadata": {
         "name": name,
@@ -335,6 +345,24 @@ def test_the_agents_token_names_its_node(setup):
     assert user["username"] == f"system:serviceaccount:{NS}:{AGENT}"
     assert user["extra"][NODE_NAME_EXTRA] == [setup.nodes["A"]]
     assert user["extra"]["authentication.kubernetes.io/pod-name"] == [setup.agent_pod["metadata"]["name"]]
+
+
+def _claims(token: str) -> dict[str, Any]:
+    payload = token.split(".")[1]
+    return dict(json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))))
+
+
+def test_the_agents_token_expires_as_requested(setup):
+    """The token the kubelet gets for the DaemonSet's projected volume lives no longer than the
+    volume asks: the API server stretches a pod-bound token requested for exactly 3607 s (the
+    auto-mounted value) to a year (--service-account-extend-token-expiration, on by default), so a
+    token copied off a node would keep patching that node's status for as long as its agent pod
+    runs. The kubelet renews the token at 80 % of the requested lifetime; the client rereads it."""
+    claims = _claims(setup.callers["agent"].token)
+    asked = _projection(setup)["expirationSeconds"]
+    assert claims["exp"] - claims["iat"] <= asked, (
+        f"the agent's token lives {claims['exp'] - claims['iat']} s, asked for {asked} s")
+    assert claims["kubernetes.io"]["node"]["name"] == setup.nodes["A"]  # still bound to its pod and node
 
 
 @pytest.mark.parametrize("case", ALLOWED, ids=lambda c: c.name)

@@ -225,3 +225,31 @@ capabilities:
   {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* The API credential of the agent and the planner, as the ServiceAccount admission plugin would
+mount it (automountServiceAccountToken: false on the pod): a token bound to the pod (for the agent,
+it names the pod's node, which the node-write policy checks; the kubelet renews it at 80 % of its
+lifetime, the client rereads it every minute), the cluster CA and the namespace. 3600 s, not the
+auto-mounted 3607 s: the API server stretches a pod-bound token requested for exactly 3607 s to a
+year (--service-account-extend-token-expiration, on by default), so a token copied out of the pod
+would work for as long as the pod lives (docs/helm.md, "RBAC (least privilege)"). */}}
+{{- define "dynpart.apiAccessVolume" -}}
+- name: kube-api-access
+  projected:
+    defaultMode: 420  # 0644
+    sources:
+      - serviceAccountToken:
+          path: token
+          expirationSeconds: 3600
+      - configMap:
+          name: kube-root-ca.crt
+          items:
+            - key: ca.crt
+              path: ca.crt
+      - downwardAPI:
+          items:
+            - path: namespace
+              fieldRef:
+                apiVersion: v1
+                fieldPath: metadata.namespace
+{{- end }}
