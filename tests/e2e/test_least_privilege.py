@@ -206,7 +206,7 @@ class Setup:
         return self.callers[case.who].patch_node(self.nodes[case.node], case.body(), case.subresource)
 
 
-def _projection(setup: "Setup") -> dict[str, Any]:
+def _projection(setup: Setup) -> dict[str, Any]:
     """The DaemonSet's projected serviceAccountToken source."""
     ds = next(o for o in render(RELEASE, NS, "--set", "agent.runtimeClassName=")
               if o["kind"] == "DaemonSet" and o["metadata"]["name"] == AGENT)
