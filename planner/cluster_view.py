@@ -230,6 +230,9 @@ class ClusterView:
     deferred: dict[str, str] = field(default_factory=dict)
     # pending pods every node that could take them excludes (pod_conflicts), with why
     blocked: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    # pending pod -> the pod as it asks, without the nodes this round keeps it off (conflicts,
+    # other resources short: `avoiding`, a passing fact): what the learnt workload counts
+    asked: dict[str, PendingPod] = field(default_factory=dict)
 
 
 @dataclass
@@ -659,6 +662,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     elsewhere: list[tuple[dict[str, Any], str]] = []
     hosts = _DynpartNodes(nodes)
     host_names: dict[str, frozenset[str]] = {}
+    asked: dict[str, PendingPod] = {}
     by_key = {pod_key(p): p for p in pods if not _ended(p)} if in_flight else {}
     placed = PlacedPods([*((p, n) for n, on in by_node.items() for p in on),
                          *((by_key[k], n) for k, n in (in_flight or {}).items() if k in by_key)],
@@ -703,6 +707,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                 deferred[wants.name] = older  # planned by the next round, where the older one counts as placed
                 continue
             placed.take(facts)
+            asked[wants.name] = wants
             if excluded:
                 wants = avoiding(wants, set(excluded))
             host_names[wants.name] = admitting
@@ -725,7 +730,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
         problems.append((obj, f"{'pod' if name in candidates else 'node'} {name} left out of planning: {message}"))
     return ClusterView(snapshot, acks, problems, catalog, disagreements, switching,
                        [(pod, w) for pod, w in warnings if pod_key(pod) in {p.name for p in snapshot.pending}],
-                       skew, kept, elsewhere, {p.name: host_names[p.name] for p in snapshot.pending}, deferred, blocked)
+                       skew, kept, elsewhere, {p.name: host_names[p.name] for p in snapshot.pending}, deferred, blocked,
+                       {p.name: asked[p.name] for p in snapshot.pending})
 
 
 class _DynpartNodes:

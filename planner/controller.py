@@ -804,7 +804,7 @@ class PlannerController:
             return
         # the objective's request distribution: the requests seen lately, decayed (planner/demand.py);
         # the pods backing off (PlanningLoop.backing_off) left out
-        snapshot = self.loop.prepare(snapshot, self.clock())
+        snapshot = self.loop.prepare(snapshot, self.clock(), view.asked)
         if not snapshot.pending:
             self._left_for_unplaced = dict(view.deferred)
             return

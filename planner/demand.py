@@ -8,7 +8,7 @@ of the snapshot, whose `workload` this fills."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from dynpart.catalog import Catalog
 from dynpart.errors import CatalogError, DynpartError, SnapshotError
@@ -55,18 +55,25 @@ class DemandTracker:
         self._remember = remember
         self._t: float | None = None
 
-    def observe(self, pods: Iterable[PendingPod], now: float) -> None:
-        """Decay what was seen to `now`, then count each pod not counted before."""
+    def observe(self, pods: Iterable[PendingPod], now: float, versions: Mapping[str, str] | None = None) -> None:
+        """Decay what was seen to `now`, then count each pod not counted before. `versions`: pod ->
+        what identifies it (its uid...), where known: a pod made again under a name already
+        counted (a StatefulSet's) is another pod, and counts."""
         if self._t is not None and now > self._t:
             factor = 0.5 ** ((now - self._t) / self.half_life_s)
             self._weights = {k: w * factor for k, w in self._weights.items() if w * factor >= self.floor}
         self._t = now if self._t is None else max(self._t, now)
+        now_seen = 0
         for pod in pods:
-            if pod.name in self._seen:
-                self._seen.move_to_end(pod.name)
+            now_seen += 1
+            seen = pod.name if versions is None or pod.name not in versions else f"{pod.name}\0{versions[pod.name]}"
+            if seen in self._seen:
+                self._seen.move_to_end(seen)
                 continue
-            self._seen[pod.name] = None
-            if len(self._seen) > self._remember:
+            self._seen[seen] = None
+            # the least recently seen go, never a pod of this call (more pods pending at once than
+            # `remember` would else push each other out and be counted again every round)
+            if len(self._seen) > max(self._remember, now_seen):
                 self._seen.popitem(last=False)
             # tolerations and affinity terms in a canonical order: the same nodes, the same kind
             kind = (pod.resource, pod.count, pod.cpu_milli, pod.memory_mib, tuple(sorted(set(pod.gpu_models))),

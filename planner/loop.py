@@ -344,11 +344,13 @@ class PlanningLoop:
                         self._back_off(key, node, now)
         return ended
 
-    def prepare(self, snapshot: Snapshot, now: float) -> Snapshot:
+    def prepare(self, snapshot: Snapshot, now: float, asked: Mapping[str, PendingPod] | None = None) -> Snapshot:
         """The snapshot a round plans: with the request distribution the objective keeps room for
-        (the settings' `workload` when given, else the requests seen lately, decayed)."""
+        (the settings' `workload` when given, else the requests seen lately, decayed). `asked`:
+        pod -> the pod as it asks, where the snapshot's keeps it off nodes for this round only
+        (ClusterView.asked): the kind learnt is the pod's, not the round's."""
         if not self.settings.workload:  # (the distribution learned would not be used)
-            self.demand.observe(snapshot.pending, now)
+            self.demand.observe([(asked or {}).get(p.name, p) for p in snapshot.pending], now, self.versions)
         for pod in snapshot.pending:
             self.first_seen.setdefault(pod.name, now)
         self.prepared_at = now

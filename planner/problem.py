@@ -338,6 +338,10 @@ def compile_workload(workload: Sequence[RequestShare], pending: Sequence[Pending
     Equal kinds are merged, in a canonical order (the plan does not depend on the list's order).
     GPU models are resolved to their families with `catalog` (needed when a share names models)."""
     acc: dict[tuple[SliceRef, int, int, int, tuple[str, ...], tuple[tuple[str, str], ...], NodeConstraints], float] = {}
+    # the weights are relative: scaled down where their sum would overflow (to inf, and the
+    # objective's normalised weights to 0 or NaN), left as they are otherwise (the same plans)
+    big = max((s.weight for s in workload), default=1.0)
+    scale = big if big * len(workload) > 1e300 else 1.0
     for item in (workload or pending):
         families: tuple[str, ...] = ()
         if item.gpu_models:
@@ -347,7 +351,7 @@ def compile_workload(workload: Sequence[RequestShare], pending: Sequence[Pending
         constraints = NodeConstraints(tuple(item.tolerations), tuple(item.node_affinity))
         key = (slice_ref_of(item.resource), item.count, item.cpu_milli, item.memory_mib, families,
                tuple(sorted(item.node_selector.items())), constraints)
-        acc[key] = acc.get(key, 0.0) + (item.weight if isinstance(item, RequestShare) else 1.0)
+        acc[key] = acc.get(key, 0.0) + (item.weight / scale if isinstance(item, RequestShare) else 1.0)
     kinds = [DemandKind(r, c, cpu, mem, w, frozenset(f), sel, con) for (r, c, cpu, mem, f, sel, con), w in acc.items()]
     return sorted(kinds, key=_kind_order)
 

@@ -7,8 +7,9 @@
   and when the used instances' positions make the counts unplaceable the GPU is left as it is
   (on a real node the agent fails to apply it);
 - no backtracking, no global objective; used slices are never removed;
-- MPS: on each GPU, free slices are replaced by slices for the lacking sizes while memory
-  allows, first come first served.
+- MPS: on each GPU, the lacking sizes (smaller first) are made from the spare memory, and only
+  then from the room of the free slices, which are restored where they still fit (nos's
+  slicing `GPU.UpdateGeometryFor`).
 After each node the pods that now fit are bound, as the scheduler would.
 """
 
@@ -123,17 +124,48 @@ def _nos_mig_counts(st: MigState, lacking: Counter[str]) -> None:
 
 
 def _nos_mps_sizes(st: MpsState, lacking: list[int]) -> None:
+    """nos's slicing `GPU.UpdateGeometryFor` (pkg/gpu/slicing/gpu.go): the sizes lacking beyond
+    the GPU's free slices, smaller first, are made from the spare memory; only then are the free
+    slices deleted to make more room, and those that still fit afterwards are restored (a size's
+    free slices all or none, smaller sizes first: nos restores them in Go map order). The GPU's
+    free slices then count against what is lacking (`Node.UpdateGeometryFor`). The MPS server's
+    client bound, which nos does not know, still caps the slices."""
     if st.whole_pod is not None:
         return
-    room = st.cap - sum(s.size for s in st.slices if s.hard)
-    clients = st.clients_left()
-    sizes: list[int] = []
-    for size in list(lacking):
-        if clients is not None and len(sizes) >= clients:
-            break
-        if size <= room:
-            sizes.append(size)
-            room -= size
+    free_at = [k for k, s in enumerate(st.slices) if not s.hard]
+    originals = Counter(st.slices[k].size for k in free_at)
+    missing = Counter(lacking) - originals
+    kept, new = Counter(originals), []
+    if missing:
+        held = sum(s.size for s in st.slices if s.hard)
+        clients = st.clients_left()
+
+        def fits(size: int, n: int = 1) -> bool:
+            room = st.cap - held - sum(k * c for k, c in kept.items()) - sum(new)
+            return size * n <= room and (clients is None or sum(kept.values()) + len(new) + n <= clients)
+
+        for size in sorted(missing):
+            q = missing[size]
+            while q and fits(size):  # from the spare memory
+                new.append(size)
+                q -= 1
+            if q:  # the free slices make room, then come back where they fit
+                kept = Counter()
+                while q and fits(size):
+                    new.append(size)
+                    q -= 1
+                for o in sorted(originals):
+                    if fits(o, originals[o]):
+                        kept[o] = originals[o]
+        if new:
+            keep, left = [], Counter(kept)
+            for k in free_at:
+                if left[st.slices[k].size] > 0:
+                    left[st.slices[k].size] -= 1
+                    keep.append(k)
+            st.replace_free_slices(new, keep=keep)
+        else:
+            kept = Counter(originals)  # nothing made: the GPU stays as it was
+    for size, n in (kept + Counter(new)).items():
+        for _ in range(min(n, lacking.count(size))):
             lacking.remove(size)
-    if sizes:
-        st.replace_free_slices(sizes)

@@ -11,9 +11,9 @@ leave after their recorded duration. What happens to a pod is what happens on a 
   by pods are `used`, with the pod's name) without the nodes whose plan is not acknowledged yet,
   with every waiting pod not planned onto such a node, oldest first;
 - a node whose layout the plan changes is held back until its agent acknowledges, which in the
-  replay is when its GPUs finished reconfiguring: `mig_op_delay_s` per MIG instance created or
-  destroyed, `mps_switch_delay_s` per MPS configuration change of a GPU. A slice it creates is
-  ready when its GPU is; a pod starts when all its slices are ready;
+  replay is when its agent's pass ends: `mig_op_delay_s` per MIG instance created or destroyed
+  on any of its GPUs (one after another), `mps_switch_delay_s` for an MPS configuration change.
+  The slices it creates are ready then; a pod starts when all its slices are ready;
 - the plan must keep every used slice in place (compared layout by layout); a plan that does not
   is counted in `used_slices_disrupted` and not applied;
 - a slice is given to a pod only when no pod holds it: slices are reused only after their pod left.
@@ -281,23 +281,27 @@ class _Replay:
         for k, write in enumerate(node_writes(result)):
             ni = cl.index[write.node]
             written = full_layout(snap_nodes[write.node], write.layout)  # as the controller writes it
-            node_ready = now
+            changed = []
             for gl in write.layout.gpus:
                 (cl.draining.add if gl.drain else cl.draining.discard)((ni, gl.index))
                 created, destroyed = cl.changes(ni, gl)
-                if not (created or destroyed):
-                    continue
-                ready = now
+                if created or destroyed:
+                    changed.append((gl, created + destroyed))
+            # the node's agent applies the whole spec in one pass (agent/mig_agent.py: every destroy,
+            # then every create, one after another over the GPUs) and its device plugin advertises
+            # the new slices when the pass ends: they are all ready then, whichever GPU they are on
+            node_ready = now
+            if changed and not initial:
+                ops = sum(n for _, n in changed)
+                self.stats["reconfigurations"] += len(changed)
+                self.stats["mig_ops"] += ops
+                self.touched.update((ni, gl.index) for gl, _ in changed)
+                delay = opts.mig_op_delay_s * ops if cl.mode == "mig" else opts.mps_switch_delay_s
+                node_ready = max([now, *(c.busy_until for c in cl.clocks[ni])]) + delay
+            for gl, _ in changed:
                 if not initial:
-                    self.stats["reconfigurations"] += 1
-                    self.stats["mig_ops"] += created + destroyed
-                    self.touched.add((ni, gl.index))
-                    delay = opts.mig_op_delay_s * (created + destroyed) if cl.mode == "mig" else opts.mps_switch_delay_s
-                    clock = cl.clocks[ni][gl.index]
-                    clock.busy_until = max(now, clock.busy_until) + delay
-                    ready = clock.busy_until
-                cl.set_layout(ni, gl, ready)
-                node_ready = max(node_ready, ready)
+                    cl.clocks[ni][gl.index].busy_until = node_ready
+                cl.set_layout(ni, gl, node_ready)
             if not initial:
                 node_plan = f"{plan_id}.{k}"
                 self.loop.written(write.node, node_plan, write.pods, now)
