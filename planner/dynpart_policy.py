@@ -33,6 +33,9 @@ class DynpartPolicy:
     def __init__(self, options: PlanOptions):
         self.options = options
         self._fit_alone: dict[int, bool] = {}
+        # the pods the greedy plan placed: they fit alone, whether or not the exact search (whose
+        # plan may leave one of them out for others) keeps them
+        self._greedy_placed: set[int] = set()
 
     @property
     def name(self) -> PolicyName:
@@ -54,6 +57,7 @@ class DynpartPolicy:
                 self._fit_alone = {r.idx: greedy.fits_alone(r) for r in problem.requests
                                    if r.idx not in greedy.placement and r.candidates}
         states, placed = greedy.states, greedy.placements()
+        self._greedy_placed = set(placed)
         solver = "greedy"
         open_reqs = [r for r in problem.requests if self._fit_alone.get(r.idx)]
         uniform = len({r.priority for r in problem.requests}) <= 1
@@ -85,7 +89,7 @@ class DynpartPolicy:
         # would it fit on an otherwise untouched cluster (only used slices fixed)? No node
         # count: the nodes a round sees change with the plans in flight, and a reason
         # that changes with them would post the pod's Unplaceable Event again every round
-        if self._fit_alone.get(req.idx, False):
+        if self._fit_alone.get(req.idx, False) or req.idx in self._greedy_placed:
             return (f"no room left for {req.count} x {req.resource} on the nodes it may use: the space went to "
                     "pods of higher priority or to other pending pods")
         return f"no room for {req.resource} on the nodes it may use without moving or destroying slices in use"

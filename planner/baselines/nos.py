@@ -135,7 +135,8 @@ def _nos_mps_sizes(st: MpsState, lacking: list[int]) -> None:
     free_at = [k for k, s in enumerate(st.slices) if not s.hard]
     originals = Counter(st.slices[k].size for k in free_at)
     missing = Counter(lacking) - originals
-    kept, new = Counter(originals), []
+    kept: Counter[int] = Counter(originals)
+    new: list[int] = []
     if missing:
         held = sum(s.size for s in st.slices if s.hard)
         clients = st.clients_left()

@@ -33,15 +33,16 @@ def check_plan(snap: Snapshot, plan: Plan) -> None:
             else:
                 assert sum(s.size for s in gl.mps) <= gpu_capacity(cur, model)
                 check_mps_clients(model.mps_max_clients, cur.mps, gl.mps, f"{node.name}/{gl.index}")
-                used_before = Counter(s.size for s in cur.mps if s.used)
-                used_after = Counter(s.size for s in gl.mps if s.used)
+                # held: used, or reserved for a pod bound already (the plan keeps it, as used)
+                used_before = Counter(s.size for s in cur.mps if s.used or (s.pod and s.pod not in pods))
+                used_after = Counter(s.size for s in gl.mps if s.used or (s.pod and s.pod not in pods))
                 assert used_before == used_after, f"used MPS slices changed on {node.name}/{gl.index}"
                 if gl.whole_pod:
                     assert not gl.mps
                 if cur.whole_pod:
                     assert gl.whole_pod == cur.whole_pod
             for i in [*gl.mig, *gl.mps]:
-                if i.pod and not i.used:
+                if i.pod and not i.used and i.pod in pods:  # not a slice reserved for a pod bound already
                     taken[i.pod] += 1
             if gl.whole_pod and gl.whole_pod != cur.whole_pod:
                 taken[gl.whole_pod] += 1
