@@ -432,9 +432,11 @@ class Agent:
         mps = self._mps_plugin
         if mps is None or not any(mps.live.values()):
             self._mig.mps_left = {}
-            if mps is None:
+            if mps is None or not mps.daemon_running():
+                # (an agent restarted in MPS mode after the slices went made no daemon run: the one
+                # left running in mps-control is stopped as on an agent started on a MIG node)
                 await self._stop_daemon_left()
-            elif mps.daemon_running() and not await mps._slices_held():
+            elif not await mps._slices_held():
                 # the slices went before the switch (in MPS mode, the daemon was kept running for
                 # GPUs with none): nothing needs it on a MIG node now (asked while it runs only:
                 # the pods' list is an API call)

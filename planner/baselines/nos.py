@@ -128,45 +128,50 @@ def _nos_mps_sizes(st: MpsState, lacking: list[int]) -> None:
     the GPU's free slices, smaller first, are made from the spare memory; only then are the free
     slices deleted to make more room, and those that still fit afterwards are restored (a size's
     free slices all or none, smaller sizes first: nos restores them in Go map order). The GPU's
-    free slices then count against what is lacking (`Node.UpdateGeometryFor`). The MPS server's
+    free slices then count against what is lacking (`Node.UpdateGeometryFor`). As in gpu.go, the
+    free slices are deleted by size (`delete(g.FreeProfiles, k)`), for each lacking size, whether
+    any is still missing or not: slices just made of a size the GPU had free go with them, and
+    only the original count of that size comes back. The MPS server's
     client bound, which nos does not know, still caps the slices."""
     if st.whole_pod is not None:
         return
     free_at = [k for k, s in enumerate(st.slices) if not s.hard]
     originals = Counter(st.slices[k].size for k in free_at)
     missing = Counter(lacking) - originals
-    kept: Counter[int] = Counter(originals)
-    new: list[int] = []
+    free = Counter(originals)  # the GPU's FreeProfiles as gpu.go changes them
     if missing:
         held = sum(s.size for s in st.slices if s.hard)
         clients = st.clients_left()
 
         def fits(size: int, n: int = 1) -> bool:
-            room = st.cap - held - sum(k * c for k, c in kept.items()) - sum(new)
-            return size * n <= room and (clients is None or sum(kept.values()) + len(new) + n <= clients)
+            room = st.cap - held - sum(k * c for k, c in free.items())
+            return size * n <= room and (clients is None or sum(free.values()) + n <= clients)
 
         for size in sorted(missing):
             q = missing[size]
             while q and fits(size):  # from the spare memory
-                new.append(size)
+                free[size] += 1
                 q -= 1
-            if q:  # the free slices make room, then come back where they fit
-                kept = Counter()
-                while q and fits(size):
-                    new.append(size)
-                    q -= 1
-                for o in sorted(originals):
-                    if fits(o, originals[o]):
-                        kept[o] = originals[o]
-        if new:
-            keep, left = [], Counter(kept)
-            for k in free_at:
-                if left[st.slices[k].size] > 0:
-                    left[st.slices[k].size] -= 1
-                    keep.append(k)
+            # then (whatever is still missing, none included) every size the GPU had free is
+            # deleted, by key (`delete(g.FreeProfiles, k)`: slices of that size just made go too),
+            # the rest made, and the original free slices restored where they fit
+            for o in originals:
+                del free[o]
+            while q and fits(size):
+                free[size] += 1
+                q -= 1
+            for o in sorted(originals):
+                if fits(o, originals[o]):
+                    free[o] += originals[o]
+        keep: list[int] = []
+        left = Counter(free)
+        for k in free_at:
+            if left[st.slices[k].size] > 0:
+                left[st.slices[k].size] -= 1
+                keep.append(k)
+        new = sorted(left.elements())
+        if new or len(keep) < len(free_at):
             st.replace_free_slices(new, keep=keep)
-        else:
-            kept = Counter(originals)  # nothing made: the GPU stays as it was
-    for size, n in (kept + Counter(new)).items():
+    for size, n in free.items():
         for _ in range(min(n, lacking.count(size))):
             lacking.remove(size)
