@@ -7,7 +7,6 @@ from dataclasses import replace
 
 from dynpart.agent.capability_reader import read_capability
 from dynpart.agent.driver.fake import FakeNvml
-from dynpart.agent.nodepods import FakeNodePods
 from dynpart.capability import node_model
 from dynpart.catalog import default_catalog
 
@@ -36,19 +35,10 @@ async def test_an_unhealthy_candidate_is_not_the_one_kept_for_a_bound_pod():
     """Two free devices of one resource are to be destroyed; MIG-b is listed Unhealthy. A pod
     bound here needs one: the kubelet can give it only MIG-a, so MIG-a is the one to keep (not
     MIG-b, the last candidate, while MIG-a is destroyed)."""
-    from dynpart.agent.deviceplugin.devices import PluginDevice
-    from dynpart.agent.guard import SliceGuard
-    from dynpart.agent.podresources import FakePodResources
+    from .test_mig_apply_races import MIG_1G as M
+    from .test_mig_apply_races import guard_over_a_healthy_and_an_unhealthy_device
 
-    from .conftest import unserved_plugins
-
-    M = "nvidia.com/mig-1g.10gb"
-    pods, node_pods = FakePodResources(), FakeNodePods()
-    plugins = unserved_plugins(pods)
-    await plugins.update({M: [PluginDevice("MIG-a", "mig", "GPU-0", 0),
-                              PluginDevice("MIG-b", "mig", "GPU-1", 1, healthy=False)]})
-    node_pods.bind("ns/late", {M: 1})
-    guard = SliceGuard(pods, node_pods, plugins, settle_s=0)
+    guard, plugins = await guard_over_a_healthy_and_an_unhealthy_device()
     try:
         assert list(await guard.keep({"MIG-a": M, "MIG-b": M}, {M: ["MIG-a", "MIG-b"]})) == ["MIG-a"]
     finally:

@@ -14,6 +14,7 @@ from dynpart.annotations import decode_status
 from .conftest import H100, make_rig, mig_spec
 
 WHOLE = "nvidia.com/gpu"
+MIG_1G = "nvidia.com/mig-1g.10gb"
 
 
 class Refusing:
@@ -138,24 +139,30 @@ async def test_a_pending_pod_the_kubelet_admitted_before_it_restarted_keeps_its_
     assert list(kept) == ["MIG-X"], needs
 
 
-async def test_an_unhealthy_device_is_no_free_device_for_a_bound_pod():
-    """The kubelet gives a pod only a healthy device (`UnexpectedAdmissionError` when none is
-    free). MIG-b is listed, but Unhealthy (its GPU needs a reset after an Xid): a pod bound here
-    for one device can only get MIG-a, so MIG-a must be kept, not destroyed because MIG-b looks
-    like another free device."""
+async def guard_over_a_healthy_and_an_unhealthy_device() -> tuple[Any, Any]:
+    """A guard over the built-in plugin listing MIG-a healthy and MIG-b Unhealthy (resource
+    nvidia.com/mig-1g.10gb), with one pod bound to the node for one such device."""
     from dynpart.agent.deviceplugin.devices import PluginDevice
     from dynpart.agent.guard import SliceGuard
     from dynpart.agent.podresources import FakePodResources
 
     from .conftest import unserved_plugins
 
-    M = "nvidia.com/mig-1g.10gb"
     pods, node_pods = FakePodResources(), FakeNodePods()
     plugins = unserved_plugins(pods)
-    await plugins.update({M: [PluginDevice("MIG-a", "mig", "GPU-0", 0),
-                              PluginDevice("MIG-b", "mig", "GPU-1", 1, healthy=False)]})
-    node_pods.bind("ns/late", {M: 1})
-    guard = SliceGuard(pods, node_pods, plugins, settle_s=0)
+    await plugins.update({MIG_1G: [PluginDevice("MIG-a", "mig", "GPU-0", 0),
+                                   PluginDevice("MIG-b", "mig", "GPU-1", 1, healthy=False)]})
+    node_pods.bind("ns/late", {MIG_1G: 1})
+    return SliceGuard(pods, node_pods, plugins, settle_s=0), plugins
+
+
+async def test_an_unhealthy_device_is_no_free_device_for_a_bound_pod():
+    """The kubelet gives a pod only a healthy device (`UnexpectedAdmissionError` when none is
+    free). MIG-b is listed, but Unhealthy (its GPU needs a reset after an Xid): a pod bound here
+    for one device can only get MIG-a, so MIG-a must be kept, not destroyed because MIG-b looks
+    like another free device."""
+    M = MIG_1G
+    guard, plugins = await guard_over_a_healthy_and_an_unhealthy_device()
     assert list(await guard.keep({"MIG-a": M}, {M: ["MIG-a", "MIG-b"]})) == ["MIG-a"]
     out = await guard.release({"MIG-a": M}, {M: ["MIG-a", "MIG-b"]})
     assert out.destroyable == [] and list(out.needed) == ["MIG-a"]
