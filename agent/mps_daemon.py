@@ -178,6 +178,10 @@ class MpsDaemon(Protocol):
         outlives it: None."""
         ...
 
+    def running_dirs(self) -> tuple[str, str] | None:
+        """(pipe_dir, log_dir) of the daemon `running_for` names; None: none, or unknown."""
+        ...
+
     @property
     def shm_dir(self) -> str | None:
         """The host directory that is the running daemon's /dev/shm, which its clients are given
@@ -221,6 +225,9 @@ class FakeMpsDaemon:
 
     def running_for(self) -> list[str] | None:
         return None  # (a daemon of the agent's own container)
+
+    def running_dirs(self) -> tuple[str, str] | None:
+        return None
 
 
 class ProcessMpsDaemon:
@@ -328,6 +335,9 @@ class ProcessMpsDaemon:
 
     def running_for(self) -> list[str] | None:
         return None  # a child of this process's container: it ends with the agent
+
+    def running_dirs(self) -> tuple[str, str] | None:
+        return None
 
     async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
         wanted = tuple(gpu_uuids)
@@ -512,13 +522,7 @@ class SupervisedMpsDaemon:
         """The GPUs the daemon runs for now, as a fresh state.json says; None when unknown or not
         running. A restarted agent takes it for what it made the daemon run for: its GPUs are then
         not changed (a restart of the daemon) while pods use slices."""
-        state = self._state()
-        gpus = state.get("gpus") if state and state.get("running") else None
-        desired = read_json(self.desired_path) or {}
-        acted, asked = (state or {}).get("seq"), desired.get("seq")
-        this_boot = not before_this_boot(desired.get("boot"), boot_id())  # (the last boot's is acted on by none)
-        if isinstance(asked, int) and isinstance(acted, int) and asked > acted and this_boot:
-            gpus = desired.get("gpus")  # the supervisor is acting on it: what the daemon runs for next
+        gpus = (self._current() or {}).get("gpus")
         if isinstance(gpus, list) and gpus and all(isinstance(g, str) for g in gpus):
             return list(gpus)
         return None
@@ -528,14 +532,21 @@ class SupervisedMpsDaemon:
         unknown."""
         if not self.running_for():
             return None
-        state = self._state() or {}
-        desired = read_json(self.desired_path) or {}
-        acted, asked = state.get("seq"), desired.get("seq")
-        if isinstance(asked, int) and isinstance(acted, int) and asked > acted \
-                and not before_this_boot(desired.get("boot"), boot_id()):
-            state = desired
-        pipe_dir, log_dir = state.get("pipe_dir"), state.get("log_dir")
+        current = self._current() or {}
+        pipe_dir, log_dir = current.get("pipe_dir"), current.get("log_dir")
         return (pipe_dir, log_dir) if isinstance(pipe_dir, str) and isinstance(log_dir, str) else None
+
+    def _current(self) -> dict[str, Any] | None:
+        """What the daemon runs as: the request the supervisor is acting on (desired.json, newer
+        than state.json and of this boot: the last boot's is acted on by none), else a fresh
+        state.json of a running daemon; None when neither."""
+        state = self._state()
+        desired = read_json(self.desired_path) or {}
+        acted, asked = (state or {}).get("seq"), desired.get("seq")
+        if (isinstance(asked, int) and isinstance(acted, int) and asked > acted
+                and not before_this_boot(desired.get("boot"), boot_id())):
+            return desired
+        return state if state and state.get("running") else None
 
     async def stop(self) -> None:
         """No GPU wants the daemon (the node left MPS mode): the supervisor stops it. Waits for that

@@ -232,7 +232,7 @@ class MpsPluginAgent:
 
     async def stop_daemon(self) -> None:
         """The node left MPS mode and no slice is left: nothing needs the daemon."""
-        if self.daemon is not None and self._daemon_gpus is not None:
+        if self.daemon is not None and self.daemon_running():
             await self.daemon.stop()
             self._daemon_gpus = None
 
@@ -247,8 +247,7 @@ class MpsPluginAgent:
             # a restarted agent, the daemon still running in the mps-control pod: what it
             # runs for is what this agent made it run for (not changed under pods using it)
             self._daemon_gpus = self.daemon.running_for()
-            running_dirs = getattr(self.daemon, "running_dirs", None)
-            self._daemon_dirs = running_dirs() if running_dirs is not None and self._daemon_gpus else None
+            self._daemon_dirs = self.daemon.running_dirs() if self._daemon_gpus else None
         dirs = (self.pipe_dir, self.log_dir)
         # other directories (an agent of another version or settings): a restart as for other GPUs
         moved = self._daemon_dirs is not None and self._daemon_dirs != dirs
