@@ -263,7 +263,32 @@ def run_agent(args: argparse.Namespace) -> int:
     if not settings.node_name:
         raise DynpartError("the node name is required: --node, DYNPART_AGENT_NODE_NAME or NODE_NAME")
     setup_logging(settings.log_level, settings.log_json)
+    _not_dumpable()
     return _run_loop(_run(args, settings))
+
+
+PR_SET_DUMPABLE = 4
+
+
+def _not_dumpable() -> bool:
+    """Mark the agent's process not dumpable (prctl PR_SET_DUMPABLE 0), as OpenSSH's daemon does
+    for its secrets. The agent runs in the host's PID namespace beside the mps-control pods, which
+    run as root too: for the kernel's ptrace rules a same-uid process may open the agent's
+    `/proc/<pid>/root`, `environ` and `mem`, and read its API token there. A process that is not
+    dumpable is open to those only with CAP_SYS_PTRACE (which an unprivileged mps-control lacks;
+    a privileged one has every capability). No core dump either. False where it cannot be set."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) == 0:
+            return True
+        _log.warning("the agent stays dumpable: prctl(PR_SET_DUMPABLE, 0) failed: %s",
+                     os.strerror(ctypes.get_errno()))
+    except (OSError, AttributeError) as e:  # not Linux, or no prctl in this libc
+        _log.warning("the agent stays dumpable: %s", e)
+    return False
 
 
 # The way out. The kubelet SIGKILLs the agent terminationGracePeriodSeconds (30 s in the chart)

@@ -274,3 +274,28 @@ async def test_liveness_watches_the_event_loop_from_the_start(monkeypatch):
     settings = load_settings(AgentSettings, flags={"node_name": "n1", "metrics_port": 0})
     assert await agent_cli._run(argparse.Namespace(once=False), settings) == 0
     assert seen["at start"] == [] and [s.split(":")[0] for s in seen["blocked"]] == ["event loop"]  # type: ignore[attr-defined]
+
+
+def test_the_agent_process_is_not_dumpable(tmp_path):
+    """Same-uid processes in the host's PID namespace (mps-control) cannot open the agent's
+    /proc/<pid>/root or mem, where its API token is: run in a child, which the prctl marks."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import ctypes, ctypes.util
+        import dynpart.agent.cli as cli
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        print("before", libc.prctl(3, 0, 0, 0, 0))  # PR_GET_DUMPABLE
+        def seen(main):
+            main.close()
+            print("running", libc.prctl(3, 0, 0, 0, 0))
+            return 0
+        cli._run_loop = seen
+        from dynpart.cli import main
+        raise SystemExit(main(["agent", "run", "--node", "n1"]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["before", "1", "running", "0"]
