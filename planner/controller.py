@@ -143,7 +143,6 @@ class PlannerController:
             on_spam=metrics.EVENTS_DROPPED.labels("spam").inc)
         self._status: dict[str, dict[str, str]] = {}  # status annotations (heartbeat aside) seen per node
         self._admits: dict[str, str] = {}  # per node: what decides which pods it admits (`_admission`)
-        self._uids: dict[str, str] = {}  # per node: its uid as last seen (a node made again under its name is new)
         self._to_adopt: set[str] = set()  # nodes with an unacknowledged spec of an earlier leader
         # nodes with a late unacknowledged spec of an earlier leader whose pods another plan holds
         self._to_revoke: set[str] = set()
@@ -261,17 +260,9 @@ class PlannerController:
                 self.events.forget(pod)  # no Event is posted about it again: room for others
 
     def _on_node(self, kind: str, node: Obj) -> None:
+        # (a node made again under its name while no watch ran: the informer's relist reports the
+        # old one DELETED first)
         name = node["metadata"]["name"]
-        uid = node["metadata"].get("uid")
-        if kind == "DELETED":
-            self._uids.pop(name, None)
-        elif uid:
-            was = self._uids.get(name)
-            if was is not None and was != uid:
-                # made again under its name, seen by a list after a watch gap (410 Gone), which
-                # reports the new node as MODIFIED and the old one never as DELETED: it is gone
-                self._on_node("DELETED", {"kind": "Node", "metadata": {"name": name, "uid": was}})
-            self._uids[name] = uid
         ann = node["metadata"].get("annotations") or {}
         now = self.clock()
         self._acknowledged(name, ann, now)

@@ -41,8 +41,9 @@ class _ListFailed(Exception):
 class Informer:
     """Cache of one resource kind. `list_fn` is e.g. CoreV1Api.list_node or
     CoreV1Api.list_pod_for_all_namespaces; `on_change(type, obj)` runs after each change (a list
-    reports each object that changed as MODIFIED and each that vanished as DELETED; BOOKMARKs are
-    not reported). Selectors narrow what is listed and watched; `settings` gives the watch
+    reports each object that changed as MODIFIED and each that vanished as DELETED, an object made
+    again under its name, with another uid, as DELETED and then MODIFIED; BOOKMARKs are not
+    reported). Selectors narrow what is listed and watched; `settings` gives the watch
     timeout, the back-off between failures; `rng` draws the watch timeouts and the jitter."""
 
     page_size = 500  # objects a list asks for at once (client-go's pager)
@@ -124,6 +125,13 @@ class Informer:
             token = str(metadata.get("continue") or "")
             if not token:
                 break
+        for key, obj in fresh.items():
+            was = self.cache.get(key)
+            if was is not None and _uid(was) != _uid(obj):
+                # deleted and made again under its name while no watch ran: the watch would have
+                # said DELETED, then ADDED; the list shows the new object only, so the old one is
+                # reported gone first (its reservations, Events and plans are not the new one's)
+                self.on_change("DELETED", self.cache.pop(key))
         for key, obj in fresh.items():
             if self.cache.get(key, {}).get("metadata", {}).get("resourceVersion") != obj["metadata"].get("resourceVersion"):
                 self.cache[key] = obj
@@ -251,3 +259,7 @@ class Informer:
                 wait = backoff.next(self._retry_after)
                 log.exception("watch %s failed; listing again in %.1fs", self.name, wait)
             await self.sleep(wait)
+
+
+def _uid(obj: Obj) -> object:
+    return (obj.get("metadata") or {}).get("uid")

@@ -40,3 +40,27 @@ async def test_a_node_made_again_under_its_name_seen_by_a_relist_is_a_new_node(m
     assert "n1" not in c.in_flight, "the plan on the node that was deleted is still waited for"
     assert "ml/a" in c.window.members and "ml/b" not in c.reserved
     assert [m for m, _, _ in c.api.of("PlanNotApplied")], "its pod is not told"
+
+
+async def test_a_pod_made_again_under_its_name_seen_by_a_relist_gets_its_own_events(make):  # noqa: F811
+    """A pod deleted and made again under its name during a watch gap (a StatefulSet replica, a
+    Job's pod named by hand) is seen by the relist only: the old one is gone first, so the Events
+    posted about it are forgotten and the new pod is told why it waits at once, not an hour later
+    (the recorder remembers Events by kind, namespace and name; `kubectl describe` shows those of
+    the pod's own uid)."""
+    c = make([])
+    old = pod("a", {MIG_1G: "1"})
+    old["metadata"].update(uid="uid-1", resourceVersion="5")
+    c.pods.cache["ml/a"] = old
+    c._on_pod("ADDED", old)
+    assert await c.events.record(old, "Unplaceable", "no room for nvidia.com/mig-1g.10gb", warning=True)
+    new = copy.deepcopy(old)
+    new["metadata"].update(uid="uid-2", resourceVersion="9")
+
+    async def list_pods(**_: object) -> FakeResponse:
+        return FakeResponse(200, {"kind": "PodList", "metadata": {"resourceVersion": "100"}, "items": [new]})
+    c.pods.list_fn = list_pods
+    await c.pods._relist()
+    assert "ml/a" in c._waiting
+    assert await c.events.record(c.pods.cache["ml/a"], "Unplaceable", "no room for nvidia.com/mig-1g.10gb",
+                                 warning=True), "the new pod's Event is held back as the old pod's repeat"

@@ -110,6 +110,24 @@ async def test_410_gone_lists_again_and_reports_what_vanished():
     assert set(informer.cache) == {"a"} and informer.cache["a"]["metadata"]["resourceVersion"] == "3"
 
 
+async def test_an_object_made_again_under_its_name_while_no_watch_ran_is_reported_gone_first():
+    """Deleted and made again under its name during a watch gap (410 Gone): the relist holds the new
+    object only. The old one is reported DELETED (as the watch would have), then the new MODIFIED:
+    a consumer keyed by name does not take the new object for the old one."""
+    old, new = node("a", "1"), node("a", "3")
+    old["metadata"]["uid"], new["metadata"]["uid"] = "uid-1", "uid-2"
+    same = node("b", "2") | {"metadata": {"name": "b", "resourceVersion": "2", "uid": "uid-b"}}
+    api = FakeNodes([(200, [old, same]), (200, [new, same])],
+                    [[{"type": "ERROR", "object": status(410, "Expired", "too old resource version: 10 (40)")}]])
+    seen = []
+    informer = Informer(api.list_node, lambda kind, obj: seen.append((kind, obj["metadata"]["name"],
+                                                                      obj["metadata"]["uid"])),
+                        name="nodes", settings=FAST)
+    await run_until(informer, lambda: len(api.watched()) >= 2)
+    assert seen[2:] == [("DELETED", "a", "uid-1"), ("MODIFIED", "a", "uid-2")]
+    assert informer.cache["a"]["metadata"]["uid"] == "uid-2"
+
+
 class PagedNodes:
     """`list_node` whose lists come in pages of two: the continue token names the next page;
     each page in `expire` answers 410 once (the continue token expired), as often as it is there."""
