@@ -839,6 +839,9 @@ class PlannerController:
             node_plan = str(patch[SPEC_PLAN])  # `<plan_id>.<k>`: one id per node written
             node_obj = nodes_by_name[layout.node]
             patch = keeping_unread(patch, node_obj, view.kept.get(layout.node, {}))
+            # each write is bounded (request_timeout_s, its retries), a plan's many are not: a round
+            # writing hundreds of nodes through a throttled API server beats per node
+            self.liveness.beat("planning loop")
             if not self.leadership.can_write():
                 # no proof of leadership any more (a renewal overdue): another replica may lead
                 # now; it recovers what was written from the annotations and plans the rest

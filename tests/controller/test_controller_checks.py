@@ -1152,7 +1152,7 @@ async def test_a_step_and_each_part_of_a_round_beat_the_liveness_probe(make, mon
     beats.clear()
     c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
     await c.plan_round()
-    assert beats == ["planning loop", "planning loop"], "after the snapshot, after the plan"
+    assert beats == ["planning loop"] * 3, "after the snapshot, after the plan, before its one node write"
 
 
 async def test_a_pod_no_node_has_room_for_is_told_so(make):
@@ -1367,3 +1367,24 @@ async def test_the_term_floor_is_the_highest_term_on_the_nodes_once_they_are_rea
     assert c.highest_written_term() == 4
     c.nodes.cache.clear()
     assert c.highest_written_term() == -1
+
+
+async def test_the_planning_loop_beats_while_a_round_writes_its_nodes(make):
+    """A round that writes many nodes through a slow or throttled API server (each write bounded
+    by request_timeout_s) takes longer than the liveness limit in all: each node written beats,
+    so the planner is not restarted half-way through writing a plan it would then make again."""
+    now = [0.0]
+    c = make([free_slices(f"n{i}", free=0, used=1) for i in range(3)])
+    c.liveness = Liveness(clock=lambda: now[0])
+    c.liveness.expect("planning loop", 60.0)
+    write = c._write_plan
+
+    async def slow_write(name: str, patch: dict[str, str | None], planned_from: Any) -> None:
+        now[0] += 40.0  # each write answered after 40 s: three of them outlast the 60 s limit
+        await write(name, patch, planned_from)
+    c._write_plan = slow_write  # type: ignore[method-assign]
+    for name in ("a", "b", "c"):
+        waiting(c, name, {"nvidia.com/mig-3g.40gb": "1"})
+    await c.plan_round()
+    assert sorted(n for n, _ in c.api.written) == ["n0", "n1", "n2"]
+    assert c.liveness.stale() == []
