@@ -197,6 +197,19 @@ class MigAgent:
             users += [f"pod {p}" for p in pods_by_device(await self.pods.list()).get(gi.uuid, [])]
         return users
 
+    async def _started_since(self, gpu: int, gi: GpuInstanceInfo) -> list[str]:
+        """The compute processes on an instance whose destroy the driver just refused (IN_USE):
+        one that started after the last check is why, not a client holding it open. A read that
+        fails says nothing (the instance is then taken as held open)."""
+        if not gi.compute_instances:
+            return []
+        try:
+            return [f"pid {p}" for p in await self.driver.processes(gpu, gi.gi_id)]
+        except DriverNotResponding:
+            raise
+        except GpuDriverError:
+            return []
+
     async def _gpu_users(self, device: DeviceInfo) -> list[str]:
         users = [f"pid {p}" for p in await self.driver.processes(device.index)] + list(self.mps_left.get(device.index, ()))
         return users + [f"pod {p}" for p in pods_by_device(await self.pods.list()).get(device.uuid, [])]
@@ -321,12 +334,20 @@ class MigAgent:
                 errors.append(f"GPU {d.gpu}: destroying {d.label} failed: {ex}")
                 if ex.code == IN_USE:
                     metrics.IN_USE_KEPT.inc()
-                    # no process and no pod, yet the driver refuses: a client that is not a compute
-                    # process holds it open (DCGM, a leaked handle). Reported used for a while, so
-                    # that plans stop counting on it instead of failing on it again and again. Its
-                    # compute instances destroyed, it has no UUID left: known by its GI id then
-                    self._held_open[gi.uuid if gi.uuid and not cis_destroyed else (d.gpu, d.gi_id)] = (
-                        time.monotonic() + HELD_OPEN_S)
+                    # a compute process that started between the last check and the call (the race
+                    # this refusal guards) is seen by the next pass's observation and ends with its
+                    # pod: the instance is in use, not held open, and is tried again once it is free
+                    if not cis_destroyed and await self._started_since(d.gpu, gi):
+                        log.info("GPU %d: %s was taken by a compute process just before it was to be destroyed; kept",
+                                 d.gpu, d.label)
+                    else:
+                        # no process and no pod, yet the driver refuses: a client that is not a
+                        # compute process holds it open (DCGM, a leaked handle). Reported used for a
+                        # while, so that plans stop counting on it instead of failing on it again and
+                        # again. Its compute instances destroyed, it has no UUID left: known by its GI
+                        # id then
+                        self._held_open[gi.uuid if gi.uuid and not cis_destroyed else (d.gpu, d.gi_id)] = (
+                            time.monotonic() + HELD_OPEN_S)
                 not_destroyed.append(d)
                 if cis_destroyed and gi.uuid and self.guard is not None:
                     # the GPU instance stays but its compute instance is gone: so is the MIG device

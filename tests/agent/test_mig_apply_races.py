@@ -167,3 +167,34 @@ async def test_an_unhealthy_device_is_no_free_device_for_a_bound_pod():
     out = await guard.release({"MIG-a": M}, {M: ["MIG-a", "MIG-b"]})
     assert out.destroyable == [] and list(out.needed) == ["MIG-a"]
     await plugins.close()
+
+
+async def test_a_process_that_beat_the_destroy_does_not_make_the_instance_held_open():
+    """The last guard before a destroy is NVML's IN_USE: a compute process that starts between the
+    agent's re-check and the call (a pod's CUDA context) makes the driver refuse. The instance is
+    then in use by that process, not held open by a client that is not one (DCGM): it must not be
+    reported used for HELD_OPEN_S (10 min) after the process ends, with the plan that wants it gone
+    waiting as long, but be destroyed at the next pass once free."""
+    rig = make_rig(count=1)
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"]}, plan="p1"))
+    assert (await agent.reconcile_once()).plan_id == "p1"
+    gi = rig.driver.gi_at(0, 0)
+
+    def process_starts(op: Any) -> None:
+        if op.op == "destroy_ci" and op.gi_id == gi:
+            rig.driver.before_op = None
+            rig.driver.attach(0, 4242, gi)  # after the re-check, before the call
+
+    rig.driver.before_op = process_starts
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}, plan="p2") | {"dynpart.io/spec-gpu-0-3g.40gb": None})
+    report = await agent.reconcile_once()
+    assert any("destroying 3g.40gb@0 failed" in e for e in report.errors), report.errors
+    assert rig.driver.layout(0) == [("3g.40gb", 0)]
+    status = decode_status(rig.node_api.annotations, H100, node="node-1")
+    assert [m.used for g in status.layout.gpus for m in g.mig if m.start == 0] == [True]  # by its process
+    assert not any("not a compute process" in e for e in report.errors), report.errors
+    rig.driver.detach(0, 4242)  # the pod ends
+    report = await agent.reconcile_once()
+    assert rig.driver.layout(0) == [("7g.80gb", 0)], report.errors
+    assert report.plan_id == "p2"
