@@ -420,12 +420,12 @@ class FakeNvml:
     def processes(self, index: int, gi_id: int | None = None) -> list[int]:
         gpu = self._gpu(index)
         if self.own_pid_namespace:  # (see __init__: the driver leaves out pids the caller cannot see)
-            if gi_id is not None:
-                self._gi(gpu, gi_id)
             return []
         if gi_id is None:
             return sorted(gpu.pids.union(*(g.pids for g in gpu.gis.values())))
-        return sorted(self._gi(gpu, gi_id).pids)
+        # as RealNvml: the processes of the GI's MIG devices, of which one that is gone has none
+        gi = gpu.gis.get(gi_id)
+        return sorted(gi.pids) if gi is not None else []
 
     @_driver_call(read=True)
     def profile_info(self, index: int, nvml_name: str) -> ProfileInfo | None:

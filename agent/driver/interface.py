@@ -52,8 +52,9 @@ def mig_pending_reason(index: int, code: str | None, enabled: bool = True) -> st
     mode = f"MIG mode {'enable' if enabled else 'disable'}"
     if code is None:
         return (f"GPU {index}: {mode} is pending (why is not known: the driver was not asked since this agent "
-                "started); the agent asks again once the GPU is idle, else a GPU reset (nvidia-smi -r) or a reboot "
-                "applies it")
+                "started); the agent asks again once the GPU is idle, else a GPU reset (nvidia-smi -r) applies it "
+                "(a reboot does on Ampere; Hopper and later lose the pending mode at a reboot, and the agent asks "
+                "again on the idle GPU)")
     if code == IN_USE:
         return (f"GPU {index}: {mode} is pending: the driver could not activate it because the GPU is not idle "
                 "(activation status IN_USE); with no pod and no compute process on it, another client most likely "
@@ -61,14 +62,15 @@ def mig_pending_reason(index: int, code: str | None, enabled: bool = True) -> st
                 "stop those clients on this node (the agent asks again at each pass) or reset the GPU "
                 "(nvidia-smi -r) with them stopped")
     return (f"GPU {index}: {mode} is pending until the GPU is reset (activation status {code}); reset the GPU "
-            "(nvidia-smi -r) or reboot to apply it")
+            "(nvidia-smi -r) to apply it (a reboot does on Ampere; Hopper and later lose the pending mode at a "
+            "reboot, and the agent asks again on the idle GPU)")
 
 
 class MigModePending(GpuDriverError):
     """`set_mig_mode` succeeded but the driver did not activate the new MIG mode: it stays
     pending (nvmlDeviceSetMigMode returned SUCCESS with an activation status). `code` is that
     status: IN_USE (the GPU is not idle, e.g. held by a monitoring client: ask again once it is),
-    RESET_REQUIRED (only a GPU reset or a reboot applies it), or another NVML error name."""
+    RESET_REQUIRED (only a GPU reset applies it, or on Ampere a reboot), or another NVML error name."""
 
     def __init__(self, index: int, enabled: bool, code: str):
         self.index = index

@@ -117,6 +117,7 @@ def test_compute_instance_rules():
     d.destroy_gpu_instance(0, gi)
     assert d.gpu_instances(0) == []
     assert code_of(d.destroy_gpu_instance, 0, gi) == NOT_FOUND
+    assert d.processes(0, gi) == []  # as RealNvml: a GI that is gone has no MIG device, so no process
 
 
 def test_mig_mode_rules():
