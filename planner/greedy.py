@@ -397,9 +397,14 @@ class Greedy:
         kept = self._moved_best.get(ask)
         if kept is None:
             kept = self._moved_best[ask] = {}
-        at = np.array(nodes, dtype=np.int64)
-        ic, im = obj.steps(at, self.cpu[at] - req.cpu, self.mem[at] - req.mem)
-        steps = list(zip(ic.tolist(), im.tolist()))
+        steps: list[tuple[int, int]]
+        if len(nodes) <= SCALAR_NODES:  # mostly one node, popped from a heap: numpy's calls cost more
+            cpu, mem = self.cpu, self.mem
+            steps = [obj.step_one(n, int(cpu[n]) - req.cpu, int(mem[n]) - req.mem) for n in nodes]
+        else:
+            at = np.array(nodes, dtype=np.int64)
+            ic, im = obj.steps(at, self.cpu[at] - req.cpu, self.mem[at] - req.mem)
+            steps = list(zip(ic.tolist(), im.tolist()))
         tops, slots = [0] * len(nodes), [0] * len(nodes)
         missing: list[int] = []
         for i, (n, key) in enumerate(zip(nodes, steps)):
@@ -426,6 +431,18 @@ class Greedy:
                     mine = kept[n] = {}
                 mine[steps[i]] = (top, slot)
         return tops, slots
+
+    def _weigh_moved_one(self, costs: AskCosts, n: int, req: Request) -> tuple[int, int]:
+        """`_weigh_moved` of one node (the heap pops them one at a time, a dozen per pod on a
+        crowded cluster), its kept (top, slot) read without building lists."""
+        assert self.objective is not None
+        kept = self._moved_best.get(req.slice_ref)
+        if kept is not None and (mine := kept.get(n)) is not None:
+            hit = mine.get(self.objective.step_one(n, int(self.cpu[n]) - req.cpu, int(self.mem[n]) - req.mem))
+            if hit is not None:
+                return hit
+        tops, slots = self._weigh_moved(costs, req.slice_ref, [n], req)
+        return tops[0], slots[0]
 
     def _own_tops(self, costs: AskCosts, ask: SliceRef, nodes: list[int]) -> list[int]:
         """Each node's exact top at its own steps, weighed where it is only bounded or not valid."""
@@ -557,9 +574,9 @@ class Greedy:
                     return _GAVE_UP
                 continue
             if moving and (self.cpu_room[n] < need_cpu or self.mem_room[n] < need_mem):
-                tops, slots = self._weigh_moved(costs, req.slice_ref, [n], req)
-                if (tops[0], n) < best:
-                    best, best_slot = (tops[0], n), slots[0]
+                top, slot = self._weigh_moved_one(costs, n, req)
+                if (top, n) < best:
+                    best, best_slot = (top, n), slot
             else:  # (k, n) is below every entry left
                 best, best_slot = (k, n), int(cache.slot[n])
                 break
