@@ -501,6 +501,9 @@ class PlannerController:
                 "node": obj["metadata"]["name"], "plan": lost.plan_id, "pods": sorted(lost.pods)}})
             await self._not_applied(obj, lost, "the node was deleted", waited=False)
         for name, flight in self.loop.overdue(now):
+            # a read and a revocation per node, each bounded; plans to hundreds of nodes whose
+            # agents all stopped answering fall overdue together: beat per node, as plan_round does
+            self.liveness.beat("planning loop")
             if self.loop.in_flight.get(name) is not flight:
                 continue  # acknowledged (or released) while an earlier node's revocation was awaited
             node = self.nodes.cache.get(name)
@@ -614,8 +617,10 @@ class PlannerController:
         layout and pods stay), and revoke those whose pods another plan holds. The write carries the
         node's resourceVersion: a spec that changed meanwhile is read again on the next round."""
         for name in sorted(self._to_revoke):
+            self.liveness.beat("planning loop")  # a write per node (a new leader may adopt hundreds)
             await self._revoke_late(name)
         for name in sorted(self._to_adopt):
+            self.liveness.beat("planning loop")
             node = self.nodes.cache.get(name)
             if node is None or not self.leadership.can_write():
                 continue
@@ -954,6 +959,7 @@ class PlannerController:
         one: a spec of the labelled mode, without slices or pods, moves it there; the node is
         planned once its agent reports that mode (cluster_view.mode_switch)."""
         for name, mode in sorted(switching.items()):
+            self.liveness.beat("planning loop")  # a write per node (a whole pool relabelled)
             node = self.nodes.cache.get(name)
             if node is None or name in awaiting or not self.leadership.can_write():
                 continue

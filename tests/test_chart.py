@@ -907,6 +907,22 @@ def test_full_values_options(full, tmp_path):
     assert "A100-80GB-CUSTOM" in load_catalog([str(tmp_path / "extra.yaml")]).models
 
 
+def test_no_dumpable_process_shares_the_agent_container(default, full):
+    """The agent marks itself not dumpable (agent/cli.py `_not_dumpable`) so that a same-uid
+    process in the host's PID namespace (an unprivileged mps-control, root as the agent) cannot
+    open its /proc/<pid>/root and read its API token. The image's ENTRYPOINT runs it under tini,
+    which stays dumpable, runs as the same root, in the same container: its /proc/<pid>/root is
+    the same filesystem, token included. The agent's container runs dynpart itself (the chart sets
+    mps_control_dir: the agent forks no MPS daemon for tini to reap)."""
+    for objs in (default, full):
+        pod = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
+        agent = container(pod, "agent")
+        assert agent.get("command") == ["dynpart"], "the agent runs under the image's tini, which is dumpable"
+        assert agent["args"][:2] == ["agent", "run"]
+        config = yaml.safe_load(find(objs, "ConfigMap", "dynpart-agent")["data"]["agent.yaml"])
+        assert config["mps_control_dir"], "the agent would fork the MPS daemon itself, which tini reaps"
+
+
 def test_bad_catalog_is_refused():
     _require_tools()
     proc = subprocess.run([str(HELM), "template", "x", str(CHART), "--set", "catalog.extra=gpus: []"],

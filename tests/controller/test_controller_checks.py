@@ -1388,3 +1388,29 @@ async def test_the_planning_loop_beats_while_a_round_writes_its_nodes(make):
     await c.plan_round()
     assert sorted(n for n, _ in c.api.written) == ["n0", "n1", "n2"]
     assert c.liveness.stale() == []
+
+
+async def test_the_planning_loop_beats_while_it_revokes_many_overdue_plans(make):
+    """A round's plans to hundreds of nodes whose agents all stopped answering (a bad agent rollout)
+    fall overdue together: `_expire_acks` revokes them in one step, a bounded write each, through a
+    throttled API server longer than the liveness limit in all. Each node revoked beats, as each
+    node a round writes does: the planner is not restarted half-way (its successor would find the
+    same plans overdue, and revoke them the same way)."""
+    now = [0.0]
+    spec = {SPEC_PLAN: "p1", "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "2@0,1",
+            SPEC_TERM: "3"}
+    c = make([reported(f"n{i}", {**spec, SPEC_PODS: f"ml/p{i}"}) for i in range(3)], ack_timeout_s=1.0)
+    c.liveness = Liveness(clock=lambda: now[0])
+    c.liveness.expect("planning loop", 60.0)
+    for i in range(3):
+        c.loop.written(f"n{i}", "p1", [f"ml/p{i}"], 0.0)
+    patch = c._patch_as_leader
+
+    async def slow_patch(name: str, p: dict[str, str | None], resource_version: str | None = None) -> None:
+        now[0] += 40.0  # each write answered after 40 s: three of them outlast the 60 s limit
+        await patch(name, p, resource_version)
+    c._patch_as_leader = slow_patch  # type: ignore[method-assign]
+    await c._expire_acks(now=10.0)
+    assert sorted(n for n, _ in c.api.written) == ["n0", "n1", "n2"]
+    assert all(c.in_flight[f"n{i}"].revoking for i in range(3))
+    assert c.liveness.stale() == []
