@@ -395,7 +395,8 @@ def _blocked_reason(conflicting: AbstractSet[str], short: Mapping[str, list[str]
     why = []
     if conflicting:
         why.append(f"node(s) {_some(conflicting)} hold a pod that its required pod anti-affinity or host ports "
-                   "exclude, or whose anti-affinity excludes it, or would break its topology spread constraints")
+                   "exclude, or whose anti-affinity excludes it, or would break its topology spread constraints, "
+                   "or are outside the topology domains of the pods its required pod affinity selects")
     if short:
         lacking = sorted({r for lack in short.values() for r in lack})
         why.append(f"node(s) {_some(short)} lack {', '.join(lacking)} for it")
@@ -596,7 +597,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                    reserved: Mapping[str, str] | None = None, switching_too: bool = False,
                    scheduler_names: Collection[str] = (DEFAULT_SCHEDULER,), in_flight: Mapping[str, str] | None = None,
                    no_defer: Mapping[str, AbstractSet[str]] | None = None, volumes: VolumeTopology | None = None,
-                   mps_host_ipc: bool = False) -> ClusterView:
+                   mps_host_ipc: bool = False, other_nodes: Mapping[str, Mapping[str, str]] | None = None) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
@@ -610,7 +611,9 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     next round (`ClusterView.deferred`), unless the older is one `no_defer` names for it (pod ->
     the pods earlier rounds left it for and could not place: not left again for those). `volumes`: the claims and
     volumes cached, whose node affinity narrows the pods that use them (`volume_topology`). `mps_host_ipc`: MPS
-    pods need hostIPC: true (the planner setting mps_clients_host_ipc); one without is warned."""
+    pods need hostIPC: true (the planner setting mps_clients_host_ipc); one without is warned. `other_nodes`: the
+    labels of the cluster's other nodes (name -> labels; those in `nodes` without the partitioning label count
+    too): the topology domains the scheduler's spread and anti-affinity count them in."""
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
     reserved = reserved or {}
@@ -660,13 +663,13 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     candidates: dict[str, dict[str, Any]] = {}
     warnings: list[tuple[dict[str, Any], str]] = []
     elsewhere: list[tuple[dict[str, Any], str]] = []
-    hosts = _DynpartNodes(nodes)
+    hosts = _DynpartNodes(nodes, other_nodes or {})
     host_names: dict[str, frozenset[str]] = {}
     asked: dict[str, PendingPod] = {}
     by_key = {pod_key(p): p for p in pods if not _ended(p)} if in_flight else {}
     placed = PlacedPods([*((p, n) for n, on in by_node.items() for p in on),
                          *((by_key[k], n) for k, n in (in_flight or {}).items() if k in by_key)],
-                        {name: labels for name, labels in hosts.labels.items()})
+                        hosts.all_labels)
     deferred: dict[str, str] = {}
     blocked: list[tuple[dict[str, Any], str]] = []
     no_defer = no_defer or {}
@@ -740,15 +743,23 @@ class _DynpartNodes:
     (nodeSelector, required node affinity) and dynpart's modes decide. Answers are cached per
     constraint signature: a round asks for every pending pod."""
 
-    def __init__(self, nodes: list[dict[str, Any]]):
+    def __init__(self, nodes: list[dict[str, Any]], others: Mapping[str, Mapping[str, str]]):
         self.by_mode: dict[str, list[tuple[str, dict[str, str]]]] = {"mig": [], "mps": []}
         self.labels: dict[str, dict[str, str]] = {}
+        # every node's labels, the others' too: the scheduler's spread counts every node that
+        # carries a constraint's key as a domain (a CPU-only node holding no replica makes the
+        # least 0), and a pod bound anywhere counts in its node's domain
+        self.all_labels: dict[str, dict[str, str]] = {
+            str(name): {str(k): str(v) for k, v in labels.items()} for name, labels in others.items()}
         for node in nodes:
             labels = _field(node, "metadata", "labels")
+            name = str(_field(node, "metadata", "name") or "")
             if isinstance(labels, dict) and labels.get(PARTITIONING_LABEL) in self.by_mode:
-                name = str(_field(node, "metadata", "name") or "")
                 self.labels[name] = {str(k): str(v) for k, v in labels.items()}
                 self.by_mode[labels[PARTITIONING_LABEL]].append((name, self.labels[name]))
+            elif isinstance(labels, dict) and name:
+                self.all_labels[name] = {str(k): str(v) for k, v in labels.items()}
+        self.all_labels.update(self.labels)
         self._seen: dict[tuple[object, ...], frozenset[str]] = {}
 
     @staticmethod
@@ -768,9 +779,10 @@ class _DynpartNodes:
         return found
 
     def admits(self, pod: PendingPod) -> Callable[[str], bool]:
-        """Whether the pod's nodeSelector and required node affinity admit a node, of either mode."""
+        """Whether the pod's nodeSelector and required node affinity admit a node, of either mode
+        or none."""
         def admitted(name: str) -> bool:
-            labels = self.labels.get(name, {})
+            labels = self.all_labels.get(name, {})
             return (all(labels.get(k) == v for k, v in pod.node_selector.items())
                     and affinity_admits(pod.node_affinity, labels, name))
         return admitted
@@ -932,10 +944,11 @@ def _some(names: Iterable[str], most: int = 3) -> str:
 
 
 def _required_affinity(spec: dict[str, Any]) -> dict[str, Any]:
-    """The required node affinity and pod anti-affinity of a pod spec (pod_conflicts: the
-    scheduler keeps the pods the anti-affinity terms select out of the pod's topology domain)."""
+    """The required node affinity, pod affinity and pod anti-affinity of a pod spec (pod_conflicts:
+    the scheduler keeps the pods the anti-affinity terms select out of the pod's topology domain, and
+    the pod in the domains of those its affinity terms select)."""
     out = {}
-    for kind in ("nodeAffinity", "podAntiAffinity"):
+    for kind in ("nodeAffinity", "podAffinity", "podAntiAffinity"):
         required = _field(spec, "affinity", kind, "requiredDuringSchedulingIgnoredDuringExecution")
         if required is not None:
             out[kind] = {"requiredDuringSchedulingIgnoredDuringExecution": required}
@@ -1051,6 +1064,17 @@ def node_for_planning(node: dict[str, Any]) -> dict[str, Any]:
     if "status" in node:
         out["status"] = {k: status[k] for k in ("allocatable",) if k in status} if isinstance(status, dict) else status
     return out
+
+
+def node_labels_for_planning(node: dict[str, Any]) -> dict[str, Any]:
+    """The part of a node dynpart does not plan that the planner reads: its name and labels (the
+    topology domains the scheduler's spread and anti-affinity count it in)."""
+    md = node.get("metadata")
+    md = md if isinstance(md, dict) else {}
+    labels = md.get("labels")
+    return {"metadata": {**{k: md[k] for k in ("name", "uid", "resourceVersion") if k in md},
+                         "labels": {sys.intern(str(k)): sys.intern(str(v)) for k, v in labels.items()}
+                         if isinstance(labels, dict) else {}}}
 
 
 def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:

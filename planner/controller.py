@@ -57,6 +57,7 @@ from dynpart.planner.cluster_view import (
     mps_user_clashes,
     node_for_planning,
     node_gpu_model,
+    node_labels_for_planning,
     planned_patches,
     pod_for_planning,
     pod_key,
@@ -178,6 +179,12 @@ class PlannerController:
         self.pods = Informer(self.core.list_pod_for_all_namespaces, self._on_pod, name="pods", settings=settings.kube,
                              field_selector=LIVE_PODS, transform=pod_for_planning,
                              on_beat=lambda: self.liveness.beat("watch pods"))
+        # the labels of the other nodes (those not labelled for dynpart: CPU nodes, other GPU pools):
+        # the scheduler's topology spread counts each as a domain, and the pods bound there count in
+        # their domains (planner/pod_conflicts.py); read at each round, no round of their own
+        self.other_nodes = Informer(self.core.list_node, _ignore, name="other nodes", settings=settings.kube,
+                                    label_selector=f"!{PARTITIONING_LABEL}", transform=node_labels_for_planning,
+                                    on_beat=lambda: self.liveness.beat("watch other nodes"))
         # the claims and volumes whose node affinity narrows where the pods using them can run
         # (planner/volume_topology.py): read at each round, no round of their own
         self.claims = Informer(self.core.list_persistent_volume_claim_for_all_namespaces, _ignore, name="claims",
@@ -344,7 +351,8 @@ class PlannerController:
             finally:
                 task.cancel()
         tasks = [asyncio.create_task(self.nodes.run()), asyncio.create_task(self.pods.run()),
-                 asyncio.create_task(optional(self.claims)), asyncio.create_task(optional(self.volumes))]
+                 asyncio.create_task(optional(self.claims)), asyncio.create_task(optional(self.volumes)),
+                 asyncio.create_task(optional(self.other_nodes))]
         try:
             await self.nodes.synced.wait()
             await self.pods.synced.wait()
@@ -753,6 +761,8 @@ class PlannerController:
                                        self._reservations(), scheduler_names=self.settings.scheduler_names,
                                        in_flight={k: n for n, f in self.loop.in_flight.items() for k in f.pods},
                                        no_defer=self._not_to_defer(), mps_host_ipc=self.settings.mps_clients_host_ipc,
+                                       other_nodes={name: (n.get("metadata") or {}).get("labels") or {}
+                                                    for name, n in self.other_nodes.cache.items()},
                                        volumes=VolumeTopology(dict(self.claims.cache), dict(self.volumes.cache))
                                        if self.claims.synced.is_set() and self.volumes.synced.is_set() else None)
         self.liveness.beat("planning loop")  # (a round at scale takes seconds: each part of it beats)

@@ -60,14 +60,14 @@ async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
     node (anti-affinity, host ports, spread, resources), or left to the next round."""
     from kubernetes_asyncio import client
 
-    from dynpart.annotations import PARTITIONING_LABEL
     from dynpart.kube.client import api_client, read_json
     from dynpart.planner.cluster_view import build_snapshot
 
     api = await api_client(kubeconfig)
     try:
         core = client.CoreV1Api(api)
-        nodes = await read_json(await core.list_node(label_selector=PARTITIONING_LABEL, _preload_content=False))
+        # every node: those not labelled for dynpart are topology domains for spread and anti-affinity
+        nodes = await read_json(await core.list_node(_preload_content=False))
         pods = await read_json(await core.list_pod_for_all_namespaces(_preload_content=False))
     finally:
         await api.close()

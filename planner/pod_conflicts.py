@@ -1,6 +1,7 @@
 """Pods that may not share a node, or a topology domain, with others, as three of the
 kube-scheduler's filters decide: InterPodAffinity for required pod anti-affinity (both ways: the
-pod's terms against the pods placed, and their terms against the pod), NodePorts (host ports) and
+pod's terms against the pods placed, and their terms against the pod) and required pod affinity
+(the pod only in the domains of the placed pods it selects), NodePorts (host ports) and
 PodTopologySpread (constraints with `whenUnsatisfiable: DoNotSchedule`). Pure code over the pods
 as the planner's cache keeps them (`cluster_view.pod_for_planning`).
 
@@ -11,10 +12,12 @@ by a plan in flight) conflict with it, and of two pending pods that conflict, on
 planned in a round: the younger is planned by the next one, where the older counts as placed.
 
 Not mirrored (the pod then falls to the loop's back-off, `planner/loop.py`, which tries the other
-nodes): required pod affinity, a spread constraint's `nodeTaintsPolicy: Honor` (taints are
-ignored, the default), a namespaceSelector on labels other
-than the namespace's name (the planner does not watch namespaces: such a term counts only its
-`namespaces`), and placed pods on nodes dynpart does not plan (their topology domain is unknown)."""
+nodes): a spread constraint's `nodeTaintsPolicy: Honor` (taints are ignored, the default), a
+namespaceSelector on labels other than the namespace's name (the planner does not watch namespaces:
+such a term counts only its `namespaces`). The nodes dynpart does not plan count by their labels
+(`node_labels`: every node's, those the controller's "other nodes" watch lists too): as topology
+domains for spread (a CPU-only node holding no replica makes the least 0), and the pods bound
+there in their domains; until that watch has listed, they are unknown."""
 
 from __future__ import annotations
 
@@ -93,11 +96,17 @@ class PodFacts:
     terms: tuple[AntiAffinityTerm, ...]
     ports: tuple[HostPort, ...]
     spread: tuple[SpreadConstraint, ...] = ()
+    affinity: tuple[AntiAffinityTerm, ...] = ()  # required pod affinity terms (the same shape as anti-affinity's)
 
     def excludes(self, other: PodFacts) -> bool:
         """Either pod's terms select the other (the scheduler checks both ways)."""
         return (any(t.selects(other.namespace, other.labels) for t in self.terms)
                 or any(t.selects(self.namespace, self.labels) for t in other.terms))
+
+    def attracts(self, other: PodFacts) -> bool:
+        """The pod's required pod affinity selects the other (every term of it, as the scheduler
+        counts a pod for affinity): where the other goes decides where this one may."""
+        return bool(self.affinity) and all(t.selects(other.namespace, other.labels) for t in self.affinity)
 
     def spreads_with(self, other: PodFacts) -> bool:
         """The pod's spread constraints count the other, or the other's count it: where one goes
@@ -158,16 +167,18 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
     md, spec = as_dict(pod.get("metadata")), as_dict(pod.get("spec"))
     namespace = str(md.get("namespace") or "")
     labels = _labels(md)
-    raw_terms = as_list(as_dict(as_dict(spec.get("affinity")).get("podAntiAffinity"))
-                      .get("requiredDuringSchedulingIgnoredDuringExecution"))
-    terms = []
-    for t in map(as_dict, raw_terms):
-        key = t.get("topologyKey")
-        if isinstance(key, str) and key:
-            terms.append(AntiAffinityTerm(key, _selector(t.get("labelSelector"), labels,
-                                                         map(str, as_list(t.get("matchLabelKeys"))),
-                                                         map(str, as_list(t.get("mismatchLabelKeys")))),
-                                          _namespaces(t, namespace)))
+    def required(kind: str) -> tuple[AntiAffinityTerm, ...]:
+        out = []
+        for t in map(as_dict, as_list(as_dict(as_dict(spec.get("affinity")).get(kind))
+                                      .get("requiredDuringSchedulingIgnoredDuringExecution"))):
+            key = t.get("topologyKey")
+            if isinstance(key, str) and key:
+                out.append(AntiAffinityTerm(key, _selector(t.get("labelSelector"), labels,
+                                                           map(str, as_list(t.get("matchLabelKeys"))),
+                                                           map(str, as_list(t.get("mismatchLabelKeys")))),
+                                            _namespaces(t, namespace)))
+        return tuple(out)
+    terms = required("podAntiAffinity")
     ports = []
     sidecars = [c for c in as_list(spec.get("initContainers")) if as_dict(c).get("restartPolicy") == "Always"]
     for c in [*as_list(spec.get("containers")), *sidecars]:
@@ -184,7 +195,8 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
                                            _selector(c.get("labelSelector"), labels,
                                                      map(str, as_list(c.get("matchLabelKeys"))), ()),
                                            c.get("nodeAffinityPolicy") != "Ignore"))
-    return PodFacts(f"{namespace}/{md.get('name')}", namespace, labels, tuple(terms), tuple(ports), tuple(spread))
+    return PodFacts(f"{namespace}/{md.get('name')}", namespace, labels, terms, tuple(ports), tuple(spread),
+                    required("podAffinity"))
 
 
 def _may_conflict(pod: Mapping[str, Any]) -> bool:
@@ -268,7 +280,7 @@ class PlacedPods:
         where its spread constraints would be broken. `admits`: the nodes its node affinity admits
         (`admits_key` tells one pod's from another's: answers are kept per question)."""
         question = (facts.namespace, frozenset(facts.labels.items()), facts.terms, facts.ports, facts.spread,
-                    admits_key if facts.spread else None)
+                    facts.affinity, admits_key if facts.spread else None)
         found = self._answers.get(question)
         if found is not None:
             return found
@@ -282,8 +294,34 @@ class PlacedPods:
                 out |= self._domains_of(nodes, term.topology_key)
         for p in facts.ports:
             out |= {node for q, node in self.by_port.get((p.protocol, p.port), []) if p.clashes(q)}
+        if facts.affinity:
+            out |= self._affinity_off(facts)
         found = self._answers[question] = frozenset(out)
         return found
+
+    def _affinity_off(self, facts: PodFacts) -> set[str]:
+        """The nodes the pod's required pod affinity keeps it off, as the InterPodAffinity filter
+        decides: a node must carry every term's key, and each term's domain there must hold a placed
+        pod that every term selects (terminating ones too); while no such pod sits on a node carrying
+        any of the keys, a pod that its own terms select may go to any node carrying them all (the
+        first of a group that attracts itself)."""
+        keys = {t.topology_key for t in facts.affinity}
+        matched: list[str] = []  # the nodes of the placed pods every term selects
+        spaces = self.by_namespace()
+        for ns, pods in spaces.items():
+            for labels, node, _ in pods:
+                if all(t.selects(ns, labels) for t in facts.affinity):
+                    matched.append(node)
+        # a node whose labels are unknown (not listed yet) may carry the keys: its pods count as found
+        found = [n for n in matched if n not in self.node_labels or keys & self.node_labels[n].keys()]
+        with_keys = {n for n, labels in self.node_labels.items() if keys <= labels.keys()}
+        if not found:
+            allowed = with_keys if facts.attracts(facts) else set()
+        else:
+            allowed = set(with_keys)
+            for t in facts.affinity:
+                allowed &= self._domains_of(found, t.topology_key)
+        return set(self.node_labels) - allowed
 
     def _spread_off(self, facts: PodFacts, c: SpreadConstraint, admits: Callable[[str], bool]) -> set[str]:
         """The nodes where the pod would break the constraint, as the PodTopologySpread filter
@@ -309,8 +347,9 @@ class PlacedPods:
         """The older pending pod of this round the pod conflicts with, if any (those in `ignoring` aside)."""
         # a pod with neither terms, host ports nor spread constraints conflicts only with a pod whose
         # terms or constraints select it
-        for other in self.planned if facts.terms or facts.ports or facts.spread else self._planned_with_terms:
-            if other.key not in ignoring and (facts.excludes(other) or facts.spreads_with(other)
+        for other in self.planned if facts.terms or facts.ports or facts.spread or facts.affinity \
+                else self._planned_with_terms:
+            if other.key not in ignoring and (facts.excludes(other) or facts.spreads_with(other) or facts.attracts(other)
                     or any(p.clashes(q) for p in facts.ports for q in other.ports)):
                 return other.key
         return None

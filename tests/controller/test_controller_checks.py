@@ -411,7 +411,7 @@ def _informers_that_wait(c: PlannerController, monkeypatch: Any) -> tuple[list[s
                 cancelled.append(name)
                 raise
         return run
-    for informer in (c.nodes, c.pods, c.claims, c.volumes):
+    for informer in (c.nodes, c.pods, c.claims, c.volumes, c.other_nodes):
         monkeypatch.setattr(informer, "run", waits(informer.name))
     return started, cancelled
 
@@ -443,7 +443,7 @@ async def test_planning_starts_once_nodes_and_pods_are_listed_and_the_watches_ar
     c._step = step  # type: ignore[method-assign]
     task = asyncio.create_task(c.run())
     await _turns()
-    assert sorted(started) == ["claims", "nodes", "pods", "volumes"] and steps == []
+    assert sorted(started) == ["claims", "nodes", "other nodes", "pods", "volumes"] and steps == []
     listed, then = (c.nodes, c.pods) if first == "nodes" else (c.pods, c.nodes)
     listed.synced.set()
     await _turns()
@@ -468,7 +468,7 @@ async def test_planning_starts_once_nodes_and_pods_are_listed_and_the_watches_ar
     with pytest.raises(asyncio.CancelledError):
         await task
     await _turns()
-    assert sorted(cancelled) == ["claims", "nodes", "pods", "volumes"], "the volume watch never listed, too"
+    assert sorted(cancelled) == ["claims", "nodes", "other nodes", "pods", "volumes"], "the volume watch never listed, too"
 
 
 async def test_a_failing_step_is_counted_and_the_next_waits_a_second(make, monkeypatch):

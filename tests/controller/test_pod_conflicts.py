@@ -280,3 +280,89 @@ def test_a_round_of_replicas_at_scale_reads_each_question_once(monkeypatch):
     assert [p.name for p in view.snapshot.pending] == ["ml/new-0", "ml/new-1"] and len(view.deferred) == 1998
     assert kept_off(view, "ml/new-0") == {f"n{i:03d}" for i in range(0, 200, 2)}, "where app0 runs"
     assert len(domains) == 4, "two questions, each its own term and the placed pods' one"
+
+
+def test_spread_counts_the_nodes_dynpart_does_not_plan_as_domains_as_the_scheduler_does():
+    """The scheduler's PodTopologySpread counts every node that carries the constraint's key (and
+    that the pod's node affinity admits) as a domain, GPU or not: a CPU-only node in the cluster
+    holds none of the replicas, so the least is 0 and each GPU node takes at most `maxSkew` of them.
+    Counting only the dynpart nodes, the planner saw a least of 1 and carved a slice for a third
+    replica on a node the scheduler refuses it ("didn't match pod topology spread constraints")."""
+    nodes = nodes4()[:2]
+    cpu_only = {"metadata": {"name": "cpu1", "labels": {HOST: "cpu1", ZONE: "z3"}}}
+    pods = [spread("w0", bound="n1"), spread("w1", bound="n2"), spread("w2")]
+    view = build_snapshot(nodes, pods, CAT, other_nodes={"cpu1": cpu_only["metadata"]["labels"]})
+    assert not view.snapshot.pending and view.blocked, "cpu1 is a domain with none: n1 and n2 are full at skew 1"
+    # the same with the node listed among the nodes (`dynpart explain` lists them all)
+    view = build_snapshot([*nodes, cpu_only], pods, CAT)
+    assert not view.snapshot.pending and view.blocked
+    # a node the pod's node affinity does not admit is no domain (nodeAffinityPolicy: Honor)
+    pinned = spread("w2")
+    pinned["spec"]["nodeSelector"] = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    view = build_snapshot(nodes, [*pods[:2], pinned], CAT, other_nodes={"cpu1": cpu_only["metadata"]["labels"]})
+    assert [p.name for p in view.snapshot.pending] == ["ml/w2"] and kept_off(view, "ml/w2") == set()
+    # nor one without the key; and a zone of CPU nodes only is a domain of its own for zone spread
+    view = build_snapshot(nodes, pods, CAT, other_nodes={"cpu1": {ZONE: "z3"}})
+    assert kept_off(view, "ml/w2") == set()
+    zoned = nodes4(n1="z1", n2="z2", n3="z1", n4="z2")[:2]
+    pods = [spread("w0", key=ZONE, bound="n1"), spread("w1", key=ZONE, bound="n2"), spread("w2", key=ZONE)]
+    assert build_snapshot(zoned, pods, CAT).snapshot.pending, "z1 and z2 hold one each"
+    view = build_snapshot(zoned, pods, CAT, other_nodes={"cpu1": cpu_only["metadata"]["labels"]})
+    assert not view.snapshot.pending and view.blocked, "z3 (a CPU node) holds none"
+
+
+def test_pods_on_nodes_dynpart_does_not_plan_count_in_their_domain():
+    """A replica bound to a node dynpart does not plan, in a zone it does plan, keeps the pods whose
+    required anti-affinity selects it out of that zone (and its own anti-affinity too): its
+    domain is known from the node's labels."""
+    nodes = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
+    pods = [replica("r0", key=ZONE, bound="plain1"), replica("r1", key=ZONE)]
+    assert kept_off(build_snapshot(nodes, pods, CAT), "ml/r1") == set(), "plain1's zone unknown"
+    view = build_snapshot(nodes, pods, CAT, other_nodes={"plain1": {HOST: "plain1", ZONE: "z1"}})
+    assert kept_off(view, "ml/r1") == {"n1", "n2"}
+
+
+def follower(name: str, app: str = "cache", key: str = ZONE, bound: str | None = None, own: str = "gpu",
+             **extra: Any) -> dict[str, Any]:
+    """A pod whose required pod affinity wants it in the `key` domain of a pod labelled app=`app`."""
+    p = pod(name, MIG_1G if own == "gpu" else {"cpu": "1"}, phase="Running" if bound else "Pending", node=bound,
+            unschedulable=not bound, affinity={"podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"topologyKey": key, "labelSelector": {"matchLabels": {"app": app}}}]}}, **extra)
+    p["metadata"]["labels"] = {"app": own}
+    return pod_for_planning(p)
+
+
+def test_required_pod_affinity_keeps_a_pod_in_the_domains_of_the_pods_it_selects():
+    """The InterPodAffinity filter: a pod whose required pod affinity selects a placed pod goes only
+    to a node in that pod's topology domain (carrying the key); one that selects no placed pod goes
+    nowhere, unless its own labels match its terms (the first of a group that attracts itself: any
+    node carrying the keys). Unmirrored, the planner carved its slice in any zone, where the
+    scheduler refuses it ("didn't match pod affinity rules")."""
+    nodes = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
+    cache = pod("cache0", {"cpu": "1"}, phase="Running", node="plain1", unschedulable=False)
+    cache["metadata"]["labels"] = {"app": "cache"}
+    cache = pod_for_planning(cache)
+    view = build_snapshot(nodes, [cache, follower("f0")], CAT, other_nodes={"plain1": {HOST: "plain1", ZONE: "z2"}})
+    assert kept_off(view, "ml/f0") == {"n1", "n2"}, "the cache runs in z2"
+    view = build_snapshot(nodes, [follower("f0")], CAT)
+    assert not view.snapshot.pending and view.blocked, "no cache pod anywhere: no node passes"
+    # a group that attracts itself: the first may go anywhere, the next joins it
+    group = [follower("g0", app="gpu"), follower("g1", app="gpu")]
+    view = build_snapshot(nodes, group, CAT)
+    assert [p.name for p in view.snapshot.pending] == ["ml/g0"] and kept_off(view, "ml/g0") == set()
+    assert view.deferred == {"ml/g1": "ml/g0"}, "g1 waits for g0's zone"
+    view = build_snapshot(nodes, group, CAT, exclude_pods={"ml/g0"}, in_flight={"ml/g0": "n3"})
+    assert kept_off(view, "ml/g1") == {"n1", "n2"}
+    # a node without the key never passes; nor a node whose domain holds the pod only on a node lacking it
+    unkeyed = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
+    unkeyed[3]["metadata"]["labels"].pop(ZONE)
+    view = build_snapshot(unkeyed, [cache, follower("f0")], CAT, other_nodes={"plain1": {HOST: "plain1", ZONE: "z2"}})
+    assert kept_off(view, "ml/f0") == {"n1", "n2", "n4"}
+    # anti-affinity of the pod itself still applies beside its affinity (a term per kind)
+    both = follower("b0", key=ZONE)
+    both["spec"]["affinity"]["podAntiAffinity"] = {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": HOST, "labelSelector": {"matchLabels": {"app": "gpu"}}}]}
+    other = pod_for_planning({**pod("x", MIG_1G, phase="Running", node="n3", unschedulable=False),
+                              "metadata": {"name": "x", "namespace": "ml", "labels": {"app": "gpu"}}})
+    view = build_snapshot(nodes, [cache, other, both], CAT, other_nodes={"plain1": {HOST: "plain1", ZONE: "z2"}})
+    assert kept_off(view, "ml/b0") == {"n1", "n2", "n3"}

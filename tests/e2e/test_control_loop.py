@@ -358,3 +358,100 @@ async def test_taints_and_required_affinity_are_followed_as_the_scheduler_follow
     await h.wait_running([second], timeout=90)
     assert second.node == tainted.name and tainted.driver.layout(0) == [("7g.80gb", 0)]
     assert h.destroy_violations() == []
+
+
+async def test_spread_over_nodes_counts_the_nodes_dynpart_does_not_plan(harness: Harness):
+    """The kube-scheduler's topology spread counts every node the pod's node affinity admits as a
+    domain, GPU or not: with a CPU-only node among them (holding no replica), each GPU node takes
+    one replica at maxSkew 1 and a third replica is refused everywhere. The planner must not carve
+    a slice for that third one on a GPU node (counting only its own nodes, it saw a least of 1 and
+    planned it where the scheduler never binds it): it says Unplaceable instead."""
+    h = harness
+    a = await h.add_node("spread-a", H100, "mig", 1)
+    b = await h.add_node("spread-b", H100, "mig", 1)
+    cpu = f"spread-cpu-{h.run_id}"
+    await h.core.create_node({"apiVersion": "v1", "kind": "Node",
+                              "metadata": {"name": cpu, "labels": {"kubernetes.io/hostname": cpu}}})
+    try:
+        for node in (a, b):
+            await h.start_agent(node)
+        recs = []
+        for i in range(3):
+            name = f"spread-{i}"
+            body = h.pod_body(name, "nvidia.com/mig-1g.10gb")
+            body["metadata"]["labels"]["app"] = f"spread-{h.run_id}"
+            body["spec"]["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In",
+                                                             "values": [a.name, b.name, cpu]}]}]}}}
+            body["spec"]["topologySpreadConstraints"] = [{
+                "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule",
+                "labelSelector": {"matchLabels": {"app": f"spread-{h.run_id}"}}}]
+            rec = h.pods[f"{h.namespace}/{name}"] = PodRecord(f"{h.namespace}/{name}", "nvidia.com/mig-1g.10gb",
+                                                              time.monotonic())
+            await h.core.create_namespaced_pod(h.namespace, body)
+            recs.append(rec)
+            if i < 2:  # one at a time: the third comes once the first two run on a and b
+                await h.wait_running([rec], timeout=90)
+        assert sorted(r.node or "" for r in recs[:2]) == sorted([a.name, b.name])
+
+        async def told() -> list[str]:
+            return [e.reason for e in await h.events_of(recs[2])]
+        deadline = time.monotonic() + 30
+        while "Unplaceable" not in (reasons := await told()) and "SlicePlanned" not in reasons \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(1)
+        assert "SlicePlanned" not in reasons and "Unplaceable" in reasons, reasons
+        assert recs[2].node is None
+        assert h.destroy_violations() == []
+    finally:
+        await h.core.delete_node(cpu)
+
+
+async def test_required_pod_affinity_is_followed_as_the_scheduler_follows_it(harness: Harness):
+    """A pod whose required pod affinity wants the zone of a pod bound to a CPU-only node gets its
+    slice carved on the GPU node of that zone, where the scheduler binds it; a pod whose affinity
+    selects no pod anywhere (and not itself) gets none carved (Unplaceable), as the scheduler binds
+    it nowhere."""
+    h = harness
+    zone = "topology.kubernetes.io/zone"
+    a = await h.add_node("aff-a", H100, "mig", 1)
+    b = await h.add_node("aff-b", H100, "mig", 1)
+    await h.core.patch_node(a.name, {"metadata": {"labels": {zone: f"z1-{h.run_id}"}}})
+    await h.core.patch_node(b.name, {"metadata": {"labels": {zone: f"z2-{h.run_id}"}}})
+    cpu = f"aff-cpu-{h.run_id}"
+    await h.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {
+        "name": cpu, "labels": {"kubernetes.io/hostname": cpu, zone: f"z2-{h.run_id}"}}})
+    try:
+        for node in (a, b):
+            await h.start_agent(node)
+        await h.core.create_namespaced_pod(h.namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": "aff-cache", "namespace": h.namespace, "labels": {"app": f"cache-{h.run_id}"}}, "spec": {
+            "nodeName": cpu, "terminationGracePeriodSeconds": 0,
+            "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10"}]}})
+
+        async def create(name: str, app: str) -> PodRecord:
+            body = h.pod_body(name, "nvidia.com/mig-1g.10gb")
+            body["spec"]["affinity"] = {
+                "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In",
+                                           "values": [a.name, b.name, cpu]}]}]}},
+                "podAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"topologyKey": zone, "labelSelector": {"matchLabels": {"app": app}}}]}}
+            rec = h.pods[f"{h.namespace}/{name}"] = PodRecord(f"{h.namespace}/{name}", "nvidia.com/mig-1g.10gb",
+                                                              time.monotonic())
+            await h.core.create_namespaced_pod(h.namespace, body)
+            return rec
+
+        near = await create("aff-near", f"cache-{h.run_id}")
+        await h.wait_running([near], timeout=90)
+        assert near.node == b.name and a.driver.layout(0) == []
+        lost = await create("aff-lost", f"nothing-{h.run_id}")
+        deadline = time.monotonic() + 30
+        while not {"Unplaceable", "SlicePlanned"} & (reasons := {e.reason for e in await h.events_of(lost)}) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(1)
+        assert "SlicePlanned" not in reasons and "Unplaceable" in reasons, reasons
+        assert h.destroy_violations() == []
+    finally:
+        await h.core.delete_namespaced_pod("aff-cache", h.namespace, grace_period_seconds=0)
+        await h.core.delete_node(cpu)
