@@ -687,6 +687,11 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                 continue
             own = wants = pending_pod(pod)
             if volumes is not None:
+                why, lasting = volumes.missing(pod)
+                if why is not None:
+                    if lasting:
+                        blocked.append((pod, why))
+                    continue  # (an ephemeral volume's claim is made within moments: the next round)
                 wants = volumes.narrow(wants, pod)
             admitting = hosts.admitting(wants)
             if not admitting:

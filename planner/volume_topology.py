@@ -7,6 +7,10 @@ Without it a pod whose bound volume lives in one zone (or on one node) had its s
 nodes the scheduler refuses it ("volume node affinity conflict"), one node after another as each
 reservation lapsed. Now the volume's terms narrow the pod's required node affinity.
 
+A pod whose claim does not exist or is being deleted is not planned: the scheduler binds it on no
+node (its `Unplaceable` Event says which claim); one whose ephemeral volume's claim is not made yet
+waits a round without an Event.
+
 Not mirrored (the pod then falls to the loop's back-off, `planner/loop.py`): claims not bound yet
 (`WaitForFirstConsumer`: the scheduler picks or provisions a volume per node; StorageClass
 `allowedTopologies`, CSI storage capacity), and volume limits per node (NodeVolumeLimits)."""
@@ -29,18 +33,25 @@ GA_LABEL = {"failure-domain.beta.kubernetes.io/zone": "topology.kubernetes.io/zo
 MAX_TERMS = 64  # a pod whose terms would multiply beyond this is left to the back-off
 
 
-def claim_names(pod: Mapping[str, Any]) -> list[str]:
-    """The claims (namespace/name) of the pod's volumes: `persistentVolumeClaim`, and the one an
-    `ephemeral` volume gets (`<pod>-<volume>`)."""
+def _claims(pod: Mapping[str, Any]) -> list[tuple[str, bool]]:
+    """The claims (namespace/name) of the pod's volumes, each with whether it is an `ephemeral`
+    volume's (named `<pod>-<volume>`, made by the ephemeral volume controller) or a
+    `persistentVolumeClaim`'s."""
     md, spec = as_dict(pod.get("metadata")), as_dict(pod.get("spec"))
     out = []
     for v in map(as_dict, as_list(spec.get("volumes"))):
         claim = as_dict(v.get("persistentVolumeClaim")).get("claimName")
         if isinstance(claim, str) and claim:
-            out.append(f"{md.get('namespace')}/{claim}")
+            out.append((f"{md.get('namespace')}/{claim}", False))
         elif "ephemeral" in v:
-            out.append(f"{md.get('namespace')}/{md.get('name')}-{v.get('name')}")
+            out.append((f"{md.get('namespace')}/{md.get('name')}-{v.get('name')}", True))
     return out
+
+
+def claim_names(pod: Mapping[str, Any]) -> list[str]:
+    """The claims (namespace/name) of the pod's volumes: `persistentVolumeClaim`, and the one an
+    `ephemeral` volume gets (`<pod>-<volume>`)."""
+    return [key for key, _ in _claims(pod)]
 
 
 def volumes_for_planning(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -56,7 +67,7 @@ def volumes_for_planning(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def claim_for_planning(claim: Mapping[str, Any]) -> dict[str, Any]:
     md = as_dict(claim.get("metadata"))
-    return {"metadata": {k: md[k] for k in ("name", "namespace", "resourceVersion") if k in md},
+    return {"metadata": {k: md[k] for k in ("name", "namespace", "resourceVersion", "deletionTimestamp") if k in md},
             "spec": {"volumeName": as_dict(claim.get("spec")).get("volumeName")},
             "status": {"phase": as_dict(claim.get("status")).get("phase")}}
 
@@ -105,6 +116,23 @@ class VolumeTopology:
 
     def __init__(self, claims: Mapping[str, Mapping[str, Any]], volumes: Mapping[str, Mapping[str, Any]]):
         self.claims, self.volumes = claims, volumes
+
+    def missing(self, pod: Mapping[str, Any]) -> tuple[str | None, bool]:
+        """Why the scheduler binds the pod on no node for its claims (VolumeBinding's PreFilter,
+        UnschedulableAndUnresolvable): a `persistentVolumeClaim` that does not exist or is being
+        deleted, and whether that lasts until someone acts (False: an ephemeral volume's claim
+        that its controller has not made yet, a moment's wait). (None, False) when none is."""
+        for key, ephemeral in _claims(pod):
+            claim = self.claims.get(key)
+            if claim is None:
+                if ephemeral:
+                    return f"its ephemeral volume's PersistentVolumeClaim {key} is not made yet", False
+                return (f"its PersistentVolumeClaim {key} does not exist (the scheduler binds it nowhere until it "
+                        "does)"), True
+            if as_dict(claim.get("metadata")).get("deletionTimestamp"):
+                return (f"its PersistentVolumeClaim {key} is being deleted (the scheduler binds it nowhere while it "
+                        "is)"), True
+        return None, False
 
     def narrow(self, pending: PendingPod, pod: Mapping[str, Any]) -> PendingPod:
         """The pod with the terms of its bound claims' volumes joined to its node affinity: each

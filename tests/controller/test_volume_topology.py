@@ -82,9 +82,32 @@ def test_a_local_volume_keeps_its_pod_on_its_node_and_joins_the_pods_own_terms()
 def test_claims_not_bound_and_volumes_unknown_narrow_nothing():
     nodes = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
     everywhere = {"n1", "n2", "n3", "n4"}
-    for vols in (topology(claim("c", None, phase="Pending")), topology(claim("c", "pv-gone")), topology(),
+    for vols in (topology(claim("c", None, phase="Pending")), topology(claim("c", "pv-gone")),
                  topology(claim("c", "pv-1"), volume("pv-1"))):
         assert build_snapshot(nodes, [using("a", "c")], CAT, volumes=vols).hosts["ml/a"] == everywhere
+
+
+def test_a_pod_whose_claim_is_missing_or_being_deleted_is_not_planned():
+    """The scheduler's VolumeBinding PreFilter refuses such a pod on every node (persistentvolumeclaim
+    "c" not found; ... is being deleted): a slice carved for it would idle. It is told why; a pod
+    whose ephemeral volume's claim its controller has not made yet waits a round, untold."""
+    nodes = nodes4()
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology())
+    assert not view.snapshot.pending
+    [(obj, why)] = view.blocked
+    assert obj["metadata"]["name"] == "a" and "PersistentVolumeClaim ml/c does not exist" in why
+    deleting = claim("c", "pv-1")
+    deleting["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert claim_for_planning(deleting)["metadata"]["deletionTimestamp"], "the claim cache keeps it"
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology(deleting, volume("pv-1")))
+    assert not view.snapshot.pending and "ml/c is being deleted" in view.blocked[0][1]
+    scratch = pod_for_planning(pod("b", MIG_1G, volumes=[{"name": "s", "ephemeral": {"volumeClaimTemplate": {}}}]))
+    view = build_snapshot(nodes, [scratch], CAT, volumes=topology())
+    assert not view.snapshot.pending and not view.blocked
+    view = build_snapshot(nodes, [scratch], CAT, volumes=topology(claim("b-s", "pv-1"), volume("pv-1")))
+    assert [p.name for p in view.snapshot.pending] == ["ml/b"]
+    # the caches not listed yet (volumes None): nothing is known, the pod is planned
+    assert [p.name for p in build_snapshot(nodes, [using("a", "c")], CAT).snapshot.pending] == ["ml/a"]
 
 
 def test_the_claims_of_a_pod_and_what_the_caches_keep():
