@@ -17,7 +17,9 @@ class Progress:
         self.every_s = every_s
         self.enabled = enabled
         self.t0 = time.monotonic()
-        self.last = 0.0
+        # no line written yet: the first update writes one (the monotonic clock starts at the
+        # machine's boot, so 0 would hold back a first line for every_s on a machine up for less)
+        self.last = -float("inf")
         self.done = 0
         self.printed_total = False  # a plain stream gets the 100% line once, however often it is reported
 

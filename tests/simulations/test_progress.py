@@ -44,3 +44,13 @@ def test_plain_stream_gets_a_line_every_so_often_however_often_it_is_told() -> N
     lines = out.getvalue().splitlines()
     assert [line.split(":")[1].split()[0] for line in lines] == \
         ["0/100", "15/100", "30/100", "45/100", "60/100", "75/100", "90/100", "100/100"]
+
+
+def test_the_first_line_is_written_on_a_machine_up_for_less_than_every_s() -> None:
+    """The monotonic clock counts from the machine's boot: a CI machine up for ten minutes still
+    gets its first progress line at once, not after every_s."""
+    out = io.StringIO()
+    with patch("dynpart.simulations.reporting.progress.time.monotonic", lambda: 600.0):
+        bar = Progress("replay", total=10, stream=out, every_s=3600.0)
+        bar.update(0)
+    assert out.getvalue().startswith("replay: 0/10 (0%)")
