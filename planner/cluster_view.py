@@ -233,6 +233,9 @@ class ClusterView:
     # pending pod -> the pod as it asks, without the nodes this round keeps it off (conflicts,
     # other resources short: `avoiding`, a passing fact): what the learnt workload counts
     asked: dict[str, PendingPod] = field(default_factory=dict)
+    # claim (namespace/name) -> the pods not planned for it (missing, being deleted, Lost, another
+    # pod's): a change of that claim plans them again at once (the claims' watch wakes the loop)
+    awaiting_claims: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -669,9 +672,10 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     by_key = {pod_key(p): p for p in pods if not _ended(p)} if in_flight else {}
     placed = PlacedPods([*((p, n) for n, on in by_node.items() for p in on),
                          *((by_key[k], n) for k, n in (in_flight or {}).items() if k in by_key)],
-                        hosts.all_labels)
+                        hosts.all_labels, frozenset(hosts.labels))
     deferred: dict[str, str] = {}
     blocked: list[tuple[dict[str, Any], str]] = []
+    awaiting_claims: dict[str, list[str]] = {}
     no_defer = no_defer or {}
     listed = {r for room in rooms.values() for r in room}
     short_of: dict[tuple[tuple[str, float], ...], dict[str, list[str]]] = {}  # requests -> nodes short of them
@@ -687,8 +691,9 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                 continue
             own = wants = pending_pod(pod)
             if volumes is not None:
-                why, lasting = volumes.missing(pod)
+                why, lasting, claim = volumes.missing(pod)
                 if why is not None:
+                    awaiting_claims.setdefault(str(claim), []).append(pod_key(pod))
                     if lasting:
                         blocked.append((pod, why))
                     continue  # (an ephemeral volume's claim is made within moments: the next round)
@@ -739,7 +744,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     return ClusterView(snapshot, acks, problems, catalog, disagreements, switching,
                        [(pod, w) for pod, w in warnings if pod_key(pod) in {p.name for p in snapshot.pending}],
                        skew, kept, elsewhere, {p.name: host_names[p.name] for p in snapshot.pending}, deferred, blocked,
-                       {p.name: asked[p.name] for p in snapshot.pending})
+                       {p.name: asked[p.name] for p in snapshot.pending}, awaiting_claims)
 
 
 class _DynpartNodes:

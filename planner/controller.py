@@ -162,6 +162,7 @@ class PlannerController:
         self._waiting: set[str] = set()
         self._schedulers_told: set[str] = set()  # scheduler names whose pods were said not planned
         self._deferred: dict[str, str] = {}  # pods the last round left to the next -> for whom (ClusterView.deferred)
+        self._awaiting_claims: dict[str, list[str]] = {}  # claim -> pods the last round left for it (_on_claim)
         # of those, the ones left for a pod the round's plan could not place (not: placed, but its
         # node's write failed; nor a round that never planned): only these are not left again
         self._left_for_unplaced: dict[str, str] = {}
@@ -187,7 +188,7 @@ class PlannerController:
                                     on_beat=lambda: self.liveness.beat("watch other nodes"))
         # the claims and volumes whose node affinity narrows where the pods using them can run
         # (planner/volume_topology.py): read at each round, no round of their own
-        self.claims = Informer(self.core.list_persistent_volume_claim_for_all_namespaces, _ignore, name="claims",
+        self.claims = Informer(self.core.list_persistent_volume_claim_for_all_namespaces, self._on_claim, name="claims",
                                settings=settings.kube, transform=claim_for_planning,
                                on_beat=lambda: self.liveness.beat("watch claims"))
         self.volumes = Informer(self.core.list_persistent_volume, _ignore, name="volumes", settings=settings.kube,
@@ -265,6 +266,16 @@ class PlannerController:
             self.loop.pod_done(key)
             if kind == "DELETED" or (pod.get("spec") or {}).get("nodeName"):
                 self.events.forget(pod)  # no Event is posted about it again: room for others
+
+    def _on_claim(self, kind: str, claim: Obj) -> None:
+        # a claim the last round found missing (or being deleted, Lost, another pod's) changed: its
+        # pods are planned again now, not at the next resync (an Unplaceable Event a watch lag
+        # caused, a PVC made just after its pod, an ephemeral volume's claim made by its controller)
+        md = claim.get("metadata") or {}
+        waiting = self._awaiting_claims.pop(f"{md.get('namespace')}/{md.get('name')}", None)
+        if waiting:
+            self.loop.facts_changed(waiting, self.clock())
+            self.wake.set()
 
     def _on_node(self, kind: str, node: Obj) -> None:
         # (a node made again under its name while no watch ran: the informer's relist reports the
@@ -770,6 +781,7 @@ class PlannerController:
         # pod's this round plans): they join the next batch at once (it closes at once if the
         # older one is placed, below)
         self._deferred = dict(view.deferred)
+        self._awaiting_claims = dict(view.awaiting_claims)
         self._left_for_unplaced = {}  # set once a plan has been made (below)
         self.loop.facts_changed(view.deferred, self.clock())
         await self._tell_backoffs()

@@ -12,7 +12,9 @@ by a plan in flight) conflict with it, and of two pending pods that conflict, on
 planned in a round: the younger is planned by the next one, where the older counts as placed.
 
 Not mirrored (the pod then falls to the loop's back-off, `planner/loop.py`, which tries the other
-nodes): a spread constraint's `nodeTaintsPolicy: Honor` (taints are ignored, the default), a
+nodes): a spread constraint's `nodeTaintsPolicy: Honor` (the taints of the nodes dynpart plans
+are ignored, and the nodes it does not plan count for none of its domains: their taints are not
+read; `Ignore` is the default), a
 namespaceSelector on labels other than the namespace's name (the planner does not watch namespaces:
 such a term counts only its `namespaces`). The nodes dynpart does not plan count by their labels
 (`node_labels`: every node's, those the controller's "other nodes" watch lists too): as topology
@@ -83,6 +85,11 @@ class SpreadConstraint:
     min_domains: int
     requirements: tuple[Requirement, ...] | None
     honour_affinity: bool = True
+    # nodeTaintsPolicy: Honor: the nodes whose taints the pod does not tolerate are no domains. The
+    # planner reads no taints of the nodes it does not plan (CPU nodes, control planes): those count
+    # for none of its domains (as before they were watched), not as empty domains that would keep it
+    # off nodes the scheduler allows
+    honour_taints: bool = False
 
     def selects(self, labels: Mapping[str, str]) -> bool:
         return self.requirements is not None and all(r.matches(labels) for r in self.requirements)
@@ -163,14 +170,32 @@ def _namespaces(term: Mapping[str, Any], own: str) -> frozenset[str] | None:
     return frozenset(names)  # labels of namespaces the planner does not watch: only the names listed
 
 
+def _namespaces_known(term: Mapping[str, Any]) -> bool:
+    """The namespaces a term selects are known exactly (`_namespaces`): no namespaceSelector, an
+    empty one, or one on the namespace's name only."""
+    selector = term.get("namespaceSelector")
+    if selector is None:
+        return True
+    selector = as_dict(selector)
+    match_labels, exprs = as_dict(selector.get("matchLabels")), [as_dict(e) for e in as_list(selector.get("matchExpressions"))]
+    return (all(k == NAMESPACE_NAME_LABEL for k in match_labels)
+            and all(e.get("key") == NAMESPACE_NAME_LABEL and e.get("operator") == "In" for e in exprs))
+
+
 def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
     md, spec = as_dict(pod.get("metadata")), as_dict(pod.get("spec"))
     namespace = str(md.get("namespace") or "")
     labels = _labels(md)
     def required(kind: str) -> tuple[AntiAffinityTerm, ...]:
         out = []
-        for t in map(as_dict, as_list(as_dict(as_dict(spec.get("affinity")).get(kind))
-                                      .get("requiredDuringSchedulingIgnoredDuringExecution"))):
+        raw = [as_dict(t) for t in as_list(as_dict(as_dict(spec.get("affinity")).get(kind))
+                                           .get("requiredDuringSchedulingIgnoredDuringExecution"))]
+        if kind == "podAffinity" and not all(map(_namespaces_known, raw)):
+            # a namespaceSelector on labels other than the name: the pods it selects in namespaces
+            # the planner cannot tell would be missed, and the pod kept off every node the scheduler
+            # lets it on (anti-affinity only under-counts): its affinity is left to the back-off
+            return ()
+        for t in raw:
             key = t.get("topologyKey")
             if isinstance(key, str) and key:
                 out.append(AntiAffinityTerm(key, _selector(t.get("labelSelector"), labels,
@@ -194,7 +219,7 @@ def pod_facts(pod: Mapping[str, Any]) -> PodFacts:
             spread.append(SpreadConstraint(key, skew, min_domains if isinstance(min_domains, int) else 1,
                                            _selector(c.get("labelSelector"), labels,
                                                      map(str, as_list(c.get("matchLabelKeys"))), ()),
-                                           c.get("nodeAffinityPolicy") != "Ignore"))
+                                           c.get("nodeAffinityPolicy") != "Ignore", c.get("nodeTaintsPolicy") == "Honor"))
     return PodFacts(f"{namespace}/{md.get('name')}", namespace, labels, terms, tuple(ports), tuple(spread),
                     required("podAffinity"))
 
@@ -215,8 +240,10 @@ class PlacedPods:
     mostly replicas that ask the same: answers are kept per question (`excluded_nodes`), nodes per
     topology domain, and the placed pods' terms per distinct term."""
 
-    def __init__(self, placed: Iterable[tuple[Mapping[str, Any], str]], node_labels: Mapping[str, Mapping[str, str]]):
+    def __init__(self, placed: Iterable[tuple[Mapping[str, Any], str]], node_labels: Mapping[str, Mapping[str, str]],
+                 planned_nodes: AbstractSet[str] | None = None):
         self.node_labels = node_labels
+        self.planned_nodes = planned_nodes  # the nodes dynpart plans (their taints known); None: all
         self.placed = list(placed)
         self._by_namespace: dict[str, list[tuple[Mapping[str, str], str, bool]]] | None = None  # when a term asks
         self._domains: dict[str, dict[str, frozenset[str]]] = {}  # topology key -> value -> nodes
@@ -233,8 +260,15 @@ class PlacedPods:
                     self.by_port.setdefault((p.protocol, p.port), []).append((p, node))
         self._answers: dict[tuple[object, ...], frozenset[str]] = {}
         self._selected: dict[AntiAffinityTerm, frozenset[str]] = {}  # term -> nodes of the placed pods it selects
+        # required pod affinity terms -> (the nodes they keep a pod off when a placed pod matches them,
+        # or None when none does: the self-match rule decides; or None when one sits on a node whose
+        # labels are unknown: not mirrored), the nodes carrying every key
+        self._affinity: dict[tuple[AntiAffinityTerm, ...], tuple[frozenset[str] | None, frozenset[str] | None, bool]] = {}
         self.planned: list[PodFacts] = []  # pending pods planned in this round (`take`)
         self._planned_with_terms: list[PodFacts] = []
+        # planned pods whose affinity no placed pod matched (the first of a self-attracting group,
+        # placed anywhere): a younger pod their terms select, placed elsewhere first, would pin them
+        self._planned_first: list[PodFacts] = []
 
     def by_namespace(self) -> dict[str, list[tuple[Mapping[str, str], str, bool]]]:
         """Namespace -> its placed pods' labels, nodes and whether they are terminating."""
@@ -304,24 +338,47 @@ class PlacedPods:
         decides: a node must carry every term's key, and each term's domain there must hold a placed
         pod that every term selects (terminating ones too); while no such pod sits on a node carrying
         any of the keys, a pod that its own terms select may go to any node carrying them all (the
-        first of a group that attracts itself)."""
-        keys = {t.topology_key for t in facts.affinity}
-        matched: list[str] = []  # the nodes of the placed pods every term selects
+        first of a group that attracts itself). A matching pod on a node whose labels are unknown
+        (the other nodes' watch has not listed it): its domain is unknown, nothing is kept off (the
+        back-off's). Computed once per distinct set of terms (StatefulSet pods differ in labels)."""
+        off, with_keys, _ = self._affinity_of(facts.affinity)
+        if off is not None:
+            return set(off)
+        if with_keys is None:
+            return set()
+        return set(self.node_labels) - (with_keys if facts.attracts(facts) else set())
+
+    def _affinity_of(self, terms: tuple[AntiAffinityTerm, ...]
+                     ) -> tuple[frozenset[str] | None, frozenset[str] | None, bool]:
+        """(the nodes kept off, when a placed pod matches every term; the nodes carrying every key,
+        None when a matching pod's node is unknown; whether no placed pod matches: the self-match
+        rule decides), once per set of terms."""
+        cached = self._affinity.get(terms)
+        if cached is not None:
+            return cached
+        known: tuple[frozenset[str] | None, frozenset[str] | None, bool]
+        keys = {t.topology_key for t in terms}
         spaces = self.by_namespace()
-        for ns, pods in spaces.items():
-            for labels, node, _ in pods:
-                if all(t.selects(ns, labels) for t in facts.affinity):
-                    matched.append(node)
-        # a node whose labels are unknown (not listed yet) may carry the keys: its pods count as found
+        names: set[str] | None = None
+        for t in terms:  # only the namespaces every term selects
+            if t.namespaces is not None:
+                names = set(t.namespaces) if names is None else names & t.namespaces
+        candidates = spaces.items() if names is None else ((ns, spaces.get(ns, [])) for ns in names)
+        matched = {node for ns, pods in candidates for labels, node, _ in pods
+                   if all(t.selects(ns, labels) for t in terms)}  # the nodes of the placed pods every term selects
         found = [n for n in matched if n not in self.node_labels or keys & self.node_labels[n].keys()]
-        with_keys = {n for n, labels in self.node_labels.items() if keys <= labels.keys()}
-        if not found:
-            allowed = with_keys if facts.attracts(facts) else set()
+        with_keys = frozenset(n for n, labels in self.node_labels.items() if keys <= labels.keys())
+        if any(n not in self.node_labels for n in found):
+            known = (None, None, False)
+        elif not found:
+            known = (None, with_keys, True)
         else:
             allowed = set(with_keys)
-            for t in facts.affinity:
+            for t in terms:
                 allowed &= self._domains_of(found, t.topology_key)
-        return set(self.node_labels) - allowed
+            known = (frozenset(set(self.node_labels) - allowed), with_keys, False)
+        self._affinity[terms] = known
+        return known
 
     def _spread_off(self, facts: PodFacts, c: SpreadConstraint, admits: Callable[[str], bool]) -> set[str]:
         """The nodes where the pod would break the constraint, as the PodTopologySpread filter
@@ -332,7 +389,8 @@ class PlacedPods:
         # scheduler's `nodeLabelsMatchSpreadConstraints`: its empty domain is never the least
         keys = {k.topology_key for k in facts.spread}
         counted = [n for n, labels in self.node_labels.items()
-                   if keys <= labels.keys() and (not c.honour_affinity or admits(n))]
+                   if keys <= labels.keys() and (not c.honour_affinity or admits(n))
+                   and (not c.honour_taints or self.planned_nodes is None or n in self.planned_nodes)]
         domains = {n: self.node_labels[n][c.topology_key] for n in counted}
         count = dict.fromkeys(domains.values(), 0)
         for labels, node, terminating in self.by_namespace().get(facts.namespace, []):
@@ -352,9 +410,14 @@ class PlacedPods:
             if other.key not in ignoring and (facts.excludes(other) or facts.spreads_with(other) or facts.attracts(other)
                     or any(p.clashes(q) for p in facts.ports for q in other.ports)):
                 return other.key
+        for other in self._planned_first:
+            if other.key not in ignoring and other.key != facts.key and other.attracts(facts):
+                return other.key
         return None
 
     def take(self, facts: PodFacts) -> None:
         self.planned.append(facts)
         if facts.terms or facts.spread:
             self._planned_with_terms.append(facts)
+        if facts.affinity and self._affinity_of(facts.affinity)[2]:
+            self._planned_first.append(facts)

@@ -48,6 +48,13 @@ def _claims(pod: Mapping[str, Any]) -> list[tuple[str, bool]]:
     return out
 
 
+def _controlled_by(claim_md: Mapping[str, Any], pod: Mapping[str, Any]) -> bool:
+    """The claim's controlling owner is the pod (metav1.IsControlledBy: by uid)."""
+    uid = as_dict(pod.get("metadata")).get("uid")
+    return uid is not None and any(r.get("controller") and str(r.get("uid")) == str(uid)
+                                   for r in map(as_dict, as_list(claim_md.get("ownerReferences"))))
+
+
 def claim_names(pod: Mapping[str, Any]) -> list[str]:
     """The claims (namespace/name) of the pod's volumes: `persistentVolumeClaim`, and the one an
     `ephemeral` volume gets (`<pod>-<volume>`)."""
@@ -67,7 +74,10 @@ def volumes_for_planning(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def claim_for_planning(claim: Mapping[str, Any]) -> dict[str, Any]:
     md = as_dict(claim.get("metadata"))
-    return {"metadata": {k: md[k] for k in ("name", "namespace", "resourceVersion", "deletionTimestamp") if k in md},
+    # the controller's uid: an ephemeral volume's claim serves only the pod that controls it
+    owner = next((str(r.get("uid")) for r in map(as_dict, as_list(md.get("ownerReferences"))) if r.get("controller")), None)
+    return {"metadata": {**{k: md[k] for k in ("name", "namespace", "resourceVersion", "deletionTimestamp") if k in md},
+                         **({"ownerReferences": [{"uid": owner, "controller": True}]} if owner else {})},
             "spec": {"volumeName": as_dict(claim.get("spec")).get("volumeName")},
             "status": {"phase": as_dict(claim.get("status")).get("phase")}}
 
@@ -117,22 +127,35 @@ class VolumeTopology:
     def __init__(self, claims: Mapping[str, Mapping[str, Any]], volumes: Mapping[str, Mapping[str, Any]]):
         self.claims, self.volumes = claims, volumes
 
-    def missing(self, pod: Mapping[str, Any]) -> tuple[str | None, bool]:
+    def missing(self, pod: Mapping[str, Any]) -> tuple[str | None, bool, str | None]:
         """Why the scheduler binds the pod on no node for its claims (VolumeBinding's PreFilter,
         UnschedulableAndUnresolvable): a `persistentVolumeClaim` that does not exist or is being
         deleted, and whether that lasts until someone acts (False: an ephemeral volume's claim
-        that its controller has not made yet, a moment's wait). (None, False) when none is."""
+        that its controller has not made yet, a moment's wait), and the claim (namespace/name).
+        (None, False, None) when none is."""
         for key, ephemeral in _claims(pod):
             claim = self.claims.get(key)
             if claim is None:
                 if ephemeral:
-                    return f"its ephemeral volume's PersistentVolumeClaim {key} is not made yet", False
+                    return f"its ephemeral volume's PersistentVolumeClaim {key} is not made yet", False, key
                 return (f"its PersistentVolumeClaim {key} does not exist (the scheduler binds it nowhere until it "
-                        "does)"), True
-            if as_dict(claim.get("metadata")).get("deletionTimestamp"):
+                        "does)"), True, key
+            md = as_dict(claim.get("metadata"))
+            if as_dict(claim.get("status")).get("phase") == "Lost":
+                return (f"its PersistentVolumeClaim {key} is Lost: its PersistentVolume {as_dict(claim.get('spec')).get('volumeName')} "
+                        "does not exist (the scheduler binds it nowhere while it is)"), True, key
+            if ephemeral and not _controlled_by(md, pod):
+                # VolumeIsForPod: a claim of that name left by another pod (a StatefulSet pod made
+                # again under its name): the garbage collector deletes it, then the ephemeral volume
+                # controller makes the pod's own; one that nothing deletes lasts
+                if md.get("deletionTimestamp"):
+                    return f"its ephemeral volume's PersistentVolumeClaim {key} is another pod's, being deleted", False, key
+                return (f"its ephemeral volume's PersistentVolumeClaim {key} was not made for it (another owner: the "
+                        "scheduler binds it nowhere until that claim is deleted)"), True, key
+            if md.get("deletionTimestamp"):
                 return (f"its PersistentVolumeClaim {key} is being deleted (the scheduler binds it nowhere while it "
-                        "is)"), True
-        return None, False
+                        "is)"), True, key
+        return None, False, None
 
     def narrow(self, pending: PendingPod, pod: Mapping[str, Any]) -> PendingPod:
         """The pod with the terms of its bound claims' volumes joined to its node affinity: each

@@ -882,6 +882,32 @@ async def test_volumes_narrow_the_pods_only_once_both_claims_and_volumes_are_lis
     assert seen[:3] == [None, None, None] and isinstance(seen[3], controller_module.VolumeTopology)
 
 
+async def test_a_claim_made_after_its_pod_plans_the_pod_at_once(make):
+    """A pod whose PersistentVolumeClaim the claims' watch had not delivered yet (made just after
+    the pod, or an ephemeral volume's claim its controller makes) is not planned: when the claim
+    arrives the pod joins a batch at once, not at the next resync (the claims' watch woke nothing:
+    an Unplaceable Event a watch lag caused stood for up to resync_s, 15 s by default)."""
+    from tests.controller.test_volume_topology import claim, using
+
+    c = make([reported("n1")])
+    c.claims.synced.set()
+    c.volumes.synced.set()
+    p = using("a", "data")
+    c.pods.cache["ml/a"] = p
+    c._on_pod("ADDED", p)
+    c.loop.begin_round(c.clock())
+    await c.plan_round()
+    assert "PersistentVolumeClaim ml/data does not exist" in c.api.of("Unplaceable")[0][0]
+    quiet(c)
+    made = claim("data", None, phase="Pending")
+    c.claims.cache["ml/data"] = made
+    c._on_claim("ADDED", made)
+    assert c.wake.is_set() and "ml/a" in c.window.members
+    quiet(c)
+    c._on_claim("MODIFIED", made)  # (told once: the next round says again what it waits for)
+    assert not c.wake.is_set()
+
+
 def _full(name: str) -> dict[str, Any]:
     from tests.controller.test_pod_conflicts import labelled
 

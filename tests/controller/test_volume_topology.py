@@ -30,6 +30,17 @@ def claim(name: str, volume: str | None, phase: str = "Bound") -> dict[str, Any]
                                "spec": {"volumeName": volume, "storageClassName": "x"}, "status": {"phase": phase}})
 
 
+def owned(c: dict[str, Any], by: dict[str, Any]) -> dict[str, Any]:
+    """The claim as the ephemeral volume controller makes it: controlled by its pod."""
+    return claim_for_planning({**c, "metadata": {**c["metadata"], "ownerReferences": [
+        {"kind": "Pod", "name": by["metadata"]["name"], "uid": by["metadata"]["uid"], "controller": True}]}})
+
+
+def with_uid(p: dict[str, Any]) -> dict[str, Any]:
+    p["metadata"]["uid"] = f"uid-{p['metadata']['name']}"
+    return p
+
+
 def volume(name: str, labels: dict[str, str] | None = None, hosts: list[str] | None = None) -> dict[str, Any]:
     affinity = {"required": {"nodeSelectorTerms": [{"matchExpressions": [
         {"key": "kubernetes.io/hostname", "operator": "In", "values": hosts}]}]}} if hosts else None
@@ -101,10 +112,10 @@ def test_a_pod_whose_claim_is_missing_or_being_deleted_is_not_planned():
     assert claim_for_planning(deleting)["metadata"]["deletionTimestamp"], "the claim cache keeps it"
     view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology(deleting, volume("pv-1")))
     assert not view.snapshot.pending and "ml/c is being deleted" in view.blocked[0][1]
-    scratch = pod_for_planning(pod("b", MIG_1G, volumes=[{"name": "s", "ephemeral": {"volumeClaimTemplate": {}}}]))
+    scratch = pod_for_planning(with_uid(pod("b", MIG_1G, volumes=[{"name": "s", "ephemeral": {"volumeClaimTemplate": {}}}])))
     view = build_snapshot(nodes, [scratch], CAT, volumes=topology())
     assert not view.snapshot.pending and not view.blocked
-    view = build_snapshot(nodes, [scratch], CAT, volumes=topology(claim("b-s", "pv-1"), volume("pv-1")))
+    view = build_snapshot(nodes, [scratch], CAT, volumes=topology(owned(claim("b-s", "pv-1"), scratch), volume("pv-1")))
     assert [p.name for p in view.snapshot.pending] == ["ml/b"]
     # the caches not listed yet (volumes None): nothing is known, the pod is planned
     assert [p.name for p in build_snapshot(nodes, [using("a", "c")], CAT).snapshot.pending] == ["ml/a"]
@@ -137,3 +148,25 @@ def test_volume_zone_as_the_scheduler_reads_it_unlabelled_nodes_and_beta_labels(
     vols = topology(claim("c", "pv-1"), volume("pv-1", {beta: "z2"}))
     view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=vols)
     assert view.hosts["ml/a"] == {"n2", "n3"}, "n2 by its GA zone, n3 carrying none of the labels"
+
+
+def test_a_lost_claim_or_an_ephemeral_claim_of_another_pod_is_not_planned():
+    """VolumeBinding's PreFilter also refuses a pod whose claim is Lost (bound to a volume that no
+    longer exists) and one whose ephemeral volume's claim another pod controls (VolumeIsForPod: "PVC
+    was not created for pod", a StatefulSet pod made again under its name before the garbage
+    collector removed its predecessor's claim). Planned, a slice was carved that the pod never took."""
+    nodes = nodes4()
+    lost = claim("c", "pv-gone", phase="Lost")
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology(lost))
+    assert not view.snapshot.pending and "ml/c is Lost" in view.blocked[0][1]
+    scratch = pod_for_planning(with_uid(pod("b", MIG_1G, volumes=[{"name": "s", "ephemeral": {"volumeClaimTemplate": {}}}])))
+    predecessor = {"metadata": {"name": "b", "uid": "an-older-pod"}}
+    kept = claim_for_planning(owned(claim("b-s", "pv-1"), predecessor))
+    assert kept["metadata"]["ownerReferences"] == [{"uid": "an-older-pod", "controller": True}], "the cache keeps it"
+    view = build_snapshot(nodes, [scratch], CAT, volumes=topology(kept, volume("pv-1")))
+    assert not view.snapshot.pending and "was not made for it" in view.blocked[0][1]
+    going = claim_for_planning({**kept, "metadata": {**kept["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}})
+    view = build_snapshot(nodes, [scratch], CAT, volumes=topology(going, volume("pv-1")))
+    assert not view.snapshot.pending and not view.blocked, "the garbage collector is removing it: a round's wait"
+    view = build_snapshot(nodes, [scratch], CAT, volumes=topology(owned(claim("b-s", "pv-1"), scratch), volume("pv-1")))
+    assert [p.name for p in view.snapshot.pending] == ["ml/b"]
