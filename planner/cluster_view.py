@@ -1035,13 +1035,18 @@ def mps_user_clashes(placements: Iterable[tuple[str, str]], pods: Mapping[str, d
             return None
         return run_as_user(pod)
 
+    planned = [(key, node, pods.get(key), mps_user(pods.get(key))) for key, node in placements]
+    # the pods bound to the nodes of MPS pods planned, only: every pod of the cluster is passed
+    # (tens of thousands, each one's requests parsed), and this runs on the controller's event loop
+    mps_nodes = {node for _, node, _, uid in planned if uid is not None}
     by_node: dict[str, set[int]] = {}
     for pod in pods.values():
         node = _field(pod, "spec", "nodeName")
-        uid = mps_user(pod) if node and _field(pod, "status", "phase") not in TERMINAL_PHASES else None
+        if not node or str(node) not in mps_nodes:
+            continue
+        uid = mps_user(pod) if _field(pod, "status", "phase") not in TERMINAL_PHASES else None
         if uid is not None:
             by_node.setdefault(str(node), set()).add(uid)
-    planned = [(key, node, pods.get(key), mps_user(pods.get(key))) for key, node in placements]
     planned_ids: dict[str, dict[int, str]] = {}  # node -> uid -> the first pod of this plan running as it
     for key, node, _, uid in planned:
         if uid is not None:

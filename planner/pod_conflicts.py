@@ -264,11 +264,21 @@ class PlacedPods:
         # or None when none does: the self-match rule decides; or None when one sits on a node whose
         # labels are unknown: not mirrored), the nodes carrying every key
         self._affinity: dict[tuple[AntiAffinityTerm, ...], tuple[frozenset[str] | None, frozenset[str] | None, bool]] = {}
+        # the parts of an answer, each kept per the narrower question it depends on: pods whose
+        # labels differ (a StatefulSet's or an indexed Job's, each with its own index label) ask
+        # `excluded_nodes` distinct questions, and each part reads every node or every placed pod
+        self._term_off: dict[AntiAffinityTerm, set[str]] = {}  # the pod's term -> the domains of the pods it selects
+        self._carried_off: dict[AntiAffinityTerm, set[str]] = {}  # a placed pod's term -> the domains of its pods
+        self._terms_in: dict[str, list[AntiAffinityTerm]] = {}  # namespace -> the placed terms that may select its pods
+        self._spread_answers: dict[tuple[object, ...], frozenset[str]] = {}
         self.planned: list[PodFacts] = []  # pending pods planned in this round (`take`)
         self._planned_with_terms: list[PodFacts] = []
         # planned pods whose affinity no placed pod matched (the first of a self-attracting group,
         # placed anywhere): a younger pod their terms select, placed elsewhere first, would pin them
         self._planned_first: list[PodFacts] = []
+        # question (`conflicts_with_planned`) -> how many pods of its list were looked at, and the
+        # keys of those it conflicts with, in order: the replicas of a Deployment ask the same
+        self._conflicts: dict[tuple[object, ...], tuple[int, list[str]]] = {}
 
     def by_namespace(self) -> dict[str, list[tuple[Mapping[str, str], str, bool]]]:
         """Namespace -> its placed pods' labels, nodes and whether they are terminating."""
@@ -320,17 +330,29 @@ class PlacedPods:
             return found
         out: set[str] = set()
         for constraint in facts.spread:
-            out |= self._spread_off(facts, constraint, admits)
+            out |= self._spread_off(facts, constraint, admits, admits_key)
         for term in facts.terms:
-            out |= self._domains_of(self._selected_nodes(term), term.topology_key)
-        for term, nodes in self.term_nodes.items():
+            if term not in self._term_off:
+                self._term_off[term] = self._domains_of(self._selected_nodes(term), term.topology_key)
+            out |= self._term_off[term]
+        for term in self._terms_selecting(facts.namespace):
             if term.selects(facts.namespace, facts.labels):
-                out |= self._domains_of(nodes, term.topology_key)
+                if term not in self._carried_off:
+                    self._carried_off[term] = self._domains_of(self.term_nodes[term], term.topology_key)
+                out |= self._carried_off[term]
         for p in facts.ports:
             out |= {node for q, node in self.by_port.get((p.protocol, p.port), []) if p.clashes(q)}
         if facts.affinity:
             out |= self._affinity_off(facts)
         found = self._answers[question] = frozenset(out)
+        return found
+
+    def _terms_selecting(self, namespace: str) -> list[AntiAffinityTerm]:
+        """The placed pods' terms that may select a pod of the namespace (every namespace's, or its)."""
+        found = self._terms_in.get(namespace)
+        if found is None:
+            found = self._terms_in[namespace] = [t for t in self.term_nodes
+                                                 if t.namespaces is None or namespace in t.namespaces]
         return found
 
     def _affinity_off(self, facts: PodFacts) -> set[str]:
@@ -380,14 +402,22 @@ class PlacedPods:
         self._affinity[terms] = known
         return known
 
-    def _spread_off(self, facts: PodFacts, c: SpreadConstraint, admits: Callable[[str], bool]) -> set[str]:
+    def _spread_off(self, facts: PodFacts, c: SpreadConstraint, admits: Callable[[str], bool],
+                    admits_key: object = None) -> frozenset[str]:
         """The nodes where the pod would break the constraint, as the PodTopologySpread filter
         decides: those without the topology key, and those whose domain would hold more than
         `max_skew` matching pods beyond the least held domain (0 while fewer than `min_domains`),
-        counting the nodes that carry every constraint's key."""
+        counting the nodes that carry every constraint's key. Kept per what it depends on (the
+        namespace, the constraint, the keys of all the pod's constraints, the nodes its affinity
+        admits, whether the constraint selects the pod itself): it reads every node."""
         # a node lacking any of the pod's constraints' keys counts for none of them, as the
         # scheduler's `nodeLabelsMatchSpreadConstraints`: its empty domain is never the least
         keys = {k.topology_key for k in facts.spread}
+        mine = 1 if c.selects(facts.labels) else 0
+        question = (facts.namespace, c, frozenset(keys), admits_key if c.honour_affinity else None, mine)
+        known = self._spread_answers.get(question)
+        if known is not None:
+            return known
         counted = [n for n, labels in self.node_labels.items()
                    if keys <= labels.keys() and (not c.honour_affinity or admits(n))
                    and (not c.honour_taints or self.planned_nodes is None or n in self.planned_nodes)]
@@ -397,19 +427,30 @@ class PlacedPods:
             if node in domains and not terminating and c.selects(labels):  # (countPodsMatchSelector skips terminating pods)
                 count[domains[node]] += 1
         least = min(count.values()) if len(count) >= c.min_domains else 0
-        mine = 1 if c.selects(facts.labels) else 0
-        return {n for n, labels in self.node_labels.items()
-                if c.topology_key not in labels or count.get(labels[c.topology_key], 0) + mine - least > c.max_skew}
+        found = self._spread_answers[question] = frozenset(
+            n for n, labels in self.node_labels.items()
+            if c.topology_key not in labels or count.get(labels[c.topology_key], 0) + mine - least > c.max_skew)
+        return found
 
     def conflicts_with_planned(self, facts: PodFacts, ignoring: AbstractSet[str] = frozenset()) -> str | None:
         """The older pending pod of this round the pod conflicts with, if any (those in `ignoring` aside)."""
         # a pod with neither terms, host ports nor spread constraints conflicts only with a pod whose
         # terms or constraints select it
-        for other in self.planned if facts.terms or facts.ports or facts.spread or facts.affinity \
-                else self._planned_with_terms:
-            if other.key not in ignoring and (facts.excludes(other) or facts.spreads_with(other) or facts.attracts(other)
+        pool = self.planned if facts.terms or facts.ports or facts.spread or facts.affinity else self._planned_with_terms
+        # (whether two pods conflict does not depend on their names: the pods of a question are
+        # looked at once, those planned since it was last asked only)
+        question = (facts.namespace, frozenset(facts.labels.items()), facts.terms, facts.ports, facts.spread,
+                    facts.affinity)
+        looked, found = self._conflicts.get(question, (0, []))
+        for i in range(looked, len(pool)):
+            other = pool[i]
+            if (facts.excludes(other) or facts.spreads_with(other) or facts.attracts(other)
                     or any(p.clashes(q) for p in facts.ports for q in other.ports)):
-                return other.key
+                found.append(other.key)
+        self._conflicts[question] = (len(pool), found)
+        key = next((key for key in found if key not in ignoring), None)
+        if key is not None:
+            return key
         for other in self._planned_first:
             if other.key not in ignoring and other.key != facts.key and other.attracts(facts):
                 return other.key
