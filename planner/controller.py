@@ -18,7 +18,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from kubernetes_asyncio import client
 from prometheus_client import Gauge
@@ -50,6 +50,7 @@ from dynpart.kube.watching import Informer, object_key
 from dynpart.planner import metrics
 from dynpart.planner.batching import BatchWindow
 from dynpart.planner.cluster_view import (
+    ClusterView,
     build_snapshot,
     can_revoke,
     is_batch_candidate,
@@ -69,6 +70,7 @@ from dynpart.planner.cluster_view import (
     switching_patch,
 )
 from dynpart.planner.loop import InFlight, PlanningLoop, PodBackOff
+from dynpart.planner.session import collector_paused
 from dynpart.planner.volume_topology import VolumeTopology, claim_for_planning, volume_for_planning
 from dynpart.probing import Liveness
 from dynpart.resources import MigResource, MpsResource, parse_resource
@@ -768,7 +770,8 @@ class PlannerController:
         # in a thread: at 1,000 nodes and 10,000 pods reading them takes about a second of pure
         # Python, during which the event loop still renews the lease and follows the watches (the
         # cached objects are replaced on change, never changed in place)
-        view = await asyncio.to_thread(build_snapshot, nodes, pods, self.catalog, awaiting, self.loop.held_pods(),
+        view = await asyncio.to_thread(_snapshot_without_collector, nodes, pods, self.catalog, awaiting,
+                                       self.loop.held_pods(),
                                        self._reservations(), scheduler_names=self.settings.scheduler_names,
                                        in_flight={k: n for n, f in self.loop.in_flight.items() for k in f.pods},
                                        no_defer=self._not_to_defer(), mps_host_ipc=self.settings.mps_clients_host_ipc,
@@ -1106,6 +1109,15 @@ def _room_may_have_grown(before: Mapping[str, str], after: Mapping[str, str]) ->
                 != free_after.get(base, Counter()) + used_after.get(base, Counter())):
             return True  # slices destroyed (a drain) or changed otherwise: room on the GPU
     return False
+
+
+def _snapshot_without_collector(*args: Any, **kwargs: Any) -> ClusterView:
+    """`build_snapshot` with CPython's cycle collector paused, as `plan()` runs: it allocates
+    hundreds of thousands of objects, all freed by reference counting, and their number sets the
+    collector off, whose every full run walks the whole heap, the caches' millions of objects
+    included (on 5,000 nodes and 61,000 pods: 3.9-5.0 s with it, 2.8 s without)."""
+    with collector_paused():
+        return build_snapshot(*args, **kwargs)
 
 
 def _ignore(kind: str, obj: Obj) -> None:
