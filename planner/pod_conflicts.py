@@ -13,8 +13,8 @@ planned in a round: the younger is planned by the next one, where the older coun
 
 Not mirrored (the pod then falls to the loop's back-off, `planner/loop.py`, which tries the other
 nodes): a spread constraint's `nodeTaintsPolicy: Honor` (the taints of the nodes dynpart plans
-are ignored, and the nodes it does not plan count for none of its domains: their taints are not
-read; `Ignore` is the default), a
+are ignored; those of the nodes it does not plan are not read: a node is kept off only where the
+scheduler refuses it whether it counts them or not; `Ignore` is the default), a
 namespaceSelector on labels other than the namespace's name (the planner does not watch namespaces:
 such a term counts only its `namespaces`). The nodes dynpart does not plan count by their labels
 (`node_labels`: every node's, those the controller's "other nodes" watch lists too): as topology
@@ -86,13 +86,19 @@ class SpreadConstraint:
     requirements: tuple[Requirement, ...] | None
     honour_affinity: bool = True
     # nodeTaintsPolicy: Honor: the nodes whose taints the pod does not tolerate are no domains. The
-    # planner reads no taints of the nodes it does not plan (CPU nodes, control planes): those count
-    # for none of its domains (as before they were watched), not as empty domains that would keep it
-    # off nodes the scheduler allows
+    # planner reads no taints of the nodes it does not plan (CPU nodes, control planes): a node is
+    # kept off only where the scheduler refuses it whether it counts those or not (`_spread_off`)
     honour_taints: bool = False
 
     def selects(self, labels: Mapping[str, str]) -> bool:
+        """The selector matches the labels (the pod's own, for the self-match: `{}` matches every pod)."""
         return self.requirements is not None and all(r.matches(labels) for r in self.requirements)
+
+    def counts(self, labels: Mapping[str, str]) -> bool:
+        """A placed pod with these labels counts in its domain: an empty selector (`labelSelector: {}`
+        and no matchLabelKeys the pod carries) counts none, as the scheduler's `countPodsMatchSelector`
+        (`selector.Empty()`), though it matches the pod itself (its domain's skew is then 1 at most)."""
+        return bool(self.requirements) and self.selects(labels)
 
 
 @dataclass(frozen=True)
@@ -118,8 +124,8 @@ class PodFacts:
     def spreads_with(self, other: PodFacts) -> bool:
         """The pod's spread constraints count the other, or the other's count it: where one goes
         changes where the other may."""
-        return self.namespace == other.namespace and (any(c.selects(other.labels) for c in self.spread)
-                                                      or any(c.selects(self.labels) for c in other.spread))
+        return self.namespace == other.namespace and (any(c.counts(other.labels) for c in self.spread)
+                                                      or any(c.counts(self.labels) for c in other.spread))
 
 
 def as_dict(value: object) -> dict[str, Any]:
@@ -419,17 +425,33 @@ class PlacedPods:
         if known is not None:
             return known
         counted = [n for n, labels in self.node_labels.items()
-                   if keys <= labels.keys() and (not c.honour_affinity or admits(n))
-                   and (not c.honour_taints or self.planned_nodes is None or n in self.planned_nodes)]
+                   if keys <= labels.keys() and (not c.honour_affinity or admits(n))]
+        # nodeTaintsPolicy: Honor: the nodes dynpart does not plan, whose taints are not read, count
+        # in the scheduler only where the pod tolerates them. Either way is possible: a node is kept
+        # off only where the scheduler refuses it whichever of them it counts (their pods are left
+        # out of the node's own domain; the least is the greatest it can be, every one of them
+        # counted, and their domains counted towards `min_domains`). Counted as no domains, a
+        # domain mixing them with planned nodes held fewer pods than the scheduler counts and was
+        # the least, or too few domains made it 0: pods kept off nodes the scheduler allows
+        unread = (frozenset() if not c.honour_taints or self.planned_nodes is None
+                  else frozenset(n for n in counted if n not in self.planned_nodes))
         domains = {n: self.node_labels[n][c.topology_key] for n in counted}
-        count = dict.fromkeys(domains.values(), 0)
+        count = dict.fromkeys(domains.values(), 0)  # every counted node's pods
+        read = dict.fromkeys((v for n, v in domains.items() if n not in unread), 0)  # the read nodes' only
         for labels, node, terminating in self.by_namespace().get(facts.namespace, []):
-            if node in domains and not terminating and c.selects(labels):  # (countPodsMatchSelector skips terminating pods)
+            if node in domains and not terminating and c.counts(labels):  # (countPodsMatchSelector skips terminating pods)
                 count[domains[node]] += 1
-        least = min(count.values()) if len(count) >= c.min_domains else 0
+                if node not in unread:
+                    read[domains[node]] += 1
+        if len(count) < c.min_domains:
+            least = 0
+        elif not unread:
+            least = min(count.values())
+        else:  # (no read domain: no planned node the pod may go to carries the keys; none kept off)
+            least = min((count[v] for v in read), default=max(count.values()))
         found = self._spread_answers[question] = frozenset(
             n for n, labels in self.node_labels.items()
-            if c.topology_key not in labels or count.get(labels[c.topology_key], 0) + mine - least > c.max_skew)
+            if c.topology_key not in labels or read.get(labels[c.topology_key], 0) + mine - least > c.max_skew)
         return found
 
     def conflicts_with_planned(self, facts: PodFacts, ignoring: AbstractSet[str] = frozenset()) -> str | None:

@@ -502,3 +502,45 @@ def test_spread_honouring_taints_does_not_count_the_nodes_whose_taints_are_not_r
     assert [p.name for p in view.snapshot.pending] == ["ml/w2"] and not view.blocked
     ignore = [spread("w0", bound="n1"), spread("w1", bound="n2"), spread("w2")]
     assert build_snapshot(nodes, ignore, CAT, other_nodes=control).blocked
+
+
+def test_spread_with_an_empty_selector_counts_no_placed_pod():
+    """`labelSelector: {}` (and no matchLabelKeys the pod carries): the scheduler's
+    `countPodsMatchSelector` counts no pod for an empty selector, though the pod matches it itself
+    (every domain's skew is then 1): the planner counted every pod of the namespace and kept the
+    pod off the nodes holding them (helper-128's reference test)."""
+    zoned = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
+    pods = [spread("w0", key=ZONE, bound="n1", labelSelector={}), spread("w1", key=ZONE, bound="n2", labelSelector={}),
+            spread("w2", key=ZONE, labelSelector={})]
+    view = build_snapshot(zoned, pods, CAT)
+    assert kept_off(view, "ml/w2") == set()
+    keyed = spread("w2", key=ZONE, labelSelector={}, matchLabelKeys=["app"])  # app=web joins it: counted
+    assert kept_off(build_snapshot(zoned, [*pods[:2], keyed], CAT), "ml/w2") == {"n1", "n2"}
+    # nor do two such pending pods wait for each other
+    two = build_snapshot(zoned, [spread("a", key=ZONE, labelSelector={}), spread("bb", key=ZONE, labelSelector={})], CAT)
+    assert not two.deferred and len(two.snapshot.pending) == 2
+
+
+def test_spread_honouring_taints_keeps_a_pod_off_only_where_the_unread_nodes_cannot_change_it():
+    """`nodeTaintsPolicy: Honor` and nodes dynpart does not plan, whose taints are not read: where
+    the scheduler counts such a node (the pod tolerates its taints), its pods raise the least, and
+    its domain counts towards `minDomains`. Counted as no domain, a zone mixing it with a planned
+    node looked emptier than the scheduler sees it (the pod kept off the other zone), and too few
+    domains made the least 0 (the pod blocked, an Unplaceable Event, where the scheduler binds it).
+    Now a node is kept off only where the scheduler refuses it whichever of them it counts."""
+    mixed = nodes4(n1="z1", n2="z2", n3="z1", n4="z2")[:2]
+    cpu = {"cpu1": {HOST: "cpu1", ZONE: "z1"}}
+    pods = [spread("w0", key=ZONE, bound="cpu1", nodeTaintsPolicy="Honor"),
+            spread("w1", key=ZONE, bound="n2", nodeTaintsPolicy="Honor"), spread("w2", key=ZONE, nodeTaintsPolicy="Honor")]
+    assert kept_off(build_snapshot(mixed, pods, CAT, other_nodes=cpu), "ml/w2") == set(), \
+        "cpu1 untainted: z1 and z2 hold one each"
+    nodes = nodes4()[:2]
+    honour = [spread(f"w{i}", bound=n, nodeTaintsPolicy="Honor", minDomains=3) for i, n in enumerate(["n1", "n2", "cpu1"])]
+    honour.append(spread("w3", nodeTaintsPolicy="Honor", minDomains=3))
+    view = build_snapshot(nodes, honour, CAT, other_nodes={"cpu1": {HOST: "cpu1"}})
+    assert [p.name for p in view.snapshot.pending] == ["ml/w3"] and not view.blocked, \
+        "cpu1 untainted: three domains holding one each"
+    assert kept_off(view, "ml/w3") == set()
+    # where no unread node can change the answer, the pod is still kept off
+    ignore = [spread("w0", bound="n1"), spread("w1", bound="n1", nodeTaintsPolicy="Honor"), spread("w2", nodeTaintsPolicy="Honor")]
+    assert kept_off(build_snapshot(nodes4()[:2], ignore, CAT, other_nodes={"cpu1": {HOST: "cpu1"}}), "ml/w2") == {"n1"}
