@@ -46,7 +46,7 @@ from dynpart.kube.errors import APIConflictError, APIError, APIServerError, APIT
 from dynpart.kube.events import object_reference
 from dynpart.kube.patching import patch_node_annotations, read_node
 from dynpart.kube.recording import EventRecorder, QueuedPoster, posting_to
-from dynpart.kube.watching import Informer, object_key
+from dynpart.kube.watching import Informer, metadata_only, object_key
 from dynpart.planner import metrics
 from dynpart.planner.batching import BatchWindow
 from dynpart.planner.cluster_view import (
@@ -185,7 +185,8 @@ class PlannerController:
         # the labels of the other nodes (those not labelled for dynpart: CPU nodes, other GPU pools):
         # the scheduler's topology spread counts each as a domain, and the pods bound there count in
         # their domains (planner/pod_conflicts.py); read at each round, no round of their own
-        self.other_nodes = Informer(self.core.list_node, _ignore, name="other nodes", settings=settings.kube,
+        # (as metadata only: a node's status is most of its size, and only its labels are read)
+        self.other_nodes = Informer(metadata_only(api, "/api/v1/nodes"), _ignore, name="other nodes", settings=settings.kube,
                                     label_selector=f"!{PARTITIONING_LABEL}", transform=node_labels_for_planning,
                                     on_beat=lambda: self.liveness.beat("watch other nodes"))
         # the claims and volumes whose node affinity narrows where the pods using them can run

@@ -263,3 +263,32 @@ class Informer:
 
 def _uid(obj: Obj) -> object:
     return (obj.get("metadata") or {}).get("uid")
+
+
+# The API server's metadata-only form of a list and a watch (client-go's metadata informers): each
+# object as a PartialObjectMetadata, its `metadata` whole (labels, annotations, owners), no spec or
+# status. JSON is the fallback of a server that cannot (it then sends the objects whole).
+METADATA_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
+METADATA_WATCH = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
+_QUERY = {"label_selector": "labelSelector", "field_selector": "fieldSelector", "limit": "limit",
+          "_continue": "continue", "watch": "watch", "resource_version": "resourceVersion",
+          "timeout_seconds": "timeoutSeconds", "allow_watch_bookmarks": "allowWatchBookmarks"}
+
+
+def metadata_only(api_client: Any, path: str) -> Callable[..., Awaitable[Any]]:
+    """A `list_fn` for `Informer` that lists and watches the objects at `path` (e.g. /api/v1/nodes)
+    as metadata only: a node's status (images, conditions, addresses) is most of its size, and a
+    watch of thousands of them that reads only labels need not carry it. The generated client sets
+    its own Accept header, so this calls the API client directly."""
+    async def list_fn(**kwargs: Any) -> Any:
+        unknown = set(kwargs) - set(_QUERY) - {"_preload_content", "_request_timeout"}
+        if unknown:
+            raise TypeError(f"metadata_only({path}): unexpected argument(s) {sorted(unknown)}")
+        query = [(_QUERY[k], v) for k, v in kwargs.items() if k in _QUERY and v is not None]
+        accept = METADATA_WATCH if kwargs.get("watch") else METADATA_LIST
+        return await api_client.call_api(path, "GET", {}, query, {"Accept": accept},
+                                         response_types_map={200: "object", 401: None},
+                                         auth_settings=["BearerToken"], _return_http_data_only=True,
+                                         _preload_content=kwargs.get("_preload_content", True),
+                                         _request_timeout=kwargs.get("_request_timeout"))
+    return list_fn

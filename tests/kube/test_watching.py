@@ -9,6 +9,8 @@ import asyncio
 import logging
 import random
 
+import pytest
+
 from dynpart.kube.watching import Informer
 from dynpart.settings import KubeSettings
 
@@ -352,3 +354,35 @@ def test_a_watch_line_whose_object_is_not_an_object_is_an_api_error_not_a_crash(
         with pytest.raises(APIError, match="not a watch event"):
             informer._apply(json.dumps(event).encode(), "watch nodes")
     assert informer.cache == {}
+
+
+async def test_a_metadata_only_informer_asks_the_api_server_for_metadata_in_lists_and_watches():
+    """`metadata_only`: the list asks for PartialObjectMetadataList and the watch for
+    PartialObjectMetadata (the generated client would set its own Accept header), with the
+    informer's selectors and paging as the API server's query parameters; the objects it answers
+    are cached as any others (the e2e spread test runs it against the real kube-apiserver)."""
+    from dynpart.kube.watching import METADATA_LIST, METADATA_WATCH, metadata_only
+
+    calls = []
+
+    class FakeApiClient:
+        async def call_api(self, path, method, path_params, query, headers, **kw):
+            calls.append((path, method, dict(query), headers["Accept"], kw["_preload_content"]))
+            if dict(query).get("watch"):
+                return FakeResponse(200, hang=True)
+            meta = {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1"}
+            return FakeResponse(200, {"kind": "PartialObjectMetadataList", "metadata": {"resourceVersion": "10"},
+                                      "items": [meta | {"metadata": {"name": "cpu1", "resourceVersion": "3",
+                                                                     "labels": {"zone": "z1"}}}]})
+
+    informer = Informer(metadata_only(FakeApiClient(), "/api/v1/nodes"), lambda kind, obj: None, name="other nodes",
+                        label_selector="!dynpart.io/gpu-partitioning", settings=FAST)
+    await run_until(informer, lambda: len(calls) >= 2)
+    (path, method, listed, accept, preload), (_, _, watched, watch_accept, _) = calls[:2]
+    assert (path, method, preload) == ("/api/v1/nodes", "GET", False)
+    assert accept == METADATA_LIST and watch_accept == METADATA_WATCH
+    assert listed["labelSelector"] == "!dynpart.io/gpu-partitioning" and "watch" not in listed
+    assert watched["watch"] is True and watched["resourceVersion"] == "10" and watched["allowWatchBookmarks"] is True
+    assert informer.cache["cpu1"]["metadata"]["labels"] == {"zone": "z1"}
+    with pytest.raises(TypeError, match="pretty"):
+        await metadata_only(FakeApiClient(), "/api/v1/nodes")(pretty="true")
