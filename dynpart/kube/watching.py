@@ -86,6 +86,10 @@ class Informer:
             self._retry_after = retry_after(raw.headers.get("Retry-After"))
         return await read_json(resp, what)
 
+    async def list_once(self) -> None:
+        """Fill the cache with one list, as the informer's first (a one-shot reader's: no watch)."""
+        await self._relist()
+
     async def _relist(self) -> str:
         """List every object, `page_size` at a time, then apply the whole list to the cache at once
         (a reader between two pages must not see a mix of two moments): objects that changed are

@@ -106,6 +106,46 @@ def test_explain_on_the_live_cluster_says_why_dynpart_cannot_plan_a_pod(capsys, 
     assert "pod ml/web-1 cannot be placed: no node that could take it has room" in capsys.readouterr().err
 
 
+def test_explain_on_the_live_cluster_plans_without_the_lists_it_may_not_read(capsys, monkeypatch):
+    """The live path reads what a planning round reads, each list through the informers' pager;
+    a list the user's RBAC forbids (claims, volumes, the other nodes) is planned without, as the
+    planner does, and said in a note; a forbidden node or pod list is an error."""
+    from dynpart.kube import client as kube_client
+    from dynpart.kube.errors import APIForbiddenError
+    from dynpart.planner import explain
+    from tests.controller.test_cluster_view import node, pod
+
+    class FakeApi:
+        async def close(self):
+            pass
+
+    async def fake_api_client(kubeconfig):
+        return FakeApi()
+
+    read: dict[str, dict] = {}
+
+    async def listed(list_fn, name, transform, label_selector=None, field_selector=None):
+        read[name] = {"label_selector": label_selector, "field_selector": field_selector}
+        if name in forbidden:
+            raise APIForbiddenError(f"list {name}: 403 Forbidden")
+        return [transform(o) for o in {"nodes": [node("n1")], "pods": [pod("p", {"nvidia.com/mig-1g.10gb": "1"})],
+                                        "other nodes": [], "claims": [], "volumes": []}[name]]
+
+    monkeypatch.setattr(kube_client, "api_client", fake_api_client)
+    monkeypatch.setattr(explain, "listed", listed)
+    forbidden = {"claims"}
+    assert main(["explain", "ml/p"]) == 0
+    out = capsys.readouterr().out
+    assert "note: the claims are not read (list claims: 403 Forbidden): planned without them" in out
+    assert "ml/p: placed on node n1" in out
+    assert read["nodes"]["label_selector"] == "dynpart.io/gpu-partitioning"
+    assert read["pods"]["field_selector"] == "status.phase!=Succeeded,status.phase!=Failed"
+    assert read["other nodes"]["label_selector"] == "!dynpart.io/gpu-partitioning"
+    forbidden = {"pods"}
+    assert main(["explain", "ml/p"]) == 2
+    assert "list pods: 403 Forbidden" in capsys.readouterr().err
+
+
 def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path):
     # an earlier test's unclosed aiohttp session may log to stderr when collected: not ours to count
     gc.collect()

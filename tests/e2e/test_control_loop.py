@@ -6,8 +6,10 @@ simulated kubelets run the pods. See tests/e2e/harness.py."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import statistics
+import sys
 import time
 import urllib.request
 
@@ -405,6 +407,34 @@ async def test_spread_over_nodes_counts_the_nodes_dynpart_does_not_plan(harness:
         assert h.destroy_violations() == []
     finally:
         await h.core.delete_node(cpu)
+
+
+async def test_explain_reads_the_cluster_as_a_planning_round_does(harness: Harness):
+    """`dynpart explain` on the live cluster sees what a planning round sees: a pod whose volume
+    claim does not exist is refused by the scheduler on every node, the planner says Unplaceable,
+    and explain says why (it read no claims before, and put the pod on the MIG node)."""
+    h = harness
+    node = await h.add_node("explain", H100, "mig", 1)
+    await h.start_agent(node)
+    body = h.pod_body("no-claim", "nvidia.com/mig-1g.10gb")
+    body["spec"]["volumes"] = [{"name": "data", "persistentVolumeClaim": {"claimName": "nowhere"}}]
+    rec = h.pods[f"{h.namespace}/no-claim"] = PodRecord(f"{h.namespace}/no-claim", "nvidia.com/mig-1g.10gb",
+                                                         time.monotonic())
+    await h.core.create_namespaced_pod(h.namespace, body)
+    deadline = time.monotonic() + 30
+    while "Unplaceable" not in (reasons := [e.reason for e in await h.events_of(rec)]) and time.monotonic() < deadline:
+        await asyncio.sleep(1)
+    assert "Unplaceable" in reasons, reasons
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dynpart.cli", "explain", rec.key, "--kubeconfig", str(h.kubeconfig),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("DYNPART_") and k != "KUBECONFIG"},
+             "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"})
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    said = (out + err).decode()
+    assert proc.returncode == 2, said
+    assert f"PersistentVolumeClaim {h.namespace}/nowhere does not exist" in said, said
+    assert node.driver.layout(0) == []
 
 
 async def test_required_pod_affinity_is_followed_as_the_scheduler_follows_it(harness: Harness):
