@@ -93,27 +93,31 @@ def mps_resource_name(size: int) -> str:
     return f"{MPS_RESOURCE_PREFIX}{size}gb"
 
 
-def pod_requests(spec: Mapping[str, Any], of: Callable[[Mapping[str, Any]], Mapping[str, float]]) -> dict[str, float]:
+def pod_requests(spec: Mapping[str, Any], of: Callable[[Mapping[str, Any]], Mapping[str, float]],
+                 running: Callable[[Mapping[str, Any]], Mapping[str, float]] | None = None) -> dict[str, float]:
     """A pod's effective requests as the scheduler and the kubelet count them (Kubernetes'
     PodRequests, without the overhead): the containers and the sidecars (restartable init
     containers) summed, at least what each plain init container needs beside the sidecars
-    started before it. `of`: one container's requests."""
+    started before it. `of`: one container's requests; `running`, if given, those of a container
+    or sidecar (the ones an in-place resize changes: AggregateContainerRequests reads their
+    statuses, never a plain init container's)."""
     def add(into: dict[str, float], more: Mapping[str, float]) -> None:
         for name, q in more.items():
             into[name] = into.get(name, 0) + q
 
+    counted = running or of
     total: dict[str, float] = {}
     for c in spec.get("containers") or []:
-        add(total, of(c))
+        add(total, counted(c))
     sidecars: dict[str, float] = {}
     init_peak: dict[str, float] = {}
     for c in spec.get("initContainers") or []:
         if c.get("restartPolicy") == "Always":
-            add(sidecars, of(c))
+            add(sidecars, counted(c))
             continue
-        running = dict(sidecars)
-        add(running, of(c))
-        for name, q in running.items():
+        beside = dict(sidecars)
+        add(beside, of(c))
+        for name, q in beside.items():
             init_peak[name] = max(init_peak.get(name, 0), q)
     add(total, sidecars)
     for name, q in init_peak.items():

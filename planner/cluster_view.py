@@ -40,7 +40,7 @@ from dynpart.kube.conventions import (
     STATUS_UNHEALTHY,
 )
 from dynpart.planner.loop import avoiding, node_writes
-from dynpart.planner.pod_conflicts import PlacedPods, pod_facts
+from dynpart.planner.pod_conflicts import PlacedPods, as_list, pod_facts
 from dynpart.planner.volume_topology import VolumeTopology, volumes_for_planning
 from dynpart.resources import (
     MigResource,
@@ -69,6 +69,7 @@ from dynpart.snapshot import (
 
 TERMINAL_PHASES = {"Succeeded", "Failed"}
 PODS = "pods"  # allocatable's pod count: every pod takes one
+RESIZE_PENDING = "PodResizePending"  # a pod condition: the kubelet has not applied a resize yet
 # An agent's status for 8 GPUs of any layout is a few KiB; beyond this the node is left out with
 # an Event instead of being decoded on the planner's event loop (a hostile or broken writer).
 MAX_STATUS_BYTES = 64 * 1024
@@ -92,19 +93,80 @@ def parse_quantity(value: Any) -> float:
         raise DynpartError(f"quantity {value!r} is not a Kubernetes quantity") from None
 
 
-def _container_requests(pod: dict[str, Any]) -> dict[str, float]:
-    """Effective requests, as the scheduler counts them (`pod_requests`), plus the pod's
-    overhead. Extended resources count from limits when requests omit them."""
-    def of(c: Mapping[str, Any]) -> dict[str, float]:
-        res = c.get("resources") or {}
-        return {name: parse_quantity(q) for name, q in {**(res.get("limits") or {}),
-                                                         **(res.get("requests") or {})}.items()}
+def _spec_requests(c: Mapping[str, Any]) -> dict[str, float]:
+    """One container's requests as its spec says (a resource its limits name and its requests
+    omit counts at its limit, as the API server defaults it)."""
+    res = c.get("resources") or {}
+    return _spec_requests_of({**(res.get("limits") or {}), **(res.get("requests") or {})})
 
+
+def _spec_requests_of(written: Mapping[str, Any]) -> dict[str, float]:
+    return {name: parse_quantity(q) for name, q in written.items()}
+
+
+def _quantities(raw: object, where: str) -> dict[str, float]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise DynpartError(f"{where} {raw!r} is not a mapping of quantities")
+    return {str(name): parse_quantity(q) for name, q in raw.items()}
+
+
+def _resize_infeasible(pod: Mapping[str, Any]) -> bool:
+    """The pod's first PodResizePending condition says Infeasible (IsPodResizeInfeasible)."""
+    for c in as_list(_field(pod, "status", "conditions")):
+        if isinstance(c, dict) and c.get("type") == RESIZE_PENDING:
+            return c.get("reason") == "Infeasible"
+    return False
+
+
+def _statuses(pod: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The pod's container statuses by name, the init containers' read last (AggregateContainerRequests)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key in ("containerStatuses", "initContainerStatuses"):
+        for cs in as_list(_field(pod, "status", key)):
+            if isinstance(cs, dict):
+                out[str(cs.get("name"))] = cs
+    return out
+
+
+def _effective_requests(spec: Mapping[str, float], cs: Mapping[str, Any] | None, infeasible: bool) -> Mapping[str, float]:
+    """A running container's (or sidecar's) requests as the scheduler counts them on its node
+    during an in-place resize (determineEffectiveRequests): once its status reports resources,
+    the larger of the spec's, the ones applied (`resources.requests`) and the ones the kubelet
+    admitted (`allocatedResources`), resource by resource; of the last two only, when the
+    resize is Infeasible (the spec's then never applies)."""
+    if cs is None or cs.get("resources") is None:
+        return spec
+    name = cs.get("name")
+    actuated = _quantities(_field(cs, "resources", "requests"), f"container {name} status resources.requests")
+    allocated = _quantities(cs.get("allocatedResources"), f"container {name} status allocatedResources")
+    out: dict[str, float] = {}
+    for part in ([] if infeasible else [spec]) + [actuated, allocated]:
+        for res, q in part.items():
+            out[res] = max(out.get(res, q), q)
+    return out
+
+
+def _running_requests(pod: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], Mapping[str, float]]:
+    """The requests of each of the pod's containers and sidecars as the scheduler counts them on
+    its node (`_effective_requests`)."""
+    statuses, infeasible = _statuses(pod), _resize_infeasible(pod)
+    return lambda c: _effective_requests(_spec_requests(c), statuses.get(str(c.get("name"))), infeasible)
+
+
+def _container_requests(pod: dict[str, Any], bound: bool = False) -> dict[str, float]:
+    """Effective requests, as the scheduler counts them (`pod_requests`), plus the pod's
+    overhead. Extended resources count from limits when requests omit them. `bound`: as it
+    counts a pod assigned to a node (NodeInfo, UseStatusResources: in-place resize is GA in
+    Kubernetes 1.35), its containers' and sidecars' statuses read (`_effective_requests`);
+    else as it counts the pod it places (from the spec only)."""
     spec = pod.get("spec", {})
-    total = pod_requests(spec, of)
+    total = pod_requests(spec, _spec_requests, _running_requests(pod) if bound else None)
     # pod-level resources (PodLevelResources, on by default from Kubernetes 1.34): the pod's CPU,
     # memory and huge pages replace the containers' sum, as in the scheduler's PodRequests; no
-    # extended resource may be set there
+    # extended resource may be set there (their status is not read: resizing them in place is
+    # alpha in 1.35, InPlacePodLevelResourcesVerticalScaling, off by default)
     pod_level = _field(spec, "resources", "requests") or {}
     if not isinstance(pod_level, dict):
         raise DynpartError(f"spec.resources.requests {pod_level!r} is not a mapping of quantities")
@@ -329,7 +391,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     for pod in bound_pods:
         if pod.get("status", {}).get("phase") in TERMINAL_PHASES:
             continue
-        req = _container_requests(pod)
+        req = _container_requests(pod, bound=True)
         cpu_used += req.get("cpu", 0)
         mem_used += req.get("memory", 0)
         other_used.update(_other_requests(req))
@@ -1111,6 +1173,7 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
                 if isinstance(c, dict) else c for c in items]
 
     conditions = status.get("conditions")
+    resizing = _resizing(pod)
     return {
         "kind": "Pod",
         "metadata": {**{k: md[k] for k in ("name", "namespace", "uid", "resourceVersion", "generation",
@@ -1124,6 +1187,51 @@ def pod_for_planning(pod: dict[str, Any]) -> dict[str, Any]:
                  **({"volumes": volumes} if (volumes := volumes_for_planning(pod)) else {}),
                  **{k: containers(k) for k in ("containers", "initContainers") if k in spec}, **_run_as(spec)},
         "status": {**{k: status[k] for k in ("phase", "nominatedNodeName") if k in status},
-                   "conditions": [c for c in conditions if isinstance(c, dict) and c.get("type") == "PodScheduled"]
-                   if isinstance(conditions, list) else conditions},
+                   "conditions": [c for c in conditions if isinstance(c, dict) and (
+                       c.get("type") == "PodScheduled" or (resizing and c.get("type") == RESIZE_PENDING))]
+                   if isinstance(conditions, list) else conditions, **resizing},
     }
+
+
+def _resizing(pod: dict[str, Any]) -> dict[str, Any]:
+    """The part of a pod's status that an in-place resize makes count (`_container_requests`,
+    bound): the statuses of the containers and sidecars whose requests the scheduler counts
+    otherwise than their spec says (name, `resources.requests`, `allocatedResources`), with the
+    PodResizePending conditions kept then (`pod_for_planning`). A pod not being resized has none:
+    its statuses repeat its spec, and a cache of every running pod's would cost about as much as
+    the rest of the pod."""
+    def trimmed(cs: dict[str, Any]) -> dict[str, Any]:
+        res = cs.get("resources")
+        return {"name": cs.get("name"), "resources": {"requests": res.get("requests")} if isinstance(res, dict) else res,
+                **({"allocatedResources": cs["allocatedResources"]} if "allocatedResources" in cs else {})}
+
+    spec, status = pod.get("spec"), pod.get("status")
+    if not isinstance(spec, dict) or not isinstance(status, dict):
+        return {}
+    def repeats(written: object, of: Mapping[str, Any]) -> bool:  # each quantity as the spec writes it
+        return written is None or (isinstance(written, dict) and all(of.get(k) == q for k, q in written.items()))
+
+    kept: dict[str, list[dict[str, Any]]] = {}
+    try:
+        infeasible = _resize_infeasible(pod)
+        running: dict[str, list[Mapping[str, Any]]] = {}
+        for c in [*(spec.get("containers") or []), *(c for c in spec.get("initContainers") or []
+                                                      if c.get("restartPolicy") == "Always")]:
+            res = c.get("resources") or {}
+            running.setdefault(str(c.get("name")), []).append({**(res.get("limits") or {}), **(res.get("requests") or {})})
+        read = _statuses(pod)  # (of two statuses of one name, the one the scheduler reads)
+        for key in ("containerStatuses", "initContainerStatuses"):
+            for cs in status.get(key) or []:
+                name = str(cs.get("name"))
+                if read[name] is not cs or cs.get("resources") is None:
+                    continue
+                specs = running.get(name, [])
+                if not infeasible and all(repeats(_field(cs, "resources", "requests"), r)
+                                          and repeats(cs.get("allocatedResources"), r) for r in specs):
+                    continue  # (most pods: parsing every running pod's quantities would slow a relist)
+                if any(_effective_requests(req, cs, infeasible) != req for req in map(_spec_requests_of, specs)):
+                    kept.setdefault(key, []).append(trimmed(cs))
+    except (DynpartError, AttributeError, TypeError, ValueError):
+        # unreadable: kept whole, so the round says what is wrong with it as on the full object
+        kept = {k: status[k] for k in ("containerStatuses", "initContainerStatuses") if k in status}
+    return kept

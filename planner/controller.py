@@ -71,7 +71,7 @@ from dynpart.planner.cluster_view import (
 )
 from dynpart.planner.loop import InFlight, PlanningLoop, PodBackOff
 from dynpart.planner.session import collector_paused
-from dynpart.planner.volume_topology import VolumeTopology, claim_for_planning, volume_for_planning
+from dynpart.planner.volume_topology import VolumeTopology, claim_class, claim_for_planning, class_for_planning, volume_for_planning
 from dynpart.probing import Liveness
 from dynpart.resources import MigResource, MpsResource, parse_resource
 from dynpart.settings import PlannerSettings
@@ -196,6 +196,11 @@ class PlannerController:
                                on_beat=lambda: self.liveness.beat("watch claims"))
         self.volumes = Informer(self.core.list_persistent_volume, _ignore, name="volumes", settings=settings.kube,
                                 transform=volume_for_planning, on_beat=lambda: self.liveness.beat("watch volumes"))
+        # the StorageClasses: whether a claim not bound yet binds immediately (then the scheduler
+        # places its pods nowhere until it is bound) or on the node the pod goes to
+        self.classes = Informer(client.StorageV1Api(api).list_storage_class, self._on_class, name="storage classes",
+                                settings=settings.kube, transform=class_for_planning,
+                                on_beat=lambda: self.liveness.beat("watch storage classes"))
 
     @property
     def window(self) -> BatchWindow:
@@ -280,6 +285,17 @@ class PlannerController:
             self.loop.facts_changed(waiting, self.clock())
             self.wake.set()
 
+    def _on_class(self, kind: str, storage_class: Obj) -> None:
+        # a StorageClass made or changed: the pods the last round left for a claim of that class
+        # not bound yet (its class missing, or binding immediately) are planned again now
+        name = (storage_class.get("metadata") or {}).get("name")
+        woken = [key for key in self._awaiting_claims
+                 if (claim := self.claims.cache.get(key)) is not None and claim_class(claim) == name]
+        for key in woken:
+            self.loop.facts_changed(self._awaiting_claims.pop(key), self.clock())
+        if woken:
+            self.wake.set()
+
     def _on_node(self, kind: str, node: Obj) -> None:
         # (a node made again under its name while no watch ran: the informer's relist reports the
         # old one DELETED first)
@@ -354,9 +370,9 @@ class PlannerController:
             self.liveness.expect(f"watch {informer.name}", watch_limit_s)
 
         async def optional(informer: Informer) -> None:
-            # claims and volumes only narrow pods that use volumes: a list they keep failing (an RBAC
-            # of the cluster's own that leaves them out) must neither hold planning back nor fail
-            # the liveness probe; they are watched as the others once listed
+            # claims, volumes and storage classes only concern pods that use volumes: a list they
+            # keep failing (an RBAC of the cluster's own that leaves them out) must neither hold
+            # planning back nor fail the liveness probe; they are watched as the others once listed
             task = asyncio.create_task(informer.run())
             try:
                 await informer.synced.wait()
@@ -366,7 +382,7 @@ class PlannerController:
                 task.cancel()
         tasks = [asyncio.create_task(self.nodes.run()), asyncio.create_task(self.pods.run()),
                  asyncio.create_task(optional(self.claims)), asyncio.create_task(optional(self.volumes)),
-                 asyncio.create_task(optional(self.other_nodes))]
+                 asyncio.create_task(optional(self.classes)), asyncio.create_task(optional(self.other_nodes))]
         try:
             await self.nodes.synced.wait()
             await self.pods.synced.wait()
@@ -778,7 +794,9 @@ class PlannerController:
                                        no_defer=self._not_to_defer(), mps_host_ipc=self.settings.mps_clients_host_ipc,
                                        other_nodes={name: (n.get("metadata") or {}).get("labels") or {}
                                                     for name, n in self.other_nodes.cache.items()},
-                                       volumes=VolumeTopology(dict(self.claims.cache), dict(self.volumes.cache))
+                                       volumes=VolumeTopology(dict(self.claims.cache), dict(self.volumes.cache),
+                                                              dict(self.classes.cache) if self.classes.synced.is_set()
+                                                              else None)
                                        if self.claims.synced.is_set() and self.volumes.synced.is_set() else None)
         self.liveness.beat("planning loop")  # (a round at scale takes seconds: each part of it beats)
         # pods left to the next round (their anti-affinity or host ports conflict with an older

@@ -69,7 +69,7 @@ async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
     from dynpart.kube.watching import metadata_only, object_key
     from dynpart.planner.cluster_view import build_snapshot, node_for_planning, node_labels_for_planning, pod_for_planning
     from dynpart.planner.controller import LIVE_PODS
-    from dynpart.planner.volume_topology import VolumeTopology, claim_for_planning, volume_for_planning
+    from dynpart.planner.volume_topology import VolumeTopology, claim_for_planning, class_for_planning, volume_for_planning
 
     api = await api_client(kubeconfig)
     notes: list[tuple[Obj, str]] = []
@@ -82,7 +82,8 @@ async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
         for name, list_fn, transform, selector in (
                 ("other nodes", metadata_only(api, "/api/v1/nodes"), node_labels_for_planning, f"!{PARTITIONING_LABEL}"),
                 ("claims", core.list_persistent_volume_claim_for_all_namespaces, claim_for_planning, None),
-                ("volumes", core.list_persistent_volume, volume_for_planning, None)):
+                ("volumes", core.list_persistent_volume, volume_for_planning, None),
+                ("storage classes", client.StorageV1Api(api).list_storage_class, class_for_planning, None)):
             try:
                 optional[name] = await listed(list_fn, name, transform, label_selector=selector)
             except (APIForbiddenError, APINotFoundError) as e:
@@ -91,10 +92,11 @@ async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
                               f"the {name} are not read ({e}): planned without them"))
     finally:
         await api.close()
-    claims, volumes = optional["claims"], optional["volumes"]
+    claims, volumes, classes = optional["claims"], optional["volumes"], optional["storage classes"]
     view = build_snapshot(nodes, pods, catalog,
                           other_nodes={o["metadata"]["name"]: o["metadata"]["labels"] for o in optional["other nodes"] or []},
-                          volumes=VolumeTopology({object_key(c): c for c in claims}, {object_key(v): v for v in volumes})
+                          volumes=VolumeTopology({object_key(c): c for c in claims}, {object_key(v): v for v in volumes},
+                                                 None if classes is None else {object_key(c): c for c in classes})
                           if claims is not None and volumes is not None else None)
     by_key = {object_key(p): p for p in pods}
     return view.snapshot, view.catalog, [*notes, *view.problems], by_key, not_planned(view, by_key)

@@ -9,11 +9,17 @@ reservation lapsed. Now the volume's terms narrow the pod's required node affini
 
 A pod whose claim does not exist or is being deleted is not planned: the scheduler binds it on no
 node (its `Unplaceable` Event says which claim); one whose ephemeral volume's claim is not made yet
-waits a round without an Event.
+waits a round without an Event. Nor is one whose claim is not bound yet and binds immediately
+(VolumeBinding's PreFilter: "pod has unbound immediate PersistentVolumeClaims"): a claim that names
+a volume the binding of which is not complete, one that names no StorageClass, one whose class does
+not exist or has `volumeBindingMode: Immediate`; the PersistentVolume controller binds those, not
+the scheduler. Whether a named class binds immediately is known only while the planner's optional
+StorageClass watch is listed (without it such a claim is planned as before).
 
 Not mirrored (the pod then falls to the loop's back-off, `planner/loop.py`): claims not bound yet
-(`WaitForFirstConsumer`: the scheduler picks or provisions a volume per node; StorageClass
-`allowedTopologies`, CSI storage capacity), and volume limits per node (NodeVolumeLimits)."""
+whose class is `WaitForFirstConsumer` (the scheduler picks or provisions a volume per node;
+StorageClass `allowedTopologies`, CSI storage capacity), and volume limits per node
+(NodeVolumeLimits)."""
 
 from __future__ import annotations
 
@@ -31,6 +37,9 @@ ZONE_LABELS = ("topology.kubernetes.io/zone", "topology.kubernetes.io/region",
 GA_LABEL = {"failure-domain.beta.kubernetes.io/zone": "topology.kubernetes.io/zone",
             "failure-domain.beta.kubernetes.io/region": "topology.kubernetes.io/region"}
 MAX_TERMS = 64  # a pod whose terms would multiply beyond this is left to the back-off
+BIND_COMPLETED = "pv.kubernetes.io/bind-completed"  # the PersistentVolume controller bound the claim
+BETA_CLASS = "volume.beta.kubernetes.io/storage-class"  # read before spec.storageClassName
+DELAYED = "WaitForFirstConsumer"  # a StorageClass's volumeBindingMode that leaves binding to the scheduler
 
 
 def _claims(pod: Mapping[str, Any]) -> list[tuple[str, bool]]:
@@ -73,13 +82,39 @@ def volumes_for_planning(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def claim_for_planning(claim: Mapping[str, Any]) -> dict[str, Any]:
-    md = as_dict(claim.get("metadata"))
+    md, spec = as_dict(claim.get("metadata")), as_dict(claim.get("spec"))
     # the controller's uid: an ephemeral volume's claim serves only the pod that controls it
     owner = next((str(r.get("uid")) for r in map(as_dict, as_list(md.get("ownerReferences"))) if r.get("controller")), None)
+    annotations = {k: v for k, v in as_dict(md.get("annotations")).items() if k in (BIND_COMPLETED, BETA_CLASS)}
     return {"metadata": {**{k: md[k] for k in ("name", "namespace", "resourceVersion", "deletionTimestamp") if k in md},
+                         **({"annotations": annotations} if annotations else {}),
                          **({"ownerReferences": [{"uid": owner, "controller": True}]} if owner else {})},
-            "spec": {"volumeName": as_dict(claim.get("spec")).get("volumeName")},
+            "spec": {"volumeName": spec.get("volumeName"),
+                     **({"storageClassName": spec["storageClassName"]} if "storageClassName" in spec else {})},
             "status": {"phase": as_dict(claim.get("status")).get("phase")}}
+
+
+def class_for_planning(storage_class: Mapping[str, Any]) -> dict[str, Any]:
+    """What the StorageClass watch keeps: the name and how the class binds its claims."""
+    md = as_dict(storage_class.get("metadata"))
+    return {"metadata": {k: md[k] for k in ("name", "resourceVersion") if k in md},
+            "volumeBindingMode": storage_class.get("volumeBindingMode")}
+
+
+def claim_class(claim: Mapping[str, Any]) -> str:
+    """The StorageClass a claim names ("": none), as the scheduler reads it (the beta annotation
+    first, then spec.storageClassName: GetPersistentVolumeClaimClass)."""
+    annotations = as_dict(as_dict(claim.get("metadata")).get("annotations"))
+    if BETA_CLASS in annotations:
+        return str(annotations[BETA_CLASS])
+    return str(as_dict(claim.get("spec")).get("storageClassName") or "")
+
+
+def fully_bound(claim: Mapping[str, Any]) -> bool:
+    """The claim is bound as the scheduler reads it (isPVCFullyBound): it names its volume and
+    the PersistentVolume controller completed the binding (its `bind-completed` annotation)."""
+    return bool(as_dict(claim.get("spec")).get("volumeName")) and \
+        BIND_COMPLETED in as_dict(as_dict(claim.get("metadata")).get("annotations"))
 
 
 def volume_for_planning(volume: Mapping[str, Any]) -> dict[str, Any]:
@@ -122,17 +157,47 @@ def volume_terms(volume: Mapping[str, Any]) -> list[NodeSelectorTerm] | None:
 
 
 class VolumeTopology:
-    """The claims and volumes the planner caches, to narrow pending pods (`narrow`)."""
+    """The claims and volumes the planner caches, to narrow pending pods (`narrow`), and the
+    StorageClasses (name -> class; None: not known, the watch not listed) that say whether a
+    claim not bound yet binds immediately (`missing`)."""
 
-    def __init__(self, claims: Mapping[str, Mapping[str, Any]], volumes: Mapping[str, Mapping[str, Any]]):
-        self.claims, self.volumes = claims, volumes
+    def __init__(self, claims: Mapping[str, Mapping[str, Any]], volumes: Mapping[str, Mapping[str, Any]],
+                 classes: Mapping[str, Mapping[str, Any]] | None = None):
+        self.claims, self.volumes, self.classes = claims, volumes, classes
+
+    def _unbound_immediate(self, key: str, claim: Mapping[str, Any]) -> str | None:
+        """Why the claim, not bound yet, keeps its pod unscheduled (GetPodVolumeClaims puts it
+        with the unbound immediate claims), or None: bound, or left to the scheduler to bind
+        (WaitForFirstConsumer), or its class not known."""
+        if fully_bound(claim):
+            return None
+        tail = ("the scheduler binds the pod nowhere until the PersistentVolume controller binds the claim (\"pod has "
+                "unbound immediate PersistentVolumeClaims\")")
+        volume = as_dict(claim.get("spec")).get("volumeName")
+        if volume:
+            return f"its PersistentVolumeClaim {key} names PersistentVolume {volume} but is not bound to it yet: {tail}"
+        name = claim_class(claim)
+        if not name:
+            return f"its PersistentVolumeClaim {key} is not bound yet and names no StorageClass (so it binds immediately): {tail}"
+        if self.classes is None:
+            return None
+        storage_class = self.classes.get(name)
+        if storage_class is None:
+            return (f"its PersistentVolumeClaim {key} is not bound yet and its StorageClass {name} does not exist "
+                    f"(so it binds immediately): {tail}")
+        if storage_class.get("volumeBindingMode") == DELAYED:
+            return None
+        return (f"its PersistentVolumeClaim {key} is not bound yet and its StorageClass {name} binds immediately "
+                f"(volumeBindingMode {storage_class.get('volumeBindingMode')}, not {DELAYED}): {tail}")
 
     def missing(self, pod: Mapping[str, Any]) -> tuple[str | None, bool, str | None]:
         """Why the scheduler binds the pod on no node for its claims (VolumeBinding's PreFilter,
         UnschedulableAndUnresolvable): a `persistentVolumeClaim` that does not exist or is being
         deleted, and whether that lasts until someone acts (False: an ephemeral volume's claim
         that its controller has not made yet, a moment's wait), and the claim (namespace/name).
-        (None, False, None) when none is."""
+        (None, False, None) when none is. Once every claim passes those checks, one not bound
+        yet that binds immediately (`_unbound_immediate`; lasting: it waits for the
+        PersistentVolume controller, which may never find or make a volume)."""
         for key, ephemeral in _claims(pod):
             claim = self.claims.get(key)
             if claim is None:
@@ -155,6 +220,10 @@ class VolumeTopology:
             if md.get("deletionTimestamp"):
                 return (f"its PersistentVolumeClaim {key} is being deleted (the scheduler binds it nowhere while it "
                         "is)"), True, key
+        for key, _ in _claims(pod):
+            why = self._unbound_immediate(key, self.claims[key])
+            if why is not None:
+                return why, True, key
         return None, False, None
 
     def narrow(self, pending: PendingPod, pod: Mapping[str, Any]) -> PendingPod:
@@ -164,7 +233,7 @@ class VolumeTopology:
         narrowed = False
         for key in claim_names(pod):
             claim = self.claims.get(key)
-            if claim is None or as_dict(claim.get("status")).get("phase") != "Bound":
+            if claim is None or not fully_bound(claim):
                 continue  # not bound yet: the scheduler chooses per node (not mirrored)
             volume = self.volumes.get(str(as_dict(claim.get("spec")).get("volumeName")))
             if volume is None:

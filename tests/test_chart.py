@@ -488,14 +488,15 @@ def test_notes_label_nodes_in_the_right_order(tmp_path):
 
 
 def test_planner_rbac_is_minimal(default):
-    """What the planner calls: informers (list+watch) on pods, claims, volumes and nodes, a node
-    read (before an overdue plan is judged replaced), a merge patch of a node's annotations, a
-    POST of a core/v1 Event, and its Lease (read, replace, create)."""
+    """What the planner calls: informers (list+watch) on pods, claims, volumes, storage classes and
+    nodes, a node read (before an overdue plan is judged replaced), a merge patch of a node's
+    annotations, a POST of a core/v1 Event, and its Lease (read, replace, create)."""
     cr = find(default, "ClusterRole", "dynpart-planner")
     assert rules(cr) == {
         ("", "pods", ()): {"list", "watch"},
         ("", "persistentvolumeclaims", ()): {"list", "watch"},
         ("", "persistentvolumes", ()): {"list", "watch"},
+        ("storage.k8s.io", "storageclasses", ()): {"list", "watch"},
         ("", "nodes", ()): {"get", "list", "watch", "patch"},
         ("", "events", ()): {"create"},
     }

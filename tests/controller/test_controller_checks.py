@@ -411,7 +411,7 @@ def _informers_that_wait(c: PlannerController, monkeypatch: Any) -> tuple[list[s
                 cancelled.append(name)
                 raise
         return run
-    for informer in (c.nodes, c.pods, c.claims, c.volumes, c.other_nodes):
+    for informer in (c.nodes, c.pods, c.claims, c.volumes, c.classes, c.other_nodes):
         monkeypatch.setattr(informer, "run", waits(informer.name))
     return started, cancelled
 
@@ -443,7 +443,7 @@ async def test_planning_starts_once_nodes_and_pods_are_listed_and_the_watches_ar
     c._step = step  # type: ignore[method-assign]
     task = asyncio.create_task(c.run())
     await _turns()
-    assert sorted(started) == ["claims", "nodes", "other nodes", "pods", "volumes"] and steps == []
+    assert sorted(started) == ["claims", "nodes", "other nodes", "pods", "storage classes", "volumes"] and steps == []
     listed, then = (c.nodes, c.pods) if first == "nodes" else (c.pods, c.nodes)
     listed.synced.set()
     await _turns()
@@ -464,11 +464,13 @@ async def test_planning_starts_once_nodes_and_pods_are_listed_and_the_watches_ar
     c.claims.synced.set()
     await _turns()
     assert liveness._max_age["watch claims"] == watch_s and "watch volumes" not in liveness._max_age
+    assert "watch storage classes" not in liveness._max_age
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     await _turns()
-    assert sorted(cancelled) == ["claims", "nodes", "other nodes", "pods", "volumes"], "the volume watch never listed, too"
+    assert sorted(cancelled) == ["claims", "nodes", "other nodes", "pods", "storage classes", "volumes"], \
+        "the volume watch never listed, too"
 
 
 async def test_a_failing_step_is_counted_and_the_next_waits_a_second(make, monkeypatch):
@@ -906,6 +908,56 @@ async def test_a_claim_made_after_its_pod_plans_the_pod_at_once(make):
     quiet(c)
     c._on_claim("MODIFIED", made)  # (told once: the next round says again what it waits for)
     assert not c.wake.is_set()
+
+
+async def test_a_pod_whose_claim_binds_immediately_waits_told_why_and_is_planned_once_the_claim_is_bound(make):
+    """The scheduler places a pod whose claim is not bound yet and binds immediately nowhere (its
+    class Immediate, or missing): the planner carves nothing for it, says why in an Unplaceable
+    Event, and plans it again as soon as the claim is bound, or the class it names is made."""
+    from tests.controller.test_volume_topology import BIND_COMPLETED, CLASSES, claim, storage_class, using
+
+    c = make([reported("n1")])
+    for informer in (c.claims, c.volumes, c.classes):
+        informer.synced.set()
+    c.classes.cache.update({sc["metadata"]["name"]: sc for sc in CLASSES})
+    p = using("a", "data")
+    c.pods.cache["ml/a"] = p
+    c._on_pod("ADDED", p)
+    c.claims.cache["ml/data"] = claim("data", None, phase="Pending", storage_class="fast")
+    c.loop.begin_round(c.clock())
+    await c.plan_round()
+    [(message, _, _)] = c.api.of("Unplaceable")
+    assert "PersistentVolumeClaim ml/data is not bound yet and its StorageClass fast binds immediately" in message
+    assert not c.in_flight, "nothing carved"
+    quiet(c)
+    c._on_class("ADDED", storage_class("other", "Immediate"))
+    assert not c.wake.is_set(), "not its class"
+    bound = claim("data", "pv-1", phase="Bound", storage_class="fast")
+    assert BIND_COMPLETED in bound["metadata"]["annotations"]
+    c.claims.cache["ml/data"] = bound
+    c._on_claim("MODIFIED", bound)
+    assert c.wake.is_set() and "ml/a" in c.window.members
+    c.loop.begin_round(c.clock())
+    await c.plan_round()
+    assert c.in_flight, "planned once the claim is bound"
+    # a claim of a class not made yet: planned once the class is made (WaitForFirstConsumer)
+    c2 = make([reported("n1")])
+    for informer in (c2.claims, c2.volumes, c2.classes):
+        informer.synced.set()
+    c2.pods.cache["ml/a"] = p
+    c2._on_pod("ADDED", p)
+    c2.claims.cache["ml/data"] = claim("data", None, phase="Pending", storage_class="late")
+    c2.loop.begin_round(c2.clock())
+    await c2.plan_round()
+    assert "StorageClass late does not exist" in c2.api.of("Unplaceable")[-1][0]
+    quiet(c2)
+    late = storage_class("late", "WaitForFirstConsumer")
+    c2.classes.cache["late"] = late
+    c2._on_class("ADDED", late)
+    assert c2.wake.is_set() and "ml/a" in c2.window.members
+    c2.loop.begin_round(c2.clock())
+    await c2.plan_round()
+    assert c2.in_flight
 
 
 def _full(name: str) -> dict[str, Any]:

@@ -413,15 +413,16 @@ async def test_an_unexpected_error_in_a_step_is_logged_and_the_loop_goes_on(make
 
 
 async def test_claims_and_volumes_that_cannot_be_listed_hold_nothing_back(make, monkeypatch):
-    """An RBAC of the cluster's own that leaves claims and volumes out: the planner plans all the
-    same (without narrowing by volume), and their watches do not fail the liveness probe."""
+    """An RBAC of the cluster's own that leaves claims, volumes and storage classes out: the
+    planner plans all the same (without narrowing by volume), and their watches do not fail the
+    liveness probe."""
     import asyncio
 
     c = make([], Lead(1))
     for informer in (c.nodes, c.pods):
         informer.synced.set()
         monkeypatch.setattr(informer, "run", asyncio.Event().wait)
-    for informer in (c.claims, c.volumes):  # listing them fails for ever (never synced)
+    for informer in (c.claims, c.volumes, c.classes):  # listing them fails for ever (never synced)
         monkeypatch.setattr(informer, "run", asyncio.Event().wait)
     steps = []
 
@@ -435,6 +436,7 @@ async def test_claims_and_volumes_that_cannot_be_listed_hold_nothing_back(make, 
         await c.run()
     assert len(steps) == 2, "planning started without them"
     assert not c.liveness.stale() and "watch claims" not in c.liveness._max_age
+    assert "watch storage classes" not in c.liveness._max_age
 
 
 async def test_a_whole_gpu_pod_keeps_its_reservation_after_the_acknowledgement(monkeypatch):

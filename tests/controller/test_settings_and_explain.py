@@ -129,7 +129,7 @@ def test_explain_on_the_live_cluster_plans_without_the_lists_it_may_not_read(cap
         if name in forbidden:
             raise APIForbiddenError(f"list {name}: 403 Forbidden")
         return [transform(o) for o in {"nodes": [node("n1")], "pods": [pod("p", {"nvidia.com/mig-1g.10gb": "1"})],
-                                        "other nodes": [], "claims": [], "volumes": []}[name]]
+                                        "other nodes": [], "claims": [], "volumes": [], "storage classes": []}[name]]
 
     monkeypatch.setattr(kube_client, "api_client", fake_api_client)
     monkeypatch.setattr(explain, "listed", listed)

@@ -11,10 +11,13 @@ from dynpart.catalog import default_catalog
 from dynpart.planner.cluster_view import build_snapshot, pod_for_planning
 from dynpart.planner.core import plan
 from dynpart.planner.volume_topology import (
+    BIND_COMPLETED,
     ZONE_LABELS,
     VolumeTopology,
+    claim_class,
     claim_for_planning,
     claim_names,
+    class_for_planning,
     volume_for_planning,
     volume_terms,
 )
@@ -25,9 +28,21 @@ CAT = default_catalog()
 MIG_1G = {"nvidia.com/mig-1g.10gb": "1"}
 
 
-def claim(name: str, volume: str | None, phase: str = "Bound") -> dict[str, Any]:
-    return claim_for_planning({"metadata": {"name": name, "namespace": "ml", "uid": "u"},
-                               "spec": {"volumeName": volume, "storageClassName": "x"}, "status": {"phase": phase}})
+def claim(name: str, volume: str | None, phase: str = "Bound", storage_class: str | None = "x",
+          **annotations: str) -> dict[str, Any]:
+    """A claim as the API server serves it: one the PersistentVolume controller bound carries its
+    bind-completed annotation (the scheduler's test of a bound claim)."""
+    if phase in ("Bound", "Lost") and volume:
+        annotations = {BIND_COMPLETED: "yes", **annotations}
+    return claim_for_planning({"metadata": {"name": name, "namespace": "ml", "uid": "u", "annotations": annotations},
+                               "spec": {"volumeName": volume, **({"storageClassName": storage_class}
+                                                                  if storage_class is not None else {})},
+                               "status": {"phase": phase}})
+
+
+def storage_class(name: str, mode: str | None) -> dict[str, Any]:
+    return class_for_planning({"metadata": {"name": name, "uid": "x", "annotations": {"a": "b"}}, "provisioner": "p",
+                               "volumeBindingMode": mode})
 
 
 def owned(c: dict[str, Any], by: dict[str, Any]) -> dict[str, Any]:
@@ -53,10 +68,10 @@ def using(name: str, claim_name: str, **spec: Any) -> dict[str, Any]:
                                                        {"name": "tmp", "emptyDir": {}}], **spec))
 
 
-def topology(*objects: dict[str, Any]) -> VolumeTopology:
+def topology(*objects: dict[str, Any], classes: list[dict[str, Any]] | None = None) -> VolumeTopology:
     claims = {f"ml/{o['metadata']['name']}": o for o in objects if "volumeName" in o["spec"]}
     volumes = {o["metadata"]["name"]: o for o in objects if "nodeAffinity" in o["spec"]}
-    return VolumeTopology(claims, volumes)
+    return VolumeTopology(claims, volumes, None if classes is None else {c["metadata"]["name"]: c for c in classes})
 
 
 def placed_on(nodes, pods, volumes) -> set[str]:
@@ -170,3 +185,76 @@ def test_a_lost_claim_or_an_ephemeral_claim_of_another_pod_is_not_planned():
     assert not view.snapshot.pending and not view.blocked, "the garbage collector is removing it: a round's wait"
     view = build_snapshot(nodes, [scratch], CAT, volumes=topology(owned(claim("b-s", "pv-1"), scratch), volume("pv-1")))
     assert [p.name for p in view.snapshot.pending] == ["ml/b"]
+
+
+IMMEDIATE, DELAYED = "Immediate", "WaitForFirstConsumer"
+CLASSES = [storage_class("fast", IMMEDIATE), storage_class("local", DELAYED)]
+
+
+def test_a_pod_whose_claim_is_not_bound_and_binds_immediately_is_not_planned():
+    """The scheduler's VolumeBinding PreFilter refuses, on every node, a pod with a claim not bound
+    yet that the PersistentVolume controller binds, not the scheduler ("pod has unbound immediate
+    PersistentVolumeClaims", UnschedulableAndUnresolvable): its StorageClass binds Immediate, or
+    does not exist, or it names none (volume.IsDelayBindingMode), or it names its volume but the
+    binding is not complete (a claim bound by hand before the controller's turn). Planned, a
+    slice was carved that the pod never took."""
+    nodes = nodes4()
+
+    def blocked(*claims: dict[str, Any], classes: list[dict[str, Any]] | None = CLASSES, pod: str = "c") -> str | None:
+        view = build_snapshot(nodes, [using("a", pod)], CAT, volumes=topology(*claims, classes=classes))
+        if view.snapshot.pending:
+            return None
+        [(obj, why)] = view.blocked
+        assert obj["metadata"]["name"] == "a" and view.awaiting_claims == {"ml/c": ["ml/a"]}
+        return why
+
+    why = blocked(claim("c", None, "Pending", "fast"))
+    assert why is not None and "StorageClass fast binds immediately" in why and "unbound immediate" in why
+    assert blocked(claim("c", None, "Pending", "local")) is None, "WaitForFirstConsumer: the scheduler binds it"
+    assert "StorageClass gone does not exist" in (blocked(claim("c", None, "Pending", "gone")) or "")
+    # no class: immediate whatever classes exist (a default class is written into the claim when it
+    # is made, or later by the PersistentVolume controller: a change the claims' watch sees)
+    for none in (None, ""):
+        assert "names no StorageClass" in (blocked(claim("c", None, "Pending", none), classes=None) or "")
+    # the beta annotation is read first
+    assert blocked(claim("c", None, "Pending", "fast", **{"volume.beta.kubernetes.io/storage-class": "local"})) is None
+    assert claim_class(claim("c", None, "Pending", "", **{"volume.beta.kubernetes.io/storage-class": "fast"})) == "fast"
+    # bound by hand (spec.volumeName) but not by the controller yet: immediate, whatever its class
+    why = blocked(claim("c", "pv-1", "Pending", "local"))
+    assert why is not None and "names PersistentVolume pv-1 but is not bound to it yet" in why
+    assert blocked(claim("c", "pv-1", "Pending", "local", **{BIND_COMPLETED: "yes"})) is None
+    # the classes not listed (the planner's RBAC leaves them out): a named class is not known,
+    # the pod is planned as before
+    assert blocked(claim("c", None, "Pending", "fast"), classes=None) is None
+
+
+def test_an_unbound_immediate_claim_is_told_only_once_every_claim_of_the_pod_exists():
+    """The scheduler checks every claim exists (podHasPVCs) before it sorts them (GetPodVolumeClaims):
+    of a pod with an unbound immediate claim and a missing one, the missing one is said."""
+    p = pod_for_planning(pod("a", MIG_1G, volumes=[{"name": "d", "persistentVolumeClaim": {"claimName": "c"}},
+                                                   {"name": "e", "persistentVolumeClaim": {"claimName": "e"}}]))
+    view = build_snapshot(nodes4(), [p], CAT, volumes=topology(claim("c", None, "Pending", "fast"), classes=CLASSES))
+    assert "ml/e does not exist" in view.blocked[0][1] and view.awaiting_claims == {"ml/e": ["ml/a"]}
+
+
+def test_a_claim_the_controller_bound_narrows_its_pod_even_before_its_phase_says_bound():
+    """The scheduler reads a claim as bound by its volume name and bind-completed annotation, which
+    the PersistentVolume controller writes before it sets the phase."""
+    nodes = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
+    early = claim("c", "pv-1", "Pending", "fast", **{BIND_COMPLETED: "yes"})
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology(early, volume("pv-1", {ZONE: "z2"}), classes=CLASSES))
+    assert view.hosts["ml/a"] == {"n3", "n4"}
+
+
+def test_what_the_claim_and_class_caches_keep():
+    full = {"metadata": {"name": "c", "namespace": "ml", "uid": "u", "resourceVersion": "5",
+                         "annotations": {BIND_COMPLETED: "yes", "volume.beta.kubernetes.io/storage-class": "b",
+                                         "pv.kubernetes.io/bound-by-controller": "yes", "other": "x"},
+                         "managedFields": [{}]},
+            "spec": {"volumeName": "pv", "storageClassName": "fast", "resources": {"requests": {"storage": "1Gi"}}},
+            "status": {"phase": "Bound", "capacity": {"storage": "1Gi"}}}
+    assert claim_for_planning(full) == {
+        "metadata": {"name": "c", "namespace": "ml", "resourceVersion": "5",
+                     "annotations": {BIND_COMPLETED: "yes", "volume.beta.kubernetes.io/storage-class": "b"}},
+        "spec": {"volumeName": "pv", "storageClassName": "fast"}, "status": {"phase": "Bound"}}
+    assert storage_class("fast", IMMEDIATE) == {"metadata": {"name": "fast"}, "volumeBindingMode": IMMEDIATE}

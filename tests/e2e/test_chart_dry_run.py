@@ -108,6 +108,9 @@ PLANNER_ACCESS = [
     ("update", "coordination.k8s.io", "leases", "{ns}", "another-lease", False),
     ("create", "coordination.k8s.io", "leases", "kube-system", None, False),
     ("get", "", "pods", "team-a", "p", False),  # informers only: list and watch
+    ("list", "storage.k8s.io", "storageclasses", None, None, True),  # whether an unbound claim binds immediately
+    ("watch", "storage.k8s.io", "storageclasses", None, None, True),
+    ("update", "storage.k8s.io", "storageclasses", None, "fast", False),
     ("get", "", "nodes", None, "gpu-node-1", True),  # a fresh read before an overdue plan is judged replaced
     ("patch", "", "events", "team-a", "e", False),  # Events are only POSTed
     ("create", "events.k8s.io", "events", "team-a", None, False),
