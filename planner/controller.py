@@ -194,7 +194,7 @@ class PlannerController:
         self.claims = Informer(self.core.list_persistent_volume_claim_for_all_namespaces, self._on_claim, name="claims",
                                settings=settings.kube, transform=claim_for_planning,
                                on_beat=lambda: self.liveness.beat("watch claims"))
-        self.volumes = Informer(self.core.list_persistent_volume, _ignore, name="volumes", settings=settings.kube,
+        self.volumes = Informer(self.core.list_persistent_volume, self._on_volume, name="volumes", settings=settings.kube,
                                 transform=volume_for_planning, on_beat=lambda: self.liveness.beat("watch volumes"))
         # the StorageClasses: whether a claim not bound yet binds immediately (then the scheduler
         # places its pods nowhere until it is bound) or on the node the pod goes to
@@ -283,6 +283,17 @@ class PlannerController:
         waiting = self._awaiting_claims.pop(f"{md.get('namespace')}/{md.get('name')}", None)
         if waiting:
             self.loop.facts_changed(waiting, self.clock())
+            self.wake.set()
+
+    def _on_volume(self, kind: str, volume: Obj) -> None:
+        # a PersistentVolume made: the pods the last round left for a claim bound to it (a volume
+        # not listed yet, or not made yet) are planned again now
+        name = (volume.get("metadata") or {}).get("name")
+        woken = [key for key in self._awaiting_claims if (claim := self.claims.cache.get(key)) is not None
+                 and ((claim.get("spec") or {}).get("volumeName")) == name]
+        for key in woken:
+            self.loop.facts_changed(self._awaiting_claims.pop(key), self.clock())
+        if woken:
             self.wake.set()
 
     def _on_class(self, kind: str, storage_class: Obj) -> None:

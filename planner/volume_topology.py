@@ -197,7 +197,8 @@ class VolumeTopology:
         that its controller has not made yet, a moment's wait), and the claim (namespace/name).
         (None, False, None) when none is. Once every claim passes those checks, one not bound
         yet that binds immediately (`_unbound_immediate`; lasting: it waits for the
-        PersistentVolume controller, which may never find or make a volume)."""
+        PersistentVolume controller, which may never find or make a volume), and one bound to a
+        volume that does not exist (lasting)."""
         for key, ephemeral in _claims(pod):
             claim = self.claims.get(key)
             if claim is None:
@@ -221,9 +222,16 @@ class VolumeTopology:
                 return (f"its PersistentVolumeClaim {key} is being deleted (the scheduler binds it nowhere while it "
                         "is)"), True, key
         for key, _ in _claims(pod):
-            why = self._unbound_immediate(key, self.claims[key])
+            claim = self.claims[key]
+            why = self._unbound_immediate(key, claim)
             if why is not None:
                 return why, True, key
+            name = str(as_dict(claim.get("spec")).get("volumeName"))
+            if fully_bound(claim) and name not in self.volumes:
+                # checkBoundClaims: "node(s) unavailable due to one or more pvc(s) bound to
+                # non-existent pv(s)", on every node; the claim turns Lost soon after
+                return (f"its PersistentVolumeClaim {key} is bound to PersistentVolume {name}, which does not exist "
+                        "(the scheduler binds it nowhere while it does not)"), True, key
         return None, False, None
 
     def narrow(self, pending: PendingPod, pod: Mapping[str, Any]) -> PendingPod:

@@ -914,7 +914,7 @@ async def test_a_pod_whose_claim_binds_immediately_waits_told_why_and_is_planned
     """The scheduler places a pod whose claim is not bound yet and binds immediately nowhere (its
     class Immediate, or missing): the planner carves nothing for it, says why in an Unplaceable
     Event, and plans it again as soon as the claim is bound, or the class it names is made."""
-    from tests.controller.test_volume_topology import BIND_COMPLETED, CLASSES, claim, storage_class, using
+    from tests.controller.test_volume_topology import BIND_COMPLETED, CLASSES, claim, storage_class, using, volume
 
     c = make([reported("n1")])
     for informer in (c.claims, c.volumes, c.classes):
@@ -939,7 +939,17 @@ async def test_a_pod_whose_claim_binds_immediately_waits_told_why_and_is_planned
     assert c.wake.is_set() and "ml/a" in c.window.members
     c.loop.begin_round(c.clock())
     await c.plan_round()
-    assert c.in_flight, "planned once the claim is bound"
+    assert not c.in_flight, "its volume not listed yet: bound to a volume that does not exist, for the scheduler too"
+    assert "bound to PersistentVolume pv-1, which does not exist" in c.api.of("Unplaceable")[-1][0]
+    quiet(c)
+    c._on_volume("ADDED", volume("other"))
+    assert not c.wake.is_set(), "not its volume"
+    c.volumes.cache["pv-1"] = volume("pv-1")
+    c._on_volume("ADDED", c.volumes.cache["pv-1"])
+    assert c.wake.is_set() and "ml/a" in c.window.members
+    c.loop.begin_round(c.clock())
+    await c.plan_round()
+    assert c.in_flight, "planned once the claim is bound and its volume listed"
     # a claim of a class not made yet: planned once the class is made (WaitForFirstConsumer)
     c2 = make([reported("n1")])
     for informer in (c2.claims, c2.volumes, c2.classes):

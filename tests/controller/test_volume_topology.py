@@ -105,11 +105,10 @@ def test_a_local_volume_keeps_its_pod_on_its_node_and_joins_the_pods_own_terms()
     assert not view.snapshot.pending and "bound volumes' node affinity" in view.elsewhere[0][1]
 
 
-def test_claims_not_bound_and_volumes_unknown_narrow_nothing():
+def test_claims_not_bound_or_volumes_without_affinity_narrow_nothing():
     nodes = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
     everywhere = {"n1", "n2", "n3", "n4"}
-    for vols in (topology(claim("c", None, phase="Pending")), topology(claim("c", "pv-gone")),
-                 topology(claim("c", "pv-1"), volume("pv-1"))):
+    for vols in (topology(claim("c", None, phase="Pending")), topology(claim("c", "pv-1"), volume("pv-1"))):
         assert build_snapshot(nodes, [using("a", "c")], CAT, volumes=vols).hosts["ml/a"] == everywhere
 
 
@@ -187,6 +186,19 @@ def test_a_lost_claim_or_an_ephemeral_claim_of_another_pod_is_not_planned():
     assert [p.name for p in view.snapshot.pending] == ["ml/b"]
 
 
+def test_a_pod_whose_claim_is_bound_to_a_volume_that_does_not_exist_is_not_planned():
+    """The scheduler's checkBoundClaims makes every node unavailable to a pod whose bound claim's
+    PersistentVolume does not exist ("pvc(s) bound to non-existent pv(s)"), in the moments before
+    the claim turns Lost; a bound claim whose volume exists is planned."""
+    nodes = nodes4()
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology(claim("c", "pv-gone")))
+    assert not view.snapshot.pending
+    assert "ml/c is bound to PersistentVolume pv-gone, which does not exist" in view.blocked[0][1]
+    assert view.awaiting_claims == {"ml/c": ["ml/a"]}
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology(claim("c", "pv-1"), volume("pv-1")))
+    assert [p.name for p in view.snapshot.pending] == ["ml/a"]
+
+
 IMMEDIATE, DELAYED = "Immediate", "WaitForFirstConsumer"
 CLASSES = [storage_class("fast", IMMEDIATE), storage_class("local", DELAYED)]
 
@@ -222,7 +234,7 @@ def test_a_pod_whose_claim_is_not_bound_and_binds_immediately_is_not_planned():
     # bound by hand (spec.volumeName) but not by the controller yet: immediate, whatever its class
     why = blocked(claim("c", "pv-1", "Pending", "local"))
     assert why is not None and "names PersistentVolume pv-1 but is not bound to it yet" in why
-    assert blocked(claim("c", "pv-1", "Pending", "local", **{BIND_COMPLETED: "yes"})) is None
+    assert blocked(claim("c", "pv-1", "Pending", "local", **{BIND_COMPLETED: "yes"}), volume("pv-1")) is None
     # the classes not listed (the planner's RBAC leaves them out): a named class is not known,
     # the pod is planned as before
     assert blocked(claim("c", None, "Pending", "fast"), classes=None) is None
