@@ -15,11 +15,12 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from pydantic import ValidationError
 
-from dynpart.annotations import annotation_patch, decode_status, encode_spec, is_pod_key, keeping_spec
+from dynpart.annotations import DecodedStatus, annotation_patch, decode_status, encode_spec, is_pod_key, keeping_spec
 from dynpart.capability import MAX_GPUS, CapabilityError, decode_capability, model_catalog, node_model
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
@@ -79,18 +80,34 @@ def pod_key(pod: dict[str, Any]) -> str:
     return f"{_field(pod, 'metadata', 'namespace') or 'default'}/{_field(pod, 'metadata', 'name') or ''}"
 
 
+# a quantity's suffixes, the longest first ("Mi" before "M")
+_SUFFIXES = tuple(sorted({"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+                          "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+                          "E": 1e18}.items(), key=lambda item: len(item[0]), reverse=True))
+
+
 def parse_quantity(value: Any) -> float:
     """A Kubernetes quantity ("500m", "2", "1Gi", "128974848", "1e3") as a number of units."""
-    text = str(value).strip()
-    suffixes = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-                "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
-    for suffix in sorted(suffixes, key=len, reverse=True):
+    number = _quantity(str(value).strip())
+    if number is None:
+        raise DynpartError(f"quantity {value!r} is not a Kubernetes quantity")
+    return number
+
+
+@lru_cache(maxsize=8192)  # a round reads every bound pod's requests and every node's allocatable: few distinct texts
+def _quantity(text: str) -> float | None:
+    """`parse_quantity` of a stripped text; None when it is no finite number ("1.2.3Gi", "nan",
+    "inf", "1e400": else a round's arithmetic on it fails for every node and pod)."""
+    number, factor = text, 1.0
+    for suffix, times in _SUFFIXES:
         if text.endswith(suffix) and text[: -len(suffix)]:
-            return float(text[: -len(suffix)]) * suffixes[suffix]
+            number, factor = text[: -len(suffix)], times
+            break
     try:
-        return float(text)
+        value = float(number) * factor
     except ValueError:
-        raise DynpartError(f"quantity {value!r} is not a Kubernetes quantity") from None
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _spec_requests(c: Mapping[str, Any]) -> dict[str, float]:
@@ -181,7 +198,12 @@ def _container_requests(pod: dict[str, Any], bound: bool = False) -> dict[str, f
 def slice_requests(pod: dict[str, Any]) -> dict[str, int]:
     """Slice resources the pod asks for, by count (a fraction counts up: the API server admits
     only whole counts of extended resources; `pending_pod` refuses one that is not)."""
-    return {k: math.ceil(v) for k, v in _container_requests(pod).items() if is_slice_resource(k) and v > 0}
+    return _slices(_container_requests(pod))
+
+
+def _slices(requests: Mapping[str, float]) -> dict[str, int]:
+    """`slice_requests` of a pod's requests (`_container_requests`)."""
+    return {k: math.ceil(v) for k, v in requests.items() if is_slice_resource(k) and v > 0}
 
 
 def is_batch_candidate(pod: dict[str, Any]) -> bool:
@@ -344,11 +366,120 @@ def node_gpu_model(name: str, labels: Mapping[str, Any], annotations: Mapping[st
         return NodeGpus(None, (), [*problems, str(e)])
 
 
-def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: Catalog) -> NodeView:
+@dataclass(frozen=True, slots=True)
+class _ReportedGpu:
+    """What an agent reports on one GPU, as `node_view` reads it."""
+
+    mig: tuple[tuple[str, int, bool], ...]  # (profile, start, used) of each instance
+    mps: tuple[tuple[int, bool], ...]  # (size, used) of each slice
+    whole_pod: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Status:
+    """What `node_view` reads of `decode_status`, in plain tuples: `NodeDecodes` keeps one for
+    every node, and the decoded layout's models took about 20 KB a node. Never changed (shared)."""
+
+    plan_id: str | None
+    problems: tuple[str, ...]
+    unknown: tuple[str, ...]
+    layout_incomplete: bool
+    foreign: dict[int, tuple[str, ...]]
+    kept_spec: dict[str, str]
+    unhealthy: tuple[int, ...]
+    reported: dict[int, _ReportedGpu]  # GPU index -> what the agent reports there
+    layout: NodeLayout | None  # the layout decoded, only where GPUs are unhealthy (`keeping_spec`)
+
+
+def _status(status: DecodedStatus) -> _Status:
+    gpus = status.layout.gpus if status.layout is not None else []
+    return _Status(status.plan_id, tuple(status.problems), tuple(status.unknown), status.layout_incomplete,
+                   status.foreign, status.kept_spec, status.unhealthy,
+                   {g.index: _ReportedGpu(tuple((m.profile, m.start, m.used) for m in g.mig),
+                                          tuple((x.size, x.used) for x in g.mps), g.whole_pod) for g in gpus},
+                   status.layout if status.unhealthy else None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Decoded:
+    """What a node's labels and annotations alone say (`_decode`). Never changed (shared)."""
+
+    too_big: str | None  # why its agent's annotations are not read, or None
+    gpus: NodeGpus | None = None  # its GPUs (None when too big)
+    status: _Status | None = None  # its agent's status (None when too big or without a model)
+
+
+def _decode(name: str, labels: Mapping[str, Any], annotations: Mapping[str, Any], catalog: Catalog) -> _Decoded:
+    """The part of `node_view` read from the node's labels and annotations alone: its GPUs
+    (`node_gpu_model`) and its agent's status (`decode_status`)."""
+    size = sum(len(k) + len(str(v)) for k, v in annotations.items() if str(k).startswith(STATUS_PREFIX))
+    if size > MAX_STATUS_BYTES:
+        return _Decoded(f"node {name}: its {STATUS_PREFIX}* annotations take {size} bytes, more than the "
+                        f"{MAX_STATUS_BYTES} an agent writes; the node is left out until they shrink")
+    described = node_gpu_model(name, labels, annotations, catalog)
+    if described.model is None:
+        return _Decoded(None, described)
+    return _Decoded(None, described, _status(decode_status(annotations, described.model, node=name)))
+
+
+class NodeDecodes:
+    """`_decode` of each node, kept from one round to the next by the caller (the controller): at
+    2,000 nodes decoding their agents' annotations took most of a round's `node_view`, and most
+    nodes do not change between two rounds. An entry serves the node of its name while its
+    labels and annotations are, item by item and in order, those it was decoded from, all of them
+    strings, and the catalog is the same object. Content, not resourceVersion: tests change
+    cached nodes in place, and a node deleted and made again may carry anything. A node whose
+    labels or annotations hold anything else than strings (the API's never do) is decoded each
+    time. Entries of nodes not given to a round are dropped (`retain`); an entry takes about 6 KB
+    (`_Status`). One round at a time: not thread-safe, and what it returns is shared between
+    rounds, so never changed."""
+
+    def __init__(self) -> None:
+        self._catalog: Catalog | None = None
+        self._entries: dict[str, tuple[tuple[tuple[Any, ...], ...], _Decoded]] = {}
+        self.decoded = 0  # `_decode` calls made (not served from an entry), for tests and measurements
+
+    def decode(self, name: Any, labels: Mapping[str, Any], annotations: Mapping[str, Any],
+               catalog: Catalog) -> _Decoded:
+        """`_decode(name, labels, annotations, catalog)`, from the node's entry when it holds."""
+        if catalog is not self._catalog:
+            self._entries.clear()
+            self._catalog = catalog
+        if not (type(name) is str and _strings(labels) and _strings(annotations)):
+            self.decoded += 1
+            return _decode(name, labels, annotations, catalog)
+        # (keys and values apart: a tuple of pointers each, a third of the size of the items' pairs)
+        key = (tuple(labels), tuple(labels.values()), tuple(annotations), tuple(annotations.values()))
+        entry = self._entries.get(name)
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        self.decoded += 1
+        decoded = _decode(name, labels, annotations, catalog)
+        self._entries[name] = (key, decoded)
+        return decoded
+
+    def retain(self, names: AbstractSet[str]) -> None:
+        """Forget the nodes not in `names` (gone, or no longer labelled)."""
+        for name in self._entries.keys() - names:
+            self._entries.pop(name, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _strings(mapping: object) -> bool:
+    """A dict of strings to strings: a key of them compares equal only to the same strings, which
+    read the same (an equal int or float may not: 1 == 1.0 == True)."""
+    return type(mapping) is dict and all(type(k) is str and type(v) is str for k, v in mapping.items())
+
+
+def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: Catalog,
+              decodes: NodeDecodes | None = None) -> NodeView:
     """A labelled GPU node as the planner sees it: current layout from the agent's status
     annotations, CPU/memory left from allocatable minus the requests of the pods bound there.
     Slices that pods bound to the node will take, but that the agent has not yet reported as
-    used, are counted as used: the planner never plans away a slice a pod is about to get."""
+    used, are counted as used: the planner never plans away a slice a pod is about to get.
+    `decodes`: the node's decoded annotations kept from earlier rounds (the same view, sooner)."""
     md = node.get("metadata", {})
     name = md.get("name", "")
     labels = md.get("labels") or {}
@@ -356,15 +487,15 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
     if mode not in ("mig", "mps"):
         return NodeView(None, None, [f"node {name}: label {PARTITIONING_LABEL}={mode!r}: expected mig or mps"])
     annotations = md.get("annotations") or {}
-    size = sum(len(k) + len(str(v)) for k, v in annotations.items() if str(k).startswith(STATUS_PREFIX))
-    if size > MAX_STATUS_BYTES:
-        return NodeView(None, None, [f"node {name}: its {STATUS_PREFIX}* annotations take {size} bytes, more than "
-                                     f"the {MAX_STATUS_BYTES} an agent writes; the node is left out until they shrink"])
-    described = node_gpu_model(name, labels, annotations, catalog)
-    model, disagreements, problems = described.model, described.disagreements, described.problems
-    if model is None:
+    decoded = (decodes.decode if decodes is not None else _decode)(name, labels, annotations, catalog)
+    if decoded.gpus is None:
+        return NodeView(None, None, [str(decoded.too_big)])
+    described = decoded.gpus
+    # (a copy: `described` may be shared with other rounds)
+    model, disagreements, problems = described.model, described.disagreements, list(described.problems)
+    if model is None or decoded.status is None:
         return NodeView(None, None, problems)
-    status = decode_status(annotations, model, node=name)
+    status = decoded.status
     problems.extend(f"node {name}: {p}" for p in status.problems)
     skew = [f"node {name}: {u}" for u in status.unknown]
     if status.layout_incomplete:
@@ -372,7 +503,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         return NodeView(None, status.plan_id, [*problems, f"node {name}: left out of planning until every "
                                                f"{STATUS_PREFIX}* annotation of its agent reads: a slice the planner "
                                                "cannot read may be in use"], skew=skew)
-    reported = {g.index: g for g in status.layout.gpus} if status.layout is not None else {}
+    reported = status.reported
     count = described.count if described.count is not None else _labelled_count(name, labels, problems)
     count = max([count, *(i + 1 for i in reported), *(i + 1 for i in status.foreign)])
     if status.foreign:
@@ -395,7 +526,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         cpu_used += req.get("cpu", 0)
         mem_used += req.get("memory", 0)
         other_used.update(_other_requests(req))
-        for res, n in slice_requests(pod).items():
+        for res, n in _slices(req).items():
             bound_slices[res] += n
             if (pod.get("spec") or {}).get("nodeName") == name:
                 placed_slices[res] += n
@@ -407,10 +538,10 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
             continue
         g = reported.get(i)
         if mode == "mig":
-            gpus.append(Gpu(index=i, mig=[MigInstance(profile=m.profile, start=m.start, used=m.used)
-                                          for m in (g.mig if g else [])]))
+            gpus.append(Gpu(index=i, mig=[MigInstance(profile=profile, start=start, used=used)
+                                          for profile, start, used in (g.mig if g else ())]))
         else:
-            gpus.append(Gpu(index=i, mps=[MpsSlice(size=s.size, used=s.used) for s in (g.mps if g else [])],
+            gpus.append(Gpu(index=i, mps=[MpsSlice(size=size, used=used) for size, used in (g.mps if g else ())],
                             whole_pod=g.whole_pod if g else None))
     kept = _protect_bound_slices(gpus, bound_slices, mode, described.not_mig, placed_slices, init_kept)
     held_whole = sorted({g.index for g in gpus} - {g.index for g in kept})
@@ -662,7 +793,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                    reserved: Mapping[str, str] | None = None, switching_too: bool = False,
                    scheduler_names: Collection[str] = (DEFAULT_SCHEDULER,), in_flight: Mapping[str, str] | None = None,
                    no_defer: Mapping[str, AbstractSet[str]] | None = None, volumes: VolumeTopology | None = None,
-                   mps_host_ipc: bool = False, other_nodes: Mapping[str, Mapping[str, str]] | None = None) -> ClusterView:
+                   mps_host_ipc: bool = False, other_nodes: Mapping[str, Mapping[str, str]] | None = None,
+                   decodes: NodeDecodes | None = None) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
@@ -678,7 +810,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     volumes cached, whose node affinity narrows the pods that use them (`volume_topology`). `mps_host_ipc`: MPS
     pods need hostIPC: true (the planner setting mps_clients_host_ipc); one without is warned. `other_nodes`: the
     labels of the cluster's other nodes (name -> labels; those in `nodes` without the partitioning label count
-    too): the topology domains the scheduler's spread and anti-affinity count them in."""
+    too): the topology domains the scheduler's spread and anti-affinity count them in. `decodes`: the nodes'
+    annotations as earlier rounds decoded them, kept by the caller (`NodeDecodes`: the same view, sooner)."""
     problems: list[tuple[dict[str, Any], str]] = []
     by_node: dict[str, list[dict[str, Any]]] = {}
     reserved = reserved or {}
@@ -693,6 +826,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     switching: dict[str, str] = {}
     skew: list[tuple[dict[str, Any], str]] = []
     kept: dict[str, dict[str, str]] = {}
+    if decodes is not None:
+        decodes.retain({str(_field(n, "metadata", "name") or "") for n in nodes})
     for node in sorted(nodes, key=lambda n: str(_field(n, "metadata", "name") or "")):
         name = str(_field(node, "metadata", "name") or "")
         labels = _field(node, "metadata", "labels")
@@ -706,7 +841,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                 if target is not None:
                     switching[name] = target
                 continue
-            view = node_view(node, by_node.get(name, []), catalog)
+            view = node_view(node, by_node.get(name, []), catalog, decodes)
         except DynpartError as e:
             problems.append((node, f"node {name} left out of planning: {e}"))
             continue

@@ -51,6 +51,7 @@ from dynpart.planner import metrics
 from dynpart.planner.batching import BatchWindow
 from dynpart.planner.cluster_view import (
     ClusterView,
+    NodeDecodes,
     build_snapshot,
     can_revoke,
     is_batch_candidate,
@@ -175,6 +176,9 @@ class PlannerController:
         self._unplaced_logged: dict[str, str] = {}  # pod -> the reason logged
         self._gauges_set = False
         self._ids = itertools.count(1)
+        # each node's agent annotations as a round decoded them, for the next round (only rounds use it,
+        # one at a time, in their thread): at 2,000 nodes decoding them all took about a second a round
+        self._decodes = NodeDecodes()
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
                               settings=settings.kube, transform=node_for_planning,
                               on_beat=lambda: self.liveness.beat("watch nodes"))
@@ -808,7 +812,8 @@ class PlannerController:
                                        volumes=VolumeTopology(dict(self.claims.cache), dict(self.volumes.cache),
                                                               dict(self.classes.cache) if self.classes.synced.is_set()
                                                               else None)
-                                       if self.claims.synced.is_set() and self.volumes.synced.is_set() else None)
+                                       if self.claims.synced.is_set() and self.volumes.synced.is_set() else None,
+                                       decodes=self._decodes)
         self.liveness.beat("planning loop")  # (a round at scale takes seconds: each part of it beats)
         # pods left to the next round (their anti-affinity or host ports conflict with an older
         # pod's this round plans): they join the next batch at once (it closes at once if the

@@ -37,6 +37,23 @@ def test_quantities():
     assert parse_quantity("2") == 2
     with pytest.raises(DynpartError, match="'lots'"):
         parse_quantity("lots")
+    # no finite number: refused as a quantity, not left to fail a round's arithmetic (OverflowError
+    # on "inf", a ValueError for a number that does not parse before its suffix)
+    for bad in ("inf", "-inf", "nan", "1e400", "1.2.3Gi", "infGi", "nanm"):
+        with pytest.raises(DynpartError, match="is not a Kubernetes quantity"):
+            parse_quantity(bad)
+
+
+def test_a_node_or_pod_with_an_infinite_quantity_is_left_out_and_the_round_goes_on():
+    bad_node = node("n1")
+    bad_node["status"]["allocatable"]["cpu"] = "inf"
+    greedy = pod("greedy", {"nvidia.com/mig-1g.10gb": "1", "cpu": "1e400"})
+    view = build_snapshot([bad_node, node("n2")], [greedy, pod("ok", {"nvidia.com/mig-1g.10gb": "1"})],
+                          default_catalog())
+    assert [n.name for n in view.snapshot.nodes] == ["n2"] and [p.name for p in view.snapshot.pending] == ["ml/ok"]
+    said = " ".join(m for _, m in view.problems)
+    assert "node n1: allocatable: quantity 'inf' is not a Kubernetes quantity" in said
+    assert "quantity '1e400' is not a Kubernetes quantity" in said
 
 
 def test_batch_candidates():
