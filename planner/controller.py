@@ -278,6 +278,13 @@ class PlannerController:
             self.loop.pod_done(key)
             if kind == "DELETED" or (pod.get("spec") or {}).get("nodeName"):
                 self.events.forget(pod)  # no Event is posted about it again: room for others
+            if kind == "DELETED" and (pod.get("spec") or {}).get("nodeName") and self._waiting:
+                # a bound pod ended or went (the watch keeps only live pods): the CPU, memory, pod
+                # slot and host ports it held on its node, and the domain its anti-affinity kept
+                # others from, are free now, and the scheduler retries its pods on that (a pod
+                # deleted); its GPU slice freed shows in its agent's status, which wakes them too
+                self.loop.facts_changed(self._candidates(), self.clock())
+                self.wake.set()
 
     def _on_claim(self, kind: str, claim: Obj) -> None:
         # a claim the last round found missing (or being deleted, Lost, another pod's) changed: its

@@ -245,6 +245,25 @@ async def test_a_pod_made_again_under_its_name_starts_without_lapsed_reservation
     assert "ml/a" not in c.loop.lapsed
 
 
+async def test_a_bound_pod_that_goes_wakes_the_waiting_pods(make):
+    """A bound pod that ends or is deleted frees CPU, memory, a pod slot, host ports and the domain
+    its anti-affinity held (a CPU pod on a GPU node frees no slice, so no agent status says so):
+    the waiting pods are planned again now, as the scheduler retries them, not at the resync. A
+    pending pod going, or a bound one changing, wakes none."""
+    c = make([reported("n1")])
+    waiting(c, "a")
+    quiet(c)
+    other = waiting(c, "b")
+    quiet(c)
+    c._on_pod("DELETED", other)  # a pending pod went: it held nothing
+    assert not c.wake.is_set() and not c.window.members
+    cpu_pod = pod("cpu-hog", {"cpu": "14"}, phase="Running", node="n1", unschedulable=False)
+    c._on_pod("MODIFIED", cpu_pod)
+    assert not c.wake.is_set() and not c.window.members
+    c._on_pod("DELETED", cpu_pod)
+    assert c.wake.is_set() and "ml/a" in c.window.members
+
+
 # --- the node watch -------------------------------------------------------------------------------
 
 
