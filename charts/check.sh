@@ -74,6 +74,8 @@ bad_values=(
     "--set agent.extraEnv[0].name=not-a-variable"
     "--set agent.mpsControl.resources.limit.memory=1Gi"
     "--set agent.mpsControl.updateStrategy.rollingUpdate.maxSurge=1"
+    "--set agent.privileged=null"
+    "--set planner.schedulerNames=null"
 )
 for args in "${bad_values[@]}"; do
     # shellcheck disable=SC2086

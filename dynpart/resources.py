@@ -64,10 +64,21 @@ def parse_resource(name: str) -> SliceResource:
             raise ResourceNameError(f"resource {name!r}: write the size without leading zeros, "
                                     f"{mps_resource_name(size)} (the name the agent advertises)")
         return MpsResource(size=size)
+    near = _near_miss(name)
     raise ResourceNameError(
-        f"resource {name!r} is not a GPU slice resource; expected nvidia.com/mig-<profile> "
-        "(e.g. nvidia.com/mig-1g.10gb), nvidia.com/gpu-<N>gb (e.g. nvidia.com/gpu-10gb) or nvidia.com/gpu"
+        f"resource {name!r} is not a GPU slice resource; "
+        + (f"did you mean {near}? " if near else "")
+        + "expected nvidia.com/mig-<profile> (e.g. nvidia.com/mig-1g.10gb, `+` written `.`: "
+        "nvidia.com/mig-1g.10gb.me), nvidia.com/gpu-<N>gb (e.g. nvidia.com/gpu-10gb) or nvidia.com/gpu"
     )
+
+
+def _near_miss(name: str) -> str | None:
+    """The slice resource a misspelt name likely meant: a profile as the catalog writes it
+    (`1g.10gb+me`, whose `+` no resource name may hold), upper case, or GiB units (`10Gi`, `10GB`)."""
+    near = name.lower().replace("+", ".")
+    near = re.sub(r"^(nvidia\.com/(?:gpu-|mig-\d+g\.)\d+)(?:gib|gi|g)(?=$|[.-])", r"\1gb", near)
+    return near if near != name and is_slice_resource(near) else None
 
 
 def known_resource(name: str) -> SliceResource | None:

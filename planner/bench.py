@@ -55,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.time_limit < float("inf"):  # nan fails too
         raise DynpartError(f"--time-limit = {args.time_limit}: must be a finite number of seconds, 0 or more")
     catalog = load_catalog(args.catalog)
+    model = catalog.resolve(args.gpu, "--gpu")
+    if args.mode == "mig" and not model.supports_mig:
+        # (the generator would have no MIG geometry to draw: an IndexError from random.choice)
+        raise DynpartError(f"--gpu {args.gpu}: {model.name} does not support MIG; use --mode mps")
     opts = PlanOptions(policy=args.policy, time_limit_s=args.time_limit)
     times, placed, bounds, solvers, touched, destroyed = [], [], [], [], [], []
     for i in range(args.repeat):

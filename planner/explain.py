@@ -48,6 +48,12 @@ def _load_snapshot_file(path: str) -> Snapshot:
         raise DynpartError(f"snapshot file {yaml_problem(path, e)}") from None
     if data is None:
         raise DynpartError(f"snapshot file {path}: the file is empty (expected a YAML/JSON snapshot, see docs/planner.md)")
+    if isinstance(data, dict) and "apiVersion" in data and "kind" in data and "nodes" not in data:
+        # (a pod's manifest, examples/pod-mig.yaml, given as the snapshot: every field was an
+        # "Extra inputs are not permitted", none said what a snapshot is)
+        raise DynpartError(f"snapshot file {path}: a Kubernetes {data['kind']} manifest, not a snapshot (a mapping with "
+                           "nodes and pending: docs/planner.md, examples/snapshot.yaml); for a pod of a cluster, "
+                           "run dynpart explain NAMESPACE/NAME with $KUBECONFIG set")
     try:
         return parse_snapshot(data)
     except SnapshotError as e:

@@ -924,6 +924,57 @@ def test_no_dumpable_process_shares_the_agent_container(default, full):
         assert config["mps_control_dir"], "the agent would fork the MPS daemon itself, which tini reaps"
 
 
+# Values whose null means "none" and renders so (`resources: null`, no tolerations, the
+# DaemonSet's default rolling update): the only chart-structured values a values file may empty.
+NULL_MEANS_NONE = {"planner.resources", "agent.resources", "agent.mpsControl.resources", "agent.tolerations",
+                   "agent.updateStrategy.rollingUpdate"}
+
+
+def _settings_values() -> list[list[str]]:
+    """The paths of values.yaml's values that the chart reads as settings or structure: the scalars
+    and the objects the schema describes key by key, and the settings' lists (free-form maps and
+    Kubernetes lists such as tolerations or extraEnv left out, and NULL_MEANS_NONE)."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    out: list[list[str]] = []
+
+    def walk(value: dict[str, Any], node: dict[str, Any], path: list[str]) -> None:
+        for key, sub in value.items():
+            child = node.get("properties", {}).get(key, {})
+            here = path + [key]
+            if ".".join(here) in NULL_MEANS_NONE:
+                continue
+            if isinstance(sub, dict) and "properties" in child:
+                out.append(here)
+                walk(sub, child, here)
+            elif not isinstance(sub, (dict, list)) or ".".join(here) in ("planner.workload", "planner.schedulerNames"):
+                out.append(here)
+    walk(yaml.safe_load((CHART / "values.yaml").read_text()), schema, [])
+    return out
+
+
+def test_empty_values_are_refused(tmp_path):
+    """A value left empty in a values file (`privileged:`), or `--set key=null`, deletes the chart's
+    default in Helm: the chart rendered `privileged: false`, `'%!s(<nil>)/mps'` paths and
+    `scheduler_names: null` (a planner that never starts) from it. The schema requires them, so
+    install refuses it naming each."""
+    paths = _settings_values()
+    assert ["agent", "privileged"] in paths and ["planner", "schedulerNames"] in paths
+    # (one values file per depth: emptying an object deletes its keys too)
+    for depth in sorted({len(p) for p in paths}):
+        doc: dict[str, Any] = {}
+        for path in (p for p in paths if len(p) == depth):
+            node = doc
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = None
+        (tmp_path / "empty.yaml").write_text(yaml.safe_dump(doc))
+        error = _template_error("-f", str(tmp_path / "empty.yaml"))
+        missing = {f"{where.strip('/').replace('/', '.')}.{key}".lstrip(".")
+                   for where, keys in re.findall(r"at '([^']*)': missing propert(?:y|ies) (.*)", error)
+                   for key in re.findall(r"'([^']+)'", keys)}
+        assert missing == {".".join(p) for p in paths if len(p) == depth}, error
+
+
 def test_bad_catalog_is_refused():
     _require_tools()
     proc = subprocess.run([str(HELM), "template", "x", str(CHART), "--set", "catalog.extra=gpus: []"],

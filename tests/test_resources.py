@@ -1,3 +1,5 @@
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -43,6 +45,27 @@ def test_variant_names(name, profile):
 def test_bad_names_say_what_is_expected(bad):
     with pytest.raises(ResourceNameError, match="nvidia.com/mig-<profile>|at least 1"):
         parse_resource(bad)
+
+
+@pytest.mark.parametrize("bad,meant", [
+    # a profile as `dynpart catalog` and the docs write it, whose `+` no resource name may hold
+    ("nvidia.com/mig-1g.10gb+me", "nvidia.com/mig-1g.10gb.me"),
+    ("nvidia.com/mig-1g.24gb+me.all", "nvidia.com/mig-1g.24gb.me.all"),
+    ("nvidia.com/mig-1g.10GB", "nvidia.com/mig-1g.10gb"),
+    ("nvidia.com/gpu-10Gi", "nvidia.com/gpu-10gb"),  # Kubernetes' memory units
+    ("nvidia.com/gpu-10GB", "nvidia.com/gpu-10gb"),
+    ("nvidia.com/gpu-20gib", "nvidia.com/gpu-20gb"),
+])
+def test_near_misses_name_the_resource_meant(bad, meant):
+    with pytest.raises(ResourceNameError, match=f"did you mean {re.escape(meant)}\\? expected"):
+        parse_resource(bad)
+
+
+@pytest.mark.parametrize("bad", ["nvidia.com/mig-huge", "nvidia.com/mig-1g.24gb-gfx", "amd.com/gpu"])
+def test_no_near_miss_is_made_up(bad):
+    with pytest.raises(ResourceNameError) as e:
+        parse_resource(bad)
+    assert "did you mean" not in str(e.value)
 
 
 def test_every_catalog_profile_round_trips():

@@ -209,4 +209,8 @@ def read_cluster(value: str, catalog: Catalog | None = None) -> ClusterSpec:
     except yaml.YAMLError as e:
         mark = yaml_mark(e)
         raise TraceError(value, mark and mark[0], yaml_message(e), mark and mark[1]) from None
+    if value.lower().endswith(".csv") and not isinstance(doc, dict):
+        # (an openb node list given as --cluster reads as one YAML string: "a cluster file is a mapping")
+        raise TraceError(value, None, "an openb node list (CSV) is read by `dynpart bench packing --nodes`; --cluster "
+                         "takes a cluster YAML file or NODESxGPUSxMODEL (a replay cluster has one GPU model)")
     return parse_cluster(doc, value, catalog)

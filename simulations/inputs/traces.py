@@ -113,8 +113,11 @@ def _rows(text: str, path: str, required: tuple[str, ...]) -> tuple[list[str], l
             header = [c.strip() for c in row]
             missing = [c for c in required if c not in header]
             if missing:
+                # (a spreadsheet's export with ';' or tabs has the columns, in one field: say so)
+                sep = next((s for s in (";", "\t", "|") if len(header) == 1 and s in header[0]), None)
+                hint = f" (the line is separated by {sep!r}, not commas: export it as comma-separated)" if sep else ""
                 raise TraceError(path, line, f"header lacks column(s) {', '.join(missing)}; "
-                                 f"expected {','.join(required)}")
+                                 f"expected {','.join(required)}{hint}")
             continue
         if len(row) != len(header):
             if line > first:  # a quoted field ran over lines (valid CSV) and swallowed the next rows

@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     nowhere = data.models_nowhere()
     if nowhere:
         print(nowhere, file=sys.stderr)  # with --json too: the figures count these pods as failed
+    over = tuned_down(data, args.tune)
+    if over:
+        print(over, file=sys.stderr)  # with --json too: "N pods used" above is not what arrives
     summaries, curves = [], {}
     all_results = {}
     for pol in policies:
@@ -80,14 +83,15 @@ def run(args: argparse.Namespace) -> int:
                 _p.update(done)
 
         def on_done(r, n, _p=prog) -> None:
-            _p.update(n, f"seed {r.seed}: {r.alloc_at(130):.2f}% at 130% ({r.wall_s:.1f}s)")
+            at = f"{r.alloc_at(130):.2f}% at 130%" if bp.reached(130, args.tune) else f"{r.final_alloc:.2f}% at the end"
+            _p.update(n, f"seed {r.seed}: {at} ({r.wall_s:.1f}s)")
 
         t0 = time.perf_counter()
         results = bp.run_jobs(jobs, data.trace.pods, data.cluster, catalog, args.jobs, on_done,
                               on_step if inner is not None else None)
         wall = time.perf_counter() - t0
         prog.close()
-        summary = bp.summarise(pol, batch, results, wall, data.trace_name)
+        summary = bp.summarise(pol, batch, results, wall, data.trace_name, args.tune)
         summary.update(trace=data.trace.path, cluster=data.cluster.source, tune=args.tune,
                        trace_rows={"read": data.trace.rows, "used": len(data.trace.pods), "ignored": 0},
                        gpus=data.cluster.gpu_count)
@@ -100,13 +104,31 @@ def run(args: argparse.Namespace) -> int:
     # reader that goes away loses none of the files)
     shown = report.Results()
     shown.print(json.dumps(doc, indent=2) if args.json else _summary_table(summaries))
+    if not args.json and not bp.reached(130, args.tune):
+        levels = "100% or 130%" if not bp.reached(100, args.tune) else "130%"
+        ends = ", ".join(f"{s['policy']} {s['alloc_at_end']:.2f}%" for s in summaries)
+        shown.print(f"--tune {args.tune:g}: the pod list ends at {args.tune * 100:g}% of the GPU capacity, before "
+                    f"{levels} arrived; allocation at the end: {ends}")
     if out is not None:
         with report.staged(out) as stage:
             _write(stage, doc, summaries, all_results, curves, data, args)
         if not args.json:
-            shown.print(f"wrote {args.out}/summary.json, steps.csv, allocation.png")
+            shown.print(f"wrote {out / 'summary.json'}, steps.csv, allocation.png")  # (a Path: --out dir/ gave dir//)
     shown.finish()
     return 0
+
+
+def tuned_down(data: command_line.Inputs, ratio: float) -> str | None:
+    """A line saying that the trace asks for more than `ratio` of the cluster's GPU capacity, so
+    each seed removes pods at random until it does not (the authors' `tuneDownPods`): on a cluster
+    smaller than the trace's, few of its pods arrive, or none. None when it asks for no more."""
+    demand = sum(p.gpu_demand for p in data.trace.pods)
+    capacity = data.cluster.gpu_count * 1000
+    if not capacity or demand <= ratio * capacity:
+        return None
+    return (f"trace {data.trace.path}: its pods ask for {100 * demand / capacity:.0f}% of the cluster's GPU capacity, "
+            f"above --tune {ratio:g}: each seed removes pods at random until at most {100 * ratio:g}% is asked for "
+            "(per_seed 'pods' in summary.json: how many arrived)")
 
 
 def _write(out: Path, doc: dict, summaries: list[dict], all_results: dict, curves: dict, data: Any,
@@ -121,13 +143,17 @@ def _write(out: Path, doc: dict, summaries: list[dict], all_results: dict, curve
                          {k: v for k, v in published.items() if k in ("best-fit", "fgd")})
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}%"  # None: a level the tuned list never reaches
+
+
 def _summary_table(summaries: list[dict]) -> str:
     rows: list[tuple[object, ...]] = []
     for s in summaries:
         failed = sum(p["failed"] for p in s["per_seed"])
-        rows.append((s["policy"], s["batch"], len(s["seeds"]), f"{s['alloc_at_100']:.2f}%", f"{s['alloc_at_130']:.2f}%",
-                     f"±{s['alloc_at_130_stdev']:.2f}", failed // len(s["seeds"]), f"{s['seed_wall_s_max']:.1f}s",
-                     f"{s['wall_s']:.1f}s"))
+        rows.append((s["policy"], s["batch"], len(s["seeds"]), _pct(s["alloc_at_100"]), _pct(s["alloc_at_130"]),
+                     "-" if s["alloc_at_130_stdev"] is None else f"±{s['alloc_at_130_stdev']:.2f}",
+                     failed // len(s["seeds"]), f"{s['seed_wall_s_max']:.1f}s", f"{s['wall_s']:.1f}s"))
     for name, v in summaries[0].get("published", {}).items():
         rows.append((f"published {name}", "", "", f"{v['alloc_at_100']:.2f}%", f"{v['alloc_at_130']:.2f}%", "", "", "", ""))
     return report.table(["policy", "batch", "seeds", "alloc@100%", "alloc@130%", "stdev", "failed/seed",

@@ -112,20 +112,41 @@ def validate(policy: str, batch: int, ratio: float) -> None:
         raise SimulationError(f"--tune {ratio}: expected a ratio of the GPU capacity between 0.1 and 5")
 
 
-def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: float, trace_name: str | None) -> dict:
-    """The summary one `bench packing` run prints and writes (percentages, mean over seeds)."""
+def reached(pct: float, ratio: float) -> bool:
+    """Whether a list tuned to `ratio` of the capacity arrives at pct % (it ends within one pod of
+    ratio x 100 %, where `PackingResult.alloc_at` gives the end's allocation)."""
+    return pct <= ratio * 100 + 1e-9
+
+
+def _mean(values: list[float], ratio: float, pct: float) -> float | None:
+    return round(statistics.fmean(values), 3) if reached(pct, ratio) else None
+
+
+def _stdev(values: list[float], ratio: float, pct: float) -> float | None:
+    return (round(statistics.stdev(values), 3) if len(values) > 1 else 0.0) if reached(pct, ratio) else None
+
+
+def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: float, trace_name: str | None,
+              ratio: float = 1.3) -> dict:
+    """The summary one `bench packing` run prints and writes (percentages, mean over seeds).
+    `alloc_at_100`/`alloc_at_130` are None where the list tuned to `ratio` (--tune) ends before
+    that level: before, --tune 0.5 reported its end's allocation under both names."""
     a100 = [r.alloc_at(100) for r in results]
     a130 = [r.alloc_at(130) for r in results]
     out = {
         "policy": policy,
         "batch": batch,
         "seeds": [r.seed for r in results],
-        "alloc_at_100": round(statistics.fmean(a100), 3),
-        "alloc_at_130": round(statistics.fmean(a130), 3),
-        "alloc_at_100_stdev": round(statistics.stdev(a100), 3) if len(a100) > 1 else 0.0,
-        "alloc_at_130_stdev": round(statistics.stdev(a130), 3) if len(a130) > 1 else 0.0,
+        "alloc_at_100": _mean(a100, ratio, 100),
+        "alloc_at_130": _mean(a130, ratio, 130),
+        "alloc_at_100_stdev": _stdev(a100, ratio, 100),
+        "alloc_at_130_stdev": _stdev(a130, ratio, 130),
+        "alloc_at_end": round(statistics.fmean(r.final_alloc for r in results), 3),
         "per_seed": [
-            {"seed": r.seed, "alloc_at_100": round(r.alloc_at(100), 3), "alloc_at_130": round(r.alloc_at(130), 3),
+            {"seed": r.seed,
+             "alloc_at_100": round(r.alloc_at(100), 3) if reached(100, ratio) else None,
+             "alloc_at_130": round(r.alloc_at(130), 3) if reached(130, ratio) else None,
+             "alloc_at_end": round(r.final_alloc, 3),
              "final_arrived_pct": round(r.curve[-1][0], 3), "pods": r.pods, "placed": r.counts.placed,
              "failed": r.counts.failed, "failed_by_kind": {k: v[1] for k, v in sorted(r.counts.by_kind.items())},
              "plan_calls": r.plan_calls, "used_slices_disrupted": int(r.extra.get("disrupted", 0)),

@@ -50,7 +50,7 @@ from dynpart.simulations.replay.engine import (
     run_replay,
 )
 from dynpart.simulations.replay.mapping import RULES, request_for, static_contenders, static_fits, static_layout
-from dynpart.simulations.replay.summary import best_static, change_pct, gpu_waits, summary
+from dynpart.simulations.replay.summary import best_static, change_pct, change_s, gpu_waits, summary
 from dynpart.simulations.reporting import plots, report
 from dynpart.simulations.reporting.progress import Progress
 
@@ -296,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         with report.staged(out) as stage:
             _write(stage, parts, docs, doc, title)
         if not args.json:
-            shown.print(f"wrote {args.out}/summary.json, steps.csv, pods.csv, pending_bars.png, pending_cdf.png, "
+            shown.print(f"wrote {out / 'summary.json'}, steps.csv, pods.csv, pending_bars.png, pending_cdf.png, "
                           "timeline.png")
     shown.finish()
     return 0
@@ -391,9 +391,13 @@ def _part_doc(k: int, part: Part, jobs: list[Job], results: list[ReplayResult]) 
                               "first": f"{failed[0].pod.name}: {failed[0].failed}"}
     ours = next((s for s in summaries if s["policy"] == "dynpart"), None)
     if ours is not None:
+        # (the change in seconds too: against a policy that kept every pod from waiting, 0 s, a
+        # percentage is undefined, and the table showed '-' where dynpart's waits were longer)
         doc["dynpart_vs"] = {
             _name(s): {"mean_pending_change_pct": change_pct(ours["pending_s"]["mean"], s["pending_s"]["mean"]),
-                       "p95_pending_change_pct": change_pct(ours["pending_s"]["p95"], s["pending_s"]["p95"])}
+                       "p95_pending_change_pct": change_pct(ours["pending_s"]["p95"], s["pending_s"]["p95"]),
+                       "mean_pending_change_s": change_s(ours["pending_s"]["mean"], s["pending_s"]["mean"]),
+                       "p95_pending_change_s": change_s(ours["pending_s"]["p95"], s["pending_s"]["p95"])}
             for s in summaries if s is not ours}
     return doc, shown
 
@@ -422,14 +426,18 @@ def _comparison(parts: list[dict]) -> str:
     for part in parts:
         for other, c in part.get("dynpart_vs", {}).items():
             rows.append(([part["part"].upper()] if len(parts) > 1 else []) + [
-                other, _pct(c["mean_pending_change_pct"]), _pct(c["p95_pending_change_pct"])])
+                other, _change(c["mean_pending_change_pct"], c.get("mean_pending_change_s")),
+                _change(c["p95_pending_change_pct"], c.get("p95_pending_change_s"))])
     if not rows:
         return ""
     return report.table((["part"] if len(parts) > 1 else []) + ["dynpart against", "mean pending", "p95 pending"], rows)
 
 
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:+.1f}%"
+def _change(pct: float | None, seconds: float | None) -> str:
+    """The change in %, or in seconds where a % is undefined (the other policy's figure is 0 s)."""
+    if pct is not None:
+        return f"{pct:+.1f}%"
+    return "-" if seconds is None else f"{seconds:+.1f} s"
 
 
 def _failed_lines(parts: list[dict]) -> list[str]:

@@ -150,6 +150,10 @@ def static_layout(name: str, model: GpuModel, mode: str) -> dict[str, str]:
         names = [p for p in model.mig_profiles if not p.media_extensions]
         match = [p for p in names if p.name == want] or sorted(
             (p for p in names if p.name.split(".")[0] == want), key=lambda p: p.memory)[:1]
+        media = model.profiles_by_name.get(want)
+        if not match and media is not None:  # (+me: at most one a GPU, no layout of its own; it was "no profile")
+            raise SimulationError(f"--static-geometry {name!r}: {want} is at most {media.max} a GPU, so no all-<profile> "
+                                  f"layout; write a geometry with it, e.g. {want}:1,{names[0].name}:1")
         if not match:
             raise SimulationError(f"--static-geometry {name!r}: {model.name} has no profile {want!r} "
                                   f"(profiles: {', '.join(p.name for p in names)})")

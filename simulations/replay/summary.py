@@ -94,5 +94,12 @@ def change_pct(ours: float | None, theirs: float | None) -> float | None:
     return round(100.0 * (ours - theirs) / theirs, 1)
 
 
+def change_s(ours: float | None, theirs: float | None) -> float | None:
+    """ours - theirs in seconds (negative when ours is lower); None when either is unknown."""
+    if ours is None or theirs is None:
+        return None
+    return round(ours - theirs, 1)
+
+
 def rnd(v: float | None) -> float | None:
     return None if v is None else round(v, 1)

@@ -1,4 +1,5 @@
 import gc
+import json
 import re
 
 import pytest
@@ -158,6 +159,12 @@ def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path):
     assert main(["explain", "--snapshot", str(bad)]) == 2
     assert "pending[0] (a).resource = 'nvidia.com/mig-5g.20gb'" in capsys.readouterr().err
     assert main(["bench", "planner", "--nodes", "0"]) == 2
+    capsys.readouterr()
+    # the pod's manifest (examples/pod-mig.yaml) given as the snapshot: said, not four "Extra inputs"
+    assert main(["explain", "--snapshot", "examples/pod-mig.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "examples/pod-mig.yaml: a Kubernetes Pod manifest, not a snapshot (a mapping with nodes and pending" in err
+    assert "Extra inputs" not in err and err.count("\n") == 1
 
 
 def test_configuration_reference_is_current():
@@ -302,6 +309,21 @@ def test_an_environment_variable_naming_no_setting_is_said_and_ignored(monkeypat
 def test_bench_planner_refuses_sizes_no_machine_can_plan(flag, value, message, capsys):
     assert main(["bench", "planner", flag, value, "--repeat", "1"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_planner_refuses_mig_on_a_model_without_mig(tmp_path, capsys):
+    """A --catalog model without MIG profiles in the default mode mig was an IndexError traceback
+    (no geometry to draw); unknown models are named as the --gpu value."""
+    extra = tmp_path / "gpus.yaml"
+    extra.write_text("models:\n  - {name: L40S-48GB, memory_gb: 48, products: ['L40S']}\n")
+    assert main(["--catalog", str(extra), "bench", "planner", "--gpu", "L40S", "--nodes", "2", "--pending", "3",
+                 "--repeat", "1"]) == 2
+    assert "--gpu L40S: L40S-48GB does not support MIG; use --mode mps" in capsys.readouterr().err
+    assert main(["--catalog", str(extra), "bench", "planner", "--gpu", "L40S", "--mode", "mps", "--nodes", "2",
+                 "--pending", "3", "--repeat", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["placed"] == 3
+    assert main(["bench", "planner", "--gpu", "T4", "--repeat", "1"]) == 2
+    assert "--gpu: unknown GPU model 'T4'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("var", "value", "message"), [

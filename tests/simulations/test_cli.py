@@ -48,6 +48,43 @@ def test_bench_packing_single_policy_table(capsys):
     assert "synthetic trace" in captured.err
 
 
+def test_bench_packing_says_when_the_trace_is_tuned_down(capsys, tmp_path):
+    """A trace asking for more than 1.3 x the cluster loses pods at random (tuneDownPods): here a
+    16-GPU pod takes the two others with it and nothing arrives. The input line says '3 pods used'
+    and the table 0 failed: a line says the list is cut down."""
+    trace = tmp_path / "pods.csv"
+    trace.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\nbig,4000,8192,16,1000\n"
+                     "a,1000,1024,1,500\nb,1000,1024,1,500\n")
+    assert main(["bench", "packing", "--trace", str(trace), "--cluster", "1x12xT4:mps", "--seeds", "1",
+                 "--policy", "random", "--jobs", "1", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["per_seed"][0]["pods"] < 3
+    assert (f"trace {trace}: its pods ask for 142% of the cluster's GPU capacity, above --tune 1.3: each seed removes "
+            "pods at random") in captured.err
+    assert main(["bench", "packing", "--trace", str(trace), "--cluster", "1x12xT4:mps", "--seeds", "1",
+                 "--policy", "random", "--jobs", "1", "--tune", "1.5", "--out", f"{tmp_path / 'res'}/"]) == 0
+    captured = capsys.readouterr()
+    assert "removes pods" not in captured.err
+    assert f"wrote {tmp_path / 'res' / 'summary.json'}, " in captured.out  # not res//summary.json
+
+
+def test_bench_packing_tuned_below_a_level_does_not_report_it(capsys):
+    """--tune 0.5 stops arrivals at 50% of the capacity: its end's allocation was printed as
+    alloc@100% and alloc@130%. Now those levels are '-' (null), with the end's allocation said."""
+    assert main(["bench", "packing", "--seeds", "1", "--policy", "random", "--jobs", "1", "--tune", "0.5",
+                 "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["alloc_at_100"] is doc["alloc_at_130"] is doc["alloc_at_130_stdev"] is None
+    (seed,) = doc["per_seed"]
+    assert seed["alloc_at_100"] is None and seed["final_arrived_pct"] <= 50
+    assert 0 < doc["alloc_at_end"] == seed["alloc_at_end"] <= 50
+    assert main(["bench", "packing", "--seeds", "1", "--policy", "random", "--jobs", "1", "--tune", "1"]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.startswith("random"))
+    assert row[3].endswith("%") and row[4] == "-"  # 100% arrived (within one pod), 130% not
+    assert "--tune 1: the pod list ends at 100% of the GPU capacity, before 130% arrived; allocation at the end: random" in out
+
+
 def test_simulate_json_and_files(capsys, tmp_path):
     out = tmp_path / "sim"
     assert main(["simulate", "--workload", "pods=100,mps_pods=0", "--policy", "dynpart,static",
@@ -76,6 +113,24 @@ def test_simulate_trace_picks_the_best_static_layout(capsys, tmp_path):
     assert part["part"] == "trace" and len(part["static_contenders"]) == 7
     best = min(part["static_contenders"], key=lambda c: (c["mean_pending_s"], c["p95_pending_s"]))
     assert part["best_static"] == best["geometry"]
+
+
+def test_simulate_says_when_dynpart_waits_longer_than_a_layout_that_never_waits(capsys, tmp_path):
+    """A workload of one profile that the static layout offers from the start: static never waits,
+    dynpart waits for its first instances. The comparison showed '-' (no percentage of 0 s),
+    hiding that dynpart's waits are longer: it gives the change in seconds."""
+    trace = _trace(tmp_path, "".join(f"p{i},1000,1024,1,100,,LS,Running,{100 * i},{100 * i + 50},\n"
+                                     for i in range(4)))
+    assert main(["simulate", "--trace", trace, "--cluster", "1x1xH100-80GB", "--policy", "dynpart,static",
+                 "--static-geometry", "all-1g.10gb", "--jobs", "1"]) == 0
+    comparison = capsys.readouterr().out.split("dynpart against")[1]
+    row = next(line for line in comparison.splitlines() if line.startswith("static (all-1g.10gb)"))
+    assert row.split()[-4:] == ["+1.2", "s", "+5.0", "s"], row  # the first pod waits 5 s, the others none
+    assert main(["simulate", "--trace", trace, "--cluster", "1x1xH100-80GB", "--policy", "dynpart,static",
+                 "--static-geometry", "all-1g.10gb", "--jobs", "1", "--json"]) == 0
+    (part,) = json.loads(capsys.readouterr().out)["parts"]
+    assert part["dynpart_vs"]["static (all-1g.10gb)"] == {"mean_pending_change_pct": None, "p95_pending_change_pct": None,
+                                                          "mean_pending_change_s": 1.2, "p95_pending_change_s": 5.0}
 
 
 def test_user_mistakes_are_one_line_errors(capsys, tmp_path):

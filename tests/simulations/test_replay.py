@@ -162,6 +162,11 @@ def test_mapping_rules(catalog):
     assert static_layout("mps-2", h100, "mps") == {"mps": "2"}
     with pytest.raises(SimulationError):
         static_layout("all-9g", h100, "mig")
+    # a +me profile H100 has: not "no profile '1g.10gb+me'" (the catalog lists it), but why
+    with pytest.raises(SimulationError, match=r"'all-1g.10gb\+me': 1g.10gb\+me is at most 1 a GPU, so no all-<profile> "
+                                              r"layout; write a geometry with it, e.g. 1g.10gb\+me:1,1g.10gb:1"):
+        static_layout("all-1g.10gb+me", h100, "mig")
+    assert static_layout("1g.10gb+me:1,1g.10gb:1", h100, "mig") == {"H100-80GB": "1g.10gb+me:1,1g.10gb:1"}
 
 
 def test_static_slices_of_one_size_fill_what_an_h100_holds(catalog):

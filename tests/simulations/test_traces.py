@@ -3,6 +3,8 @@ file and the line."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dynpart.simulations.errors import SimulationError, TraceError
@@ -65,6 +67,19 @@ def test_duplicate_pod_and_missing_columns_and_empty_files():
         parse_pods(HEADER, "p.csv")
     with pytest.raises(TraceError, match=r"p.csv:3: empty row"):
         parse_pods(HEADER + "a,1,1,1,100,,LS,R,0,1,0\n\nb,1,1,1,100,,LS,R,0,1,0\n", "p.csv")
+
+
+def test_a_file_separated_otherwise_than_by_commas_is_named_so():
+    """A spreadsheet's ';' or tab export has every column, in one field: 'header lacks column(s)
+    name, cpu_milli, ...' alone read as if they were missing."""
+    for sep in (";", "\t"):
+        with pytest.raises(TraceError, match=rf"p.csv:1: header lacks .* \(the line is separated by {re.escape(repr(sep))}, not commas"):
+            parse_pods(sep.join(("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")) + "\na;1;1;1;100\n", "p.csv")
+    with pytest.raises(TraceError, match=r"nodes.csv:1: header lacks .*separated by ';'"):
+        parse_nodes("sn;cpu_milli;memory_mib;gpu;model\nn;1;1;0;\n", "nodes.csv")
+    with pytest.raises(TraceError) as e:  # a comma-separated header without the columns: no such hint
+        parse_pods("pod,cpu,mem\na,1,1\n", "p.csv")
+    assert "separated" not in str(e.value)
 
 
 def test_node_list_and_its_errors():
@@ -133,6 +148,16 @@ def test_cluster_yaml_and_inline_spec(catalog, tmp_path):
     # a typo in the inline mode is named, as in a YAML file (not taken for a missing file)
     with pytest.raises(TraceError, match=r"8x8xH100-80GB:mgi: nodes\[0\]: mode 'mgi': expected mig or mps"):
         read_cluster("8x8xH100-80GB:mgi", catalog)
+
+
+def test_a_node_list_given_as_cluster_says_where_it_goes(catalog, tmp_path):
+    """An openb node list passed to --cluster parsed as one YAML string: 'a cluster file is a
+    mapping with a non-empty nodes list' did not say that the CSV goes to --nodes."""
+    f = tmp_path / "nodes.csv"
+    f.write_text("sn,cpu_milli,memory_mib,gpu,model\nn1,32000,262144,8,V100M16\n")
+    with pytest.raises(TraceError, match=r"nodes.csv: an openb node list \(CSV\) is read by `dynpart bench packing "
+                                          r"--nodes`; --cluster takes a cluster YAML file or NODESxGPUSxMODEL"):
+        read_cluster(str(f), catalog)
 
 
 def test_a_replay_cluster_of_two_modes_is_refused_unless_a_mode_is_given(catalog):
