@@ -80,6 +80,9 @@ def pod_key(pod: dict[str, Any]) -> str:
     return f"{_field(pod, 'metadata', 'namespace') or 'default'}/{_field(pod, 'metadata', 'name') or ''}"
 
 
+# the most of a resource Kubernetes counts (a quantity's Value() saturates there, while the API
+# server admits any decimal exponent: "1e306"); beyond it a round's sums and millicores could overflow
+MAX_QUANTITY = float(2**63)
 # a quantity's suffixes, the longest first ("Mi" before "M")
 _SUFFIXES = tuple(sorted({"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
                           "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
@@ -90,14 +93,15 @@ def parse_quantity(value: Any) -> float:
     """A Kubernetes quantity ("500m", "2", "1Gi", "128974848", "1e3") as a number of units."""
     number = _quantity(str(value).strip())
     if number is None:
-        raise DynpartError(f"quantity {value!r} is not a Kubernetes quantity")
+        raise DynpartError(f"quantity {value!r} is not a Kubernetes quantity (a number of at most 2^63-1 in magnitude)")
     return number
 
 
 @lru_cache(maxsize=8192)  # a round reads every bound pod's requests and every node's allocatable: few distinct texts
 def _quantity(text: str) -> float | None:
     """`parse_quantity` of a stripped text; None when it is no finite number ("1.2.3Gi", "nan",
-    "inf", "1e400": else a round's arithmetic on it fails for every node and pod)."""
+    "inf", "1e400") or one beyond `MAX_QUANTITY` ("1e306": its millicores, or two such summed, are
+    infinite): else a round's arithmetic on it fails for every node and pod."""
     number, factor = text, 1.0
     for suffix, times in _SUFFIXES:
         if text.endswith(suffix) and text[: -len(suffix)]:
@@ -107,7 +111,7 @@ def _quantity(text: str) -> float | None:
         value = float(number) * factor
     except ValueError:
         return None
-    return value if math.isfinite(value) else None
+    return value if abs(value) <= MAX_QUANTITY else None  # (False for nan)
 
 
 def _spec_requests(c: Mapping[str, Any]) -> dict[str, float]:
@@ -1341,10 +1345,12 @@ def _resizing(pod: dict[str, Any]) -> dict[str, Any]:
                 **({"allocatedResources": cs["allocatedResources"]} if "allocatedResources" in cs else {})}
 
     spec, status = pod.get("spec"), pod.get("status")
-    if not isinstance(spec, dict) or not isinstance(status, dict):
-        return {}
+    if not isinstance(spec, dict) or not isinstance(status, dict) or not (
+            status.get("containerStatuses") or status.get("initContainerStatuses")):
+        return {}  # (a pending pod: every event of it and every relist passes here)
     def repeats(written: object, of: Mapping[str, Any]) -> bool:  # each quantity as the spec writes it
-        return written is None or (isinstance(written, dict) and all(of.get(k) == q for k, q in written.items()))
+        return written is None or written == of or (  # (the first two: a running pod's statuses, mostly)
+            isinstance(written, dict) and all(of.get(k) == q for k, q in written.items()))
 
     kept: dict[str, list[dict[str, Any]]] = {}
     try:
@@ -1357,11 +1363,11 @@ def _resizing(pod: dict[str, Any]) -> dict[str, Any]:
         read = _statuses(pod)  # (of two statuses of one name, the one the scheduler reads)
         for key in ("containerStatuses", "initContainerStatuses"):
             for cs in status.get(key) or []:
-                name = str(cs.get("name"))
-                if read[name] is not cs or cs.get("resources") is None:
+                name, res = str(cs.get("name")), cs.get("resources")
+                if read[name] is not cs or res is None:
                     continue
                 specs = running.get(name, [])
-                if not infeasible and all(repeats(_field(cs, "resources", "requests"), r)
+                if not infeasible and all(repeats(res.get("requests") if isinstance(res, dict) else None, r)
                                           and repeats(cs.get("allocatedResources"), r) for r in specs):
                     continue  # (most pods: parsing every running pod's quantities would slow a relist)
                 if any(_effective_requests(req, cs, infeasible) != req for req in map(_spec_requests_of, specs)):

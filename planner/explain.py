@@ -160,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
         if args.pod and args.pod not in {p.name for p in snapshot.pending}:
             pod = live.get(args.pod)
             if pod is None:
-                raise DynpartError(f"pod {args.pod} not found")
+                # (the planner's pods: those that ended are not listed)
+                raise DynpartError(f"pod {args.pod} not found among the pods that have not ended (one Succeeded or "
+                                   "Failed is not read: dynpart plans none)")
             own = [m for obj, m in [*problems, *elsewhere] if obj is pod]
             if own:  # a pod dynpart cannot plan: why
                 raise DynpartError("; ".join(own))

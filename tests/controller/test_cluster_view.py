@@ -56,6 +56,29 @@ def test_a_node_or_pod_with_an_infinite_quantity_is_left_out_and_the_round_goes_
     assert "quantity '1e400' is not a Kubernetes quantity" in said
 
 
+
+def test_a_quantity_the_api_server_admits_but_no_number_holds_leaves_its_object_out_and_the_round_goes_on():
+    """The API server admits any decimal exponent ("1e306", "10e399"; Kubernetes counts at most
+    2^63-1 of a resource, its Value() saturates there): one such request must not overflow a
+    round's arithmetic (a pending pod's CPU in millicores, a bound pod's sum on its node, two
+    containers' slices) and fail it for every node and pod, nor the pod watch's callback."""
+    assert parse_quantity(str(2**63 - 1)) == 2**63
+    for bad in ("1e306", "100e306", "1e19", "-1e306"):
+        with pytest.raises(DynpartError, match="is not a Kubernetes quantity"):
+            parse_quantity(bad)
+    greedy = pod("greedy", {"nvidia.com/mig-1g.10gb": "1", "cpu": "1e306"})
+    twice = pod("twice", {"nvidia.com/mig-1g.10gb": "1"})
+    twice["spec"]["containers"] = [{"name": n, "resources": {"limits": {"nvidia.com/mig-1g.10gb": "100e306"}}}
+                                   for n in ("a", "b")]
+    with pytest.raises(DynpartError):  # (the controller's pod callback catches DynpartError)
+        is_batch_candidate(twice)
+    squatter = pod("squatter", {"cpu": "1e306"}, phase="Running", node="n1", unschedulable=False)
+    view = build_snapshot([node("n1"), node("n2")], [greedy, twice, squatter, pod("ok", {"nvidia.com/mig-1g.10gb": "1"})],
+                          default_catalog())
+    assert [n.name for n in view.snapshot.nodes] == ["n2"] and [p.name for p in view.snapshot.pending] == ["ml/ok"]
+    said = " ".join(m for _, m in view.problems)
+    assert "'1e306' is not a Kubernetes quantity" in said and "'100e306' is not a Kubernetes quantity" in said
+
 def test_batch_candidates():
     assert is_batch_candidate(pod("a", {"nvidia.com/mig-1g.10gb": "1"}))
     assert not is_batch_candidate(pod("a", {"nvidia.com/mig-1g.10gb": "1"}, unschedulable=False))

@@ -989,6 +989,50 @@ async def test_a_pod_whose_claim_binds_immediately_waits_told_why_and_is_planned
     assert c2.in_flight
 
 
+
+@pytest.mark.parametrize("change", ["claim bound", "volume made", "class made"])
+async def test_a_claim_volume_or_class_that_changes_while_the_round_plans_wakes_its_pods_after_it(make, monkeypatch,
+                                                                                               change):
+    """The round reads the claims, volumes and classes, then plans in a thread while the watches
+    go on: one that changes meanwhile woke nobody (its callback ran before the round said who
+    waits for it), and the pod waited for the resync (resync_s, 15 s by default)."""
+    from tests.controller.test_volume_topology import claim, storage_class, using, volume
+
+    c = make([reported("n1")])
+    for informer in (c.claims, c.volumes, c.classes):
+        informer.synced.set()
+    p = using("a", "data")
+    c.pods.cache["ml/a"] = p
+    c._on_pod("ADDED", p)
+    if change == "claim bound":
+        c.classes.cache["fast"] = storage_class("fast", "Immediate")
+        c.claims.cache["ml/data"] = claim("data", None, phase="Pending", storage_class="fast")
+    elif change == "volume made":
+        c.claims.cache["ml/data"] = claim("data", "pv-1", phase="Bound")
+    else:
+        c.claims.cache["ml/data"] = claim("data", None, phase="Pending", storage_class="late")
+    snapshot = controller_module._snapshot_without_collector
+
+    def meanwhile(*args: Any, **kwargs: Any) -> Any:
+        view = snapshot(*args, **kwargs)
+        if change == "claim bound":  # (what the watches deliver while the round's thread runs)
+            c.claims.cache["ml/data"] = claim("data", "pv-1", phase="Bound", storage_class="fast")
+            c.volumes.cache["pv-1"] = volume("pv-1")
+            c._on_claim("MODIFIED", c.claims.cache["ml/data"])
+        elif change == "volume made":
+            c.volumes.cache["pv-1"] = volume("pv-1")
+            c._on_volume("ADDED", c.volumes.cache["pv-1"])
+        else:
+            c.classes.cache["late"] = storage_class("late", "WaitForFirstConsumer")
+            c._on_class("ADDED", c.classes.cache["late"])
+        return view
+    monkeypatch.setattr(controller_module, "_snapshot_without_collector", meanwhile)
+    c.loop.begin_round(c.clock())
+    quiet(c)
+    await c.plan_round()
+    assert c.api.of("Unplaceable") and not c.in_flight
+    assert "ml/a" in c.window.members and c.wake.is_set()
+
 def _full(name: str) -> dict[str, Any]:
     from tests.controller.test_pod_conflicts import labelled
 
@@ -1377,6 +1421,17 @@ async def test_a_reservation_whose_slice_another_pod_took_is_counted(make):
     assert counted(metrics.RESERVATIONS_TAKEN) == before + 1
 
 
+
+async def test_a_pod_bound_beside_a_reservation_whose_quantity_cannot_be_read_fails_no_round(make):
+    """A pod bound to a node holding a reservation (its nodeName set by hand, before its kubelet
+    refuses it) whose request the API server admitted but dynpart cannot count: every round
+    checked it for the slices it takes, raised, and planned nothing for anyone."""
+    c = make([free_slices("n1", free=1)])
+    c.pods.cache["ml/a"] = pod("a", {MIG_1G: "1"})
+    c.loop.reserve("ml/a", "n1", c.clock())
+    c.pods.cache["ml/x"] = pod("x", {"cpu": "10e399"}, node="n1", phase="Running", unschedulable=False)
+    assert c._reservations() == {"ml/a": "n1"}
+
 async def test_a_round_skipped_for_an_invalid_snapshot_is_counted(make, monkeypatch):
     from dynpart.errors import DynpartError
 
@@ -1461,6 +1516,29 @@ async def test_a_pod_whose_quantity_the_watch_cannot_read_is_planned_as_invalid_
     [(message, warning, obj)] = c.api.of("DynpartInvalid")
     assert warning and obj["metadata"]["name"] == "odd" and "lots" in message
 
+
+
+@pytest.mark.parametrize("quantities", [{"cpu": "10e399"}, {"cpu": "1e306"}, {MIG_1G: "100e306"}],
+                         ids=["beyond a float", "beyond millicores", "two containers' sum"])
+async def test_a_pod_whose_quantity_the_api_server_admits_but_no_number_holds_stops_no_step(make, quantities):
+    """Quantities the API server admits (any decimal exponent) but dynpart cannot count: the pod
+    watch's callback must not raise (an OverflowError there ended the pods' informer), the round
+    reports the pod (DynpartInvalid) and plans the others, and the gauges count it as invalid
+    (they raised at every step while it waited)."""
+    c = make([reported("n1")])
+    odd = pod("odd", {MIG_1G: "1"})
+    odd["spec"]["containers"] = [{"name": n, "resources": {"limits": {MIG_1G: "1"}, "requests": dict(quantities)}}
+                                 for n in ("a", "b")]
+    c.pods.cache["ml/odd"] = odd
+    c._on_pod("ADDED", odd)
+    assert "ml/odd" in c._waiting
+    waiting(c, "ok")
+    await c.plan_round()
+    [(message, warning, obj)] = c.api.of("DynpartInvalid")
+    assert warning and obj["metadata"]["name"] == "odd" and "is not a Kubernetes quantity" in message
+    assert [p[SPEC_PODS] for _, p in c.api.written] == ["ml/ok"], "the other pod is planned"
+    c.refresh_gauges(c.clock())
+    assert series(metrics.PENDING_PODS).get(metrics.INVALID) == 1
 
 async def test_the_term_floor_is_the_highest_term_on_the_nodes_once_they_are_read(make):
     """The lease's term_floor (dynpart.kube.leases): unknown until the node cache is synced; then

@@ -147,6 +147,23 @@ def test_explain_on_the_live_cluster_plans_without_the_lists_it_may_not_read(cap
     assert "list pods: 403 Forbidden" in capsys.readouterr().err
 
 
+
+def test_explain_on_the_live_cluster_of_a_pod_that_ended_says_it_is_not_read(capsys, monkeypatch):
+    """The live path lists the pods the planner watches (not Succeeded, not Failed): a pod that
+    ended is not among them, and "not found" alone would say it does not exist."""
+    from dynpart.catalog import default_catalog
+    from dynpart.planner import explain
+    from dynpart.planner.cluster_view import build_snapshot
+
+    async def live(kubeconfig, catalog):
+        view = build_snapshot([], [], default_catalog())
+        return view.snapshot, view.catalog, view.problems, {}, []
+
+    monkeypatch.setattr(explain, "_live_snapshot", live)
+    assert main(["explain", "ml/done"]) == 2
+    err = capsys.readouterr().err
+    assert "pod ml/done not found among the pods that have not ended" in err and "Succeeded or Failed" in err
+
 def test_user_errors_are_one_line_and_exit_2(capsys, tmp_path):
     # an earlier test's unclosed aiohttp session may log to stderr when collected: not ours to count
     gc.collect()
