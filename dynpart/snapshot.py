@@ -78,6 +78,10 @@ class PendingPod(_Model):
     tolerations: list[Toleration] = []
     # required node affinity: the node must match one of these terms (none: any node)
     node_affinity: list[NodeSelectorTerm] = []
+    # other pending pods of the snapshot that this one must not share a node with (the names,
+    # both ways: b in a's list and a in b's): required pod anti-affinity on a key whose every
+    # domain is one node, and host ports that clash (the controller's cluster view)
+    apart: list[str] = []
 
 
 class RequestShare(_Model):
@@ -261,6 +265,7 @@ def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuMode
             problems.append(f"pending[{i}] ({pod.name}).name = {pod.name!r}: duplicate pod name")
         seen_pods.add(pod.name)
         problems.extend(pod_problems(f"pending[{i}] ({pod.name}).", pod, catalog, known_profiles))
+    problems.extend(apart_problems(snapshot.pending))
     for i, share in enumerate(snapshot.workload):
         # a MIG profile no model offers is no error here: a share learnt for a node that left (or
         # named as a driver names it) only counts for no node
@@ -340,6 +345,35 @@ def pod_problems(where: str, pod: PendingPod, catalog: Catalog, known_profiles: 
     return problems
 
 
+def apart_problems(pending: list[PendingPod]) -> list[str]:
+    """What is wrong with the pods' `apart` lists: a name that is no other pending pod's, or a
+    pod that does not list back a pod listing it."""
+    if not any(p.apart for p in pending):
+        return []
+    listed = {p.name: set(p.apart) for p in pending}
+    problems: list[str] = []
+    for i, pod in enumerate(pending):
+        for other in pod.apart:
+            where = f"pending[{i}] ({pod.name}).apart: {other!r}"
+            if other == pod.name:
+                problems.append(f"{where}: a pod cannot be kept apart from itself")
+            elif other not in listed:
+                problems.append(f"{where}: no pending pod of that name")
+            elif pod.name not in listed[other]:
+                problems.append(f"{where}: that pod does not list {pod.name!r} back (apart goes both ways)")
+    return problems
+
+
+def prune_apart(pending: list[PendingPod]) -> list[PendingPod]:
+    """The pods, their `apart` lists without the names of pods not among them (a pod left out of
+    a round, or of a snapshot as invalid, keeps no other apart from it)."""
+    if not any(p.apart for p in pending):
+        return pending
+    names = {p.name for p in pending}
+    return [p if all(a in names for a in p.apart) else p.model_copy(update={"apart": [a for a in p.apart if a in names]})
+            for p in pending]
+
+
 def split_invalid(snapshot: Snapshot, catalog: Catalog) -> tuple[Snapshot, list[tuple[str, str]]]:
     """The snapshot without the nodes and pods that cannot be planned, and for each one left out
     (its name, what is wrong): one bad object never stops the planning of the others. Duplicate
@@ -362,11 +396,11 @@ def split_invalid(snapshot: Snapshot, catalog: Catalog) -> tuple[Snapshot, list[
             pending.append(pod)
     if not problems:
         return snapshot, []
-    return Snapshot(nodes=nodes, pending=pending), problems
+    return Snapshot(nodes=nodes, pending=prune_apart(pending)), problems
 
 
 __all__ = [
-    "Gpu", "GpuLayout", "MigInstance", "MpsSlice", "Node", "NodeLayout", "PendingPod",
+    "apart_problems", "Gpu", "GpuLayout", "MigInstance", "MpsSlice", "Node", "NodeLayout", "PendingPod",
     "Plan", "PlanStats", "PodPlacement", "Snapshot", "UnplacedPod", "full_layout", "gpu_capacity", "node_problems",
-    "parse_snapshot", "PlacedSlice", "pod_problems", "split_invalid", "validate_snapshot",
+    "parse_snapshot", "PlacedSlice", "pod_problems", "prune_apart", "split_invalid", "validate_snapshot",
 ]

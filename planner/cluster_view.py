@@ -65,6 +65,7 @@ from dynpart.snapshot import (
     Plan,
     Snapshot,
     full_layout,
+    prune_apart,
     split_invalid,
 )
 
@@ -74,6 +75,11 @@ RESIZE_PENDING = "PodResizePending"  # a pod condition: the kubelet has not appl
 # An agent's status for 8 GPUs of any layout is a few KiB; beyond this the node is left out with
 # an Event instead of being decoded on the planner's event loop (a hostile or broken writer).
 MAX_STATUS_BYTES = 64 * 1024
+# The most older pending pods of a round a pod is planned with, kept apart from them on one node
+# each (`PendingPod.apart`); past it, it waits for the next round as a pod conflicting over wider
+# domains does. The pairs a round plans grow with its square: 256 replicas of one Deployment are
+# 32,640 pairs, planned in a round; 2,000 are planned in 8.
+MAX_APART = 256
 
 
 def pod_key(pod: dict[str, Any]) -> str:
@@ -810,7 +816,9 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     the nodes where placed pods conflict with them (`in_flight`, pod -> node: those a plan in flight
     puts there count as placed), and of two pending pods that conflict, the younger is left to the
     next round (`ClusterView.deferred`), unless the older is one `no_defer` names for it (pod ->
-    the pods earlier rounds left it for and could not place: not left again for those). `volumes`: the claims and
+    the pods earlier rounds left it for and could not place: not left again for those), or they
+    conflict on one node only (host ports, anti-affinity on `kubernetes.io/hostname`): both are
+    planned, each listing the other in `PendingPod.apart`. `volumes`: the claims and
     volumes cached, whose node affinity narrows the pods that use them (`volume_topology`). `mps_host_ipc`: MPS
     pods need hostIPC: true (the planner setting mps_clients_host_ipc); one without is warned. `other_nodes`: the
     labels of the cluster's other nodes (name -> labels; those in `nodes` without the partitioning label count
@@ -875,6 +883,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                          *((by_key[k], n) for k, n in (in_flight or {}).items() if k in by_key)],
                         hosts.all_labels, frozenset(hosts.labels))
     deferred: dict[str, str] = {}
+    apart_of: dict[str, list[str]] = {}  # pod -> the pending pods planned with it that it must not share a node with
+    planned_as: dict[str, str] = {}  # the key `pod_conflicts` knows a planned pod by -> its name in the snapshot
     blocked: list[tuple[dict[str, Any], str]] = []
     awaiting_claims: dict[str, list[str]] = {}
     no_defer = no_defer or {}
@@ -916,10 +926,23 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             if excluded == admitting:
                 blocked.append((pod, _blocked_reason(conflicting, short)))
                 continue
-            older = placed.conflicts_with_planned(facts, ignoring=no_defer.get(wants.name, frozenset()))
+            ignoring = no_defer.get(wants.name, frozenset())
+            older, partners = placed.planned_conflicts(facts, ignoring)
+            if older is None and partners:
+                # planned with the older pods it conflicts with on one node only, kept apart from them;
+                # as many as it may use nodes at most (more could not all be placed: the rest wait a
+                # round, where those planned count as placed), and at most MAX_APART
+                joined = len(partners) if not ignoring else sum(1 for k in partners if k not in ignoring)
+                if joined >= len(admitting) - len(excluded) or joined > MAX_APART:
+                    older = next(k for k in reversed(partners) if k not in ignoring)
             if older is not None:
                 deferred[wants.name] = older  # planned by the next round, where the older one counts as placed
                 continue
+            if partners:
+                apart_of[wants.name] = [planned_as[k] for k in partners]
+                for k in partners:
+                    apart_of.setdefault(planned_as[k], []).append(wants.name)
+            planned_as[facts.key] = wants.name
             placed.take(facts)
             asked[wants.name] = wants
             if excluded:
@@ -937,6 +960,9 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     # cannot be planned (an unknown MIG profile, a GPU product the catalog lacks) is left out with
     # its problem, and the round goes on for the others
     catalog = model_catalog(catalog, models)
+    if apart_of:
+        pending = prune_apart([p.model_copy(update={"apart": apart_of[p.name]}) if p.name in apart_of else p
+                               for p in pending])
     snapshot, invalid = split_invalid(Snapshot(nodes=views, pending=pending), catalog)
     node_objs = {n.get("metadata", {}).get("name", ""): n for n in nodes}
     for name, message in invalid:

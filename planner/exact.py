@@ -256,6 +256,7 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
             else:
                 m.add(v == 0)
         m.add_at_most_one(xs)
+    _keep_apart(m, reqs, cand, x)
     for key, terms in use.items():
         m.add(sum(terms) <= offered[key])
     for n in nodes:
@@ -328,6 +329,35 @@ def solve_exact(problem: Problem, base: list[GpuState], nodes: list[int], reqs: 
         placed[r.idx] = Assignment(node, tuple(used_gids))
     obj = objective(list(new_states.values()), {i: problem.requests[i].weight for i in placed})
     return ExactResult(new_states, placed, optimal, placed_optimal, obj)
+
+
+def _keep_apart(m: cp_model.CpModel, reqs: list[Request], cand: Mapping[int, list[int]],
+                x: Mapping[tuple[int, int], cp_model.IntVar]) -> None:
+    """No two requests kept apart (`Request.apart`) on one node: pods whose partners and selves
+    are one set (the replicas of a Deployment that must not share a node) at most one per node
+    of theirs, any other pair x[a, n] + x[b, n] <= 1 (a pair with a partner outside `reqs` needs
+    none: every pod placed on the window's nodes is in `reqs`)."""
+    inside = {r.idx for r in reqs}
+    groups: dict[frozenset[int], list[int]] = {}
+    for r in reqs:
+        if r.apart:
+            groups.setdefault(frozenset((*r.apart, r.idx)) & inside, []).append(r.idx)
+    covered: set[tuple[int, int]] = set()
+    for members, idxs in groups.items():
+        if len(idxs) > 1 and len(idxs) == len(members):  # a clique: every member's set is this one
+            by_node: dict[int, list[cp_model.IntVar]] = {}
+            for i in idxs:
+                for n in cand[i]:
+                    by_node.setdefault(n, []).append(x[(i, n)])
+            for n in sorted(by_node):
+                if len(by_node[n]) > 1:
+                    m.add_at_most_one(by_node[n])
+            covered.update((a, b) for a in idxs for b in idxs if a < b)
+    for r in reqs:
+        for other in r.apart:
+            if other > r.idx and other in inside and (r.idx, other) not in covered:
+                for n in sorted(set(cand[r.idx]).intersection(cand[other])):
+                    m.add(x[(r.idx, n)] + x[(other, n)] <= 1)
 
 
 def _wall_limit_s(budget_s: float) -> float:

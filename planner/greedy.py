@@ -14,11 +14,14 @@ changes; a one-slice pod takes the least of them from a heap per slice kind (wit
 scores, most nodes tie and the first in order that fits wins), or by numpy passes over its
 candidates while the kind has had few pods. A pod asking for several slices is weighed per
 node on its cheapest GPUs, then placed slice by slice on the best node that really holds them.
+Pods kept apart (`Request.apart`) lose, as one of them is placed, that node from the others'
+candidates (a narrowed copy of the request, with a candidate array of its own).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from heapq import heapify, heappop, heappush
 from itertools import islice
 from typing import cast
@@ -222,6 +225,11 @@ class Greedy:
         # not once each); and `fits_alone` per `_ask_key`, which reads the cluster as it was
         self._failed: dict[tuple[SliceRef, int, int, int, int], np.ndarray] = {}
         self._alone: dict[tuple[SliceRef, int, int, int, int], tuple[np.ndarray, bool]] = {}
+        # pods kept apart (`Request.apart`): per request, the nodes its placed partners took, and
+        # the request with those left out of its candidates (how many, the narrowed copy: a new
+        # candidate array, so the caches above keyed by its id never mix it with the original's)
+        self._apart_off: dict[int, list[int]] = {}
+        self._apart_req: dict[int, tuple[int, Request]] = {}
         self._cpu_steps: list[int] = []
         self._mem_steps: list[int] = []
         if self.objective is not None:
@@ -796,6 +804,8 @@ class Greedy:
         return req.slice_ref, req.count, req.cpu, req.mem, id(req.candidate_array())
 
     def place(self, req: Request) -> bool:
+        if self._apart_off:
+            req = self._kept_apart(req)
         if not req.candidates:
             return False
         key = self._ask_key(req)
@@ -805,6 +815,20 @@ class Greedy:
             self._failed[key] = req.candidate_array()
             return False
         return True
+
+    def _kept_apart(self, req: Request) -> Request:
+        """The request without the nodes its placed partners took among its candidates."""
+        off = self._apart_off.get(req.idx)
+        if not off:
+            return req
+        hit = self._apart_req.get(req.idx)
+        if hit is not None and hit[0] == len(off):
+            return hit[1]
+        cand = req.candidate_array()
+        left = cand[~np.isin(cand, np.array(off, dtype=np.int64))]
+        narrowed = replace(req, candidates=left.tolist(), _cand=left)
+        self._apart_req[req.idx] = (len(off), narrowed)
+        return narrowed
 
     def _place(self, req: Request) -> bool:
         if req.count == 1:
@@ -861,6 +885,9 @@ class Greedy:
         self.cpu[node] -= req.cpu
         self.mem[node] -= req.mem
         self.placement[req.idx] = (node, picks)
+        for other in req.apart:
+            if other not in self.placement:
+                self._apart_off.setdefault(other, []).append(node)
         self.changed_nodes.add(node)
         self._failed.clear()
         if self.terms is not None:

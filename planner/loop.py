@@ -28,7 +28,7 @@ from dynpart.planner.policy import PolicyName
 from dynpart.resources import WHOLE_GPU
 from dynpart.scheduling import NodeSelectorRequirement, NodeSelectorTerm
 from dynpart.settings import PlannerSettings
-from dynpart.snapshot import NodeLayout, PendingPod, Plan, Snapshot
+from dynpart.snapshot import NodeLayout, PendingPod, Plan, Snapshot, prune_apart
 
 # A pod whose reservation on a node ended without the scheduler binding it there is not planned
 # on that node again for a while: the first time for reservation_s, then twice as long each time,
@@ -357,8 +357,8 @@ class PlanningLoop:
         workload = self.settings.workload or self.demand.workload()
         avoided = self.avoided(now)
         backing_off = self.backing_off(now)
-        pending = [avoiding(p, avoided[p.name]) if p.name in avoided else p
-                   for p in snapshot.pending if p.name not in backing_off]
+        pending = prune_apart([avoiding(p, avoided[p.name]) if p.name in avoided else p
+                               for p in snapshot.pending if p.name not in backing_off])
         return snapshot.model_copy(update={"workload": workload, "pending": pending})
 
     def decide(self, snapshot: Snapshot, catalog: Catalog, session: PlanningSession | None = None) -> Plan:

@@ -309,6 +309,12 @@ class MigState:
         self._shape = None
         self.insts[slot].pod = pod
 
+    def unbind(self, pod: str) -> None:
+        self._shape = None
+        for inst in self.insts:
+            if inst.pod == pod and not inst.used:
+                inst.pod = None
+
     # --- rewriting the layout ---------------------------------------------------------------
 
     def set_geometry(self, geometry: Set[tuple[str, int]]) -> None:

@@ -141,6 +141,13 @@ class MpsState:
         else:
             self.slices[slot].pod = pod
 
+    def unbind(self, pod: str) -> None:
+        if self.whole_pod == pod and self.info.whole_pod != pod:
+            self.whole_pod = None
+        for s in self.slices:
+            if s.pod == pod and not s.used:
+                s.pod = None
+
     # --- rewriting the layout ---------------------------------------------------------------
 
     def replace_free_slices(self, sizes: Sequence[int], keep: Collection[int] = ()) -> None:

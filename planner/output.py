@@ -16,7 +16,44 @@ def slices_of(problem: Problem, states: list[GpuState], req: Request, gids: tupl
     return sorted(out, key=PlacedSlice.sort_key) if len(out) > 1 else out
 
 
-def build_plan(problem: Problem, policy: PlanningPolicy, result: PolicyResult, bound: int, solve_s: float) -> Plan:
+def keep_apart(problem: Problem, result: PolicyResult) -> tuple[PolicyResult, dict[int, str]]:
+    """The policy's result with no two pods kept apart (`Request.apart`) on one node, whatever the
+    policy: of a pair on one node the younger (later in the snapshot's pending list: the cluster
+    view lists pods by creation) is left out, its slices left free. Returns the result (itself when
+    nothing breaks it) and why each pod was left out."""
+    if not any(r.apart for r in problem.requests):
+        return result, {}
+    placed = result.placements
+    dropped: dict[int, tuple[int, int]] = {}  # younger -> (older, node)
+    for req in problem.requests:  # by index: an older pod is decided before its younger ones
+        where = placed.get(req.idx)
+        if not req.apart or where is None:
+            continue
+        for other in req.apart:
+            if other >= req.idx:
+                break
+            there = placed.get(other)
+            if there is not None and other not in dropped and there.node == where.node:
+                dropped[req.idx] = (other, where.node)
+                break
+    if not dropped:
+        return result, {}
+    states, placements = list(result.states), dict(placed)
+    reasons: dict[int, str] = {}
+    for idx, (older, node) in dropped.items():
+        req = problem.requests[idx]
+        for gid in dict.fromkeys(placements.pop(idx).gpus):
+            states[gid] = states[gid].clone()
+            states[gid].unbind(req.name)
+        reasons[idx] = (f"pending pod {problem.requests[older].name}, which it must not share a node with "
+                        f"(required pod anti-affinity or host ports), is planned on node {problem.nodes[node].name}, "
+                        "where the plan would have put this one")
+    return PolicyResult(states, placements, result.solver, result.moved), reasons
+
+
+def build_plan(problem: Problem, policy: PlanningPolicy, result: PolicyResult, bound: int, solve_s: float,
+               reasons: dict[int, str] | None = None) -> Plan:
+    """`reasons`: why pods were left out, where not the policy's reason (`keep_apart`)."""
     states, placed = result.states, result.placements
     # the GPUs the policy gave a new state (when it started from the cache's states, only those
     # can differ from the cluster as it is)
@@ -40,7 +77,8 @@ def build_plan(problem: Problem, policy: PlanningPolicy, result: PolicyResult, b
     for req in problem.requests:
         hit = placed.get(req.idx)
         if hit is None:
-            reason = req.no_candidate_reason or policy.unplaced_reason(problem, req)
+            reason = ((reasons or {}).get(req.idx) or req.no_candidate_reason
+                      or policy.unplaced_reason(problem, req))
             unplaced.append(UnplacedPod(pod=req.name, reason=reason))
             continue
         weight += req.weight

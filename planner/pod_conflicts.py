@@ -9,7 +9,10 @@ Without it the objective packs the replicas of a Deployment whose pods must not 
 must spread over nodes or zones) onto one node's GPUs: the scheduler binds one there and refuses the others, whose slices stay free.
 So a pending pod is kept off the nodes where placed pods (bound, nominated, reserved, or planned
 by a plan in flight) conflict with it, and of two pending pods that conflict, only the older is
-planned in a round: the younger is planned by the next one, where the older counts as placed.
+planned in a round: the younger is planned by the next one, where the older counts as placed;
+unless they conflict on one node only (host ports, anti-affinity on a key whose every domain is one
+node, `kubernetes.io/hostname`): both are then planned in the round, kept apart
+(`PendingPod.apart`, `planned_conflicts`).
 
 Not mirrored (the pod then falls to the loop's back-off, `planner/loop.py`, which tries the other
 nodes): a spread constraint's `nodeTaintsPolicy: Honor` (the taints of the nodes dynpart plans
@@ -285,6 +288,10 @@ class PlacedPods:
         # question (`conflicts_with_planned`) -> how many pods of its list were looked at, and the
         # keys of those it conflicts with, in order: the replicas of a Deployment ask the same
         self._conflicts: dict[tuple[object, ...], tuple[int, list[str]]] = {}
+        # the same for `planned_conflicts`: how many looked at, those it waits for (a conflict over a
+        # domain wider than a node), those it only must not share a node with
+        self._joint: dict[tuple[object, ...], tuple[int, list[str], list[str]]] = {}
+        self._node_level: dict[str, bool] = {}  # topology key -> its every domain is one node
 
     def by_namespace(self) -> dict[str, list[tuple[Mapping[str, str], str, bool]]]:
         """Namespace -> its placed pods' labels, nodes and whether they are terminating."""
@@ -477,6 +484,59 @@ class PlacedPods:
             if other.key not in ignoring and other.key != facts.key and other.attracts(facts):
                 return other.key
         return None
+
+    def node_level(self, key: str) -> bool:
+        """Every node dynpart plans carries the topology key, with a value no other of them carries
+        (`kubernetes.io/hostname`): two pending pods whose anti-affinity is on it conflict only
+        on one node. Read from the round's labels, not assumed of the key's name."""
+        found = self._node_level.get(key)
+        if found is None:
+            nodes = self.node_labels.keys() if self.planned_nodes is None else self.planned_nodes
+            seen: set[str] = set()
+            found = True
+            for n in nodes:
+                value = self.node_labels.get(n, {}).get(key)
+                if value is None or value in seen:
+                    found = False
+                    break
+                seen.add(value)
+            self._node_level[key] = found
+        return found
+
+    def _apart_only(self, facts: PodFacts, other: PodFacts) -> bool | None:
+        """How two pods conflict: None, not at all; True, on a node only (host ports, anti-affinity
+        on `node_level` keys only); False, over wider domains (other keys, spread, affinity)."""
+        if facts.spreads_with(other) or facts.attracts(other):
+            return False
+        keys = {t.topology_key for t in facts.terms if t.selects(other.namespace, other.labels)}
+        keys.update(t.topology_key for t in other.terms if t.selects(facts.namespace, facts.labels))
+        if keys and not all(self.node_level(k) for k in keys):
+            return False
+        if keys or any(p.clashes(q) for p in facts.ports for q in other.ports):
+            return True
+        return None
+
+    def planned_conflicts(self, facts: PodFacts, ignoring: AbstractSet[str] = frozenset()
+                          ) -> tuple[str | None, list[str]]:
+        """`conflicts_with_planned`, where the pods of this round that conflict with it only on one
+        node (`_apart_only`) are planned with it, kept apart: (the older pending pod of this round it
+        waits for, if any, those in `ignoring` aside; the older ones it must not share a node
+        with, those in `ignoring` too: the list is the question's own, the caller copies it)."""
+        pool = self.planned if facts.terms or facts.ports or facts.spread or facts.affinity else self._planned_with_terms
+        question = (facts.namespace, frozenset(facts.labels.items()), facts.terms, facts.ports, facts.spread,
+                    facts.affinity)
+        looked, wide, apart = self._joint.get(question, (0, [], []))
+        for i in range(looked, len(pool)):
+            other = pool[i]
+            how = self._apart_only(facts, other)
+            if how is not None:
+                (apart if how else wide).append(other.key)
+        self._joint[question] = (len(pool), wide, apart)
+        key = next((key for key in wide if key not in ignoring), None)
+        if key is None:
+            key = next((other.key for other in self._planned_first
+                        if other.key not in ignoring and other.key != facts.key and other.attracts(facts)), None)
+        return key, apart
 
     def take(self, facts: PodFacts) -> None:
         self.planned.append(facts)

@@ -78,6 +78,8 @@ class Request:
     no_candidate_reason: str | None = None
     min_memory: int = 0  # MIG: the profile's fewest memory and compute slices among the candidates' models
     min_compute: int = 0
+    # the requests (indices) it must not share a node with (`PendingPod.apart`), ascending
+    apart: tuple[int, ...] = ()
     _cand: np.ndarray | None = None
 
     def candidate_array(self) -> np.ndarray:
@@ -227,7 +229,10 @@ def compile_requests(problem: Problem, pending: Sequence[PendingPod], catalog: C
     fitting: dict[tuple[object, ...], tuple[np.ndarray, list[int]]] = {}
     mig_shapes: dict[tuple[object, ...], tuple[int, int]] = {}
     model_of: np.ndarray | None = None
+    apart = False
     for pi, pod in enumerate(pending):
+        if pod.apart:
+            apart = True
         kind_of = kinds.get(pod.resource)
         if kind_of is None:
             kind_of = kinds[pod.resource] = _kind_of(pod.resource)
@@ -266,7 +271,24 @@ def compile_requests(problem: Problem, pending: Sequence[PendingPod], catalog: C
             else:
                 req.no_candidate_reason = summary
         requests.append(req)
+    if apart:
+        _keep_apart(requests, pending)
     return requests
+
+
+def _keep_apart(requests: list[Request], pending: Sequence[PendingPod]) -> None:
+    """Each request's `apart`, both ways (a snapshot planned without validation may list a pair
+    once), names of pods not pending left out."""
+    index = {pod.name: pi for pi, pod in enumerate(pending)}
+    pairs: dict[int, set[int]] = {}
+    for pi, pod in enumerate(pending):
+        for name in pod.apart:
+            other = index.get(name)
+            if other is not None and other != pi:
+                pairs.setdefault(pi, set()).add(other)
+                pairs.setdefault(other, set()).add(pi)
+    for pi, others in pairs.items():
+        requests[pi].apart = tuple(sorted(others))
 
 
 def _kind_of(resource: str) -> tuple[str, SliceRef, str | None, int]:

@@ -25,12 +25,21 @@ from dynpart.errors import SnapshotError
 from dynpart.planner.bound import capacity_left, placed_upper_bound
 from dynpart.planner.index import GpuIndex, PlanCache
 from dynpart.planner.objective import NodeRooms, NodeTerms, Objective, capacity_class
-from dynpart.planner.output import build_plan
+from dynpart.planner.output import build_plan, keep_apart
 from dynpart.planner.policies import POLICIES
 from dynpart.planner.policy import PlanOptions
 from dynpart.planner.problem import DemandKind, Problem, StaticFilter, compile_cluster, compile_requests, compile_workload
 from dynpart.planner.state import GpuState, new_state
-from dynpart.snapshot import Node, PendingPod, Plan, RequestShare, Snapshot, pod_problems, validate_snapshot
+from dynpart.snapshot import (
+    Node,
+    PendingPod,
+    Plan,
+    RequestShare,
+    Snapshot,
+    apart_problems,
+    pod_problems,
+    validate_snapshot,
+)
 
 _collector_lock = threading.Lock()
 _plans_in_flight = 0
@@ -122,8 +131,9 @@ class PlanningSession:
         self._pending = {p.name: p for p in pending}
         bound = placed_upper_bound(problem, (self._totals[0], self._totals[1], self._totals[2], self._totals[3]))
         policy = POLICIES[opts.policy](opts)
-        result = policy.place(problem)
-        return build_plan(problem, policy, result, bound, time.perf_counter() - t0)
+        # no policy's plan puts two pods kept apart on one node (`keep_apart` checks every one's)
+        result, reasons = keep_apart(problem, policy.place(problem))
+        return build_plan(problem, policy, result, bound, time.perf_counter() - t0, reasons)
 
     def _kinds(self, workload: Sequence[RequestShare], pending: Sequence[PendingPod]) -> list[DemandKind]:
         """The compiled distribution; a workload equal to the last one is not compiled again
@@ -145,6 +155,7 @@ class PlanningSession:
                 problems.append(f"pending[{i}] ({pod.name}).name = {pod.name!r}: duplicate pod name")
             seen.add(pod.name)
             problems.extend(pod_problems(f"pending[{i}] ({pod.name}).", pod, self.catalog, known))
+        problems.extend(apart_problems(list(pending)))
         if problems:
             raise SnapshotError(problems)
         if snap.workload:

@@ -57,6 +57,10 @@ class GpuState(Protocol):
         """Give the free slice `slot` (from `free_slots(ask)`) to `pod`."""
         ...
 
+    def unbind(self, pod: str) -> None:
+        """The slices planned for the pending pod `pod` left free (made, if the plan makes them)."""
+        ...
+
     def layout(self) -> GpuLayout:
         """The planned layout, as the `Plan` model states it."""
         ...

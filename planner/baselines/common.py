@@ -30,13 +30,16 @@ def bind_on_node(problem: Problem, states: list[GpuState], req: Request, node: i
 
 def schedule(problem: Problem, states: list[GpuState], cpu: list[int], mem: list[int],
              placed: Placements, nodes: list[int] | None = None) -> None:
-    """Bind every unplaced pod that fits the current layout (first fit over nodes)."""
+    """Bind every unplaced pod that fits the current layout (first fit over nodes), on no node
+    of a pod it is kept apart from."""
     for req in scheduler_order(problem):
         if req.idx in placed:
             continue
         for n in req.candidates if nodes is None else [n for n in req.candidates if n in nodes]:
             if cpu[n] < req.cpu or mem[n] < req.mem:
                 continue
+            if req.apart and any((w := placed.get(j)) is not None and w.node == n for j in req.apart):
+                continue  # a pod it must not share a node with is there (the scheduler's filters)
             gids = bind_on_node(problem, states, req, n)
             if gids is not None:
                 cpu[n] -= req.cpu

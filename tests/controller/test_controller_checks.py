@@ -1038,15 +1038,15 @@ def _full(name: str) -> dict[str, Any]:
 
     status = encode_status(NodeLayout(node=name, mode="mig", gpus=[GpuLayout(index=0, mig=[
         MigInstance(profile="7g.80gb", start=0, used=True)])]), "p0")
-    return labelled(node(name, count=1, annotations={**status, SPEC_PLAN: "p0"}))
+    return labelled(node(name, count=1, annotations={**status, SPEC_PLAN: "p0"}), **{"topology.kubernetes.io/zone": "z1"})
 
 
 async def test_pods_left_for_an_older_one_join_the_next_batch(make):
-    from tests.controller.test_pod_conflicts import replica
+    from tests.controller.test_pod_conflicts import ZONE, replica
 
     c = make([_full("n1"), _full("n2")])
     for i in range(2):
-        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}", key=ZONE)  # (the nodes' one zone: z1)
         c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
     c.loop.begin_round(c.clock())  # the round's batch closed
     await c.plan_round()
@@ -1054,11 +1054,12 @@ async def test_pods_left_for_an_older_one_join_the_next_batch(make):
 
 
 async def test_a_write_that_conflicts_is_neither_reserved_nor_in_flight_and_its_pods_wait_again(make):
-    from tests.controller.test_pod_conflicts import labelled, replica
+    from tests.controller.test_pod_conflicts import ZONE, labelled, replica
 
-    c = make([labelled(free_slices(f"n{i}", free=0)) for i in (1, 2)])
+    # zone anti-affinity, the nodes' one zone (pods conflicting on one node only are planned together)
+    c = make([labelled(free_slices(f"n{i}", free=0), **{ZONE: "z1"}) for i in (1, 2)])
     for i in range(2):
-        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}", key=ZONE)
         c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
     c.api.patch_error = APIConflictError("the object has been modified", status=409)
     before = counted(metrics.PLAN_ERRORS, "conflict")

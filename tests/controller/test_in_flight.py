@@ -952,15 +952,19 @@ def test_a_slice_taken_by_a_pod_wakes_no_waiting_pod_and_a_slice_freed_does():
 async def test_the_controller_plans_a_deferred_replica_at_the_next_round_on_another_node(make):
     from dynpart.annotations import encode_status
     from dynpart.snapshot import GpuLayout, NodeLayout
-    from tests.controller.test_pod_conflicts import labelled, replica
+    from tests.controller.test_pod_conflicts import ZONE, labelled, replica
 
     def empty(name: str) -> dict[str, str]:
         return {**encode_status(NodeLayout(node=name, mode="mig", gpus=[GpuLayout(index=0)]), "p0"),
                 "dynpart.io/spec-plan": "p0"}
 
-    c = make([labelled(node(f"n{i}", count=1, annotations=empty(f"n{i}"))) for i in (1, 2)], Lead(term=1))
+    # anti-affinity on zones of more than one node (replicas that conflict on one node only are
+    # planned in one round, kept apart: tests/controller/test_pod_conflicts.py)
+    zones = {1: "z1", 2: "z2", 3: "z2"}
+    c = make([labelled(node(f"n{i}", count=1, annotations=empty(f"n{i}")), **{ZONE: z}) for i, z in zones.items()],
+             Lead(term=1))
     for i in range(2):
-        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}", key=ZONE)
         c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
     await c.plan_round()
     assert [n for n, _ in c.written] == ["n1"] and c.written[0][1]["dynpart.io/spec-pods"] == "ml/web-0"
@@ -986,22 +990,22 @@ async def test_a_pod_left_for_an_older_one_that_was_not_placed_is_not_left_again
 
 
 async def test_replicas_left_for_older_ones_that_cannot_be_placed_are_all_planned_within_a_few_rounds(make):
-    """Three replicas that must not share a node, and no room: round 1 plans web-0 (not placed)
+    """Three replicas that must not share a zone, and no room: round 1 plans web-0 (not placed)
     and leaves web-1 and web-2 for it; round 2 plans web-0 and web-1 and leaves web-2 for web-1;
     round 3 plans all three. A pod is never left twice for an older one a round could not place,
     so a cycle of deferrals cannot starve the youngest; and since the older ones were not placed,
     the batch waits as usual (no rounds back to back)."""
     from dynpart.annotations import encode_status
     from dynpart.snapshot import GpuLayout, NodeLayout
-    from tests.controller.test_pod_conflicts import labelled, replica
+    from tests.controller.test_pod_conflicts import ZONE, labelled, replica
 
     def full(name: str) -> dict[str, str]:
         return {**encode_status(NodeLayout(node=name, mode="mig", gpus=[GpuLayout(index=0, mig=[
             MigInstance(profile="7g.80gb", start=0, used=True)])]), "p0"), "dynpart.io/spec-plan": "p0"}
 
-    c = make([labelled(node(f"n{i}", count=1, annotations=full(f"n{i}"))) for i in (1, 2)], Lead(term=1))
+    c = make([labelled(node(f"n{i}", count=1, annotations=full(f"n{i}")), **{ZONE: "z1"}) for i in (1, 2)], Lead(term=1))
     for i in range(3):
-        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}", key=ZONE)
         c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
     deferred = []
     for _ in range(4):
@@ -1026,8 +1030,10 @@ async def test_a_pod_left_for_an_older_one_whose_write_conflicted_is_left_for_it
     unplaceable, so the next round leaves web-1 for it again instead of planning both together,
     where the objective puts them on one node and the scheduler refuses one (review 78)."""
     from dynpart.kube.errors import APIConflictError
-    from tests.controller.test_pod_conflicts import labelled, replica
-    c = make([labelled(node(f"n{i}", count=1, annotations=_no_plan(f"n{i}"))) for i in (1, 2)], Lead(term=1))
+    from tests.controller.test_pod_conflicts import ZONE, labelled, replica
+    zones = {1: "z1", 2: "z2", 3: "z2"}  # (zone anti-affinity: conflicting beyond one node)
+    c = make([labelled(node(f"n{i}", count=1, annotations=_no_plan(f"n{i}")), **{ZONE: z}) for i, z in zones.items()],
+             Lead(term=1))
     writes: list[tuple[str, dict[str, Any]]] = []
 
     async def patch(core, name, p, resource_version=None):
@@ -1043,7 +1049,7 @@ async def test_a_pod_left_for_an_older_one_whose_write_conflicted_is_left_for_it
         return {}
     monkeypatch.setattr(controller_module, "patch_node_annotations", patch)
     for i in range(2):
-        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}", key=ZONE)
         c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
     await c.plan_round()
     assert c._deferred == {"ml/web-1": "ml/web-0"} and writes == []
@@ -1059,10 +1065,11 @@ async def test_a_round_that_could_not_plan_leaves_the_deferrals_as_they_were(mak
     """A round skipped (an error between objects) placed nothing and left nothing unplaced: the
     younger replica is still left for the older one by the next round."""
     from dynpart.errors import DynpartError
-    from tests.controller.test_pod_conflicts import labelled, replica
-    c = make([labelled(node(f"n{i}", count=1, annotations=_no_plan(f"n{i}"))) for i in (1, 2)], Lead(term=1))
+    from tests.controller.test_pod_conflicts import ZONE, labelled, replica
+    c = make([labelled(node(f"n{i}", count=1, annotations=_no_plan(f"n{i}")), **{ZONE: "z1"}) for i in (1, 2)],
+             Lead(term=1))
     for i in range(2):
-        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}")
+        c.pods.cache[f"ml/web-{i}"] = replica(f"web-{i}", key=ZONE)
         c._on_pod("ADDED", c.pods.cache[f"ml/web-{i}"])
     real = c.loop.decide_with
     calls = []

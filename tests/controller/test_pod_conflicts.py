@@ -1,6 +1,8 @@
 """Required pod anti-affinity and host ports, as the kube-scheduler's InterPodAffinity and
 NodePorts filters decide them: a pending pod is kept off the nodes (topology domains) where placed
-pods conflict with it, and of two pending pods that conflict only the older is planned in a round.
+pods conflict with it, and of two pending pods that conflict only the older is planned in a round,
+unless they conflict on one node only (host ports, hostname anti-affinity): both are then planned,
+kept apart.
 Without it, the objective packed a Deployment's replicas onto one node's GPUs, where the scheduler
 binds one: the others stayed pending with their slices free (a reviewer's scenario, below)."""
 
@@ -64,17 +66,87 @@ def planned_in_rounds(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], r
     return in_flight
 
 
-def test_a_replica_is_kept_off_the_node_of_a_bound_one_and_the_younger_of_two_waits_a_round():
+def apart(view) -> dict[str, list[str]]:
+    return {p.name: p.apart for p in view.snapshot.pending if p.apart}
+
+
+def test_a_replica_is_kept_off_the_node_of_a_bound_one_and_pending_ones_are_planned_together_kept_apart():
+    """Anti-affinity on the hostname (every node its own domain) or host ports conflict on one node
+    only: the pending pods are planned in one round, each listing the others (`PendingPod.apart`)."""
     nodes = nodes4()
     pods = [replica("web-0", bound="n1"), replica("web-1"), replica("web-2"), pod_for_planning(pod("other", MIG_1G))]
     view = build_snapshot(nodes, pods, CAT)
-    assert {p.name for p in view.snapshot.pending} == {"ml/web-1", "ml/other"}
+    assert {p.name for p in view.snapshot.pending} == {"ml/web-1", "ml/web-2", "ml/other"} and view.deferred == {}
     assert kept_off(view, "ml/web-1") == {"n1"} and kept_off(view, "ml/other") == set()
+    assert apart(view) == {"ml/web-1": ["ml/web-2"], "ml/web-2": ["ml/web-1"]}
+    result = plan(view.snapshot, CAT)
+    where = {pl.pod: pl.node for pl in result.placements}
+    assert len(where) == 3 and where["ml/web-1"] != where["ml/web-2"] and "n1" not in (where["ml/web-1"], where["ml/web-2"])
+
+
+def test_the_younger_of_two_pods_conflicting_over_a_wider_domain_waits_a_round():
+    """Zones of two nodes: of two pending replicas the younger is planned by the next round, where
+    the older counts as placed; not left twice for an older pod rounds could not place."""
+    nodes = nodes4(n1="z1", n2="z1", n3="z2", n4="z2")
+    pods = [replica("web-0", key=ZONE, bound="n1"), replica("web-1", key=ZONE), replica("web-2", key=ZONE),
+            pod_for_planning(pod("other", MIG_1G))]
+    view = build_snapshot(nodes, pods, CAT)
+    assert {p.name for p in view.snapshot.pending} == {"ml/web-1", "ml/other"} and apart(view) == {}
+    assert kept_off(view, "ml/web-1") == {"n1", "n2"} and kept_off(view, "ml/other") == set()
     assert view.deferred == {"ml/web-2": "ml/web-1"}, "it conflicts with web-1, planned this round"
     again = build_snapshot(nodes, pods, CAT, no_defer={"ml/web-2": "ml/web-1"})  # web-1 could not be placed
     assert {p.name for p in again.snapshot.pending} == {"ml/web-1", "ml/web-2", "ml/other"}
-    three = build_snapshot(nodes, [*pods, replica("web-3")], CAT, no_defer={"ml/web-2": "ml/web-1", "ml/web-3": "ml/web-1"})
+    three = build_snapshot(nodes, [*pods, replica("web-3", key=ZONE)], CAT,
+                           no_defer={"ml/web-2": "ml/web-1", "ml/web-3": "ml/web-1"})
     assert three.deferred == {"ml/web-3": "ml/web-2"}, "not left for web-1 again, but still for web-2"
+
+
+def test_a_hostname_key_is_planned_together_only_where_every_node_has_a_value_of_its_own():
+    """Whether a key's domains are single nodes is read from the round's labels: two nodes sharing
+    a hostname value, or a node without one, and the younger replica waits a round as before."""
+    for broken in ("shared", "missing"):
+        nodes = nodes4()
+        if broken == "shared":
+            nodes[1]["metadata"]["labels"][HOST] = "n1"
+        else:
+            del nodes[1]["metadata"]["labels"][HOST]
+        view = build_snapshot(nodes, [replica("web-1"), replica("web-2")], CAT)
+        assert [p.name for p in view.snapshot.pending] == ["ml/web-1"], broken
+        assert view.deferred == {"ml/web-2": "ml/web-1"} and apart(view) == {}, broken
+    # a zone key whose every value is one node's is one node's domain too
+    view = build_snapshot(nodes4(n1="a", n2="b", n3="c", n4="d"), [replica("web-1", key=ZONE), replica("web-2", key=ZONE)], CAT)
+    assert view.deferred == {} and apart(view) == {"ml/web-1": ["ml/web-2"], "ml/web-2": ["ml/web-1"]}
+
+
+def test_apart_names_are_the_snapshots_names_of_the_pods():
+    """Pods without a namespace (a file `dynpart explain` reads): `pod_conflicts` knows them as
+    `/name`, the snapshot as `default/name`; the lists name the snapshot's pods (else the plan
+    refused the snapshot: no pending pod of that name)."""
+    pods = [replica(f"web-{i}") for i in range(2)]
+    for p in pods:
+        p["metadata"].pop("namespace")
+    view = build_snapshot(nodes4(), pods, CAT)
+    assert apart(view) == {"default/web-0": ["default/web-1"], "default/web-1": ["default/web-0"]}
+    assert len({pl.node for pl in plan(view.snapshot, CAT).placements}) == 2
+
+
+def test_a_pod_is_planned_with_no_more_partners_than_nodes_it_may_use():
+    """Five replicas, four nodes: the fifth could not be placed beside four partners on their four
+    nodes; it waits for the next round (left for the last of them), where they count as placed."""
+    view = build_snapshot(nodes4(), [replica(f"web-{i}") for i in range(5)], CAT)
+    assert len(view.snapshot.pending) == 4 and view.deferred == {"ml/web-4": "ml/web-3"}
+    assert all(len(p.apart) == 3 for p in view.snapshot.pending)
+
+
+def test_a_pod_is_planned_with_at_most_max_apart_partners(monkeypatch):
+    """The pairs of a round grow with its square: past MAX_APART partners a pod waits a round."""
+    from dynpart.planner import cluster_view
+
+    monkeypatch.setattr(cluster_view, "MAX_APART", 2)
+    nodes = [labelled(node(f"n{i}", count=1)) for i in range(8)]
+    view = build_snapshot(nodes, [replica(f"web-{i}") for i in range(5)], CAT)
+    assert [p.name for p in view.snapshot.pending] == ["ml/web-0", "ml/web-1", "ml/web-2"]
+    assert view.deferred == {"ml/web-3": "ml/web-2", "ml/web-4": "ml/web-2"}
 
 
 def test_a_topology_domain_wider_than_a_node_and_plans_in_flight_count():
@@ -111,7 +183,9 @@ def test_host_ports_clash_by_protocol_port_and_address():
         view = build_snapshot(nodes, [bound, on_ip, wants], CAT)
         assert kept_off(view, f"ml/{name}") == off, name
     two = build_snapshot(nodes, [with_port(pod("a", MIG_1G), 7000), with_port(pod("bb", MIG_1G), 7000)], CAT)
-    assert two.deferred == {"ml/bb": "ml/a"}
+    assert two.deferred == {} and apart(two) == {"ml/a": ["ml/bb"], "ml/bb": ["ml/a"]}, "one node only: kept apart"
+    where = {pl.pod: pl.node for pl in plan(two.snapshot, CAT).placements}
+    assert len(where) == 2 and where["ml/a"] != where["ml/bb"]
 
 
 def test_namespaces_match_label_keys_and_null_selectors():
@@ -138,12 +212,44 @@ def test_namespaces_match_label_keys_and_null_selectors():
     assert t.selects("ml", {}) and t.selects("ml", {"app": "y"}) and not t.selects("ml", {"app": "x"})
 
 
-def test_the_reviewers_four_replicas_land_on_four_nodes_in_four_rounds():
+async def test_the_controller_plans_32_anti_affine_replicas_on_40_nodes_in_one_round(monkeypatch):
+    """A training job's 32 workers, one per node (hostname anti-affinity), on 40 one-GPU MIG nodes
+    whose agents report: one round plans them all, each on a node of its own. Before, one a round:
+    32 rounds (each a snapshot and a plan: minutes at 2,000 nodes)."""
+    from kubernetes_asyncio import client
+
+    from dynpart.annotations import encode_status
+    from dynpart.planner import controller as controller_module
+    from dynpart.planner.controller import PlannerController
+    from dynpart.settings import PlannerSettings
+    from dynpart.snapshot import GpuLayout, NodeLayout
+
+    async def fake_patch(*args, **kwargs):
+        return {}
+
+    async def no_event(obj, reason, message, warning=False):
+        pass
+    monkeypatch.setattr(controller_module, "patch_node_annotations", fake_patch)
+    c = PlannerController(client.ApiClient(), PlannerSettings(), CAT)
+    c._event = no_event  # type: ignore[method-assign]
+    for i in range(40):
+        status = encode_status(NodeLayout(node=f"n{i:02d}", mode="mig", gpus=[GpuLayout(index=0, mig=[])]), "p0")
+        c.nodes.cache[f"n{i:02d}"] = labelled(node(f"n{i:02d}", count=1, annotations={**status, "dynpart.io/spec-plan": "p0"}))
+    for i in range(32):
+        c.pods.cache[f"ml/worker-{i:02d}"] = replica(f"worker-{i:02d}", app="train")
+    await c.plan_round()
+    planned = {k: n for n, f in c.loop.in_flight.items() for k in f.pods}
+    assert len(planned) == 32 and len(set(planned.values())) == 32, planned
+    assert c._deferred == {}
+
+
+def test_the_reviewers_four_replicas_land_on_four_nodes_in_one_round():
     """4 replicas with hostname anti-affinity, 4 empty nodes: before, the first round planned all
-    four on one node. Each round's placements count as in flight for the next."""
+    four on one node; then one a round (each round's placements in flight for the next); now the
+    first round plans the four, kept apart."""
     nodes = nodes4()
     pods = [replica(f"web-{i}") for i in range(4)]
-    in_flight = planned_in_rounds(nodes, pods, 4)
+    in_flight = planned_in_rounds(nodes, pods, 1)
     assert sorted(in_flight) == [f"ml/web-{i}" for i in range(4)]
     assert sorted(in_flight.values()) == ["n1", "n2", "n3", "n4"], in_flight
 
@@ -277,7 +383,10 @@ def test_a_round_of_replicas_at_scale_reads_each_question_once(monkeypatch):
     real = PlacedPods._domains_of
     monkeypatch.setattr(PlacedPods, "_domains_of", lambda self, nodes, key: domains.append(key) or real(self, nodes, key))
     view = build_snapshot(nodes, pods, CAT)
-    assert [p.name for p in view.snapshot.pending] == ["ml/new-0", "ml/new-1"] and len(view.deferred) == 1998
+    # each Deployment's replicas may use the 100 nodes where the other's run: 100 of each are
+    # planned, kept apart (as many as their nodes), the others wait for the next round
+    assert [p.name for p in view.snapshot.pending] == [f"ml/new-{i}" for i in range(200)] and len(view.deferred) == 1800
+    assert {len(p.apart) for p in view.snapshot.pending} == {99}
     assert kept_off(view, "ml/new-0") == {f"n{i:03d}" for i in range(0, 200, 2)}, "where app0 runs"
     assert len(domains) == 4, "two questions, each its own term and the placed pods' one"
 

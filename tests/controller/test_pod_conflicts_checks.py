@@ -62,29 +62,40 @@ def test_an_unknown_operator_selects_no_pod():
 
 def test_two_pending_pods_clash_on_a_host_port_only_with_the_same_port_and_protocol():
     """NodePorts: a host port is taken per (IP, protocol, port); two pending pods with different
-    ports or protocols may share a node, so neither waits for the other."""
+    ports or protocols may share a node, so neither is kept apart from the other (a clash is on one
+    node only: both are planned, kept apart, and neither waits)."""
     nodes = nodes4()
-    for name, (port, protocol), deferred in [("same", (7000, "TCP"), True), ("port", (7001, "TCP"), False),
-                                             ("udp", (7000, "UDP"), False)]:
+    for name, (port, protocol), clash in [("same", (7000, "TCP"), True), ("port", (7001, "TCP"), False),
+                                          ("udp", (7000, "UDP"), False)]:
         pods = [with_port(pod("a", MIG_1G), 7000), with_port(pod(f"b-{name}", MIG_1G), port, protocol)]
         view = build_snapshot(nodes, pods, CAT)
-        assert (view.deferred == {f"ml/b-{name}": "ml/a"}) == deferred, name
-        assert len(view.snapshot.pending) == (1 if deferred else 2), name
+        assert view.deferred == {} and len(view.snapshot.pending) == 2, name
+        assert {p.name: p.apart for p in view.snapshot.pending} == (
+            {"ml/a": [f"ml/b-{name}"], f"ml/b-{name}": ["ml/a"]} if clash else {"ml/a": [], f"ml/b-{name}": []}), name
 
 
 def test_anti_affinity_between_two_pending_pods_defers_the_younger_whichever_carries_the_term():
     """The scheduler checks both ways: the younger pod's terms against the older, and the older's
-    terms against the younger; either defers the younger to the next round."""
-    nodes = nodes4()
-    guard = with_labels(pod("a", MIG_1G, affinity=anti({"matchLabels": {"app": "web"}})), app="guard")
-    web = with_labels(pod("bb", MIG_1G), app="web")  # younger (creationTimestamp from the name's length)
-    assert build_snapshot(nodes, [guard, web], CAT).deferred == {"ml/bb": "ml/a"}, "the older's terms select it"
-    plain = with_labels(pod("a", MIG_1G), app="web")
-    picky = with_labels(pod("bb", MIG_1G, affinity=anti({"matchLabels": {"app": "web"}})), app="guard")
-    assert build_snapshot(nodes, [plain, picky], CAT).deferred == {"ml/bb": "ml/a"}, "its own terms select the older"
-    other = with_labels(pod("a", MIG_1G), app="db")
-    view = build_snapshot(nodes, [other, picky], CAT)
-    assert view.deferred == {} and len(view.snapshot.pending) == 2, "neither selects the other"
+    terms against the younger; either defers the younger to the next round (on a key of wider
+    domains) or keeps the two apart (on the hostname)."""
+    for key, nodes in ((ZONE, nodes4(n1="z1", n2="z1", n3="z2", n4="z2")), (HOST, nodes4())):
+        def conflict(pods: list[dict[str, Any]], key: str = key, nodes: list[dict[str, Any]] = nodes) -> object:
+            view = build_snapshot(nodes, pods, CAT)
+            if key == HOST:
+                assert view.deferred == {} and len(view.snapshot.pending) == 2
+                return {p.name: p.apart for p in view.snapshot.pending if p.apart}
+            return view.deferred
+        both = {"ml/bb": "ml/a"} if key == ZONE else {"ml/a": ["ml/bb"], "ml/bb": ["ml/a"]}
+        guard = with_labels(pod("a", MIG_1G, affinity=anti({"matchLabels": {"app": "web"}}, key)), app="guard")
+        web = with_labels(pod("bb", MIG_1G), app="web")  # younger (creationTimestamp from the name's length)
+        assert conflict([guard, web]) == both, ("the older's terms select it", key)
+        plain = with_labels(pod("a", MIG_1G), app="web")
+        picky = with_labels(pod("bb", MIG_1G, affinity=anti({"matchLabels": {"app": "web"}}, key)), app="guard")
+        assert conflict([plain, picky]) == both, ("its own terms select the older", key)
+        other = with_labels(pod("a", MIG_1G), app="db")
+        view = build_snapshot(nodes, [other, picky], CAT)
+        assert view.deferred == {} and len(view.snapshot.pending) == 2, "neither selects the other"
+        assert not any(p.apart for p in view.snapshot.pending)
 
 
 def test_spread_constraints_between_pending_pods_count_only_their_own_namespace():

@@ -21,7 +21,10 @@ see pods asking similar questions. For each pending pod in order, as `build_snap
   one's (a cache key missing an input shows here whatever the reference says);
 * of the pods `conflicts_with_planned` lets through in a round, none can break another: for no two
   nodes each may go to (by the reference) does one's placement make the scheduler refuse the other
-  on its node (deferring more than needed is only slower, and not checked)."""
+  on its node (deferring more than needed is only slower, and not checked);
+* of the pods `planned_conflicts` lets through (those conflicting on one node only planned
+  together, kept apart), one's placement makes the scheduler refuse the other on that node at most,
+  and only where the other names it apart (`check_joint`)."""
 
 from __future__ import annotations
 
@@ -413,6 +416,44 @@ def check(cluster: dict[str, Any]) -> None:
                 assert not older_allowed & ref_refused(older, [*placed, (p, n_new)], nodes, cluster["tainted"]), \
                     f"{older['metadata']['name']} broken by {p['metadata']['name']} on {n_new}"
         taken.append((p, allowed))
+    check_joint(cluster)
+
+
+def check_joint(cluster: dict[str, Any]) -> None:
+    """The pods `planned_conflicts` lets through in a round, each kept apart from the partners it
+    names (`PendingPod.apart`): a partner placed anywhere it may go makes the scheduler refuse the
+    pod on the partner's own node at most (so different nodes are enough), and a pod it does not
+    name, on no node; both ways."""
+    nodes, placed_pods = cluster["nodes"], cluster["placed"]
+    placed = [(q, q["spec"]["nodeName"]) for q in placed_pods]
+    joint = PlacedPods([(pod_for_planning(q), n) for q, n in placed], nodes, frozenset(cluster["planned"]))
+    taken: list[tuple[dict[str, Any], set[str], str]] = []
+    for p in cluster["pending"]:
+        facts = pod_facts(pod_for_planning(p))
+        admits, key = admits_of(p, nodes)
+        got = joint.excluded_nodes(facts, admits, key if facts.spread else None)
+        may = {n for n in cluster["planned"] if n not in got and node_selector_admits(p, nodes[n])}
+        if not may:
+            continue
+        older, partners = joint.planned_conflicts(facts)
+        if older is not None:
+            continue  # deferred
+        partners = list(partners)
+        joint.take(facts)
+        allowed = may - ref_refused(p, placed, nodes, cluster["tainted"])
+        for q, q_allowed, q_key in taken:
+            if unknown_namespaces(p) or unknown_namespaces(q):
+                continue
+            apart = q_key in partners
+            for n_old in q_allowed:
+                refused = allowed & ref_refused(p, [*placed, (q, n_old)], nodes, cluster["tainted"])
+                assert refused <= ({n_old} if apart else set()), \
+                    f"{p['metadata']['name']} beside {q['metadata']['name']} on {n_old} (apart: {apart}): {refused}"
+            for n_new in allowed:
+                refused = q_allowed & ref_refused(q, [*placed, (p, n_new)], nodes, cluster["tainted"])
+                assert refused <= ({n_new} if apart else set()), \
+                    f"{q['metadata']['name']} broken by {p['metadata']['name']} on {n_new} (apart: {apart}): {refused}"
+        taken.append((p, allowed, facts.key))
 
 
 def _honour(key: str, **c: Any) -> dict[str, Any]:
@@ -431,6 +472,21 @@ MIN_DOMAINS = {"nodes": {n: {HOST: n} for n in ("n0", "n1", "o2")}, "planned": {
                "pending": [make_pod("p9", _honour(HOST, minDomains=3), {"app": "a"}, "ml", None, None, False)]}
 
 
+def _anti(key: str) -> dict[str, Any]:
+    return {"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": key, "labelSelector": {"matchLabels": {"app": "a"}}}]}}}
+
+
+# replicas kept apart on the hostname, and on a zone key whose values two planned nodes share
+# (planned together only where every planned node's value is its own)
+APART = {key: {"nodes": {f"n{i}": {HOST: f"n{i}", ZONE: z} for i, z in enumerate(["z1", "z1", "z2"])},
+               "planned": {"n0", "n1", "n2"}, "tainted": set(), "placed": [],
+               "pending": [make_pod(f"p{i}", _anti(key), {"app": "a"}, "ml", None, None, False) for i in range(3)]}
+         for key in (HOST, ZONE)}
+
+
+@example(APART[HOST])
+@example(APART[ZONE])
 @example(MIXED_ZONE)
 @example(MIN_DOMAINS)
 @seed(20260101)

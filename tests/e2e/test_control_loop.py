@@ -485,3 +485,33 @@ async def test_required_pod_affinity_is_followed_as_the_scheduler_follows_it(har
     finally:
         await h.core.delete_namespaced_pod("aff-cache", h.namespace, grace_period_seconds=0)
         await h.core.delete_node(cpu)
+
+
+async def test_replicas_that_must_not_share_a_node_are_planned_together_onto_their_own_nodes(harness: Harness):
+    """Four replicas with required anti-affinity on the hostname, created together, on four
+    one-GPU nodes: the planner plans them in one round, kept apart (one a round before), each
+    gets its slice carved on a node of its own, and the kube-scheduler binds each there."""
+    h = harness
+    nodes = [await h.add_node(f"apart-{i}", H100, "mig", 1) for i in range(4)]
+    for node in nodes:
+        await h.start_agent(node)
+    app = f"apart-{h.run_id}"
+    recs = []
+    for i in range(4):
+        name = f"apart-{i}"
+        body = h.pod_body(name, "nvidia.com/mig-1g.10gb")
+        body["metadata"]["labels"]["app"] = app
+        body["spec"]["affinity"] = {
+            "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In",
+                                       "values": [n.name for n in nodes]}]}]}},
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": app}}}]}}
+        rec = h.pods[f"{h.namespace}/{name}"] = PodRecord(f"{h.namespace}/{name}", "nvidia.com/mig-1g.10gb",
+                                                          time.monotonic())
+        await h.core.create_namespaced_pod(h.namespace, body)
+        recs.append(rec)
+    await h.wait_running(recs, timeout=120)
+    assert sorted(r.node or "" for r in recs) == sorted(n.name for n in nodes)
+    assert all([p for p, _ in n.driver.layout(0)] == ["1g.10gb"] for n in nodes), "one slice carved on each"
+    assert h.destroy_violations() == []
