@@ -889,6 +889,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     awaiting_claims: dict[str, list[str]] = {}
     no_defer = no_defer or {}
     listed = {r for room in rooms.values() for r in room}
+    in_round = frozenset(v.name for v in views)  # the nodes this round plans (not those left out: `exclude_nodes`)
+    admitted_in_round: dict[frozenset[str], int] = {}  # a pod's admitting nodes -> how many are in the round
     short_of: dict[tuple[tuple[str, float], ...], dict[str, list[str]]] = {}  # requests -> nodes short of them
     for pod in sorted(pods, key=lambda p: (str(_field(p, "metadata", "creationTimestamp") or ""), pod_key(p))):
         try:
@@ -930,10 +932,13 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             older, partners = placed.planned_conflicts(facts, ignoring)
             if older is None and partners:
                 # planned with the older pods it conflicts with on one node only, kept apart from them;
-                # as many as it may use nodes at most (more could not all be placed: the rest wait a
-                # round, where those planned count as placed), and at most MAX_APART
+                # as many as it may use nodes of this round at most (more could not all be placed: the
+                # rest wait a round, where those planned count as placed), and at most MAX_APART
                 joined = len(partners) if not ignoring else sum(1 for k in partners if k not in ignoring)
-                if joined >= len(admitting) - len(excluded) or joined > MAX_APART:
+                if (n_in := admitted_in_round.get(admitting)) is None:
+                    n_in = admitted_in_round[admitting] = len(admitting & in_round)
+                # (excluded: of admitting; none joined, those it is not left for again only: planned)
+                if joined and (joined >= n_in - len(excluded & in_round) or joined > MAX_APART):
                     older = next(k for k in reversed(partners) if k not in ignoring)
             if older is not None:
                 deferred[wants.name] = older  # planned by the next round, where the older one counts as placed

@@ -148,3 +148,34 @@ def test_apart_lists_are_validated_and_pruned():
     one_way = snap(["ml/p1"], [])
     result = PlanningSession(nodes, CAT).plan(one_way.pending, validate=False)
     assert len({pl.node for pl in result.placements}) == 2
+
+
+def test_the_baselines_first_fit_reads_a_pods_partners_once_not_per_node():
+    """The first fit looked up every partner's node at every node it tried: a Deployment's
+    replicas kept apart (k of them) cost k^3 / 6 look-ups; 2,000 replicas on 2,000 nodes took
+    the static baseline 21 s instead of 4 (nos 102 s instead of 39)."""
+    from dynpart.planner.baselines.common import schedule
+    from dynpart.planner.problem import compile_requests
+    from dynpart.planner.state import new_state
+    from dynpart.snapshot import MigInstance
+
+    class Counted(dict):
+        gets = 0
+
+        def get(self, *args):
+            Counted.gets += 1
+            return super().get(*args)
+
+    k = 60
+    names = [f"ml/web-{i:02d}" for i in range(k)]
+    pending = [PendingPod(name=n, resource="nvidia.com/mig-1g.10gb", apart=[o for o in names if o != n]) for n in names]
+    nodes = [Node(name=f"n{i:02d}", mode="mig", gpu_model="H100-80GB",
+                  gpus=[Gpu(index=0, mig=[MigInstance(profile="1g.10gb", start=s) for s in range(7)])]) for i in range(k)]
+    session = PlanningSession(nodes, CAT)
+    problem = session.problem
+    problem.requests = compile_requests(problem, pending, CAT, session._static, session.cpu, session.mem)
+    placed = Counted()
+    schedule(problem, [new_state(g) for g in problem.gpus], [n.cpu_free for n in problem.nodes],
+             [n.mem_free for n in problem.nodes], placed)
+    assert len({a.node for a in placed.values()}) == k
+    assert Counted.gets <= 2 * k * k, Counted.gets
