@@ -296,16 +296,20 @@ class PlannerController:
             self.loop.facts_changed(waiting, self.clock())
             self.wake.set()
 
+    def _wake_awaiting(self, claims: list[str]) -> None:
+        """The pods the last round left for these claims are planned again now."""
+        for key in claims:
+            self.loop.facts_changed(self._awaiting_claims.pop(key), self.clock())
+        if claims:
+            self.wake.set()
+
     def _on_volume(self, kind: str, volume: Obj) -> None:
         # a PersistentVolume made: the pods the last round left for a claim bound to it (a volume
         # not listed yet, or not made yet) are planned again now
         name = (volume.get("metadata") or {}).get("name")
         woken = [key for key in self._awaiting_claims if (claim := self.claims.cache.get(key)) is not None
                  and ((claim.get("spec") or {}).get("volumeName")) == name]
-        for key in woken:
-            self.loop.facts_changed(self._awaiting_claims.pop(key), self.clock())
-        if woken:
-            self.wake.set()
+        self._wake_awaiting(woken)
 
     def _on_class(self, kind: str, storage_class: Obj) -> None:
         # a StorageClass made or changed: the pods the last round left for a claim of that class
@@ -313,10 +317,7 @@ class PlannerController:
         name = (storage_class.get("metadata") or {}).get("name")
         woken = [key for key in self._awaiting_claims
                  if (claim := self.claims.cache.get(key)) is not None and claim_class(claim) == name]
-        for key in woken:
-            self.loop.facts_changed(self._awaiting_claims.pop(key), self.clock())
-        if woken:
-            self.wake.set()
+        self._wake_awaiting(woken)
 
     def _claims_changed_meanwhile(self, claims: Mapping[str, Obj], volumes: Mapping[str, Obj],
                                   classes: Mapping[str, Obj] | None) -> None:
@@ -334,10 +335,7 @@ class PlannerController:
         moved = [key for key in self._awaiting_claims if any(
             a is not b for a, b in zip(read(key, claims, volumes, classes), read(key, self.claims.cache,
                                                                                  self.volumes.cache, now)))]
-        for key in moved:
-            self.loop.facts_changed(self._awaiting_claims.pop(key), self.clock())
-        if moved:
-            self.wake.set()
+        self._wake_awaiting(moved)
 
     def _on_node(self, kind: str, node: Obj) -> None:
         # (a node made again under its name while no watch ran: the informer's relist reports the
