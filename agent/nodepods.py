@@ -14,6 +14,7 @@ unadmitted pods need), `to_keep` (which destroy candidates stay).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,8 +22,10 @@ from typing import Any, Protocol
 from kubernetes_asyncio import client
 
 from dynpart.agent.podresources import AssignedDevice
+from dynpart.errors import DynpartError
 from dynpart.kube.client import read_json
 from dynpart.kube.errors import api_errors
+from dynpart.quantity import parse_quantity
 from dynpart.resources import is_slice_resource, pod_requests
 from dynpart.settings import KubeSettings
 
@@ -51,11 +54,16 @@ class NodePods(Protocol):
 
 
 def _quantity(value: Any, where: str) -> int:
+    """An extended resource's quantity as devices: a whole number in any form the API server
+    admits and may write back ("2", "1k", "1e3", "2000m")."""
     try:
-        return int(str(value))
-    except ValueError:
+        number = parse_quantity(value)
+    except DynpartError:
+        number = math.nan
+    if not number.is_integer():
         # extended resources are whole numbers (the API server refuses others): this is not one
-        raise ValueError(f"{where}: {value!r} is not a whole number of devices") from None
+        raise ValueError(f"{where}: {value!r} is not a whole number of devices")
+    return int(number)
 
 
 def _container_requests(c: Mapping[str, Any], where: str) -> dict[str, int]:

@@ -15,7 +15,6 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from pydantic import ValidationError
@@ -43,6 +42,7 @@ from dynpart.kube.conventions import (
 from dynpart.planner.loop import avoiding, node_writes
 from dynpart.planner.pod_conflicts import PlacedPods, as_list, pod_facts
 from dynpart.planner.volume_topology import VolumeTopology, volumes_for_planning
+from dynpart.quantity import parse_quantity
 from dynpart.resources import (
     MigResource,
     MpsResource,
@@ -84,40 +84,6 @@ MAX_APART = 256
 
 def pod_key(pod: dict[str, Any]) -> str:
     return f"{_field(pod, 'metadata', 'namespace') or 'default'}/{_field(pod, 'metadata', 'name') or ''}"
-
-
-# the most of a resource Kubernetes counts (a quantity's Value() saturates there, while the API
-# server admits any decimal exponent: "1e306"); beyond it a round's sums and millicores could overflow
-MAX_QUANTITY = float(2**63)
-# a quantity's suffixes, the longest first ("Mi" before "M")
-_SUFFIXES = tuple(sorted({"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-                          "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
-                          "E": 1e18}.items(), key=lambda item: len(item[0]), reverse=True))
-
-
-def parse_quantity(value: Any) -> float:
-    """A Kubernetes quantity ("500m", "2", "1Gi", "128974848", "1e3") as a number of units."""
-    number = _quantity(str(value).strip())
-    if number is None:
-        raise DynpartError(f"quantity {value!r} is not a Kubernetes quantity (a number of at most 2^63-1 in magnitude)")
-    return number
-
-
-@lru_cache(maxsize=8192)  # a round reads every bound pod's requests and every node's allocatable: few distinct texts
-def _quantity(text: str) -> float | None:
-    """`parse_quantity` of a stripped text; None when it is no finite number ("1.2.3Gi", "nan",
-    "inf", "1e400") or one beyond `MAX_QUANTITY` ("1e306": its millicores, or two such summed, are
-    infinite): else a round's arithmetic on it fails for every node and pod."""
-    number, factor = text, 1.0
-    for suffix, times in _SUFFIXES:
-        if text.endswith(suffix) and text[: -len(suffix)]:
-            number, factor = text[: -len(suffix)], times
-            break
-    try:
-        value = float(number) * factor
-    except ValueError:
-        return None
-    return value if abs(value) <= MAX_QUANTITY else None  # (False for nan)
 
 
 def _spec_requests(c: Mapping[str, Any]) -> dict[str, float]:

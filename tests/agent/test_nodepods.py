@@ -38,6 +38,15 @@ def test_requests_of_counts_as_the_kubelet_does():
     assert requests_of(pod([c({"cpu": "1", "example.com/x": "1"})])) == {}
     with pytest.raises(ValueError, match=r"pod ns/p nvidia.com/mig-1g.10gb: '1.5' is not a whole number"):
         requests_of(pod([c({MIG: "1.5"})]))
+    with pytest.raises(ValueError, match=r"'lots' is not a whole number"):
+        requests_of(pod([c({MIG: "lots"})]))
+
+
+def test_requests_of_reads_every_form_the_api_server_writes_back():
+    """The API server stores a quantity in canonical form: a pod asking for 1000 devices reads
+    back "1k", and "2000m" or "1e3" are admitted as whole numbers too."""
+    assert requests_of(pod([c({MIG: "1k"})])) == {MIG: 1000}
+    assert requests_of(pod([c({MIG: "1e3"}), c(limits={MIG: "2000m"})])) == {MIG: 1002}
 
 
 def test_waiting_for_counts_pods_not_yet_admitted():
