@@ -14,7 +14,6 @@ unadmitted pods need), `to_keep` (which destroy candidates stay).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -58,12 +57,12 @@ def _quantity(value: Any, where: str) -> int:
     admits and may write back ("2", "1k", "1e3", "2000m")."""
     try:
         number = parse_quantity(value)
+        if number.is_integer():
+            return int(number)
     except DynpartError:
-        number = math.nan
-    if not number.is_integer():
-        # extended resources are whole numbers (the API server refuses others): this is not one
-        raise ValueError(f"{where}: {value!r} is not a whole number of devices")
-    return int(number)
+        pass
+    # extended resources are whole numbers (the API server refuses others): this is not one
+    raise ValueError(f"{where}: {value!r} is not a whole number of devices")
 
 
 def _container_requests(c: Mapping[str, Any], where: str) -> dict[str, int]:
