@@ -75,14 +75,17 @@ def _used_shares(node: Node, pod: PendingPod, catalog: Catalog) -> dict[int, flo
 
 
 def drain_target(snapshot: Snapshot, pod: PendingPod, catalog: Catalog,
-                 taken: Collection[tuple[str, int]] = ()) -> Drain | None:
+                 taken: Collection[tuple[str, int]] = (), avoid: Collection[str] = ()) -> Drain | None:
     """Where to drain for a pod asking for whole GPUs: on a node of its kind where it may run,
     its `count` GPUs with the least in use (the soonest empty, not knowing run times), on the
     node where they have the least in use in all, GPUs another drain holds (`taken`, (node,
-    GPU index)) left out; ties to the first node in the snapshot. None
+    GPU index)) and the nodes in `avoid` (where a pod it must be kept apart from is planned or
+    drains) left out; ties to the first node in the snapshot. None
     for a pod that does not ask for whole GPUs, or when no node could ever hold it."""
     best: tuple[float, Drain] | None = None
     for node in snapshot.nodes:
+        if node.name in avoid:
+            continue
         share = _used_shares(node, pod, catalog)
         if share is None:
             continue

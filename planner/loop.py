@@ -446,11 +446,16 @@ class PlanningLoop:
         now = state.now
         left_out = {u.pod for u in result.unplaced}
         taken = {(d.node, g) for d in state.drains.values() for g in d.gpus}
+        planned_on = {p.pod: p.node for p in result.placements}
         started = False
         for pod in snapshot.pending:  # oldest first
             if (pod.name in left_out and pod.name not in state.drains
                     and now - state.first_seen.get(pod.name, now) >= self.settings.drain_after_s):
-                target = drain_target(snapshot, pod, catalog, taken)
+                # a node where a pod it must be kept apart from is planned, or drains, could
+                # never hold both: its drain would idle GPUs for nothing
+                avoid = {planned_on[p] for p in pod.apart if p in planned_on}
+                avoid.update(state.drains[p].node for p in pod.apart if p in state.drains)
+                target = drain_target(snapshot, pod, catalog, taken, avoid)
                 if target is None:
                     continue
                 if taken and len(taken) + len(target.gpus) > self.settings.drain_max_gpus:

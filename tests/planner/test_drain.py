@@ -166,3 +166,32 @@ def test_a_round_planned_from_a_copy_keeps_nothing_of_a_lost_lease_or_a_deleted_
     lp.forget_leader_state()
     lp.node_gone("n2", 400.0)
     assert not lp.gone_since
+
+
+def test_pods_kept_apart_never_drain_on_one_node():
+    """Two whole-GPU pods that must not share a node (`apart`: anti-affinity on the hostname)
+    could never both run where they drain: the second drains on another node, and none drains
+    on a node where its partner is planned."""
+    light = Node(name="n0", mode="mig", gpu_model="H100-80GB", gpus=[gpu(i, ("1g.10gb", 0, True)) for i in range(2)])
+    heavy = Node(name="n1", mode="mig", gpu_model="H100-80GB", gpus=[gpu(i, ("4g.40gb", 0, True)) for i in range(2)])
+    a = whole("ml/a").model_copy(update={"apart": ["ml/b"]})
+    b = whole("ml/b").model_copy(update={"apart": ["ml/a"]})
+    lp = loop(drain_max_gpus=2)
+    snap = Snapshot(nodes=[light, heavy], pending=[a, b])
+    round_at(lp, snap, 0.0)
+    round_at(lp, snap, 100.0)
+    assert {p: d.node for p, d in lp.drains.items()} == {"ml/a": "n0", "ml/b": "n1"}
+    # without `apart`, both drain the lighter node (the GPUs with the least in use)
+    lp = loop(drain_max_gpus=2)
+    free = Snapshot(nodes=[light, heavy], pending=[whole("ml/a"), whole("ml/b")])
+    round_at(lp, free, 0.0)
+    round_at(lp, free, 100.0)
+    assert {p: d.node for p, d in lp.drains.items()} == {"ml/a": "n0", "ml/b": "n0"}
+    # a partner planned on a node this round: the other pod drains elsewhere
+    empty = Node(name="n2", mode="mig", gpu_model="H100-80GB", gpus=[gpu(0), gpu(1, ("1g.10gb", 0, True))])
+    lp = loop(drain_max_gpus=2)
+    snap = Snapshot(nodes=[empty, heavy], pending=[b, a])
+    round_at(lp, snap, 0.0)
+    result = round_at(lp, snap, 100.0)
+    assert [(p.pod, p.node) for p in result.placements] == [("ml/b", "n2")]
+    assert {p: d.node for p, d in lp.drains.items()} == {"ml/a": "n1"}
