@@ -125,8 +125,8 @@ def not_planned(view: ClusterView, by_key: Mapping[str, Obj]) -> list[tuple[Obj,
     later = [(by_key[k], f"pod {k} is planned by the round after the one that plans {older}: their required pod "
                          "anti-affinity, host ports or spread constraints conflict, and the older goes first")
              for k, older in view.deferred.items() if k in by_key]
-    blocked = [(obj, f"pod {obj['metadata']['namespace']}/{obj['metadata']['name']} cannot be placed: {why}")
-               for obj, why in view.blocked]
+    from dynpart.planner.cluster_view import pod_key
+    blocked = [(obj, f"pod {pod_key(obj)} cannot be placed: {why}") for obj, why in view.blocked]
     return [*view.elsewhere, *blocked, *later]
 
 
