@@ -20,6 +20,8 @@ candidates (a narrowed copy of the request, with a candidate array of its own).
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import replace
 from heapq import heapify, heappop, heappush
@@ -41,7 +43,7 @@ from dynpart.planner.objective import (
 )
 from dynpart.planner.problem import KIND_GPU, Problem, Request
 from dynpart.planner.state import GpuState, new_state
-from dynpart.planner.types import Assignment, Option, Placements, SliceRef
+from dynpart.planner.types import Assignment, MigSliceRef, MpsSliceRef, Option, Placements, SliceRef
 
 # how many nodes a multi-slice pod tries before giving up
 _MULTI_SLICE_NODE_TRIES = 64
@@ -76,6 +78,10 @@ _HEAP_BATCH = 256
 # as many each time while they can still win (`_weigh_moved_lazily`)
 _MOVED_FIRST = 8
 
+# the most CPU buckets of one plan (`cpu_buckets`): each is a heap per slice kind, refreshed
+# for every node a pod changes
+_BUCKETS_MAX = 8
+
 # what `_best_single_heap` returns when it leaves the pod to the scan
 _GAVE_UP = object()
 
@@ -92,9 +98,10 @@ class _NodeView:
     what the multi-slice kinds use of it per kind (`room`, where a GPU's class moves no
     coverage: covm + 0.0 is covm, its sums of values >= 0 being never -0.0)."""
 
-    __slots__ = ("bids", "classes", "f", "free", "single", "ic", "im", "covm", "hostm", "wm", "room", "room_sum")
+    __slots__ = ("node", "bids", "classes", "f", "free", "single", "ic", "im", "covm", "hostm", "wm", "room", "room_sum")
 
     def __init__(self, greedy: Greedy, n: int, steps: tuple[int, int] | None):
+        self.node = n
         gpus = greedy.index.node_gpus[n]
         self.bids: list[int] = greedy.bid[gpus].tolist()
         obj, terms, cls = greedy.objective, greedy.terms, greedy.cls
@@ -140,9 +147,44 @@ class _NodeHeap:
             heappush(self.entries, (top, node))
 
     def push_many(self, tops: list[int], nodes: list[int]) -> None:
-        for top, node in zip(tops, nodes):
-            if top < NO_OPTION:
-                heappush(self.entries, (top, node))
+        _push_options(self.entries, tops, nodes)
+
+
+def _push_options(heap: list[tuple[int, int]], tops: list[int], nodes: list[int]) -> None:
+    """Push (top, node) of the nodes that have an option."""
+    for top, node in zip(tops, nodes):
+        if top < NO_OPTION:
+            heappush(heap, (top, node))
+
+
+class _BucketHeap:
+    """One slice kind's nodes by their top for a pod taking a CPU bucket's CPU (and no memory):
+    `key` per node, `exact` or a lower bound, with the best GPU's `slot` where exact. Two lazy
+    heaps of (key, node): `entries`, the exact keys; `bounds`, the bounds, weighed in batches
+    when they could win (so that a batch pops no exact entry of the same key). An entry holds
+    while the node is not `stale` and its key and exactness are the entry's. A pod of the
+    bucket or above pops the few nodes that can win: a node's top for it is at least its key
+    (a pod that takes more never gets a lower top), the key itself where the pod moves the node
+    to the same steps as the bucket does."""
+
+    __slots__ = ("entries", "bounds", "stale", "key", "exact", "slot")
+
+    def __init__(self, cache: NodeBest):
+        # the node's top at its own steps (exact or a bound) bounds its top at any bucket
+        self.key = np.where(cache.ok, cache.top, NO_OPTION)
+        self.exact = np.zeros(len(self.key), dtype=bool)
+        self.slot = np.zeros(len(self.key), dtype=np.int64)
+        ok = np.flatnonzero(cache.ok & (cache.top < NO_OPTION))
+        self.entries: list[tuple[int, int]] = []
+        self.bounds: list[tuple[int, int]] = list(zip(self.key[ok].tolist(), ok.tolist()))
+        heapify(self.bounds)
+        self.stale: set[int] = set(np.flatnonzero(~cache.ok).tolist())
+
+    def push_many(self, tops: list[int], nodes: list[int]) -> None:
+        _push_options(self.entries, tops, nodes)
+
+    def push_bounds(self, tops: list[int], nodes: list[int]) -> None:
+        _push_options(self.bounds, tops, nodes)
 
 
 class _NodeRank:
@@ -178,6 +220,18 @@ def arrival_order(problem: Problem) -> list[Request]:
     arrived in: first come, first served). Measured on the openb packing benchmark with batches
     of 32, against largest first: +0.5 points of allocation."""
     return sorted(problem.requests, key=lambda r: (-r.priority, r.idx))
+
+
+def cpu_buckets(requests: list[Request]) -> list[int]:
+    """The CPU buckets of the pods of a plan: their distinct positive CPU requests, or
+    _BUCKETS_MAX of them spread over the sorted list when they are more. (Leaving the small
+    requests to the heap of the nodes' own steps was slower: on a CPU-short cluster the nodes
+    gather just above a step of the stranding grid, where a pod of 500 millicores moves a third
+    of them.)"""
+    values = sorted({r.cpu for r in requests if r.cpu > 0})
+    if len(values) <= _BUCKETS_MAX:
+        return values
+    return sorted({values[i * len(values) // _BUCKETS_MAX] for i in range(_BUCKETS_MAX)})
 
 
 class Greedy:
@@ -232,13 +286,26 @@ class Greedy:
         self._apart_req: dict[int, tuple[int, Request]] = {}
         self._cpu_steps: list[int] = []
         self._mem_steps: list[int] = []
+        # under the stranding term, the pods' CPU in a few buckets, and per slice kind and
+        # bucket a heap of the nodes by their top for a pod taking the bucket's CPU
+        # (`_best_single_bucket`)
+        self._buckets: list[int] = []
+        self._bucket_heaps: dict[tuple[SliceRef, int], _BucketHeap] = {}
+        self._free_gpus: dict[int, float] = {}  # per node, its GPUs' free share (`_free_share`)
+        self._shares: dict[tuple[SliceRef, int], float] = {}  # `_slice_share` per feed class
         if self.objective is not None:
-            self._cpu_steps, self._mem_steps = self.objective.cpu_steps.tolist(), self.objective.mem_steps.tolist()
+            # rooms in the kinds' steps, and in every step (`grid_room`): a pod that crosses
+            # only a step of the stranding grid moves F where `Objective.strands` only
+            self._cpu_steps, self._mem_steps = self.objective.kind_cpu_step_list, self.objective.kind_mem_step_list
+            if self.objective.feeds:
+                self._buckets = cpu_buckets(problem.requests)
             if node_rooms is not None:
                 self.cpu_room, self.mem_room = node_rooms.cpu.copy(), node_rooms.mem.copy()
+                self.grid_room = node_rooms.grid.copy()
             else:
-                self.cpu_room = rooms(self.cpu, self.objective.cpu_steps)
-                self.mem_room = rooms(self.mem, self.objective.mem_steps)
+                self.cpu_room = rooms(self.cpu, self.objective.kind_cpu_steps)
+                self.mem_room = rooms(self.mem, self.objective.kind_mem_steps)
+                self.grid_room = rooms(self.cpu, self.objective.cpu_steps)
 
     def placements(self) -> Placements:
         return {idx: Assignment(node, tuple(gid for gid, _ in picks)) for idx, (node, picks) in self.placement.items()}
@@ -273,16 +340,20 @@ class Greedy:
         # what the one-slice kinds can use of the node's other GPUs at the new steps: kept when
         # the steps do not move, gathered again when they do
         single = terms.single[nodes].copy()
+        rc, rm = obj.rows(ic2, im2)
         moved = np.flatnonzero((ic2 != terms.ic[nodes]) | (im2 != terms.im[nodes]))
         if len(moved):
-            single[moved] = usable[ic2[moved, None], im2[moved, None], self.cls[node_gpus[nodes[moved]]]].sum(axis=1)
-        single += (usable[ic2[:, None], im2[:, None], after] - usable[ic2[:, None], im2[:, None], before]).sum(axis=1)
-        f_after = terms.free[nodes] + (free[after] - free[before]).sum(axis=1) - single
+            single[moved] = usable[rc[moved, None], rm[moved, None], self.cls[node_gpus[nodes[moved]]]].sum(axis=1)
+        single += (usable[rc[:, None], rm[:, None], after] - usable[rc[:, None], rm[:, None], before]).sum(axis=1)
+        free_after = terms.free[nodes] + (free[after] - free[before]).sum(axis=1)
+        f_after = free_after - single
         if obj.multi:
             ca, cb = cov[after], cov[before]  # (R, k, Rm)
             covm2 = terms.covm[nodes] + (ca - cb).sum(axis=1)
             hostm2 = terms.hostm[nodes] + ((ca > 0).astype(np.int64) - (cb > 0)).sum(axis=1)
             f_after -= obj.multi_room(ic2, im2, covm2, hostm2)
+        if obj.feeds:
+            f_after += obj.stranded(nodes, free_after, ic2, im2)
         delta: np.ndarray = f_after - terms.f[nodes]
         return delta
 
@@ -373,7 +444,8 @@ class Greedy:
         for k, _, _, b in valid:
             before, after = classes[k], after_of[b]
             single = view.single + (usable_of[after][ic][im] - usable_of[before][ic][im])
-            f_after = (view.free + (free_of[after] - free_of[before])) - single
+            free_after = view.free + (free_of[after] - free_of[before])
+            f_after = free_after - single
             if obj.multi:
                 moved = obj.moved_kinds(before, after)
                 if moved:
@@ -387,6 +459,8 @@ class Greedy:
                     f_after -= numpy_sum(mine)
                 else:
                     f_after -= view.room_sum
+            if obj.feeds:
+                f_after += obj.stranded_one(view.node, free_after, ic, im)
             deltas.append(f_after - view.f)
         return deltas
 
@@ -397,9 +471,13 @@ class Greedy:
             return self._node_best_scalar(costs, nodes.tolist(), None)
         return self._node_best(costs.arrays(), nodes, 0, 0)
 
-    def _weigh_moved(self, costs: AskCosts, ask: SliceRef, nodes: list[int], req: Request) -> tuple[list[int], list[int]]:
-        """(top, slot) of `nodes` for one slice of the ask, where the pod's CPU or memory move
-        the node to other steps; kept per node and steps until the node changes."""
+    def _weigh_moved(self, costs: AskCosts, ask: SliceRef, nodes: list[int], cpu: int,
+                     mem: int) -> tuple[list[int], list[int]]:
+        """(top, slot) of `nodes` for one slice of the ask, where the pod's CPU or memory (`cpu`,
+        `mem`) move the node to other steps; kept per node and steps until the node changes.
+        Computed one way at any steps (tables monotonic in the steps, sums in one order), so a
+        pod that takes more never gets a lower top: the bucket heaps' keys bound the tops of the
+        pods above their bucket (`_best_single_bucket`)."""
         obj = self.objective
         assert obj is not None
         kept = self._moved_best.get(ask)
@@ -407,11 +485,11 @@ class Greedy:
             kept = self._moved_best[ask] = {}
         steps: list[tuple[int, int]]
         if len(nodes) <= SCALAR_NODES:  # mostly one node, popped from a heap: numpy's calls cost more
-            cpu, mem = self.cpu, self.mem
-            steps = [obj.step_one(n, int(cpu[n]) - req.cpu, int(mem[n]) - req.mem) for n in nodes]
+            free_cpu, free_mem = self.cpu, self.mem
+            steps = [obj.step_one(n, int(free_cpu[n]) - cpu, int(free_mem[n]) - mem) for n in nodes]
         else:
             at = np.array(nodes, dtype=np.int64)
-            ic, im = obj.steps(at, self.cpu[at] - req.cpu, self.mem[at] - req.mem)
+            ic, im = obj.steps(at, self.cpu[at] - cpu, self.mem[at] - mem)
             steps = list(zip(ic.tolist(), im.tolist()))
         tops, slots = [0] * len(nodes), [0] * len(nodes)
         missing: list[int] = []
@@ -426,11 +504,12 @@ class Greedy:
             if len(missing) <= SCALAR_NODES:
                 t, k = self._node_best_scalar(costs, miss_nodes, [steps[i] for i in missing])
             else:
-                ta, ka = self._node_best(costs.arrays(), np.array(miss_nodes, dtype=np.int64), req.cpu, req.mem)
+                ta, ka = self._node_best(costs.arrays(), np.array(miss_nodes, dtype=np.int64), cpu, mem)
                 t, k = ta.tolist(), ka.tolist()
-            if req.cpu >= 0 and req.mem >= 0:
+            if cpu >= 0 and mem >= 0:
                 # less CPU or memory left never leaves a node more usable: its top at its own
-                # steps is a floor (which the floats' roundings could cross by a point)
+                # steps (summed another way) is a floor, which the floats' roundings could cross
+                # by a point
                 t = [max(a, b) for a, b in zip(t, self._own_tops(costs, ask, miss_nodes))]
             for i, n, top, slot in zip(missing, miss_nodes, t, k):
                 tops[i], slots[i] = top, slot
@@ -449,7 +528,7 @@ class Greedy:
             hit = mine.get(self.objective.step_one(n, int(self.cpu[n]) - req.cpu, int(self.mem[n]) - req.mem))
             if hit is not None:
                 return hit
-        tops, slots = self._weigh_moved(costs, req.slice_ref, [n], req)
+        tops, slots = self._weigh_moved(costs, req.slice_ref, [n], req.cpu, req.mem)
         return tops[0], slots[0]
 
     def _own_tops(self, costs: AskCosts, ask: SliceRef, nodes: list[int]) -> list[int]:
@@ -478,6 +557,16 @@ class Greedy:
             moves: np.ndarray = (ic2 != ic) | (im2 != im)
         else:
             moves = (self.cpu_room[cand] < req.cpu) | (self.mem_room[cand] < req.mem)
+            if self.objective.feeds:
+                # the stranding term: a pod that moves a node across a step of its grid moves F
+                # only where the term may be positive after the pod (then it may be before too);
+                # elsewhere it is 0 at both steps
+                assert self.cls is not None
+                grid = np.flatnonzero(~moves & (self.grid_room[cand] < req.cpu))
+                if len(grid):
+                    at = cand[grid]
+                    moves[grid] = self.objective.strands(at, self.cls[self.index.node_gpus[at]], self.cpu[at] - req.cpu,
+                                                         self.mem[at] - req.mem)
         return moves if moves.any() else None
 
     def best_single(self, req: Request) -> tuple[int, int] | None:
@@ -502,7 +591,14 @@ class Greedy:
             if seen > _HEAP_AFTER:
                 heap = self._heaps[ask] = _NodeHeap(cache)
         if heap is not None and req.cpu >= 0 and req.mem >= 0 and 2 * len(req.candidates) >= len(self.problem.nodes):
-            hit = self._best_single_heap(req, costs, cache, heap)
+            bucket = self._bucket_of(req.cpu)
+            if bucket:
+                bucket_heap = self._bucket_heaps.get((ask, bucket))
+                if bucket_heap is None:
+                    bucket_heap = self._bucket_heaps[(ask, bucket)] = _BucketHeap(cache)
+                hit = self._best_single_bucket(req, costs, cache, heap, bucket_heap, bucket)
+            else:
+                hit = self._best_single_heap(req, costs, cache, heap)
             if hit is not _GAVE_UP:
                 return cast(tuple[int, int] | None, hit)
         return self._best_single_scan(req, costs, cache, heap)
@@ -545,6 +641,7 @@ class Greedy:
         ok, top_of, exact_of = cache.ok, cache.top, cache.exact
         cpu, mem, need_cpu, need_mem = self.cpu, self.mem, req.cpu, req.mem
         moving = self.objective is not None and bool(need_cpu or need_mem)
+        feeds = moving and self.objective is not None and self.objective.feeds
         best = (NO_OPTION, -1)
         best_slot = -1
         held: list[tuple[int, int]] = []
@@ -581,7 +678,8 @@ class Greedy:
                     heap.push_many([e[0] for e in held], [e[1] for e in held])
                     return _GAVE_UP
                 continue
-            if moving and (self.cpu_room[n] < need_cpu or self.mem_room[n] < need_mem):
+            if moving and (self.cpu_room[n] < need_cpu or self.mem_room[n] < need_mem
+                           or (feeds and self.grid_room[n] < need_cpu and self._strands_one(n, need_cpu, need_mem))):
                 top, slot = self._weigh_moved_one(costs, n, req)
                 if (top, n) < best:
                     best, best_slot = (top, n), slot
@@ -592,6 +690,205 @@ class Greedy:
         if best[0] >= NO_OPTION:
             return None
         return best[1], self.index.node_gpu_rows[best[1]][best_slot]
+
+    def _strands_one(self, n: int, cpu: int, mem: int) -> bool:
+        """`Objective.strands` of node n once a pod takes `cpu` and `mem` of it."""
+        assert self.objective is not None
+        return self.objective.strands_free(n, self._free_share(n), int(self.cpu[n]) - cpu, int(self.mem[n]) - mem)
+
+    def _free_share(self, n: int) -> float:
+        """Node n's GPUs' free shares summed as `Objective.strands` sums them, kept until the node
+        changes."""
+        free = self._free_gpus.get(n)
+        if free is None:
+            assert self.objective is not None and self.cls is not None
+            free_of = self.objective.free_of
+            free = self._free_gpus[n] = numpy_sum([free_of[c] for c in self.cls[self.index.node_gpus[n]].tolist()])
+        return free
+
+    def _bucket_of(self, cpu: int) -> int:
+        """The pod's CPU bucket: the largest not above `cpu` (0: none)."""
+        i = bisect_right(self._buckets, cpu)
+        return self._buckets[i - 1] if i else 0
+
+    def _best_single_bucket(self, req: Request, costs: AskCosts, cache: NodeBest, heap: _NodeHeap,
+                            bucket_heap: _BucketHeap, bucket: int) -> tuple[int, int] | None | object:
+        """`_best_single_heap` for a pod of CPU bucket `bucket` (> 0), by the bucket's heaps:
+        exact entries pop in order of (key, node); the bounds below the least exact key are
+        weighed at the bucket first, in batches of one bound; a node the pod moves to other steps
+        than the bucket does is weighed at the pod's (never below its key: `_weigh_moved`).
+        Under the stranding term a pod's CPU moves many nodes of a CPU-short cluster, and their
+        tops at their own steps bound their tops for it by tens of points: keyed by those (the
+        kind's one heap), a pod popped a hundred nodes (`dynpart bench planner`, 1,000 nodes)."""
+        obj = self.objective
+        assert obj is not None
+        ask = req.slice_ref
+        bh = bucket_heap
+        key_of, exact_of = bh.key, bh.exact
+        if bh.stale:
+            # bounded by their tops at their own steps, or the bounds of those from their fewest
+            # changes (weighed when they could win: most of a kind's changed nodes never can)
+            nodes = sorted(bh.stale)
+            bh.stale.clear()
+            need = [n for n in nodes if not cache.ok[n]]
+            if need:
+                self._refresh_bounds(costs, cache, np.array(need, dtype=np.int64), heap)
+                heap.stale.difference_update(need)
+            keys = cache.top[nodes]
+            key_of[nodes], exact_of[nodes] = keys, False
+            bh.push_bounds(keys.tolist(), nodes)
+        entries, bounds = bh.entries, bh.bounds
+        member = None if len(req.candidates) == len(self.problem.nodes) else self._candidate_mask(req)
+        cpu, mem, need_cpu, need_mem = self.cpu, self.mem, req.cpu, req.mem
+        best = (NO_OPTION, -1)
+        best_slot = -1
+        held: list[tuple[int, int]] = []
+        seen: set[int] = set()
+        while True:
+            if bounds and bounds[0] < best and (not entries or bounds[0] <= entries[0]):
+                self._tighten_bounds(costs, ask, cache, bh, bucket)
+                continue
+            if not entries or entries[0] >= best:
+                break
+            k, n = heappop(entries)
+            if k >= NO_OPTION:
+                break
+            if n in seen or key_of[n] != k or not exact_of[n]:
+                continue  # a duplicate, or the node's entry moved on
+            seen.add(n)
+            held.append((k, n))
+            if (member is not None and not member[n]) or cpu[n] < need_cpu or mem[n] < need_mem:
+                if len(held) > _HEAP_POPS:
+                    bh.push_many([e[0] for e in held], [e[1] for e in held])
+                    return _GAVE_UP
+                continue
+            free_cpu, free_mem = int(cpu[n]), int(mem[n])
+            # the pod's top: at the node's own steps unless it moves the node as `_moves` tells
+            # (then the bucket does not either: the key is that top); where it does, the key
+            # unless it moves the node to other steps than the bucket does
+            if (need_cpu != bucket or need_mem) and (obj.step_one(n, free_cpu - need_cpu, free_mem - need_mem)
+                                                     != obj.step_one(n, free_cpu - bucket, free_mem)) \
+                    and self._moves_one(n, need_cpu, need_mem):
+                top, slot = self._weigh_moved_one(costs, n, req)
+                if (top, n) < best:
+                    best, best_slot = (top, n), slot
+            else:  # (k, n) is below every entry left, and every bound
+                best, best_slot = (k, n), int(bh.slot[n])
+                break
+        bh.push_many([e[0] for e in held], [e[1] for e in held])
+        if best[0] >= NO_OPTION:
+            return None
+        return best[1], self.index.node_gpu_rows[best[1]][best_slot]
+
+    def _tighten_bounds(self, costs: AskCosts, ask: SliceRef, cache: NodeBest, bh: _BucketHeap, bucket: int) -> None:
+        """Pop the bucket heap's least bounds (one key, a batch) and tighten each: the node's top at
+        its own steps (weighed if only bounded), exact where the bucket does not move the node;
+        else that top raised by what the stranding term rises at least (`_bucket_bound`),
+        pushed back as a bound where it rose, weighed at the bucket where it did not."""
+        bounds, key_of, exact_of = bh.bounds, bh.key, bh.exact
+        k = bounds[0][0]
+        batch: list[int] = []
+        taken: set[int] = set()
+        while bounds and bounds[0][0] == k and len(batch) < _HEAP_BATCH:
+            _, n = heappop(bounds)
+            if key_of[n] == k and not exact_of[n] and n not in taken:
+                taken.add(n)
+                batch.append(n)
+        free_cpu = self.cpu
+        short = [n for n in batch if free_cpu[n] < bucket]
+        if short:  # no pod of the bucket fits there until the node changes
+            key_of[short], exact_of[short] = NO_OPTION, True
+            batch = [n for n in batch if free_cpu[n] >= bucket]
+        if not batch:
+            return
+        weigh: list[int] = []
+        for n, top in zip(batch, self._own_tops(costs, ask, batch)):
+            if not self._moves_one(n, bucket, 0):
+                key_of[n], exact_of[n], bh.slot[n] = top, True, cache.slot[n]
+                _push_options(bh.entries, [top], [n])
+                continue
+            bound = self._bucket_bound(ask, n, bucket, top)
+            if bound > k:
+                key_of[n] = bound
+                _push_options(bounds, [bound], [n])
+            else:
+                weigh.append(n)
+        if weigh:
+            tops, slots = self._weigh_bucket(costs, ask, weigh, bucket)
+            key_of[weigh], bh.slot[weigh], exact_of[weigh] = tops, slots, True
+            bh.push_many(tops, weigh)
+
+    def _bucket_bound(self, ask: SliceRef, n: int, bucket: int, top: int) -> int:
+        """A lower bound of node n's top for a pod taking `bucket` CPU, from its exact top at its
+        own steps: the pod's ΔF there is at least ΔF at its own steps, which the top's score
+        bounds from below, plus what the stranding term rises by (the node's free GPUs less the
+        slice's share, fed at both steps; the kinds' tables only add to it)."""
+        if top >= NO_OPTION:
+            return top
+        obj = self.objective
+        assert obj is not None
+        changes = (top - _SCORE_OFFSET + _TOP_SCALE - 1) // _TOP_SCALE
+        points = changes * _TOP_SCALE + _SCORE_OFFSET - top  # the score, negated: 0..100
+        if points >= 99:  # no ΔF bounds the best scores from below
+            return top
+        free_cpu, free_mem = int(self.cpu[n]), int(self.mem[n])
+        fc = obj.node_fc_list[n]
+        own_c, own_m = obj.step_one(n, free_cpu, free_mem)
+        at_c = obj.step_one(n, free_cpu - bucket, free_mem)[0]
+        feed_m = obj.feed_m_rows[fc][own_m]
+        feed_own = min(obj.feed_c_rows[fc][own_c], feed_m)
+        feed_at = min(obj.feed_c_rows[fc][at_c], feed_m)
+        free = self._free_share(n) - self._slice_share(ask, n)
+        rise = max(0.0, free - feed_at) - max(0.0, free - feed_own)
+        if rise <= 0.0:
+            return top
+        # the least ΔF with this score: 100 sigmoid(-ΔF) below points + 1 (1e-9 of slack
+        # against the floats' roundings, far above them)
+        low = math.log(100.0 / (points + 1) - 1.0) + rise - 1e-9
+        score = -int(100.0 / (1.0 + math.exp(min(50.0, max(-50.0, low)))))
+        return max(top, changes * _TOP_SCALE + score + _SCORE_OFFSET)
+
+    def _slice_share(self, ask: SliceRef, n: int) -> float:
+        """The share of a GPU of node n that one slice of the ask takes of its free share (the
+        capacity classes' `free`): a MIG profile's memory slices, an MPS slice's size, a whole
+        GPU; 1.0, the most, where unknown."""
+        assert self.objective is not None
+        key = (ask, self.objective.node_fc_list[n])  # (a feed class has one model and capacity)
+        share = self._shares.get(key)
+        if share is None:
+            share = self._shares[key] = self._share_on(ask, n)
+        return share
+
+    def _share_on(self, ask: SliceRef, n: int) -> float:
+        node = self.problem.nodes[n]
+        if isinstance(ask, MigSliceRef):
+            rules = self.problem.gpus[node.gpus[0]].rules if node.gpus else None
+            p = rules.index.get(ask.profile) if rules is not None else None
+            if rules is None or p is None or not node.model.memory_slices:
+                return 1.0
+            return min(1.0, rules.memory[p] / node.model.memory_slices)
+        if isinstance(ask, MpsSliceRef) and node.gpus:
+            cap = self.problem.gpus[node.gpus[0]].capacity
+            return min(1.0, ask.size / cap) if cap > 0 else 1.0
+        return 1.0
+
+    def _moves_one(self, n: int, cpu: int, mem: int) -> bool:
+        """`_moves` of one node for a pod taking `cpu` and `mem` (>= 0) of it."""
+        return (self.cpu_room[n] < cpu or self.mem_room[n] < mem
+                or (self.grid_room[n] < cpu and self._strands_one(n, cpu, mem)))
+
+    def _weigh_bucket(self, costs: AskCosts, ask: SliceRef, nodes: list[int], bucket: int) -> tuple[list[int], list[int]]:
+        """(top, slot) of `nodes` for a pod of the ask taking `bucket` CPU and no memory: as the
+        scan weighs it, the top at the node's own steps where the pod does not move it (`_moves`),
+        else `_weigh_moved`'s."""
+        tops = self._own_tops(costs, ask, nodes)
+        slots = self._ask_cache(ask).slot[nodes].tolist()
+        moved = [i for i, n in enumerate(nodes) if self._moves_one(n, bucket, 0)]
+        if moved:
+            t, k = self._weigh_moved(costs, ask, [nodes[i] for i in moved], bucket, 0)
+            for i, top, slot in zip(moved, t, k):
+                tops[i], slots[i] = top, slot
+        return tops, slots
 
     def _candidate_mask(self, req: Request) -> list[bool]:
         """The request's candidate nodes as a mask (requests of one group share their list)."""
@@ -655,7 +952,7 @@ class Greedy:
                 if req.cpu >= 0 and req.mem >= 0:
                     moved_slot = self._weigh_moved_lazily(costs, ask, req, cand, low, top, moved_pos)
                 else:  # no floor under the tops the pod moves nodes to: every one weighed
-                    tops, slots = self._weigh_moved(costs, ask, cand[moved_pos].tolist(), req)
+                    tops, slots = self._weigh_moved(costs, ask, cand[moved_pos].tolist(), req.cpu, req.mem)
                     top[moved_pos] = tops
                     moved_slot = dict(zip(moved_pos.tolist(), slots))
         i = int(top.argmin())  # candidates are in node order: the first node among equals
@@ -692,7 +989,7 @@ class Greedy:
             if limit <= done:
                 break
             take = at_pos[done: min(limit, done + step)]
-            tops, got = self._weigh_moved(costs, ask, cand[take].tolist(), req)
+            tops, got = self._weigh_moved(costs, ask, cand[take].tolist(), req.cpu, req.mem)
             top[take] = tops
             slots.update(zip(take.tolist(), got))
             done += len(take)
@@ -894,15 +1191,19 @@ class Greedy:
             self.terms.ok[node] = False
         if self.objective is not None:
             self.cpu_room[node] = room(int(self.cpu[node]), self._cpu_steps)
+            self.grid_room[node] = room(int(self.cpu[node]), self.objective.cpu_step_list)
             self.mem_room[node] = room(int(self.mem[node]), self._mem_steps)
         for cache in self._best.values():
             cache.ok[node] = False
         for heap in self._heaps.values():
             heap.stale.add(node)
+        for bucket_heap in self._bucket_heaps.values():
+            bucket_heap.stale.add(node)
         for rank in self._ranks.values():
             rank.ok[node] = rank.q_ok[node] = False
             rank.moved_q.pop(node, None)
         self._views.pop(node, None)
+        self._free_gpus.pop(node, None)
         for kept in self._moved_best.values():
             kept.pop(node, None)
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from dynpart.mig import MigRules
 from dynpart.planner.mig_state import MigRows, MigState
-from dynpart.planner.objective import NodeRooms, NodeTerms, Objective, capacity_class, class_after, mig_class
+from dynpart.planner.objective import NodeRooms, NodeTerms, Objective, capacity_class, class_after, mig_class, node_caps
 from dynpart.planner.problem import Problem
 from dynpart.planner.state import GpuState
 from dynpart.planner.types import MigSliceRef, Option, SliceRef
@@ -344,5 +344,5 @@ class PlanCache:
 
         states = [new_state(g) for g in problem.gpus]
         index = GpuIndex(problem)
-        objective = Objective(problem.workload, problem.nodes)
+        objective = Objective(problem.workload, problem.nodes, node_caps(problem.nodes, problem.gpus))
         return cls(problem, states, index, index.buckets(states), objective, None)

@@ -24,7 +24,7 @@ from dynpart.catalog import Catalog, GpuModel, default_catalog
 from dynpart.errors import SnapshotError
 from dynpart.planner.bound import capacity_left, placed_upper_bound
 from dynpart.planner.index import GpuIndex, PlanCache
-from dynpart.planner.objective import NodeRooms, NodeTerms, Objective, capacity_class
+from dynpart.planner.objective import NodeRooms, NodeTerms, Objective, capacity_class, node_caps
 from dynpart.planner.output import build_plan, keep_apart
 from dynpart.planner.policies import POLICIES
 from dynpart.planner.policy import PlanOptions
@@ -70,9 +70,12 @@ def collector_paused() -> Iterator[None]:
 
 class PlanningSession:
     def __init__(self, nodes: Sequence[Node], catalog: Catalog | None = None,
-                 models: dict[str, GpuModel] | None = None):
-        """`models`: each node's model when the nodes were validated already."""
+                 models: dict[str, GpuModel] | None = None, stranding: bool = True):
+        """`models`: each node's model when the nodes were validated already. `stranding`: the
+        objective counts the GPUs a node's free CPU cannot feed (planner/objective.py); off only to
+        reproduce FGD as its authors ran it (the packing benchmark's `fgd` policy)."""
         self.catalog = catalog or default_catalog()
+        self.stranding = stranding
         if models is None:
             models = validate_snapshot(Snapshot.model_construct(nodes=list(nodes), pending=[], workload=[]),
                                        self.catalog)
@@ -100,7 +103,8 @@ class PlanningSession:
     def objective(self, workload: list[DemandKind]) -> tuple[Objective, np.ndarray | None, NodeTerms]:
         key = tuple(workload)
         if self._objective is None or self._objective[0] != key:
-            obj = Objective(workload, self.problem.nodes)
+            obj = Objective(workload, self.problem.nodes,
+                            node_caps(self.problem.nodes, self.problem.gpus) if self.stranding else ())
             cls = None
             rooms = None
             if obj.active:

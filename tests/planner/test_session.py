@@ -86,6 +86,20 @@ def test_cpu_only_pods_go_to_nodes_without_gpus_first_then_where_they_strand_lea
     assert session.place_cpu_pod(10**9, 0, workload) is None
 
 
+def test_cpu_only_pods_leave_the_cpu_that_gpus_will_need():
+    """The stranding term: a 32-core pod fits both empty nodes and leaves every kind fitting on
+    each (FGD's usable capacity moves on neither), but on the 8-GPU, 96-core node it takes CPU
+    its GPUs will need at 11 cores per GPU; the 2-GPU, 104-core node has CPU to spare."""
+    from dynpart.snapshot import RequestShare
+    nodes = [Node(name="g2", mode="mps", gpu_model="H100-80GB", cpu_milli_free=96_000,
+                  gpus=[Gpu(index=g) for g in range(8)]),
+             Node(name="t4", mode="mps", gpu_model="H100-80GB", cpu_milli_free=104_000,
+                  gpus=[Gpu(index=g) for g in range(2)])]
+    workload = [RequestShare(resource="nvidia.com/gpu", cpu_milli=11_000)]
+    session = PlanningSession(nodes, default_catalog())
+    assert session.place_cpu_pod(32_000, 0, workload) == "t4"
+
+
 def test_a_session_refuses_bad_pods_like_plan():
     import pytest
 
@@ -96,7 +110,7 @@ def test_a_session_refuses_bad_pods_like_plan():
 
 
 def test_a_sessions_rooms_follow_the_nodes_cpu_and_memory():
-    """The rooms of each node's CPU and memory in the objective's steps, which a session keeps
+    """The rooms of each node's CPU and memory in the objective's kinds' steps, which a session keeps
     and updates where a plan or a CPU-only pod takes CPU and memory, are those computed afresh."""
     import numpy as np
 
@@ -121,6 +135,7 @@ def test_a_sessions_rooms_follow_the_nodes_cpu_and_memory():
         assert session._objective is not None
         obj, kept = session._objective[1], session._objective[4]
         assert kept is not None
-        assert np.array_equal(kept.cpu, rooms(session.cpu, obj.cpu_steps))
-        assert np.array_equal(kept.mem, rooms(session.mem, obj.mem_steps))
+        assert np.array_equal(kept.cpu, rooms(session.cpu, obj.kind_cpu_steps))
+        assert np.array_equal(kept.mem, rooms(session.mem, obj.kind_mem_steps))
+        assert np.array_equal(kept.grid, rooms(session.cpu, obj.cpu_steps))
     assert placed > 10
