@@ -282,8 +282,9 @@ class ClusterView:
     # plain GPU pool), left out of planning and of the learnt request distribution without an
     # Event; (pod, why) for the log
     elsewhere: list[tuple[dict[str, Any], str]] = field(default_factory=list)
-    # pending pod -> the dynpart nodes that could ever take it (mode, nodeSelector, required node
-    # affinity), those left out of this round too
+    # pending pod -> the dynpart nodes that could take it (mode, nodeSelector, required node
+    # affinity; not those its conflicts or missing resources exclude), those left out of this
+    # round too
     hosts: dict[str, frozenset[str]] = field(default_factory=dict)
     # pending pods left to the next round -> the older pod this round plans that they conflict
     # with (pod_conflicts: anti-affinity, host ports), which the next round counts as placed
@@ -918,7 +919,9 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             asked[wants.name] = wants
             if excluded:
                 wants = avoiding(wants, set(excluded))
-            host_names[wants.name] = admitting
+            # the nodes that could take it now: when this round leaves all of them out, the
+            # planner's reason would name the avoiding term above as the pod's own affinity
+            host_names[wants.name] = admitting - excluded
             pending.append(wants)
             candidates[pod_key(pod)] = pod
             if isinstance(known_resource(pending[-1].resource), MpsResource):

@@ -1154,6 +1154,23 @@ async def test_the_round_warns_of_mps_pods_without_host_ipc_invalid_nodes_and_ca
     assert message.startswith("the GPU driver and the catalog differ")
 
 
+async def test_a_pod_whose_usable_nodes_wait_for_their_agent_is_not_told_of_dynparts_own_exclusions(make):
+    """n1 is in the round but a pod bound there holds the host port the pod asks for (dynpart's
+    own avoiding term keeps the plan off it); n2, which could take it, has not reported yet. The
+    Event names n2's agent, not a required node affinity the pod does not have (an e2e run once
+    posted that)."""
+    c = make([reported("n1"), node("n2")])
+    web = pod("web", {}, node="n1", phase="Running", unschedulable=False)
+    a = pod("a", {MIG_1G: "1"})
+    for p in (web, a):
+        p["spec"]["containers"][0]["ports"] = [{"containerPort": 80, "hostPort": 8080, "protocol": "TCP"}]
+    c.pods.cache["ml/web"], c.pods.cache["ml/a"] = web, a
+    await c.plan_round()
+    [(message, warning, _)] = c.api.of("Unplaceable")
+    assert warning and "the node(s) that could take it (n2) wait for their agent" in message, message
+    assert "affinity" not in message, message
+
+
 async def test_a_pod_whose_nodes_are_left_out_is_told_which_wait_for_their_agent(make):
     """n1 alone admits the pod, and its agent has not reported; n2 has not either but the pod cannot
     use it: only n1 is named. A node whose revocation is in flight waits for its agent too (no plan
