@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import dataclass
 
 from dynpart.catalog import Catalog
@@ -15,6 +15,7 @@ from dynpart.simulations.inputs.traces import TracePod
 from dynpart.simulations.packing.dynpart_packing import MAX_BATCH, DynpartPacking, fgd_typical_pods, trace_workload
 from dynpart.simulations.packing.protocol import PackingPolicy, PackingResult, run_packing
 from dynpart.simulations.packing.reference_schedulers import BestFit, Random
+from dynpart.simulations.workers import worker_pool
 
 POLICIES = ("dynpart", "best-fit", "random", "fgd")
 
@@ -87,17 +88,13 @@ def run_jobs(jobs: list[PackingJob], pods: Sequence[TracePod], cluster: ClusterS
             if on_done:
                 on_done(results[i], len(results))
     else:
-        with ProcessPoolExecutor(max_workers=min(n_procs, len(jobs)), initializer=_init_worker,
-                                 initargs=(pods, cluster, catalog)) as pool:
+        # (a job that fails, or Ctrl-C, stops the others: `worker_pool`)
+        with worker_pool(min(n_procs, len(jobs)), _init_worker, (pods, cluster, catalog)) as pool:
             futures = {pool.submit(_run_in_worker, job): i for i, job in enumerate(jobs)}
-            try:
-                for fut in as_completed(futures):
-                    results[futures[fut]] = fut.result()
-                    if on_done:
-                        on_done(results[futures[fut]], len(results))
-            except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)  # a job failed: the others not started never run
-                raise
+            for fut in as_completed(futures):
+                results[futures[fut]] = fut.result()
+                if on_done:
+                    on_done(results[futures[fut]], len(results))
     return [results[i] for i in range(len(jobs))]
 
 

@@ -28,7 +28,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,6 +53,7 @@ from dynpart.simulations.replay.mapping import RULES, request_for, static_conten
 from dynpart.simulations.replay.summary import best_static, change_pct, change_s, gpu_waits, summary
 from dynpart.simulations.reporting import plots, report
 from dynpart.simulations.reporting.progress import Progress
+from dynpart.simulations.workers import worker_pool
 
 DEFAULT_CLUSTER = "8x8xH100-80GB"
 _COST = {"nos": 0, "dynpart": 1, "static": 2}  # slowest first, to keep the processes busy
@@ -308,24 +309,21 @@ def _run_jobs(jobs: list[Job], parts: list[Part], catalog: Catalog, n_proc: int)
         out: dict[int, ReplayResult] = {}
         prog = Progress("simulate", len(jobs))
         try:
-            with ProcessPoolExecutor(max_workers=min(n_proc, len(jobs))) as pool:
+            # (a replay that fails, or Ctrl-C, stops the others: `worker_pool`)
+            with worker_pool(min(n_proc, len(jobs))) as pool:
                 futures = {pool.submit(_one, (parts[jobs[i].part].trace.pods, parts[jobs[i].part].cluster, catalog,
                                               jobs[i].opts)): i for i in order}
-                try:
-                    # woken every second, not only when a replay ends: the periodic line (or the
-                    # bar's clock) shows a run of minutes is alive
-                    pending = set(futures)
-                    while pending:
-                        finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-                        note = f"{len(pending)} running"
-                        for f in finished:
-                            i = futures[f]
-                            out[i] = f.result()
-                            note = f"{parts[jobs[i].part].name} {_label(jobs[i])} done ({out[i].wall_s:.0f}s)"
-                        prog.update(len(out), note)
-                except BaseException:
-                    pool.shutdown(wait=False, cancel_futures=True)  # a replay failed: run no other
-                    raise
+                # woken every second, not only when a replay ends: the periodic line (or the
+                # bar's clock) shows a run of minutes is alive
+                pending = set(futures)
+                while pending:
+                    finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                    note = f"{len(pending)} running"
+                    for f in finished:
+                        i = futures[f]
+                        out[i] = f.result()
+                        note = f"{parts[jobs[i].part].name} {_label(jobs[i])} done ({out[i].wall_s:.0f}s)"
+                    prog.update(len(out), note)
         finally:
             prog.close()
         return [out[i] for i in range(len(jobs))]
