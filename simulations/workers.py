@@ -17,6 +17,9 @@ from typing import Any
 
 def _start_worker(initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
+    # a forked worker inherits the parent's handlers: one for SIGTERM (an asyncio loop's, say)
+    # would keep terminate() from stopping it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if initializer is not None:
         initializer(*initargs)
 
@@ -38,6 +41,10 @@ def worker_pool(workers: int, initializer: Callable[..., None] | None = None,
         pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             process.terminate()
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():  # (a worker still starting, its handlers not yet reset)
+                process.kill()
         raise
     finally:
         pool.shutdown(wait=True)

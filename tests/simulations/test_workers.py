@@ -20,8 +20,8 @@ def _sleep(seconds: float) -> float:
     return seconds
 
 
-def _sigint_handler(_: int) -> bool:
-    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+def _handlers(_: int) -> tuple[bool, bool]:
+    return signal.getsignal(signal.SIGINT) == signal.SIG_IGN, signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
 def _remember(value: int) -> None:
@@ -32,13 +32,22 @@ def _remembered(_: int) -> str:
     return os.environ.get("DYNPART_TEST_WORKER", "")
 
 
-def test_workers_ignore_sigint_and_run_the_initializer():
+@pytest.fixture
+def parent_sigterm_handler():
+    """A SIGTERM handler in the parent, as the planner's and the agent's CLIs install (and a test
+    run in this process may have left): forked workers inherit it."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_workers_ignore_sigint_die_on_sigterm_and_run_the_initializer(parent_sigterm_handler):
     with worker_pool(2, _remember, (7,)) as pool:
-        assert list(pool.map(_sigint_handler, range(2))) == [True, True]
+        assert list(pool.map(_handlers, range(2))) == [(True, True), (True, True)]
         assert list(pool.map(_remembered, range(2))) == ["7", "7"]
 
 
-def test_an_error_in_the_parent_stops_the_running_jobs_without_waiting_for_them():
+def test_an_error_in_the_parent_stops_the_running_jobs_without_waiting_for_them(parent_sigterm_handler):
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         with worker_pool(2) as pool:
