@@ -176,6 +176,7 @@ class Agent:
         self._drain: tuple[int, ...] = ()  # the GPUs the spec applied last drains
         self.unhealthy: dict[int, str] = {}  # GPU index -> why the driver says it is unhealthy (last pass)
         self.held_elsewhere: dict[str, list[str]] = {}  # device id -> its holders under another name (last lists)
+        self._node_read: NodeView | None = None  # the node as the pass running read it
         self._indices: set[int] = set()  # the GPU indices the driver has listed
         # early publishing (publish_allocatable): what the node's allocatable should show (the last
         # _publish's counts); a node that shows otherwise (the kubelet's own status write after its
@@ -270,8 +271,10 @@ class Agent:
         started = time.perf_counter()
         try:
             report = await self._pass()
-        except Exception:
+        except Exception as e:
             metrics.PASSES.labels("error").inc()
+            if not isinstance(e, DynpartError) and self._node_read is not None:
+                await self._report_unexpected(self._node_read, e)
             raise
         metrics.PASSES.labels("error" if report.failed else "ok").inc()
         metrics.PASS_SECONDS.observe(time.perf_counter() - started)
@@ -280,7 +283,8 @@ class Agent:
 
     async def _pass(self) -> PassReport:
         self.held_elsewhere = {}  # found again by this pass's lists, if it lists devices
-        node = await self.node_api.get()
+        self._node_read = None
+        node = self._node_read = await self.node_api.get()
         try:
             # read once for what the pass decides before it acts; what acts reads again, and what
             # guards a destroy reads right before it
@@ -759,6 +763,17 @@ class Agent:
         status[STATUS_HEARTBEAT] = format_heartbeat(self.now())
         await self._write(node, status)
         return PassReport(None, status.get(STATUS_PLAN), [error], status, failed=True)
+
+    async def _report_unexpected(self, node: NodeView, error: Exception) -> None:
+        """A pass that failed on what the agent did not expect (a bug, a library's own error) says
+        so in the node's status, as a pass that failed on the driver does: else the status goes on
+        saying what the last good pass saw, and only the agent's log tells why nothing changes.
+        Best effort: the failure itself is raised and logged either way."""
+        why = f"the pass failed unexpectedly ({type(error).__name__}: {error}); the agent's log has the traceback"
+        try:
+            await self._report_failure(node, why)
+        except Exception as e:  # the API may be what failed: the caller logs the pass's own error
+            log.debug("node %s: reporting the failed pass: %s", self.node, e)
 
     async def _write(self, node: NodeView, status: dict[str, str]) -> None:
         patch = annotation_patch(node.annotations, status, prefix=STATUS_PREFIX)

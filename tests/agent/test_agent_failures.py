@@ -281,3 +281,42 @@ async def test_gpus_that_cannot_be_read_while_serving_are_all_reported_unhealthy
     agent.views = lost  # type: ignore[method-assign]  # NVML fails while the devices are listed
     await agent.reconcile_once()
     assert rig.node_api.annotations.get("dynpart.io/status-unhealthy") == "0,1"
+
+
+async def test_a_pass_that_fails_unexpectedly_says_so_in_the_nodes_status():
+    """An error the agent does not expect (a bug, a library's own exception) still ends the pass
+    with the node's status naming it, as a driver error does; the next good pass clears it."""
+    driver = FakeNvml(H100, 1)
+    node_api = FakeNodeApi("node-1")
+    agent = Agent("node-1", node_api=node_api, driver=driver, pods=FakePodResources(), catalog=CATALOG,
+                  now=lambda: NOW, interval_s=0.01)
+    await agent.reconcile_once()
+    assert STATUS_ERROR not in node_api.annotations
+    listed = driver.devices
+
+    def broken() -> list:
+        raise KeyError("gpu-uuid")
+    driver.devices = broken  # type: ignore[method-assign]
+    with pytest.raises(KeyError):
+        await agent.reconcile_once()
+    assert "failed unexpectedly (KeyError: 'gpu-uuid')" in node_api.annotations[STATUS_ERROR]
+    driver.devices = listed  # type: ignore[method-assign]
+    await agent.reconcile_once()
+    assert STATUS_ERROR not in node_api.annotations
+
+
+async def test_a_pass_that_fails_unexpectedly_raises_its_own_error_when_the_status_cannot_be_written():
+    driver = FakeNvml(H100, 1)
+    node_api = FakeNodeApi("node-1")
+    agent = Agent("node-1", node_api=node_api, driver=driver, pods=FakePodResources(), catalog=CATALOG,
+                  now=lambda: NOW, interval_s=0.01)
+
+    def broken() -> list:
+        raise ValueError("a bug")
+
+    async def refused(**_: object) -> None:
+        raise ConnectionResetError("the API server went away")
+    driver.devices = broken  # type: ignore[method-assign]
+    node_api.patch = refused  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="a bug"):
+        await agent.reconcile_once()
