@@ -40,10 +40,11 @@ from dynpart.planner.objective import (
     numpy_sum,
     room,
     rooms,
+    slice_share,
 )
 from dynpart.planner.problem import KIND_GPU, Problem, Request
 from dynpart.planner.state import GpuState, new_state
-from dynpart.planner.types import Assignment, MigSliceRef, MpsSliceRef, Option, Placements, SliceRef
+from dynpart.planner.types import Assignment, Option, Placements, SliceRef
 
 # how many nodes a multi-slice pod tries before giving up
 _MULTI_SLICE_NODE_TRIES = 64
@@ -856,21 +857,11 @@ class Greedy:
         key = (ask, self.objective.node_fc_list[n])  # (a feed class has one model and capacity)
         share = self._shares.get(key)
         if share is None:
-            share = self._shares[key] = self._share_on(ask, n)
+            # the most where unknown, and at most a GPU: overstated, it only lowers the bound
+            node = self.problem.nodes[n]
+            one = slice_share(ask, node, self.problem.gpus[node.gpus[0]].capacity if node.gpus else 0)
+            share = self._shares[key] = 1.0 if one is None else min(1.0, one)
         return share
-
-    def _share_on(self, ask: SliceRef, n: int) -> float:
-        node = self.problem.nodes[n]
-        if isinstance(ask, MigSliceRef):
-            rules = self.problem.gpus[node.gpus[0]].rules if node.gpus else None
-            p = rules.index.get(ask.profile) if rules is not None else None
-            if rules is None or p is None or not node.model.memory_slices:
-                return 1.0
-            return min(1.0, rules.memory[p] / node.model.memory_slices)
-        if isinstance(ask, MpsSliceRef) and node.gpus:
-            cap = self.problem.gpus[node.gpus[0]].capacity
-            return min(1.0, ask.size / cap) if cap > 0 else 1.0
-        return 1.0
 
     def _moves_one(self, n: int, cpu: int, mem: int) -> bool:
         """`_moves` of one node for a pod taking `cpu` and `mem` (>= 0) of it."""

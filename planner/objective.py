@@ -88,19 +88,25 @@ FEED_MEMORY = False
 def gpu_share(kind: DemandKind, node: NodeInfo, cap: int) -> float:
     """The GPUs one pod of `kind` takes on a GPU of `node` (MPS capacity `cap`): a slice as its
     share of the GPU; 0 where the node's GPUs cannot host it."""
-    ref = kind.ref
+    share = slice_share(kind.ref, node, cap, kind.count)
+    return share if share is not None else 0.0
+
+
+def slice_share(ref: SliceRef, node: NodeInfo, cap: int, count: int = 1) -> float | None:
+    """The GPUs `count` slices `ref` take on GPUs of `node` (MPS capacity `cap`): a MIG profile's
+    memory slices, an MPS slice's size, whole GPUs; None where the node's GPUs cannot host it."""
     if isinstance(ref, MigSliceRef):
         if node.mode != "mig" or not node.model.memory_slices:
-            return 0.0
+            return None
         rules = MigRules.of(node.model)
         p = rules.index.get(ref.profile)
-        return kind.count * rules.memory[p] / node.model.memory_slices if p is not None else 0.0
+        return count * rules.memory[p] / node.model.memory_slices if p is not None else None
     if node.mode == "mig" or cap <= 0:
-        return 0.0
+        return None
     if ref is WHOLE_GPU:
-        return float(kind.count)
+        return float(count)
     assert isinstance(ref, MpsSliceRef)
-    return kind.count * ref.size / cap if ref.size <= cap else 0.0
+    return count * ref.size / cap if ref.size <= cap else None
 
 
 def node_caps(nodes: Sequence[NodeInfo], gpus: Sequence[GpuInfo]) -> list[int]:
