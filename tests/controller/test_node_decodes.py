@@ -246,8 +246,8 @@ def test_another_catalog_decodes_every_node_again():
     assert not view.snapshot.nodes and decodes.decoded == 2
 
 
-async def test_the_controllers_rounds_keep_their_decodes(monkeypatch):
-    """The controller's rounds decode an unchanged node once."""
+def quiet_controller(monkeypatch: Any, api: client.ApiClient) -> PlannerController:
+    """A controller whose node writes and Events go nowhere, for rounds on its caches."""
     async def fake_patch(*args: Any, **kwargs: Any) -> dict[str, Any]:
         return {}
 
@@ -255,8 +255,14 @@ async def test_the_controllers_rounds_keep_their_decodes(monkeypatch):
         pass
 
     monkeypatch.setattr(controller_module, "patch_node_annotations", fake_patch)
-    c = PlannerController(client.ApiClient(), PlannerSettings(), CAT)
+    c = PlannerController(api, PlannerSettings(), CAT)
     c.events = EventRecorder(post, c.settings.kube)
+    return c
+
+
+async def test_the_controllers_rounds_keep_their_decodes(monkeypatch):
+    """The controller's rounds decode an unchanged node once."""
+    c = quiet_controller(monkeypatch, client.ApiClient())
     c.nodes.cache.update({n["metadata"]["name"]: n for n in (variant("n1", 2, 0, 0, 0), variant("n2", 2, 0, 0, 0))})
     # no node has the CPU: no plan, and every round reads both nodes
     c.pods.cache["ml/big"] = pod("big", {"nvidia.com/mig-7g.80gb": "1", "cpu": "100"})
