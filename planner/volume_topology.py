@@ -198,7 +198,9 @@ class VolumeTopology:
         (None, False, None) when none is. Once every claim passes those checks, one not bound
         yet that binds immediately (`_unbound_immediate`; lasting: it waits for the
         PersistentVolume controller, which may never find or make a volume), and one bound to a
-        volume that does not exist (lasting)."""
+        volume the volume watch has not seen (not lasting: a volume just made can reach the claim
+        watch's binding first, and one that does not exist turns its claim Lost, the PersistentVolume
+        controller's syncBoundClaim, which lasts)."""
         for key, ephemeral in _claims(pod):
             claim = self.claims.get(key)
             if claim is None:
@@ -229,9 +231,10 @@ class VolumeTopology:
             name = str(as_dict(claim.get("spec")).get("volumeName"))
             if fully_bound(claim) and name not in self.volumes:
                 # checkBoundClaims: "node(s) unavailable due to one or more pvc(s) bound to
-                # non-existent pv(s)", on every node; the claim turns Lost soon after
-                return (f"its PersistentVolumeClaim {key} is bound to PersistentVolume {name}, which does not exist "
-                        "(the scheduler binds it nowhere while it does not)"), True, key
+                # non-existent pv(s)", on every node, for the scheduler's cache as for this one
+                return (f"its PersistentVolumeClaim {key} is bound to PersistentVolume {name}, which is not listed "
+                        "yet (the scheduler binds it nowhere until it is; a volume that does not exist turns the "
+                        "claim Lost)"), False, key
         return None, False, None
 
     def narrow(self, pending: PendingPod, pod: Mapping[str, Any]) -> PendingPod:

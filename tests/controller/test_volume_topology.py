@@ -186,15 +186,19 @@ def test_a_lost_claim_or_an_ephemeral_claim_of_another_pod_is_not_planned():
     assert [p.name for p in view.snapshot.pending] == ["ml/b"]
 
 
-def test_a_pod_whose_claim_is_bound_to_a_volume_that_does_not_exist_is_not_planned():
+def test_a_pod_whose_claim_is_bound_to_a_volume_not_listed_is_not_planned_nor_reported():
     """The scheduler's checkBoundClaims makes every node unavailable to a pod whose bound claim's
-    PersistentVolume does not exist ("pvc(s) bound to non-existent pv(s)"), in the moments before
-    the claim turns Lost; a bound claim whose volume exists is planned."""
+    PersistentVolume it has not seen ("pvc(s) bound to non-existent pv(s)"): a volume just made
+    whose claim's binding the claim watch gave first, or one gone, whose claim the PersistentVolume
+    controller turns Lost (reported then). A round's wait, without an Event; a bound claim whose
+    volume is listed is planned."""
     nodes = nodes4()
-    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology(claim("c", "pv-gone")))
-    assert not view.snapshot.pending
-    assert "ml/c is bound to PersistentVolume pv-gone, which does not exist" in view.blocked[0][1]
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology(claim("c", "pv-new")))
+    assert not view.snapshot.pending and not view.blocked
     assert view.awaiting_claims == {"ml/c": ["ml/a"]}
+    lost = claim("c", "pv-gone", phase="Lost")
+    view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology(lost))
+    assert "ml/c is Lost" in view.blocked[0][1]
     view = build_snapshot(nodes, [using("a", "c")], CAT, volumes=topology(claim("c", "pv-1"), volume("pv-1")))
     assert [p.name for p in view.snapshot.pending] == ["ml/a"]
 
