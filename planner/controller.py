@@ -167,6 +167,9 @@ class PlannerController:
         self._schedulers_told: set[str] = set()  # scheduler names whose pods were said not planned
         self._deferred: dict[str, str] = {}  # pods the last round left to the next -> for whom (ClusterView.deferred)
         self._awaiting_claims: dict[str, list[str]] = {}  # claim -> pods the last round left for it (_on_claim)
+        # volume name, class name -> the claims of `_awaiting_claims` naming it, as the round left them
+        # (a claim that changes since wakes its pods itself): a volume or class event looks up its own
+        self._awaiting_by: dict[tuple[str, str], list[str]] = {}
         # of those, the ones left for a pod the round's plan could not place (not: placed, but its
         # node's write failed; nor a round that never planned): only these are not left again
         self._left_for_unplaced: dict[str, str] = {}
@@ -299,27 +302,39 @@ class PlannerController:
             self.wake.set()
 
     def _wake_awaiting(self, claims: list[str]) -> None:
-        """The pods the last round left for these claims are planned again now."""
+        """The pods the last round left for these claims (those still waiting) are planned again now."""
+        woken = False
         for key in claims:
-            self.loop.facts_changed(self._awaiting_claims.pop(key), self.clock())
-        if claims:
+            pods = self._awaiting_claims.pop(key, None)
+            if pods is not None:
+                self.loop.facts_changed(pods, self.clock())
+                woken = True
+        if woken:
             self.wake.set()
+
+    def _index_awaiting(self) -> None:
+        """`_awaiting_by` of the claims the round left pods for, as the claims cache has them now."""
+        self._awaiting_by = {}
+        for key in self._awaiting_claims:
+            claim = self.claims.cache.get(key)
+            if claim is None:
+                continue
+            volume = (claim.get("spec") or {}).get("volumeName")
+            if volume:
+                self._awaiting_by.setdefault(("volume", str(volume)), []).append(key)
+            self._awaiting_by.setdefault(("class", str(claim_class(claim))), []).append(key)
 
     def _on_volume(self, kind: str, volume: Obj) -> None:
         # a PersistentVolume made: the pods the last round left for a claim bound to it (a volume
         # not listed yet, or not made yet) are planned again now
         name = (volume.get("metadata") or {}).get("name")
-        woken = [key for key in self._awaiting_claims if (claim := self.claims.cache.get(key)) is not None
-                 and ((claim.get("spec") or {}).get("volumeName")) == name]
-        self._wake_awaiting(woken)
+        self._wake_awaiting(self._awaiting_by.pop(("volume", str(name)), []))
 
     def _on_class(self, kind: str, storage_class: Obj) -> None:
         # a StorageClass made or changed: the pods the last round left for a claim of that class
         # not bound yet (its class missing, or binding immediately) are planned again now
         name = (storage_class.get("metadata") or {}).get("name")
-        woken = [key for key in self._awaiting_claims
-                 if (claim := self.claims.cache.get(key)) is not None and claim_class(claim) == name]
-        self._wake_awaiting(woken)
+        self._wake_awaiting(self._awaiting_by.pop(("class", str(name)), []))
 
     def _claims_changed_meanwhile(self, claims: Mapping[str, Obj], volumes: Mapping[str, Obj],
                                   classes: Mapping[str, Obj] | None) -> None:
@@ -849,6 +864,7 @@ class PlannerController:
         self._deferred = dict(view.deferred)
         self._awaiting_claims = dict(view.awaiting_claims)
         self._claims_changed_meanwhile(claims, volumes, classes)
+        self._index_awaiting()
         self._left_for_unplaced = {}  # set once a plan has been made (below)
         self.loop.facts_changed(view.deferred, self.clock())
         await self._tell_backoffs()
