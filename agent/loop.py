@@ -52,7 +52,16 @@ from dynpart.agent.mps_daemon import MpsDaemon
 from dynpart.agent.mps_plugin import MpsPluginAgent
 from dynpart.agent.nodepods import NodePods
 from dynpart.agent.podresources import AssignedDevice, DeviceIds, PodResources, base_device_id
-from dynpart.annotations import MAX_GPU_INDEX, DecodedSpec, annotation_patch, decode_spec, encode_status, format_heartbeat, is_plan_id
+from dynpart.annotations import (
+    MAX_GPU_INDEX,
+    DecodedSpec,
+    annotation_patch,
+    decode_spec,
+    encode_status,
+    error_text,
+    format_heartbeat,
+    is_plan_id,
+)
 from dynpart.capability import encode_capability, node_model
 from dynpart.catalog import Catalog, GpuModel
 from dynpart.errors import DynpartError
@@ -757,7 +766,7 @@ class Agent:
 
     async def _report_failure(self, node: NodeView, error: str, unhealthy: set[int] | None = None) -> PassReport:
         status = {k: v for k, v in node.annotations.items() if k.startswith(STATUS_PREFIX)}
-        status[STATUS_ERROR] = error
+        status[STATUS_ERROR] = error_text(error)
         if unhealthy:
             status[STATUS_UNHEALTHY] = ",".join(map(str, sorted(i for i in unhealthy if 0 <= i <= MAX_GPU_INDEX)))
         status[STATUS_HEARTBEAT] = format_heartbeat(self.now())

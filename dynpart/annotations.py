@@ -254,6 +254,12 @@ def _join_errors(errors: list[str] | tuple[str, ...]) -> str:
     return text
 
 
+def error_text(error: str) -> str:
+    """One error as `encode_status` writes it into STATUS_ERROR: one line, cut to MAX_ERROR_CHARS
+    (an exception's message may be any length and span lines)."""
+    return _join_errors([error])
+
+
 def annotation_patch(old: Mapping[str, str] | None, new: Mapping[str, str],
                      prefix: str = SPEC_PREFIX) -> dict[str, str | None]:
     """A JSON merge patch of `metadata.annotations` turning `old` into `new` for the keys under
@@ -640,5 +646,5 @@ __all__ = [
     "DecodedSpec", "DecodedStatus", "PARTITIONING_LABEL", "PREFIX", "SPEC_DRAIN", "SPEC_MODE", "SPEC_PLAN", "SPEC_PODS",
     "SPEC_PREFIX", "SPEC_TERM", "STATUS_CAPABILITY", "STATUS_ERROR", "STATUS_HEARTBEAT", "STATUS_MODE",
     "STATUS_PLAN", "STATUS_PREFIX", "STATUS_UNHEALTHY", "annotation_patch", "canonical_layout", "decode_fencing", "decode_spec",
-    "decode_status", "encode_spec", "encode_status", "format_heartbeat", "is_plan_id", "keeping_spec",
+    "decode_status", "encode_spec", "encode_status", "error_text", "format_heartbeat", "is_plan_id", "keeping_spec",
 ]

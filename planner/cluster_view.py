@@ -471,40 +471,50 @@ def _bound_usage(pod: dict[str, Any]) -> _BoundUsage:
 class BoundUsage:
     """`_bound_usage` of each bound pod, kept from one round to the next by the caller (the
     controller): at 1,000 nodes of 28 bound pods each, parsing their requests again took a third
-    of a round's `build_snapshot`. An entry serves the very object it was read from while its
-    metadata.resourceVersion is the one read: the API server gives an object that changes a new
-    one, and the watch caches replace it, never change it in place (the controller's rounds
-    rely on that already: they read the caches in a thread). A pod without a resourceVersion is
-    read each time. Entries of pods not given to a round are dropped (`retain`). One round at a
-    time: not thread-safe, and what it returns is shared between rounds, so never changed."""
+    of a round's `build_snapshot`. An entry serves the pod of its metadata.uid while its
+    metadata.resourceVersion is the one read: the API server gives every change of a pod a new
+    resourceVersion (a write of etcd, of that one object), and a pod made again under its name a
+    new uid. A pod without both is read each time. The pods themselves are not held (a quiet
+    leader or a standby would keep every pod of its last round alive). Entries of pods not given
+    to a round are dropped (`retain`). One round at a time: not thread-safe, and what it returns
+    is shared between rounds, so never changed."""
 
     def __init__(self) -> None:
-        # id of the pod -> (the pod, its resourceVersion, its usage): the pod held keeps its id its own
-        self._entries: dict[int, tuple[dict[str, Any], str, _BoundUsage]] = {}
+        self._entries: dict[str, tuple[str, _BoundUsage]] = {}  # uid -> (resourceVersion, usage)
         self.read = 0  # `_bound_usage` calls made (not served from an entry), for tests and measurements
 
     def usage(self, pod: dict[str, Any]) -> _BoundUsage:
-        version = (pod.get("metadata") or {}).get("resourceVersion")
-        if type(version) is not str or not version:
+        uid, version = _version(pod)
+        if uid is None:
             self.read += 1
-            self._entries.pop(id(pod), None)
             return _bound_usage(pod)
-        entry = self._entries.get(id(pod))
-        if entry is not None and entry[0] is pod and entry[1] == version:
-            return entry[2]
+        entry = self._entries.get(uid)
+        if entry is not None and entry[0] == version:
+            return entry[1]
         self.read += 1
         usage = _bound_usage(pod)
-        self._entries[id(pod)] = (pod, version, usage)
+        self._entries[uid] = (version, usage)
         return usage
 
     def retain(self, pods: Iterable[dict[str, Any]]) -> None:
-        """Forget the pods not in `pods` (gone, or replaced by a newer object)."""
-        keep = {id(p) for p in pods}
+        """Forget the pods not in `pods` (gone)."""
+        keep = {uid for p in pods if (uid := _version(p)[0]) is not None}
         for key in self._entries.keys() - keep:
             del self._entries[key]
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _version(pod: object) -> tuple[str | None, str]:
+    """(metadata.uid, metadata.resourceVersion) of a pod that has both (non-empty strings), else (None, "")."""
+    md = pod.get("metadata") if isinstance(pod, dict) else None
+    if not isinstance(md, dict):
+        return None, ""
+    uid, version = md.get("uid"), md.get("resourceVersion")
+    if type(uid) is not str or not uid or type(version) is not str or not version:
+        return None, ""
+    return uid, version
 
 
 def _strings(mapping: object) -> bool:

@@ -16,7 +16,7 @@ from dynpart.agent.kube import FakeNodeApi, FakePluginPods
 from dynpart.agent.loop import DRIVER_REPLACED_PASSES, Agent, DriverReplaced
 from dynpart.agent.nodepods import FakeNodePods
 from dynpart.agent.podresources import FakePodResources
-from dynpart.annotations import STATUS_ERROR, decode_status
+from dynpart.annotations import MAX_ERROR_CHARS, STATUS_ERROR, decode_status
 
 from .conftest import CATALOG, H100, NOW, mig_spec
 from .kubelet_double import Assignment
@@ -303,6 +303,15 @@ async def test_a_pass_that_fails_unexpectedly_says_so_in_the_nodes_status():
     driver.devices = listed  # type: ignore[method-assign]
     await agent.reconcile_once()
     assert STATUS_ERROR not in node_api.annotations
+
+    def verbose() -> list:  # a library's message: any length, over lines
+        raise ValueError("line\n" * 20_000)
+    driver.devices = verbose  # type: ignore[method-assign]
+    with pytest.raises(ValueError):
+        await agent.reconcile_once()
+    said = node_api.annotations[STATUS_ERROR]
+    assert said.startswith("the pass failed unexpectedly (ValueError: line line") and "\n" not in said
+    assert len(said) <= MAX_ERROR_CHARS
 
 
 async def test_a_pass_that_fails_unexpectedly_raises_its_own_error_when_the_status_cannot_be_written():

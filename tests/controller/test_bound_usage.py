@@ -59,7 +59,7 @@ def make(name: str, req: int, state: str, node: str) -> dict[str, Any]:
 POD_CHANGES = st.one_of(
     st.tuples(st.just("keep")),
     st.tuples(st.just("delete")),
-    # a newer object of the pod (an update: its uid kept), or a pod made again under its name
+    # a newer object of the pod (an update: its uid kept), or a pod made again under its name (a new uid)
     st.tuples(st.just("update"), st.integers(0, len(REQUESTS) - 1), st.sampled_from(STATES),
               st.sampled_from(["n1", "n2"])),
     st.tuples(st.just("again"), st.integers(0, len(REQUESTS) - 1), st.sampled_from(STATES),
@@ -126,11 +126,15 @@ def test_an_unchanged_pod_is_read_once_and_a_newer_object_again():
     assert usage.read == 4 and len(usage) == 3
     cpu = {n.name: n.cpu_milli_free for n in first.snapshot.nodes}
     assert {n.name: n.cpu_milli_free for n in second.snapshot.nodes} == {"n1": cpu["n1"], "n2": cpu["n2"] - 4000}
-    # an equal copy is another object: read again (the API server never gives one)
+    # a relist's copy (the same uid and resourceVersion: the same version of the pod) is served
     pods[0] = copy.deepcopy(pods[0])
     assert_same_round(pods, usage)
-    assert usage.read == 5
-    # a pod without a resourceVersion is read every round, and never kept
+    assert usage.read == 4
+    # a pod made again under its name (a new uid) is read again, and the old one forgotten
+    pods[0] = make("a", 2, "running", "n1")
+    assert_same_round(pods, usage)
+    assert usage.read == 5 and len(usage) == 3
+    # a pod without a resourceVersion is read every round, and not kept
     del pods[2]["metadata"]["resourceVersion"]
     assert_same_round(pods, usage)
     assert_same_round(pods, usage)
