@@ -8,6 +8,7 @@ object is left out; one bad object never stops the planning of the others.
 
 from __future__ import annotations
 
+import copy
 import math
 import posixpath
 import sys
@@ -15,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pydantic import ValidationError
 
@@ -406,7 +407,25 @@ def _decode(name: str, labels: Mapping[str, Any], annotations: Mapping[str, Any]
     return _Decoded(None, described, _status(decode_status(annotations, described.model, node=name)))
 
 
-class NodeDecodes:
+_Made = TypeVar("_Made")
+
+
+class _PerNode(Generic[_Made]):
+    """Entries kept per node name from one round to the next (`NodeDecodes`, `NodeViews`)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[Any, _Made]] = {}  # node name -> (what it was made from, what was made)
+
+    def retain(self, names: AbstractSet[str]) -> None:
+        """Forget the nodes not in `names` (gone, or no longer labelled)."""
+        for name in self._entries.keys() - names:
+            self._entries.pop(name, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class NodeDecodes(_PerNode[_Decoded]):
     """`_decode` of each node, kept from one round to the next by the caller (the controller): at
     2,000 nodes decoding their agents' annotations took most of a round's `node_view`, and most
     nodes do not change between two rounds. An entry serves the node of its name while its
@@ -419,8 +438,8 @@ class NodeDecodes:
     rounds, so never changed."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._catalog: Catalog | None = None
-        self._entries: dict[str, tuple[tuple[tuple[Any, ...], ...], _Decoded]] = {}
         self.decoded = 0  # `_decode` calls made (not served from an entry), for tests and measurements
 
     def decode(self, name: Any, labels: Mapping[str, Any], annotations: Mapping[str, Any],
@@ -441,14 +460,6 @@ class NodeDecodes:
         decoded = _decode(name, labels, annotations, catalog)
         self._entries[name] = (key, decoded)
         return decoded
-
-    def retain(self, names: AbstractSet[str]) -> None:
-        """Forget the nodes not in `names` (gone, or no longer labelled)."""
-        for name in self._entries.keys() - names:
-            self._entries.pop(name, None)
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,6 +526,42 @@ def _version(pod: object) -> tuple[str | None, str]:
     if type(uid) is not str or not uid or type(version) is not str or not version:
         return None, ""
     return uid, version
+
+
+class NodeViews(_PerNode[NodeView]):
+    """`node_view` of each node, kept from one round to the next by the caller (the controller),
+    with `NodeDecodes` and `BoundUsage`: at 1,000 nodes most nodes and their pods do not change
+    between two rounds, and building their views again (a model per GPU and per instance) took
+    about a third of a round. An entry serves the node of its name while everything `node_view`
+    reads is what it was built from: the decode of its labels and annotations (the same
+    `NodeDecodes` entry), its allocatable and spec (compared by content: tests change nodes in
+    place), and the pods counted there, each by uid and resourceVersion (`BoundUsage`'s rule; a
+    node with a pod lacking them is built each time). What it returns is shared between rounds,
+    so never changed. One round at a time: not thread-safe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.built = 0  # `node_view` calls made (not served from an entry), for tests and measurements
+
+    def view(self, node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: Catalog,
+             decodes: NodeDecodes, usage: BoundUsage | None) -> NodeView:
+        md = node.get("metadata", {})
+        name, labels, annotations = md.get("name", ""), md.get("labels") or {}, md.get("annotations") or {}
+        pods = [_version(p) for p in bound_pods]
+        status, spec = node.get("status"), node.get("spec")
+        alloc = status.get("allocatable") if isinstance(status, dict) else None
+        if type(name) is not str or any(uid is None for uid, _ in pods) or not (_strings(labels) and _strings(annotations)):
+            self.built += 1
+            return node_view(node, bound_pods, catalog, decodes, usage)
+        # (the decode is the one node_view makes: its entry, looked up once more)
+        key = (decodes.decode(name, labels, annotations, catalog), tuple(pods), alloc, spec)
+        entry = self._entries.get(name)
+        if entry is not None and entry[0][0] is key[0] and entry[0][1:] == key[1:]:
+            return entry[1]
+        self.built += 1
+        view = node_view(node, bound_pods, catalog, decodes, usage)
+        self._entries[name] = ((key[0], key[1], copy.deepcopy(alloc), copy.deepcopy(spec)), view)
+        return view
 
 
 def _strings(mapping: object) -> bool:
@@ -847,7 +894,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                    scheduler_names: Collection[str] = (DEFAULT_SCHEDULER,), in_flight: Mapping[str, str] | None = None,
                    no_defer: Mapping[str, AbstractSet[str]] | None = None, volumes: VolumeTopology | None = None,
                    mps_host_ipc: bool = False, other_nodes: Mapping[str, Mapping[str, str]] | None = None,
-                   decodes: NodeDecodes | None = None, usage: BoundUsage | None = None) -> ClusterView:
+                   decodes: NodeDecodes | None = None, usage: BoundUsage | None = None,
+                   node_views: NodeViews | None = None) -> ClusterView:
     """The snapshot of the labelled nodes and the batch candidates (see ClusterView). Nodes in
     `exclude_nodes` (awaiting an acknowledgement) and pods in `exclude_pods` (planned onto such
     nodes) are left out of this round. A pod in `reserved` (pod -> node: planned there, the plan
@@ -886,6 +934,8 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
         decodes.retain({str(_field(n, "metadata", "name") or "") for n in nodes})
     if usage is not None:
         usage.retain(pods)
+    if node_views is not None:
+        node_views.retain({str(_field(n, "metadata", "name") or "") for n in nodes})
     for node in sorted(nodes, key=lambda n: str(_field(n, "metadata", "name") or "")):
         name = str(_field(node, "metadata", "name") or "")
         labels = _field(node, "metadata", "labels")
@@ -899,7 +949,9 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
                 if target is not None:
                     switching[name] = target
                 continue
-            view = node_view(node, by_node.get(name, []), catalog, decodes, usage)
+            view = (node_views.view(node, by_node.get(name, []), catalog, decodes, usage)
+                    if node_views is not None and decodes is not None
+                    else node_view(node, by_node.get(name, []), catalog, decodes, usage))
         except DynpartError as e:
             problems.append((node, f"node {name} left out of planning: {e}"))
             continue

@@ -53,6 +53,7 @@ from dynpart.planner.cluster_view import (
     BoundUsage,
     ClusterView,
     NodeDecodes,
+    NodeViews,
     build_snapshot,
     can_revoke,
     is_batch_candidate,
@@ -184,6 +185,7 @@ class PlannerController:
         # one at a time, in their thread): at 2,000 nodes decoding them all took about a second a round
         self._decodes = NodeDecodes()
         self._usage = BoundUsage()  # the bound pods' requests as rounds read them
+        self._node_views = NodeViews()  # each node's view as a round built it
         self.nodes = Informer(self.core.list_node, self._on_node, name="nodes", label_selector=PARTITIONING_LABEL,
                               settings=settings.kube, transform=node_for_planning,
                               on_beat=lambda: self.liveness.beat("watch nodes"))
@@ -856,7 +858,7 @@ class PlannerController:
                                                     for name, n in self.other_nodes.cache.items()},
                                        volumes=VolumeTopology(claims, volumes, classes)
                                        if self.claims.synced.is_set() and self.volumes.synced.is_set() else None,
-                                       decodes=self._decodes, usage=self._usage)
+                                       decodes=self._decodes, usage=self._usage, node_views=self._node_views)
         self.liveness.beat("planning loop")  # (a round at scale takes seconds: each part of it beats)
         # pods left to the next round (their anti-affinity or host ports conflict with an older
         # pod's this round plans): they join the next batch at once (it closes at once if the

@@ -1,10 +1,12 @@
-"""The bound pods' requests kept from round to round (`BoundUsage`) never change a round's view:
-a round with them gives exactly what a round without them gives, whatever happened to the pods in
-between as the API server does it (a pod replaced by a newer object, under a new resourceVersion;
-deleted; made again under its name; bound, resized, ended) or a fake one may (the same object
-changed under a new resourceVersion), and an unchanged pod is not read again.
-What it relies on: the API server's objects change only as new objects with a new resourceVersion
-(the watch caches replace them)."""
+"""The bound pods' requests and the nodes' views kept from round to round (`BoundUsage`,
+`NodeViews`) never change a round's view: a round with them gives exactly what a round without
+them gives, whatever happened in between to the pods as the API server does it (a pod replaced by
+a newer object, under a new resourceVersion; deleted; made again under its name; bound, resized,
+ended) or as a fake one may (the same object changed under a new resourceVersion), and to the
+nodes (changed in place too, under the same resourceVersion, as tests' fakes do); an unchanged pod
+is not read again, an unchanged node not built again. Pods are told apart by uid and
+resourceVersion (the API server changes an object only as a new one with a new resourceVersion),
+nodes by content."""
 
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubernetes_asyncio import client
 
-from dynpart.planner.cluster_view import BoundUsage, NodeDecodes, build_snapshot
+from dynpart.planner.cluster_view import BoundUsage, NodeDecodes, NodeViews, build_snapshot
 from tests.controller.test_cluster_view import pod
-from tests.controller.test_node_decodes import CAT, MIG_1G, comparable, quiet_controller, variant
+from tests.controller.test_node_decodes import CAT, MIG_1G, OPERATIONS, apply, comparable, quiet_controller, variant
 
 NODES = [variant(name, 1, 0, 0, 0) for name in ("n1", "n2")]
 _versions = itertools.count(100)
@@ -155,4 +157,45 @@ async def test_the_controllers_rounds_keep_the_bound_pods_usage(monkeypatch):
             await c.plan_round()
     finally:
         await api.close()
-    assert c._usage.read == 2
+    assert c._usage.read == 2 and c._node_views.built == 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(OPERATIONS, OPERATIONS, POD_CHANGES, POD_CHANGES, POD_CHANGES), min_size=1, max_size=6))
+def test_a_round_with_the_kept_views_sees_what_a_round_without_sees(rounds):
+    """Nodes changed (in place too, as tests' fakes do) and pods changed between rounds: a round
+    with the kept decodes, usage and views sees exactly what a round without them sees."""
+    cluster = {name: variant(name, 1, 0, 0, 0) for name in ("n1", "n2")}
+    names = ("a", "b", "c")
+    pods = {name: make(name, 0, "running", "n1" if name == "a" else "n2") for name in names}
+    kept = (NodeDecodes(), BoundUsage(), NodeViews())
+
+    def same() -> None:
+        fresh = build_snapshot(copy.deepcopy(list(cluster.values())), copy.deepcopy(list(pods.values())), CAT)
+        view = build_snapshot(list(cluster.values()), list(pods.values()), CAT, decodes=kept[0], usage=kept[1],
+                              node_views=kept[2])
+        assert comparable(view) == comparable(fresh)
+        assert len(kept[2]) <= len(cluster)
+
+    same()
+    for ops in rounds:
+        for name, op in zip(("n1", "n2"), ops[:2], strict=True):
+            apply(cluster, name, op)
+        for name, op in zip(names, ops[2:], strict=True):
+            change(pods, name, op)
+        same()
+
+
+def test_an_unchanged_node_is_built_once():
+    nodes = [variant(name, 1, 0, 0, 0) for name in ("n1", "n2")]
+    pods = [make("a", 0, "running", "n1"), make("b", 0, "running", "n2")]
+    kept = (NodeDecodes(), BoundUsage(), NodeViews())
+    for _ in range(3):
+        build_snapshot(nodes, pods, CAT, decodes=kept[0], usage=kept[1], node_views=kept[2])
+    assert kept[2].built == 2
+    pods[1] = make("b", 1, "running", "n2")  # a newer object of b: its node only
+    build_snapshot(nodes, pods, CAT, decodes=kept[0], usage=kept[1], node_views=kept[2])
+    assert kept[2].built == 3
+    nodes[0]["status"]["allocatable"]["cpu"] = "3"  # in place, under the same resourceVersion
+    view = build_snapshot(nodes, pods, CAT, decodes=kept[0], usage=kept[1], node_views=kept[2])
+    assert kept[2].built == 4 and {n.name: n.cpu_milli_free for n in view.snapshot.nodes}["n1"] == 1000
