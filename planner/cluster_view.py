@@ -547,21 +547,38 @@ class NodeViews(_PerNode[NodeView]):
              decodes: NodeDecodes, usage: BoundUsage | None) -> NodeView:
         md = node.get("metadata", {})
         name, labels, annotations = md.get("name", ""), md.get("labels") or {}, md.get("annotations") or {}
-        pods = [_version(p) for p in bound_pods]
-        status, spec = node.get("status"), node.get("spec")
-        alloc = status.get("allocatable") if isinstance(status, dict) else None
-        if type(name) is not str or any(uid is None for uid, _ in pods) or not (_strings(labels) and _strings(annotations)):
+        pods = tuple(_version(p) for p in bound_pods)
+        rest = _rest_read(node)
+        if (type(name) is not str or rest is None or any(uid is None for uid, _ in pods)
+                or not (_strings(labels) and _strings(annotations))):
             self.built += 1
             return node_view(node, bound_pods, catalog, decodes, usage)
         # (the decode is the one node_view makes: its entry, looked up once more)
-        key = (decodes.decode(name, labels, annotations, catalog), tuple(pods), alloc, spec)
+        decoded = decodes.decode(name, labels, annotations, catalog)
         entry = self._entries.get(name)
-        if entry is not None and entry[0][0] is key[0] and entry[0][1:] == key[1:]:
+        if entry is not None and entry[0][0] is decoded and entry[0][1:] == (pods, rest):
             return entry[1]
         self.built += 1
         view = node_view(node, bound_pods, catalog, decodes, usage)
-        self._entries[name] = ((key[0], key[1], copy.deepcopy(alloc), copy.deepcopy(spec)), view)
+        self._entries[name] = ((decoded, pods, copy.deepcopy(rest)), view)
         return view
+
+
+def _rest_read(node: dict[str, Any]) -> tuple[Any, ...] | None:
+    """What `node_view` reads of a node beside its name, labels and annotations: allocatable, the
+    taints and the cordon; None where a part is not as the API server gives it (strings), so that
+    equal parts read the same (1 == 1.0 == True)."""
+    status, spec = node.get("status"), node.get("spec")
+    if not (status is None or type(status) is dict) or not (spec is None or type(spec) is dict):
+        return None
+    alloc = (status or {}).get("allocatable")
+    taints = (spec or {}).get("taints")
+    unschedulable = (spec or {}).get("unschedulable")
+    if not (alloc is None or _strings(alloc)) or not (unschedulable is None or type(unschedulable) is bool):
+        return None
+    if not (taints is None or (type(taints) is list and all(_strings(t) for t in taints))):
+        return None
+    return alloc, taints, unschedulable
 
 
 def _strings(mapping: object) -> bool:

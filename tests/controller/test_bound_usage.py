@@ -199,3 +199,24 @@ def test_an_unchanged_node_is_built_once():
     nodes[0]["status"]["allocatable"]["cpu"] = "3"  # in place, under the same resourceVersion
     view = build_snapshot(nodes, pods, CAT, decodes=kept[0], usage=kept[1], node_views=kept[2])
     assert kept[2].built == 4 and {n.name: n.cpu_milli_free for n in view.snapshot.nodes}["n1"] == 1000
+
+
+def test_a_node_whose_parts_are_not_strings_is_built_each_round():
+    """Parts the API server gives as strings, given otherwise (a fake's): equal values may read
+    differently (1 == True, and a quantity True is refused), and a status that is not a mapping
+    fails the node: such a node is built each round, never served from an entry."""
+    n1 = variant("n1", 1, 0, 0, 0)
+    n1["status"]["allocatable"]["cpu"] = 1
+    kept = (NodeDecodes(), BoundUsage(), NodeViews())
+
+    def same() -> None:
+        fresh = build_snapshot(copy.deepcopy([n1]), [], CAT)
+        view = build_snapshot([n1], [], CAT, decodes=kept[0], usage=kept[1], node_views=kept[2])
+        assert comparable(view) == comparable(fresh)
+
+    same()
+    n1["status"]["allocatable"]["cpu"] = True  # in place: equal to 1
+    same()
+    n1["status"] = "x"
+    same()
+    assert kept[2].built == 3 and not len(kept[2])
