@@ -532,7 +532,7 @@ class NodeViews(_PerNode[NodeView]):
     """`node_view` of each node, kept from one round to the next by the caller (the controller),
     with `NodeDecodes` and `BoundUsage`: at 1,000 nodes most nodes and their pods do not change
     between two rounds, and building their views again (a model per GPU and per instance) took
-    about a third of a round. An entry serves the node of its name while everything `node_view`
+    about half of a round once the bound pods' requests were kept. An entry serves the node of its name while everything `node_view`
     reads is what it was built from: the decode of its labels and annotations (the same
     `NodeDecodes` entry), its allocatable, taints and cordon (`_rest_read`, compared by content:
     tests change nodes in place), and the pods counted there, each by uid and resourceVersion
