@@ -842,8 +842,12 @@ class PlannerController:
         self._check_term()
         nodes = list(self.nodes.cache.values())
         pods = list(self.pods.cache.values())
+        # the plans on their way as the round starts (adopted ones too): one acknowledged while the
+        # round runs still explains why its node is out of the round (its pods are planned there next)
+        in_flight_at_start = dict(self.loop.in_flight)
         awaiting = self._awaiting_from_annotations()
         await self._adopt()
+        in_flight_at_start.update(self.loop.in_flight)
         claims, volumes = dict(self.claims.cache), dict(self.volumes.cache)
         classes = dict(self.classes.cache) if self.classes.synced.is_set() else None
         # in a thread: at 1,000 nodes and 10,000 pods reading them takes about a second of pure
@@ -1025,7 +1029,8 @@ class PlannerController:
             if hosts and not hosts & in_round:
                 # every node that could take it is out of this round: the planner's reason ("no
                 # node in mps mode") would mislead
-                applying = sorted(n for n in hosts if (f := self.loop.in_flight.get(n)) and not f.revoking)
+                applying = sorted(n for n in hosts if (f := self.loop.in_flight.get(n, in_flight_at_start.get(n)))
+                                  and not f.revoking)
                 if applying:  # a plan on its way there: the pod waits for it, nothing is wrong
                     (log.debug if reasons.get(u.pod) == "waiting" else log.info)(
                         "pod waits for its nodes' agents", extra={"fields": {"pod": u.pod, "nodes": applying[:5]}})

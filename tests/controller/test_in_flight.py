@@ -867,6 +867,32 @@ async def test_a_pod_whose_only_nodes_apply_a_plan_waits_without_a_misleading_ev
     assert "a 200 GB slice is bigger than every MPS GPU" in message, message
 
 
+async def test_a_plan_acknowledged_while_the_round_runs_still_explains_the_wait(make, monkeypatch):
+    """The node's agent acknowledges its plan while the round that left the node out is running
+    (the round awaits its writes and Events): the pod still only waits for it, without an Event
+    blaming the agent (a race the end-to-end test hit: the nodes left out are those of the round's
+    start, the plans in flight are read at its end)."""
+    spec = {"dynpart.io/spec-plan": "p1", "dynpart.io/spec-mode": "mps", "dynpart.io/spec-gpu-0-10gb": "1"}
+    status = encode_status(NodeLayout(node="m1", mode="mps", gpus=[GpuLayout(index=0)]), "p0")
+    m1 = node("m1", mode="mps", count=1, annotations={**status, **spec})
+    c = make([m1], Lead(term=3))
+    c.pods.cache["ml/big"] = pod("big", {"nvidia.com/gpu-200gb": "1"})
+    told = c._tell_backoffs
+
+    async def acknowledged_meanwhile() -> None:
+        assert "m1" in c.in_flight
+        m1["metadata"]["annotations"]["dynpart.io/status-plan"] = "p1"
+        c._acknowledged("m1", m1["metadata"]["annotations"], c.clock())  # what the node watch does
+        await told()
+    monkeypatch.setattr(c, "_tell_backoffs", acknowledged_meanwhile)
+    await c.plan_round()
+    assert "m1" not in c.in_flight and [r for r, _ in c.posted if r == "Unplaceable"] == []
+    monkeypatch.setattr(c, "_tell_backoffs", told)
+    await c.plan_round()
+    (message,) = [m for r, m in c.posted if r == "Unplaceable"]
+    assert "a 200 GB slice is bigger than every MPS GPU" in message, message
+
+
 async def test_a_node_back_in_dynpart_with_a_plan_for_pods_planned_elsewhere_has_it_revoked(make):
     """A node leaves dynpart (its label removed) with a plan in flight; its pod is planned onto
     another node; the label comes back and the node with its old, same-term spec: that spec would
