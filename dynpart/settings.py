@@ -116,6 +116,11 @@ class PlannerSettings(CommonSettings):
                                  "slices made for its pods stay theirs while the scheduler binds them (longer "
                                  "than the scheduler's 10 s maximum back-off)")
     resync_s: float = Field(default=15.0, gt=0, description="re-plan still pending pods at least this often")
+    allocatable_lag_s: float = Field(default=60.0, ge=0, description="free slices a node's agent reports beyond "
+                                     "its allocatable count of their resource are not planned for pods; they are "
+                                     "reported (log, SlicesNotAllocatable Event) once this lasts this long (the "
+                                     "kubelet writes new device counts at its next node status write, every 10 s "
+                                     "by default, after each reconfiguration with publish_allocatable off)")
     plan_time_limit_s: float = Field(default=0.5, ge=0, description="exact-search budget per plan (deterministic s)")
     demand_half_life_s: float = Field(default=3600.0, gt=0, description="the request distribution the objective keeps "
                                       "free capacity usable for is learnt from the pending pods seen, each counting "

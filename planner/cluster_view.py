@@ -262,6 +262,10 @@ class NodeView:
     kept: dict[str, str] = field(default_factory=dict)  # spec keys keeping GPUs not planned as they are
     # what is left of the resources beside CPU, memory and GPU slices (`_is_other`), as allocatable lists them
     room: dict[str, float] = field(default_factory=dict)
+    # (resource, why): free slices its agent reports beyond what allocatable lists of their
+    # resource, counted as used (`_unallocatable_as_used`); for a while after the agent made them
+    # this is the kubelet's status lagging, not a problem (the caller decides when to tell)
+    unallocatable: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -305,6 +309,10 @@ class ClusterView:
     # claim (namespace/name) -> the pods not planned for it (missing, being deleted, Lost, another
     # pod's): a change of that claim plans them again at once (the claims' watch wakes the loop)
     awaiting_claims: dict[str, list[str]] = field(default_factory=dict)
+    # (node, resource, why) per resource of a node with free slices its agent reports beyond
+    # what allocatable lists (NodeView.unallocatable): counted as used; a problem only once it
+    # lasts (the kubelet writes a new device count into allocatable at its next status write)
+    unallocatable: list[tuple[dict[str, Any], str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -691,7 +699,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         mem_free = max(0, int((parse_quantity(alloc.get("memory", 0)) - mem_used) // 2**20))
         room = {res: parse_quantity(q) - other_used[res] for res, q in alloc.items()
                 if res in other_used or _is_other(res)}
-        _unallocatable_as_used(name, gpus, alloc, problems)
+        unallocatable = _unallocatable_as_used(name, gpus, alloc)
     except DynpartError as e:
         return NodeView(None, status.plan_id, [f"node {name}: allocatable: {e}"])
     node_spec = node.get("spec") or {}
@@ -702,7 +710,7 @@ def node_view(node: dict[str, Any], bound_pods: list[dict[str, Any]], catalog: C
         return NodeView(None, status.plan_id, [f"node {name}: spec.taints: {e.errors()[0]['msg']}"])
     view = Node(name=name, mode=mode, gpu_model=model.name, cpu_milli_free=cpu_free, memory_mib_free=mem_free,
                 labels=dict(labels), gpus=gpus, unschedulable=bool(node_spec.get("unschedulable")), taints=taints)
-    return NodeView(view, status.plan_id, problems, model, disagreements, skew, kept_spec, room)
+    return NodeView(view, status.plan_id, problems, model, disagreements, skew, kept_spec, room, unallocatable)
 
 
 def _blocked_reason(conflicting: AbstractSet[str], short: Mapping[str, list[str]]) -> str:
@@ -750,10 +758,12 @@ def _why_foreign(annotations: Mapping[str, Any]) -> str:
     return "profiles this planner's catalog leaves out"
 
 
-def _unallocatable_as_used(name: str, gpus: list[Gpu], alloc: Mapping[str, Any], problems: list[str]) -> None:
+def _unallocatable_as_used(name: str, gpus: list[Gpu], alloc: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Free slices beyond what the node's allocatable offers of their resource (a device its
-    plugin reports unhealthy, or withdrew) cannot be given to a pod: marked used, so they are
-    neither planned for a pod nor counted as free. Only for resources allocatable lists."""
+    plugin reports unhealthy, or withdrew; or just made, until the kubelet's next status write)
+    cannot be given to a pod: marked used, so they are neither planned for a pod nor counted as
+    free. Only for resources allocatable lists. (resource, why) of each resource with such slices."""
+    found: list[tuple[str, str]] = []
     slices: dict[str, list[MigInstance | MpsSlice]] = {}
     for g in gpus:
         for m in g.mig:
@@ -768,8 +778,9 @@ def _unallocatable_as_used(name: str, gpus: list[Gpu], alloc: Mapping[str, Any],
         for it in free[len(free) - min(max(0, unusable), len(free)):]:
             it.used = True
         if unusable > 0 and free:
-            problems.append(f"node {name}: {len(items)} {res} slice(s) reported, {alloc[res]} allocatable: "
-                            f"{min(unusable, len(free))} free one(s) not planned for pods")
+            found.append((res, f"node {name}: {len(items)} {res} slice(s) reported, {alloc[res]} allocatable: "
+                               f"{min(unusable, len(free))} free one(s) not planned for pods"))
+    return found
 
 
 def _labelled_count(name: str, labels: Mapping[str, Any], problems: list[str]) -> int:
@@ -948,6 +959,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     disagreements: dict[str, tuple[str, ...]] = {}
     switching: dict[str, str] = {}
     skew: list[tuple[dict[str, Any], str]] = []
+    unallocatable: list[tuple[dict[str, Any], str, str]] = []
     kept: dict[str, dict[str, str]] = {}
     if decodes is not None:
         decodes.retain({str(_field(n, "metadata", "name") or "") for n in nodes})
@@ -979,6 +991,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
             continue
         problems.extend((node, p) for p in view.problems)
         skew.extend((node, p) for p in view.skew)
+        unallocatable.extend((node, res, why) for res, why in view.unallocatable)
         acks[name] = view.status_plan
         if view.node is not None and view.model is not None:
             views.append(view.node)
@@ -1097,7 +1110,7 @@ def build_snapshot(nodes: list[dict[str, Any]], pods: list[dict[str, Any]], cata
     return ClusterView(snapshot, acks, problems, catalog, disagreements, switching,
                        [(pod, w) for pod, w in warnings if pod_key(pod) in {p.name for p in snapshot.pending}],
                        skew, kept, elsewhere, {p.name: host_names[p.name] for p in snapshot.pending}, deferred, blocked,
-                       {p.name: asked[p.name] for p in snapshot.pending}, awaiting_claims)
+                       {p.name: asked[p.name] for p in snapshot.pending}, awaiting_claims, unallocatable)
 
 
 class _DynpartNodes:

@@ -178,6 +178,8 @@ class PlannerController:
         # what the last round logged: a lasting problem or unplaced pod is logged (at INFO or
         # WARNING) when it appears or changes, not once a round
         self._problems_logged: set[str] = set()
+        # (node, resource) -> when the round first found free slices there beyond allocatable
+        self._unallocatable_since: dict[tuple[str, str], float] = {}
         self._unplaced_logged: dict[str, str] = {}  # pod -> the reason logged
         self._gauges_set = False
         self._ids = itertools.count(1)
@@ -898,6 +900,7 @@ class PlannerController:
         for reason, found in (("DynpartInvalid", view.problems), ("VersionSkew", view.skew)):
             for obj, message in _per_object(found):
                 await self._event(obj, reason, message, warning=True)
+        await self._report_unallocatable(view, logged)
         for obj, message in view.warnings:
             await self._event(obj, "MpsUnreachable", message, warning=True)
         for obj, message in view.blocked:
@@ -1050,6 +1053,33 @@ class PlannerController:
                 "pod": u.pod, "reason": reason, "nodes_left_out": len(awaiting)}})
             await self._event(pods_by_key.get(u.pod), "Unplaceable", f"dynpart cannot place this pod: {reason}",
                               warning=True)
+
+    async def _report_unallocatable(self, view: ClusterView, logged: set[str]) -> None:
+        """Free slices a node's agent reports beyond its allocatable count (counted as used by
+        the round) are said once that has lasted `allocatable_lag_s`: until the kubelet's next node
+        status write, a slice just made is not in allocatable yet (after each reconfiguration with
+        the chart's devicePlugin.publishAllocatable=false, or a device plugin that restarts), and
+        a Warning then would cry wolf. A lasting one is a device its plugin withdrew or found
+        unhealthy. The clock of a node out of this round (its plan applied) runs on."""
+        now = self.clock()
+        seen: set[tuple[str, str]] = set()
+        lasting: list[tuple[dict[str, Any], str]] = []
+        for node, res, message in view.unallocatable:
+            key = (str(node["metadata"]["name"]), res)
+            seen.add(key)
+            since = self._unallocatable_since.setdefault(key, now)
+            if now - since >= self.settings.allocatable_lag_s:
+                lasting.append((node, message))
+                (log.debug if message in logged else log.warning)(message)
+            else:
+                log.debug("%s (the kubelet's status may lag: said after %g s)", message,
+                          self.settings.allocatable_lag_s)
+        for key in [k for k in self._unallocatable_since if k not in seen
+                    and (k[0] in view.acks or k[0] not in self.nodes.cache)]:
+            del self._unallocatable_since[key]
+        self._problems_logged |= {m for _, m in lasting}
+        for obj, message in _per_object(lasting):
+            await self._event(obj, "SlicesNotAllocatable", message, warning=True)
 
     async def _tell_backoffs(self) -> None:
         """A Warning Event on each pod whose reservations lapsed so often that it is left out of the

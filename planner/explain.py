@@ -105,7 +105,9 @@ async def _live_snapshot(kubeconfig: str | None, catalog: Catalog
                                                  None if classes is None else {object_key(c): c for c in classes})
                           if claims is not None and volumes is not None else None)
     by_key = {object_key(p): p for p in pods}
-    return view.snapshot, view.catalog, [*notes, *view.problems], by_key, not_planned(view, by_key)
+    # (a one-shot look: slices not allocatable yet are said at once, the kubelet's lag or not)
+    unallocatable = [(node, why) for node, _, why in view.unallocatable]
+    return view.snapshot, view.catalog, [*notes, *view.problems, *unallocatable], by_key, not_planned(view, by_key)
 
 
 async def listed(list_fn: Callable[..., Awaitable[Any]], name: str, transform: Callable[[Obj], Obj],

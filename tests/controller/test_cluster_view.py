@@ -371,7 +371,7 @@ def test_free_slices_beyond_the_allocatable_count_are_not_planned_for_pods():
     n1["status"]["allocatable"]["nvidia.com/mig-1g.10gb"] = "0"
     view = build_snapshot([n1], [pod("a", {"nvidia.com/mig-1g.10gb": "1"})], CAT)
     assert all(m.used for m in view.snapshot.nodes[0].gpus[0].mig if m.profile == "1g.10gb")
-    assert any("2 nvidia.com/mig-1g.10gb slice(s) reported, 0 allocatable" in m for _, m in view.problems)
+    assert any("2 nvidia.com/mig-1g.10gb slice(s) reported, 0 allocatable" in m for _, _, m in view.unallocatable)
 
 
 def test_a_product_selector_matches_the_label_exactly_not_the_catalog_family():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from typing import Any
 
 import pytest
@@ -1640,3 +1641,53 @@ async def test_a_round_builds_its_snapshot_with_the_cycle_collector_paused(make,
     assert gc.isenabled()
     await c.plan_round()
     assert seen == [False] and gc.isenabled()
+
+
+async def test_slices_not_allocatable_yet_are_said_only_once_the_lag_lasts(make, caplog):
+    """A node's agent reports two free slices, its allocatable lists one (the kubelet writes the
+    new count at its next status write; with publishAllocatable=false after every
+    reconfiguration). The round counts the other as used from the first, and says so (a warning,
+    a SlicesNotAllocatable Event) only once it has lasted `allocatable_lag_s`; the clock starts
+    again once allocatable caught up, and runs on while the node is out of a round."""
+    n1 = free_slices("n1", free=2)
+    n1["status"]["allocatable"][MIG_1G] = "1"
+    c = make([n1], allocatable_lag_s=60.0)
+    t = [100.0]
+    c.clock = lambda: t[0]  # type: ignore[method-assign]
+    waiting(c, "a")  # planned on the free slice the node offers (no write)
+    told = lambda: [m for r, m, w, _ in c.api.posted if r == "SlicesNotAllocatable" and w]  # noqa: E731
+    said = lambda: [r.getMessage() for r in caplog.records  # noqa: E731
+                    if r.levelname == "WARNING" and "allocatable" in r.getMessage()]
+    with caplog.at_level(logging.DEBUG, logger="dynpart"):
+        await c.plan_round()
+        assert told() == [] and said() == []
+        t[0] = 159.0
+        await c.plan_round()
+        assert told() == [] and said() == []
+        t[0] = 160.0
+        await c.plan_round()
+        assert told() == ["node n1: 2 nvidia.com/mig-1g.10gb slice(s) reported, 1 allocatable: 1 free one(s) not "
+                          "planned for pods"] and len(said()) == 1
+        t[0] = 170.0
+        await c.plan_round()
+        assert len(told()) == 1 and len(said()) == 1  # said once while it lasts
+    # allocatable caught up: forgotten; a new lag waits its own time
+    n1["status"]["allocatable"][MIG_1G] = "2"
+    await c.plan_round()
+    assert c._unallocatable_since == {}
+    n1["status"]["allocatable"][MIG_1G] = "1"
+    t[0] = 200.0
+    await c.plan_round()
+    assert c._unallocatable_since == {("n1", MIG_1G): 200.0}
+    # out of a round (a plan in flight there): its clock runs on (what allocatable says meanwhile
+    # is not read)
+    c.loop.written("n1", "p9", [], t[0])
+    n1["status"]["allocatable"][MIG_1G] = "2"
+    t[0] = 230.0
+    await c.plan_round()
+    assert c._unallocatable_since == {("n1", MIG_1G): 200.0}
+    # a node gone is forgotten
+    del c.nodes.cache["n1"]
+    c.loop.forget_node("n1")
+    await c.plan_round()
+    assert c._unallocatable_since == {}
