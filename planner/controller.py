@@ -400,8 +400,13 @@ class PlannerController:
                 self.wake.set()
 
     def _acknowledged(self, name: str, ann: dict[str, str], now: float) -> None:
-        """The node's status-plan, if it is the plan in flight there, acknowledges it."""
-        flight = self.loop.acknowledged(name, ann[STATUS_PLAN], now) if ann.get(STATUS_PLAN) else None
+        """The node's status-plan, if it is the plan in flight there and its spec still, acknowledges
+        it. The agent's status writes have no precondition: an agent still applying a plan that is
+        being revoked can report it over the revocation, which the watch may deliver before the
+        revocation's answer (the plan still in flight then); that plan's slices are about to go."""
+        acked = ann.get(STATUS_PLAN)
+        flight = (self.loop.acknowledged(name, acked, now)
+                  if acked and ann.get(SPEC_PLAN, acked) == acked else None)
         if flight is None:
             return
         for key in flight.pods:  # their slices exist now: theirs until the scheduler binds them
@@ -922,6 +927,9 @@ class PlannerController:
         # the thread plans with copies of the drains: the event loop may change the loop's own
         # meanwhile (a lost lease clears them), and a round that outlived its lease keeps nothing
         state = self.loop.drain_state()
+        # a drained node left out of the round for its plan in flight, acknowledged since, keeps
+        # its drain (else dropped as a node gone, and another drained for the same pod)
+        state.in_flight |= frozenset(in_flight_at_start)
         try:
             result = await asyncio.to_thread(self.loop.decide_with, snapshot, view.catalog, state)
         except DynpartError as e:
@@ -1006,6 +1014,10 @@ class PlannerController:
             await self._event(obj, "MpsUserMismatch", message, warning=True)
         for pl in result.placements:
             if pl.node in awaiting or pl.node in not_written:
+                continue
+            if pl.node not in written and pl.node not in self.nodes.cache:
+                # deleted while the round planned (`node_gone` found nothing of it to free): the
+                # pod is planned again, not held for a node that is gone
                 continue
             if pl.node not in written:
                 # on free slices: the scheduler binds it at its next try (its backoff can outlast
@@ -1105,6 +1117,8 @@ class PlannerController:
             node = self.nodes.cache.get(name)
             if node is None or name in awaiting or not self.leadership.can_write():
                 continue
+            if switch_target(node) != mode:
+                continue  # relabelled again, or its spec changed, since the round read it: the next round decides
             plan_id = self._new_plan_id()
             try:
                 await self._patch_as_leader(name, switching_patch(node, mode, plan_id, self.leadership.term),

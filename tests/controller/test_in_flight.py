@@ -1322,3 +1322,125 @@ async def test_a_write_refused_409_is_never_taken_as_landed_when_the_re_read_fai
     await c.plan_round()
     assert "n1" not in c.in_flight, "a write refused 409 is held in flight as if it had landed"
     assert "LayoutPlanned" not in [r for r, _ in c.posted]
+
+
+async def test_a_node_deleted_while_the_round_plans_keeps_no_reservation(make, monkeypatch):
+    """n1 is deleted while the plan putting ml/a on its free slice runs in its thread: ml/a is not
+    reserved on a node that is gone (held reservation_s for nothing, then a lapse counted)."""
+    free = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
+        MigInstance(profile="1g.10gb", start=0), MigInstance(profile="3g.40gb", start=4, used=True)])]), "p0")
+    n1 = node("n1", count=1, annotations=free)
+    n2 = node("n2", count=1, annotations=encode_status(NodeLayout(node="n2", mode="mig", gpus=[GpuLayout(index=0)]), "q0"))
+    c = make([n1, n2], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    decide_with = c.loop.decide_with
+
+    def planning_thread(snapshot, catalog, state):
+        result = decide_with(snapshot, catalog, state)
+        assert [(p.pod, p.node) for p in result.placements] == [("ml/a", "n1")]
+        del c.nodes.cache["n1"]  # as the event loop would, while the thread plans
+        c._on_node("DELETED", n1)
+        return result
+
+    monkeypatch.setattr(c.loop, "decide_with", planning_thread)
+    await c.plan_round()
+    assert "ml/a" not in c.reserved, f"reserved on a deleted node: {c.reserved}"
+
+
+async def test_a_drain_survives_its_nodes_acknowledgement_while_the_round_runs(make, monkeypatch):
+    """n1's GPU is drained for ml/big (a plan in flight); its agent acknowledges while the next round
+    builds its snapshot (n1 left out): the drain stays on n1, no second node is drained for ml/big."""
+    t = [1000.0]
+
+    def busy(name: str, plan: str) -> dict[str, Any]:
+        return node(name, count=1, annotations=encode_status(NodeLayout(node=name, mode="mig", gpus=[GpuLayout(
+            index=0, mig=[MigInstance(profile="1g.10gb", start=0, used=True)])]), plan))
+
+    c = make([busy("n1", "p0"), busy("n2", "q0")], Lead(term=3))
+    c.settings = c.loop.settings = c.settings.model_copy(update={"drain_after_s": 100.0, "drain_max_gpus": 1})
+    c.clock = lambda: t[0]
+    c.pods.cache["ml/big"] = pod("big", {"nvidia.com/mig-7g.80gb": "1"})
+    await c.plan_round()
+    t[0] += 100.0
+    await c.plan_round()
+    [(name, patch)] = c.written
+    assert name == "n1" and patch["dynpart.io/spec-drain"] == "0" and "n1" in c.in_flight
+    n1 = c.nodes.cache["n1"]  # the spec lands on the cached node
+    written = {**n1["metadata"]["annotations"], **{k: v for k, v in patch.items() if v is not None}}
+    c.nodes.cache["n1"] = {**n1, "metadata": {**n1["metadata"], "annotations": written, "resourceVersion": "8"}}
+    snapshot = controller_module._snapshot_without_collector
+
+    def acknowledged_meanwhile(*args, **kwargs):
+        view = snapshot(*args, **kwargs)
+        acked = dict(c.nodes.cache["n1"])
+        acked["metadata"] = {**acked["metadata"], "resourceVersion": "9", "annotations": {
+            **acked["metadata"]["annotations"], STATUS_PLAN: patch["dynpart.io/spec-plan"]}}
+        c.nodes.cache["n1"] = acked
+        c._on_node("MODIFIED", acked)  # the node watch, while the thread builds the snapshot
+        return view
+
+    monkeypatch.setattr(controller_module, "_snapshot_without_collector", acknowledged_meanwhile)
+    t[0] += 1.0
+    await c.plan_round()
+    assert "n1" not in c.in_flight
+    assert [n for n, _ in c.written] == ["n1"], f"a second node drained for the same pod: {c.written[1:]}"
+    assert {k: d.node for k, d in c.loop.drains.items()} == {"ml/big": "n1"}
+
+
+async def test_an_acknowledgement_crossing_the_revocation_leaves_no_pod_reserved(make, monkeypatch):
+    """The agent, still applying overdue p1, writes status-plan p1 over the revocation (no
+    precondition on its status writes); the watch delivers it before the revocation's answer. The
+    pods told PlanNotApplied ("planned again") are not kept reserved on n1, whose slices the
+    revocation destroys."""
+    spec = {"dynpart.io/spec-plan": "p1", "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "2@0,1",
+            SPEC_TERM: "3", SPEC_PODS: "ml/a"}
+    c = make([reported("n1", spec)], Lead(term=3), ack_timeout_s=1.0)
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    c.in_flight["n1"] = InFlight("p1", 0.0, {"ml/a"})
+    patch_node = controller_module.patch_node_annotations
+
+    async def revoked_then_acknowledged(core, name, patch, resource_version=None):
+        await patch_node(core, name, patch, resource_version)
+        n1 = c.nodes.cache[name]
+        ann = {k: v for k, v in {**n1["metadata"]["annotations"], **patch}.items() if v is not None}
+        ann[STATUS_PLAN] = "p1"  # the agent's late acknowledgement of p1, on top of the revocation
+        c.nodes.cache[name] = {**n1, "metadata": {**n1["metadata"], "annotations": ann, "resourceVersion": "9"}}
+        c._on_node("MODIFIED", c.nodes.cache[name])  # the watch, before the patch's answer
+        return {}
+
+    monkeypatch.setattr(controller_module, "patch_node_annotations", revoked_then_acknowledged)
+    await c._expire_acks(now=10.0)
+    assert c.in_flight["n1"].revoking and [r for r, _ in c.posted] == ["PlanNotApplied", "PlanRevoked"]
+    assert "ml/a" not in c.reserved, f"told it is planned again, but held: {c.reserved}"
+
+
+async def test_a_mode_switch_is_not_written_for_a_label_changed_back_while_the_round_runs(make, monkeypatch):
+    """m1 relabelled mps (agent and acknowledged spec in mig) is switching; its label goes back to mig
+    while the snapshot is built: no switch to mps lands (the API server refuses stale versions)."""
+    from dynpart.kube.errors import APIConflictError
+
+    status = encode_status(NodeLayout(node="m1", mode="mig", gpus=[GpuLayout(index=0)]), "p0")
+    m1 = node("m1", mode="mps", count=1, annotations={**status, "dynpart.io/spec-plan": "p0",
+                                                      "dynpart.io/spec-mode": "mig"})
+    c = make([m1], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/gpu-10gb": "1"})
+    snapshot = controller_module._snapshot_without_collector
+
+    def relabelled_meanwhile(*args, **kwargs):
+        view = snapshot(*args, **kwargs)
+        back = {**m1, "metadata": {**m1["metadata"], "resourceVersion": "8", "labels": {
+            **m1["metadata"]["labels"], "dynpart.io/gpu-partitioning": "mig"}}}
+        c.nodes.cache["m1"] = back
+        c._on_node("MODIFIED", back)
+        return view
+
+    async def api_server(core, name, patch, resource_version=None):
+        if resource_version != c.nodes.cache[name]["metadata"]["resourceVersion"]:
+            raise APIConflictError("the object has been modified", status=409)
+        c.written.append((name, patch))
+        return {}
+
+    monkeypatch.setattr(controller_module, "_snapshot_without_collector", relabelled_meanwhile)
+    monkeypatch.setattr(controller_module, "patch_node_annotations", api_server)
+    await c.plan_round()
+    assert [(n, p.get("dynpart.io/spec-mode")) for n, p in c.written] == [], "switched to a mode no longer labelled"
