@@ -399,7 +399,7 @@ class Agent:
                           "it to no second pod")
         for index, why in sorted(self.unhealthy.items()):
             errors.append(f"GPU {index} is unhealthy ({why}): its devices are advertised Unhealthy and no pod gets "
-                          "them until it is reset")
+                          "them until it recovers")
         self._wait_longer((spec.plan_id, *waiting) if waiting else ())
         self._waiting = bool(waiting)
         self._used_per_gpu = {g.index: sum(m.used for m in g.mig) + sum(x.used for x in g.mps) for g in result.gpus}
@@ -417,7 +417,7 @@ class Agent:
             await self._event(reason, clash, True)
         if self.unhealthy:
             await self._event("GpuUnhealthy", "; ".join(f"GPU {i}: {why}" for i, why in sorted(self.unhealthy.items()))
-                              + ": its devices are advertised Unhealthy until it is reset", True)
+                              + ": its devices are advertised Unhealthy until it recovers", True)
         if spec.problems:
             await self._event("DynpartInvalidSpec", "ignored malformed annotations: " + "; ".join(spec.problems), True)
         if result.errors:
@@ -569,6 +569,11 @@ class Agent:
             elif self._mps_plugin is not None and self._mps_plugin.live.get(d.index):
                 sizes, numbers = self._mps_plugin.view(d.index)
                 view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.serves(d.uuid))
+                if not problem and d.uuid in self._mps_plugin.uncovered:
+                    # its slices are listed Unhealthy while the daemon cannot be restarted for it:
+                    # reported so, or the planner would place pods on slices no pod can get
+                    unhealthy[d.index] = ("the MPS daemon does not run for it and is not restarted while pods use "
+                                          "MPS slices of the node")
             out.append(view)
         self.unhealthy = unhealthy
         return out

@@ -503,6 +503,17 @@ class SupervisedMpsDaemon:
         gpus = state.get("gpus") if isinstance(state.get("gpus"), list) else []
         error = state.get("error")
         if state.get("busy"):
+            run_pipe, run_log = state.get("pipe_dir"), state.get("log_dir")
+            if gpus and isinstance(run_pipe, str) and isinstance(run_log, str) \
+                    and (list(gpus), run_pipe, run_log) != (list(gpu_uuids), pipe_dir, log_dir):
+                # kept as it runs, the request withdrawn: else the supervisor makes it at a later
+                # check, once the daemon answers, under the pods that took a slice since the
+                # caller found none in use (the next pass asks again, after its own check)
+                try:
+                    self._want(gpus, run_pipe, run_log)
+                except MpsDaemonError as e:
+                    log.warning("MPS control daemon busy: its restart for %s could not be withdrawn (%s)",
+                                ", ".join(gpu_uuids) or "no GPU", e)
             raise MpsDaemonBusy(str(error or "the MPS control daemon does not answer but runs: kept"), gpus or ())
         if error:
             raise MpsDaemonError(str(error))

@@ -344,11 +344,9 @@ async def test_leftovers_of_a_stopped_switch_pass_are_not_advertised_again(monke
     assert not any(rig.plugins.advertised().values())
 
 
-async def test_a_gpu_joining_under_running_mps_pods_is_listed_unhealthy_until_the_daemon_restarts(mps2: PluginRig):
-    """GPU 1 of an MPS node leaves MIG mode (an operator's reset) while a pod uses a slice of GPU 0:
-    the daemon is not restarted under that pod, so GPU 1's new slices, which it does not serve,
-    are listed Unhealthy (no pod gets one) until the pod ends and the daemon runs for both."""
-    rig = mps2
+async def _gpu_joining_under_a_pod(rig: PluginRig) -> Any:
+    """An agent whose plan m1 put two 40gb slices on GPU 0 (GPU 1 in MIG mode), one used by ns/a;
+    then GPU 1 leaves MIG mode and plan m2 asks for two 40gb slices there too."""
     rig.driver.set_mig_mode(1, True)
     agent = rig.agent()
     rig.node_api.set_annotations(mps_spec({0: [40, 40]}, plan="m1"))
@@ -356,6 +354,15 @@ async def test_a_gpu_joining_under_running_mps_pods_is_listed_unhealthy_until_th
     await rig.kubelet.admit("ns/a", "nvidia.com/gpu-40gb")
     rig.driver.set_mig_mode(1, False)
     rig.node_api.set_annotations(mps_spec({0: [40, 40], 1: [40, 40]}, plan="m2"))
+    return agent
+
+
+async def test_a_gpu_joining_under_running_mps_pods_is_listed_unhealthy_until_the_daemon_restarts(mps2: PluginRig):
+    """GPU 1 of an MPS node leaves MIG mode (an operator's reset) while a pod uses a slice of GPU 0:
+    the daemon is not restarted under that pod, so GPU 1's new slices, which it does not serve,
+    are listed Unhealthy (no pod gets one) until the pod ends and the daemon runs for both."""
+    rig = mps2
+    agent = await _gpu_joining_under_a_pod(rig)
     report = await agent.reconcile_once()
     assert any("the slices of GPU-fake-0001 are listed Unhealthy" in e for e in report.errors), report.errors
     assert rig.daemon.gpus == ("GPU-fake-0000",)
@@ -405,3 +412,25 @@ async def test_a_slice_a_starting_pods_init_container_holds_is_kept(mig: PluginR
     mig.kubelet.release("ns/init")
     mig.node_pods.remove("ns/init")
     await mig.settle(agent, "p2")
+
+
+async def test_a_plan_whose_slices_the_daemon_does_not_serve_is_not_acknowledged_as_free(mps2: PluginRig):
+    """GPU 1 leaves MIG mode while a pod uses a slice of GPU 0: the daemon is kept for GPU 0 only,
+    so GPU 1's new slices are listed Unhealthy (the kubelet gives them to no pod). A plan made of
+    them is then not held by the node as the planner sees it: it must not be acknowledged with
+    those slices reported free and GPU 1 healthy (the planner would put pods on slices no pod can
+    get, for as long as the pod on GPU 0 runs)."""
+    from dynpart.annotations import STATUS_PLAN, STATUS_UNHEALTHY
+
+    rig = mps2
+    agent = await _gpu_joining_under_a_pod(rig)
+    for _ in range(5):
+        report = await agent.reconcile_once()
+        await asyncio.sleep(0.05)
+    health = {d.id: d.healthy for d in rig.plugins.advertised()["nvidia.com/gpu-40gb"]}
+    assert health["GPU-fake-0001::0"] is False and health["GPU-fake-0001::1"] is False  # as designed
+    status = rig.node_api.annotations
+    acked_as_free = (status.get(STATUS_PLAN) == "m2" and status.get("dynpart.io/status-gpu-1-40gb-free") == "2"
+                     and "1" not in (status.get(STATUS_UNHEALTHY) or "").split(","))
+    assert not acked_as_free, (f"plan m2 acknowledged, GPU 1's two 40gb slices reported free and GPU 1 healthy, "
+                               f"while the plugin lists them Unhealthy: {report.status}")

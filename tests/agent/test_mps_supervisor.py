@@ -505,3 +505,43 @@ def test_a_state_naming_an_odd_shm_dir_gives_clients_none(dirs):
     write_json(str(dirs.ctl / STATE), {"seq": 1, "gpus": ["GPU-a"], "running": True, "at": time.time(),
                                        "boot": boot_id(), "shm_dir": "/var/lib/dynpart/mps-shm"})
     assert agent.running_for() == ["GPU-a"] and agent.shm_dir == "/var/lib/dynpart/mps-shm"
+
+
+async def test_a_change_of_gpus_left_to_a_busy_daemon_is_not_made_later_under_a_pod(control, dirs):
+    """The agent asks mps-control to restart the daemon for GPU 0 alone (GPU 1 entered MIG mode, no
+    pod held a slice when it looked); the daemon is busy, so mps-control keeps it (MpsDaemonBusy).
+    While the agent waited, GPU 0's slice was still listed healthy and the kubelet gave it to a pod.
+    desired.json still asks for GPU 0 alone: mps-control's next check, once the daemon answers,
+    must not quit it under that pod (the agent's check was made before the pod came)."""
+    from dynpart.agent.driver.fake import FakeNvml
+    from dynpart.agent.mps_plugin import MpsPluginAgent
+    from dynpart.agent.podresources import FakePodResources
+    from tests.agent.conftest import H100
+
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=0.5), poll_s=0.05, check_s=0.5)
+    driver = FakeNvml(H100, 2, mig_enabled=False)
+    pods = FakePodResources()
+    daemon = SupervisedMpsDaemon(str(dirs.ctl), wait_s=5, poll_s=0.02)
+    mps = MpsPluginAgent(driver, pods, 79, daemon=daemon, pipe_dir=str(dirs.pipe), log_dir=str(dirs.logs))
+    async with running(sup):
+        await mps.apply({0: [40], 1: [20]})
+        assert dirs.lines("starts") == ["GPU-fake-0000,GPU-fake-0001"] and mps.healthy
+        driver.set_mig_mode(1, True)  # GPU 1 leaves MPS: the daemon would run for GPU 0 alone
+        (dirs.pipe / "BUSY").touch()  # and it is slow to answer right now
+        ensure = daemon.ensure
+
+        async def admitted_meanwhile(*args):
+            # while the agent waits for mps-control, GPU 0's slice is still listed healthy: the
+            # kubelet gives it to a pod, whose container connects to the running daemon
+            pods.assign("ns/a", "nvidia.com/gpu-40gb", "GPU-fake-0000::0")
+            return await ensure(*args)
+
+        daemon.ensure = admitted_meanwhile  # type: ignore[method-assign]
+        await mps.apply({0: [40]})  # no pod when it looked: restart asked; busy: kept
+        daemon.ensure = ensure  # type: ignore[method-assign]
+        assert not mps.healthy
+        (dirs.pipe / "BUSY").unlink()  # the daemon answers again
+        await asyncio.sleep(1.5)  # mps-control's next checks (every check_s), before the agent's next pass
+        assert "quit" not in dirs.lines("commands") and dirs.lines("starts") == ["GPU-fake-0000,GPU-fake-0001"], (
+            f"the daemon was restarted for other GPUs under ns/a's slice: starts {dirs.lines('starts')}, "
+            f"commands {dirs.lines('commands')}")
