@@ -57,6 +57,7 @@ from dynpart.annotations import (
     DecodedSpec,
     annotation_patch,
     decode_spec,
+    decode_status,
     encode_status,
     error_text,
     format_heartbeat,
@@ -350,9 +351,13 @@ class Agent:
                     raise DynpartError("this node is in MPS mode, whose slices only the agent's own device plugin "
                                        "serves, and this agent runs none")
                 if self._mps_plugin is None:
+                    # a restarted agent: the free slices the last one served are in its status only
+                    last = decode_status(node.annotations, model, node=self.node, capacity=capacity).layout
+                    previous = {g.index: [s.size for s in g.mps] for g in last.gpus} if last and last.mode == "mps" else {}
                     self._mps_plugin = MpsPluginAgent(self.driver, self.pods, capacity, guard=self.guard,
                                                       daemon=self.mps_daemon, pipe_dir=self.plugins.allocate.pipe_dir_host,
-                                                      log_dir=self.mps_log_dir, max_slices=model.mps_max_clients)
+                                                      log_dir=self.mps_log_dir, max_slices=model.mps_max_clients,
+                                                      previous=previous)
                 desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
                 result = await self._mps_plugin.apply(desired_mps, spec.drain)
                 # before the slices, or the GPUs left whole, are listed (_serve)

@@ -6,7 +6,8 @@ advertises (`nvidia.com/gpu-<N>gb`, device id `<GPU UUID>::<n>`); no ConfigMap, 
 - Slices pods hold (PodResources) are kept whatever the spec says; slices pods bound to the node
   and not yet admitted need are kept too; the others the spec drops are withdrawn, re-checked and
   only then dropped (`SliceGuard`). After an agent restart the slices pods hold are found again
-  from PodResources; the spec (still on the node) gives the rest.
+  from PodResources; the spec (still on the node) gives the rest, and the slices the last agent
+  reported that it drops are guarded as above (`previous`).
 - A GPU a pod holds whole is not shared until it is free; GPUs in MIG mode get no MPS slices.
   A GPU without slices is advertised whole (`nvidia.com/gpu`): slicing it ends that device, so it
   is guarded as a removed slice is (a pod bound for a whole GPU keeps it whole, one that took it
@@ -64,7 +65,8 @@ def assign_slices(sizes: list[int], fixed: Mapping[int, int], previous: Mapping[
 class MpsPluginAgent:
     def __init__(self, driver: GpuDriver | AsyncDriver, pods: PodResources, capacity_gb: int, *,
                  guard: SliceGuard | None = None, daemon: MpsDaemon | None = None, pipe_dir: str = "/tmp/nvidia-mps",
-                 log_dir: str = "/var/log/nvidia-mps", max_slices: int | None = None):
+                 log_dir: str = "/var/log/nvidia-mps", max_slices: int | None = None,
+                 previous: Mapping[int, list[int]] | None = None):
         self.driver = as_async(driver)  # awaited: made on the driver's own thread (driver/threaded.py)
         self.pods = pods
         self.capacity_gb = capacity_gb
@@ -74,6 +76,10 @@ class MpsPluginAgent:
         self.pipe_dir = pipe_dir
         self.log_dir = log_dir
         self.live: dict[int, Slices] = {}  # GPU index -> its slices, as advertised
+        # a restarted agent: GPU index -> the sizes of the slices the last agent reported (its
+        # status), taken as live at the first pass that applies a spec, so that those the spec
+        # drops go through the guard (a pod bound and not yet admitted may need one)
+        self.previous = {g: list(s) for g, s in (previous or {}).items() if s}
         self.daemon_error: str | None = None
         self._daemon_gpus: list[str] | None = None  # the GPUs the daemon was last made to run for
         # its (pipe, log) directories, where it outlives this agent and they may differ from ours
@@ -119,6 +125,12 @@ class MpsPluginAgent:
             self.live[gpu] = {**{n: s for n, s in self.live.get(gpu, {}).items() if n not in slices}, **slices}
         errors: list[str] = []
         applied = desired is not None
+        if desired is not None and self.previous:
+            for d in devices:
+                sizes = self.previous.get(d.index)
+                if sizes and not d.mig_current and d.index not in whole:  # (held slices keep their numbers)
+                    self.live[d.index] = assign_slices(sizes, self.live.get(d.index, {}), {})
+            self.previous = {}
         if desired is not None:
             desired = drained_mps(desired, {g: Counter(s.values()) for g, s in used.items()}, drain)
             errors += await self._apply(desired, devices, used, whole, held_ids)
