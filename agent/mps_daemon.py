@@ -31,7 +31,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from dynpart.agent.selinux import label_for_containers
@@ -498,27 +498,44 @@ class SupervisedMpsDaemon:
             await asyncio.sleep(self.poll_s)
 
     async def ensure(self, gpu_uuids: Sequence[str], pipe_dir: str, log_dir: str) -> None:
+        now = self._state()
+        if now is not None and now.get("busy") and self._other_than_running(now, gpu_uuids, pipe_dir, log_dir):
+            # not asked while it is busy (mps-control would keep it and the request be withdrawn at
+            # every pass, each waiting for the answer): asked once it answers again
+            self._withdraw(now, gpu_uuids)
+            gpus = now.get("gpus") if isinstance(now.get("gpus"), list) else []
+            raise MpsDaemonBusy(str(now.get("error") or "the MPS control daemon does not answer but runs: kept"),
+                                gpus or ())
         seq = self._want(gpu_uuids, pipe_dir, log_dir)
         state = await self._acted(seq)
         gpus = state.get("gpus") if isinstance(state.get("gpus"), list) else []
         error = state.get("error")
         if state.get("busy"):
-            run_pipe, run_log = state.get("pipe_dir"), state.get("log_dir")
-            if gpus and isinstance(run_pipe, str) and isinstance(run_log, str) \
-                    and (list(gpus), run_pipe, run_log) != (list(gpu_uuids), pipe_dir, log_dir):
-                # kept as it runs, the request withdrawn: else the supervisor makes it at a later
-                # check, once the daemon answers, under the pods that took a slice since the
-                # caller found none in use (the next pass asks again, after its own check)
-                try:
-                    self._want(gpus, run_pipe, run_log)
-                except MpsDaemonError as e:
-                    log.warning("MPS control daemon busy: its restart for %s could not be withdrawn (%s)",
-                                ", ".join(gpu_uuids) or "no GPU", e)
+            if self._other_than_running(state, gpu_uuids, pipe_dir, log_dir):
+                self._withdraw(state, gpu_uuids)
             raise MpsDaemonBusy(str(error or "the MPS control daemon does not answer but runs: kept"), gpus or ())
         if error:
             raise MpsDaemonError(str(error))
         if gpu_uuids and not state.get("running"):
             raise MpsDaemonError(f"{SUPERVISOR} reports the MPS control daemon not running")
+
+    def _withdraw(self, state: Mapping[str, Any], asked: Sequence[str]) -> None:
+        """A busy daemon kept as it runs (`state`): `desired.json` asks for that, the request for
+        `asked` withdrawn. Else mps-control makes it at a later check, once the daemon answers,
+        under the pods that took a slice since the caller found none in use (the caller asks
+        again, after its own check)."""
+        try:
+            self._want(state["gpus"], state["pipe_dir"], state["log_dir"])
+        except MpsDaemonError as e:
+            log.warning("MPS control daemon busy: its restart for %s could not be withdrawn (%s)",
+                        ", ".join(asked) or "no GPU", e)
+
+    @staticmethod
+    def _other_than_running(state: Mapping[str, Any], gpus: Sequence[str], pipe_dir: str, log_dir: str) -> bool:
+        """`state` names the GPUs and directories the daemon runs as, and they are not these."""
+        running, run_pipe, run_log = state.get("gpus"), state.get("pipe_dir"), state.get("log_dir")
+        return (isinstance(running, list) and bool(running) and isinstance(run_pipe, str) and isinstance(run_log, str)
+                and (running, run_pipe, run_log) != (list(gpus), pipe_dir, log_dir))
 
     async def alive(self) -> bool | None:
         state = self._state()

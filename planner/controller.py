@@ -178,8 +178,9 @@ class PlannerController:
         # what the last round logged: a lasting problem or unplaced pod is logged (at INFO or
         # WARNING) when it appears or changes, not once a round
         self._problems_logged: set[str] = set()
-        # (node, resource) -> when the round first found free slices there beyond allocatable
-        self._unallocatable_since: dict[tuple[str, str], float] = {}
+        # (node, resource) -> (the plan its agent acknowledged, when a round first found free
+        # slices there beyond allocatable with that plan)
+        self._unallocatable_since: dict[tuple[str, str], tuple[str | None, float]] = {}
         self._unplaced_logged: dict[str, str] = {}  # pod -> the reason logged
         self._gauges_set = False
         self._ids = itertools.count(1)
@@ -269,6 +270,7 @@ class PlannerController:
         self._left_for_unplaced.clear()
         self._not_left_for.clear()
         self.events.clear()  # Events queued as leader may have been withheld (QueuedPoster.may_post)
+        self._unallocatable_since.clear()  # (a standby runs no round: its clocks did not run)
 
     # --- watches --------------------------------------------------------------------------
 
@@ -1072,14 +1074,19 @@ class PlannerController:
         status write, a slice just made is not in allocatable yet (after each reconfiguration with
         the chart's devicePlugin.publishAllocatable=false, or a device plugin that restarts), and
         a Warning then would cry wolf. A lasting one is a device its plugin withdrew or found
-        unhealthy. The clock of a node out of this round (its plan applied) runs on."""
+        unhealthy. The clock of a node out of this round (its plan applied) runs on, and starts again
+        with each plan its agent acknowledges (whose new slices the kubelet lists at its next write)."""
         now = self.clock()
         seen: set[tuple[str, str]] = set()
         lasting: list[tuple[dict[str, Any], str]] = []
         for node, res, message in view.unallocatable:
-            key = (str(node["metadata"]["name"]), res)
+            name = str(node["metadata"]["name"])
+            key, plan = (name, res), view.acks.get(name)
             seen.add(key)
-            since = self._unallocatable_since.setdefault(key, now)
+            entry = self._unallocatable_since.get(key)
+            if entry is None or entry[0] != plan:
+                entry = self._unallocatable_since[key] = (plan, now)
+            since = entry[1]
             if now - since >= self.settings.allocatable_lag_s:
                 lasting.append((node, message))
                 (log.debug if message in logged else log.warning)(message)

@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -507,22 +508,53 @@ def test_a_state_naming_an_odd_shm_dir_gives_clients_none(dirs):
     assert agent.running_for() == ["GPU-a"] and agent.shm_dir == "/var/lib/dynpart/mps-shm"
 
 
+def _two_gpu_mps(dirs: Any) -> tuple[Any, Any, Any, Any]:
+    """(driver, PodResources, the agent's daemon, its MPS plugin) of a node with two H100s, the
+    daemon supervised by mps-control in `dirs`."""
+    from dynpart.agent.driver.fake import FakeNvml
+    from dynpart.agent.mps_plugin import MpsPluginAgent
+    from dynpart.agent.podresources import FakePodResources
+    from tests.agent.conftest import H100
+
+    driver = FakeNvml(H100, 2, mig_enabled=False)
+    pods = FakePodResources()
+    daemon = SupervisedMpsDaemon(str(dirs.ctl), wait_s=5, poll_s=0.02)
+    mps = MpsPluginAgent(driver, pods, 79, daemon=daemon, pipe_dir=str(dirs.pipe), log_dir=str(dirs.logs))
+    return driver, pods, daemon, mps
+
+
+async def test_a_busy_daemon_is_asked_for_other_gpus_again_only_once_it_answers(control, dirs):
+    """A restart for GPU 0 alone that mps-control could not make (the daemon busy) is withdrawn;
+    the passes after it do not ask again while the daemon stays busy (each would wait for
+    mps-control's answer and the withdrawal follow it), and the first after it answers does."""
+    sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=0.5), poll_s=0.05, check_s=0.5)
+    driver, _, _, mps = _two_gpu_mps(dirs)
+    async with running(sup):
+        await mps.apply({0: [40], 1: [20]})
+        driver.set_mig_mode(1, True)
+        (dirs.pipe / "BUSY").touch()
+        await mps.apply({0: [40]})  # asked; busy: kept, and the request withdrawn
+        seq = json.loads((dirs.ctl / DESIRED).read_text())["seq"]
+        assert json.loads((dirs.ctl / DESIRED).read_text())["gpus"] == ["GPU-fake-0000", "GPU-fake-0001"]
+        t0 = time.monotonic()
+        for _ in range(3):
+            await mps.apply({0: [40]})
+            assert not mps.healthy
+        assert time.monotonic() - t0 < 0.5 and json.loads((dirs.ctl / DESIRED).read_text())["seq"] == seq
+        (dirs.pipe / "BUSY").unlink()
+        await asyncio.sleep(1.2)  # mps-control's next check: it answers
+        await mps.apply({0: [40]})
+        assert dirs.lines("starts") == ["GPU-fake-0000,GPU-fake-0001", "GPU-fake-0000"] and mps.healthy
+
+
 async def test_a_change_of_gpus_left_to_a_busy_daemon_is_not_made_later_under_a_pod(control, dirs):
     """The agent asks mps-control to restart the daemon for GPU 0 alone (GPU 1 entered MIG mode, no
     pod held a slice when it looked); the daemon is busy, so mps-control keeps it (MpsDaemonBusy).
     While the agent waited, GPU 0's slice was still listed healthy and the kubelet gave it to a pod.
     desired.json still asks for GPU 0 alone: mps-control's next check, once the daemon answers,
     must not quit it under that pod (the agent's check was made before the pod came)."""
-    from dynpart.agent.driver.fake import FakeNvml
-    from dynpart.agent.mps_plugin import MpsPluginAgent
-    from dynpart.agent.podresources import FakePodResources
-    from tests.agent.conftest import H100
-
     sup = Supervisor(str(dirs.ctl), ProcessMpsDaemon(control, timeout_s=0.5), poll_s=0.05, check_s=0.5)
-    driver = FakeNvml(H100, 2, mig_enabled=False)
-    pods = FakePodResources()
-    daemon = SupervisedMpsDaemon(str(dirs.ctl), wait_s=5, poll_s=0.02)
-    mps = MpsPluginAgent(driver, pods, 79, daemon=daemon, pipe_dir=str(dirs.pipe), log_dir=str(dirs.logs))
+    driver, pods, daemon, mps = _two_gpu_mps(dirs)
     async with running(sup):
         await mps.apply({0: [40], 1: [20]})
         assert dirs.lines("starts") == ["GPU-fake-0000,GPU-fake-0001"] and mps.healthy

@@ -1678,14 +1678,26 @@ async def test_slices_not_allocatable_yet_are_said_only_once_the_lag_lasts(make,
     n1["status"]["allocatable"][MIG_1G] = "1"
     t[0] = 200.0
     await c.plan_round()
-    assert c._unallocatable_since == {("n1", MIG_1G): 200.0}
+    assert c._unallocatable_since == {("n1", MIG_1G): ("p0", 200.0)}
     # out of a round (a plan in flight there): its clock runs on (what allocatable says meanwhile
     # is not read)
     c.loop.written("n1", "p9", [], t[0])
     n1["status"]["allocatable"][MIG_1G] = "2"
     t[0] = 230.0
     await c.plan_round()
-    assert c._unallocatable_since == {("n1", MIG_1G): 200.0}
+    assert c._unallocatable_since == {("n1", MIG_1G): ("p0", 200.0)}
+    # its agent acknowledges another plan, whose slices the kubelet has yet to list: a new clock
+    c.loop.forget_node("n1")
+    n1["metadata"]["annotations"]["dynpart.io/status-plan"] = n1["metadata"]["annotations"][SPEC_PLAN] = "p9"
+    n1["status"]["allocatable"][MIG_1G] = "1"
+    t[0] = 280.0
+    await c.plan_round()
+    assert c._unallocatable_since == {("n1", MIG_1G): ("p9", 280.0)}
+    # a replica that stops leading forgets the clocks (as a standby it runs no round)
+    c._forget_leader_state()
+    assert c._unallocatable_since == {}
+    await c.plan_round()
+    assert c._unallocatable_since == {("n1", MIG_1G): ("p9", 280.0)}
     # a node gone is forgotten
     del c.nodes.cache["n1"]
     c.loop.forget_node("n1")
