@@ -503,21 +503,26 @@ class SupervisedMpsDaemon:
             # not asked while it is busy (mps-control would keep it and the request be withdrawn at
             # every pass, each waiting for the answer): asked once it answers again
             self._withdraw(now, gpu_uuids)
-            gpus = now.get("gpus") if isinstance(now.get("gpus"), list) else []
-            raise MpsDaemonBusy(str(now.get("error") or "the MPS control daemon does not answer but runs: kept"),
-                                gpus or ())
+            raise self._busy(now)
         seq = self._want(gpu_uuids, pipe_dir, log_dir)
         state = await self._acted(seq)
-        gpus = state.get("gpus") if isinstance(state.get("gpus"), list) else []
         error = state.get("error")
         if state.get("busy"):
             if self._other_than_running(state, gpu_uuids, pipe_dir, log_dir):
                 self._withdraw(state, gpu_uuids)
-            raise MpsDaemonBusy(str(error or "the MPS control daemon does not answer but runs: kept"), gpus or ())
+            raise self._busy(state)
         if error:
             raise MpsDaemonError(str(error))
         if gpu_uuids and not state.get("running"):
             raise MpsDaemonError(f"{SUPERVISOR} reports the MPS control daemon not running")
+
+    @staticmethod
+    def _busy(state: Mapping[str, Any]) -> MpsDaemonBusy:
+        """The error of a busy daemon as `state` reports it: the supervisor's reason and the GPUs
+        it runs for (none from a malformed list)."""
+        gpus = state.get("gpus") if isinstance(state.get("gpus"), list) else []
+        return MpsDaemonBusy(str(state.get("error") or "the MPS control daemon does not answer but runs: kept"),
+                             gpus or ())
 
     def _withdraw(self, state: Mapping[str, Any], asked: Sequence[str]) -> None:
         """A busy daemon kept as it runs (`state`): `desired.json` asks for that, the request for
