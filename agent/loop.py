@@ -325,6 +325,12 @@ class Agent:
                     self._mig = MigAgent(self.driver, self.pods, model, guard=self.guard)
                 desired_mig = None if layout is None else {g.index: [(m.profile, m.start) for m in g.mig]
                                                            for g in layout.gpus}
+                if layout is not None and self._mps_plugin is None and self.plugins is not None:
+                    # a restarted agent on a node switched from MPS meanwhile: the free slices the
+                    # last one served (its status) leave through the guard as a running agent's do
+                    previous = _last_mps_slices(node, model, self.node, capacity)
+                    if previous:
+                        self._mps_plugin = self._new_mps_plugin(model, capacity, previous)
                 left_errors = await self._leave_mps() if layout is not None else []
                 # before the MIG pass: a GPU whose last MPS slice just went is set back before it
                 # may enter MIG mode (its compute mode is then out of reach); one that could not be
@@ -352,12 +358,8 @@ class Agent:
                                        "serves, and this agent runs none")
                 if self._mps_plugin is None:
                     # a restarted agent: the free slices the last one served are in its status only
-                    last = decode_status(node.annotations, model, node=self.node, capacity=capacity).layout
-                    previous = {g.index: [s.size for s in g.mps] for g in last.gpus} if last and last.mode == "mps" else {}
-                    self._mps_plugin = MpsPluginAgent(self.driver, self.pods, capacity, guard=self.guard,
-                                                      daemon=self.mps_daemon, pipe_dir=self.plugins.allocate.pipe_dir_host,
-                                                      log_dir=self.mps_log_dir, max_slices=model.mps_max_clients,
-                                                      previous=previous)
+                    self._mps_plugin = self._new_mps_plugin(model, capacity,
+                                                            _last_mps_slices(node, model, self.node, capacity))
                 desired_mps = None if layout is None else {g.index: [s.size for s in g.mps] for g in layout.gpus}
                 result = await self._mps_plugin.apply(desired_mps, spec.drain)
                 # before the slices, or the GPUs left whole, are listed (_serve)
@@ -441,6 +443,12 @@ class Agent:
                 metrics.SLICES.labels(m, state).set(n)
         return PassReport(mode, _valid_or_none(ack), errors, status, waiting=waiting)
 
+    def _new_mps_plugin(self, model: GpuModel, capacity: int, previous: dict[int, list[int]]) -> MpsPluginAgent:
+        assert self.plugins is not None
+        return MpsPluginAgent(self.driver, self.pods, capacity, guard=self.guard, daemon=self.mps_daemon,
+                              pipe_dir=self.plugins.allocate.pipe_dir_host, log_dir=self.mps_log_dir,
+                              max_slices=model.mps_max_clients, previous=previous)
+
     async def _leave_mps(self) -> list[str]:
         """On a node switched from MPS to MIG: the MPS slices left go as the spec's removed slices
         do (withdrawn, re-checked, kept for pods bound and not yet admitted). Those in use or kept
@@ -448,7 +456,7 @@ class Agent:
         until they are gone."""
         assert self._mig is not None
         mps = self._mps_plugin
-        if mps is None or not any(mps.live.values()):
+        if mps is None or not (any(mps.live.values()) or mps.previous):
             self._mig.mps_left = {}
             if mps is None or not mps.daemon_running():
                 # (an agent restarted in MPS mode after the slices went made no daemon run: the one
@@ -1117,3 +1125,10 @@ def _node_mig_counts(node: NodeView) -> dict[str, int]:
 
 def _fmt(counts: dict[str, int]) -> str:
     return ", ".join(f"{r}={n}" for r, n in sorted(counts.items())) or "none"
+
+
+def _last_mps_slices(node: NodeView, model: GpuModel, name: str, capacity: int) -> dict[int, list[int]]:
+    """GPU index -> the sizes of the MPS slices the node's last status reports (its agent's, before
+    a restart), or nothing when it reports another mode."""
+    last = decode_status(node.annotations, model, node=name, capacity=capacity).layout
+    return {g.index: [s.size for s in g.mps] for g in last.gpus} if last and last.mode == "mps" else {}

@@ -77,8 +77,8 @@ class MpsPluginAgent:
         self.log_dir = log_dir
         self.live: dict[int, Slices] = {}  # GPU index -> its slices, as advertised
         # a restarted agent: GPU index -> the sizes of the slices the last agent reported (its
-        # status), taken as live at the first pass that applies a spec, so that those the spec
-        # drops go through the guard (a pod bound and not yet admitted may need one)
+        # status), taken as live at its first pass (observe-only too: a bound pod may need one),
+        # so that those a spec drops go through the guard (a pod bound and not yet admitted may need one)
         self.previous = {g: list(s) for g, s in (previous or {}).items() if s}
         self.daemon_error: str | None = None
         self._daemon_gpus: list[str] | None = None  # the GPUs the daemon was last made to run for
@@ -125,7 +125,7 @@ class MpsPluginAgent:
             self.live[gpu] = {**{n: s for n, s in self.live.get(gpu, {}).items() if n not in slices}, **slices}
         errors: list[str] = []
         applied = desired is not None
-        if desired is not None and self.previous:
+        if self.previous:  # (an observe-only pass too: it lists what the last agent served, as that one did)
             for d in devices:
                 sizes = self.previous.get(d.index)
                 if sizes and not d.mig_current and d.index not in whole:  # (held slices keep their numbers)

@@ -181,6 +181,10 @@ class PlannerController:
         # (node, resource) -> (the plan its agent acknowledged, when a round first found free
         # slices there beyond allocatable with that plan)
         self._unallocatable_since: dict[tuple[str, str], tuple[str | None, float]] = {}
+        # (node, resource) of those -> its allocatable count as that round read it: the node watch
+        # ends the clock when the kubelet writes another (rounds run only while pods wait, and a
+        # lag that ended between two of them is not one that lasted)
+        self._unallocatable_count: dict[tuple[str, str], Any] = {}
         self._unplaced_logged: dict[str, str] = {}  # pod -> the reason logged
         self._gauges_set = False
         self._ids = itertools.count(1)
@@ -271,6 +275,7 @@ class PlannerController:
         self._not_left_for.clear()
         self.events.clear()  # Events queued as leader may have been withheld (QueuedPoster.may_post)
         self._unallocatable_since.clear()  # (a standby runs no round: its clocks did not run)
+        self._unallocatable_count.clear()
 
     # --- watches --------------------------------------------------------------------------
 
@@ -367,6 +372,13 @@ class PlannerController:
         ann = node["metadata"].get("annotations") or {}
         now = self.clock()
         self._acknowledged(name, ann, now)
+        if self._unallocatable_since:
+            alloc = None if kind == "DELETED" else (node.get("status") or {}).get("allocatable") or {}
+            for key in [k for k in self._unallocatable_since if k[0] == name]:
+                if alloc is None or alloc.get(key[1]) != self._unallocatable_count.get(key):
+                    # the kubelet wrote another count (or the node went): that lag is over
+                    del self._unallocatable_since[key]
+                    self._unallocatable_count.pop(key, None)
         # New facts about the node's GPUs (a plan applied, a slice freed or taken, the node gone):
         # pods still waiting may fit now, or only now be planned on it, so they join the batch.
         status = None if kind == "DELETED" else {k: v for k, v in ann.items()
@@ -1086,6 +1098,7 @@ class PlannerController:
             entry = self._unallocatable_since.get(key)
             if entry is None or entry[0] != plan:
                 entry = self._unallocatable_since[key] = (plan, now)
+            self._unallocatable_count[key] = ((node.get("status") or {}).get("allocatable") or {}).get(res)
             since = entry[1]
             if now - since >= self.settings.allocatable_lag_s:
                 lasting.append((node, message))
@@ -1096,6 +1109,8 @@ class PlannerController:
         for key in [k for k in self._unallocatable_since if k not in seen
                     and (k[0] in view.acks or k[0] not in self.nodes.cache)]:
             del self._unallocatable_since[key]
+        for key in [k for k in self._unallocatable_count if k not in self._unallocatable_since]:
+            del self._unallocatable_count[key]
         self._problems_logged |= {m for _, m in lasting}
         for obj, message in _per_object(lasting):
             await self._event(obj, "SlicesNotAllocatable", message, warning=True)

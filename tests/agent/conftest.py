@@ -43,10 +43,10 @@ def mig_spec(gpus: dict[int, list[str]], plan: str = "p1") -> dict[str, str]:
     return encode_spec(layout, plan)
 
 
-def mps_spec(gpus: dict[int, list[int]], plan: str = "p1") -> dict[str, str]:
+def mps_spec(gpus: dict[int, list[int]], plan: str = "p1", term: int | None = None) -> dict[str, str]:
     layout = NodeLayout(node="node-1", mode="mps", gpus=[
         GpuLayout(index=i, mps=[MpsSlice(size=s) for s in sizes]) for i, sizes in gpus.items()])
-    return encode_spec(layout, plan)
+    return encode_spec(layout, plan, term=term)
 
 
 @dataclass

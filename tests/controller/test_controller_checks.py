@@ -1703,3 +1703,38 @@ async def test_slices_not_allocatable_yet_are_said_only_once_the_lag_lasts(make,
     c.loop.forget_node("n1")
     await c.plan_round()
     assert c._unallocatable_since == {}
+
+
+async def test_a_lag_that_ended_between_rounds_does_not_make_the_next_one_lasting(make):
+    """(helper-143) the allocatable lag's clock (`_report_unallocatable`) is only read at rounds, which run
+    only while pods wait. A lag that a round saw, then ended (the kubelet's status write) while no
+    round ran, must not count as lasting when a later lag of the same acknowledged plan comes (the
+    agent restarted, its device plugin registering again: the kubelet lists the slices again at its
+    next status write): the node watch saw allocatable change in between."""
+    n1 = free_slices("n1", free=2)
+    n1["status"]["allocatable"][MIG_1G] = "1"  # plan p0 just acknowledged: the kubelet lags
+    c = make([n1], allocatable_lag_s=60.0)
+    t = [100.0]
+    c.clock = lambda: t[0]  # type: ignore[method-assign]
+    told = lambda: [m for r, m, w, _ in c.api.posted if r == "SlicesNotAllocatable" and w]  # noqa: E731
+    waiting(c, "a")
+    await c.plan_round()
+    assert told() == []
+    # the kubelet's next status write: allocatable caught up (the node watch delivers it); no pod
+    # waits, so no round runs for a long while
+    caught_up = copy.deepcopy(n1)
+    caught_up["status"]["allocatable"][MIG_1G] = "2"
+    caught_up["metadata"]["resourceVersion"] = "2"
+    c.nodes.cache["n1"] = caught_up
+    c._on_node("MODIFIED", caught_up)
+    # ten minutes later the agent is upgraded: its plugin registers again and the kubelet lists
+    # the slices at its next status write; a pod arrives meanwhile, and a round runs
+    t[0] = 700.0
+    lagging = copy.deepcopy(caught_up)
+    lagging["status"]["allocatable"][MIG_1G] = "1"
+    lagging["metadata"]["resourceVersion"] = "3"
+    c.nodes.cache["n1"] = lagging
+    c._on_node("MODIFIED", lagging)
+    waiting(c, "b")
+    await c.plan_round()
+    assert told() == [], f"a lag of seconds reported as lasting: {told()}"
