@@ -136,7 +136,7 @@ def _improve_by_windows(problem: Problem, states: list[GpuState], placed: Placem
         ranked = sorted((n for n in req.candidates
                          if problem.nodes[n].cpu_free >= req.cpu and problem.nodes[n].mem_free >= req.mem),
                         key=lambda n: (tried.get(n, 0), -slack[n], n))
-        window = sorted(ranked[: opts.window_nodes])
+        window = sorted(_window(problem, ranked, opts.window_gpus))
         if not window:
             continue
         wset = set(window)
@@ -173,3 +173,15 @@ def _improve_by_windows(problem: Problem, states: list[GpuState], placed: Placem
             cpu[where.node] -= problem.requests[i].cpu
             mem[where.node] -= problem.requests[i].mem
     return f"greedy + cp-sat windows ({improved} improved)"
+
+
+def _window(problem: Problem, ranked: list[int], gpus: int) -> list[int]:
+    """The first nodes of `ranked` until they hold `gpus` GPUs (one node at least)."""
+    out: list[int] = []
+    held = 0
+    for n in ranked:
+        if held >= gpus:
+            break
+        out.append(n)
+        held += len(problem.nodes[n].gpus)
+    return out

@@ -351,7 +351,8 @@ class Greedy:
         if obj.multi:
             ca, cb = cov[after], cov[before]  # (R, k, Rm)
             covm2 = terms.covm[nodes] + (ca - cb).sum(axis=1)
-            hostm2 = terms.hostm[nodes] + ((ca > 0).astype(np.int64) - (cb > 0)).sum(axis=1)
+            took = obj.slot_table()
+            hostm2 = terms.hostm[nodes] + (took[after] - took[before]).sum(axis=1)
             f_after -= obj.multi_room(ic2, im2, covm2, hostm2)
         if obj.feeds:
             f_after += obj.stranded(nodes, free_after, ic2, im2)
@@ -451,12 +452,13 @@ class Greedy:
                 moved = obj.moved_kinds(before, after)
                 if moved:
                     ca, cb = cov_of[after], cov_of[before]
+                    sa, sb = obj.slots_of[after], obj.slots_of[before]
                     covm, hostm, wm, multi_cols = view.covm, view.hostm, view.wm, obj.multi_cols
                     mine = list(view.room)
                     for j in moved:
                         col = multi_cols[j]
                         mine[j] = wm[j] * ((covm[col] + (ca[col] - cb[col]))
-                                           * (hostm[col] + ((ca[col] > 0) - (cb[col] > 0)) >= obj.multi_counts[j]))
+                                           * (hostm[col] + (sa[col] - sb[col]) >= obj.multi_counts[j]))
                     f_after -= numpy_sum(mine)
                 else:
                     f_after -= view.room_sum

@@ -15,8 +15,9 @@ the GPU), where usable_k is the free capacity that pods of kind k could still ta
 - MIG, a profile p: the free memory slices that some legal placement of p covers, given the
   used instances (start slots, per-profile counts, compute and media limits): a 3g.40gb cannot
   use memory slices 2-3 of an H100 whose slices 0-1 hold a 1g.20gb;
-- a kind asking for c > 1 slices on one node: all of the above, only when at least c GPUs of the
-  node can host one (room for multi-GPU pods);
+- a kind asking for c > 1 slices on one node: all of the above, only when the node's GPUs can
+  take c such slices in all, each GPU as many as fit one after another (room for multi-GPU
+  pods; a MIG GPU takes two 3g.40gb, an MPS GPU several slices);
 - a kind that may not use the node (another GPU model, labels its nodeSelector or required
   affinity does not match, a taint it does not tolerate, a cordon): nothing there (FGD's "no
   access": its weight counts the node's free capacity as unusable, as FGD counts it).
@@ -210,22 +211,25 @@ def _cover_masks(rules: MigRules) -> tuple[tuple[int, ...], ...]:
     return tuple(table)
 
 
-def _coverage(key: Hashable, refs: list[SliceRef], profiles: list[int | None] | None) -> tuple[float, list[float]]:
-    """(free share of the GPU, coverage per ref) of a capacity class; `profiles`: for a MIG
-    class, each ref's profile index in its model (None: not a profile of the model)."""
+def _coverage(key: Hashable, refs: list[SliceRef],
+              profiles: list[int | None] | None) -> tuple[float, list[float], list[int]]:
+    """(free share of the GPU, coverage per ref, slices of each ref it can still take one after
+    another) of a capacity class; `profiles`: for a MIG class, each ref's profile index in its
+    model (None: not a profile of the model)."""
     cov = [0.0] * len(refs)
+    slots = [0] * len(refs)
     if key is None:
-        return 0.0, cov
+        return 0.0, cov, slots
     assert isinstance(key, tuple)
     if key[0] == "mps":
         _, cap, hard, whole = key
         free = 0 if whole else cap - hard
         for j, ref in enumerate(refs):
             if isinstance(ref, MpsSliceRef) and free >= ref.size:
-                cov[j] = free / cap
+                cov[j], slots[j] = free / cap, free // ref.size
             elif ref is WHOLE_GPU and not whole and hard == 0:
-                cov[j] = 1.0
-        return free / cap, cov
+                cov[j], slots[j] = 1.0, 1
+        return free / cap, cov, slots
     _, rules, code = key
     assert isinstance(rules, MigRules) and profiles is not None
     hard = compute = media = 0
@@ -245,7 +249,23 @@ def _coverage(key: Hashable, refs: list[SliceRef], profiles: list[int | None] | 
         if counts[q] < rules.max_count[q] and compute + rules.compute[q] <= rules.model.compute_slices \
                 and not (rules.media[q] and media):
             cov[j] = cover_masks[q][hard].bit_count() / slices
-    return (rules.full_mask & ~hard).bit_count() / slices, cov
+            slots[j] = _mig_slots(rules, q, hard, counts[q], compute, media)
+    return (rules.full_mask & ~hard).bit_count() / slices, cov, slots
+
+
+def _mig_slots(rules: MigRules, q: int, hard: int, count: int, compute: int, media: int) -> int:
+    """How many instances of profile q a GPU with these instances can take one after another (the
+    placements in start order, as `MigRules.can_add` accepts each: one profile's placements are
+    aligned blocks of one size, so taking the first free one each time takes the most)."""
+    n = 0
+    for _, m in rules.placements[q]:
+        if hard & m or count + n >= rules.max_count[q] or compute + rules.compute[q] > rules.model.compute_slices \
+                or (rules.media[q] and (media or n)):
+            continue
+        hard |= m
+        n += 1
+        compute += rules.compute[q]
+    return n
 
 
 def numpy_sum(values: Sequence[float]) -> float:
@@ -415,6 +435,9 @@ class Objective:
         self.multi_counts: list[int] = self.multi_count.tolist()
         self.free_of: list[float] = []
         self.cov_of: list[list[float]] = []
+        # per class id, the slices of each multi-slice ref it can still take (a node hosts a pod
+        # of `count` such slices where its GPUs' sum reaches it: a GPU may host several)
+        self.slots_of: list[list[int]] = []
         self.usable_of: list[list[list[float]]] = []
         self._ids: dict[Hashable, int] = {}
         self._scores: dict[float, int] = {}
@@ -423,6 +446,7 @@ class Objective:
         # per class id, in arrays that grow by doubling (`tables()` gives views of the filled part)
         self._free = np.zeros(64)
         self._cov = np.zeros((64, len(self.multi_refs)))
+        self._slots = np.zeros((64, len(self.multi_refs)), dtype=np.int64)
         self._usable = np.zeros(self.w1.shape[:2] + (64,))  # by table row
         self.class_id(None)
 
@@ -440,18 +464,21 @@ class Objective:
                 if profiles is None:
                     profiles = self._profiles[key[1]] = [key[1].index.get(r.profile) if isinstance(r, MigSliceRef) else None
                                                          for r in self.refs]
-            free, cov = _coverage(key, self.refs, profiles)
+            free, cov, slots = _coverage(key, self.refs, profiles)
             cov_multi = [cov[j] for j in self.multi_refs]
+            slots_multi = [slots[j] for j in self.multi_refs]
             usable = self.w1 @ np.array(cov)
             if cid == len(self._free):
                 self._free = np.concatenate([self._free, np.zeros_like(self._free)])
                 self._cov = np.concatenate([self._cov, np.zeros_like(self._cov)])
+                self._slots = np.concatenate([self._slots, np.zeros_like(self._slots)])
                 self._usable = np.concatenate([self._usable, np.zeros_like(self._usable)], axis=-1)
             self._free[cid], self._usable[..., cid] = free, usable
             if cov_multi:
-                self._cov[cid] = cov_multi
+                self._cov[cid], self._slots[cid] = cov_multi, slots_multi
             self.free_of.append(free)
             self.cov_of.append(cov_multi)
+            self.slots_of.append(slots_multi)
             # by step: the rows of a table row shared (a step's list is its row's)
             by_row = [[row[m] for m in self.mrow_list] for row in usable.tolist()]
             self.usable_of.append([by_row[r] for r in self.crow_list])
@@ -462,6 +489,10 @@ class Objective:
         usable (CPU rows, memory rows, K) of the one-slice kinds, read at `rows` of the steps."""
         k = len(self.free_of)
         return self._free[:k], self._cov[:k], self._usable[..., :k]
+
+    def slot_table(self) -> np.ndarray:
+        """Per class id, the slices of each multi-slice ref it can still take (K, Rm)."""
+        return self._slots[:len(self.free_of)]
 
     def rows(self, ic: np.ndarray, im: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows of `tables()`'s usable at these steps."""
@@ -523,7 +554,7 @@ class Objective:
         out: np.ndarray = fr - usable[rc[:, None], rm[:, None], cls].sum(axis=1)
         if self.multi:
             c = cov[cls]  # (R, G, Rm)
-            out -= self.multi_room(ic, im, c.sum(axis=1), (c > 0).sum(axis=1))
+            out -= self.multi_room(ic, im, c.sum(axis=1), self.slot_table()[cls].sum(axis=1))
         if self.feeds:
             if nodes is None:
                 raise ValueError("the stranding term needs the nodes")
@@ -537,8 +568,9 @@ class Objective:
         kinds = self._moved_kinds.get((before, after))
         if kinds is None:
             ca, cb = self.cov_of[after], self.cov_of[before]
+            sa, sb = self.slots_of[after], self.slots_of[before]
             kinds = self._moved_kinds[(before, after)] = tuple(j for j, col in enumerate(self.multi_cols)
-                                                               if ca[col] != cb[col])
+                                                               if ca[col] != cb[col] or sa[col] != sb[col])
         return kinds
 
     def multi_room_one(self, ic: int, im: int, covered: list[float], hosts: list[int]) -> float:
@@ -549,7 +581,8 @@ class Objective:
 
     def multi_room(self, ic: np.ndarray, im: np.ndarray, covered: np.ndarray, hosts: np.ndarray) -> np.ndarray:
         """What the multi-slice kinds can use of nodes whose GPUs cover `covered` (R, Rm) of the
-        multi-slice refs, `hosts` of them hosting one."""
+        multi-slice refs and can take `hosts` slices of each (a kind of `count` slices: where
+        `hosts` reaches it)."""
         col = self.multi_col
         room = (hosts[:, col] >= self.multi_count[None, :]) * covered[:, col]
         out: np.ndarray = (self.wm[ic, im] * room).sum(axis=1)
@@ -661,7 +694,7 @@ class NodeTerms:
         self.single[nodes] = usable[rc[:, None], rm[:, None], cls].sum(axis=1)
         if objective.multi:
             c = cov[cls]
-            covm, hostm = c.sum(axis=1), (c > 0).sum(axis=1)
+            covm, hostm = c.sum(axis=1), objective.slot_table()[cls].sum(axis=1)
             self.covm[nodes], self.hostm[nodes] = covm, hostm
             self.multi[nodes] = objective.multi_room(ic, im, covm, hostm)
         self.f[nodes] = self.free[nodes] - self.single[nodes] - self.multi[nodes]
@@ -683,7 +716,8 @@ class NodeTerms:
         self.ic[node], self.im[node], self.free[node], self.single[node] = ic, im, free, single
         if objective.multi:
             c = objective.tables()[1][classes[None, :]]
-            covm, hostm = c.sum(axis=1)[0].tolist(), (c > 0).sum(axis=1)[0].tolist()
+            covm = c.sum(axis=1)[0].tolist()
+            hostm = objective.slot_table()[classes[None, :]].sum(axis=1)[0].tolist()
             self.covm[node], self.hostm[node] = covm, hostm
             self.multi[node] = objective.multi_room_one(ic, im, covm, hostm)
         self.f[node] = free - single - float(self.multi[node])

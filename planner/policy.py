@@ -25,7 +25,11 @@ class PlanOptions(BaseModel):
     exact_max_gpus: int = Field(default=64, ge=0)
     exact_max_pods: int = Field(default=120, ge=0)
     # ...else improve the greedy plan window by window (large-neighbourhood search).
-    window_nodes: int = Field(default=3, ge=1)
+    # A window: the nodes, in the search's order, until they hold this many GPUs (three 8-GPU
+    # nodes); counted in GPUs, not nodes, so that a pod left out on 1-GPU nodes finds as much
+    # room to move others as on 8-GPU ones (three 1-GPU nodes rarely hold the GPU it needs
+    # emptied: `dynpart bench planner --gpus-per-node 1`, helper-142)
+    window_gpus: int = Field(default=24, ge=1)
     window_pods: int = Field(default=40, ge=1)
     # False: creating and destroying free slices costs nothing, so the objective goes from the
     # most pods placed straight to the workload-aware tier (a cluster that shares GPUs without

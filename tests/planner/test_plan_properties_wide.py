@@ -262,7 +262,7 @@ def test_a_pod_the_exact_search_leaves_out_for_others_is_not_said_to_need_slices
 @SETTINGS
 @given(snap=snapshots(), options=st.sampled_from([
     PlanOptions(time_limit_s=0.2, minimise_changes=False),
-    PlanOptions(time_limit_s=0.2, exact_max_gpus=2, exact_max_pods=3, window_nodes=1, window_pods=3),
+    PlanOptions(time_limit_s=0.2, exact_max_gpus=2, exact_max_pods=3, window_gpus=1, window_pods=3),
     PlanOptions(time_limit_s=0.0),
 ]))
 def test_wide_plans_are_valid_under_every_option(snap, options):
