@@ -95,6 +95,7 @@ def _rows(text: str, path: str, required: tuple[str, ...]) -> tuple[list[str], l
     header: list[str] | None = None
     rows: list[tuple[int, list[str]]] = []
     start = 1  # the line the next row starts on
+    blank = 0  # the first empty line after the header, refused only if a row follows it
     while True:
         try:
             row = next(reader)
@@ -106,9 +107,10 @@ def _rows(text: str, path: str, required: tuple[str, ...]) -> tuple[list[str], l
         line, first = reader.line_num, start
         start = line + 1
         if not row or all(not c.strip() for c in row):
-            if header is None:
-                continue
-            raise TraceError(path, line, "empty row")
+            blank = blank or (line if header is not None else 0)  # (empty lines at the end are no row)
+            continue
+        if blank:
+            raise TraceError(path, blank, "empty row")
         if header is None:
             header = [c.strip() for c in row]
             missing = [c for c in required if c not in header]

@@ -67,6 +67,10 @@ def test_duplicate_pod_and_missing_columns_and_empty_files():
         parse_pods(HEADER, "p.csv")
     with pytest.raises(TraceError, match=r"p.csv:3: empty row"):
         parse_pods(HEADER + "a,1,1,1,100,,LS,R,0,1,0\n\nb,1,1,1,100,,LS,R,0,1,0\n", "p.csv")
+    # empty lines at the end are no row (an editor's or a script's last newline; nothing follows)
+    assert [p.name for p in parse_pods(HEADER + "a,1,1,1,100,,LS,R,0,1,0\n\n \n", "p.csv").pods] == ["a"]
+    with pytest.raises(TraceError, match="no pods"):
+        parse_pods(HEADER + "\n\n", "p.csv")
 
 
 def test_a_file_separated_otherwise_than_by_commas_is_named_so():
