@@ -32,6 +32,7 @@ import numpy as np
 
 from dynpart.planner.index import NO_OPTION, AskCosts, CostArrays, GpuIndex, NodeBest
 from dynpart.planner.objective import (
+    FEED_MEMORY,
     SCORE_MIN,
     NodeRooms,
     NodeTerms,
@@ -99,7 +100,8 @@ class _NodeView:
     what the multi-slice kinds use of it per kind (`room`, where a GPU's class moves no
     coverage: covm + 0.0 is covm, its sums of values >= 0 being never -0.0)."""
 
-    __slots__ = ("node", "bids", "classes", "f", "free", "single", "ic", "im", "covm", "hostm", "wm", "room", "room_sum")
+    __slots__ = ("node", "bids", "classes", "f", "free", "single", "ic", "im", "row", "covm", "hostm", "wm", "room",
+                 "room_sum")
 
     def __init__(self, greedy: Greedy, n: int, steps: tuple[int, int] | None):
         self.node = n
@@ -115,14 +117,16 @@ class _NodeView:
         self.f, self.free = float(terms.f[n]), float(terms.free[n])
         if steps is None:
             self.ic, self.im = int(terms.ic[n]), int(terms.im[n])
+            self.row = obj.crow_list[self.ic]
             self.single = float(terms.single[n])
         else:
             self.ic, self.im = steps
-            self.single = numpy_sum([obj.usable_of[c][self.ic][self.im] for c in self.classes])
+            self.row = obj.crow_list[self.ic]
+            self.single = numpy_sum([obj.usable_of[c][self.row][self.im] for c in self.classes])
         if obj.multi:
             self.covm: list[float] = terms.covm[n].tolist()
             self.hostm: list[int] = terms.hostm[n].tolist()
-            self.wm: list[float] = obj.wm_rows[self.ic][self.im]
+            self.wm: list[float] = obj.wm_rows[self.row][self.im]
             self.room = [w * (self.covm[col] * (self.hostm[col] >= count))
                          for w, col, count in zip(self.wm, obj.multi_cols, obj.multi_counts)]
             self.room_sum = numpy_sum(self.room)
@@ -293,6 +297,7 @@ class Greedy:
         self._buckets: list[int] = []
         self._bucket_heaps: dict[tuple[SliceRef, int], _BucketHeap] = {}
         self._free_gpus: dict[int, float] = {}  # per node, its GPUs' free share (`_free_share`)
+        self._strand_below: dict[int, float] = {}  # per node, the free CPU below which it strands
         self._shares: dict[tuple[SliceRef, int], float] = {}  # `_slice_share` per feed class
         if self.objective is not None:
             # rooms in the kinds' steps, and in every step (`grid_room`): a pod that crosses
@@ -441,11 +446,11 @@ class Greedy:
         obj = self.objective
         assert obj is not None
         free_of, cov_of, usable_of = obj.free_of, obj.cov_of, obj.usable_of
-        after_of, classes, ic, im = costs.after_id, view.classes, view.ic, view.im
+        after_of, classes, ic, im, row = costs.after_id, view.classes, view.ic, view.im, view.row
         deltas = []
         for k, _, _, b in valid:
             before, after = classes[k], after_of[b]
-            single = view.single + (usable_of[after][ic][im] - usable_of[before][ic][im])
+            single = view.single + (usable_of[after][row][im] - usable_of[before][row][im])
             free_after = view.free + (free_of[after] - free_of[before])
             f_after = free_after - single
             if obj.multi:
@@ -697,7 +702,12 @@ class Greedy:
     def _strands_one(self, n: int, cpu: int, mem: int) -> bool:
         """`Objective.strands` of node n once a pod takes `cpu` and `mem` of it."""
         assert self.objective is not None
-        return self.objective.strands_free(n, self._free_share(n), int(self.cpu[n]) - cpu, int(self.mem[n]) - mem)
+        if FEED_MEMORY:
+            return self.objective.strands_free(n, self._free_share(n), int(self.cpu[n]) - cpu, int(self.mem[n]) - mem)
+        below = self._strand_below.get(n)
+        if below is None:
+            below = self._strand_below[n] = self.objective.strands_below(n, self._free_share(n))
+        return int(self.cpu[n]) - cpu < below
 
     def _free_share(self, n: int) -> float:
         """Node n's GPUs' free shares summed as `Objective.strands` sums them, kept until the node
@@ -838,9 +848,9 @@ class Greedy:
         fc = obj.node_fc_list[n]
         own_c, own_m = obj.step_one(n, free_cpu, free_mem)
         at_c = obj.step_one(n, free_cpu - bucket, free_mem)[0]
-        feed_m = obj.feed_m_rows[fc][own_m]
-        feed_own = min(obj.feed_c_rows[fc][own_c], feed_m)
-        feed_at = min(obj.feed_c_rows[fc][at_c], feed_m)
+        feed_m, row0 = obj.feed_m_rows[fc][own_m], obj.fc_row0_list[fc]
+        feed_own = min(obj.feed_c_rows[fc][own_c - row0], feed_m)
+        feed_at = min(obj.feed_c_rows[fc][at_c - row0], feed_m)
         free = self._free_share(n) - self._slice_share(ask, n)
         rise = max(0.0, free - feed_at) - max(0.0, free - feed_own)
         if rise <= 0.0:
@@ -1197,6 +1207,7 @@ class Greedy:
             rank.moved_q.pop(node, None)
         self._views.pop(node, None)
         self._free_gpus.pop(node, None)
+        self._strand_below.pop(node, None)
         for kept in self._moved_best.values():
             kept.pop(node, None)
 

@@ -39,7 +39,13 @@ points each (seeds 42-51; simulations/results/README.md). CPU enters at steps (`
 every c_bar / FEED_STEPS_PER_GPU, so that the term moves only where a pod's CPU moves the node
 across a step, as the tables do (the greedy's caches hold); the tables keep one row per kinds'
 step (`crow`, `mrow` map a step to its row). The grid reaches the most CPU any node had free
-when the objective was built (above it, the top step).
+when the objective was built (above it, the top step). It is fine: a step is 1/256 of a GPU's
+CPU, a tenth of the score's finest point, so the term is the fluid one. A grid of c_bar / 2
+(until session 38) floored a node's CPU by up to half a GPU's and counted a pod whose CPU
+crossed no step as taking none: on a node short of CPU the term fell by the pod's whole GPU
+share, so that node looked best; replaying openb in MPS mode, the last empty node was broken
+for small slices and the 8-GPU pods waited to the trace's end (mean pending 9,348 s; 1,090 s
+with the fine grid, nos 974 s; tests/planner/test_stranding_grid.py).
 
 Placing a pod raises F by ΔF; among the options that place the most pods with the fewest
 changes, the greedy takes the one with the least ΔF, compared as the FGD scheduler plugin's
@@ -59,7 +65,7 @@ group's first row plus its CPU step, and everything else reads the tables as bef
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Sequence
 from functools import cache, singledispatch
 
@@ -79,9 +85,10 @@ from dynpart.planner.types import (
 )
 
 # the stranding term's grid: CPU and memory steps every 1/FEED_STEPS_PER_GPU of what the
-# distribution asks per GPU, at most FEED_STEPS_MAX steps per resource
-FEED_STEPS_PER_GPU = 2
-FEED_STEPS_MAX = 256
+# distribution asks per GPU (the term's error under 0.004 GPU, a tenth of a score point), at
+# most FEED_STEPS_MAX steps per resource (a few tables of that length per feed class)
+FEED_STEPS_PER_GPU = 256
+FEED_STEPS_MAX = 16384
 # whether memory strands GPUs as CPU does (its own grid of steps)
 FEED_MEMORY = False
 
@@ -410,26 +417,31 @@ class Objective:
         # cumulative within a group: [g, i, j] = the weight of the kinds the group's nodes can
         # host asking at most the i-th CPU and j-th memory step; the groups' blocks stacked
         self.w1 = w1.cumsum(axis=1).cumsum(axis=2).reshape((shape[0] * rows_c,) + w1.shape[2:])
-        # wm by step (small: no class axis)
-        self.wm = wm.cumsum(axis=1).cumsum(axis=2).reshape((shape[0] * rows_c,) + wm.shape[2:])[self.crow][:, self.mrow]
+        # wm by table row and memory step (small: no class axis)
+        self.wm = wm.cumsum(axis=1).cumsum(axis=2).reshape((shape[0] * rows_c,) + wm.shape[2:])[:, self.mrow]
         # per feed class, the GPUs the free CPU of each CPU step (of every group's block) and the
         # free memory of each memory step can feed (inf: no term)
         n_fc = len(cbar)
         cval = np.concatenate(([0], self.cpu_steps)).astype(float)
         mval = np.concatenate(([0], self.mem_steps)).astype(float)
-        self.feed_c = np.full((n_fc, len(group_kinds) * rows), np.inf)
+        # (a class's nodes are of one group: its row holds that group's block of CPU steps, read
+        # at the CPU row less the group's first, `fc_row0`)
+        self.feed_c = np.full((n_fc, rows), np.inf)
         self.feed_m = np.full((n_fc, len(self.mem_steps) + 1), np.inf)
+        self.fc_row0 = np.array(fc_group, dtype=np.int64) * rows
+        self.fc_row0_list: list[int] = self.fc_row0.tolist()
         for fc in range(n_fc):
             if cbar[fc] > 0:
-                self.feed_c[fc, fc_group[fc] * rows:(fc_group[fc] + 1) * rows] = cval / cbar[fc]
+                self.feed_c[fc] = cval / cbar[fc]
             if mbar[fc] > 0 and FEED_MEMORY:
                 self.feed_m[fc] = mval / mbar[fc]
         self.feed_c_rows: list[list[float]] = self.feed_c.tolist()
         self.feed_m_rows: list[list[float]] = self.feed_m.tolist()
         self.multi_col = np.array([self.multi_refs.index(r) for r, _ in self.multi], dtype=np.int64)
         self.multi_count = np.array([c for _, c in self.multi], dtype=np.int64)
-        # the same tables as lists, for the greedy's plain-Python path: wm[ic][im] and per class id
-        # its free share, its coverage of the multi-slice refs and usable[ic][im]
+        # the same tables as lists, for the greedy's plain-Python path: wm[row][im] and per class
+        # id its free share, its coverage of the multi-slice refs and usable[row][im] (row: the
+        # table row of a CPU step, `crow_list`)
         self.wm_rows: list[list[list[float]]] = self.wm.tolist()
         self.multi_cols: list[int] = self.multi_col.tolist()
         self.multi_counts: list[int] = self.multi_count.tolist()
@@ -479,9 +491,8 @@ class Objective:
             self.free_of.append(free)
             self.cov_of.append(cov_multi)
             self.slots_of.append(slots_multi)
-            # by step: the rows of a table row shared (a step's list is its row's)
-            by_row = [[row[m] for m in self.mrow_list] for row in usable.tolist()]
-            self.usable_of.append([by_row[r] for r in self.crow_list])
+            # by table row and memory step (the CPU grid's many steps share a row)
+            self.usable_of.append([[row[m] for m in self.mrow_list] for row in usable.tolist()])
         return cid
 
     def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -501,14 +512,14 @@ class Objective:
     def stranded(self, nodes: np.ndarray, free: np.ndarray, ic: np.ndarray, im: np.ndarray) -> np.ndarray:
         """The stranding term of `nodes` with `free` GPUs at these steps."""
         fc = self.node_fc[nodes]
-        d = free - np.minimum(self.feed_c[fc, ic], self.feed_m[fc, im])
+        d = free - np.minimum(self.feed_c[fc, ic - self.fc_row0[fc]], self.feed_m[fc, im])
         out: np.ndarray = np.where(d > 0.0, d, 0.0)
         return out
 
     def stranded_one(self, node: int, free: float, ic: int, im: int) -> float:
         """`stranded` of one node, in plain Python (bit for bit the same)."""
         fc = self.node_fc_list[node]
-        d = free - min(self.feed_c_rows[fc][ic], self.feed_m_rows[fc][im])
+        d = free - min(self.feed_c_rows[fc][ic - self.fc_row0_list[fc]], self.feed_m_rows[fc][im])
         return d if d > 0.0 else 0.0
 
     def strands(self, nodes: np.ndarray, cls: np.ndarray, cpu: np.ndarray, mem: np.ndarray) -> np.ndarray:
@@ -517,7 +528,8 @@ class Objective:
         that CPU and memory feed."""
         ic, im = self.steps(nodes, cpu, mem)
         fc = self.node_fc[nodes]
-        out: np.ndarray = self.tables()[0][cls].sum(axis=1) > np.minimum(self.feed_c[fc, ic], self.feed_m[fc, im])
+        out: np.ndarray = self.tables()[0][cls].sum(axis=1) > np.minimum(self.feed_c[fc, ic - self.fc_row0[fc]],
+                                                                          self.feed_m[fc, im])
         return out
 
     def strands_free(self, node: int, free: float, cpu: int, mem: int) -> bool:
@@ -525,7 +537,17 @@ class Objective:
         Python (bit for bit the same)."""
         ic, im = self.step_one(node, cpu, mem)
         fc = self.node_fc_list[node]
-        return free > min(self.feed_c_rows[fc][ic], self.feed_m_rows[fc][im])
+        return free > min(self.feed_c_rows[fc][ic - self.fc_row0_list[fc]], self.feed_m_rows[fc][im])
+
+    def strands_below(self, node: int, free: float) -> float:
+        """The free CPU below which node `node`, its GPUs' free shares summing to `free`, strands
+        GPUs (`strands_free` is true, memory not counted: FEED_MEMORY off): the least CPU step
+        that feeds them (inf: none does; -inf: nothing to feed)."""
+        fc = self.node_fc_list[node]
+        j = bisect_left(self.feed_c_rows[fc], free)  # the first step index not below `free`
+        if j == len(self.feed_c_rows[fc]):
+            return float("inf")
+        return self.cpu_step_list[j - 1] if j else float("-inf")
 
     def steps(self, nodes: np.ndarray | None, cpu: np.ndarray, mem: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows of the tables (CPU row, memory step) of these nodes with this CPU and memory
@@ -575,7 +597,7 @@ class Objective:
 
     def multi_room_one(self, ic: int, im: int, covered: list[float], hosts: list[int]) -> float:
         """`multi_room` of one node, in plain Python (bit for bit the same)."""
-        wm = self.wm_rows[ic][im]
+        wm = self.wm_rows[self.crow_list[ic]][im]
         return numpy_sum([w * (covered[col] * (hosts[col] >= count))
                           for w, col, count in zip(wm, self.multi_cols, self.multi_counts)])
 
@@ -585,7 +607,7 @@ class Objective:
         `hosts` reaches it)."""
         col = self.multi_col
         room = (hosts[:, col] >= self.multi_count[None, :]) * covered[:, col]
-        out: np.ndarray = (self.wm[ic, im] * room).sum(axis=1)
+        out: np.ndarray = (self.wm[self.crow[ic], im] * room).sum(axis=1)
         return out
 
     def scores(self, deltas: list[float]) -> list[int]:
@@ -712,7 +734,8 @@ class NodeTerms:
         usable_of = objective.usable_of
         class_list = classes.tolist()
         free = numpy_sum([objective.free_of[c] for c in class_list])
-        single = numpy_sum([usable_of[c][ic][im] for c in class_list])
+        row = objective.crow_list[ic]
+        single = numpy_sum([usable_of[c][row][im] for c in class_list])
         self.ic[node], self.im[node], self.free[node], self.single[node] = ic, im, free, single
         if objective.multi:
             c = objective.tables()[1][classes[None, :]]

@@ -217,6 +217,42 @@ def test_cpu_that_strands_gpus_is_counted():
     assert _where(plan(snap, MILLI), "p")[0] == "n1"
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(min_value=0, max_value=10**9))
+def test_the_stranding_term_is_the_fluid_one_within_a_fraction_of_a_score_point(seed):
+    """F's stranding term is max(0, free - cpu / c_bar) on the node's free CPU as it is: its grid
+    of CPU steps floors that CPU by less than one step, a fraction of the score's finest point
+    (0.04 GPU). A grid of c_bar / 2 credited a pod with the CPU below a step: on a node short
+    of CPU the term fell by the pod's whole share (tests/planner/test_stranding_grid.py)."""
+    from dynpart.planner.objective import node_caps
+    from dynpart.planner.problem import compile_workload
+    rng = random.Random(seed)
+    shares = [RequestShare(resource=f"nvidia.com/gpu-{rng.choice([100, 250, 470])}gb", cpu_milli=rng.randrange(1000, 16_001, 50),
+                           weight=rng.choice([1.0, 3.0])) for _ in range(3)]
+    shares.append(RequestShare(resource="nvidia.com/gpu", cpu_milli=rng.randrange(4000, 40_001, 50)))
+    kinds = compile_workload(shares, [], MILLI)
+    nodes, cpus, free = [], [], []
+    for n in range(12):
+        used = [[s] if s else [] for s in (rng.choice([0, 0, 190, 530, 1000]) for _ in range(4))]
+        cpus.append(rng.randrange(0, 96_001, 7))
+        free.append(sum(1000 - sum(g) for g in used) / 1000)
+        nodes.append(_mps_node(f"n{n:02d}", used, cpu=cpus[-1]))
+    problem = compile_problem(Snapshot(nodes=nodes), MILLI)
+    states = [new_state(g) for g in problem.gpus]
+    at, mem = np.arange(len(nodes)), np.zeros(len(nodes), dtype=np.int64)
+
+    def unusable(obj: Objective) -> np.ndarray:
+        rows = [[obj.class_id(capacity_class(states[g])) for g in info.gpus] for info in problem.nodes]
+        return obj.unusable(np.array(rows), np.array(cpus), mem, at)
+
+    term = unusable(Objective(kinds, problem.nodes, node_caps(problem.nodes, problem.gpus))) - unusable(Objective(kinds, problem.nodes))
+    gpus = sum(k.weight * k.count * (k.ref.size / 1000 if isinstance(k.ref, MpsSliceRef) else 1.0) for k in kinds)
+    c_bar = sum(k.weight * k.cpu for k in kinds) / gpus
+    fluid = np.maximum(0.0, np.array(free) - np.array(cpus) / c_bar)
+    assert np.all(term >= fluid - 1e-9)  # the CPU floored to its step: never less
+    assert np.all(term - fluid <= 0.01)
+
+
 def test_mig_placement_keeps_large_profiles_placeable():
     # an H100 with a used 3g.40gb at 4: a 1g.10gb should not go where it blocks the 3g/4g at 0
     # when a second GPU already has a used 4g.40gb at 0 and free small slots
