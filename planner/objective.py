@@ -39,13 +39,14 @@ points each (seeds 42-51; simulations/results/README.md). CPU enters at steps (`
 every c_bar / FEED_STEPS_PER_GPU, so that the term moves only where a pod's CPU moves the node
 across a step, as the tables do (the greedy's caches hold); the tables keep one row per kinds'
 step (`crow`, `mrow` map a step to its row). The grid reaches the most CPU any node had free
-when the objective was built (above it, the top step). It is fine: a step is 1/256 of a GPU's
-CPU, a tenth of the score's finest point, so the term is the fluid one. A grid of c_bar / 2
-(until session 38) floored a node's CPU by up to half a GPU's and counted a pod whose CPU
-crossed no step as taking none: on a node short of CPU the term fell by the pod's whole GPU
-share, so that node looked best; replaying openb in MPS mode, the last empty node was broken
-for small slices and the 8-GPU pods waited to the trace's end (mean pending 9,348 s; 1,090 s
-with the fine grid, nos 974 s; tests/planner/test_stranding_grid.py).
+when the objective was built (above it, the top step). The grid is coarse (c_bar / 2), and it
+is biased: a pod whose CPU crosses no step counts as taking none, so on a node short of CPU the
+term falls by the pod's whole GPU share (tests/planner/test_stranding_grid.py, xfail). The
+fluid term (a grid of c_bar / 256, which the tables and the greedy's caches now afford) was
+measured in session 38 and not kept: packing unchanged (-0.03 to +0.04 points per list), the
+openb MPS replay's 8-GPU pods no longer wait to the trace's end (mean 9,348 -> 1,090 s), but
+queues under overload collapse in both modes (compress 2.0, p95: MIG 2,519 -> 21,568 s, MPS
+31 -> 16,710 s; simulations/results/README.md, the last section).
 
 Placing a pod raises F by ΔF; among the options that place the most pods with the fewest
 changes, the greedy takes the one with the least ΔF, compared as the FGD scheduler plugin's
@@ -85,10 +86,10 @@ from dynpart.planner.types import (
 )
 
 # the stranding term's grid: CPU and memory steps every 1/FEED_STEPS_PER_GPU of what the
-# distribution asks per GPU (the term's error under 0.004 GPU, a tenth of a score point), at
-# most FEED_STEPS_MAX steps per resource (a few tables of that length per feed class)
-FEED_STEPS_PER_GPU = 256
-FEED_STEPS_MAX = 16384
+# distribution asks per GPU, at most FEED_STEPS_MAX steps per resource (a few tables of that
+# length per feed class; 256 per GPU, the fluid term, was measured and not kept: module docstring)
+FEED_STEPS_PER_GPU = 2
+FEED_STEPS_MAX = 256
 # whether memory strands GPUs as CPU does (its own grid of steps)
 FEED_MEMORY = False
 

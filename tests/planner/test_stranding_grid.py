@@ -1,4 +1,4 @@
-"""(helper-142) The stranding term's CPU grid credited a pod with less CPU than it takes (fixed).
+"""(helper-142) The stranding term's CPU grid credits a pod with less CPU than it takes.
 
 The objective's stranding term is max(0, free - cpu / c_bar) (planner/objective.py), with the
 node's free CPU floored to a grid every c_bar / FEED_STEPS_PER_GPU. A pod asking exactly c_bar
@@ -9,11 +9,13 @@ breaks the only GPU-free node of the cluster for a 36 GB slice (the cause of 8-G
 until the trace's end in the openb default replay on 8 x 8 H100 in MPS mode, found from
 `dynpart simulate --trace openb_pod_list_default.csv --cluster 8x8xH100-80GB --mode mps`).
 
-Fixed in session 38: the grid's step is 1/256 of c_bar (planner/objective.py), so a pod's CPU
-moves the term on a node it strands as the fluid definition says; the greedy's caches and heap
-bounds were already kept per step."""
+Not fixed: a grid of c_bar / 256 passes this test and makes the term the fluid one (session
+38), but it made queues under overload collapse in both modes' replays (simulations/results/
+README.md, the last section), so the first test is a strict xfail."""
 
 from __future__ import annotations
+
+import pytest
 
 from dynpart.planner import plan
 from dynpart.snapshot import Gpu, MpsSlice, Node, PendingPod, RequestShare, Snapshot
@@ -33,6 +35,7 @@ def _snapshot() -> Snapshot:
     return Snapshot(nodes=[used, empty], pending=[pod], workload=[share])
 
 
+@pytest.mark.xfail(strict=True, reason="the stranding grid credits a pod with the CPU a step hides (not fixed)")
 def test_a_pod_asking_the_distributions_cpu_per_gpu_does_not_break_the_empty_node():
     # c_bar = 6000 / (36/79) = 13,167 milli per GPU: the pod takes CPU at exactly that rate, so
     # the stranding term does not change on either node, nor does FGD's part (the 36 GB kind
