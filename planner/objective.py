@@ -45,7 +45,7 @@ term falls by the pod's whole GPU share (tests/planner/test_stranding_grid.py, x
 fluid term (a grid of c_bar / 256, which the tables and the greedy's caches now afford) was
 measured in session 38 and not kept: packing unchanged (-0.03 to +0.04 points per list), the
 openb MPS replay's 8-GPU pods no longer wait to the trace's end (mean 9,348 -> 1,090 s), but
-queues under overload collapse in both modes (compress 2.0, p95: MIG 2,519 -> 21,568 s, MPS
+the other pods' tails pay for it under overload (compress 2.0, p95: MIG 2,519 -> 21,568 s, MPS
 31 -> 16,710 s; simulations/results/README.md, the last section).
 
 Placing a pod raises F by ΔF; among the options that place the most pods with the fewest
