@@ -420,8 +420,8 @@ class Objective:
         self.w1 = w1.cumsum(axis=1).cumsum(axis=2).reshape((shape[0] * rows_c,) + w1.shape[2:])
         # wm by table row and memory step (small: no class axis)
         self.wm = wm.cumsum(axis=1).cumsum(axis=2).reshape((shape[0] * rows_c,) + wm.shape[2:])[:, self.mrow]
-        # per feed class, the GPUs the free CPU of each CPU step (of every group's block) and the
-        # free memory of each memory step can feed (inf: no term)
+        # per feed class, the GPUs the free CPU of each CPU step and the free memory of each
+        # memory step can feed (inf: no term)
         n_fc = len(cbar)
         cval = np.concatenate(([0], self.cpu_steps)).astype(float)
         mval = np.concatenate(([0], self.mem_steps)).astype(float)
