@@ -68,6 +68,10 @@ def run(args: argparse.Namespace) -> int:
     over = tuned_down(data, args.tune)
     if over:
         print(over, file=sys.stderr)  # with --json too: "N pods used" above is not what arrives
+    published = bp.published_figures(data.trace_name, data.cluster, args.tune)
+    elsewhere = bp.published_elsewhere(data.trace_name, data.cluster, args.tune)
+    if elsewhere and not args.json:
+        print(elsewhere, file=sys.stderr)
     summaries, curves = [], {}
     all_results = {}
     for pol in policies:
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
                               on_step if inner is not None else None)
         wall = time.perf_counter() - t0
         prog.close()
-        summary = bp.summarise(pol, batch, results, wall, data.trace_name, args.tune)
+        summary = bp.summarise(pol, batch, results, wall, published, args.tune)
         summary.update(trace=data.trace.path, cluster=data.cluster.source, tune=args.tune,
                        trace_rows={"read": data.trace.rows, "used": len(data.trace.pods), "ignored": 0},
                        gpus=data.cluster.gpu_count)
@@ -111,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{levels} arrived; allocation at the end: {ends}")
     if out is not None:
         with report.staged(out) as stage:
-            _write(stage, doc, summaries, all_results, curves, data, args)
+            _write(stage, doc, summaries, all_results, curves, data, args, published)
         if not args.json:
             shown.print(f"wrote {out / 'summary.json'}, steps.csv, allocation.png")  # (a Path: --out dir/ gave dir//)
     shown.finish()
@@ -132,12 +136,11 @@ def tuned_down(data: command_line.Inputs, ratio: float) -> str | None:
 
 
 def _write(out: Path, doc: dict, summaries: list[dict], all_results: dict, curves: dict, data: Any,
-           args: argparse.Namespace) -> None:
+           args: argparse.Namespace, published: dict[str, tuple[float, float]]) -> None:
     report.write_json(out / "summary.json", doc)
     report.write_csv(out / "steps.csv", ["policy", "batch", "seed", "arrived_pct", "allocation_pct"],
                      [(s["policy"], s["batch"], r.seed, round(a, 3), round(b, 4))
                       for s, (label, rs) in zip(summaries, all_results.items()) for r in rs for a, b in r.curve])
-    published = bp.PUBLISHED.get(data.trace_name or "", {})
     plots.packing_curves(curves, out / "allocation.png",
                          f"packing: {data.trace_name or 'synthetic workload'}, seeds {args.seeds}",
                          {k: v for k, v in published.items() if k in ("best-fit", "fgd")})

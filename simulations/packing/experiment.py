@@ -35,6 +35,30 @@ PUBLISHED = {
     "openb_pod_list_multigpu30.csv": {"best-fit": (94.57, 94.72), "fgd": (96.36, 96.46)},
 }
 
+# what they compare with: the openb node lists (nodes, GPUs), the list tuned to 130% of their GPU
+# capacity; the protocol's cluster is every node (openb_node_list_all_node.csv), the authors' tables
+# were made on its GPU nodes (openb_node_list_gpu_node.csv; docs/simulator.md)
+PAPER_CLUSTERS = {(1523, 6212): "openb_node_list_all_node.csv", (1213, 6212): "openb_node_list_gpu_node.csv"}
+PAPER_TUNE = 1.3
+
+
+def published_figures(trace_name: str | None, cluster: ClusterSpec, ratio: float) -> dict[str, tuple[float, float]]:
+    """The published figures for the trace where the run repeats the paper's setting (its cluster
+    and --tune); else none: on a cut-down cluster or another tune, they compare nothing."""
+    if (len(cluster.nodes), cluster.gpu_count) not in PAPER_CLUSTERS or abs(ratio - PAPER_TUNE) > 1e-9:
+        return {}
+    return PUBLISHED.get(trace_name or "", {})
+
+
+def published_elsewhere(trace_name: str | None, cluster: ClusterSpec, ratio: float) -> str | None:
+    """A line saying why the trace's published figures are not shown, when it has some."""
+    if trace_name not in PUBLISHED or published_figures(trace_name, cluster, ratio):
+        return None
+    lists = " or ".join(f"{name} ({n:,} nodes, {g:,} GPUs)" for (n, g), name in PAPER_CLUSTERS.items())
+    return (f"the published figures for {trace_name} are not shown: they compare with runs on {lists} "
+            f"with --tune {PAPER_TUNE:g}, and this run has {len(cluster.nodes):,} nodes, {cluster.gpu_count:,} GPUs, "
+            f"--tune {ratio:g}")
+
 
 @dataclass(frozen=True)
 class PackingJob:
@@ -123,9 +147,10 @@ def _stdev(values: list[float], ratio: float, pct: float) -> float | None:
     return (round(statistics.stdev(values), 3) if len(values) > 1 else 0.0) if reached(pct, ratio) else None
 
 
-def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: float, trace_name: str | None,
-              ratio: float = 1.3) -> dict:
-    """The summary one `bench packing` run prints and writes (percentages, mean over seeds).
+def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: float,
+              published: dict[str, tuple[float, float]], ratio: float = 1.3) -> dict:
+    """The summary one `bench packing` run prints and writes (percentages, mean over seeds), with
+    the `published` figures it compares with (`published_figures`).
     `alloc_at_100`/`alloc_at_130` are None where the list tuned to `ratio` (--tune) ends before
     that level: before, --tune 0.5 reported its end's allocation under both names."""
     a100 = [r.alloc_at(100) for r in results]
@@ -155,7 +180,6 @@ def summarise(policy: str, batch: int, results: list[PackingResult], wall_s: flo
         "wall_s": round(wall_s, 2),
         "seed_wall_s_max": round(max(r.wall_s for r in results), 2),
     }
-    published = PUBLISHED.get(trace_name or "", {})
     if published:
         out["published"] = {k: {"alloc_at_100": v[0], "alloc_at_130": v[1]} for k, v in published.items()}
     return out

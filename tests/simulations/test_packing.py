@@ -9,9 +9,17 @@ import pytest
 
 from dynpart.simulations import bridge
 from dynpart.simulations.errors import SimulationError
+from dynpart.simulations.inputs.cluster_spec import ClusterSpec, NodeSpec
 from dynpart.simulations.inputs.synthetic import synthetic_cluster, synthetic_trace
 from dynpart.simulations.packing.dynpart_packing import NO_GPU_SHARE, DynpartPacking, fgd_typical_pods, trace_workload
-from dynpart.simulations.packing.experiment import PackingJob, run_job, summarise
+from dynpart.simulations.packing.experiment import (
+    PAPER_CLUSTERS,
+    PackingJob,
+    published_elsewhere,
+    published_figures,
+    run_job,
+    summarise,
+)
 from dynpart.simulations.packing.occupancy import PackingState
 from dynpart.simulations.packing.protocol import run_packing
 from dynpart.simulations.packing.reference_schedulers import BestFit, Random, best_fit_scores
@@ -161,9 +169,34 @@ def test_dynpart_batches_plan_through_plan_and_keep_used_slices():
         r = run_job(PackingJob("dynpart", seed=3, batch=batch), trace.pods, synthetic_cluster(), None)
         assert r.plan_calls > 0 and r.extra["disrupted"] == 0
         assert r.counts.placed > 0.6 * r.pods
-    s = summarise("dynpart", 8, [r], 1.0, "openb_pod_list_default.csv")
+    s = summarise("dynpart", 8, [r], 1.0, {"fgd": (95.23, 95.39)})
     assert {"policy", "batch", "seeds", "alloc_at_100", "alloc_at_130", "per_seed", "wall_s"} <= set(s)
     assert s["published"]["fgd"]["alloc_at_130"] == 95.39
+    assert "published" not in summarise("dynpart", 8, [r], 1.0, {})
+
+
+def _paper_shaped(nodes: int, gpus: int) -> ClusterSpec:
+    """A cluster of `nodes` nodes and `gpus` GPUs (8 a node, the rest on the last GPU node)."""
+    full, rest = divmod(gpus, 8)
+    specs = [NodeSpec(f"n{i}", 96_000, 1 << 19, 8 if i < full else rest if i == full else 0, "G2")
+             for i in range(nodes)]
+    return ClusterSpec("test", tuple(specs))
+
+
+def test_published_figures_are_shown_only_for_the_papers_cluster_and_tune():
+    # every node of the openb list (the protocol's) and its GPU nodes (the authors' tables')
+    for shape in ((1523, 6212), (1213, 6212)):
+        assert shape in PAPER_CLUSTERS
+        paper = _paper_shaped(*shape)
+        assert paper.gpu_count == shape[1]
+        assert published_figures("openb_pod_list_default.csv", paper, 1.3)["fgd"] == (95.23, 95.39)
+        assert published_elsewhere("openb_pod_list_default.csv", paper, 1.3) is None
+        assert published_figures("mine.csv", paper, 1.3) == {} and published_elsewhere("mine.csv", paper, 1.3) is None
+    # a cut-down list, the same GPUs on fewer nodes, another --tune: none
+    for other, tune in ((_paper_shaped(100, 800), 1.3), (_paper_shaped(1000, 6212), 1.3), (paper, 1.0)):
+        assert published_figures("openb_pod_list_default.csv", other, tune) == {}
+        line = published_elsewhere("openb_pod_list_default.csv", other, tune)
+        assert line is not None and f"{len(other.nodes):,} nodes" in line and f"--tune {tune:g}" in line
 
 
 def test_the_planner_session_holds_the_whole_cluster_and_matches_the_state(catalog):
