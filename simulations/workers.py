@@ -38,6 +38,7 @@ def worker_pool(workers: int, initializer: Callable[..., None] | None = None,
         # terminate_workers(); its `_processes` has been the worker table since 3.2, and
         # shutdown() empties it)
         processes = list((getattr(pool, "_processes", None) or {}).values())
+        manager = getattr(pool, "_executor_manager_thread", None)  # shutdown(wait=False) forgets it
         pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             process.terminate()
@@ -45,6 +46,11 @@ def worker_pool(workers: int, initializer: Callable[..., None] | None = None,
             process.join(timeout=5)
             if process.is_alive():  # (a worker still starting, its handlers not yet reset)
                 process.kill()
+        if manager is not None:
+            # The pool's own thread joins the dead workers too. When it reaps one first, our
+            # waitpid gets ECHILD and is_alive() says True until that thread, once it has the
+            # GIL again, records the exit: wait for it, so that callers see the workers gone.
+            manager.join(timeout=10)
         raise
     finally:
         pool.shutdown(wait=True)
