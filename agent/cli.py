@@ -325,7 +325,8 @@ class Shutdown:
         """`fn()` within what is left of the deadline; past it, or failing, it is given up (logged):
         the steps after it still run."""
         try:
-            await asyncio.wait_for(fn(), max(self.left(), self.step_min_s))
+            async with asyncio.timeout(max(self.left(), self.step_min_s)):
+                await fn()
         except TimeoutError:
             _log.warning("stopping: %s did not end in time; going on without it", what)
         except Exception as e:  # the next steps still run

@@ -907,7 +907,8 @@ class Agent:
 
         try:
             # within the agent's shutdown (cli.SHUTDOWN_S), after _unpublish's 5 s at most
-            errors = await asyncio.wait_for(hand_back(), timeout=HAND_BACK_S)
+            async with asyncio.timeout(HAND_BACK_S):
+                errors = await hand_back()
             if errors is None:
                 return
         except Exception as e:  # (the node deleted, the API server or the driver not answering)
@@ -935,7 +936,8 @@ class Agent:
         if not served:
             return
         try:
-            await asyncio.wait_for(self.node_api.patch_status(served), timeout=5)
+            async with asyncio.timeout(5):
+                await self.node_api.patch_status(served)
             log.info("node %s: stopping: published %s", self.node, _fmt(served))
         except Exception as e:  # the plugin stops serving anyway; the kubelet's own write follows
             log.warning("node %s: stopping: could not publish 0 for %s: %s", self.node, ", ".join(served), e)

@@ -265,7 +265,8 @@ class ProcessMpsDaemon:
             except OSError as e:
                 raise MpsDaemonError(f"{self.binary}: {e.strerror or e}") from None
             try:
-                await asyncio.wait_for(proc.communicate(stdin.encode() if stdin is not None else None), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):
+                    await proc.communicate(stdin.encode() if stdin is not None else None)
             except TimeoutError:
                 proc.kill()
                 await proc.wait()

@@ -248,7 +248,8 @@ class Supervisor:
             while not stop.is_set():
                 await self.step()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.poll_s)
+                    async with asyncio.timeout(self.poll_s):
+                        await stop.wait()
         finally:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -49,7 +49,8 @@ async def node_lock(path: str | Path, retry_s: float = 2.0, holder: str = "agent
                     await asyncio.sleep(retry_s)
                     continue
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), retry_s)
+                    async with asyncio.timeout(retry_s):
+                        await stop.wait()
                 if stop.is_set():
                     raise LockNotTaken(f"{path}: stopped while another {holder} held it") from None
         os.ftruncate(fd, 0)

@@ -9,6 +9,7 @@ Everything that decides lives in pure modules (`cluster_view`, `batching`, `core
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import hashlib
 import itertools
@@ -488,10 +489,9 @@ class PlannerController:
         wait = self.window.wait_s(self.clock()) if self.leading.is_set() else None
         timeout = self.settings.resync_s if wait is None else wait
         self.wake.clear()
-        try:
-            await asyncio.wait_for(self.wake.wait(), timeout=max(0.01, timeout))
-        except TimeoutError:
-            pass
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.01, timeout)):
+                await self.wake.wait()
         if not self.leading.is_set():
             self.clear_gauges()
             return
@@ -1222,7 +1222,8 @@ class PlannerController:
         if math.isinf(left):
             return await call
         try:
-            return await asyncio.wait_for(call, timeout=left)
+            async with asyncio.timeout(left):
+                return await call
         except TimeoutError:
             raise APITransportError(f"patch node {name}: no answer within the {left:.1f} s this replica can still "
                                     "prove it leads") from None

@@ -158,8 +158,9 @@ class PluginServer:
         """Wait until every open ListAndWatch stream has written the current list."""
         async with self._cond:
             try:
-                await asyncio.wait_for(self._cond.wait_for(
-                    lambda: self._stopping or all(v >= self._version for v in self._streams.values())), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._cond.wait_for(
+                        lambda: self._stopping or all(v >= self._version for v in self._streams.values()))
             except TimeoutError:
                 return False
         return True

@@ -100,7 +100,8 @@ class _Credentials:
         try:
             # what load_kube_config ran; a plugin that never returns (an interactive login) must
             # not hold every call for good
-            await asyncio.wait_for(self._loader._load_authentication(), _RENEW_TIMEOUT_S)
+            async with asyncio.timeout(_RENEW_TIMEOUT_S):
+                await self._loader._load_authentication()
         except Exception as e:
             log.warning("cannot renew the Kubernetes credentials: %s", str(e) or type(e).__name__)
             return

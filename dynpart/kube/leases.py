@@ -187,7 +187,10 @@ class LeaderElector:
                 # must not keep it leading past the point where a standby may take over
                 deadline = max(0.05, self._valid_until - started) if self.is_leader else self.margin_s
                 try:
-                    won = await asyncio.wait_for(self._try(), timeout=deadline)
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for drops a stop that arrives as
+                    # the attempt ends, and this loop would go on electing for good
+                    async with asyncio.timeout(deadline):
+                        won = await self._try()
                 except TimeoutError:
                     log.warning("lease %s/%s: no answer within %.1f s", self.namespace, self.name, deadline)
                     won = False

@@ -236,7 +236,8 @@ class KubeletDouble:
 
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
         async with self._changed:
-            await asyncio.wait_for(self._changed.wait_for(predicate), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._changed.wait_for(predicate)
 
     async def wait_registered(self, resource: str, times: int = 1, timeout_s: float = 5.0) -> PluginSeen:
         await self.wait_for(lambda: resource in self.plugins and len(self.plugins[resource].registered_at) >= times

@@ -1738,3 +1738,22 @@ async def test_a_lag_that_ended_between_rounds_does_not_make_the_next_one_lastin
     waiting(c, "b")
     await c.plan_round()
     assert told() == [], f"a lag of seconds reported as lasting: {told()}"
+
+
+async def test_a_stop_that_arrives_with_a_wake_up_stops_the_step(make):
+    """A wake-up and the controller's stop in the same turn of the event loop: the step stops and
+    plans nothing (asyncio.wait_for on 3.11 dropped the stop and planned a round)."""
+    c = make([reported("n1")], resync_s=60.0)
+    c.leading.set()
+    rounds: list[int] = []
+
+    async def plan_round() -> None:
+        rounds.append(1)
+    c.plan_round = plan_round  # type: ignore[method-assign]
+    step = asyncio.create_task(c._step())
+    for _ in range(5):  # into its wait for a wake-up
+        await asyncio.sleep(0)
+    c.wake.set()
+    step.cancel()
+    await asyncio.wait({step}, timeout=2.0)
+    assert step.cancelled() and rounds == []

@@ -874,10 +874,9 @@ class Harness:
                 waiting = [r for r in recs if r.running_at is None]
                 raise AssertionError(f"{len(waiting)} pod(s) not Running after {timeout:.0f} s: "
                                      f"{', '.join(r.key for r in waiting[:10])}\n" + await self.describe(waiting))
-            try:
-                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 1.0)):
+                    await self._changed.wait()
 
     async def events_of(self, rec: PodRecord) -> list[Any]:
         ns, name = rec.key.split("/", 1)

@@ -326,3 +326,39 @@ async def test_a_stopping_leader_does_not_release_a_lease_another_replica_took()
         await stop(task)
     assert not a.is_leader
     assert api.lease["spec"]["holderIdentity"] == "b" and api.lease["spec"]["leaseTransitions"] == 1
+
+
+class StoppedAsItAnswers(Leases):
+    """Stops the replica's task (as SIGTERM does) right after answering a read, before the replica
+    has taken the answer: the attempt has ended when the stop arrives (CI hung on this for 90 min)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.task: asyncio.Task[None] | None = None
+        self.stops = 0
+
+    async def read_namespaced_lease(self, name: str, namespace: str, _preload_content: bool = True) -> FakeResponse:
+        resp = await super().read_namespaced_lease(name, namespace, _preload_content)
+        if self.task is not None and self.stops == 0:
+            self.stops += 1
+            asyncio.get_running_loop().call_soon(self.task.cancel)
+        return resp
+
+
+async def test_a_stop_that_arrives_as_an_attempt_ends_stops_the_replica():
+    """asyncio.wait_for on Python 3.11 returns the inner result when the cancellation and the
+    result arrive together, dropping the cancellation: the replica's loop went on electing for good
+    and its stop never returned. The attempt's deadline must not eat a stop."""
+    api = StoppedAsItAnswers()
+    held_by_other(api)  # a live holder: the attempt ends at the read, without another call
+    b = replica(api, "b", [100.0], renew_s=0.02, retry_s=0.02)
+    task = asyncio.create_task(b.run())
+    api.task = task
+    try:
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        assert api.stops == 1
+        assert task in done, "the replica's loop swallowed its stop and kept electing"
+        assert task.cancelled()
+    finally:
+        task.cancel()
+        await asyncio.wait({task}, timeout=2.0)
