@@ -359,8 +359,9 @@ class DevicePluginManager:
         # under another resource
         self.pending: dict[str, list[str]] = {}
         self.on_registered: Callable[[str], None] | None = None  # called after each successful Register
-        # servers `_apply` started under the lock, registered once it is released (`_register_new`)
-        self._unregistered: list[PluginServer] = []
+        # servers `_apply` started under the lock, registered once it is released (`_register_new`),
+        # each with its count of Registers then
+        self._unregistered: list[tuple[PluginServer, int]] = []
         self._registering: set[str] = set()  # resources whose Register is under way
 
     async def start(self) -> None:
@@ -519,7 +520,7 @@ class DevicePluginManager:
                                       serve=self.serve)
                 self.servers[resource] = server
                 await server.start()
-                self._unregistered.append(server)  # registered by the caller, once the lock is released
+                self._unregistered.append((server, server.registrations))  # registered by the caller, lock released
             else:
                 await server.set_devices(devices)
 
@@ -569,17 +570,22 @@ class DevicePluginManager:
         """Register the servers `_apply` started, outside the lock (as `check` does, same reasons:
         a kubelet that accepts the connection and hangs would hold up withdraw/update for
         register_timeout_s per resource). One an update stopped meanwhile is skipped; one the watch
-        found unregistered first is left to it (`_registering`); one left out here (a caller
-        cancelled) is registered by the watch's next look."""
+        found unregistered first is left to it (`_registering`, `seen`); one left out here (a
+        caller cancelled) is registered by the watch's next look."""
         servers, self._unregistered = self._unregistered, []
-        for server in servers:
+        for server, seen in servers:
             if self.servers.get(server.resource) is server and server.running:
-                await self._register(server)
+                await self._register(server, seen)
 
-    async def _register(self, server: PluginServer) -> None:
+    async def _register(self, server: PluginServer, seen: int) -> None:
+        """Register `server`, unless a Register of it is under way or one succeeded since the
+        caller saw it unregistered (its count was `seen`): a second Register of the same plugin
+        makes the kubelet drop the first one's stream (kubernetes#121994), and a list written
+        meanwhile may never reach it."""
         import grpc.aio
 
-        if not self.serve or not os.path.exists(self.kubelet_socket) or server.resource in self._registering:
+        if (not self.serve or not os.path.exists(self.kubelet_socket) or server.resource in self._registering
+                or server.registrations != seen):
             return
         self._registering.add(server.resource)
         try:
@@ -607,7 +613,7 @@ class DevicePluginManager:
         stamp = file_stamp(self.kubelet_socket) if self.serve else None
         if stamp is None:
             return
-        unregistered = []
+        unregistered: list[tuple[PluginServer, int]] = []
         async with self._lock:
             for server in list(self.servers.values()):
                 lost = not server.socket_exists()
@@ -624,20 +630,20 @@ class DevicePluginManager:
                                         else "opened no ListAndWatch stream after the Register")
                             server.drop_said = True
                         server.registered_at = time.monotonic()
-                        unregistered.append(server)
+                        unregistered.append((server, server.registrations))
                     continue
                 if lost or server.registered_stamp is not None:  # kubelet restarted: fresh server, fresh streams
                     log.info("device plugin for %s: %s; serving again", server.resource,
                              "its socket is gone" if lost else "kubelet.sock was re-created")
                     await server.restart()
-                unregistered.append(server)
+                unregistered.append((server, server.registrations))
         # Register outside the lock: a kubelet that accepts the connection and hangs would hold up
         # the pass's withdraw/update (register_timeout_s per resource). A server an update stopped
         # meanwhile is skipped; one stopped during its Register has the kubelet dial a socket that
         # is gone, or the same resource's new server (registered by that update): harmless.
-        for server in unregistered:
+        for server, seen in unregistered:
             if self.servers.get(server.resource) is server and server.running:
-                await self._register(server)
+                await self._register(server, seen)
 
     async def _watch_loop(self) -> None:
         while True:

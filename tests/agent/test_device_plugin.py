@@ -368,6 +368,27 @@ async def test_never_advertised_whole_and_sliced_across_resources(kubelet, plugi
     assert len(kubelet.events) >= 10
 
 
+async def test_a_server_registered_by_another_caller_meanwhile_is_not_registered_again(kubelet, plugin_dir):
+    """The watch's look finds an update's new server unregistered and, by the time it gets to
+    register it, the update has: no second Register. The kubelet would drop the first Register's
+    stream (kubernetes#121994), and a list written then need never reach it (a GPU whole and sliced
+    at the kubelet). The race's order, forced; loose, it happened 2 runs in 10 under load."""
+    plugins = DevicePluginManager(plugin_dir, poll_s=0.05, register_timeout_s=2)  # no watch: this test is it
+    try:
+        async with plugins._lock:  # the update's lists, under the lock
+            plugins._wanted = advertise(GPUS)
+            await plugins._apply()
+        server = plugins.servers["nvidia.com/gpu"]
+        seen_by_watch = server.registrations  # the watch's look, under the lock once the update let go
+        await plugins._register_new()  # the update registers its server
+        await plugins._register(server, seen_by_watch)  # the watch's Register
+        seen = await kubelet.wait_registered("nvidia.com/gpu")
+        await asyncio.sleep(0.2)
+        assert len(seen.registered_at) == 1 and server.registrations == 1
+    finally:
+        await plugins.close()
+
+
 def replay(kubelet: KubeletDouble) -> list[str]:
     """Every moment of what the kubelet processed, in order, at which a GPU was both whole and
     sliced (or under two slice resources)."""

@@ -59,7 +59,7 @@ async def test_registrations_are_bounded(plugin_dir, monkeypatch):
         return None
     monkeypatch.setattr(server, "register", register)
     for _ in range(REGISTRATIONS_KEPT + 10):
-        await plugins._register(server)
+        await plugins._register(server, server.registrations)
     assert len(plugins.registrations) == REGISTRATIONS_KEPT
     assert all(r == server.resource for r, _ in plugins.registrations)
     await plugins.close()
@@ -121,7 +121,8 @@ async def test_a_kubelet_hanging_in_register_of_a_new_resource_does_not_hold_up_
         assert [d.id for d in plugins.advertised()["nvidia.com/mig-1g.10gb"]] == ["MIG-b"]
         # the watch's look meanwhile (here: for that resource alone) makes no second Register
         # beside the one under way
-        await plugins._register(plugins.servers["nvidia.com/mig-2g.20gb"])
+        server = plugins.servers["nvidia.com/mig-2g.20gb"]
+        await plugins._register(server, server.registrations)
         assert asked == ["nvidia.com/mig-2g.20gb"], asked
         await adding  # its Register times out: retried at the watch's next look
         assert "nvidia.com/mig-2g.20gb" in plugins.servers and not plugins.registrations
