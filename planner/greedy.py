@@ -82,8 +82,9 @@ _MOVED_FIRST = 8
 
 # the most CPU buckets of one plan (`cpu_buckets`): each is a heap per slice kind, refreshed
 # for every node a pod changes. Fewer buckets, fewer refreshes but looser keys: on `dynpart bench
-# planner` (1,000 nodes, 2,000 pods) 4 plan 2.5% faster than 8 and 2, 1 is 4% slower (the same
-# plans: the buckets decide what is weighed, not the option)
+# planner` (1,000 nodes, 2,000 pods, runs interleaved) 4 plan about 2.5% faster than 8, 2 about 1%
+# slower than 4, 1 about 4% slower than 8 (the same plans: the buckets decide what is weighed,
+# not the option)
 _BUCKETS_MAX = 4
 
 # what `_best_single_heap` returns when it leaves the pod to the scan
