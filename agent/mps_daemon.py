@@ -4,9 +4,9 @@ plugin): MPS slices are advertised only while it runs, since a client without it
 - `MpsDaemon`: `ensure(gpu_uuids, pipe_dir, log_dir)` (start it, or restart it if it died or its
   GPUs changed; raises MpsDaemonError if it cannot run, MpsDaemonBusy if it runs and does not
   answer: then it is kept as it is, even for a change of GPUs), `alive()` (True, False, or None:
-  no answer in time, its process still there), `stop()`. The GPUs are given
-  in NVML index order, the order the daemon numbers them for its clients (CUDA_VISIBLE_DEVICES):
-  a client's memory limit names its GPUs by that number (`devices.allocate_response`);
+  no answer, or no probe could run, while its process is there), `stop()`. The GPUs are given
+  in NVML index order (CUDA_VISIBLE_DEVICES); a client's memory limit names its GPUs by the CUDA
+  ordinals the client itself sees (`agent/deviceplugin/devices.py`, `container_allocation`);
 - `ProcessMpsDaemon`: `nvidia-cuda-mps-control -d` with CUDA_VISIBLE_DEVICES (the GPU UUIDs),
   CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY, as NVIDIA's mps-control-daemon does: `-d`
   forks a daemon and returns, so whether it runs is asked through its control pipe
@@ -279,18 +279,20 @@ class ProcessMpsDaemon:
             return proc.returncode or 0, out.read(_OUTPUT_MAX).decode(errors="replace").strip()
 
     async def alive(self) -> bool | None:
-        """True: it answered on its control pipe; False: it does not run (the command said so, or
-        could not be run); None: no answer in `timeout_s` while its process lives (busy, or hung:
-        either way `-d` could not start another)."""
+        """True: it answered on its control pipe; False: it does not run (the command found none,
+        or could not be run, and no daemon process lives); None: no answer while its process
+        lives (busy or hung, or the command itself could not run or failed: a fork refused under
+        the pod's pid limit, the probe killed). Either way `-d` could not start another, and
+        taking it for gone would restart it, ending its clients' CUDA contexts."""
         if self.dirs is None:
             return False
         try:
             code, _ = await self._run(stdin="get_default_active_thread_percentage\n")
-        except MpsDaemonTimeout:
+        except MpsDaemonError:  # (MpsDaemonTimeout too)
             return None if self._process_lives() else False
-        except MpsDaemonError:
-            return False
-        return code == 0
+        if code == 0:
+            return True
+        return None if self._process_lives() else False
 
     def _process_lives(self) -> bool:
         """Whether the process its pid file names is the daemon, not ended (the agent's container:
@@ -377,6 +379,10 @@ class ProcessMpsDaemon:
         rotate_logs(log_dir)
         code, out = await self._run("-d")
         if code != 0:
+            if same and self._process_lives():
+                # it refused a second daemon: the one it keeps runs for these GPUs and did not
+                # answer the probe (its process appeared since). Busy, not to be restarted
+                raise self._busy(log_dir)
             # which GPUs a daemon runs for now is unknown (one may still run, for the old ones, and
             # have refused this start): the next `ensure` must not take it as running for `wanted`
             self.gpus = ()

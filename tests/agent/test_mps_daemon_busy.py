@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import os
 import shutil
 import subprocess
@@ -20,13 +21,17 @@ import pytest
 from dynpart.agent.driver.fake import FakeNvml
 from dynpart.agent.mps_daemon import (
     DAEMON_COMM,
+    DESIRED,
     PID_FILE,
     FakeMpsDaemon,
     MpsDaemonBusy,
     MpsDaemonError,
     ProcessMpsDaemon,
+    boot_id,
+    write_json,
 )
 from dynpart.agent.mps_plugin import MpsPluginAgent
+from dynpart.agent.mps_supervisor import Supervisor
 from dynpart.agent.podresources import FakePodResources
 from tests.agent.conftest import H100
 from tests.agent.test_nodepods import installed_control
@@ -326,3 +331,80 @@ async def test_a_daemon_kept_busy_for_a_change_of_gpus_still_runs_for_its_old_on
     pods.assign("ns/a", "nvidia.com/gpu-40gb", "GPU-fake-0000::0")
     await mps.apply({0: [40]})
     assert daemon.starts == [("GPU-fake-0000", "GPU-fake-0001")] and mps.healthy
+
+
+def _probe_fails_once(monkeypatch) -> None:
+    """The next control command cannot be started (a fork refused under the pod's pid limit)."""
+    real = asyncio.create_subprocess_exec
+    calls = {"n": 0}
+
+    async def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", flaky)
+
+
+async def test_a_probe_that_cannot_run_does_not_restart_a_running_daemon(control, tmp_path, monkeypatch):
+    """helper-146's review: a probe that could not run was taken for a daemon gone; the `-d` after
+    it was refused (one runs), the GPUs were reset, and the next check, nothing changed, told the
+    daemon to quit and started it again, ending every MPS client's CUDA context."""
+    pipe, logs = tmp_path / "pipe", tmp_path / "log"
+    sup = Supervisor(str(tmp_path / "ctl"), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05, check_s=0.0)
+    (tmp_path / "ctl").mkdir()
+    write_json(str(tmp_path / "ctl" / DESIRED), {"seq": 1, "gpus": ["GPU-a"], "pipe_dir": str(pipe),
+                                                  "log_dir": str(logs), "boot": boot_id()})
+    await sup.step()
+    pid = int((pipe / PID_FILE).read_text())
+    _probe_fails_once(monkeypatch)
+    await sup.step()  # kept, listed busy for this check
+    await sup.step()  # answers again: nothing to do
+    assert "quit" not in _lines(logs / "commands") and _lines(logs / "starts") == ["GPU-a"]
+    assert sup.state["running"] and sup.state["gpus"] == ["GPU-a"]
+    os.kill(pid, 0)  # the same daemon
+    await sup.daemon.stop()
+
+
+async def test_a_stop_whose_probe_cannot_run_is_not_reported_done_while_the_daemon_runs(control, tmp_path,
+                                                                                       monkeypatch):
+    """The same cause on the way out (a node leaving MPS): reported stopped while it ran on, and
+    never asked again."""
+    pipe, logs, ctl = tmp_path / "pipe", tmp_path / "log", tmp_path / "ctl"
+    ctl.mkdir()
+
+    def want(seq: int, gpus: list[str]) -> None:
+        write_json(str(ctl / DESIRED), {"seq": seq, "gpus": gpus, "pipe_dir": str(pipe), "log_dir": str(logs),
+                                        "boot": boot_id()})
+
+    want(1, ["GPU-a"])
+    sup = Supervisor(str(ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05, check_s=0.0)
+    await sup.step()
+    _probe_fails_once(monkeypatch)
+    want(2, [])
+    await sup.step()
+    assert (pipe / PID_FILE).exists() and sup.state["running"], "it runs: not reported stopped"
+    await sup.step()  # asked again: quits now
+    assert not (pipe / PID_FILE).exists() and not sup.state["running"] and sup.state["gpus"] == []
+
+
+async def test_a_start_refused_by_the_daemon_it_keeps_for_the_same_gpus_is_busy_not_unknown(control, tmp_path,
+                                                                                           monkeypatch):
+    """Its probe said no daemon (a failed command), yet `-d` finds one for the same GPUs: kept as
+    running for them, not reset (which would restart it at the next check)."""
+    pipe, logs = tmp_path / "pipe", tmp_path / "log"
+    daemon = ProcessMpsDaemon(control, timeout_s=5)
+    await daemon.ensure(["GPU-a"], str(pipe), str(logs))
+
+    async def said_gone() -> bool:
+        return False
+
+    with monkeypatch.context() as m:
+        m.setattr(daemon, "alive", said_gone)
+        with pytest.raises(MpsDaemonBusy, match="but runs: kept"):
+            await daemon.ensure(["GPU-a"], str(pipe), str(logs))
+    assert daemon.gpus == ("GPU-a",)
+    await daemon.ensure(["GPU-a"], str(pipe), str(logs))
+    assert "quit" not in _lines(logs / "commands") and _lines(logs / "starts") == ["GPU-a"]
+    await daemon.stop()
