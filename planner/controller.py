@@ -856,19 +856,26 @@ class PlannerController:
             log.info("reservation ended: its slice went to another pod", extra={"fields": {
                 "pod": key, "node": name, "resource": res, "slices": slices[name][res], "bound": bound[(name, res)]}})
 
+    def _no_longer_waits(self, key: str) -> bool:
+        """The pod was deleted or bound (the watch's latest object)."""
+        pod = self.pods.cache.get(key)
+        return pod is None or bool((pod.get("spec") or {}).get("nodeName"))
+
     def _new_plan_id(self) -> str:
         return f"{int(time.time() * 1000):x}-{next(self._ids)}"
 
     async def plan_round(self) -> None:
         self._check_term()
-        nodes = list(self.nodes.cache.values())
-        pods = list(self.pods.cache.values())
         # the plans on their way as the round starts (adopted ones too): one acknowledged while the
         # round runs still explains why its node is out of the round (its pods are planned there next)
         in_flight_at_start = dict(self.loop.in_flight)
         awaiting = self._awaiting_from_annotations()
         await self._adopt()
         in_flight_at_start.update(self.loop.in_flight)
+        # read after the adoption's writes (a new leader may make hundreds): a pod deleted or bound
+        # meanwhile is not planned from the list as it was before them
+        nodes = list(self.nodes.cache.values())
+        pods = list(self.pods.cache.values())
         claims, volumes = dict(self.claims.cache), dict(self.volumes.cache)
         classes = dict(self.classes.cache) if self.classes.synced.is_set() else None
         # in a thread: at 1,000 nodes and 10,000 pods reading them takes about a second of pure
@@ -974,11 +981,20 @@ class PlannerController:
         placed_on: dict[str, set[str]] = {}
         for pl in result.placements:
             placed_on.setdefault(pl.node, set()).add(pl.pod)
+        # pods deleted or bound while the round read and planned (from the objects as they were at
+        # its start): a node whose planned pods are all gone is not reconfigured for nobody
+        gone = {pl.pod for pl in result.placements if self._no_longer_waits(pl.pod)}
         written: set[str] = set()
         not_written: set[str] = set()
         for layout, patch in planned_patches(snapshot, result, nodes_by_name, plan_id, self.leadership.term):
             node_plan = str(patch[SPEC_PLAN])  # `<plan_id>.<k>`: one id per node written
             node_obj = nodes_by_name[layout.node]
+            if placed_on.get(layout.node) and placed_on[layout.node] <= gone:
+                log.info("node layout not written: the pods planned there were deleted or bound while planning",
+                         extra={"fields": {"node": layout.node, "pods": sorted(placed_on[layout.node])}})
+                not_written.add(layout.node)
+                self.wake.set()
+                continue
             patch = keeping_unread(patch, node_obj, view.kept.get(layout.node, {}))
             # each write is bounded (request_timeout_s, its retries), a plan's many are not: a round
             # writing hundreds of nodes through a throttled API server beats per node
@@ -1027,7 +1043,7 @@ class PlannerController:
         for obj, message in mps_user_clashes(planted, pods_by_key):
             await self._event(obj, "MpsUserMismatch", message, warning=True)
         for pl in result.placements:
-            if pl.node in awaiting or pl.node in not_written:
+            if pl.node in awaiting or pl.node in not_written or pl.pod in gone:
                 continue
             if pl.node not in written and pl.node not in self.nodes.cache:
                 # deleted while the round planned (`node_gone` found nothing of it to free): the

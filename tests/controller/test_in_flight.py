@@ -1444,3 +1444,49 @@ async def test_a_mode_switch_is_not_written_for_a_label_changed_back_while_the_r
     monkeypatch.setattr(controller_module, "patch_node_annotations", api_server)
     await c.plan_round()
     assert [(n, p.get("dynpart.io/spec-mode")) for n, p in c.written] == [], "switched to a mode no longer labelled"
+
+
+async def test_a_pod_deleted_while_the_round_adopts_is_not_planned(make, monkeypatch):
+    """helper-147's review: the round read its pods before the adoption's writes (a new leader may
+    make hundreds) and planned a slice for a pod deleted meanwhile."""
+    old = {"dynpart.io/spec-plan": "late", SPEC_TERM: "2", SPEC_PODS: "ml/x"}
+    c = make([reported("n0", old), reported("n1")], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
+    c.pods.cache["ml/x"] = pod("x", {"nvidia.com/mig-1g.10gb": "1"}, unschedulable=False)
+    recorded = controller_module.patch_node_annotations
+
+    async def patch(core, name, p, resource_version=None):
+        if p == {SPEC_TERM: "3"}:  # the adoption's write; the watch meanwhile: ml/a deleted
+            gone = c.pods.cache.pop("ml/a")
+            c._on_pod("DELETED", gone)
+        return await recorded(core, name, p, resource_version)
+
+    monkeypatch.setattr(controller_module, "patch_node_annotations", patch)
+    await c.plan_round()
+    assert ("n0", {SPEC_TERM: "3"}) in c.written
+    assert not any("ml/a" in (p.get(SPEC_PODS) or "") for _, p in c.written)
+
+
+@pytest.mark.parametrize("how", ["deleted", "bound"])
+async def test_a_node_whose_planned_pods_went_while_planning_is_not_reconfigured(make, monkeypatch, how):
+    """The plan runs from the objects read at the round's start: a pod deleted or bound by then
+    gets no slice made for it (nobody would use it); a node that also hosts a pod still waiting
+    is written."""
+    c = make([reported("n1"), reported("n2")], Lead(term=3))
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-7g.80gb": "1"})
+    c.pods.cache["ml/b"] = pod("b", {"nvidia.com/mig-7g.80gb": "1"})
+    decide = c.loop.decide_with
+
+    def decide_while_a_goes(*args, **kwargs):
+        result = decide(*args, **kwargs)
+        if how == "deleted":
+            del c.pods.cache["ml/a"]
+        else:
+            c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-7g.80gb": "1"}, node="elsewhere", unschedulable=False)
+        return result
+
+    monkeypatch.setattr(c.loop, "decide_with", decide_while_a_goes)
+    await c.plan_round()
+    where = {p.get(SPEC_PODS): n for n, p in c.written if p.get(SPEC_PODS)}
+    assert list(where) == ["ml/b"], c.written  # (one free GPU per node: a and b on two nodes)
+    assert "ml/a" not in c.loop.reserved and c.wake.is_set()
