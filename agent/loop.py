@@ -552,14 +552,23 @@ class Agent:
         advertised = self.plugins.advertised().get(resource, []) if self.plugins is not None else []
         return packed_first(available, advertised, self._used_per_gpu)
 
-    async def _mig_devices(self, devices: list[DeviceInfo]) -> frozenset[tuple[str, str]]:
+    async def _mig_devices(self, devices: list[DeviceInfo]) -> tuple[frozenset[tuple[str, str]], set[str]]:
         """(resource, UUID) of the MIG devices (GPU instances with their compute instance) of a
-        known profile, as NVIDIA's plugin enumerates them. A UUID may come back under another
-        profile: an instance re-made at the same place (its GI id) can get the destroyed one's."""
+        known profile, as NVIDIA's plugin enumerates them, and the UUIDs of every MIG device (those
+        of unknown profiles and of instances split by another tool too, which it lists under names
+        no dynpart profile has). A UUID may come back under another profile: an instance re-made
+        at the same place (its GI id) can get the destroyed one's."""
         names = {p.gi_profile_id: p.name for p in (self._model.mig_profiles if self._model else ())}
-        return frozenset({(mig_resource_name(names[gi.profile_id]), gi.uuid)
-                          for d in devices if d.mig_current
-                          for gi in await self.driver.gpu_instances(d.index) if gi.uuid and gi.profile_id in names})
+        known: set[tuple[str, str]] = set()
+        every: set[str] = set()
+        for d in devices:
+            if not d.mig_current:
+                continue
+            for gi in await self.driver.gpu_instances(d.index):
+                every.update(u for u in (gi.uuid, *gi.more_uuids) if u)
+                if gi.uuid and gi.profile_id in names and not gi.split:
+                    known.add((mig_resource_name(names[gi.profile_id]), gi.uuid))
+        return frozenset(known), every
 
     async def views(self, devices: list[DeviceInfo]) -> list[GpuView]:
         """What to advertise, from what the driver reports: MIG devices (those with a compute
@@ -577,8 +586,9 @@ class Agent:
             view = GpuView(index=d.index, uuid=d.uuid, memory_gb=self._capacity or mps_memory_mib(d, self.catalog) // 1024,
                            mig_enabled=d.mig_current, healthy=problem is None)
             if d.mig_current:
+                # (not a split instance: its devices are smaller than the profile, left alone)
                 view = replace(view, mig=tuple(MigDeviceView(by_id[gi.profile_id], gi.uuid)
-                                               for gi in instances if gi.profile_id in by_id))
+                                               for gi in instances if gi.profile_id in by_id and not gi.split))
             elif self._mps_plugin is not None and self._mps_plugin.live.get(d.index):
                 sizes, numbers = self._mps_plugin.view(d.index)
                 view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.serves(d.uuid))
@@ -647,26 +657,33 @@ class Agent:
             # re-carve that keeps the counts, instances re-made after a reset) it is restarted.
             # Listed now: the node's capacity per resource (unhealthy devices included) and the ids
             # the kubelet holds healthy (PodResources), which name MIG UUIDs (deviceIDStrategy uuid)
-            counts = _mig_counts(result.gpus)
+            mig_devices, every_mig = await self._mig_devices(result.devices)
+            # compared for the profiles of the node's model only: NVIDIA's plugin also lists
+            # instances of other GI profiles and the compute instances of split ones, which stay
+            counts = dict(Counter(r for r, _ in mig_devices))
             # it lists every GPU out of MIG mode whole, read at its start too: a GPU whose MIG mode
             # became active with no MIG device made yet (an enable asked again once the GPU was
             # idle, creations that failed) is a change of what it must list as well
-            devices = await self._mig_devices(result.devices) | {(WHOLE_GPU, d.uuid) for d in result.devices
-                                                                  if not d.mig_current}
+            devices = mig_devices | {(WHOLE_GPU, d.uuid) for d in result.devices if not d.mig_current}
             held = await self.pods.allocatable()
-            stale = sorted(f"{i} ({r})" for r, i in _mig_ids(held) - devices if i.startswith("MIG-"))
+            known = {mig_resource_name(p.name) for p in (self._model.mig_profiles if self._model else ())}
+            # gone, or re-made under another of the model's profiles; a device under another name
+            # (another GI profile, a split instance's compute instance) only when it is gone
+            stale = sorted(f"{i} ({r})" for r, i in _mig_ids(held) - devices
+                           if i.startswith("MIG-") and (r in known or i not in every_mig))
             in_mig = {d.uuid for d in result.devices if d.mig_current}
             listed_whole = [i for i in held.get(WHOLE_GPU, ()) if base_device_id(i) in in_mig]
-            if self._restarted_for is None and _node_mig_counts(node) == counts and not stale and not listed_whole:
+            published = {r: n for r, n in _node_mig_counts(node).items() if r in known}
+            if self._restarted_for is None and published == counts and not stale and not listed_whole:
                 self._restarted_for = devices  # NVIDIA's plugin already lists this layout
             if devices != self._restarted_for:
                 names = await self.plugin_pods.restart()
                 self._restarted_for = devices
                 log.info("node %s: MIG devices or MIG modes changed; restarted NVIDIA's device plugin (%s)", self.node,
                          ", ".join(names) or "no pod found")
-            if _node_mig_counts(node) != counts:
+            if published != counts:
                 waiting.append("NVIDIA's device plugin has not published the MIG devices yet (node capacity "
-                               f"{_fmt(_node_mig_counts(node))}, applied {_fmt(counts)})")
+                               f"{_fmt(published)}, applied {_fmt(counts)})")
             elif stale:
                 waiting.append("NVIDIA's device plugin still lists MIG devices that are gone: " + ", ".join(stale))
         return waiting if layout is not None and result.applied else []
@@ -1094,15 +1111,6 @@ def _count(value: str | None) -> int:
         return int(value or 0)
     except ValueError:
         return 0
-
-
-def _mig_counts(gpus: list[GpuLayout]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for g in gpus:
-        for m in g.mig:
-            r = mig_resource_name(m.profile)
-            out[r] = out.get(r, 0) + 1
-    return out
 
 
 def _mig_ids(held: dict[str, list[str]]) -> set[tuple[str, str]]:

@@ -83,6 +83,21 @@ class GpuReading:
     pids: dict[int | None, list[int]]  # GI id (with a compute instance) -> its pids; None -> the whole GPU's
 
 
+def _mig_uuids(gi: GpuInstanceInfo) -> list[str]:
+    """The MIG devices of a GPU instance: one per compute instance."""
+    return ([gi.uuid] if gi.uuid else []) + list(gi.more_uuids)
+
+
+def _split(gi: GpuInstanceInfo) -> list[str]:
+    """Why a GPU instance split into several compute instances (by another tool) stays: each is a
+    MIG device of its own (NVIDIA's plugin lists them as `mig-<c>c.<profile>`), which pods may
+    hold, and which no dynpart profile describes."""
+    if not gi.split:
+        return []
+    return [f"{len(gi.compute_instances)} compute instances made outside dynpart (left alone: destroy them, "
+            "or the instance, to hand it back)"]
+
+
 def instances_and_processes(driver: GpuDriver) -> list[GpuReading]:
     """Every GPU, its GPU instances and the processes computing on each: an observation's reads,
     made on the driver's thread as one call (`AsyncDriver.read`)."""
@@ -152,9 +167,9 @@ class MigAgent:
                 for gi in reading.instances:
                     raw[(d.index, gi.gi_id)] = gi
                     profile = self._by_id.get(gi.profile_id)
-                    gi_users = [f"pid {p}" for p in reading.pids.get(gi.gi_id, [])]
-                    if gi.uuid:
-                        gi_users += [f"pod {p}" for p in holders.get(gi.uuid, [])]
+                    gi_users = [f"pid {p}" for p in reading.pids.get(gi.gi_id, [])] + _split(gi)
+                    for uuid in _mig_uuids(gi):
+                        gi_users += [f"pod {p}" for p in holders.get(uuid, [])]
                     # by its MIG UUID, or by its GI id once a compute instance went (its UUID then
                     # gone, or another compute instance's)
                     held = max(self._held_open.get(gi.uuid, 0.0) if gi.uuid else 0.0,
@@ -193,9 +208,10 @@ class MigAgent:
     async def _instance_users(self, gpu: int, gi: GpuInstanceInfo) -> list[str]:
         # read now, not from the pass's observation: the last check before a destroy
         users = [f"pid {p}" for p in await self.driver.processes(gpu, gi.gi_id)] if gi.compute_instances else []
-        if gi.uuid:
-            users += [f"pod {p}" for p in pods_by_device(await self.pods.list()).get(gi.uuid, [])]
-        return users
+        if gi.uuid or gi.more_uuids:
+            holders = pods_by_device(await self.pods.list())
+            users += [f"pod {p}" for uuid in _mig_uuids(gi) for p in holders.get(uuid, [])]
+        return users + _split(gi)
 
     async def _started_since(self, gpu: int, gi: GpuInstanceInfo) -> list[str]:
         """The compute processes on an instance whose destroy the driver just refused (IN_USE):

@@ -90,8 +90,9 @@ class _FakeGi:
     gi_id: int
     profile: MigProfile
     start: int
-    ci: int | None = None  # the one full compute instance
+    ci: int | None = None  # the one full compute instance (or the first of a split one)
     uuid: str | None = None
+    more: dict[int, str] = field(default_factory=dict)  # a split instance's other compute instances: id -> UUID
     pids: set[int] = field(default_factory=set)
     holders: set[str] = field(default_factory=set)  # clients holding the MIG device open, not computing
 
@@ -219,7 +220,7 @@ class FakeNvml:
             gpu.pids.add(pid)
             return
         gi = self._gi(gpu, gi_id)
-        if gi.ci is None:
+        if gi.ci is None and not gi.more:
             raise GpuDriverError(NOT_FOUND, f"GPU {index} GI {gi_id} has no compute instance to run on")
         gi.pids.add(pid)
 
@@ -236,6 +237,21 @@ class FakeNvml:
     def release(self, index: int, client: str = "dcgm", gi_id: int | None = None) -> None:
         gpu = self._gpu(index)
         (gpu.holders if gi_id is None else self._gi(gpu, gi_id).holders).discard(client)
+
+    @_locked
+    def split(self, index: int, gi_id: int, parts: int) -> list[str]:
+        """Another tool (mig-parted, `nvidia-smi mig -cci`) splits GPU instance `gi_id` into
+        `parts` compute instances of its own, each a MIG device with its own UUID (ids 0..parts-1,
+        the first keeping the instance's UUID). The agent never makes these; returns the UUIDs."""
+        gpu = self._gpu(index)
+        gi = self._gi(gpu, gi_id)
+        gi.ci = 0
+        gi.uuid = self._mig_uuid(gpu, gi_id, 0)
+        gi.more = {ci: self._mig_uuid(gpu, gi_id, ci) for ci in range(1, parts)}
+        return [gi.uuid, *gi.more.values()]
+
+    def _mig_uuid(self, gpu: _FakeGpu, gi_id: int, ci: int) -> str:
+        return f"MIG-{uuidlib.uuid5(self._machine, f'{gpu.uuid}/{gi_id}/{ci}')}"
 
     @_locked
     def lose(self, index: int) -> None:
@@ -347,7 +363,9 @@ class FakeNvml:
             # (a driver that lists no profile then is never asked: an empty list)
             raise GpuDriverError(NOT_SUPPORTED, f"GPU {index}: MIG mode is disabled")
         return [GpuInstanceInfo(g.gi_id, g.profile.gi_profile_id, g.start, g.profile.memory,
-                                () if g.ci is None else (g.ci,), g.uuid)
+                                tuple(sorted(([] if g.ci is None else [g.ci]) + list(g.more))),
+                                g.uuid if g.ci is not None else next(iter(g.more.values()), None),
+                                tuple(g.more.values()) if g.ci is not None else tuple(g.more.values())[1:])
                 for g in sorted(gpu.gis.values(), key=lambda g: g.gi_id)]
 
     @_driver_call(read=False)
@@ -386,7 +404,7 @@ class FakeNvml:
         if gi.ci is not None:
             self._fail(op, INSUFFICIENT_RESOURCES, f"GPU {index} GI {gi_id} already has a compute instance")
         gi.ci = 0
-        gi.uuid = f"MIG-{uuidlib.uuid5(self._machine, f'{gpu.uuid}/{gi_id}/{gi.ci}')}"
+        gi.uuid = self._mig_uuid(gpu, gi_id, 0)
         return gi.ci
 
     @_driver_call(read=False)
@@ -395,12 +413,15 @@ class FakeNvml:
         gi = gpu.gis.get(gi_id)
         op = self._begin(FakeOp("destroy_ci", index, gi_id, gi.profile.name if gi else None, gi.start if gi else None))
         self._check_mig_change(op, gpu)
-        if gi is None or gi.ci != ci_id:
+        if gi is None or (gi.ci != ci_id and ci_id not in gi.more):
             self._fail(op, NOT_FOUND, f"GPU {index}: no compute instance {ci_id} in GI {gi_id}")
         if gi.pids:
             self._fail(op, IN_USE, f"GPU {index} GI {gi_id}: processes {sorted(gi.pids)} are running on it")
         if gi.holders:
             self._fail(op, IN_USE, f"GPU {index} GI {gi_id}: held open by {', '.join(sorted(gi.holders))}")
+        if ci_id in gi.more:
+            del gi.more[ci_id]
+            return
         gi.ci = None
         gi.uuid = None
 
@@ -412,7 +433,7 @@ class FakeNvml:
         self._check_mig_change(op, gpu)
         if gi is None:
             self._fail(op, NOT_FOUND, f"GPU {index}: no GPU instance {gi_id}")
-        if gi.ci is not None or gi.pids or gi.holders:
+        if gi.ci is not None or gi.more or gi.pids or gi.holders:
             self._fail(op, IN_USE, f"GPU {index} GI {gi_id} still has a compute instance or is held open")
         del gpu.gis[gi_id]
 

@@ -121,6 +121,14 @@ class GpuInstanceInfo:
     size: int
     compute_instances: tuple[int, ...]  # compute-instance ids
     uuid: str | None  # MIG device UUID ("MIG-..."), None while it has no compute instance
+    # the MIG devices of its other compute instances: a GPU instance split into several by another
+    # tool (the agent makes one full compute instance per GPU instance), each a device of its own
+    more_uuids: tuple[str, ...] = ()
+
+    @property
+    def split(self) -> bool:
+        """Split into several compute instances, not made by the agent: left alone, not advertised."""
+        return len(self.compute_instances) > 1
 
 
 @dataclass(frozen=True)

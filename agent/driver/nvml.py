@@ -217,11 +217,11 @@ class RealNvml:
                 gi_info = self._call(nv.nvmlGpuInstanceGetInfo, gi)
                 if gi_info.id in seen:
                     continue
-                mig = migs.get(gi_info.id)
-                uuid = str(self._call(nv.nvmlDeviceGetUUID, mig[0])) if mig else None
+                uuids = [str(self._call(nv.nvmlDeviceGetUUID, m)) for m in migs.get(gi_info.id, ())]
                 seen[gi_info.id] = GpuInstanceInfo(
                     int(gi_info.id), int(gi_info.profileId), int(gi_info.placement.start),
-                    int(gi_info.placement.size), tuple(self._compute_instances(gi)), uuid)
+                    int(gi_info.placement.size), tuple(self._compute_instances(gi)), uuids[0] if uuids else None,
+                    tuple(uuids[1:]))
         return [seen[k] for k in sorted(seen)]
 
     def _compute_instances(self, gi: Any) -> list[int]:

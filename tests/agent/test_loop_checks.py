@@ -18,7 +18,6 @@ from dynpart.agent.loop import (
     Agent,
     _count,
     _fmt,
-    _mig_counts,
     _mig_ids,
     _node_mig_counts,
     _not_allocatable,
@@ -154,9 +153,8 @@ def test_count_reads_a_quantity_or_zero():
 
 
 def test_mig_counts_ids_and_node_counts():
-    """What NVIDIA's plugin path compares: MIG devices per resource applied, MIG ids the kubelet
-    holds, and the node's MIG capacity (zero and unreadable counts left out)."""
-    assert _mig_counts(_mig({0: ["1g.10gb@0", "1g.10gb@1"], 1: ["3g.40gb@4", "1g.10gb@6"]})) == {MIG_1G: 3, MIG_3G: 1}
+    """What NVIDIA's plugin path compares: MIG ids the kubelet holds, and the node's MIG capacity
+    (zero and unreadable counts left out)."""
     assert _mig_ids({MIG_1G: ["MIG-a", "MIG-b"], "nvidia.com/gpu": ["GPU-x"], MIG_3G: []}) == {
         (MIG_1G, "MIG-a"), (MIG_1G, "MIG-b")}
     for capacity in ({"nvidia.com/mig-2g.20gb": "many", MIG_1G: "2", MIG_3G: "0", "nvidia.com/gpu": "1"},
