@@ -57,6 +57,17 @@ log = logging.getLogger("dynpart.agent.mig")
 # otherwise plan over it at every round; after this it is tried again
 HELD_OPEN_S = 600.0
 
+# a MIG mode enable left pending because a client holds the GPU open (IN_USE) is asked again after
+# this, then after twice as long each time, up to ENABLE_RETRY_MAX_S: each ask withdraws the idle
+# GPU from the kubelet's list for a moment (a pod admitted then is refused), and the holder
+# (dcgm-exporter, on by default under GPU Operator) usually stays
+ENABLE_RETRY_FIRST_S = 30.0
+ENABLE_RETRY_MAX_S = 600.0
+
+
+def _now() -> float:
+    return time.monotonic()
+
 
 @dataclass
 class PassResult:
@@ -148,6 +159,8 @@ class MigAgent:
         # GPU UUID -> the activation status the driver gave when MIG mode was last enabled there
         # and stayed pending (IN_USE: asked again while idle; RESET_REQUIRED...: waits for a reset)
         self._activation: dict[str, str] = {}
+        # GPU UUID -> (when a pending enable (IN_USE) may be asked again, the wait after that)
+        self._ask_again: dict[str, tuple[float, float]] = {}
         # MIG device UUID, or (GPU index, GI id) for a GPU instance without a compute instance (it
         # has no UUID then) -> time.monotonic() until which it is reported used: the driver refused
         # to destroy it (IN_USE) while no process and no pod used it
@@ -185,8 +198,10 @@ class MigAgent:
             pending = d.mig_pending and not d.mig_current
             if not pending:
                 self._activation.pop(d.uuid, None)  # active (or given up): what the driver said is stale
+                self._ask_again.pop(d.uuid, None)
             states.append(MigGpuState(d.index, d.mig_current, pending, tuple(instances), tuple(users),
-                                      self._activation.get(d.uuid) if pending else None))
+                                      self._activation.get(d.uuid) if pending else None,
+                                      pending and _now() < self._ask_again.get(d.uuid, (0.0, 0.0))[0]))
         # a GPU instance known by its GI id that is gone (destroyed by hand, a GPU reset, MIG mode
         # off) is forgotten: GI ids are reused, and a new instance without its compute instance yet
         # (its creation failed once) must not be taken for the one held open
@@ -291,6 +306,8 @@ class MigAgent:
             except MigModePending as ex:  # left pending: the pass's status line says why (`apply`)
                 log.info("GPU %d: MIG mode enable left pending, activation status %s", e.gpu, ex.code)
                 self._activation[uuid] = ex.code
+                wait = self._ask_again.get(uuid, (0.0, ENABLE_RETRY_FIRST_S / 2))[1] * 2
+                self._ask_again[uuid] = (_now() + min(wait, ENABLE_RETRY_MAX_S), min(wait, ENABLE_RETRY_MAX_S))
                 skip.add(e.gpu)
                 await self._restore(uuid)
                 continue

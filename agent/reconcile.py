@@ -63,11 +63,15 @@ class MigGpuState:
     # why the pending mode is not active, as the driver said when last asked (NVML activation
     # status: IN_USE, RESET_REQUIRED, ...); None: not asked since the agent started
     activation: str | None = None
+    # a pending enable (IN_USE) asked again lately: not asked this pass (each ask takes the idle
+    # GPU from the kubelet's list a moment, and a client that holds it open usually stays)
+    asked_lately: bool = False
 
     @property
     def retry_enable(self) -> bool:
-        """A pending enable that asking again may activate (not one that waits for a GPU reset)."""
-        return self.mig_pending and self.activation in (None, IN_USE)
+        """A pending enable that asking again may activate (not one that waits for a GPU reset),
+        and not asked lately."""
+        return self.mig_pending and self.activation in (None, IN_USE) and not self.asked_lately
 
 
 @dataclass(frozen=True)
@@ -148,7 +152,7 @@ def _reconcile_mig_off(gpu: MigGpuState, want: set[tuple[str, int]], out: MigAct
     only a GPU reset applies it: that is reported, not asked again."""
     index = gpu.index
     if gpu.mig_pending and not gpu.retry_enable:
-        if want:  # (why, and what to do: the caller's status line, `mig_pending_reason`)
+        if want and not gpu.asked_lately:  # (why, and what to do: the caller's status line, `mig_pending_reason`)
             out.errors.append(f"GPU {index}: MIG mode enable is pending until the GPU is reset; the spec's instances "
                               "there are created once it is active")
         return

@@ -59,7 +59,8 @@ def mig_pending_reason(index: int, code: str | None, enabled: bool = True) -> st
         return (f"GPU {index}: {mode} is pending: the driver could not activate it because the GPU is not idle "
                 "(activation status IN_USE); with no pod and no compute process on it, another client most likely "
                 "holds it open, e.g. DCGM (nv-hostengine), dcgm-exporter, GPU feature discovery or a device plugin: "
-                "stop those clients on this node (the agent asks again at each pass) or reset the GPU "
+                "stop those clients on this node (the agent asks again, after 30 s, then at most every 10 minutes) "
+                "or reset the GPU "
                 "(nvidia-smi -r) with them stopped")
     return (f"GPU {index}: {mode} is pending until the GPU is reset (activation status {code}); reset the GPU "
             "(nvidia-smi -r) to apply it (a reboot does on Ampere; Hopper and later lose the pending mode at a "

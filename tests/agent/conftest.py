@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from dynpart.agent import mig_agent as mig_agent_module
 from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.driver.fake import FakeNvml
 from dynpart.agent.kube import FakeNodeApi
@@ -121,3 +122,10 @@ def make_rig(model: GpuModel = H100, count: int = 2, **driver_kw: Any) -> Rig:
 @pytest.fixture
 def rig() -> Rig:
     return make_rig()
+
+
+@pytest.fixture
+def ask_enable_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pending MIG mode enable (IN_USE) asked again at the next pass, not after the agent's
+    growing wait (`mig_agent.ENABLE_RETRY_FIRST_S`): for tests of what the re-ask does."""
+    monkeypatch.setattr(mig_agent_module, "ENABLE_RETRY_FIRST_S", 0.0)

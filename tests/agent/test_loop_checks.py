@@ -9,6 +9,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -391,6 +392,7 @@ async def test_nvidias_plugin_is_left_alone_when_it_lists_the_layout_and_restart
     assert plugin_pods.restarts == 1
 
 
+@pytest.mark.usefixtures("ask_enable_at_once")
 async def test_nvidias_plugin_is_restarted_when_a_whole_gpu_turns_mig_with_no_instance_made():
     """NVIDIA's plugin lists every GPU out of MIG mode as a whole `nvidia.com/gpu`, read once at
     its start. A GPU whose MIG mode becomes active while no MIG device changes (the enable was

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dynpart.agent import mig_agent as mig_agent_module
 from dynpart.agent.driver.fake import FakeNvml, SimulatedCrash
 from dynpart.agent.driver.interface import MigModePending
 from dynpart.agent.driver.nvml import RealNvml
@@ -168,10 +169,15 @@ async def test_mig_mode_pending_reset():
     assert report.errors == [] and rig.driver.layout(0) == [("7g.40gb", 0)] and report.plan_id == "p1"
 
 
-async def test_mig_mode_left_pending_by_a_gpu_held_open_is_asked_again_each_pass():
+async def test_mig_mode_left_pending_by_a_gpu_held_open_is_asked_again_after_a_growing_wait(monkeypatch):
     """A monitoring client (DCGM, dcgm-exporter, GFD) holds the GPU without a compute process:
     nvmlDeviceSetMigMode succeeds but the mode stays pending (activation status IN_USE). The
-    agent asks again, once a pass, and the plan is applied once the client lets go."""
+    agent asks again after 30 s, then after twice as long each time up to 10 minutes (each ask
+    takes the idle GPU from the kubelet's list a moment: asked at every pass, every 10 s, for as
+    long as dcgm-exporter runs, it was; helper-145), and the plan is applied once the client
+    lets go."""
+    clock = [1000.0]
+    monkeypatch.setattr(mig_agent_module, "_now", lambda: clock[0])
     rig = make_rig(A100, 1, mig_enabled=False)
     rig.driver.hold(0, "dcgm-exporter")
     rig.node_api.set_annotations(mig_spec({0: ["3g.20gb@0", "3g.20gb@4"]}))
@@ -180,9 +186,15 @@ async def test_mig_mode_left_pending_by_a_gpu_held_open_is_asked_again_each_pass
     def asks() -> list[str]:
         return [o.result for o in rig.driver.ops if o.op == "set_mig_mode"]
 
-    for n in range(1, 4):
+    waits = [0.0, 30.0, 60.0, 120.0, 240.0, 480.0, 600.0, 600.0]
+    for n, wait in enumerate(waits, start=1):
+        if wait:
+            clock[0] += wait - 1
+            await agent.reconcile_once()  # a pass before the wait is over: not asked
+            assert len(asks()) == n - 1
+            clock[0] += 1
         report = await agent.reconcile_once()
-        assert asks() == ["pending:IN_USE"] * n  # once a pass, no more
+        assert asks() == ["pending:IN_USE"] * n
         assert report.plan_id is None and STATUS_PLAN not in rig.node_api.annotations
         status_error = rig.node_api.annotations[STATUS_ERROR]
         assert "plan not applied: GPU 0: MIG mode enable is pending" in status_error
@@ -190,12 +202,14 @@ async def test_mig_mode_left_pending_by_a_gpu_held_open_is_asked_again_each_pass
         assert "pending until the GPU is reset" not in status_error
     assert decode_capability(rig.node_api.annotations["dynpart.io/status-capability"]).gpus[0].mig == "on-pending"
     rig.driver.release(0, "dcgm-exporter")
+    clock[0] += 600  # (at most 10 minutes later)
     report = await agent.reconcile_once()
     assert asks()[-1] == "ok" and rig.driver.devices()[0].mig_current
     assert report.errors == [] and report.plan_id == "p1"
     assert rig.driver.layout(0) == [("3g.20gb", 0), ("3g.20gb", 4)]
 
 
+@pytest.mark.usefixtures("ask_enable_at_once")
 async def test_a_pending_gpu_with_a_process_or_pod_is_not_asked_again():
     rig = make_rig(A100, 1, mig_enabled=False)
     rig.driver.hold(0)
@@ -218,6 +232,7 @@ async def test_a_pending_gpu_with_a_process_or_pod_is_not_asked_again():
     assert report.plan_id == "p1" and rig.driver.layout(0) == [("7g.40gb", 0)]
 
 
+@pytest.mark.usefixtures("ask_enable_at_once")
 async def test_a_pending_enable_is_asked_again_after_the_planner_gave_the_gpu_up():
     """The planner revokes a plan its agent did not acknowledge and leaves a GPU whose MIG mode
     is pending out of its plans: the spec no longer wants it carved, yet the enable the agent

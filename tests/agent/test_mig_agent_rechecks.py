@@ -190,6 +190,7 @@ async def test_an_enable_left_pending_advertises_the_gpu_whole_again():
     assert n.served(uuid) and n.nothing_withdrawn()
 
 
+@pytest.mark.usefixtures("ask_enable_at_once")
 async def test_a_failed_enable_advertises_the_gpu_again_and_is_asked_again_later():
     """nvmlDeviceSetMigMode fails on a GPU whose enable was left pending (IN_USE): the error is
     reported, nothing is carved, the GPU is served whole again, and the failure does not turn
