@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         # the interpreter's final flush of stdout from failing again (Python's documented recipe)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell tool killed by the signal reports
+    except OSError as e:
+        # what the commands do not turn into an error of their own: writing stdout (a full disk, a
+        # quota, an I/O error), said in one line, not a traceback; the final flush must not fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        where = f"{e.filename}: " if e.filename else "writing the output: "
+        print(f"dynpart: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from dynpart.errors import DynpartError
+
 
 class Liveness:
     """Named heartbeats, each with the longest silence it may keep; and readiness (`/readyz`),
@@ -146,6 +148,10 @@ def serve(host: str, port: int, liveness: Liveness) -> ThreadingWSGIServer:
         answer: Iterable[bytes] = metrics(environ, start_response)
         return answer
 
-    server = make_server(host, port, app, _DeadlineServer, handler_class=_Quiet)
+    try:
+        server = make_server(host, port, app, _DeadlineServer, handler_class=_Quiet)
+    except OSError as e:  # a port taken (9090 is also Prometheus's default), a host that does not resolve
+        raise DynpartError(f"metrics server {host}:{port}: {e.strerror or e}; set another metrics_port "
+                           "(0: no server) or metrics_host") from None
     threading.Thread(target=server.serve_forever, name="metrics-and-probes", daemon=True).start()
     return server

@@ -372,9 +372,13 @@ def load_settings(cls: type[S], file: str | Path | None = None, flags: Mapping[s
         with _reading(file):
             return cls(**given)
     except SettingsError as e:  # a variable the sources cannot parse (e.g. a list that is not JSON)
-        hint = (" (in an environment variable a list or mapping setting is JSON, e.g. '[\"extra.yaml\"]')"
-                if "EnvSettingsSource" in str(e) else "")
-        raise DynpartError(f"settings: {e}{hint}") from None
+        named = re.search(r'for field "([^"]+)"', str(e))
+        if named is not None and "EnvSettingsSource" in str(e):
+            var = f"{cls.model_config.get('env_prefix', '')}{named.group(1).upper()}"
+            raise DynpartError(f"settings: environment variable {var}: not JSON; a list or mapping setting is "
+                               "JSON there (e.g. '[...]' or '{...}'; docs/configuration.md shows each setting's "
+                               "shape)") from None
+        raise DynpartError(f"settings: {e}") from None
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(x) for x in err["loc"]]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from dynpart import yaml_text
+from dynpart.arguments import given, pod_name
 from dynpart.catalog import Catalog, load_catalog
 from dynpart.errors import DynpartError, SnapshotError, read_problem, yaml_problem
 from dynpart.planner.core import POLICIES, PlanOptions, plan
@@ -29,9 +30,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        description="Plan once and explain the decision for one pod (or all pending pods). "
                        "Give --snapshot FILE (YAML/JSON snapshot, see docs/planner.md) or use the live cluster "
                        "(--kubeconfig or $KUBECONFIG).")
-    p.add_argument("pod", nargs="?", help="namespace/name of a pending pod (default: every pending pod)")
-    p.add_argument("--snapshot", help="snapshot file instead of the live cluster")
-    p.add_argument("--kubeconfig")
+    p.add_argument("pod", nargs="?", type=pod_name, help="namespace/name of a pending pod (default: every pending pod)")
+    p.add_argument("--snapshot", type=given, help="snapshot file instead of the live cluster")
+    p.add_argument("--kubeconfig", type=given)
     p.add_argument("--policy", choices=list(POLICIES), default="dynpart")
     p.add_argument("--json", action="store_true", help="print the plan's decision as JSON")
     p.set_defaults(func=run)

@@ -67,3 +67,46 @@ def test_yaml_files_refuse_a_key_given_twice_and_keep_merge_keys():
     with pytest.raises(yaml.YAMLError) as e:
         yaml_text.load("pods: 5\npods: 6\n")
     assert yaml_problem("f.yaml", e.value).startswith("f.yaml:2:1: not valid YAML: key 'pods' given twice")
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "--trace", ""], ["simulate", "--cluster", " "], ["simulate", "--static-geometry", ""],
+    ["simulate", "--planner-config", ""], ["bench", "packing", "--trace", ""], ["bench", "packing", "--nodes", ""],
+    ["explain", "--snapshot", ""], ["explain", "--kubeconfig", ""],
+], ids=lambda a: " ".join(a))
+def test_an_empty_value_is_refused_not_taken_for_the_default(argv, capsys):
+    """`--trace "$TRACE"` with the variable unset replayed the built-in workload, silently
+    (helper-148)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert f"argument {argv[-2]}: expected a value, got an empty one" in capsys.readouterr().err
+
+
+def test_explain_names_the_pod_namespace_slash_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["explain", "--snapshot", "examples/snapshot.yaml", "train-small"])
+    assert e.value.code == 2 and "argument pod: 'train-small': expected NAMESPACE/NAME" in capsys.readouterr().err
+
+
+def test_a_stdout_that_cannot_be_written_is_a_one_line_error_and_the_files_are_written(tmp_path):
+    """A full disk under stdout: a traceback, and `simulate --out`'s files lost (helper-148)."""
+    import subprocess
+    import sys
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        with open("/dev/full", "w") as full:
+            return subprocess.run([sys.executable, "-m", "dynpart.cli", *args], stdout=full, stderr=subprocess.PIPE,
+                                  text=True, timeout=300)
+
+    done = run("catalog")
+    assert done.returncode == 2 and done.stderr == "dynpart: error: writing the output: No space left on device\n"
+    trace = tmp_path / "t.csv"
+    trace.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,creation_time,deletion_time\n"
+                     "p1,1000,1024,1,500,0,100\np2,1000,1024,1,250,10,200\n")
+    done = run("simulate", "--trace", str(trace), "--cluster", "1x1xH100-80GB", "--policy", "dynpart", "--jobs", "1",
+               "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == ("dynpart: error: stdout: cannot write the results (No space left on "
+                                            "device); the files of --out, if given, are written")
+    assert (tmp_path / "out" / "pods.csv").is_file() and (tmp_path / "out" / "summary.json").is_file()

@@ -100,3 +100,23 @@ def test_idle_or_trickling_connections_are_cut_off_and_never_starve_the_probe(mo
         server.shutdown()
         server.server_close()
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_metrics_port_taken_or_a_host_that_does_not_resolve_is_a_one_line_error():
+    """9090, the default, is also Prometheus's: `planner run` and `agent run` ended with an
+    OSError traceback (helper-148)."""
+    import pytest
+
+    from dynpart.errors import DynpartError
+
+    first = serve("127.0.0.1", 0, Liveness())
+    port = first.server_address[1]
+    try:
+        with pytest.raises(DynpartError, match=rf"^metrics server 127.0.0.1:{port}: Address already in use; set "
+                                               "another metrics_port \\(0: no server\\) or metrics_host$"):
+            serve("127.0.0.1", port, Liveness())
+    finally:
+        first.shutdown()
+        first.server_close()
+    with pytest.raises(DynpartError, match=r"^metrics server no-such-host.invalid:0: "):
+        serve("no-such-host.invalid", 0, Liveness())

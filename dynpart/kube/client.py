@@ -40,7 +40,9 @@ async def api_client(kubeconfig: str | None = None, settings: KubeSettings | Non
     if path and not any(os.path.isfile(os.path.expanduser(p)) for p in path.split(os.pathsep) if p):
         # else the client says "Invalid kube-config file. Expected key current-context" (a list of
         # files, as $KUBECONFIG may hold, and ~ are the client's to read: one file must exist)
-        raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {path}: no such file")
+        exists = any(os.path.exists(os.path.expanduser(p)) for p in path.split(os.pathsep) if p)
+        raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {path}: "
+                           f"{'not a file' if exists else 'no such file'}")
     try:
         if path:
             cfg = client.Configuration()
@@ -48,6 +50,9 @@ async def api_client(kubeconfig: str | None = None, settings: KubeSettings | Non
                 loader = await config.load_kube_config(config_file=path, client_configuration=cfg)
             except yaml.YAMLError as e:
                 raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {yaml_problem(path, e)}") from None
+            except UnicodeDecodeError as e:  # (a kubeconfig saved as UTF-16 by PowerShell's `>`, say)
+                raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {path}: not UTF-8 text "
+                                   f"({e.reason} at byte {e.start})") from None
             except (TypeError, AttributeError) as e:  # a YAML list or string: the loader indexes it as a mapping
                 raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {path}: not a kubeconfig (a mapping "
                                    f"of clusters, contexts and users): {e}") from None

@@ -113,6 +113,9 @@ def _rows(text: str, path: str, required: tuple[str, ...]) -> tuple[list[str], l
             raise TraceError(path, blank, "empty row")
         if header is None:
             header = [c.strip() for c in row]
+            twice = sorted({c for c in header if c and header.count(c) > 1})
+            if twice:  # (which copy a row's value comes from would be a guess)
+                raise TraceError(path, line, f"column(s) {', '.join(twice)} appear more than once in the header")
             missing = [c for c in required if c not in header]
             if missing:
                 # (a spreadsheet's export with ';' or tabs has the columns, in one field: say so)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dynpart.arguments import given
 from dynpart.catalog import load_catalog
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs import command_line
@@ -28,9 +29,9 @@ from dynpart.simulations.reporting.progress import Progress
 def register(bench_sub: argparse._SubParsersAction) -> None:
     p = bench_sub.add_parser("packing", help="the FGD paper's packing benchmark (allocation at 100%%/130%% arrived)",
                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", metavar="CSV", help="openb pod list (default: a built-in synthetic workload)")
-    p.add_argument("--nodes", metavar="CSV", help="openb node list (e.g. openb_node_list_all_node.csv)")
-    p.add_argument("--cluster", metavar="YAML|NxGxMODEL", help="cluster file or inline spec instead of --nodes")
+    p.add_argument("--trace", metavar="CSV", type=given, help="openb pod list (default: a built-in synthetic workload)")
+    p.add_argument("--nodes", metavar="CSV", type=given, help="openb node list (e.g. openb_node_list_all_node.csv)")
+    p.add_argument("--cluster", metavar="YAML|NxGxMODEL", type=given, help="cluster file or inline spec instead of --nodes")
     p.add_argument("--policy", default="dynpart",
                    help=f"{', '.join(bp.POLICIES)}, or several separated by commas (default dynpart)")
     p.add_argument("--batch", type=int, default=1,

@@ -32,6 +32,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dynpart.arguments import given
 from dynpart.catalog import Catalog, GpuModel, load_catalog
 from dynpart.errors import DynpartError
 from dynpart.planner.demand import check_workload
@@ -93,20 +94,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     d = ReplayOptions(planner=PlannerSettings.model_construct())
     p = sub.add_parser("simulate", help="replay pods over time on a MIG/MPS cluster: dynpart, nos, best static layout",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", metavar="CSV", help="openb pod list with creation/deletion times "
+    p.add_argument("--trace", metavar="CSV", type=given, help="openb pod list with creation/deletion times "
                    "(default: the built-in workload)")
     p.add_argument("--workload", metavar="K=V,...|YAML",
                    help="the built-in workload's parameters, e.g. seed=7,pods=2000,rate=5,mix=1g.10gb:50,7g.80gb:5 "
                         "(a piece without '=' continues the previous value), or a YAML file of them. Keys: "
                         + workloads.keys_help())
-    p.add_argument("--cluster", metavar="YAML|NxGxMODEL",
+    p.add_argument("--cluster", metavar="YAML|NxGxMODEL", type=given,
                    help=f"with --trace: cluster file or inline spec (default {DEFAULT_CLUSTER}); the built-in "
                         "workload sets its own (--workload nodes=...,mps_nodes=...,gpus_per_node=...,gpu_model=...)")
     p.add_argument("--mode", choices=["mig", "mps"], help="with --trace: override the cluster's partitioning mode; "
                    "with the built-in workload: replay only that part")
     p.add_argument("--policy", default=",".join(REPLAY_POLICIES),
                    help="dynpart, nos, static, or several separated by commas (default: all three)")
-    p.add_argument("--static-geometry", metavar="NAME",
+    p.add_argument("--static-geometry", metavar="NAME", type=given,
                    help="force the static layout: all-balanced, all-<profile> (e.g. all-7g, all-1g.10gb), "
                         "profile:count,... or, in mps mode, mps-N (N equal slices) or mps-<S>gb (slices of S GB) "
                         "(default: the best of the standard layouts "
@@ -121,7 +122,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"seconds per MIG instance created or destroyed (default {d.mig_op_delay_s:g})")
     p.add_argument("--mps-delay", type=float, default=d.mps_switch_delay_s,
                    help=f"seconds per MPS configuration change of a GPU (default {d.mps_switch_delay_s:g})")
-    p.add_argument("--planner-config", metavar="YAML",
+    p.add_argument("--planner-config", metavar="YAML", type=given,
                    help="the planner's settings file (the `--config` of `dynpart planner run`): the replay runs "
                         "the controller's loop with them (batch window, resync, exact-search budget, workload); "
                         "default: the planner's defaults; DYNPART_PLANNER_* variables apply either way")
@@ -310,7 +311,8 @@ def _run_jobs(jobs: list[Job], parts: list[Part], catalog: Catalog, n_proc: int)
         prog = Progress("simulate", len(jobs))
         try:
             # (a replay that fails, or Ctrl-C, stops the others: `worker_pool`)
-            with worker_pool(min(n_proc, len(jobs))) as pool:
+            workers = min(n_proc, len(jobs))
+            with worker_pool(workers) as pool:
                 futures = {pool.submit(_one, (parts[jobs[i].part].trace.pods, parts[jobs[i].part].cluster, catalog,
                                               jobs[i].opts)): i for i in order}
                 # woken every second, not only when a replay ends: the periodic line (or the
@@ -318,7 +320,8 @@ def _run_jobs(jobs: list[Job], parts: list[Part], catalog: Catalog, n_proc: int)
                 pending = set(futures)
                 while pending:
                     finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-                    note = f"{len(pending)} running"
+                    running = min(len(pending), workers)
+                    note = f"{running} running" + (f", {len(pending) - running} queued" if len(pending) > running else "")
                     for f in finished:
                         i = futures[f]
                         out[i] = f.result()

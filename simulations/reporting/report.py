@@ -20,13 +20,16 @@ from dynpart.simulations.errors import SimulationError
 class Results:
     """Prints the results on stdout before the files are written, surviving a reader that goes
     away (`dynpart simulate --out d | head`): the files are still written, then `finish` raises
-    BrokenPipeError (the command ends with 141, as a shell tool killed by SIGPIPE)."""
+    BrokenPipeError (the command ends with 141, as a shell tool killed by SIGPIPE). A stdout that
+    cannot be written (a full disk, a quota, an I/O error) loses none of the files either: `finish`
+    then raises SimulationError naming it."""
 
     def __init__(self) -> None:
         self.reader_gone = False
+        self.write_error: OSError | None = None
 
     def print(self, *lines: str) -> None:
-        if self.reader_gone:
+        if self.reader_gone or self.write_error is not None:
             return
         try:
             for line in lines:
@@ -35,10 +38,16 @@ class Results:
         except BrokenPipeError:
             self.reader_gone = True
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the final flush must not fail
+        except OSError as e:
+            self.write_error = e
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
     def finish(self) -> None:
         if self.reader_gone:
             raise BrokenPipeError("the reader of the results went away")
+        if self.write_error is not None:
+            raise SimulationError(f"stdout: cannot write the results ({self.write_error.strerror or self.write_error}); "
+                                  "the files of --out, if given, are written")
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

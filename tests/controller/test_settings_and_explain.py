@@ -254,7 +254,7 @@ def test_a_setting_error_names_where_the_value_came_from(tmp_path, monkeypatch):
         load_settings(PlannerSettings)
     monkeypatch.delenv("DYNPART_PLANNER_KUBE__BACKOFF_MAX_S")
     monkeypatch.setenv("DYNPART_PLANNER_CATALOG_FILES", "extra.yaml")
-    with pytest.raises(DynpartError, match=r"catalog_files.*is JSON"):
+    with pytest.raises(DynpartError, match=r"DYNPART_PLANNER_CATALOG_FILES: not JSON; a list or mapping setting is JSON there"):
         load_settings(PlannerSettings)
 
 
@@ -355,4 +355,12 @@ def test_settings_that_cannot_work_are_refused(var, value, message, monkeypatch)
     back-off longer than the longest."""
     monkeypatch.setenv(var, value)
     with pytest.raises(DynpartError, match=re.escape(message)):
+        load_settings(PlannerSettings)
+
+
+def test_a_list_setting_in_the_environment_that_is_not_json_names_its_variable(monkeypatch):
+    """pydantic-settings says "error parsing value for field "workload" from source
+    "EnvSettingsSource"": the variable to fix was not named (helper-148)."""
+    monkeypatch.setenv("DYNPART_PLANNER_WORKLOAD", "garbage")
+    with pytest.raises(DynpartError, match=r"^settings: environment variable DYNPART_PLANNER_WORKLOAD: not JSON; "):
         load_settings(PlannerSettings)

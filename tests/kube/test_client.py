@@ -157,3 +157,19 @@ async def test_a_kubeconfig_list_or_a_home_path_is_the_clients_to_read(tmp_path,
         api = await api_client(value)
         assert api.configuration.host == "https://127.0.0.1:6443"
         await api.close()
+
+
+async def test_a_kubeconfig_not_utf8_or_not_a_file_is_a_one_line_error(tmp_path):
+    """A kubeconfig saved as UTF-16 (PowerShell's `kubectl config view > kc.yaml`) gave a
+    UnicodeDecodeError traceback, and a directory was said not to exist (helper-148)."""
+    import pytest
+
+    from dynpart.errors import DynpartError
+    from dynpart.kube.client import api_client
+
+    utf16 = tmp_path / "kc.yaml"
+    utf16.write_text("apiVersion: v1\nkind: Config\n", encoding="utf-16")
+    with pytest.raises(DynpartError, match=rf"^cannot connect to Kubernetes with kubeconfig {utf16}: not UTF-8 text"):
+        await api_client(str(utf16))
+    with pytest.raises(DynpartError, match=rf"^cannot connect to Kubernetes with kubeconfig {tmp_path}: not a file$"):
+        await api_client(str(tmp_path))

@@ -61,6 +61,9 @@ def test_duplicate_pod_and_missing_columns_and_empty_files():
         parse_pods(HEADER + "a,1,1,1,100,,LS,R,0,1,0\na,1,1,1,100,,LS,R,0,1,0\n", "pods.csv")
     with pytest.raises(TraceError, match=r"p.csv:1: header lacks column\(s\) gpu_milli"):
         parse_pods("name,cpu_milli,memory_mib,num_gpu\na,1,1,1\n", "p.csv")
+    # a column given twice: which copy a row's value comes from would be a guess (helper-148)
+    with pytest.raises(TraceError, match=r"p.csv:1: column\(s\) gpu_milli appear more than once in the header"):
+        parse_pods(HEADER.rstrip("\n") + ",gpu_milli\na,1,1,1,100,,LS,R,0,1,0,900\n", "p.csv")
     with pytest.raises(TraceError, match="empty file"):
         parse_pods("", "p.csv")
     with pytest.raises(TraceError, match="no pods"):
