@@ -115,7 +115,8 @@ def _fake_driver(spec: str, catalog: Catalog) -> GpuDriver:
 
     model_name, _, count = spec.rpartition(":")
     if not model_name or not count.isdigit() or int(count) < 1:
-        raise DynpartError(f"--fake-gpus {spec!r}: expected MODEL:N, e.g. H100-80GB:2")
+        raise DynpartError(f"fake_gpus {spec!r} (--fake-gpus, DYNPART_AGENT_FAKE_GPUS or the config file): expected "
+                           "MODEL:N, e.g. H100-80GB:2")
     return FakeNvml(catalog.resolve(model_name, where="--fake-gpus"), int(count))
 
 
@@ -204,12 +205,20 @@ def run_mps_control(args: argparse.Namespace) -> int:
     from dynpart.logs import setup_logging
 
     setup_logging(args.log_level, args.log_json)
+    _directory_or_absent("--dir", args.control_dir)
     return asyncio.run(serve(args.control_dir, binary=args.mps_control_binary, shm_dir=args.shm_dir))
+
+
+def _directory_or_absent(option: str, path: str) -> None:
+    """A directory the command makes if absent: a file there is named as such (else "File exists")."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DynpartError(f"{option} {path}: not a directory")
 
 
 def run_mps_shm(args: argparse.Namespace) -> int:
     from dynpart.agent.mps_shm import mount_tmpfs
 
+    _directory_or_absent("--dir", args.shm_dir)
     size = mount_tmpfs(args.shm_dir, args.size or None)
     print(f"tmpfs of {size} mounted at {args.shm_dir}")
     return 0

@@ -299,3 +299,12 @@ def test_the_agent_process_is_not_dumpable(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["before", "1", "running", "0"]
+
+
+@pytest.mark.parametrize("command", ["mps-control", "mps-shm"])
+def test_a_directory_option_naming_a_file_says_so(command, tmp_path, capsys):
+    """It said "File exists" (helper-148)."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["agent", command, "--dir", str(afile)]) == 2
+    assert capsys.readouterr().err.strip() == f"dynpart: error: --dir {afile}: not a directory"
