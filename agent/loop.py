@@ -47,7 +47,7 @@ from dynpart.agent.driver.interface import DeviceInfo, GpuDriver, GpuDriverError
 from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import SliceGuard
 from dynpart.agent.kube import NodeApi, NodeView, PluginPods
-from dynpart.agent.mig_agent import MigAgent, PassResult
+from dynpart.agent.mig_agent import MigAgent, PassResult, instances_and_processes
 from dynpart.agent.mps_daemon import MpsDaemon
 from dynpart.agent.mps_plugin import MpsPluginAgent
 from dynpart.agent.nodepods import NodePods
@@ -74,6 +74,7 @@ from dynpart.kube.conventions import (
     STATUS_CAPABILITY,
     STATUS_ERROR,
     STATUS_HEARTBEAT,
+    STATUS_MODE,
     STATUS_PLAN,
     STATUS_PREFIX,
     STATUS_UNHEALTHY,
@@ -83,7 +84,7 @@ from dynpart.kube.retrying import retrying
 from dynpart.probing import Liveness, keep_beating
 from dynpart.resources import WHOLE_GPU, MpsResource, is_slice_resource, known_resource, mig_resource_name
 from dynpart.settings import KubeSettings
-from dynpart.snapshot import GpuLayout, Mode, NodeLayout
+from dynpart.snapshot import GpuLayout, MigInstance, Mode, NodeLayout
 
 log = logging.getLogger("dynpart.agent")
 
@@ -372,7 +373,7 @@ class Agent:
                 self._driver_replaced = self._driver_replaced + 1 if e.code in DRIVER_REPLACED else 0
                 await self._all_unhealthy(e, node)
                 unhealthy = set(self.unhealthy)
-            return await self._report_failure(node, str(e), unhealthy)
+            return await self._report_failure(node, str(e), unhealthy, as_the_gpus_are=unhealthy is None)
         self._driver_replaced = 0
         try:
             # a MIG mode changed by this pass changes what the driver lists: report it now (from the
@@ -799,14 +800,55 @@ class Agent:
             log.log(at, "node %s: %s", self.node, problem)
         self._logged = frozenset(problems)
 
-    async def _report_failure(self, node: NodeView, error: str, unhealthy: set[int] | None = None) -> PassReport:
+    async def _report_failure(self, node: NodeView, error: str, unhealthy: set[int] | None = None,
+                              as_the_gpus_are: bool = False) -> PassReport:
+        """The last status, with the error. `as_the_gpus_are`: the driver answers (the pass failed
+        on something else), and what may have changed on the MIG GPUs is read (`_mig_as_it_is`)."""
         status = {k: v for k, v in node.annotations.items() if k.startswith(STATUS_PREFIX)}
+        if as_the_gpus_are:
+            gone, fresh = await self._mig_as_it_is(node)
+            status = {k: v for k, v in status.items() if k not in gone} | fresh
         status[STATUS_ERROR] = error_text(error)
         if unhealthy:
             status[STATUS_UNHEALTHY] = ",".join(map(str, sorted(i for i in unhealthy if 0 <= i <= MAX_GPU_INDEX)))
         status[STATUS_HEARTBEAT] = format_heartbeat(self.now())
         await self._write(node, status)
         return PassReport(None, status.get(STATUS_PLAN), [error], status, failed=True)
+
+    async def _mig_as_it_is(self, node: NodeView) -> tuple[set[str], dict[str, str]]:
+        """The status keys of the MIG GPUs whose instances are no longer what the last status says:
+        a pass that failed after it changed some (a destroy done, then the kubelet's PodResources
+        unreachable for the next check) leaves the last status describing instances gone, or not
+        those it made. Those GPUs are reported as the driver has them, every instance used (which
+        pods use them cannot be read now; the next pass that can says): the planner neither plans
+        pods onto them nor destroys them meanwhile. Nothing when the driver cannot be read."""
+        model = self._model
+        if model is None or not model.supports_mig:
+            return set(), {}
+        last = decode_status(node.annotations, model, node=self.node, capacity=self._capacity)
+        if last.layout is None or last.layout.mode != "mig" or last.layout_incomplete:
+            return set(), {}
+        try:
+            readings = await self.driver.read(instances_and_processes)
+        except DynpartError:
+            return set(), {}
+        names = {p.gi_profile_id: p.name for p in model.mig_profiles}
+        reported = {g.index: g for g in last.layout.gpus}
+        fresh: list[GpuLayout] = []
+        for r in readings:
+            now = sorted(((names[gi.profile_id], gi.start) for gi in r.instances if gi.profile_id in names),
+                         key=lambda x: (x[1], x[0]))
+            was = reported.get(r.device.index)
+            if r.device.mig_current and (was is None or sorted(((m.profile, m.start) for m in was.mig),
+                                                                key=lambda x: (x[1], x[0])) != now):
+                fresh.append(GpuLayout(index=r.device.index, mig=[MigInstance(profile=p, start=s, used=True)
+                                                                  for p, s in now]))
+        if not fresh:
+            return set(), {}
+        gone = {k for g in fresh for k in node.annotations if k.startswith(f"{STATUS_PREFIX}gpu-{g.index}-")}
+        keys = encode_status(NodeLayout(node=self.node, mode="mig", gpus=fresh), None)
+        keys.pop(STATUS_MODE, None)
+        return gone, keys
 
     async def _report_unexpected(self, node: NodeView, error: Exception) -> None:
         """A pass that failed on what the agent did not expect (a bug, a library's own error) says

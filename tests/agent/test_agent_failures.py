@@ -329,3 +329,41 @@ async def test_a_pass_that_fails_unexpectedly_raises_its_own_error_when_the_stat
     node_api.patch = refused  # type: ignore[method-assign]
     with pytest.raises(ValueError, match="a bug"):
         await agent.reconcile_once()
+
+
+async def test_a_pass_that_fails_after_changing_instances_reports_them_as_the_driver_has_them():
+    """The kubelet's PodResources stops answering (a kubelet restart) right after the pass
+    destroyed an instance: the last status, kept, said the instance was there and free, under its
+    plan, with a fresh heartbeat, for every pass until the kubelet answered (helper-145). The GPUs
+    that changed are reported as the driver has them, every instance used (which pods use them
+    cannot be read); the others, and the acknowledged plan, as they were."""
+    from dynpart.agent.podresources import PodResourcesError
+    from dynpart.annotations import STATUS_PLAN
+
+    from .conftest import make_rig
+
+    rig = make_rig(count=2)
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p1"))
+    assert (await agent.reconcile_once()).plan_id == "p1"
+
+    def kubelet_gone(n: int) -> None:
+        if any(o.op == "destroy_gi" for o in rig.driver.ops):
+            raise PodResourcesError("kubelet PodResources API: UNAVAILABLE")
+
+    rig.pods.on_list = kubelet_gone
+    rig.driver.ops.clear()
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"], 1: ["7g.80gb@0"]}, plan="p2")
+                                 | {"dynpart.io/spec-gpu-0-3g.40gb": None})
+    for _ in range(2):  # the failed pass, and one more while the kubelet restarts
+        report = await agent.reconcile_once()
+        assert report.failed
+        status = decode_status(rig.node_api.annotations, H100, node="node-1")
+        assert rig.driver.layout(0) == [("3g.40gb", 4)]  # one destroyed, then the pass stopped
+        assert [(m.profile, m.start, m.used) for m in status.layout.gpus[0].mig] == [("3g.40gb", 4, True)]
+        assert [(m.profile, m.start, m.used) for m in status.layout.gpus[1].mig] == [("7g.80gb", 0, False)]
+        assert rig.node_api.annotations[STATUS_PLAN] == "p1" and "UNAVAILABLE" in rig.node_api.annotations[STATUS_ERROR]
+    rig.pods.on_list = None  # back: the next pass applies p2 and says what is used
+    assert (await agent.reconcile_once()).plan_id == "p2"
+    status = decode_status(rig.node_api.annotations, H100, node="node-1")
+    assert [(m.profile, m.start, m.used) for m in status.layout.gpus[0].mig] == [("7g.80gb", 0, False)]
