@@ -927,7 +927,7 @@ def test_no_dumpable_process_shares_the_agent_container(default, full):
 # Values whose null means "none" and renders so (`resources: null`, no tolerations, the
 # DaemonSet's default rolling update): the only chart-structured values a values file may empty.
 NULL_MEANS_NONE = {"planner.resources", "agent.resources", "agent.mpsControl.resources", "agent.tolerations",
-                   "agent.updateStrategy.rollingUpdate"}
+                   "agent.updateStrategy.rollingUpdate", "planner.runAsUser"}
 
 
 def _settings_values() -> list[list[str]]:
@@ -1080,3 +1080,35 @@ def test_the_agent_sees_every_gpu_process():
     assert pod["hostPID"] is True and "hostIPC" not in pod
     off = find(render("--set", "agent.hostPID=false"), "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
     assert "hostPID" not in off
+
+
+def test_openshift_and_private_mounts_and_unprivileged_agents_render_as_they_need():
+    """helper-150's review: on OpenShift the planner's fixed user id is refused by restricted-v2
+    (`planner.runAsUser: null` sets none); with `agent.mpsShm.mode: hostIPC` no pod asks for mount
+    propagation (containerd refuses it on a private host mount); with `agent.privileged: false` the
+    agent and mps-control also name every GPU by a volume mount (a toolkit that ignores the variable
+    for unprivileged containers reads those)."""
+    _require_tools()
+
+    def objects(*sets: str) -> dict[str, dict[str, Any]]:
+        args = [a for s in sets for a in ("--set", s)]
+        out = subprocess.run([str(HELM), "template", "x", str(CHART), *args], capture_output=True, text=True, check=True)
+        return {f"{d['kind']}/{d['metadata']['name']}": d for d in yaml.safe_load_all(out.stdout) if d}
+
+    def pod(docs: dict[str, dict[str, Any]], suffix: str) -> dict[str, Any]:
+        return next(d for k, d in docs.items() if k.endswith(suffix) and d["kind"] in ("Deployment", "DaemonSet"))[
+            "spec"]["template"]["spec"]
+
+    default = objects()
+    assert pod(default, "-planner")["securityContext"]["runAsUser"] == 10001
+    assert "runAsUser" not in pod(objects("planner.runAsUser=null"), "-planner")["securityContext"]
+    for docs, propagation in ((default, True), (objects("agent.mpsShm.mode=hostIPC"), False)):
+        for suffix in ("-agent", "-mps-control"):
+            mounts = [m for c in pod(docs, suffix)["containers"] for m in c["volumeMounts"] if m["name"] == "state"]
+            assert mounts and all(("mountPropagation" in m) == propagation for m in mounts), (suffix, mounts)
+    for docs, privileged in ((default, True), (objects("agent.privileged=false"), False)):
+        for suffix in ("-agent", "-mps-control"):
+            spec = pod(docs, suffix)
+            mounts = {m["mountPath"] for c in spec["containers"] for m in c["volumeMounts"]}
+            assert ("/var/run/nvidia-container-devices/all" in mounts) != privileged, suffix
+            assert any(v.get("hostPath", {}).get("path") == "/dev/null" for v in spec["volumes"]) != privileged

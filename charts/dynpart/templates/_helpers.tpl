@@ -82,8 +82,10 @@ digest pins the exact image; the tag is then not used), else repository:tag (def
 {{/* Pod-level security context of the non-root components (the image's user 10001). */}}
 {{- define "dynpart.restrictedPodSecurityContext" -}}
 runAsNonRoot: true
-runAsUser: 10001
-runAsGroup: 10001
+{{- with .Values.planner.runAsUser }}
+runAsUser: {{ . }}
+runAsGroup: {{ . }}
+{{- end }}
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
