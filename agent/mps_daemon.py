@@ -320,20 +320,19 @@ class ProcessMpsDaemon:
         await self._quit()
 
     async def _quit(self) -> bool:
-        """`quit`; False when it got no answer in time and the daemon's process still lives (busy
-        or hung: it runs on, for its GPUs, and may yet quit)."""
+        """`quit`; False when the daemon's process still lives after it: no answer in time (busy
+        or hung), or the command could not run or failed (a fork refused under the pod's pid
+        limit): it runs on, for its GPUs, and is asked again."""
         if self.dirs is None:
             return True
         try:
             code, out = await self._run(stdin="quit\n")
-        except MpsDaemonTimeout as e:
+        except MpsDaemonError as e:  # (MpsDaemonTimeout too)
             log.warning("stopping the MPS control daemon: %s", e)
             return not self._process_lives()
-        except MpsDaemonError as e:
-            log.warning("stopping the MPS control daemon: %s", e)
-            return True
         if code != 0:
             log.debug("stopping the MPS control daemon: none answered (%s)", out or f"exit code {code}")
+            return not self._process_lives()
         return True
 
     def running_for(self) -> list[str] | None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dynpart.errors import DynpartError
+
 
 def given(value: str) -> str:
     """A value that says something: `--trace "$TRACE"` with the variable unset passes "", which
@@ -14,8 +16,8 @@ def given(value: str) -> str:
 
 
 def pod_name(value: str) -> str:
-    """namespace/name: a pod is named so across the cluster."""
-    namespace, slash, name = given(value).partition("/")
+    """namespace/name: a pod is named so across the cluster (DynpartError otherwise)."""
+    namespace, slash, name = value.partition("/")
     if not slash or not namespace or not name or "/" in name:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected NAMESPACE/NAME")
+        raise DynpartError(f"pod {value!r}: expected NAMESPACE/NAME")
     return value

@@ -11,6 +11,7 @@ User mistakes (`DynpartError`) print one line on stderr and exit 2, without a tr
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -85,12 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell tool killed by the signal reports
     except OSError as e:
-        # what the commands do not turn into an error of their own: writing stdout (a full disk, a
-        # quota, an I/O error), said in one line, not a traceback; the final flush must not fail
+        if e.errno not in _OUTPUT_FULL or e.filename is not None:
+            raise
+        # stdout cannot be written (a full disk, a quota, an I/O error): said in one line, not a
+        # traceback; the final flush must not fail
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        where = f"{e.filename}: " if e.filename else "writing the output: "
-        print(f"dynpart: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"dynpart: error: writing the output: {e.strerror}", file=sys.stderr)
         return 2
+
+
+# what writing stdout fails with when it cannot take the output (the commands turn their files'
+# errors into errors of their own, naming the file)
+_OUTPUT_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from dynpart.kube.conventions import (
     PARTITIONING_LABEL,
     PLANNER_COMPONENT,
     PREFIX,
+    SPEC_DRAIN,
     SPEC_PLAN,
     SPEC_PODS,
     SPEC_REVOKES,
@@ -989,7 +990,8 @@ class PlannerController:
         for layout, patch in planned_patches(snapshot, result, nodes_by_name, plan_id, self.leadership.term):
             node_plan = str(patch[SPEC_PLAN])  # `<plan_id>.<k>`: one id per node written
             node_obj = nodes_by_name[layout.node]
-            if placed_on.get(layout.node) and placed_on[layout.node] <= gone:
+            # (a spec that also changes the node's drain flags is written: the loop counts them written)
+            if placed_on.get(layout.node) and placed_on[layout.node] <= gone and SPEC_DRAIN not in patch:
                 log.info("node layout not written: the pods planned there were deleted or bound while planning",
                          extra={"fields": {"node": layout.node, "pods": sorted(placed_on[layout.node])}})
                 not_written.add(layout.node)

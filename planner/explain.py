@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        description="Plan once and explain the decision for one pod (or all pending pods). "
                        "Give --snapshot FILE (YAML/JSON snapshot, see docs/planner.md) or use the live cluster "
                        "(--kubeconfig or $KUBECONFIG).")
-    p.add_argument("pod", nargs="?", type=pod_name, help="namespace/name of a pending pod (default: every pending pod)")
+    p.add_argument("pod", nargs="?", type=given, help="namespace/name of a pending pod (default: every pending pod)")
     p.add_argument("--snapshot", type=given, help="snapshot file instead of the live cluster")
     p.add_argument("--kubeconfig", type=given)
     p.add_argument("--policy", choices=list(POLICIES), default="dynpart")
@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     if args.snapshot:
         snapshot, problems, live = _load_snapshot_file(args.snapshot), [], {}
     else:
+        if args.pod:  # (a snapshot file may name its pods otherwise)
+            pod_name(args.pod)
         snapshot, catalog, problems, live, elsewhere = asyncio.run(_live_snapshot(args.kubeconfig, catalog))
         if args.pod and args.pod not in {p.name for p in snapshot.pending}:
             pod = live.get(args.pod)

@@ -83,10 +83,14 @@ def test_an_empty_value_is_refused_not_taken_for_the_default(argv, capsys):
     assert f"argument {argv[-2]}: expected a value, got an empty one" in capsys.readouterr().err
 
 
-def test_explain_names_the_pod_namespace_slash_name(capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["explain", "--snapshot", "examples/snapshot.yaml", "train-small"])
-    assert e.value.code == 2 and "argument pod: 'train-small': expected NAMESPACE/NAME" in capsys.readouterr().err
+def test_explain_on_the_live_cluster_names_the_pod_namespace_slash_name(capsys, tmp_path):
+    """(A snapshot file may name its pods without a namespace: helper-149.)"""
+    assert main(["explain", "--kubeconfig", str(tmp_path / "none"), "train-small"]) == 2
+    assert capsys.readouterr().err.strip() == "dynpart: error: pod 'train-small': expected NAMESPACE/NAME"
+    snapshot = tmp_path / "s.yaml"
+    snapshot.write_text(open("examples/snapshot.yaml").read().replace("ml/train-small", "train-small"))
+    assert main(["explain", "--snapshot", str(snapshot), "train-small"]) == 0
+    assert capsys.readouterr().out.startswith("train-small: placed on node")
 
 
 def test_a_stdout_that_cannot_be_written_is_a_one_line_error_and_the_files_are_written(tmp_path):

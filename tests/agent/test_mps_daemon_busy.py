@@ -333,14 +333,15 @@ async def test_a_daemon_kept_busy_for_a_change_of_gpus_still_runs_for_its_old_on
     assert daemon.starts == [("GPU-fake-0000", "GPU-fake-0001")] and mps.healthy
 
 
-def _probe_fails_once(monkeypatch) -> None:
-    """The next control command cannot be started (a fork refused under the pod's pid limit)."""
+def _probe_fails_once(monkeypatch, nth: int = 1) -> None:
+    """The `nth` control command from now cannot be started (a fork refused under the pod's pid
+    limit)."""
     real = asyncio.create_subprocess_exec
     calls = {"n": 0}
 
     async def flaky(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 1:
+        if calls["n"] == nth:
             raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
         return await real(*args, **kwargs)
 
@@ -408,3 +409,24 @@ async def test_a_start_refused_by_the_daemon_it_keeps_for_the_same_gpus_is_busy_
     await daemon.ensure(["GPU-a"], str(pipe), str(logs))
     assert "quit" not in _lines(logs / "commands") and _lines(logs / "starts") == ["GPU-a"]
     await daemon.stop()
+
+
+async def test_a_quit_that_cannot_run_is_not_a_stop(control, tmp_path, monkeypatch):
+    """The probe answers, then the `quit`'s fork is refused: taken for a stop, the daemon ran on
+    while the supervisor reported it stopped, and it was never asked again (helper-149)."""
+    pipe, logs, ctl = tmp_path / "pipe", tmp_path / "log", tmp_path / "ctl"
+    ctl.mkdir()
+
+    def want(seq: int, gpus: list[str]) -> None:
+        write_json(str(ctl / DESIRED), {"seq": seq, "gpus": gpus, "pipe_dir": str(pipe), "log_dir": str(logs),
+                                        "boot": boot_id()})
+
+    want(1, ["GPU-a"])
+    sup = Supervisor(str(ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05, check_s=0.0)
+    await sup.step()
+    _probe_fails_once(monkeypatch, nth=2)  # the probe runs, the quit's fork is refused
+    want(2, [])
+    await sup.step()
+    assert (pipe / PID_FILE).exists() and sup.state["running"] and sup.state["gpus"] == ["GPU-a"]
+    await sup.step()  # asked again: quits now
+    assert not (pipe / PID_FILE).exists() and not sup.state["running"]

@@ -1490,3 +1490,40 @@ async def test_a_node_whose_planned_pods_went_while_planning_is_not_reconfigured
     where = {p.get(SPEC_PODS): n for n, p in c.written if p.get(SPEC_PODS)}
     assert list(where) == ["ml/b"], c.written  # (one free GPU per node: a and b on two nodes)
     assert "ml/a" not in c.loop.reserved and c.wake.is_set()
+
+
+def _busy(name: str, plan: str) -> dict[str, Any]:
+    # two GPUs, each with one used 1g.10gb: a 7g.80gb fits nowhere; a 1g.10gb fits beside either
+    return node(name, count=2, annotations=encode_status(NodeLayout(node=name, mode="mig", gpus=[
+        GpuLayout(index=0, mig=[MigInstance(profile="1g.10gb", start=0, used=True)]),
+        GpuLayout(index=1, mig=[MigInstance(profile="1g.10gb", start=0, used=True)])]), plan))
+
+
+async def test_a_node_whose_planned_pod_went_is_still_written_when_its_drain_flags_change(make, monkeypatch):
+    """helper-149: a drain started in the round that planned a pod deleted meanwhile on the same
+    node: the node was skipped, yet the loop counted the drain flag written; no later round wrote it."""
+    t = [1000.0]
+    c = make([_busy("n1", "p0")], Lead(term=3))
+    c.settings = c.loop.settings = c.settings.model_copy(update={"drain_after_s": 100.0, "drain_max_gpus": 1})
+    c.clock = lambda: t[0]
+    c.pods.cache["ml/big"] = pod("big", {"nvidia.com/mig-7g.80gb": "1"})
+    await c.plan_round()  # big first seen, unplaced, no drain yet
+    assert c.written == []
+    t[0] += 100.0
+    c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
+    decide = c.loop.decide_with
+
+    def decide_while_a_goes(*args, **kwargs):
+        result = decide(*args, **kwargs)
+        del c.pods.cache["ml/a"]  # deleted while the round planned
+        return result
+
+    monkeypatch.setattr(c.loop, "decide_with", decide_while_a_goes)
+    await c.plan_round()
+    monkeypatch.setattr(c.loop, "decide_with", decide)
+    for _ in range(3):  # later rounds, nothing else changes (the drained GPU's slice still used)
+        t[0] += 10.0
+        await c.plan_round()
+    assert c.loop.drains, "a drain is held for ml/big"
+    assert any(p.get("dynpart.io/spec-drain") for _, p in c.written), \
+        "the drain the loop holds (and counts as flagged) was never written to n1"
