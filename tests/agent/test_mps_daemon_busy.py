@@ -368,10 +368,11 @@ async def test_a_probe_that_cannot_run_does_not_restart_a_running_daemon(control
     await sup.daemon.stop()
 
 
-async def test_a_stop_whose_probe_cannot_run_is_not_reported_done_while_the_daemon_runs(control, tmp_path,
-                                                                                       monkeypatch):
+@pytest.mark.parametrize("failing", [1, 2], ids=["probe", "quit"])
+async def test_a_stop_whose_probe_or_quit_cannot_run_is_not_reported_done_while_the_daemon_runs(
+        control, tmp_path, monkeypatch, failing):
     """The same cause on the way out (a node leaving MPS): reported stopped while it ran on, and
-    never asked again."""
+    never asked again. Also when the probe answers and the `quit`'s fork is refused (helper-149)."""
     pipe, logs, ctl = tmp_path / "pipe", tmp_path / "log", tmp_path / "ctl"
     ctl.mkdir()
 
@@ -382,10 +383,11 @@ async def test_a_stop_whose_probe_cannot_run_is_not_reported_done_while_the_daem
     want(1, ["GPU-a"])
     sup = Supervisor(str(ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05, check_s=0.0)
     await sup.step()
-    _probe_fails_once(monkeypatch)
+    _probe_fails_once(monkeypatch, nth=failing)
     want(2, [])
     await sup.step()
     assert (pipe / PID_FILE).exists() and sup.state["running"], "it runs: not reported stopped"
+    assert sup.state["gpus"] == ["GPU-a"]
     await sup.step()  # asked again: quits now
     assert not (pipe / PID_FILE).exists() and not sup.state["running"] and sup.state["gpus"] == []
 
@@ -409,24 +411,3 @@ async def test_a_start_refused_by_the_daemon_it_keeps_for_the_same_gpus_is_busy_
     await daemon.ensure(["GPU-a"], str(pipe), str(logs))
     assert "quit" not in _lines(logs / "commands") and _lines(logs / "starts") == ["GPU-a"]
     await daemon.stop()
-
-
-async def test_a_quit_that_cannot_run_is_not_a_stop(control, tmp_path, monkeypatch):
-    """The probe answers, then the `quit`'s fork is refused: taken for a stop, the daemon ran on
-    while the supervisor reported it stopped, and it was never asked again (helper-149)."""
-    pipe, logs, ctl = tmp_path / "pipe", tmp_path / "log", tmp_path / "ctl"
-    ctl.mkdir()
-
-    def want(seq: int, gpus: list[str]) -> None:
-        write_json(str(ctl / DESIRED), {"seq": seq, "gpus": gpus, "pipe_dir": str(pipe), "log_dir": str(logs),
-                                        "boot": boot_id()})
-
-    want(1, ["GPU-a"])
-    sup = Supervisor(str(ctl), ProcessMpsDaemon(control, timeout_s=5), poll_s=0.05, check_s=0.0)
-    await sup.step()
-    _probe_fails_once(monkeypatch, nth=2)  # the probe runs, the quit's fork is refused
-    want(2, [])
-    await sup.step()
-    assert (pipe / PID_FILE).exists() and sup.state["running"] and sup.state["gpus"] == ["GPU-a"]
-    await sup.step()  # asked again: quits now
-    assert not (pipe / PID_FILE).exists() and not sup.state["running"]
