@@ -96,10 +96,15 @@ class FakeNodeApi:
         return NodeView(self.name, dict(self.labels), dict(self.annotations), str(self._version), dict(self.allocatable),
                         dict(self.capacity))
 
-    def set_allocatable(self, counts: dict[str, int]) -> None:
-        """What the kubelet (its node-status write) does."""
+    def set_allocatable(self, counts: dict[str, int], unhealthy: dict[str, int] | None = None) -> None:
+        """What the kubelet (its node-status write) does: allocatable the healthy devices, capacity
+        the unhealthy ones too."""
         for r, n in counts.items():
-            self.allocatable[r] = self.capacity[r] = str(n)
+            self.allocatable[r] = str(n)
+            self.capacity[r] = str(n + (unhealthy or {}).get(r, 0))
+        for r, n in (unhealthy or {}).items():
+            if r not in counts:
+                self.allocatable[r], self.capacity[r] = "0", str(n)
         self._changed()
 
     def set_annotations(self, patch: dict[str, str | None]) -> None:

@@ -3,7 +3,9 @@ sockets: it serves `Registration` on `<dir>/kubelet.sock`; on `Register` it conn
 plugin's socket, calls GetDevicePluginOptions and consumes ListAndWatch (every list received is
 kept, with its time); tests call `allocate()` and `preferred()` as the kubelet would.
 `restart()` does what a kubelet restart does to the plugin dir: the Registration socket goes
-away, every socket in the dir is removed, and kubelet.sock comes back.
+away, every socket in the dir is removed, and kubelet.sock comes back; PodResources List then
+shows no pod until `pods_listed_again()` (the sync loop's first pod list), while the devices the
+checkpoint holds stay taken.
 
 Admission as the kubelet does it: `admit(pod, resource, n)` picks n free healthy devices
 (GetPreferredAllocation when the plugin offers it), calls Allocate, and records the assignment;
@@ -91,6 +93,9 @@ class KubeletDouble:
         # outside the plugin dir (a kubelet restart wipes that dir's sockets)
         self.pod_resources_socket = pod_resources_socket or plugin_dir.rstrip("/") + "-podresources.sock"
         self.assignments: list[Assignment] = []  # the kubelet's checkpoint: kept across restarts
+        # PodResources List serves the pod manager's pods: after a restart none until the sync
+        # loop's first pod list admitted them again (`pods_listed_again`), as kubelet 1.35 does
+        self.pods_listed = True
         self.admission_errors: list[str] = []
         self.refuse_registration = False  # Register answers UNAVAILABLE (a kubelet not ready yet)
         self.plugins: dict[str, PluginSeen] = {}
@@ -146,8 +151,13 @@ class KubeletDouble:
         for name in os.listdir(self.plugin_dir):
             if name.endswith(".sock"):
                 os.unlink(os.path.join(self.plugin_dir, name))
+        self.pods_listed = False
         await self.start()
         return time.monotonic()
+
+    def pods_listed_again(self) -> None:
+        """The restarted kubelet's first pod list admitted its pods again: List shows them."""
+        self.pods_listed = True
 
     async def __aenter__(self) -> KubeletDouble:
         await self.start()
@@ -329,7 +339,7 @@ class KubeletDouble:
 
         async def list_pods(request: Any, context: Any) -> Any:
             by_pod: dict[str, dict[str, list[Assignment]]] = {}
-            for a in self.assignments:
+            for a in self.assignments if self.pods_listed else []:
                 if a.plain_init:  # the kubelet lists only containers and restartable init containers
                     continue
                 by_pod.setdefault(a.pod, {}).setdefault(a.container, []).append(a)

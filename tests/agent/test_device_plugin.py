@@ -326,6 +326,21 @@ async def test_kubelet_restart_registers_again_within_2s(kubelet, plugins, plugi
     assert time.monotonic() - start < 2.0
 
 
+async def test_after_a_restart_the_kubelet_lists_no_pod_until_its_first_pod_list(kubelet, plugins):
+    """The double as kubelet 1.35 (helper-151): PodResources List serves the pod manager's pods,
+    none until the sync loop's first pod list after a restart, while the checkpoint's devices
+    stay taken: what makes a slice in use look free to the agent for that moment."""
+    await plugins.update(advertise(GPUS))
+    await kubelet.wait_registered("nvidia.com/mig-3g.40gb")
+    await kubelet.admit("ns/p", "nvidia.com/mig-3g.40gb")
+    pr = KubeletPodResources(kubelet.pod_resources_socket, timeout_s=2)
+    assert [(a.pod, a.device_id) for a in await pr.list()] == [("ns/p", "MIG-c")]
+    await kubelet.restart()
+    assert await pr.list() == []
+    kubelet.pods_listed_again()
+    assert [(a.pod, a.device_id) for a in await pr.list()] == [("ns/p", "MIG-c")]
+
+
 async def test_registers_when_the_kubelet_comes_up_later(plugin_dir, plugins):
     await plugins.update(advertise([WHOLE_GPU]))
     await asyncio.sleep(0.2)  # no kubelet.sock yet: serving, not registered

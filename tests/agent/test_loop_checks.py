@@ -679,3 +679,13 @@ async def test_an_agent_started_on_a_mig_node_stops_the_mps_daemon_left_running_
     await agent.reconcile_once()
     desired = json.loads((control / "desired.json").read_text())
     assert desired["gpus"] == [] and desired["seq"] == 2, "asked to stop"
+
+
+def test_the_fake_kubelets_status_write_counts_unhealthy_devices_in_capacity_only():
+    """As the kubelet's GetCapacity: allocatable the healthy devices, capacity all (helper-151)."""
+    from dynpart.agent.kube import FakeNodeApi
+
+    api = FakeNodeApi("node-1")
+    api.set_allocatable({"nvidia.com/gpu": 2}, unhealthy={"nvidia.com/gpu": 1, MIG_1G: 1})
+    assert api.allocatable == {"nvidia.com/gpu": "2", MIG_1G: "0"}
+    assert api.capacity == {"nvidia.com/gpu": "3", MIG_1G: "1"}
