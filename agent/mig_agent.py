@@ -105,8 +105,9 @@ def _split(gi: GpuInstanceInfo) -> list[str]:
     hold, and which no dynpart profile describes."""
     if not gi.split:
         return []
-    return [f"{len(gi.compute_instances)} compute instances made outside dynpart (left alone: destroy them, "
-            "or the instance, to hand it back)"]
+    what = (f"{len(gi.compute_instances)} compute instances" if len(gi.compute_instances) > 1
+            else "a compute instance smaller than the instance")
+    return [f"{what} made outside dynpart (left alone: destroy them, or the instance, to hand it back)"]
 
 
 def instances_and_processes(driver: GpuDriver) -> list[GpuReading]:

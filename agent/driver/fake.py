@@ -93,6 +93,7 @@ class _FakeGi:
     ci: int | None = None  # the one full compute instance (or the first of a split one)
     uuid: str | None = None
     more: dict[int, str] = field(default_factory=dict)  # a split instance's other compute instances: id -> UUID
+    smaller: bool = False  # its compute instances are smaller than it (`split`)
     pids: set[int] = field(default_factory=set)
     holders: set[str] = field(default_factory=set)  # clients holding the MIG device open, not computing
 
@@ -241,13 +242,15 @@ class FakeNvml:
     @_locked
     def split(self, index: int, gi_id: int, parts: int) -> list[str]:
         """Another tool (mig-parted, `nvidia-smi mig -cci`) splits GPU instance `gi_id` into
-        `parts` compute instances of its own, each a MIG device with its own UUID (ids 0..parts-1,
-        the first keeping the instance's UUID). The agent never makes these; returns the UUIDs."""
+        `parts` compute instances smaller than itself (1: one), each a MIG device with its own UUID
+        (ids 0..parts-1, the first keeping the instance's UUID). The agent never makes these;
+        returns the UUIDs."""
         gpu = self._gpu(index)
         gi = self._gi(gpu, gi_id)
         gi.ci = 0
         gi.uuid = self._mig_uuid(gpu, gi_id, 0)
         gi.more = {ci: self._mig_uuid(gpu, gi_id, ci) for ci in range(1, parts)}
+        gi.smaller = True
         return [gi.uuid, *gi.more.values()]
 
     def _mig_uuid(self, gpu: _FakeGpu, gi_id: int, ci: int) -> str:
@@ -365,7 +368,8 @@ class FakeNvml:
         return [GpuInstanceInfo(g.gi_id, g.profile.gi_profile_id, g.start, g.profile.memory,
                                 tuple(sorted(([] if g.ci is None else [g.ci]) + list(g.more))),
                                 g.uuid if g.ci is not None else next(iter(g.more.values()), None),
-                                tuple(g.more.values()) if g.ci is not None else tuple(g.more.values())[1:])
+                                tuple(g.more.values()) if g.ci is not None else tuple(g.more.values())[1:],
+                                ci_smaller=g.smaller and (g.ci is not None or bool(g.more)))
                 for g in sorted(gpu.gis.values(), key=lambda g: g.gi_id)]
 
     @_driver_call(read=False)
@@ -401,9 +405,10 @@ class FakeNvml:
         if slices != gi.profile.compute:
             self._fail(op, INVALID_ARGUMENT, f"GPU {index} GI {gi_id}: a full compute instance has "
                                              f"{gi.profile.compute} slices, not {slices}")
-        if gi.ci is not None:
+        if gi.ci is not None or gi.more:
             self._fail(op, INSUFFICIENT_RESOURCES, f"GPU {index} GI {gi_id} already has a compute instance")
         gi.ci = 0
+        gi.smaller = False
         gi.uuid = self._mig_uuid(gpu, gi_id, 0)
         return gi.ci
 

@@ -125,11 +125,14 @@ class GpuInstanceInfo:
     # the MIG devices of its other compute instances: a GPU instance split into several by another
     # tool (the agent makes one full compute instance per GPU instance), each a device of its own
     more_uuids: tuple[str, ...] = ()
+    # a compute instance of fewer compute slices than the GPU instance (made by another tool)
+    ci_smaller: bool = False
 
     @property
     def split(self) -> bool:
-        """Split into several compute instances, not made by the agent: left alone, not advertised."""
-        return len(self.compute_instances) > 1
+        """Split into compute instances smaller than itself, not made by the agent (which makes one
+        full one): left alone, not advertised as its profile."""
+        return len(self.compute_instances) > 1 or self.ci_smaller
 
 
 @dataclass(frozen=True)

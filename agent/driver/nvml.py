@@ -218,15 +218,19 @@ class RealNvml:
                 if gi_info.id in seen:
                     continue
                 uuids = [str(self._call(nv.nvmlDeviceGetUUID, m)) for m in migs.get(gi_info.id, ())]
+                cis = self._compute_instances(gi)
+                gi_slices = getattr(info, "sliceCount", None)
                 seen[gi_info.id] = GpuInstanceInfo(
                     int(gi_info.id), int(gi_info.profileId), int(gi_info.placement.start),
-                    int(gi_info.placement.size), tuple(self._compute_instances(gi)), uuids[0] if uuids else None,
-                    tuple(uuids[1:]))
+                    int(gi_info.placement.size), tuple(sorted(ci for ci, _ in cis)), uuids[0] if uuids else None,
+                    tuple(uuids[1:]),
+                    ci_smaller=gi_slices is not None and any(s is not None and s < int(gi_slices) for _, s in cis))
         return [seen[k] for k in sorted(seen)]
 
-    def _compute_instances(self, gi: Any) -> list[int]:
+    def _compute_instances(self, gi: Any) -> list[tuple[int, int | None]]:
+        """(id, compute slices of its profile, None where unknown) of each compute instance."""
         nv = self._nv
-        ids: list[int] = []
+        ids: list[tuple[int, int | None]] = []
         for enum in range(nv.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
             try:
                 info = nv.nvmlGpuInstanceGetComputeInstanceProfileInfo(
@@ -240,11 +244,12 @@ class RealNvml:
             arr = (nv.c_nvmlComputeInstance_t * n)()
             count = ctypes.c_uint(0)
             self._call(nv.nvmlGpuInstanceGetComputeInstances, gi, info.id, arr, ctypes.byref(count))
+            slices = getattr(info, "sliceCount", None)
             for ci in arr[: count.value]:
                 ci_id = int(self._call(nv.nvmlComputeInstanceGetInfo, ci).id)
-                if ci_id not in ids:
-                    ids.append(ci_id)
-        return sorted(ids)
+                if ci_id not in {i for i, _ in ids}:
+                    ids.append((ci_id, None if slices is None else int(slices)))
+        return sorted(ids, key=lambda x: x[0])
 
     def create_gpu_instance(self, index: int, profile_id: int, start: int, size: int) -> int:
         nv = self._nv

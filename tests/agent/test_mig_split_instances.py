@@ -139,3 +139,28 @@ async def test_with_nvidia_plugin_a_plan_beside_instances_no_profile_of_the_mode
     report = await agent.reconcile_once()
     assert report.plan_id == "p1", rig.node_api.annotations.get(STATUS_ERROR)
     assert plugin_pods.restarts == 1
+
+
+async def test_an_instance_with_one_compute_instance_smaller_than_itself_is_left_alone_too():
+    """One compute instance of fewer slices than the GPU instance (helper-149): a pod asking for the
+    profile would get a part of it."""
+    rig = make_rig(H100, 1).with_plugins()
+    gi = rig.carve(0, "3g.40gb@0")["3g.40gb@0"]
+    rig.driver.split(0, gi, 1)
+    [info] = rig.driver.gpu_instances(0)
+    assert info.split and info.compute_instances == (0,) and info.more_uuids == ()
+    rig.node_api.set_annotations(mig_spec({0: ["7g.80gb@0"]}))
+    await rig.agent().reconcile_once()
+    assert not [o for o in rig.driver.ops if o.op in ("destroy_ci", "destroy_gi")]
+    assert "a compute instance smaller than the instance made outside dynpart" in rig.node_api.annotations[STATUS_ERROR]
+    assert rig.plugins is not None and not any(rig.plugins.advertised().values())
+
+
+def test_real_nvml_tells_a_compute_instance_smaller_than_its_gpu_instance():
+    nv = _pynvml_with_a_split_instance()
+    nv.nvmlDeviceGetGpuInstanceProfileInfo = lambda h, e: types.SimpleNamespace(id=9, instanceCount=2, sliceCount=3)
+    for ci_slices, smaller in ((1, True), (3, False)):
+        nv.nvmlGpuInstanceGetComputeInstanceProfileInfo = lambda gi, e, s, n=ci_slices: types.SimpleNamespace(
+            id=0, instanceCount=3, sliceCount=n)
+        [gi] = RealNvml(nv).gpu_instances(0)
+        assert gi.ci_smaller == smaller and gi.split  # (two compute instances: split either way)
