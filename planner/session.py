@@ -37,6 +37,8 @@ from dynpart.snapshot import (
     RequestShare,
     Snapshot,
     apart_problems,
+    held_by,
+    held_problems,
     pod_problems,
     validate_snapshot,
 )
@@ -80,6 +82,8 @@ class PlanningSession:
             models = validate_snapshot(Snapshot.model_construct(nodes=list(nodes), pending=[], workload=[]),
                                        self.catalog)
         nodes_i, gpus = compile_cluster(nodes, models)
+        self._nodes = nodes
+        self._held: dict[str, str] | None = None  # pods the nodes say hold a slice (`_validate`)
         self.problem = Problem(nodes_i, gpus, [])
         self.by_name = {n.name: n.idx for n in nodes_i}
         self.states: list[GpuState] = [new_state(g) for g in gpus]
@@ -160,6 +164,9 @@ class PlanningSession:
             seen.add(pod.name)
             problems.extend(pod_problems(f"pending[{i}] ({pod.name}).", pod, self.catalog, known))
         problems.extend(apart_problems(list(pending)))
+        if self._held is None:
+            self._held = held_by(self._nodes)
+        problems.extend(held_problems(self._held, pending))
         if problems:
             raise SnapshotError(problems)
         if snap.workload:

@@ -95,3 +95,22 @@ def test_priority_weights_are_strict_and_bounded():
     many = priority_weights(list(range(30)) * 2000)  # 30 levels of 2,000 pods: strict weights would overflow
     assert all(v < 2**62 // 60_000 for v in many.values())
     assert [many[i] for i in range(30)] == sorted(many.values())
+
+
+@pytest.mark.parametrize("gpu", [
+    Gpu(index=0, mig=[MigInstance(profile="1g.10gb", start=0, pod="ns/a")]),
+    Gpu(index=0, whole_pod="ns/a"),
+], ids=["mig", "whole"])
+def test_a_pending_pod_a_node_says_holds_a_slice_is_refused(gpu):
+    """It was planned a second slice beside the one it held (helper-152): a pod on a slice is not
+    pending. The planning session checks it too."""
+    from dynpart.catalog import default_catalog
+    from dynpart.planner.session import PlanningSession
+
+    node = _node(gpus=[gpu]) if gpu.mig else _node(mode="mps", gpus=[gpu])
+    pending = [PendingPod(name="ns/a", resource="nvidia.com/mig-1g.10gb" if gpu.mig else "nvidia.com/gpu")]
+    message = r"pending\[0\] \(ns/a\)\.name = 'ns/a': already holds a slice \(node n1 GPU 0\); a pod on a slice is not"
+    with pytest.raises(SnapshotError, match=message):
+        plan(Snapshot(nodes=[node], pending=pending))
+    with pytest.raises(SnapshotError, match=message):
+        PlanningSession([node], default_catalog()).plan(pending)
