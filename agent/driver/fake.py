@@ -365,12 +365,15 @@ class FakeNvml:
             # as RealNvml: nvmlDeviceGetGpuInstances answers NOT_SUPPORTED without MIG mode (nvml.h);
             # (a driver that lists no profile then is never asked: an empty list)
             raise GpuDriverError(NOT_SUPPORTED, f"GPU {index}: MIG mode is disabled")
-        return [GpuInstanceInfo(g.gi_id, g.profile.gi_profile_id, g.start, g.profile.memory,
-                                tuple(sorted(([] if g.ci is None else [g.ci]) + list(g.more))),
-                                g.uuid if g.ci is not None else next(iter(g.more.values()), None),
-                                tuple(g.more.values()) if g.ci is not None else tuple(g.more.values())[1:],
-                                ci_smaller=g.smaller and (g.ci is not None or bool(g.more)))
-                for g in sorted(gpu.gis.values(), key=lambda g: g.gi_id)]
+        return [self._instance_info(g) for g in sorted(gpu.gis.values(), key=lambda g: g.gi_id)]
+
+    @staticmethod
+    def _instance_info(g: _FakeGi) -> GpuInstanceInfo:
+        # its compute instances' MIG devices in id order: the first is the instance's `uuid`
+        cis = sorted(([] if g.ci is None else [g.ci]) + list(g.more))
+        uuids = [g.more[ci] if ci in g.more else g.uuid or "" for ci in cis]
+        return GpuInstanceInfo(g.gi_id, g.profile.gi_profile_id, g.start, g.profile.memory, tuple(cis),
+                               uuids[0] if uuids else None, tuple(uuids[1:]), ci_smaller=g.smaller and bool(cis))
 
     @_driver_call(read=False)
     def create_gpu_instance(self, index: int, profile_id: int, start: int, size: int) -> int:
