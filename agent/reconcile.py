@@ -146,7 +146,8 @@ def reconcile_mig(desired: Mapping[int, Iterable[tuple[str, int]]], gpus: Iterab
 
 def _reconcile_mig_off(gpu: MigGpuState, want: set[tuple[str, int]], out: MigActions) -> None:
     """A GPU out of MIG mode. MIG mode is enabled when the spec wants the GPU carved and nothing
-    uses it. A pending enable is asked again while the GPU is idle (once per pass), also when the
+    uses it. A pending enable is asked again while the GPU is idle (after a growing wait:
+`MigGpuState.asked_lately`), also when the
     spec no longer wants the GPU carved: the planner leaves a GPU whose MIG mode is pending out
     of its plans until it is active, so no later spec would ask. Not when the driver said that
     only a GPU reset applies it: that is reported, not asked again."""
