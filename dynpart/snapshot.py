@@ -290,7 +290,8 @@ def validate_snapshot(snapshot: Snapshot, catalog: Catalog) -> dict[str, GpuMode
         seen_pods.add(pod.name)
         problems.extend(pod_problems(f"pending[{i}] ({pod.name}).", pod, catalog, known_profiles))
     problems.extend(apart_problems(snapshot.pending))
-    problems.extend(held_problems(held_by(snapshot.nodes), snapshot.pending))
+    if snapshot.pending:  # (nodes validated alone, as a planning session does, hold no pending pod)
+        problems.extend(held_problems(held_by(snapshot.nodes), snapshot.pending))
     for i, share in enumerate(snapshot.workload):
         # a MIG profile no model offers is no error here: a share learnt for a node that left (or
         # named as a driver names it) only counts for no node
