@@ -74,6 +74,12 @@ def _used_shares(node: Node, pod: PendingPod, catalog: Catalog) -> dict[int, flo
     return None
 
 
+def may_hold(node: Node, pod: PendingPod, catalog: Catalog) -> bool:
+    """Whether the node may still take the pod as `drain_target` chose it: of its kind, in its
+    mode, admitted (no cordon or taint it does not tolerate, its selector and affinity)."""
+    return _used_shares(node, pod, catalog) is not None
+
+
 def drain_target(snapshot: Snapshot, pod: PendingPod, catalog: Catalog,
                  taken: Collection[tuple[str, int]] = (), avoid: Collection[str] = ()) -> Drain | None:
     """Where to drain for a pod asking for whole GPUs: on a node of its kind where it may run,

@@ -23,7 +23,7 @@ from dynpart.catalog import Catalog
 from dynpart.planner.batching import BatchWindow
 from dynpart.planner.core import PlanningSession, PlanOptions, plan
 from dynpart.planner.demand import DemandTracker, known_to
-from dynpart.planner.drain import Drain, drain_target, is_empty, with_drain_flags, without_gpus
+from dynpart.planner.drain import Drain, drain_target, is_empty, may_hold, with_drain_flags, without_gpus
 from dynpart.planner.policy import PolicyName
 from dynpart.resources import WHOLE_GPU
 from dynpart.scheduling import NodeSelectorRequirement, NodeSelectorTerm
@@ -403,11 +403,16 @@ class PlanningLoop:
         else of the loop is read but its settings): the controller runs it in a thread."""
         if not self.settings.workload:  # (the settings' was checked against the catalog at start)
             snapshot = snapshot.model_copy(update={"workload": known_to(snapshot.workload, catalog)})
-        pending = {p.name for p in snapshot.pending}
+        pending = {p.name: p for p in snapshot.pending}
         nodes = {n.name: n for n in snapshot.nodes}
         for key, d in list(state.drains.items()):
             if key not in pending or (d.node not in nodes and d.node not in state.in_flight):
                 del state.drains[key]  # its pod was planned, bound or left (or its node did)
+            elif d.node in nodes and not may_hold(nodes[d.node], pending[key], catalog):
+                # the node was cordoned, tainted (the cluster autoscaler's ToBeDeleted, unreachable),
+                # relabelled or switched mode: the pod can never run there, and the drain would
+                # hold drain_max_gpus for nothing, so no other drain could start for any pod
+                del state.drains[key]
             elif d.node in nodes and not set(d.gpus) <= {g.index for g in nodes[d.node].gpus}:
                 # a drained GPU left the rounds (reported unhealthy, a reset pending): nothing will
                 # be planned there, so the drain gives way (its pod may drain one elsewhere, and it

@@ -4,10 +4,13 @@ nothing else there, and plans the pod there once they are empty."""
 
 from __future__ import annotations
 
+import pytest
+
 from dynpart.annotations import decode_spec, encode_spec
 from dynpart.catalog import default_catalog
 from dynpart.planner.drain import drain_target
 from dynpart.planner.loop import PlanningLoop, node_writes
+from dynpart.scheduling import Taint
 from dynpart.settings import default_planner_settings
 from dynpart.snapshot import Gpu, MigInstance, Node, PendingPod, Snapshot, full_layout
 
@@ -86,6 +89,30 @@ def test_a_drain_ends_when_its_pod_goes_elsewhere_and_the_flag_is_cleared():
     [write] = node_writes(result)
     assert not lp.drains and not any(g.drain for g in write.layout.gpus)
     assert "dynpart.io/spec-drain" not in encode_spec(full_layout(draining, write.layout), "p2")
+
+
+@pytest.mark.parametrize("barred", [
+    {"unschedulable": True},  # kubectl cordon / drain
+    {"taints": [Taint(key="ToBeDeletedByClusterAutoscaler", value="1", effect="NoSchedule")]},
+    {"taints": [Taint(key="node.kubernetes.io/unreachable", effect="NoSchedule")]},
+], ids=["cordoned", "autoscaler", "unreachable"])
+def test_a_drain_gives_way_when_its_node_no_longer_admits_the_pod(barred):
+    """helper-157: a drain on a node cordoned or tainted since it started was kept while its pod
+    waited: the pod can never run there, and the drain held the drain_max_gpus cap, so no GPU
+    was drained for it anywhere else."""
+    def one(name: str, **kw) -> Node:
+        return Node(name=name, mode="mig", gpu_model="H100-80GB", gpus=[gpu(0, ("1g.10gb", 0, True))], **kw)
+
+    lp = loop()
+    snap = Snapshot(nodes=[one("n0"), one("n1")], pending=[WHOLE])
+    round_at(lp, snap, 0.0)
+    round_at(lp, snap, 100.0)
+    assert lp.drains["ml/big"].node == "n0"
+    result = round_at(lp, Snapshot(nodes=[one("n0", **barred), one("n1")], pending=[WHOLE]), 200.0)
+    assert lp.drains["ml/big"].node == "n1"  # drained where the pod may run
+    writes = {w.layout.node: w.layout for w in node_writes(result)}
+    assert [g.drain for g in writes["n1"].gpus] == [True]
+    assert not any(g.drain for g in writes["n0"].gpus)  # the flag written away
 
 
 def test_no_drain_when_disabled_or_for_small_pods():
