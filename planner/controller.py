@@ -676,6 +676,42 @@ class PlannerController:
             await self._event(node, "PlanRevoked", f"plan {flight.plan_id} was not acknowledged within "
                               f"{self.settings.ack_timeout_s:g} s: replaced by plan {plan_id}, the node's layout as its "
                               f"agent last reported it; its {len(flight.pods)} pod(s) are planned again", warning=True)
+        await self._revoke_again(now)
+
+    async def _revoke_again(self, now: float) -> None:
+        """A revocation asks for the node's layout as its agent last reported it; if the agent
+        then reports other GPUs than that (it carved the old plan's slices before going down, and
+        a pod was bound to one meanwhile), it can never hold the revocation (a used slice is never
+        destroyed) and the node would stay out of every round while that pod runs. So a
+        revocation unacknowledged for `ack_timeout_s` is written again from the report as it is
+        now, where that differs; an agent silent since gets nothing new (the report is the same)."""
+        for name, flight in self.loop.stale_revocations(now):
+            self.liveness.beat("planning loop")
+            if self.loop.in_flight.get(name) is not flight:
+                continue
+            flight.compared_at = now
+            node = self.nodes.cache.get(name)
+            ann = (node["metadata"].get("annotations") or {}) if node is not None else {}
+            if node is None or ann.get(SPEC_PLAN) != flight.plan_id or ann.get(STATUS_PLAN) == flight.plan_id:
+                continue  # gone, replaced or acknowledged: the node's own paths see to it
+            if not self.leadership.can_write():
+                return
+            plan_id = self._new_plan_id()
+            patch = revoking_patch(node, self.catalog, plan_id, self.leadership.term)
+            if patch is None or not set(patch) - {SPEC_PLAN, SPEC_REVOKES, SPEC_TERM}:
+                continue  # the report is what the revocation asks: its agent has not answered since
+            try:
+                await self._patch_as_leader(name, patch, node["metadata"].get("resourceVersion"))
+            except APIError as e:
+                log.info("could not write the revocation again; will try again", extra={"fields": {
+                    "node": name, "error": str(e)}})
+                continue
+            self._written(name, plan_id, (), now, revoking=True)
+            self.wake.set()
+            await self._event(node, "PlanRevoked", f"revocation {flight.plan_id} was not acknowledged within "
+                              f"{self.settings.ack_timeout_s:g} s and the node's agent reports other GPUs than it "
+                              f"asks: replaced by plan {plan_id}, the node's layout as its agent reports it now",
+                              warning=True)
 
     def _release(self, name: str, flight: InFlight, now: float) -> None:
         """Stop waiting for a plan in flight: its pods are planned again."""

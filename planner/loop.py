@@ -56,6 +56,7 @@ class InFlight:
     sent_at: float
     pods: set[str] = field(default_factory=set)
     revoking: bool = False  # the plan replaces an unacknowledged one by the node's reported layout
+    compared_at: float = float("-inf")  # a revocation: when it was last compared with the node's report
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,13 @@ class PlanningLoop:
         out until its agent answers)."""
         return [(name, f) for name, f in sorted(self.in_flight.items())
                 if not f.revoking and now - f.sent_at > self.settings.ack_timeout_s]
+
+    def stale_revocations(self, now: float) -> list[tuple[str, InFlight]]:
+        """Revocations not acknowledged within `ack_timeout_s` of being written or last compared
+        with what the node's agent reports (`compared_at`): the controller writes one again
+        where the report changed since, and otherwise looks again after as long."""
+        return [(name, f) for name, f in sorted(self.in_flight.items())
+                if f.revoking and now - max(f.sent_at, f.compared_at) > self.settings.ack_timeout_s]
 
     # --- what a round plans with ----------------------------------------------------------
 

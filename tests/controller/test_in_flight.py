@@ -127,6 +127,56 @@ async def test_an_unacknowledged_plan_is_revoked_before_its_pods_are_planned_aga
     assert len(c.written) == 1
 
 
+def _applied(node_obj: dict[str, Any], patch: dict[str, str | None]) -> dict[str, str]:
+    ann = dict(node_obj["metadata"]["annotations"])
+    for k, v in patch.items():
+        if v is None:
+            ann.pop(k, None)
+        else:
+            ann[k] = v
+    return ann
+
+
+async def test_a_revocation_its_agent_can_never_hold_is_written_again_from_its_report(make):
+    """helper-157: the agent carved p1's 1g@1 and went down before reporting it; the revocation
+    (its last report: 1g@0) was written, and the scheduler bound a pod to 1g@1 meanwhile. Back, the
+    agent reports both used: it never destroys a used slice, so it could never hold the revocation,
+    and the node stayed out of every round while that pod ran. Now the revocation is written again
+    from the report as it is, once; an agent silent since gets nothing new."""
+    spec = {"dynpart.io/spec-plan": "p1", "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "2@0,1",
+            SPEC_TERM: "3", SPEC_PODS: "ml/a"}
+    c = make([reported("n1", spec)], Lead(term=3), ack_timeout_s=60.0)
+    c.in_flight["n1"] = InFlight("p1", 0.0, {"ml/a"})
+    await c._expire_acks(now=61.0)
+    [(_, revocation)] = c.written
+    assert revocation["dynpart.io/spec-gpu-0-1g.10gb"] == "1@0"
+    revoked = node("n1", annotations=_applied(c.nodes.cache["n1"], revocation))
+    c.nodes.cache["n1"] = revoked
+    await c._expire_acks(now=200.0)  # the agent is silent: its report is what the revocation asks
+    assert len(c.written) == 1 and c.in_flight["n1"].revoking
+    both = encode_status(NodeLayout(node="n1", mode="mig", gpus=[GpuLayout(index=0, mig=[
+        MigInstance(profile="1g.10gb", start=0, used=True), MigInstance(profile="1g.10gb", start=1, used=True)])]),
+        "p0", ["plan is not acknowledged yet: the GPUs do not hold it"])
+    back = node("n1", annotations={**revoked["metadata"]["annotations"], **both})
+    c.nodes.cache["n1"] = back
+    c._on_node("MODIFIED", back)
+    await c._expire_acks(now=230.0)  # not yet ack_timeout_s since it was last compared (200 s)
+    assert len(c.written) == 1
+    await c._expire_acks(now=261.0)
+    assert len(c.written) == 2
+    again = c.written[1][1]
+    assert again["dynpart.io/spec-gpu-0-1g.10gb"] == "2@0,1" and again["dynpart.io/spec-revokes"] == revocation[
+        "dynpart.io/spec-plan"]
+    assert c.in_flight["n1"].revoking and c.in_flight["n1"].plan_id == again["dynpart.io/spec-plan"]
+    assert [r for r, _ in c.posted][-1] == "PlanRevoked"
+    held = node("n1", annotations={**_applied(back, again), STATUS_PLAN: again["dynpart.io/spec-plan"]})
+    c.nodes.cache["n1"] = held
+    c._on_node("MODIFIED", held)
+    assert "n1" not in c.in_flight and "n1" not in c._awaiting_from_annotations()
+    await c._expire_acks(now=1000.0)
+    assert len(c.written) == 2
+
+
 async def test_a_leader_that_cannot_prove_it_leads_writes_nothing(make):
     c = make([reported("n1")], Lead(term=3, writes=False))
     c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-3g.40gb": "1"})
