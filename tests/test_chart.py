@@ -872,7 +872,7 @@ def test_agent_without_privileges_keeps_what_mps_needs(tmp_path):
     on_delete = render_notes(tmp_path / "on-delete", "--set", "agent.updateStrategy.type=OnDelete",
                              "--set", "agent.mpsControl.updateStrategy.type=RollingUpdate")
     assert "delete pod -l app.kubernetes.io/component=agent" in on_delete and "component=mps-control" not in on_delete
-    assert "runtimeClassName: nvidia" in notes
+    assert "runtimeClassName: nvidia-legacy" in notes
 
 
 @pytest.mark.parametrize(("values", "exclusive"), [
