@@ -33,6 +33,7 @@ from dynpart.agent.driver.interface import (
     MigModePending,
     ProfileInfo,
 )
+from dynpart.agent.driver.nvcaps import driver_mig_minors
 from dynpart.catalog import GpuModel, MigProfile
 from dynpart.mig import MigRules
 
@@ -181,6 +182,12 @@ class FakeNvml:
         # are derived in a namespace of this driver's own
         self._machine = uuidlib.uuid5(uuidlib.NAMESPACE_OID, f"dynpart-fake-nvml-{next(_DRIVERS)}")
         self._gpus = [_FakeGpu(i, f"GPU-fake-{i:04d}", mig_enabled, mig_enabled) for i in range(count)]
+        # each GPU's device minor number (/dev/nvidia<minor>; test control): the index by default, as
+        # on most hosts (both follow the PCI order), which a test may change (the driver numbers GPUs
+        # in the order it probes them, NVML indexes them by PCI bus id)
+        self.minors = list(range(count))
+        # False: /proc/driver/nvidia-caps/mig-minors cannot be read (`mig_cap_minors` answers empty)
+        self.mig_minors_visible = True
         self.ops: list[FakeOp] = []
         self.before_op: Callable[[FakeOp], None] | None = None
         self._crash_in: int | None = None
@@ -275,6 +282,16 @@ class FakeNvml:
             return "NVML cannot read it: GPU is lost"
         self._gpu(index)
         return self.unhealthy.get(index)
+
+    @_driver_call(read=True)
+    def minor_number(self, index: int) -> int:
+        self._gpu(index)
+        return self.minors[index]
+
+    @_driver_call(read=True)
+    def mig_cap_minors(self) -> dict[str, int]:
+        # the driver's fixed table (nv-caps.c), whatever GPUs there are, as the real file lists it
+        return driver_mig_minors() if self.mig_minors_visible else {}
 
     @_locked
     def reset(self, index: int) -> None:
