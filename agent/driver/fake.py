@@ -141,7 +141,10 @@ class FakeNvml:
     on a GPU instance its destroy refused with IN_USE), `lose(i)` (the GPU fell off the bus:
     every call on it, and `devices()`, fail with GPU_IS_LOST until `reset(i)`), `crash_after(n)`,
     `before_op` (a hook called before each mutating call with the FakeOp about to be tried),
-    `reset(i)`, `reboot()`; `read_delay_s`, `change_delay_s` (each read, each change, takes that
+    `reset(i)`, `reboot()`; `minors` (each GPU's device minor number, /dev/nvidia<minor>: the index
+    unless a test sets others) and `mig_minors_visible` (False: the MIG capability minors cannot be
+    read), the capability minors being the driver's fixed table (`nvcaps.driver_mig_minors`);
+    `read_delay_s`, `change_delay_s` (each read, each change, takes that
     long: a slow driver) and `hang()`/`unhang()` (a wedged driver: every GpuDriver call blocks in
     its caller's thread until `unhang()`; `hung_calls` counts those blocked now). By default every
     call answers at once. Calls are thread-safe (one at a time), as NVML's are."""
