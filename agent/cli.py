@@ -530,7 +530,8 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
         stack.push_async_callback(shutdown.step, "stopping the MPS control daemon", daemon.stop)
     # MPS clients get the running daemon's /dev/shm where mps-control says it has one of its own
     allocate = AllocateSettings(pipe_dir_host=settings.mps_pipe_dir, device_list=settings.device_list_strategy,
-                                mps_shm_host=lambda: daemon.shm_dir)
+                                mps_shm_host=lambda: daemon.shm_dir, device_specs=settings.device_specs,
+                                dev_root=settings.nvidia_dev_root, dev_dir=settings.nvidia_dev_dir)
     plugins = DevicePluginManager(settings.device_plugin_dir, allocate=allocate, held=pods.allocatable)
     await plugins.start()
     stack.push_async_callback(shutdown.step, "stopping the device plugin", plugins.close)

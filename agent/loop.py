@@ -44,6 +44,7 @@ from dynpart.agent.deviceplugin.devices import (
 )
 from dynpart.agent.deviceplugin.server import DevicePluginManager
 from dynpart.agent.driver.interface import DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
+from dynpart.agent.driver.nvcaps import mig_cap_minors
 from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import SliceGuard
 from dynpart.agent.kube import NodeApi, NodeView, PluginPods
@@ -189,6 +190,9 @@ class Agent:
         self.held_elsewhere: dict[str, list[str]] = {}  # device id -> its holders under another name (last lists)
         self._node_read: NodeView | None = None  # the node as the pass running read it
         self._indices: set[int] = set()  # the GPU indices the driver has listed
+        # the driver's MIG capability minors (`driver.nvcaps`), read once (a fixed table): the device
+        # plugin's DeviceSpecs for MIG devices; empty until read
+        self._mig_caps: dict[str, int] = {}
         # early publishing (publish_allocatable): what the node's allocatable should show (the last
         # _publish's counts); a node that shows otherwise (the kubelet's own status write after its
         # restart, with no device yet) or a plugin's new registration wakes the publisher
@@ -579,17 +583,22 @@ class Agent:
         out = []
         unhealthy: dict[int, str] = {}
         read = await self.driver.read(health_and_instances, devices)
+        minors, caps = await self.driver.read(device_numbers, devices, not self._mig_caps)
+        self._mig_caps = self._mig_caps or caps
         for d, (problem, instances) in zip(devices, read, strict=True):
             self._indices.add(d.index)
             problem = problem or self.compute_modes.blocked.get(d.index)
             if problem:
                 unhealthy[d.index] = problem
+            minor = minors.get(d.index)
             view = GpuView(index=d.index, uuid=d.uuid, memory_gb=self._capacity or mps_memory_mib(d, self.catalog) // 1024,
-                           mig_enabled=d.mig_current, healthy=problem is None)
+                           mig_enabled=d.mig_current, healthy=problem is None, minor=minor)
             if d.mig_current:
                 # (not a split instance: its devices are smaller than the profile, left alone)
-                view = replace(view, mig=tuple(MigDeviceView(by_id[gi.profile_id], gi.uuid)
-                                               for gi in instances if gi.profile_id in by_id and not gi.split))
+                view = replace(view, mig=tuple(
+                    MigDeviceView(by_id[gi.profile_id], gi.uuid, caps=None if minor is None or not gi.compute_instances
+                                  else mig_cap_minors(self._mig_caps, minor, gi.gi_id, gi.compute_instances[0]))
+                    for gi in instances if gi.profile_id in by_id and not gi.split))
             elif self._mps_plugin is not None and self._mps_plugin.live.get(d.index):
                 sizes, numbers = self._mps_plugin.view(d.index)
                 view = replace(view, mps=sizes, mps_ids=numbers, healthy=view.healthy and self._mps_plugin.serves(d.uuid))
@@ -1027,6 +1036,26 @@ def health_and_instances(driver: GpuDriver, devices: list[DeviceInfo]) -> list[t
     """Per GPU, why it is unhealthy (None: healthy) and, in MIG mode, its GPU instances: what the
     device lists are made of, read on the driver's thread as one call (`AsyncDriver.read`)."""
     return [(driver.health(d.index), driver.gpu_instances(d.index) if d.mig_current else []) for d in devices]
+
+
+def device_numbers(driver: GpuDriver, devices: list[DeviceInfo], caps: bool) -> tuple[dict[int, int], dict[str, int]]:
+    """GPU index -> its device minor number, and (with `caps`, else empty) the driver's MIG
+    capability minors: the device nodes the built-in plugin gives containers as DeviceSpecs.
+    Best effort: what the driver does not answer is left out (its nodes are not given; the NVIDIA
+    runtime still gives the container the device), never a failed pass."""
+    minors: dict[int, int] = {}
+    for d in devices:
+        try:
+            minors[d.index] = driver.minor_number(d.index)
+        except Exception as e:  # (a lost GPU, a driver or recording without the call)
+            log.debug("GPU %s: its device minor number cannot be read: %s", d.index, e)
+    table: dict[str, int] = {}
+    if caps and any(d.mig_current for d in devices):
+        try:
+            table = driver.mig_cap_minors()
+        except Exception as e:
+            log.debug("the MIG capability minors cannot be read: %s", e)
+    return minors, table
 
 
 async def _cancel(*tasks: asyncio.Task[None] | None) -> None:

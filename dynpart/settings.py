@@ -217,6 +217,22 @@ class AgentSettings(CommonSettings):
         "mount per device under /var/run/nvidia-container-devices; needs the runtime's "
         "accept-nvidia-visible-devices-as-volume-mounts=true, as GPU Operator sets it, and is what a runtime that "
         "refuses the variable from unprivileged pods needs)")
+    device_specs: bool = Field(
+        default=True, description="the agent's own device plugin: Allocate also lists the container's device nodes "
+        "as DeviceSpecs, as NVIDIA's plugin does with PASS_DEVICE_SPECS=true (GPU Operator's setting): "
+        "/dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidia-uvm-tools, /dev/nvidia-modeset, the GPU's /dev/nvidia<minor> "
+        "and, for a MIG device, its GPU and compute instances' /dev/nvidia-caps/nvidia-cap<N>, each only where it "
+        "exists. They are then in the container's OCI spec and device cgroup, which a CPU manager's "
+        "UpdateContainerResources or a systemd daemon-reload otherwise rewrites without the GPU the runtime gave "
+        "it (\"Failed to initialize NVML: Unknown Error\" in a running pod)")
+    nvidia_dev_root: str = Field(default="/", description="the agent's own device plugin, `device_specs`: the host "
+                                 "directory whose dev/ holds the driver's device nodes, as NVIDIA's plugin's "
+                                 "NVIDIA_DEV_ROOT (`/` for a driver installed on the host)")
+    nvidia_dev_dir: str = Field(default="/dev", description="the agent's own device plugin, `device_specs`: where "
+                                "the agent sees the host's `<nvidia_dev_root>/dev`, to list only the nodes that exist "
+                                "(one that does not fails the container's creation). The chart mounts it at "
+                                "/host/nvidia-dev; the agent's own /dev holds what its runtime gave it at its start "
+                                "(a privileged container: the host's nodes then, not those made later)")
     mps_pipe_dir: str = Field(default="/var/lib/dynpart/mps", description="MPS: host directory of the MPS control "
                               "daemon's pipes, mounted into MPS pods (the same path inside the agent)")
     mps_log_dir: str = Field(default="/var/lib/dynpart/mps-log", description="MPS: the MPS control daemon's logs")

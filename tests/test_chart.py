@@ -171,7 +171,11 @@ def test_agent_daemonset(default):
     # the agent's own device plugin (every node in builtin mode, MPS nodes always): its sockets beside the kubelet's
     assert vols["device-plugins"]["hostPath"] == {"path": "/var/lib/kubelet/device-plugins", "type": "Directory"}
     assert {"name": "device-plugins", "mountPath": "/var/lib/kubelet/device-plugins"} in c["volumeMounts"]
-    assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"], vols["state"], vols["device-plugins"]]
+    # the host's device nodes, looked at by the plugin's Allocate to list only existing ones as DeviceSpecs
+    assert vols["nvidia-dev"]["hostPath"] == {"path": "/dev", "type": "Directory"}
+    assert {"name": "nvidia-dev", "mountPath": "/host/nvidia-dev", "readOnly": True} in c["volumeMounts"]
+    assert [v for v in pod["volumes"] if "hostPath" in v] == [vols["pod-resources"], vols["state"], vols["device-plugins"],
+                                                              vols["nvidia-dev"]]
     # the MPS control daemon, which shares memory with its clients, runs in the mps-control pods
     assert "hostIPC" not in pod and [x["name"] for x in pod["containers"]] == ["agent"]
     # a replaced agent leaves the MIG instances, the MPS daemon and their pods running: rolled, a
@@ -379,6 +383,7 @@ def test_agent_command_line_and_settings(default, full, tmp_path, monkeypatch):
     assert s.catalog_files == []
     assert (s.device_plugin, s.device_plugin_dir, s.publish_allocatable) == ("builtin", "/var/lib/kubelet/device-plugins", True)
     assert s.device_list_strategy == "envvar"
+    assert (s.device_specs, s.nvidia_dev_root, s.nvidia_dev_dir) == (True, "/", "/host/nvidia-dev")
     assert (s.nvidia_plugin_namespace, s.nvidia_plugin_selector) == ("gpu-operator", "app=nvidia-device-plugin-daemonset")
     ns, s = _agent_settings(full, tmp_path, monkeypatch)
     assert s.catalog_files == ["/etc/dynpart/catalog/extra.yaml"] and s.device_list_strategy == "volume-mounts"
@@ -1112,3 +1117,21 @@ def test_openshift_and_private_mounts_and_unprivileged_agents_render_as_they_nee
             mounts = {m["mountPath"] for c in spec["containers"] for m in c["volumeMounts"]}
             assert ("/var/run/nvidia-container-devices/all" in mounts) != privileged, suffix
             assert any(v.get("hostPath", {}).get("path") == "/dev/null" for v in spec["volumes"]) != privileged
+
+
+def test_agent_device_specs_dev_root_and_off(tmp_path, monkeypatch):
+    """devicePlugin.devRoot: the host's <devRoot>/dev mounted where the agent looks; deviceSpecs=false:
+    no DeviceSpecs, no mount of the host's /dev; unprivileged agents get the same read-only mount."""
+    objs = render("--set", "devicePlugin.devRoot=/run/nvidia/driver", "--set", "agent.privileged=false")
+    pod = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["nvidia-dev"]["hostPath"] == {"path": "/run/nvidia/driver/dev", "type": "Directory"}
+    assert {"name": "nvidia-dev", "mountPath": "/host/nvidia-dev", "readOnly": True} in container(pod, "agent")["volumeMounts"]
+    _, s = _agent_settings(objs, tmp_path, monkeypatch)
+    assert (s.device_specs, s.nvidia_dev_root) == (True, "/run/nvidia/driver")
+    objs = render("--set", "devicePlugin.deviceSpecs=false")
+    pod = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
+    assert "nvidia-dev" not in {v["name"] for v in pod["volumes"]}
+    assert not any(m["name"] == "nvidia-dev" for m in container(pod, "agent")["volumeMounts"])
+    _, s = _agent_settings(objs, tmp_path, monkeypatch)
+    assert s.device_specs is False

@@ -15,7 +15,8 @@ and sliced.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import posixpath
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,12 +44,18 @@ class PluginDevice:
     gpu_memory_gb: int = 0
     healthy: bool = True
     numa_node: int | None = None
+    # the device nodes a container needs for it besides the control nodes (`device_nodes`):
+    # /dev/nvidia<GPU minor>, and for a MIG device its two capability nodes
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class MigDeviceView:
     profile: str  # driver name, e.g. "1g.10gb" or "1g.10gb+me"
     uuid: str | None  # None while the GI has no compute instance: not advertised
+    # minors of its GPU instance's and compute instance's access capabilities
+    # (/dev/nvidia-caps/nvidia-cap<minor>, `driver.nvcaps`); None: not known
+    caps: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class GpuView:
     mps_ids: tuple[int, ...] = ()
     healthy: bool = True
     numa_node: int | None = None
+    minor: int | None = None  # the GPU's device minor number (/dev/nvidia<minor>); None: not known
 
 
 @dataclass
@@ -88,14 +96,16 @@ def advertise(gpus: Iterable[GpuView], withdrawn: Iterable[str] = ()) -> dict[st
     out = Advertised()
     for g in sorted(gpus, key=lambda g: g.index):
 
-        def device(device_id: str, kind: Kind, size_gb: int, g: GpuView = g) -> PluginDevice:
+        def device(device_id: str, kind: Kind, size_gb: int, g: GpuView = g,
+                   caps: tuple[int, int] | None = None) -> PluginDevice:
             return PluginDevice(id=device_id, kind=kind, gpu_uuid=g.uuid, gpu_index=g.index, size_gb=size_gb,
-                                gpu_memory_gb=g.memory_gb, healthy=g.healthy, numa_node=g.numa_node)
+                                gpu_memory_gb=g.memory_gb, healthy=g.healthy, numa_node=g.numa_node,
+                                nodes=device_nodes(g.minor, caps))
 
         if g.mig_enabled:
             for m in g.mig:
                 if m.uuid and m.uuid not in gone:
-                    out.add(mig_resource_name(m.profile), device(m.uuid, "mig", 0))
+                    out.add(mig_resource_name(m.profile), device(m.uuid, "mig", 0, caps=m.caps))
         elif g.mps:
             if g.mps_ids and len(g.mps_ids) != len(g.mps):
                 raise DeviceListError(f"GPU {g.uuid}: {len(g.mps)} MPS slice sizes but {len(g.mps_ids)} slice numbers")
@@ -149,6 +159,59 @@ def check_exclusive(devices_by_resource: Mapping[str, Iterable[PluginDevice]]) -
 
 def resource_kind(resource: str) -> Kind:
     return parse_resource(resource).kind
+
+
+# --- the device nodes a container is given -------------------------------------------------------
+
+# the driver's control nodes, as NVIDIA's plugin lists them for every container (each only where
+# it exists: nvidia-modeset and nvidia-uvm-tools are not on every host)
+CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+
+
+def gpu_node(minor: int) -> str:
+    return f"/dev/nvidia{minor}"
+
+
+def cap_node(minor: int) -> str:
+    return f"/dev/nvidia-caps/nvidia-cap{minor}"
+
+
+def device_nodes(gpu_minor: int | None, caps: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """A device's own nodes, as NVIDIA's plugin computes them (internal/rm/nvml_devices.go
+    GetPaths): the GPU's /dev/nvidia<minor> (whole GPU, MPS slice, a MIG device's parent) and, for
+    a MIG device, its GPU instance's and compute instance's access capability nodes (`caps`: their
+    minors). What is not known is left out."""
+    gpu = (gpu_node(gpu_minor),) if gpu_minor is not None else ()
+    return gpu + (tuple(cap_node(c) for c in caps) if caps else ())
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device node the kubelet has the runtime put in the container (its OCI spec's devices and
+    device cgroup rules): `host_path` on the node, `container_path` inside."""
+
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+def device_specs(devices: Iterable[PluginDevice], dev_root: str = "/",
+                 exists: Callable[[str], bool] = lambda path: True) -> tuple[DeviceSpec, ...]:
+    """The DeviceSpecs of a container given `devices`: the control nodes then each device's nodes
+    (once each), at the same path inside as under `dev_root` on the host (NVIDIA's NVIDIA_DEV_ROOT:
+    `<dev_root>/dev/nvidia0` -> /dev/nvidia0), only those `exists` says are there (given the path
+    inside, /dev/...): a DeviceSpec whose host path is missing fails the container's creation.
+    NVIDIA's plugin with PASS_DEVICE_SPECS=true (as GPU Operator deploys it) answers the same; the
+    device cgroup then keeps them across a CPU manager's UpdateContainerResources or a systemd
+    daemon-reload, which otherwise cut the container off the GPU the runtime hook gave it
+    ("Failed to initialize NVML: Unknown Error", NVIDIA/nvidia-docker#1730)."""
+    paths = dict.fromkeys([*CONTROL_NODES, *(n for d in devices for n in d.nodes)])
+    return tuple(DeviceSpec(p, host_device_path(dev_root, p)) for p in paths if exists(p))
+
+
+def host_device_path(dev_root: str, path: str) -> str:
+    """`path` (/dev/...) under `dev_root` on the host."""
+    return posixpath.join(dev_root, path.lstrip("/"))
 
 
 # --- what Allocate hands a container ------------------------------------------------------------

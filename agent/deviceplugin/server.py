@@ -43,6 +43,7 @@ from dynpart.agent.deviceplugin.devices import (
     PluginDevice,
     check_exclusive,
     container_allocation,
+    device_specs,
 )
 
 log = logging.getLogger("dynpart.agent.deviceplugin")
@@ -81,13 +82,22 @@ class _NotServed:
 class AllocateSettings:
     """What Allocate hands a container besides its devices: the MPS pipe directory, the MPS
     daemon's shared memory (`mps_shm_host`: asked at each Allocate, the host directory that is the
-    running daemon's /dev/shm, or None), and how the devices are named to the NVIDIA container
-    runtime (`devices.DeviceList`)."""
+    running daemon's /dev/shm, or None), how the devices are named to the NVIDIA container
+    runtime (`devices.DeviceList`), and whether their device nodes are given as DeviceSpecs
+    (`device_specs`: host paths under `dev_root`, given only where they exist in `dev_dir`, the
+    agent's view of the host's `<dev_root>/dev`, looked at on each Allocate)."""
 
     pipe_dir_host: str = MPS_PIPE_DIRECTORY
     pipe_dir_container: str = MPS_PIPE_DIRECTORY
     device_list: DeviceList = "envvar"
     mps_shm_host: Callable[[], str | None] = lambda: None
+    device_specs: bool = True
+    dev_root: str = "/"
+    dev_dir: str = "/dev"
+
+    def node_exists(self, path: str) -> bool:
+        """Whether device node `path` (/dev/...) is on the host, seen in `dev_dir`."""
+        return os.path.exists(os.path.join(self.dev_dir, os.path.relpath(path, "/dev")))
 
 
 class PluginServer:
@@ -312,12 +322,17 @@ class PluginServer:
             now = time.monotonic()
             for i in ids:
                 self.allocated[i] = now
-            a = container_allocation([by_id[i] for i in ids], self.allocate.pipe_dir_host,
+            devices = [by_id[i] for i in ids]
+            a = container_allocation(devices, self.allocate.pipe_dir_host,
                                      self.allocate.pipe_dir_container, self.allocate.device_list,
                                      self.allocate.mps_shm_host())
+            specs = (device_specs(devices, self.allocate.dev_root, self.allocate.node_exists)
+                     if self.allocate.device_specs else ())
             responses.append(msgs["ContainerAllocateResponse"](
                 envs=a.envs, mounts=[msgs["Mount"](host_path=m.host_path, container_path=m.container_path,
-                                                   read_only=m.read_only) for m in a.mounts]))
+                                                   read_only=m.read_only) for m in a.mounts],
+                devices=[msgs["DeviceSpec"](container_path=d.container_path, host_path=d.host_path,
+                                            permissions=d.permissions) for d in specs]))
         return msgs["AllocateResponse"](container_responses=responses)
 
     async def PreStartContainer(self, request: Any, context: Any) -> Any:

@@ -33,6 +33,7 @@ from dynpart.agent.driver.interface import (
     MigModePending,
     ProfileInfo,
 )
+from dynpart.agent.driver.nvcaps import driver_mig_minors
 from dynpart.catalog import GpuModel, MigProfile
 from dynpart.mig import MigRules
 
@@ -140,7 +141,10 @@ class FakeNvml:
     on a GPU instance its destroy refused with IN_USE), `lose(i)` (the GPU fell off the bus:
     every call on it, and `devices()`, fail with GPU_IS_LOST until `reset(i)`), `crash_after(n)`,
     `before_op` (a hook called before each mutating call with the FakeOp about to be tried),
-    `reset(i)`, `reboot()`; `read_delay_s`, `change_delay_s` (each read, each change, takes that
+    `reset(i)`, `reboot()`; `minors` (each GPU's device minor number, /dev/nvidia<minor>: the index
+    unless a test sets others) and `mig_minors_visible` (False: the MIG capability minors cannot be
+    read), the capability minors being the driver's fixed table (`nvcaps.driver_mig_minors`);
+    `read_delay_s`, `change_delay_s` (each read, each change, takes that
     long: a slow driver) and `hang()`/`unhang()` (a wedged driver: every GpuDriver call blocks in
     its caller's thread until `unhang()`; `hung_calls` counts those blocked now). By default every
     call answers at once. Calls are thread-safe (one at a time), as NVML's are."""
@@ -181,6 +185,12 @@ class FakeNvml:
         # are derived in a namespace of this driver's own
         self._machine = uuidlib.uuid5(uuidlib.NAMESPACE_OID, f"dynpart-fake-nvml-{next(_DRIVERS)}")
         self._gpus = [_FakeGpu(i, f"GPU-fake-{i:04d}", mig_enabled, mig_enabled) for i in range(count)]
+        # each GPU's device minor number (/dev/nvidia<minor>; test control): the index by default, as
+        # on most hosts (both follow the PCI order), which a test may change (the driver numbers GPUs
+        # in the order it probes them, NVML indexes them by PCI bus id)
+        self.minors = list(range(count))
+        # False: /proc/driver/nvidia-caps/mig-minors cannot be read (`mig_cap_minors` answers empty)
+        self.mig_minors_visible = True
         self.ops: list[FakeOp] = []
         self.before_op: Callable[[FakeOp], None] | None = None
         self._crash_in: int | None = None
@@ -275,6 +285,16 @@ class FakeNvml:
             return "NVML cannot read it: GPU is lost"
         self._gpu(index)
         return self.unhealthy.get(index)
+
+    @_driver_call(read=True)
+    def minor_number(self, index: int) -> int:
+        self._gpu(index)
+        return self.minors[index]
+
+    @_driver_call(read=True)
+    def mig_cap_minors(self) -> dict[str, int]:
+        # the driver's fixed table (nv-caps.c), whatever GPUs there are, as the real file lists it
+        return driver_mig_minors() if self.mig_minors_visible else {}
 
     @_locked
     def reset(self, index: int) -> None:

@@ -211,3 +211,17 @@ class GpuDriver(Protocol):
         """Why GPU `index` must not be given to pods (None: healthy). Its devices (whole, MIG,
         MPS slices) are then advertised Unhealthy."""
         ...
+
+    def minor_number(self, index: int) -> int:
+        """GPU `index`'s device minor number (nvmlDeviceGetMinorNumber): its node is
+        /dev/nvidia<minor>, and the MIG capabilities name it by it (`driver.nvcaps`). Not always its
+        index."""
+        ...
+
+    def mig_cap_minors(self) -> dict[str, int]:
+        """The driver's MIG capability minors (/proc/driver/nvidia-caps/mig-minors, parsed by
+        `driver.nvcaps.parse_mig_minors`): capability (`gpu<minor>/gi<id>/access`,
+        `gpu<minor>/gi<id>/ci<id>/access`, `config`, `monitor`) -> the minor of its node
+        /dev/nvidia-caps/nvidia-cap<minor>. Empty where the file is not there (no MIG-capable driver,
+        or not visible to the agent)."""
+        ...

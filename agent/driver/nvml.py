@@ -18,6 +18,7 @@ from dynpart.agent.driver.interface import (
     DEFAULT_COMPUTE,
     EXCLUSIVE_PROCESS,
     INVALID_ARGUMENT,
+    NO_PERMISSION,
     PROHIBITED,
     DeviceInfo,
     DriverVersions,
@@ -27,6 +28,7 @@ from dynpart.agent.driver.interface import (
     NvmlUnavailable,
     ProfileInfo,
 )
+from dynpart.agent.driver.nvcaps import MIG_MINORS_FILE, parse_mig_minors
 
 T = TypeVar("T")
 
@@ -67,6 +69,7 @@ class RealNvml:
             raise NvmlUnavailable(f"NVML not available: cannot load libnvidia-ml ({e})") from None
         self._nv = nv
         self._stale = False
+        self.mig_minors_file = MIG_MINORS_FILE  # (`mig_cap_minors`)
         self._codes = {getattr(nv, n): n[len("NVML_ERROR_"):] for n in dir(nv)
                        if n.startswith("NVML_ERROR_") and isinstance(getattr(nv, n), int)}
 
@@ -395,3 +398,16 @@ class RealNvml:
         except nv.NVMLError:
             return None  # not supported on this GPU: nothing to say
         return "memory pages wait for retirement: the GPU needs a reset" if pending else None
+
+    def minor_number(self, index: int) -> int:
+        return int(self._call(self._nv.nvmlDeviceGetMinorNumber, self._handle(index)))
+
+    def mig_cap_minors(self) -> dict[str, int]:
+        """Read from `mig_minors_file` (not NVML: the driver's procfs, as NVIDIA's plugin reads it)."""
+        try:
+            with open(self.mig_minors_file, encoding="ascii", errors="replace") as f:
+                return parse_mig_minors(f.read())
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise GpuDriverError(NO_PERMISSION, f"{self.mig_minors_file}: {e}") from None

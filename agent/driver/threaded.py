@@ -234,6 +234,12 @@ class AsyncDriver:
     async def health(self, index: int) -> str | None:
         return await self._call(self.read_limit_s, f"health({index})", self.sync.health, index)
 
+    async def minor_number(self, index: int) -> int:
+        return await self._call(self.read_limit_s, f"minor_number({index})", self.sync.minor_number, index)
+
+    async def mig_cap_minors(self) -> dict[str, int]:
+        return await self._call(self.read_limit_s, "mig_cap_minors()", self.sync.mig_cap_minors)
+
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(driver, *args)`, reads only, made on the driver's thread as one call (e.g.
         `read_capability`: dozens of reads a healthy driver answers in milliseconds, hundreds on
