@@ -43,7 +43,7 @@ from dynpart.agent.deviceplugin.devices import (
     packed_first,
 )
 from dynpart.agent.deviceplugin.server import DevicePluginManager
-from dynpart.agent.driver.interface import GPU_LOST_REASON, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
+from dynpart.agent.driver.interface import GPU_IS_LOST, GPU_LOST_REASON, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
 from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import SliceGuard
 from dynpart.agent.kube import NodeApi, NodeView, PluginPods
@@ -379,6 +379,11 @@ class Agent:
                 self._driver_replaced = self._driver_replaced + 1 if e.code in DRIVER_REPLACED else 0
                 await self._all_unhealthy(e, node)
                 unhealthy = set(self.unhealthy)
+                if e.code == GPU_IS_LOST:
+                    # a GPU fell off the bus during the pass: the next pass, soon, lists it lost
+                    # and serves the others again
+                    self._waiting = True
+                    self._retry_delay = self.retry_s
             return await self._report_failure(node, str(e), unhealthy, as_the_gpus_are=unhealthy is None)
         self._driver_replaced = 0
         result.gpus = self._with_lost(result, node, model, mode)
@@ -628,9 +633,10 @@ class Agent:
                 last = self._last_views.get(d.index)
                 if last is not None and (last.uuid == d.uuid or not d.uuid):
                     out.append(replace(last, healthy=False))
-                elif d.uuid:
+                elif d.uuid:  # (an agent restarted while it is lost: its MPS slices are the last status's)
+                    sizes, numbers = self._mps_plugin.view(d.index) if self._mps_plugin is not None else ((), ())
                     out.append(GpuView(index=d.index, uuid=d.uuid, memory_gb=self._capacity, mig_enabled=d.mig_current,
-                                       healthy=False))
+                                       mps=sizes, mps_ids=numbers, healthy=False))
                 continue
             problem = problem or self.compute_modes.blocked.get(d.index)
             if problem:

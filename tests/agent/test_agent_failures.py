@@ -153,6 +153,44 @@ async def test_a_lost_gpu_in_mps_mode_keeps_its_slices_and_the_daemon(mps: Plugi
     assert mps.driver.compute_mode(1) == "EXCLUSIVE_PROCESS"
 
 
+async def test_an_agent_restarted_while_a_gpu_is_lost_reports_it_as_the_last_status(mps: PluginRig):
+    """MPS: the restarted agent finds the lost GPU's slices in the node's last status: reported
+    used, listed Unhealthy under their ids, and nothing is called on it."""
+    agent = mps.agent()
+    mps.node_api.set_annotations(mps_spec({0: [40, 40], 1: [20, 20, 40]}, plan="m1"))
+    await mps.settle(agent, "m1")
+    mps.driver.lose(1)
+    await agent.reconcile_once()
+    restarted = mps.agent()
+    report = await restarted.reconcile_once()
+    assert not report.failed and report.plan_id == "m1"
+    assert mps.node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+    assert sorted(_layout(mps.node_api, 1)) == [(20, True), (20, True), (40, True)]
+    await mps.kubelet.wait_for(lambda: sorted(mps.kubelet.plugins["nvidia.com/gpu-20gb"].devices)
+                               == [("GPU-fake-0001::1", "Unhealthy"), ("GPU-fake-0001::2", "Unhealthy")])
+    assert mps.driver.lost_calls == 0
+
+
+async def test_a_gpu_lost_during_a_pass_is_listed_lost_at_the_next_pass_soon(rig: PluginRig):
+    """A GPU falls off the bus between the pass's list of GPUs and a read on it: that pass fails
+    (every GPU reported unhealthy) and the next one comes soon (`retry_s`), listing only it lost."""
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p1"))
+    await rig.settle(agent, "p1")
+    processes = rig.driver.processes
+
+    def lost_now(index: int, gi_id: int | None = None) -> list[int]:
+        rig.driver.lose(1)
+        rig.driver.processes = processes  # type: ignore[method-assign]
+        return processes(index, gi_id)
+    rig.driver.processes = lost_now  # type: ignore[method-assign]
+    report = await agent.reconcile_once()
+    assert report.failed and agent._waiting and agent._retry_delay == agent.retry_s
+    assert rig.node_api.annotations["dynpart.io/status-unhealthy"] == "0,1"
+    report = await agent.reconcile_once()
+    assert not report.failed and rig.node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+
+
 async def test_one_lost_gpu_leaves_the_other_gpus_in_service():
     """(without the built-in plugin) A 2-GPU node, GPU 1 lost: only it is reported unhealthy, with
     its instance used; an agent restarted meanwhile reports it as the node's last status does."""
