@@ -520,3 +520,39 @@ async def test_a_pass_that_fails_after_changing_instances_reports_them_as_the_dr
     assert (await agent.reconcile_once()).plan_id == "p2"
     status = decode_status(rig.node_api.annotations, H100, node="node-1")
     assert [(m.profile, m.start, m.used) for m in status.layout.gpus[0].mig] == [("7g.80gb", 0, False)]
+
+
+async def test_a_lost_gpu_does_not_restart_nvidias_plugin():
+    """With NVIDIA's plugin: a GPU lost is reported unhealthy alone, its MIG devices count as still
+    there (NVIDIA's plugin marks them Unhealthy itself; a restart for them would gain nothing), and
+    a plan for the other GPU is carried out and acknowledged."""
+    driver, pods = FakeNvml(H100, 2), FakePodResources()
+    agent, node_api, plugin_pods = _nvidia_agent(driver, pods)
+
+    def lists() -> None:
+        by_id = {p.gi_profile_id: p.name for p in driver.model.mig_profiles}
+        found: dict[str, list[str]] = {}
+        for gpu in range(2):
+            for gi in ([] if gpu in driver.lost else driver.gpu_instances(gpu)):
+                if gi.uuid:
+                    found.setdefault(f"nvidia.com/mig-{by_id[gi.profile_id]}", []).append(gi.uuid)
+        pods.devices = found
+        # a lost GPU's MIG devices: Unhealthy, in the node's capacity, not allocatable
+        node_api.set_allocatable({r: len(ids) for r, ids in found.items()},
+                                 {"nvidia.com/mig-7g.80gb": 1} if driver.lost else None)
+    node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p1"))
+    await agent.reconcile_once()
+    lists()
+    assert (await agent.reconcile_once()).plan_id == "p1" and plugin_pods.restarts == 1
+    driver.lose(1)
+    report = await agent.reconcile_once()
+    assert not report.failed and plugin_pods.restarts == 1
+    assert node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+    assert _layout(node_api, 1) == [("7g.80gb", 0, True)]
+    node_api.set_annotations(mig_spec({0: ["4g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p2"))
+    await agent.reconcile_once()
+    assert plugin_pods.restarts == 2
+    lists()
+    report = await agent.reconcile_once()
+    assert driver.layout(0) == [("4g.40gb", 0), ("3g.40gb", 4)] and driver.lost_calls == 0
+    assert report.plan_id == "p2", report.errors
