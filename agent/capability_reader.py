@@ -7,10 +7,11 @@ driver's thread as one call (`AsyncDriver.read`), never on its event loop."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from pydantic import ValidationError
 
-from dynpart.agent.driver.interface import DeviceInfo, GpuDriver, GpuDriverError
+from dynpart.agent.driver.interface import GPU_IS_LOST, DeviceInfo, GpuDriver, GpuDriverError
 from dynpart.capability import GpuKind, GpuReport, MigState, NodeCapability, ProfileCapability
 from dynpart.catalog import MIG_PROFILE_PATTERN, Catalog
 from dynpart.errors import DynpartError, first_problem
@@ -86,9 +87,19 @@ def read_capability(driver: GpuDriver, catalog: Catalog) -> tuple[NodeCapability
     devices = driver.devices()
     if not devices:
         raise DynpartError("the driver reports no GPU")
+    # a lost GPU (fallen off the bus) is not read: it is described as last read, or, never read
+    # (lost before the agent started), as the node's first GPU that answers (a node's GPUs are of
+    # one kind; its agent reports it unhealthy, and the planner leaves it out)
+    readable = [d for d in devices if not d.lost]
+    if not readable and any(not d.name for d in devices):
+        raise GpuDriverError(GPU_IS_LOST, "every GPU of the node is lost (NVML answers GPU_IS_LOST): "
+                                          "nothing describes them")
+    stand_in = min(readable, key=lambda d: d.index) if readable else None
+    devices = [d if not d.lost or d.name or stand_in is None
+               else replace(stand_in, index=d.index, uuid=d.uuid, lost=True) for d in devices]
     read: dict[tuple[str, int], tuple[ProfileCapability, ...]] = {}
     settled: set[tuple[str, int]] = set()  # kinds read, or whose read said what went wrong
-    for d in sorted(devices, key=lambda d: (not d.mig_current, d.index)):
+    for d in sorted(readable, key=lambda d: (not d.mig_current, d.index)):
         key = (d.name, d.memory_mib)
         if d.mig_capable and key not in settled:
             before = len(problems)

@@ -67,13 +67,15 @@ class ComputeModes:
 
     async def sync(self, devices: Iterable[DeviceInfo], sliced: set[int]) -> list[str]:
         """EXCLUSIVE_PROCESS on the GPUs `sliced` (indices of the GPUs with MPS slices), DEFAULT
-        again on dynpart's without; GPUs in MIG mode are not touched (a GPU of dynpart's that
-        entered MIG mode is set back once it leaves it). Returns the problems to report; `blocked`
-        says which GPUs are unhealthy for it."""
+        again on dynpart's without; GPUs in MIG mode and lost GPUs are not touched (a GPU of
+        dynpart's that entered MIG mode is set back once it leaves it, a lost one once it is back).
+        Returns the problems to report; `blocked` says which GPUs are unhealthy for it."""
         errors: list[str] = []
         blocked: dict[int, str] = {}
         for d in devices:
-            if d.mig_current:
+            if d.mig_current or d.lost:
+                if d.lost and d.index in self.blocked:
+                    blocked[d.index] = self.blocked[d.index]
                 continue
             if d.index in sliced:
                 errors += await self._sliced(d, blocked)

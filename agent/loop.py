@@ -43,7 +43,7 @@ from dynpart.agent.deviceplugin.devices import (
     packed_first,
 )
 from dynpart.agent.deviceplugin.server import DevicePluginManager
-from dynpart.agent.driver.interface import DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
+from dynpart.agent.driver.interface import GPU_IS_LOST, GPU_LOST_REASON, DeviceInfo, GpuDriver, GpuDriverError, GpuInstanceInfo
 from dynpart.agent.driver.nvcaps import mig_cap_minors
 from dynpart.agent.driver.threaded import AsyncDriver, as_async
 from dynpart.agent.guard import SliceGuard
@@ -85,7 +85,7 @@ from dynpart.kube.retrying import retrying
 from dynpart.probing import Liveness, keep_beating
 from dynpart.resources import WHOLE_GPU, MpsResource, is_slice_resource, known_resource, mig_resource_name
 from dynpart.settings import KubeSettings
-from dynpart.snapshot import GpuLayout, MigInstance, Mode, NodeLayout
+from dynpart.snapshot import GpuLayout, MigInstance, Mode, MpsSlice, NodeLayout
 
 log = logging.getLogger("dynpart.agent")
 
@@ -193,6 +193,12 @@ class Agent:
         # the driver's MIG capability minors (`driver.nvcaps`), read once (a fixed table): the device
         # plugin's DeviceSpecs for MIG devices; empty until read
         self._mig_caps: dict[str, int] = {}
+        # what a lost GPU (`DeviceInfo.lost`: fallen off the bus, the others answer) is reported and
+        # listed as: each GPU as the last pass that could read it reported it (its slices) and
+        # advertised it (its devices), and, with NVIDIA's plugin, its MIG devices
+        self._last_gpus: dict[int, GpuLayout] = {}
+        self._last_views: dict[int, GpuView] = {}
+        self._last_mig_devices: dict[int, tuple[frozenset[tuple[str, str]], frozenset[str]]] = {}
         # early publishing (publish_allocatable): what the node's allocatable should show (the last
         # _publish's counts); a node that shows otherwise (the kubelet's own status write after its
         # restart, with no device yet) or a plugin's new registration wakes the publisher
@@ -377,8 +383,14 @@ class Agent:
                 self._driver_replaced = self._driver_replaced + 1 if e.code in DRIVER_REPLACED else 0
                 await self._all_unhealthy(e, node)
                 unhealthy = set(self.unhealthy)
+                if e.code == GPU_IS_LOST:
+                    # a GPU fell off the bus during the pass: the next pass, soon, lists it lost
+                    # and serves the others again
+                    self._waiting = True
+                    self._retry_delay = self.retry_s
             return await self._report_failure(node, str(e), unhealthy, as_the_gpus_are=unhealthy is None)
         self._driver_replaced = 0
+        result.gpus = self._with_lost(result, node, model, mode)
         try:
             # a MIG mode changed by this pass changes what the driver lists: report it now (from the
             # GPUs as the pass last read them, after its changes)
@@ -448,6 +460,28 @@ class Agent:
                 metrics.SLICES.labels(m, state).set(n)
         return PassReport(mode, _valid_or_none(ack), errors, status, waiting=waiting)
 
+    def _with_lost(self, result: PassResult, node: NodeView, model: GpuModel, mode: Mode) -> list[GpuLayout]:
+        """The pass's GPUs with the lost ones (`DeviceInfo.lost`), which the MIG and MPS passes
+        leave alone: each as the last pass that read it reported it (after an agent restart: as
+        the node's last status does), every slice used. Its pods may still hold them, and what it
+        holds cannot be read: the planner keeps it as it is (it is reported unhealthy too), and a
+        plan that changes it is not acknowledged (`_not_held`)."""
+        lost = sorted(d.index for d in result.devices if d.lost)
+        gpus = {g.index: g for g in result.gpus}
+        status: dict[int, GpuLayout] | None = None
+        for index in lost:
+            last = self._last_gpus.get(index)
+            if last is None:
+                if status is None:
+                    decoded = decode_status(node.annotations, model, node=self.node, capacity=self._capacity).layout
+                    status = {g.index: g for g in decoded.gpus} if decoded and decoded.mode == mode else {}
+                last = status.get(index, GpuLayout(index=index))
+            gpus[index] = GpuLayout(index=index, mig=[MigInstance(profile=m.profile, start=m.start, used=True)
+                                                      for m in last.mig],
+                                    mps=[MpsSlice(size=x.size, used=True) for x in last.mps])
+        self._last_gpus = dict(gpus)
+        return [gpus[i] for i in sorted(gpus)]
+
     def _new_mps_plugin(self, model: GpuModel, capacity: int, previous: dict[int, list[int]]) -> MpsPluginAgent:
         assert self.plugins is not None
         return MpsPluginAgent(self.driver, self.pods, capacity, guard=self.guard, daemon=self.mps_daemon,
@@ -489,7 +523,7 @@ class Agent:
             return {g for g, slices in self._mps_plugin.live.items() if slices}
         if not self.compute_modes.ours:
             return set()
-        index_of = {d.uuid: d.index for d in devices}
+        index_of = {d.uuid: d.index for d in devices if d.uuid}
         return {index_of[base] for a in await self.pods.list() if isinstance(known_resource(a.resource), MpsResource)
                 for base, sep, _ in [a.device_id.partition("::")] if sep and base in index_of}
 
@@ -569,10 +603,20 @@ class Agent:
         for d in devices:
             if not d.mig_current:
                 continue
+            if d.lost:  # not read: as last read (NVIDIA's plugin is not restarted for a GPU lost)
+                last_known, last_every = self._last_mig_devices.get(d.index, (frozenset(), frozenset()))
+                known |= last_known
+                every |= last_every
+                continue
+            gpu_known: set[tuple[str, str]] = set()
+            gpu_every: set[str] = set()
             for gi in await self.driver.gpu_instances(d.index):
-                every.update(u for u in (gi.uuid, *gi.more_uuids) if u)
+                gpu_every.update(u for u in (gi.uuid, *gi.more_uuids) if u)
                 if gi.uuid and gi.profile_id in names and not gi.split:
-                    known.add((mig_resource_name(names[gi.profile_id]), gi.uuid))
+                    gpu_known.add((mig_resource_name(names[gi.profile_id]), gi.uuid))
+            self._last_mig_devices[d.index] = (frozenset(gpu_known), frozenset(gpu_every))
+            known |= gpu_known
+            every |= gpu_every
         return frozenset(known), every
 
     async def views(self, devices: list[DeviceInfo]) -> list[GpuView]:
@@ -587,6 +631,19 @@ class Agent:
         self._mig_caps = self._mig_caps or caps
         for d, (problem, instances) in zip(devices, read, strict=True):
             self._indices.add(d.index)
+            if d.lost:
+                # not read: its devices as last advertised, Unhealthy (the kubelet gives them to no
+                # new pod; those given stay its pods' until they end), as NVIDIA's plugin marks a
+                # device whose handle it cannot get
+                unhealthy[d.index] = GPU_LOST_REASON
+                last = self._last_views.get(d.index)
+                if last is not None and (last.uuid == d.uuid or not d.uuid):
+                    out.append(replace(last, healthy=False))
+                elif d.uuid:  # (an agent restarted while it is lost: its MPS slices are the last status's)
+                    sizes, numbers = self._mps_plugin.view(d.index) if self._mps_plugin is not None else ((), ())
+                    out.append(GpuView(index=d.index, uuid=d.uuid, memory_gb=self._capacity, mig_enabled=d.mig_current,
+                                       mps=sizes, mps_ids=numbers, healthy=False))
+                continue
             problem = problem or self.compute_modes.blocked.get(d.index)
             if problem:
                 unhealthy[d.index] = problem
@@ -607,6 +664,7 @@ class Agent:
                     # reported so, or the planner would place pods on slices no pod can get
                     unhealthy[d.index] = ("the MPS daemon does not run for it and is not restarted while pods use "
                                           "MPS slices of the node")
+            self._last_views[d.index] = view
             out.append(view)
         self.unhealthy = unhealthy
         return out
@@ -616,6 +674,9 @@ class Agent:
         out = {}
         for d in devices:
             self._indices.add(d.index)
+            if d.lost:  # (not asked: no call is made on a lost GPU)
+                out[d.index] = GPU_LOST_REASON
+                continue
             problem = await self.driver.health(d.index) or self.compute_modes.blocked.get(d.index)
             if problem:
                 out[d.index] = problem
@@ -674,7 +735,7 @@ class Agent:
             # it lists every GPU out of MIG mode whole, read at its start too: a GPU whose MIG mode
             # became active with no MIG device made yet (an enable asked again once the GPU was
             # idle, creations that failed) is a change of what it must list as well
-            devices = mig_devices | {(WHOLE_GPU, d.uuid) for d in result.devices if not d.mig_current}
+            devices = mig_devices | {(WHOLE_GPU, d.uuid) for d in result.devices if not d.mig_current and d.uuid}
             held = await self.pods.allocatable()
             known = {mig_resource_name(p.name) for p in (self._model.mig_profiles if self._model else ())}
             # gone, or re-made under another of the model's profiles; a device under another name
@@ -845,6 +906,8 @@ class Agent:
         reported = {g.index: g for g in last.layout.gpus}
         fresh: list[GpuLayout] = []
         for r in readings:
+            if r.device.lost:  # (not read: its last status stays)
+                continue
             now = sorted(((names[gi.profile_id], gi.start) for gi in r.instances if gi.profile_id in names),
                          key=lambda x: (x[1], x[0]))
             was = reported.get(r.device.index)
@@ -1034,8 +1097,10 @@ class Agent:
 
 def health_and_instances(driver: GpuDriver, devices: list[DeviceInfo]) -> list[tuple[str | None, list[GpuInstanceInfo]]]:
     """Per GPU, why it is unhealthy (None: healthy) and, in MIG mode, its GPU instances: what the
-    device lists are made of, read on the driver's thread as one call (`AsyncDriver.read`)."""
-    return [(driver.health(d.index), driver.gpu_instances(d.index) if d.mig_current else []) for d in devices]
+    device lists are made of, read on the driver's thread as one call (`AsyncDriver.read`). A lost
+    GPU is not read."""
+    return [(GPU_LOST_REASON, []) if d.lost else
+            (driver.health(d.index), driver.gpu_instances(d.index) if d.mig_current else []) for d in devices]
 
 
 def device_numbers(driver: GpuDriver, devices: list[DeviceInfo], caps: bool) -> tuple[dict[int, int], dict[str, int]]:
@@ -1045,6 +1110,8 @@ def device_numbers(driver: GpuDriver, devices: list[DeviceInfo], caps: bool) -> 
     runtime still gives the container the device), never a failed pass."""
     minors: dict[int, int] = {}
     for d in devices:
+        if d.lost:
+            continue  # (not read: nothing is asked of a lost GPU)
         try:
             minors[d.index] = driver.minor_number(d.index)
         except Exception as e:  # (a lost GPU, a driver or recording without the call)

@@ -71,10 +71,13 @@ def _now() -> float:
 
 @dataclass
 class PassResult:
-    gpus: list[GpuLayout]  # every GPU of the node as it is after the pass, with `used` set
+    # every GPU of the node as it is after the pass, with `used` set; not the lost ones (the
+    # agent reports those as last known, `Agent._lost_layouts`)
+    gpus: list[GpuLayout]
     errors: list[str] = field(default_factory=list)
     applied: bool = False  # the spec was acted on: its plan id can be acknowledged
     # the GPUs as the pass last read them (after its changes): what the rest of the pass describes
+    # (the lost ones too, `DeviceInfo.lost`)
     devices: list[DeviceInfo] = field(default_factory=list)
 
 
@@ -112,10 +115,13 @@ def _split(gi: GpuInstanceInfo) -> list[str]:
 
 def instances_and_processes(driver: GpuDriver) -> list[GpuReading]:
     """Every GPU, its GPU instances and the processes computing on each: an observation's reads,
-    made on the driver's thread as one call (`AsyncDriver.read`)."""
+    made on the driver's thread as one call (`AsyncDriver.read`). A lost GPU (`DeviceInfo.lost`)
+    is not read: listed with nothing on it, which `GpuReading.device.lost` tells apart."""
     out = []
     for d in driver.devices():
-        if d.mig_current:
+        if d.lost:
+            out.append(GpuReading(d, [], {None: []}))
+        elif d.mig_current:
             instances = driver.gpu_instances(d.index)
             pids: dict[int | None, list[int]] = {gi.gi_id: driver.processes(d.index, gi.gi_id)
                                                  for gi in instances if gi.compute_instances}
@@ -175,6 +181,8 @@ class MigAgent:
         raw: dict[tuple[int, int], GpuInstanceInfo] = {}
         for reading in readings:
             d = reading.device
+            if d.lost:  # left alone: no state, so nothing is planned or done there (`apply`)
+                continue
             users = [f"pod {p}" for p in holders.get(d.uuid, [])]
             instances: list[Instance] = []
             if d.mig_current:
@@ -206,14 +214,14 @@ class MigAgent:
         # a GPU instance known by its GI id that is gone (destroyed by hand, a GPU reset, MIG mode
         # off) is forgotten: GI ids are reused, and a new instance without its compute instance yet
         # (its creation failed once) must not be taken for the one held open
-        read_gpus = {r.device.index for r in readings}
+        read_gpus = {r.device.index for r in readings if not r.device.lost}
         for key in [k for k in self._held_open if isinstance(k, tuple) and k[0] in read_gpus and k not in raw]:
             del self._held_open[key]
         return _Observed([r.device for r in readings], states, raw)
 
     async def _check_catalog(self, observed: _Observed) -> list[str]:
         if self._catalog_problems is None:
-            mig_gpu = next((d.index for d in observed.devices if d.mig_current), None)
+            mig_gpu = next((d.index for d in observed.devices if d.mig_current and not d.lost), None)
             if mig_gpu is None:
                 return []
             self._catalog_problems = await self.driver.read(profile_problems, self.model, mig_gpu)
@@ -252,6 +260,12 @@ class MigAgent:
         observed = await self.observe()
         errors: list[str] = []
         applied = desired is not None
+        lost = {d.index for d in observed.devices if d.lost}
+        if desired is not None and lost:
+            # a lost GPU is left as it is: the caller reports it as last known, and a plan that
+            # changes it is not acknowledged (its layout differs from the plan's)
+            desired = {i: v for i, v in desired.items() if i not in lost}
+            drain = tuple(i for i in drain if i not in lost)
         if desired is not None:
             problems = await self._check_catalog(observed)
             errors.extend(problems)

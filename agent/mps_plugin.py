@@ -102,8 +102,12 @@ class MpsPluginAgent:
     async def apply(self, desired: dict[int, list[int]] | None, drain: tuple[int, ...] = ()) -> PassResult:
         """One pass. `desired` None: no spec, observe only. `drain`: GPUs whose idle slices go
         (`reconcile.drained_mps`)."""
-        devices = await self.driver.devices()
-        index_of = {d.uuid: d.index for d in devices}
+        every = await self.driver.devices()
+        # a lost GPU (fallen off the bus) is left alone: its slices stay as they are, listed (the
+        # agent lists them Unhealthy), reported used; the MPS daemon is not restarted for it
+        lost = {d.index: d for d in every if d.lost}
+        devices = [d for d in every if not d.lost]
+        index_of = {d.uuid: d.index for d in every if d.uuid}
         assigned = await self.pods.list()
         used: dict[int, Slices] = {}
         whole: dict[int, list[str]] = {}
@@ -126,24 +130,29 @@ class MpsPluginAgent:
         errors: list[str] = []
         applied = desired is not None
         if self.previous:  # (an observe-only pass too: it lists what the last agent served, as that one did)
-            for d in devices:
+            for d in every:
                 sizes = self.previous.get(d.index)
                 if sizes and not d.mig_current and d.index not in whole:  # (held slices keep their numbers)
                     self.live[d.index] = assign_slices(sizes, self.live.get(d.index, {}), {})
             self.previous = {}
         if desired is not None:
             desired = drained_mps(desired, {g: Counter(s.values()) for g, s in used.items()}, drain)
-            errors += await self._apply(desired, devices, used, whole, held_ids)
+            kept = {i: self.live[i] for i in lost if i in self.live}
+            errors += await self._apply({i: s for i, s in desired.items() if i not in lost}, devices,
+                                        {g: s for g, s in used.items() if g not in lost}, whole, held_ids)
+            self.live.update(kept)
         for d in devices:
             if d.mig_current and d.index not in used:
                 self.live.pop(d.index, None)
-        errors += await self._daemon({d.uuid: d.index for d in devices if not d.mig_current}, in_use=bool(used))
+        # (a lost GPU it ran for stays in its list: a restart would end its clients on the other GPUs)
+        errors += await self._daemon({d.uuid: d.index for d in every if not d.mig_current and d.uuid
+                                      and (not d.lost or d.uuid in (self._daemon_gpus or ()))}, in_use=bool(used))
         gpus = []
         for d in devices:
             held = used.get(d.index, {})
             listed = sorted(self.live.get(d.index, {}).items(), key=lambda x: (-x[1], x[0]))
             gpus.append(GpuLayout(index=d.index, mps=[MpsSlice(size=s, used=n in held) for n, s in listed]))
-        return PassResult(gpus, errors, applied, devices)
+        return PassResult(gpus, errors, applied, every)
 
     async def _apply(self, desired: dict[int, list[int]], devices: list[DeviceInfo], used: dict[int, Slices],
                      whole: dict[int, list[str]], held_ids: set[str]) -> list[str]:

@@ -46,6 +46,11 @@ def probe(driver: GpuDriver, catalog: Catalog) -> ProbeReport:
         out.append("no GPU found")
         return report
     for d in devices:
+        if d.lost:
+            out.append(f"GPU {d.index}: lost (NVML answers GPU_IS_LOST: fallen off the bus); not read")
+            bad.append(f"GPU {d.index} is lost (NVML answers GPU_IS_LOST): reset it or reboot the node")
+            report.gpus.append({**asdict(d), "mig": None, "model": None, "profiles": [], "instances": []})
+            continue
         state = mig_state(d)
         reserved = f" ({d.reserved_mib} reserved)" if d.reserved_mib is not None else ""
         out.append(f"GPU {d.index}: {d.name} {d.uuid} {d.memory_mib} MiB{reserved}, MIG {state}")
@@ -78,7 +83,7 @@ def probe(driver: GpuDriver, catalog: Catalog) -> ProbeReport:
     bad.extend([*unread, *choice.disagreements])
     by_id = {p.gi_profile_id: p.name for p in model.mig_profiles}
     for d, gpu in zip(devices, report.gpus):
-        if not d.mig_current:
+        if not d.mig_current or d.lost:
             continue
         for gi in driver.gpu_instances(d.index):
             gpu["instances"].append(asdict(gi))
@@ -105,6 +110,9 @@ def read_paths(driver: GpuDriver, catalog: Catalog) -> list[str]:
 
     for d in driver.devices():
         i = d.index
+        if d.lost:
+            lines.append(f"GPU {i}: lost (GPU_IS_LOST), not read")
+            continue
         try:
             profiles = catalog.resolve(d.name).mig_profiles
         except DynpartError:

@@ -196,6 +196,7 @@ class FakeNvml:
         self._crash_in: int | None = None
         self.unhealthy: dict[int, str] = {}  # GPU index -> why health() says it is unhealthy (test control)
         self.lost: set[int] = set()  # GPUs fallen off the bus (`lose`)
+        self.lost_calls = 0  # calls that failed with GPU_IS_LOST (a lost GPU is to be left alone)
         self.read_delay_s = 0.0  # each read takes this long (test control: a slow driver)
         self.change_delay_s = 0.0  # each change takes this long
         self.hung_calls = 0  # calls blocked by `hang()` now
@@ -268,7 +269,8 @@ class FakeNvml:
 
     @_locked
     def lose(self, index: int) -> None:
-        """GPU `index` falls off the bus (Xid 79): NVML answers GPU_IS_LOST for it until a reset."""
+        """GPU `index` falls off the bus (Xid 79): NVML answers GPU_IS_LOST for it until a reset
+        (`devices()` lists it `lost`; a call on it counts in `lost_calls`); the other GPUs answer."""
         self._gpu(index)
         self.lost.add(index)
 
@@ -336,10 +338,11 @@ class FakeNvml:
 
     @_driver_call(read=True)
     def devices(self) -> list[DeviceInfo]:
-        for index in sorted(self.lost):  # (RealNvml reads every GPU: one lost fails the whole list)
-            self._gpu(index)
+        # a lost GPU is listed `lost`, as RealNvml lists it (its handle fails, the others' do not):
+        # as last read (RealNvml remembers it; the fake's GPU state is what was last read)
         return [DeviceInfo(g.index, self.name, g.uuid, self.memory_mib, self.model.supports_mig,
-                           g.mig_current, g.mig_pending, self.reserved_mib) for g in self._gpus]
+                           g.mig_current, g.mig_pending, self.reserved_mib, lost=g.index in self.lost)
+                for g in self._gpus]
 
     @_driver_call(read=False)
     def set_mig_mode(self, index: int, enabled: bool) -> None:
@@ -527,6 +530,7 @@ class FakeNvml:
         if not 0 <= index < len(self._gpus):
             raise GpuDriverError(INVALID_ARGUMENT, f"no GPU with index {index}")
         if index in self.lost:
+            self.lost_calls += 1
             raise GpuDriverError(GPU_IS_LOST, f"GPU {index} is lost (fallen off the bus): reset it or reboot")
         return self._gpus[index]
 

@@ -112,6 +112,15 @@ class DeviceInfo:
     # what the driver keeps of the total for itself (nvmlMemory_v2 `reserved`): not free even on an
     # idle GPU. None: the driver cannot say (no nvmlDeviceGetMemoryInfo_v2)
     reserved_mib: int | None = None
+    # fallen off the bus (Xid 79): NVML answers GPU_IS_LOST for this GPU's handle, and only for it.
+    # The other fields are as last read (empty, 0 and False when it was never read): the agent
+    # makes no call on it, lists its devices Unhealthy and reports its slices as last known, used
+    lost: bool = False
+
+
+# why a lost GPU (`DeviceInfo.lost`) is unhealthy, as the agent reports it
+GPU_LOST_REASON = ("fallen off the bus: NVML answers GPU_IS_LOST for it (Xid 79); reset it (nvidia-smi -r) or reboot "
+                   "the node")
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,10 @@ class GpuDriver(Protocol):
 
     def versions(self) -> DriverVersions: ...
 
-    def devices(self) -> list[DeviceInfo]: ...
+    def devices(self) -> list[DeviceInfo]:
+        """Every GPU of the node. One NVML cannot reach (GPU_IS_LOST: fallen off the bus) is listed
+        with `lost` set, as last read; the others as they are."""
+        ...
 
     def set_mig_mode(self, index: int, enabled: bool) -> None:
         """Change GPU `index`'s MIG mode. Raises MigModePending when the call succeeded but the new

@@ -11,12 +11,15 @@ counts) are passed with `byref` / as arrays exactly as the C prototypes in nvml.
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from dynpart.agent.driver.interface import (
     DEFAULT_COMPUTE,
     EXCLUSIVE_PROCESS,
+    GPU_IS_LOST,
     INVALID_ARGUMENT,
     NO_PERMISSION,
     PROHIBITED,
@@ -35,8 +38,14 @@ T = TypeVar("T")
 # NVML errors after which its state is useless until nvmlShutdown/nvmlInit (nvml.h): the driver
 # was reloaded or lost a GPU, or NVML was shut down under us. Not RESET_REQUIRED: that one GPU
 # needs a reset, the others' handles are fine (and a re-init costs seconds per GPU without
-# persistence mode)
+# persistence mode). GPU_IS_LOST on a GPU already known lost does not start NVML again (`_lost`)
 _REINIT = frozenset({"UNINITIALIZED", "GPU_IS_LOST", "DRIVER_NOT_LOADED", "LIB_RM_VERSION_MISMATCH"})
+
+# A GPU that stays lost (fallen off the bus until a reset or a reboot) answers GPU_IS_LOST on every
+# pass: NVML is started again when it is first found lost, then at most this often while it stays
+# lost, in case a GPU reset brought it back where only a new nvmlInit sees it (its handle is tried
+# on every pass: one that answers again is read at once)
+LOST_REINIT_S = 300.0
 
 # compute slices of a full-GI compute instance -> NVML_COMPUTE_INSTANCE_PROFILE_* name
 _CI_PROFILE = {1: "NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE", 2: "NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE",
@@ -70,6 +79,11 @@ class RealNvml:
         self._nv = nv
         self._stale = False
         self.mig_minors_file = MIG_MINORS_FILE  # (`mig_cap_minors`)
+        self.lost_reinit_s = LOST_REINIT_S
+        # GPU index -> time.monotonic() NVML was last started again for it, while it answers GPU_IS_LOST
+        self._lost: dict[int, float] = {}
+        self._known: dict[int, DeviceInfo] = {}  # GPU index -> as last read (what a lost GPU is listed as)
+        self._reading: int | None = None  # the GPU devices() reads now
         self._codes = {getattr(nv, n): n[len("NVML_ERROR_"):] for n in dir(nv)
                        if n.startswith("NVML_ERROR_") and isinstance(getattr(nv, n), int)}
 
@@ -88,7 +102,9 @@ class RealNvml:
             return fn(*args)
         except self._nv.NVMLError as e:
             code = self._codes.get(getattr(e, "value", None), "UNKNOWN")
-            if code in _REINIT:
+            if code == GPU_IS_LOST and self._reading is not None:
+                self._found_lost(self._reading)  # (a GPU known lost is not started again for at each pass)
+            elif code in _REINIT:
                 self._stale = True  # the next call starts NVML again instead of failing for ever
             raise GpuDriverError(code, f"{fn.__name__}: {e}") from None
 
@@ -108,7 +124,32 @@ class RealNvml:
         self._stale = False
 
     def _handle(self, index: int) -> Any:
-        return self._call(self._nv.nvmlDeviceGetHandleByIndex, index)
+        """GPU `index`'s handle. GPU_IS_LOST (that GPU fell off the bus: the others answer) starts
+        NVML again only the first time and then every `lost_reinit_s` (`_found_lost`), not at each
+        call: a re-init costs seconds per GPU without persistence mode, and a GPU lost for good
+        would cost them on every pass."""
+        nv = self._nv
+        if self._stale:
+            self._reinit()
+        try:
+            handle = nv.nvmlDeviceGetHandleByIndex(index)
+        except nv.NVMLError as e:
+            code = self._codes.get(getattr(e, "value", None), "UNKNOWN")
+            if code == GPU_IS_LOST:
+                self._found_lost(index)
+            elif code in _REINIT:
+                self._stale = True
+            raise GpuDriverError(code, f"nvmlDeviceGetHandleByIndex: {e}") from None
+        return handle
+
+    def _found_lost(self, index: int) -> None:
+        """GPU `index` answered GPU_IS_LOST: NVML is started again at the next call if it was not
+        known lost, or was started again for it over `lost_reinit_s` ago."""
+        now = time.monotonic()
+        since = self._lost.get(index)
+        if since is None or now - since >= self.lost_reinit_s:
+            self._lost[index] = now
+            self._stale = True
 
     def _gi_handle(self, index: int, gi_id: int) -> Any:
         return self._call(self._nv.nvmlDeviceGetGpuInstanceById, self._handle(index), gi_id)
@@ -159,25 +200,45 @@ class RealNvml:
                               str(self._call(nv.nvmlSystemGetNVMLVersion)), f"{cuda // 1000}.{cuda % 1000 // 10}")
 
     def devices(self) -> list[DeviceInfo]:
-        nv = self._nv
+        """Every GPU; one that answers GPU_IS_LOST (fallen off the bus: NVML answers so for its own
+        calls only, as nvidia-smi lists the others and says "Unable to determine the device handle
+        for GPU ...: GPU is lost") is listed `lost`, as last read."""
         out = []
-        for index in range(self._call(nv.nvmlDeviceGetCount)):
-            h = self._handle(index)
-            name = self._call(nv.nvmlDeviceGetName, h)
-            uuid = self._call(nv.nvmlDeviceGetUUID, h)
-            memory, reserved = self._memory(h)
+        for index in range(self._call(self._nv.nvmlDeviceGetCount)):
+            self._reading = index
             try:
-                current, pending = nv.nvmlDeviceGetMigMode(h)
-                capable = True
-            except nv.NVMLError_NotSupported:
-                current = pending = 0
-                capable = False
-            except nv.NVMLError as e:
-                raise GpuDriverError(self._codes.get(e.value, "UNKNOWN"), f"nvmlDeviceGetMigMode: {e}") from None
-            out.append(DeviceInfo(index, str(name), str(uuid), memory, capable,
-                                  current == nv.NVML_DEVICE_MIG_ENABLE, pending == nv.NVML_DEVICE_MIG_ENABLE,
-                                  reserved))
+                device = self._device(index)
+            except GpuDriverError as e:
+                if e.code != GPU_IS_LOST:
+                    raise
+                self._found_lost(index)
+                known = self._known.get(index)
+                out.append(replace(known, lost=True) if known is not None
+                           else DeviceInfo(index, "", "", 0, False, False, False, lost=True))
+                continue
+            finally:
+                self._reading = None
+            self._known[index] = device
+            self._lost.pop(index, None)  # (back, after a reset)
+            out.append(device)
         return out
+
+    def _device(self, index: int) -> DeviceInfo:
+        nv = self._nv
+        h = self._handle(index)
+        name = self._call(nv.nvmlDeviceGetName, h)
+        uuid = self._call(nv.nvmlDeviceGetUUID, h)
+        memory, reserved = self._memory(h)
+        try:
+            current, pending = nv.nvmlDeviceGetMigMode(h)
+            capable = True
+        except nv.NVMLError_NotSupported:
+            current = pending = 0
+            capable = False
+        except nv.NVMLError as e:
+            raise GpuDriverError(self._codes.get(e.value, "UNKNOWN"), f"nvmlDeviceGetMigMode: {e}") from None
+        return DeviceInfo(index, str(name), str(uuid), memory, capable, current == nv.NVML_DEVICE_MIG_ENABLE,
+                          pending == nv.NVML_DEVICE_MIG_ENABLE, reserved)
 
     def _memory(self, handle: Any) -> tuple[int, int | None]:
         """The GPU's total memory and what the driver reserves of it, in MiB. Version 2 of

@@ -18,7 +18,7 @@ from dynpart.agent.nodepods import FakeNodePods
 from dynpart.agent.podresources import FakePodResources
 from dynpart.annotations import MAX_ERROR_CHARS, STATUS_ERROR, decode_status
 
-from .conftest import CATALOG, H100, NOW, mig_spec
+from .conftest import CATALOG, H100, NOW, mig_spec, mps_spec
 from .kubelet_double import Assignment
 from .test_agent_plugin import PluginRig, _rig
 
@@ -39,29 +39,182 @@ async def mps() -> AsyncIterator[PluginRig]:  # GPUs out of MIG mode
         yield r
 
 
-async def test_a_lost_gpu_makes_every_device_unhealthy_until_the_gpus_can_be_read(rig: PluginRig):
-    """NVML answers GPU_IS_LOST for a GPU fallen off the bus and cannot list the GPUs at all: the
-    kubelet must stop giving the node's devices to pods (the lists stayed Healthy before)."""
+def _layout(node_api: FakeNodeApi, index: int) -> list[tuple[str, int, bool]] | list[tuple[int, bool]]:
+    status = decode_status(node_api.annotations, H100, node="node-1", capacity=80)  # (the rigs' GPUs: 80 GiB)
+    assert status.layout is not None
+    g = next((g for g in status.layout.gpus if g.index == index), None)
+    if g is None:
+        return []
+    return [(m.profile, m.start, m.used) for m in g.mig] or [(x.size, x.used) for x in g.mps]
+
+
+async def test_a_lost_gpu_takes_only_itself_out_of_service(rig: PluginRig):
+    """NVML answers GPU_IS_LOST for a GPU fallen off the bus, for its own handle only (NVIDIA's
+    plugin marks only that device unhealthy): its devices are listed Unhealthy, the planner is
+    told it alone is unhealthy, with its instances as last known and used, and the other GPU goes
+    on: a plan that leaves the lost GPU as it is is applied and acknowledged. No call is made on
+    the lost GPU. Once it is back (a reset), it is read and served again."""
     agent = rig.agent()
     rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p1"))
     await rig.settle(agent, "p1")
     rig.driver.lose(1)
     report = await agent.reconcile_once()
-    assert report.failed and "lost" in report.errors[0]
-    # the planner is told that no GPU of the node can take a slice (NVML cannot say which is lost)
+    assert not report.failed and report.plan_id == "p1"
+    assert rig.node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+    assert any(e.startswith("GPU 1 is unhealthy (fallen off the bus") for e in report.errors)
+    assert _layout(rig.node_api, 1) == [("7g.80gb", 0, True)]  # as last known, used: never planned over
+    assert _layout(rig.node_api, 0) == [("3g.40gb", 0, False), ("3g.40gb", 4, False)]
+    await rig.kubelet.wait_for(lambda: [h for _, h in rig.kubelet.plugins["nvidia.com/mig-7g.80gb"].devices]
+                               == ["Unhealthy"])
+    await agent.reconcile_once()
+    assert [h for _, h in rig.kubelet.plugins[MIG_3G].devices] == ["Healthy", "Healthy"]
+    assert rig.node_api.allocatable[MIG_3G] == "2" and rig.node_api.allocatable["nvidia.com/mig-7g.80gb"] == "0"
+    # the planner re-carves GPU 0 and keeps GPU 1 as it is: applied and acknowledged
+    rig.node_api.set_annotations(mig_spec({0: ["1g.10gb@0", "1g.10gb@1", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p2"))
+    await rig.settle(agent, "p2")
+    assert rig.driver.layout(0) == [("1g.10gb", 0), ("1g.10gb", 1), ("3g.40gb", 4)]
+    assert rig.node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+    # a plan that changes the lost GPU is not acknowledged, and nothing is tried there
+    rig.node_api.set_annotations(mig_spec({1: ["4g.40gb@0"]}, plan="p3") | {"dynpart.io/spec-gpu-1-7g.80gb": None})
+    for _ in range(3):
+        report = await agent.reconcile_once()
+    assert report.plan_id == "p2" and any("GPU 1 has 7g.80gb@0, the plan 4g.40gb@0" in e for e in report.errors)
+    assert rig.driver.lost_calls == 0  # no call was made on the lost GPU
+    rig.driver.reset(1)  # back, its instance gone: the plan is carried out there now
+    await rig.settle(agent, "p3")
+    assert rig.driver.layout(1) == [("4g.40gb", 0)]
+    assert "dynpart.io/status-unhealthy" not in rig.node_api.annotations
+    await rig.kubelet.wait_for(lambda: [h for _, h in rig.kubelet.plugins[MIG_4G].devices] == ["Healthy"])
+
+
+async def test_every_gpu_unhealthy_when_the_driver_cannot_list_them(rig: PluginRig):
+    """NVML failing as a whole (not one GPU's handle): every device is listed Unhealthy and every
+    GPU reported unhealthy, until the GPUs can be read again."""
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p1"))
+    await rig.settle(agent, "p1")
+    devices = rig.driver.devices
+
+    def failing() -> list:
+        raise GpuDriverError("UNKNOWN", "nvmlDeviceGetCount: Unknown Error")
+    rig.driver.devices = failing  # type: ignore[method-assign]
+    report = await agent.reconcile_once()
+    assert report.failed
     assert rig.node_api.annotations["dynpart.io/status-unhealthy"] == "0,1"
     await rig.kubelet.wait_for(lambda: all(h == "Unhealthy" for p in rig.kubelet.plugins.values()
                                            for _, h in p.devices))
-    await agent.reconcile_once()
-    assert rig.node_api.allocatable[MIG_3G] == "0" and rig.node_api.allocatable["nvidia.com/mig-7g.80gb"] == "0"
-    rig.driver.reset(1)  # the GPU is back, its instances gone
+    rig.driver.devices = devices  # type: ignore[method-assign]
     for _ in range(20):
         await agent.reconcile_once()
-        if rig.kubelet.plugins[MIG_3G].devices and all(h == "Healthy" for _, h in rig.kubelet.plugins[MIG_3G].devices):
+        if all(h == "Healthy" for _, h in rig.kubelet.plugins[MIG_3G].devices):
             break
         await asyncio.sleep(0.05)
     assert [h for _, h in rig.kubelet.plugins[MIG_3G].devices] == ["Healthy", "Healthy"]
     assert "dynpart.io/status-unhealthy" not in rig.node_api.annotations
+
+
+async def test_a_lost_gpu_in_mps_mode_keeps_its_slices_and_the_daemon(mps: PluginRig):
+    """MPS: the lost GPU's slices stay, listed Unhealthy and reported used; the daemon is not
+    restarted for the GPUs left (its clients on them would lose their contexts); the other GPU's
+    slices are re-cut by a plan that leaves the lost one as it is. A reset brings it back."""
+    agent = mps.agent()
+    mps.node_api.set_annotations(mps_spec({0: [40, 40], 1: [20, 20, 40]}, plan="m1"))
+    await mps.settle(agent, "m1")
+    daemon_gpus, daemon_starts = mps.daemon.gpus, len(mps.daemon.starts)
+    await mps.kubelet.admit("ns/a", "nvidia.com/gpu-20gb")  # a pod on GPU 1
+    await agent.reconcile_once()
+    mps.driver.lose(1)
+    ops = len(mps.driver.ops)
+    report = await agent.reconcile_once()
+    assert not report.failed
+    assert mps.node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+    assert sorted(_layout(mps.node_api, 1)) == [(20, True), (20, True), (40, True)]
+    assert _layout(mps.node_api, 0) == [(40, False), (40, False)]
+    await mps.kubelet.wait_for(lambda: [h for _, h in mps.kubelet.plugins["nvidia.com/gpu-20gb"].devices]
+                               == ["Unhealthy", "Unhealthy"])
+    mps.node_api.set_annotations(mps_spec({0: [20, 20, 20, 20], 1: [20, 20, 40]}, plan="m2")
+                                 | {"dynpart.io/spec-gpu-0-40gb": None})
+    await mps.settle(agent, "m2")
+    assert sorted(_layout(mps.node_api, 0)) == [(20, False)] * 4
+    assert sorted(_layout(mps.node_api, 1)) == [(20, True), (20, True), (40, True)]
+    assert mps.daemon.running and mps.daemon.gpus == daemon_gpus
+    assert len(mps.daemon.starts) == daemon_starts
+    assert not any(op.device == 1 for op in mps.driver.ops[ops:])
+    assert mps.driver.lost_calls == 0
+    mps.kubelet.release("ns/a")
+    mps.driver.reset(1)  # back (compute mode DEFAULT again): served again, EXCLUSIVE_PROCESS again
+    for _ in range(20):
+        await agent.reconcile_once()
+        if all(h == "Healthy" for p in mps.kubelet.plugins.values() for _, h in p.devices):
+            break
+        await asyncio.sleep(0.05)
+    assert all(h == "Healthy" for p in mps.kubelet.plugins.values() for _, h in p.devices)
+    assert "dynpart.io/status-unhealthy" not in mps.node_api.annotations
+    assert mps.driver.compute_mode(1) == "EXCLUSIVE_PROCESS"
+
+
+async def test_an_agent_restarted_while_a_gpu_is_lost_reports_it_as_the_last_status(mps: PluginRig):
+    """MPS: the restarted agent finds the lost GPU's slices in the node's last status: reported
+    used, listed Unhealthy under their ids, and nothing is called on it."""
+    agent = mps.agent()
+    mps.node_api.set_annotations(mps_spec({0: [40, 40], 1: [20, 20, 40]}, plan="m1"))
+    await mps.settle(agent, "m1")
+    mps.driver.lose(1)
+    await agent.reconcile_once()
+    restarted = mps.agent()
+    report = await restarted.reconcile_once()
+    assert not report.failed and report.plan_id == "m1"
+    assert mps.node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+    assert sorted(_layout(mps.node_api, 1)) == [(20, True), (20, True), (40, True)]
+    await mps.kubelet.wait_for(lambda: sorted(mps.kubelet.plugins["nvidia.com/gpu-20gb"].devices)
+                               == [("GPU-fake-0001::1", "Unhealthy"), ("GPU-fake-0001::2", "Unhealthy")])
+    assert mps.driver.lost_calls == 0
+
+
+async def test_a_gpu_lost_during_a_pass_is_listed_lost_at_the_next_pass_soon(rig: PluginRig):
+    """A GPU falls off the bus between the pass's list of GPUs and a read on it: that pass fails
+    (every GPU reported unhealthy) and the next one comes soon (`retry_s`), listing only it lost."""
+    agent = rig.agent()
+    rig.node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p1"))
+    await rig.settle(agent, "p1")
+    processes = rig.driver.processes
+
+    def lost_now(index: int, gi_id: int | None = None) -> list[int]:
+        rig.driver.lose(1)
+        rig.driver.processes = processes  # type: ignore[method-assign]
+        return processes(index, gi_id)
+    rig.driver.processes = lost_now  # type: ignore[method-assign]
+    report = await agent.reconcile_once()
+    assert report.failed and agent._waiting and agent._retry_delay == agent.retry_s
+    assert rig.node_api.annotations["dynpart.io/status-unhealthy"] == "0,1"
+    report = await agent.reconcile_once()
+    assert not report.failed and rig.node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+
+
+async def test_one_lost_gpu_leaves_the_other_gpus_in_service():
+    """(without the built-in plugin) A 2-GPU node, GPU 1 lost: only it is reported unhealthy, with
+    its instance used; an agent restarted meanwhile reports it as the node's last status does."""
+    driver = FakeNvml(H100, 2)
+    api = FakeNodeApi("node-1", labels={"dynpart.io/gpu-partitioning": "mig"})
+    agent = Agent("node-1", node_api=api, driver=driver, pods=FakePodResources(), catalog=CATALOG, now=lambda: NOW)
+    api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p1"))
+    for _ in range(3):
+        await agent.reconcile_once()
+    assert api.annotations.get("dynpart.io/status-plan") == "p1"
+    driver.lose(1)
+    await agent.reconcile_once()
+    assert api.annotations.get("dynpart.io/status-unhealthy") == "1"
+    assert _layout(api, 1) == [("7g.80gb", 0, True)] and _layout(api, 0) == [("3g.40gb", 0, False), ("3g.40gb", 4, False)]
+    restarted = Agent("node-1", node_api=api, driver=driver, pods=FakePodResources(), catalog=CATALOG, now=lambda: NOW)
+    report = await restarted.reconcile_once()
+    assert report.plan_id == "p1" and api.annotations.get("dynpart.io/status-unhealthy") == "1"
+    assert _layout(api, 1) == [("7g.80gb", 0, True)]
+    assert driver.lost_calls == 0
+    driver.reboot()
+    for _ in range(3):
+        await restarted.reconcile_once()
+    assert "dynpart.io/status-unhealthy" not in api.annotations
+    assert driver.layout(1) == [("7g.80gb", 0)] and api.annotations.get("dynpart.io/status-plan") == "p1"
 
 
 async def test_a_recarve_that_reuses_the_destroyed_instances_uuid_is_advertised(rig: PluginRig):
@@ -367,3 +520,39 @@ async def test_a_pass_that_fails_after_changing_instances_reports_them_as_the_dr
     assert (await agent.reconcile_once()).plan_id == "p2"
     status = decode_status(rig.node_api.annotations, H100, node="node-1")
     assert [(m.profile, m.start, m.used) for m in status.layout.gpus[0].mig] == [("7g.80gb", 0, False)]
+
+
+async def test_a_lost_gpu_does_not_restart_nvidias_plugin():
+    """With NVIDIA's plugin: a GPU lost is reported unhealthy alone, its MIG devices count as still
+    there (NVIDIA's plugin marks them Unhealthy itself; a restart for them would gain nothing), and
+    a plan for the other GPU is carried out and acknowledged."""
+    driver, pods = FakeNvml(H100, 2), FakePodResources()
+    agent, node_api, plugin_pods = _nvidia_agent(driver, pods)
+
+    def lists() -> None:
+        by_id = {p.gi_profile_id: p.name for p in driver.model.mig_profiles}
+        found: dict[str, list[str]] = {}
+        for gpu in range(2):
+            for gi in ([] if gpu in driver.lost else driver.gpu_instances(gpu)):
+                if gi.uuid:
+                    found.setdefault(f"nvidia.com/mig-{by_id[gi.profile_id]}", []).append(gi.uuid)
+        pods.devices = found
+        # a lost GPU's MIG devices: Unhealthy, in the node's capacity, not allocatable
+        node_api.set_allocatable({r: len(ids) for r, ids in found.items()},
+                                 {"nvidia.com/mig-7g.80gb": 1} if driver.lost else None)
+    node_api.set_annotations(mig_spec({0: ["3g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p1"))
+    await agent.reconcile_once()
+    lists()
+    assert (await agent.reconcile_once()).plan_id == "p1" and plugin_pods.restarts == 1
+    driver.lose(1)
+    report = await agent.reconcile_once()
+    assert not report.failed and plugin_pods.restarts == 1
+    assert node_api.annotations["dynpart.io/status-unhealthy"] == "1"
+    assert _layout(node_api, 1) == [("7g.80gb", 0, True)]
+    node_api.set_annotations(mig_spec({0: ["4g.40gb@0", "3g.40gb@4"], 1: ["7g.80gb@0"]}, plan="p2"))
+    await agent.reconcile_once()
+    assert plugin_pods.restarts == 2
+    lists()
+    report = await agent.reconcile_once()
+    assert driver.layout(0) == [("4g.40gb", 0), ("3g.40gb", 4)] and driver.lost_calls == 0
+    assert report.plan_id == "p2", report.errors

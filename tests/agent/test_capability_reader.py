@@ -4,10 +4,13 @@ lists profiles only in MIG mode; real H100s and H200s on driver 580 list them in
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from dynpart.agent.capability_reader import read_capability
 from dynpart.agent.driver.fake import FakeNvml
+from dynpart.agent.driver.interface import GpuDriverError
 from dynpart.agent.nvml_probe import probe
 from dynpart.catalog import load_catalog
 from dynpart.errors import DynpartError
@@ -74,3 +77,29 @@ def test_a_profile_the_driver_names_otherwise_is_planned_under_the_drivers_name(
     assert len(names) == len(base.mig_profiles) and set(renames.values()) <= set(names)
     assert not set(renames) & set(names)
     assert any(f"{old}: the driver names it {new}" in d for old, new in renames.items() for d in choice.disagreements)
+
+
+def test_a_lost_gpu_is_described_as_last_read_and_not_read():
+    """A GPU fallen off the bus (`DeviceInfo.lost`) is not read: described as last read, or, never
+    read, as the node's first GPU that answers; every GPU lost and never read is an NVML error."""
+    driver = _Counting(H100, 3, mig_enabled=True)
+    driver.lose(0)
+    capability, problems = read_capability(driver, CATALOG)
+    assert problems == [] and driver.asked == [1] and driver.lost_calls == 0
+    assert [g.mig for g in capability.gpus] == ["on", "on", "on"] and len(capability.kinds) == 1
+
+    class _NeverRead(FakeNvml):  # as RealNvml lists a GPU lost before it was ever read
+        def devices(self):
+            return [replace(d, name="", uuid="", memory_mib=0, mig_capable=False, mig_current=False,
+                            mig_pending=False, reserved_mib=None) if d.lost else d for d in super().devices()]
+    never = _NeverRead(H100, 2, mig_enabled=True)
+    never.lose(1)
+    capability, _ = read_capability(never, CATALOG)
+    assert [g.mig for g in capability.gpus] == ["on", "on"] and len(capability.kinds) == 1
+    never.lose(0)
+    with pytest.raises(GpuDriverError, match="every GPU of the node is lost") as e:
+        read_capability(never, CATALOG)
+    assert e.value.code == "GPU_IS_LOST"
+    report = probe(driver, CATALOG)  # the probe says which is lost and goes on with the others
+    assert not report.ok and any("GPU 0 is lost" in m for m in report.mismatches)
+    assert any(line.startswith("GPU 0: lost") for line in report.lines) and driver.lost_calls == 0

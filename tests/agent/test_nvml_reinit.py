@@ -84,17 +84,57 @@ def test_nvml_is_started_again_after_the_gpu_is_lost(monkeypatch: pytest.MonkeyP
     assert e.value.code == "GPU_IS_LOST"
     assert driver._call(nv.nvmlDeviceGetHandleByIndex, 0) == "gpu0", "the next call starts NVML again"
     assert (nv.state["inits"], nv.state["shutdowns"]) == (2, 1)
-    # started again, NVML still cannot reach the lost GPU, and the driver says so every time
-    with pytest.raises(GpuDriverError) as e:
-        driver._call(nv.nvmlDeviceGetHandleByIndex, 1)
-    assert e.value.code == "GPU_IS_LOST"
-    with pytest.raises(GpuDriverError) as e:
-        driver.devices()  # (one lost GPU fails the whole list, as FakeNvml.devices plays it)
-    assert e.value.code == "GPU_IS_LOST"
-    assert (nv.state["inits"], nv.state["shutdowns"]) == (3, 2)  # started again before each of them
     assert driver.health(1) == "NVML cannot read it: GPU is lost"
     assert driver.health(0) is None  # the other GPU is fine
-    assert driver._call(nv.nvmlDeviceGetCount) == 2 and (nv.state["inits"], nv.state["shutdowns"]) == (4, 3)
+
+
+def test_a_lost_gpu_is_listed_lost_and_the_others_as_they_are(monkeypatch: pytest.MonkeyPatch):
+    """GPU_IS_LOST comes from the lost GPU's own handle: devices() lists the other GPU as it is
+    and the lost one `lost`, as last read. NVML is started again when the GPU is first found
+    lost, not at every pass after (seconds per GPU without persistence mode), but again after
+    `lost_reinit_s`, in case a reset brought it back; once its handle answers it is read again."""
+    nv = fake_pynvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    from dynpart.agent.driver.nvml import RealNvml
+
+    driver = RealNvml()
+    before = driver.devices()
+    assert not any(d.lost for d in before)
+    nv.state["lost"].add(1)
+    devices = driver.devices()
+    assert [(d.index, d.lost) for d in devices] == [(0, False), (1, True)]
+    assert devices[1].uuid == before[1].uuid and devices[1].name == before[1].name  # as last read
+    driver.devices()  # the re-init the first GPU_IS_LOST asked for
+    inits = nv.state["inits"]
+    assert inits == 2
+    for _ in range(5):  # pass after pass: not started again
+        assert [d.lost for d in driver.devices()] == [False, True]
+    assert nv.state["inits"] == inits
+    with pytest.raises(GpuDriverError) as e:  # a call on it fails, without a re-init either
+        driver.gpu_instances(1)
+    assert e.value.code == "GPU_IS_LOST"
+    assert [d.lost for d in driver.devices()] == [False, True] and nv.state["inits"] == inits
+    driver.lost_reinit_s = 0.0  # a while later: started again once, in case a reset brought it back
+    driver.devices()
+    driver.lost_reinit_s = 300.0
+    assert [d.lost for d in driver.devices()] == [False, True] and nv.state["inits"] == inits + 1
+    nv.state["lost"].discard(1)  # reset: back
+    assert [d.lost for d in driver.devices()] == [False, False] and nv.state["inits"] == inits + 1
+    nv.state["lost"].add(1)  # lost again later: found lost anew, started again once
+    assert [d.lost for d in driver.devices()] == [False, True]
+    driver.devices()
+    assert nv.state["inits"] == inits + 2
+
+
+def test_a_gpu_lost_before_the_agent_started_is_listed_with_its_index_only(monkeypatch: pytest.MonkeyPatch):
+    nv = fake_pynvml()
+    nv.state["lost"].add(0)
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    from dynpart.agent.driver.nvml import RealNvml
+
+    devices = RealNvml().devices()
+    assert devices[0].lost and devices[0].index == 0 and devices[0].uuid == "" and not devices[0].mig_current
+    assert not devices[1].lost and devices[1].name == "NVIDIA H100 80GB HBM3"
 
 
 def test_processes_of_a_gpu_instance_are_read_on_every_compute_instance():
