@@ -1125,10 +1125,13 @@ def test_agent_device_specs_dev_root_and_off(tmp_path, monkeypatch):
     objs = render("--set", "devicePlugin.devRoot=/run/nvidia/driver", "--set", "agent.privileged=false")
     pod = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
     vols = {v["name"]: v for v in pod["volumes"]}
-    assert vols["nvidia-dev"]["hostPath"] == {"path": "/run/nvidia/driver/dev", "type": "Directory"}
-    assert {"name": "nvidia-dev", "mountPath": "/host/nvidia-dev", "readOnly": True} in container(pod, "agent")["volumeMounts"]
+    # the driver root is a mount the driver pod makes, again at each restart (helper-160): its parent,
+    # HostToContainer, so the agent sees the new one and does not wait for the first
+    assert vols["nvidia-dev"]["hostPath"] == {"path": "/run/nvidia/driver", "type": "DirectoryOrCreate"}
+    assert {"name": "nvidia-dev", "mountPath": "/host/nvidia-root", "readOnly": True,
+            "mountPropagation": "HostToContainer"} in container(pod, "agent")["volumeMounts"]
     _, s = _agent_settings(objs, tmp_path, monkeypatch)
-    assert (s.device_specs, s.nvidia_dev_root) == (True, "/run/nvidia/driver")
+    assert (s.device_specs, s.nvidia_dev_root, s.nvidia_dev_dir) == (True, "/run/nvidia/driver", "/host/nvidia-root/dev")
     objs = render("--set", "devicePlugin.deviceSpecs=false")
     pod = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
     assert "nvidia-dev" not in {v["name"] for v in pod["volumes"]}

@@ -255,3 +255,9 @@ would work for as long as the pod lives (docs/helm.md, "RBAC (least privilege)")
                 apiVersion: v1
                 fieldPath: metadata.namespace
 {{- end }}
+
+{{/* devicePlugin.devRoot without a trailing slash, "/" for the host's root. */}}
+{{- define "dynpart.devRoot" -}}
+{{- $r := trimSuffix "/" .Values.devicePlugin.devRoot -}}
+{{- if $r }}{{ $r }}{{ else }}/{{ end -}}
+{{- end }}
