@@ -332,7 +332,7 @@ def _run_jobs(jobs: list[Job], parts: list[Part], catalog: Catalog, n_proc: int)
         return [out[i] for i in range(len(jobs))]
     results = []
     for j in jobs:
-        bar = Progress(f"simulate {parts[j.part].name} {_label(j)}", 1)
+        bar = Progress(f"simulate {parts[j.part].name} {_label(j)} (pods done)", 1)
 
         def tick(done: float, total: float, _b: Progress = bar) -> None:
             _b.total = max(1, int(total))
