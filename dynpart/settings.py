@@ -218,7 +218,8 @@ class AgentSettings(CommonSettings):
         "accept-nvidia-visible-devices-as-volume-mounts=true, as GPU Operator sets it, and is what a runtime that "
         "refuses the variable from unprivileged pods needs), or by CDI name, for a runtime that injects GPUs by CDI "
         "(GPU Operator v25.10 or later, whose `nvidia` runtime runs in CDI mode): `cdi-cri` (the Allocate response's "
-        "CDI devices, kubelet 1.29 or later, 1.28 with the DevicePluginCDIDevices gate) or `cdi-annotations` (a cdi.k8s.io/ annotation), each device "
+        "CDI devices, kubelet 1.29 or later, 1.28 with the DevicePluginCDIDevices gate) or `cdi-annotations` "
+        "(a cdi.k8s.io/ annotation), each device "
         "`<cdi_kind>=<GPU or MIG UUID>`, from a spec the agent writes in `cdi_spec_dir`; NVIDIA_VISIBLE_DEVICES is "
         "then `void`")
     cdi_spec_dir: str = Field(default="/var/run/cdi", description="the agent's own device plugin, a CDI "
