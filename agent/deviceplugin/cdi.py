@@ -48,6 +48,7 @@ ANNOTATION_PREFIX = "cdi.k8s.io/"
 ANNOTATION_PLUGIN = "dynpart-device-plugin"
 
 _NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")  # a CDI device name (parser.ValidateDeviceName)
+_REFUSED: set[str] = set()  # device names refused once (logged)
 _KIND = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z0-9]([A-Za-z0-9_-]*[A-Za-z0-9])?$")
 
 
@@ -58,6 +59,11 @@ def is_cdi(strategy: str) -> bool:
 def valid_kind(kind: str) -> bool:
     """`vendor/class` as CDI's parser accepts it (vendor: alphanumerics, `_`, `-`, `.`; class: no `.`)."""
     return bool(_KIND.match(kind))
+
+
+def valid_name(name: str) -> bool:
+    """A CDI device name (alphanumerics, `_`, `-`, `.`, `:`; starting and ending alphanumeric)."""
+    return bool(_NAME.match(name))
 
 
 def device_name(d: PluginDevice) -> str:
@@ -149,8 +155,11 @@ def build_spec(devices: Iterable[PluginDevice], kind: str = DEFAULT_KIND, common
     out: dict[str, list[str]] = {}
     for d in devices:
         name = device_name(d)
-        if not _NAME.match(name):
-            log.warning("CDI: device %s is left out of the spec: %r is no valid CDI device name", d.id, name)
+        if not valid_name(name):
+            if name not in _REFUSED:  # (said once: the spec is built at every pass)
+                _REFUSED.add(name)
+                log.warning("CDI: device %s is left out of the spec, and not advertised: %r is no valid CDI device "
+                            "name", d.id, name)
             continue
         nodes = out.setdefault(name, [])
         nodes += [n for n in d.nodes if n not in nodes]
@@ -202,12 +211,13 @@ class CdiSpecWriter:
         self.problem: str | None = None  # what is wrong now (no management spec, a failed write), or None
         self._content: str | None = None  # as last written (None: unknown, or removed)
         self._said: str | None = None
+        self._common_cache: tuple[list[tuple[str, int, int, int]], CommonEdits] | None = None
 
     def write(self, devices: Iterable[PluginDevice]) -> bool:
         """Write the spec of `devices` if it changed (none: remove it; CDI refuses a spec without
         devices). True if the file on disk now names them; False if the write failed (`problem`
         says why; `names` is still what the file names)."""
-        common = common_edits(self.management_specs)
+        common = self._common()
         spec = build_spec(devices, self.kind, common, self.dev_root, self.node_exists)
         names = frozenset(d["name"] for d in spec["devices"])
         problems = []
@@ -230,6 +240,20 @@ class CdiSpecWriter:
             failed = True
         self._say("; ".join(problems) or None)
         return not failed
+
+    def _common(self) -> CommonEdits:
+        """`common_edits`, parsed again only when a management spec's file changed (the writer runs
+        at every pass, and every poll while a device waits)."""
+        stamps = []
+        for p in self.management_specs:
+            try:
+                st = os.stat(p)
+                stamps.append((p, st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                stamps.append((p, 0, 0, -1))
+        if self._common_cache is None or self._common_cache[0] != stamps:
+            self._common_cache = (stamps, common_edits(self.management_specs))
+        return self._common_cache[1]
 
     def _write(self, content: str) -> None:
         os.makedirs(self.spec_dir, exist_ok=True)

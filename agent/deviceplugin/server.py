@@ -38,7 +38,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dynpart.agent.deviceplugin import protocol
-from dynpart.agent.deviceplugin.cdi import DEFAULT_KIND, CdiSpecWriter, cdi_annotations, device_name, qualified_names
+from dynpart.agent.deviceplugin.cdi import (
+    DEFAULT_KIND,
+    CdiSpecWriter,
+    cdi_annotations,
+    device_name,
+    qualified_names,
+    valid_name,
+)
 from dynpart.agent.deviceplugin.devices import (
     MPS_PIPE_DIRECTORY,
     DeviceList,
@@ -539,16 +546,22 @@ class DevicePluginManager:
         # less what the spec on disk does not name
         self._write_cdi()
         blocked_ids = self._blocked(additions)
+        refused: set[str] = set()  # no valid CDI name: never listed, nor waited for
         if self.cdi is not None:
             for r, ds in additions.items():
                 unnamed = [d.id for d in ds if device_name(d) not in self.cdi.names and d.id not in blocked_ids.get(r, [])]
+                refused |= {d.id for d in ds if not valid_name(device_name(d))}
                 if unnamed:
                     blocked_ids[r] = [*blocked_ids.get(r, []), *unnamed]
-        before, self.pending = self.pending, {r: ids for r, ids in blocked_ids.items() if ids}
+        before, self.pending = self.pending, {r: kept for r, ids in blocked_ids.items()
+                                              if (kept := [i for i in ids if i not in refused])}
         if self.pending and self.pending != before:  # (the watch looks again every poll_s: said once)
-            log.info("device plugin: holding back %s until the kubelet drops %s",
-                     "; ".join(f"{r} {', '.join(ids)}" for r, ids in sorted(self.pending.items())),
-                     "; ".join(f"{r} {', '.join(sorted(ids))}" for r, ids in sorted(self.leaving.items())))
+            leaving = "; ".join(f"{r} {', '.join(sorted(ids))}" for r, ids in sorted(self.leaving.items()))
+            why = [f"the kubelet drops {leaving}"] if self.leaving else []
+            if self.cdi is not None and self.cdi.problem:
+                why.append(f"the CDI spec names them ({self.cdi.problem})")
+            log.info("device plugin: holding back %s until %s",
+                     "; ".join(f"{r} {', '.join(ids)}" for r, ids in sorted(self.pending.items())), " and ".join(why))
         for resource, devices in target.items():
             held_back = set(blocked_ids.get(resource, ()))
             devices = [d for d in devices if d.id not in held_back]

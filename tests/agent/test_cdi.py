@@ -317,3 +317,20 @@ async def test_node_leaving_dynpart_removes_the_spec(rig: Rig, root):
     del rig.node_api.labels["dynpart.io/gpu-partitioning"]
     await agent._hand_back()
     assert not os.path.exists(rig.plugins.cdi.path)
+
+
+@pytest.mark.asyncio
+async def test_device_with_an_invalid_cdi_name_is_not_advertised(root, caplog):
+    """An old driver's MIG UUID (`MIG-GPU-<uuid>/<gi>/<ci>`) is no CDI device name: left out of the
+    spec, hence never listed (a pod would get a name no spec resolves); said once."""
+    gpus = [GpuView(index=0, uuid="GPU-0", memory_gb=80, mig_enabled=True, minor=0,
+                    mig=(MigDeviceView("1g.10gb", "MIG-GPU-0/1/0", caps=(12, 13)),
+                         MigDeviceView("1g.10gb", "MIG-b", caps=(21, 22))))]
+    cdi = CdiSpecWriter(os.path.join(root, "cdi"))
+    with caplog.at_level(logging.WARNING, logger="dynpart.agent.deviceplugin.cdi"):
+        async with DevicePluginManager(os.path.join(root, "dp"), serve=False, cdi=cdi) as m:
+            await m.update(advertise(gpus))
+            await m.update(advertise(gpus))
+            assert [d.id for d in m.advertised()["nvidia.com/mig-1g.10gb"]] == ["MIG-b"]
+            assert m.pending == {}  # (nothing to wait for: the watch does not retry it)
+    assert len([r for r in caplog.records if "no valid CDI device name" in r.getMessage()]) == 1
