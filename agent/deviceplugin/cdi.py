@@ -222,7 +222,7 @@ class CdiSpecWriter:
         names = frozenset(d["name"] for d in spec["devices"])
         problems = []
         failed = False
-        if common.error:
+        if common.error and names:  # (no device: no spec to complete)
             problems.append(f"{common.error}: containers get their device nodes but not the driver's libraries "
                             "and binaries")
         try:
