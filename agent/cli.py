@@ -510,6 +510,7 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     with `device_plugin: builtin`) and, with `device_plugin: nvidia`, the restarts of NVIDIA's
     plugin on MIG nodes. Closing `stack` stops the plugin, then the MPS daemon, within what is
     left of `shutdown`'s deadline."""
+    from dynpart.agent.deviceplugin.cdi import CdiSpecWriter, is_cdi
     from dynpart.agent.deviceplugin.server import AllocateSettings, DevicePluginManager
     from dynpart.agent.kube import KubeNodeApi, KubePluginPods, lease_term_reader
     from dynpart.agent.loop import Agent
@@ -531,8 +532,12 @@ async def _agent(args: argparse.Namespace, settings: AgentSettings, api_client: 
     # MPS clients get the running daemon's /dev/shm where mps-control says it has one of its own
     allocate = AllocateSettings(pipe_dir_host=settings.mps_pipe_dir, device_list=settings.device_list_strategy,
                                 mps_shm_host=lambda: daemon.shm_dir, device_specs=settings.device_specs,
-                                dev_root=settings.nvidia_dev_root, dev_dir=settings.nvidia_dev_dir)
-    plugins = DevicePluginManager(settings.device_plugin_dir, allocate=allocate, held=pods.allocatable)
+                                dev_root=settings.nvidia_dev_root, dev_dir=settings.nvidia_dev_dir,
+                                cdi_kind=settings.cdi_kind)
+    cdi = (CdiSpecWriter(settings.cdi_spec_dir, settings.cdi_kind, settings.cdi_management_spec or None,
+                         dev_root=settings.nvidia_dev_root, node_exists=allocate.node_exists)
+           if is_cdi(settings.device_list_strategy) else None)
+    plugins = DevicePluginManager(settings.device_plugin_dir, allocate=allocate, held=pods.allocatable, cdi=cdi)
     await plugins.start()
     stack.push_async_callback(shutdown.step, "stopping the device plugin", plugins.close)
     if isinstance(pods, FakePodResources):  # --fake-gpus without a kubelet: it "holds" all advertised

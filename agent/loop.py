@@ -398,6 +398,8 @@ class Agent:
         except DynpartError as e:
             log.warning("node %s: %s", self.node, e)
         errors = [*spec.problems, *fenced, *result.errors]
+        if self.plugins is not None and self.plugins.cdi is not None and self.plugins.cdi.problem:
+            errors.append(f"CDI spec: {self.plugins.cdi.problem}")
         waiting: list[str] = []
         severe: frozenset[str] = frozenset()
         try:
@@ -1026,13 +1028,26 @@ class Agent:
         whole): the GPUs dynpart put in EXCLUSIVE_PROCESS go back to DEFAULT, or a pod given one
         whole could run a single CUDA process. A restart or an upgrade keeps the label: then
         nothing changes, and the next agent finds its GPUs in the compute-modes file. Bounded: the
-        kubelet kills the agent soon after SIGTERM."""
-        if not self.compute_modes.ours:
+        kubelet kills the agent soon after SIGTERM. The CDI spec the plugin wrote (a CDI device-list
+        strategy) is removed then too; a restart keeps it (a container of a running pod created again
+        resolves its CDI names from it)."""
+        cdi = self.plugins.cdi if self.plugins is not None else None
+        if not self.compute_modes.ours and cdi is None:
             return
 
         async def hand_back() -> list[str] | None:
             node = await self.node_api.get()
             if node.labels.get(PARTITIONING_LABEL) in ("mig", "mps"):
+                return None
+            if cdi is not None:
+                try:
+                    cdi.remove()
+                    log.info("node %s: stopping on a node that left dynpart: its CDI spec %s removed", self.node,
+                             cdi.path)
+                except OSError as e:
+                    log.warning("node %s: stopping on a node that left dynpart: its CDI spec %s not removed: %s",
+                                self.node, cdi.path, e)
+            if not self.compute_modes.ours:
                 return None
             return await self.compute_modes.sync(await self.driver.devices(), set())
 

@@ -210,13 +210,31 @@ class AgentSettings(CommonSettings):
     device_plugin_dir: str = Field(default="/var/lib/kubelet/device-plugins", description="the agent's own device "
                                    "plugin: the kubelet's device-plugin directory (kubelet.sock and the plugins' "
                                    "sockets)")
-    device_list_strategy: Literal["envvar", "volume-mounts"] = Field(
+    device_list_strategy: Literal["envvar", "volume-mounts", "cdi-cri", "cdi-annotations"] = Field(
         default="envvar", description="the agent's own device plugin: how Allocate names a container's GPUs or MIG "
         "devices to the NVIDIA container runtime, as NVIDIA's plugin's DEVICE_LIST_STRATEGY: `envvar` "
         "(NVIDIA_VISIBLE_DEVICES lists them; a pod can set that variable itself) or `volume-mounts` (one /dev/null "
         "mount per device under /var/run/nvidia-container-devices; needs the runtime's "
         "accept-nvidia-visible-devices-as-volume-mounts=true, as GPU Operator sets it, and is what a runtime that "
-        "refuses the variable from unprivileged pods needs)")
+        "refuses the variable from unprivileged pods needs), or by CDI name, for a runtime that injects GPUs by CDI "
+        "(GPU Operator v25.10 or later, whose `nvidia` runtime runs in CDI mode): `cdi-cri` (the Allocate response's "
+        "CDI devices, kubelet 1.29 or later, 1.28 with the DevicePluginCDIDevices gate) or `cdi-annotations` "
+        "(a cdi.k8s.io/ annotation), each device "
+        "`<cdi_kind>=<GPU or MIG UUID>`, from a spec the agent writes in `cdi_spec_dir`; NVIDIA_VISIBLE_DEVICES is "
+        "then `void`")
+    cdi_spec_dir: str = Field(default="/var/run/cdi", description="the agent's own device plugin, a CDI "
+                              "`device_list_strategy`: the directory (a CDI spec directory of the node's runtime) "
+                              "where the agent writes its spec `<cdi_kind, / written ->.json` and where it reads the "
+                              "NVIDIA Container Toolkit's management spec")
+    cdi_kind: str = Field(default="dynpart.io/gpu", pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?/"
+                          r"[A-Za-z0-9]([A-Za-z0-9_-]*[A-Za-z0-9])?$",
+                          description="the agent's own device plugin, a CDI `device_list_strategy`: the kind "
+                          "(vendor/class) of its CDI devices")
+    cdi_management_spec: list[str] = Field(
+        default_factory=list, description="the agent's own device plugin, a CDI `device_list_strategy`: the "
+        "management CDI spec(s) whose common edits (the driver's libraries, binaries and hooks) the agent's spec "
+        "copies, the first that exists (empty: management.nvidia.com-gpu.yaml, then .json, in `cdi_spec_dir`, as "
+        "the NVIDIA Container Toolkit writes it)")
     device_specs: bool = Field(
         default=True, description="the agent's own device plugin: Allocate also lists the container's device nodes "
         "as DeviceSpecs, as NVIDIA's plugin does with PASS_DEVICE_SPECS=true (GPU Operator's setting): "

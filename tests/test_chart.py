@@ -1138,3 +1138,32 @@ def test_agent_device_specs_dev_root_and_off(tmp_path, monkeypatch):
     assert not any(m["name"] == "nvidia-dev" for m in container(pod, "agent")["volumeMounts"])
     _, s = _agent_settings(objs, tmp_path, monkeypatch)
     assert s.device_specs is False
+
+
+def test_agent_cdi_strategy_mounts_the_cdi_dir(tmp_path, monkeypatch):
+    """deviceListStrategy cdi-cri / cdi-annotations: the node's CDI directory mounted read-write at
+    /host/cdi (the agent writes its spec there and reads the toolkit's management spec), the host's
+    <devRoot>/dev even without DeviceSpecs (the spec's control nodes: those that exist); the default
+    strategy mounts no CDI directory."""
+    pod = find(render(), "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
+    assert "cdi" not in {v["name"] for v in pod["volumes"]}
+    objs = render("--set", "devicePlugin.deviceListStrategy=cdi-cri", "--set", "devicePlugin.deviceSpecs=false",
+                  "--set", "devicePlugin.cdi.dir=/run/cdi", "--set", "devicePlugin.cdi.kind=example.com/gpu",
+                  "--set", "devicePlugin.cdi.managementSpec=management.nvidia.com-gpu.json")
+    pod = find(objs, "DaemonSet", AGENT_DS)["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["cdi"]["hostPath"] == {"path": "/run/cdi", "type": "DirectoryOrCreate"}
+    assert {"name": "cdi", "mountPath": "/host/cdi"} in container(pod, "agent")["volumeMounts"]
+    assert vols["nvidia-dev"]["hostPath"] == {"path": "/dev", "type": "Directory"}
+    _, s = _agent_settings(objs, tmp_path, monkeypatch)
+    assert (s.device_list_strategy, s.cdi_spec_dir, s.cdi_kind, s.cdi_management_spec, s.device_specs) == (
+        "cdi-cri", "/host/cdi", "example.com/gpu", ["/host/cdi/management.nvidia.com-gpu.json"], False)
+    objs = render("--set", "devicePlugin.deviceListStrategy=cdi-annotations")
+    _, s = _agent_settings(objs, tmp_path, monkeypatch)
+    assert (s.device_list_strategy, s.cdi_spec_dir, s.cdi_kind, s.cdi_management_spec) == (
+        "cdi-annotations", "/host/cdi", "dynpart.io/gpu", [])
+    for bad, where in (("devicePlugin.cdi.kind=dynpart.io", "/devicePlugin/cdi/kind"),
+                       ("devicePlugin.cdi.dir=run/cdi", "/devicePlugin/cdi/dir"),
+                       ("devicePlugin.cdi.managementSpec=a/b.yaml", "/devicePlugin/cdi/managementSpec"),
+                       ("devicePlugin.deviceListStrategy=cdi", "/devicePlugin/deviceListStrategy")):
+        assert where in _template_error("--set", bad), bad

@@ -235,8 +235,11 @@ class ContainerAllocation:
 # NVIDIA's device-list strategies (its plugin's DEVICE_LIST_STRATEGY): the device ids in
 # NVIDIA_VISIBLE_DEVICES, or one /dev/null mount per id under this directory, with the variable
 # naming the directory (the runtime then takes the devices only from mounts, which a pod cannot
-# forge, where it is set with accept-nvidia-visible-devices-as-volume-mounts=true)
-DeviceList = Literal["envvar", "volume-mounts"]
+# forge, where it is set with accept-nvidia-visible-devices-as-volume-mounts=true); or by CDI name
+# (`cdi-cri`: the response's CDIDevices, `cdi-annotations`: a cdi.k8s.io/ annotation; deviceplugin/
+# cdi.py), NVIDIA_VISIBLE_DEVICES then `void` as NVIDIA's plugin sets it (a CUDA image's own `all`
+# would otherwise give the container every GPU under the NVIDIA runtime)
+DeviceList = Literal["envvar", "volume-mounts", "cdi-cri", "cdi-annotations"]
 DEVICE_LIST_MOUNTS = "/var/run/nvidia-container-devices"
 
 
@@ -286,6 +289,8 @@ def container_allocation(devices: list[PluginDevice], mps_pipe_host: str = MPS_P
 
 def _visible(ids: list[str], device_list: DeviceList) -> ContainerAllocation:
     """How the NVIDIA container runtime is told which GPUs or MIG devices the container gets."""
+    if device_list in ("cdi-cri", "cdi-annotations"):
+        return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": "void"})
     if device_list == "volume-mounts":
         return ContainerAllocation(envs={"NVIDIA_VISIBLE_DEVICES": DEVICE_LIST_MOUNTS},
                                    mounts=tuple(MountSpec("/dev/null", f"{DEVICE_LIST_MOUNTS}/{i}") for i in ids))

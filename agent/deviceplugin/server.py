@@ -31,12 +31,21 @@ import logging
 import os
 import re
 import time
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from dynpart.agent.deviceplugin import protocol
+from dynpart.agent.deviceplugin.cdi import (
+    DEFAULT_KIND,
+    CdiSpecWriter,
+    cdi_annotations,
+    device_name,
+    qualified_names,
+    valid_name,
+)
 from dynpart.agent.deviceplugin.devices import (
     MPS_PIPE_DIRECTORY,
     DeviceList,
@@ -85,7 +94,9 @@ class AllocateSettings:
     running daemon's /dev/shm, or None), how the devices are named to the NVIDIA container
     runtime (`devices.DeviceList`), and whether their device nodes are given as DeviceSpecs
     (`device_specs`: host paths under `dev_root`, given only where they exist in `dev_dir`, the
-    agent's view of the host's `<dev_root>/dev`, looked at on each Allocate)."""
+    agent's view of the host's `<dev_root>/dev`, looked at on each Allocate). With a CDI
+    strategy (`cdi-cri`, `cdi-annotations`) the devices are named `<cdi_kind>=<UUID>`
+    (deviceplugin/cdi.py)."""
 
     pipe_dir_host: str = MPS_PIPE_DIRECTORY
     pipe_dir_container: str = MPS_PIPE_DIRECTORY
@@ -94,6 +105,7 @@ class AllocateSettings:
     device_specs: bool = True
     dev_root: str = "/"
     dev_dir: str = "/dev"
+    cdi_kind: str = DEFAULT_KIND
 
     def node_exists(self, path: str) -> bool:
         """Whether device node `path` (/dev/...) is on the host, seen in `dev_dir`."""
@@ -146,6 +158,10 @@ class PluginServer:
 
     def socket_exists(self) -> bool:
         return os.path.exists(self.socket_path)
+
+    def known(self) -> list[PluginDevice]:
+        """The devices Allocate serves: listed, or withdrawn and not yet destroyed."""
+        return list(self._known.values())
 
     def forget(self, gone: set[str]) -> None:
         """Destroyed devices: Allocate no longer knows them (they are listed no more already)."""
@@ -328,11 +344,15 @@ class PluginServer:
                                      self.allocate.mps_shm_host())
             specs = (device_specs(devices, self.allocate.dev_root, self.allocate.node_exists)
                      if self.allocate.device_specs else ())
+            strategy = self.allocate.device_list
+            names = qualified_names(self.allocate.cdi_kind, devices) if strategy.startswith("cdi-") else []
             responses.append(msgs["ContainerAllocateResponse"](
                 envs=a.envs, mounts=[msgs["Mount"](host_path=m.host_path, container_path=m.container_path,
                                                    read_only=m.read_only) for m in a.mounts],
                 devices=[msgs["DeviceSpec"](container_path=d.container_path, host_path=d.host_path,
-                                            permissions=d.permissions) for d in specs]))
+                                            permissions=d.permissions) for d in specs],
+                cdi_devices=[msgs["CDIDevice"](name=n) for n in names] if strategy == "cdi-cri" else [],
+                annotations=cdi_annotations(str(uuid.uuid4()), names) if strategy == "cdi-annotations" else {}))
         return msgs["AllocateResponse"](container_responses=responses)
 
     async def PreStartContainer(self, request: Any, context: Any) -> Any:
@@ -344,8 +364,13 @@ class DevicePluginManager:
 
     def __init__(self, plugin_dir: str = protocol.DEVICE_PLUGIN_DIR, *, preferred: PreferredHook | None = None,
                  allocate: AllocateSettings | None = None, poll_s: float = 0.1, register_timeout_s: float = 5.0,
-                 held: HeldHook | None = None, confirm_timeout_s: float = 2.0, serve: bool = True):
+                 held: HeldHook | None = None, confirm_timeout_s: float = 2.0, serve: bool = True,
+                 cdi: CdiSpecWriter | None = None):
         self.plugin_dir = plugin_dir
+        # the CDI spec naming what Allocate may serve (a CDI device-list strategy), or None: written
+        # before a device is added to a list, after every change; a device the spec on disk does not
+        # name (its write failed) is held back
+        self.cdi = cdi
         self.kubelet_socket = os.path.join(plugin_dir, protocol.KUBELET_SOCKET_NAME)
         self.preferred = preferred
         self.allocate = allocate or AllocateSettings()
@@ -453,6 +478,7 @@ class DevicePluginManager:
             self._wanted = {r: [d for d in ds if d.id not in gone] for r, ds in self._wanted.items()}
             for s in self.servers.values():
                 s.forget(gone)
+            self._write_cdi()
 
     async def set_unhealthy(self) -> None:
         """Every device listed Unhealthy (the GPUs cannot be read); the next `update` says again
@@ -516,13 +542,26 @@ class DevicePluginManager:
         # 3. resources gone for good: stopped once the kubelet dropped their devices
         for resource in [r for r in self.servers if r not in target and r not in self.leaving]:
             await self.servers.pop(resource).stop()
-        # 4. the rest, less what could still put a GPU under two resources at the kubelet
+        # 4. the rest, less what could still put a GPU under two resources at the kubelet, and (CDI)
+        # less what the spec on disk does not name
+        self._write_cdi()
         blocked_ids = self._blocked(additions)
-        before, self.pending = self.pending, {r: ids for r, ids in blocked_ids.items() if ids}
+        refused: set[str] = set()  # no valid CDI name: never listed, nor waited for
+        if self.cdi is not None:
+            for r, ds in additions.items():
+                unnamed = [d.id for d in ds if device_name(d) not in self.cdi.names and d.id not in blocked_ids.get(r, [])]
+                refused |= {d.id for d in ds if not valid_name(device_name(d))}
+                if unnamed:
+                    blocked_ids[r] = [*blocked_ids.get(r, []), *unnamed]
+        before, self.pending = self.pending, {r: kept for r, ids in blocked_ids.items()
+                                              if (kept := [i for i in ids if i not in refused])}
         if self.pending and self.pending != before:  # (the watch looks again every poll_s: said once)
-            log.info("device plugin: holding back %s until the kubelet drops %s",
-                     "; ".join(f"{r} {', '.join(ids)}" for r, ids in sorted(self.pending.items())),
-                     "; ".join(f"{r} {', '.join(sorted(ids))}" for r, ids in sorted(self.leaving.items())))
+            leaving = "; ".join(f"{r} {', '.join(sorted(ids))}" for r, ids in sorted(self.leaving.items()))
+            why = [f"the kubelet drops {leaving}"] if self.leaving else []
+            if self.cdi is not None and self.cdi.problem:
+                why.append(f"the CDI spec names them ({self.cdi.problem})")
+            log.info("device plugin: holding back %s until %s",
+                     "; ".join(f"{r} {', '.join(ids)}" for r, ids in sorted(self.pending.items())), " and ".join(why))
         for resource, devices in target.items():
             held_back = set(blocked_ids.get(resource, ()))
             devices = [d for d in devices if d.id not in held_back]
@@ -538,6 +577,15 @@ class DevicePluginManager:
                 self._unregistered.append((server, server.registrations))  # registered by the caller, lock released
             else:
                 await server.set_devices(devices)
+
+    def _write_cdi(self) -> None:
+        """Write the CDI spec of every device Allocate may serve or is about to: those wanted
+        (withdrawn included: served until sealed) and those a server still knows."""
+        if self.cdi is None:
+            return
+        devices = [d for ds in self._wanted.values() for d in ds]
+        devices += [d for s in self.servers.values() for d in s.known()]
+        self.cdi.write(devices)
 
     def _listed(self, resource: str) -> set[str]:
         server = self.servers.get(resource)

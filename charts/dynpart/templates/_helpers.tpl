@@ -261,3 +261,15 @@ would work for as long as the pod lives (docs/helm.md, "RBAC (least privilege)")
 {{- $r := trimSuffix "/" .Values.devicePlugin.devRoot -}}
 {{- if $r }}{{ $r }}{{ else }}/{{ end -}}
 {{- end }}
+
+{{/* "true" when the agent's own plugin names devices by CDI (a cdi-* deviceListStrategy): it writes
+a CDI spec in devicePlugin.cdi.dir, mounted at /host/cdi. */}}
+{{- define "dynpart.cdi" -}}
+{{- if hasPrefix "cdi-" .Values.devicePlugin.deviceListStrategy }}true{{ end -}}
+{{- end }}
+
+{{/* "true" when the agent mounts the host's <devRoot>/dev: for the DeviceSpecs, and for the control
+nodes its CDI spec lists (those that exist). */}}
+{{- define "dynpart.hostDev" -}}
+{{- if or .Values.devicePlugin.deviceSpecs (include "dynpart.cdi" .) }}true{{ end -}}
+{{- end }}
