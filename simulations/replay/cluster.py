@@ -74,6 +74,12 @@ class ReplayCluster:
         self.capacity = self.model.mps_capacity_gb  # MPS capacity unit: GiB, what a node's agent reports
         self.gpu_count = sum(len(n.gpus) for n in self.nodes)
         self.draining: set[tuple[int, int]] = set()  # (node, GPU) whose spec drains it (GpuLayout.drain)
+        # per node, bumped by every change of its GPUs (layouts, holders, busy times): what is read
+        # of a node's slices is kept until it changes (`scheduler.free_by_resource`, `allocation`),
+        # so a replay costs per event what changed, not the whole cluster
+        self.versions = [0] * len(self.nodes)
+        self.free_cache: list[tuple[int, float, float, dict[str, list[PlacedSlice]]] | None] = [None] * len(self.nodes)
+        self._held_cache: list[tuple[int, list[float]] | None] = [None] * len(self.nodes)
 
     # --- what the planner and the metrics see --------------------------------------------------
 
@@ -96,15 +102,31 @@ class ReplayCluster:
     def allocation(self) -> float:
         """% of the GPUs held by pods (MIG: by memory slices; MPS: by slice size)."""
         held = 0.0
-        for node in self.nodes:
-            for g in node.gpus:
-                if self.mode == "mig":
-                    held += sum(held_share(self.model, "mig", m.profile, 0) for m in g.mig if m.used)
-                elif g.whole_pod is not None:
-                    held += 1.0
-                else:
-                    held += sum(s.size for s in g.mps if s.used) / self.capacity
+        for i in range(len(self.nodes)):
+            for share in self._held_shares(i):  # (summed GPU by GPU in one order: the same float each run)
+                held += share
         return 100.0 * held / self.gpu_count if self.gpu_count else 0.0
+
+    def _held_shares(self, i: int) -> list[float]:
+        """Per GPU of node i, the share of it pods hold; kept until the node changes."""
+        cached = self._held_cache[i]
+        if cached is not None and cached[0] == self.versions[i]:
+            return cached[1]
+        shares: list[float] = []
+        for g in self.nodes[i].gpus:
+            if self.mode == "mig":
+                shares.append(sum(held_share(self.model, "mig", m.profile, 0) for m in g.mig if m.used))
+            elif g.whole_pod is not None:
+                shares.append(1.0)
+            else:
+                shares.append(sum(s.size for s in g.mps if s.used) / self.capacity)
+        self._held_cache[i] = (self.versions[i], shares)
+        return shares
+
+    def busy(self, node: int, gpu: int, until: float) -> None:
+        """The GPU reconfigures until then (its slices and, bare, the GPU itself are not advertised)."""
+        self.clocks[node][gpu].busy_until = until
+        self.versions[node] += 1
 
     def never_fits(self, pod: TracePod) -> str | None:
         """Why the pod could not run even on the empty cluster, or None."""
@@ -133,6 +155,7 @@ class ReplayCluster:
         new ones are free and ready at `ready`."""
         g = self.nodes[node].gpus[layout.index]
         clock = self.clocks[node][layout.index]
+        self.versions[node] += 1
         times: list[tuple[Slice, float]] = []
         if self.mode == "mig":
             old = {(m.profile, m.start): m for m in g.mig}
@@ -170,6 +193,7 @@ class ReplayCluster:
         gpu, what = placed.gpu, str(placed)
         g = self.nodes[node].gpus[gpu]
         clock = self.clocks[node][gpu]
+        self.versions[node] += 1
         if placed.kind == "whole":
             if g.whole_pod is not None or g.mps:
                 raise AssertionError(f"GPU {gpu} is not free for {pod} (whole GPU)")
@@ -193,6 +217,7 @@ class ReplayCluster:
 
     def release(self, node: int, slices: list[PlacedSlice], pod: str) -> None:
         """The pod left: the slices it held are free (they stay in the layout)."""
+        self.versions[node] += 1
         for placed in slices:
             g = self.nodes[node].gpus[placed.gpu]
             if placed.kind == "whole":
@@ -210,6 +235,7 @@ class ReplayCluster:
         """A drained GPU's agent destroys its slices as they free: they leave the layout at once
         (never advertised again). Returns how many went."""
         g = self.nodes[node].gpus[gpu]
+        self.versions[node] += 1
         gone = sum(1 for m in g.mig if not m.used) + sum(1 for s in g.mps if not s.used)
         if gone:
             g.mig = [m for m in g.mig if m.used]

@@ -300,7 +300,7 @@ class _Replay:
                 node_ready = max([now, *(c.busy_until for c in cl.clocks[ni])]) + delay
             for gl, _ in changed:
                 if not initial:
-                    cl.clocks[ni][gl.index].busy_until = node_ready
+                    cl.busy(ni, gl.index, node_ready)
                 cl.set_layout(ni, gl, node_ready)
             if not initial:
                 node_plan = f"{plan_id}.{k}"
@@ -318,8 +318,7 @@ class _Replay:
             return
         self.stats["mig_ops"] += count
         delay = self.opts.mig_op_delay_s * count if self.cl.mode == "mig" else self.opts.mps_switch_delay_s
-        clock = self.cl.clocks[node][gpu]
-        clock.busy_until = max(now, clock.busy_until) + delay
+        self.cl.busy(node, gpu, max(now, self.cl.clocks[node][gpu].busy_until) + delay)
 
     def wake(self, now: float) -> None:
         """Schedule the next loop wake-up when pods wait (a resync only when something changed:

@@ -19,38 +19,61 @@ from dynpart.simulations.replay.cluster import ReplayCluster
 from dynpart.snapshot import PlacedSlice
 
 
-def free_slices(cl: ReplayCluster, node: int, resource: str, now: float) -> list[PlacedSlice]:
-    """The node's free, advertised slices of `resource`, those on the fullest GPUs first."""
-    found: list[tuple[int, int, PlacedSlice]] = []
+def free_by_resource(cl: ReplayCluster, node: int, now: float) -> dict[str, list[PlacedSlice]]:
+    """The node's free, advertised slices of each resource, those on the fullest GPUs first (then
+    by GPU, then in layout order). Kept while the node does not change (`ReplayCluster.versions`)
+    and no slice of it becomes ready: the clock only moves forward."""
+    cached = cl.free_cache[node]
+    if cached is not None and cached[0] == cl.versions[node] and cached[1] <= now < cached[2]:
+        return cached[3]
+    found: dict[str, list[tuple[int, int, PlacedSlice]]] = {}
+    upcoming = float("inf")  # the first time a slice not ready yet is: the answer changes then
     for g in cl.nodes[node].gpus:
         clock = cl.clocks[node][g.index]
-        if resource == WHOLE_GPU:
-            if not g.mig and not g.mps and g.whole_pod is None and clock.busy_until <= now:
-                found.append((0, g.index, PlacedSlice.whole(g.index)))
+        if not g.mig and not g.mps:
+            if g.whole_pod is None:
+                if clock.busy_until <= now:
+                    found.setdefault(WHOLE_GPU, []).append((0, g.index, PlacedSlice.whole(g.index)))
+                else:
+                    upcoming = min(upcoming, clock.busy_until)
             continue
         held = sum(1 for m in g.mig if m.used) + sum(1 for s in g.mps if s.used)
         for m in g.mig:
-            if not m.used and mig_resource_name(m.profile) == resource and clock.ready_at(m) <= now:
-                found.append((-held, g.index, PlacedSlice.mig(g.index, m.profile, m.start)))
-        for s in g.mps:
-            if not s.used and mps_resource_name(s.size) == resource and clock.ready_at(s) <= now:
-                found.append((-held, g.index, PlacedSlice.mps(g.index, s.size)))
-    found.sort(key=lambda f: (f[0], f[1]))
-    return [f[2] for f in found]
+            if not m.used:
+                at = clock.ready_at(m)
+                if at <= now:
+                    found.setdefault(mig_resource_name(m.profile), []).append(
+                        (-held, g.index, PlacedSlice.mig(g.index, m.profile, m.start)))
+                else:
+                    upcoming = min(upcoming, at)
+        for sl in g.mps:
+            if not sl.used:
+                at = clock.ready_at(sl)
+                if at <= now:
+                    found.setdefault(mps_resource_name(sl.size), []).append(
+                        (-held, g.index, PlacedSlice.mps(g.index, sl.size)))
+                else:
+                    upcoming = min(upcoming, at)
+    out = {}
+    for resource, entries in found.items():
+        entries.sort(key=lambda f: (f[0], f[1]))  # (stable: layout order among equals)
+        out[resource] = [f[2] for f in entries]
+    cl.free_cache[node] = (cl.versions[node], now, upcoming, out)
+    return out
+
+
+def free_slices(cl: ReplayCluster, node: int, resource: str, now: float) -> list[PlacedSlice]:
+    """The node's free, advertised slices of `resource`, those on the fullest GPUs first."""
+    return free_by_resource(cl, node, now).get(resource, [])
 
 
 def free_counts(cl: ReplayCluster, now: float) -> Counter[str]:
     """Free, advertised slices of each resource over the cluster."""
     out: Counter[str] = Counter()
     for i, n in enumerate(cl.nodes):
-        for g in n.gpus:
-            clock = cl.clocks[i][g.index]
-            if not g.mig and not g.mps:
-                if g.whole_pod is None and clock.busy_until <= now:
-                    out[WHOLE_GPU] += 1
-                continue
-            out.update(mig_resource_name(m.profile) for m in g.mig if not m.used and clock.ready_at(m) <= now)
-            out.update(mps_resource_name(s.size) for s in g.mps if not s.used and clock.ready_at(s) <= now)
+        if n.gpus:
+            for resource, slices in free_by_resource(cl, i, now).items():
+                out[resource] += len(slices)
     return out
 
 

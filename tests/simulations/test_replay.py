@@ -208,3 +208,40 @@ def test_a_drained_gpu_empties_for_a_whole_gpu_pod(catalog):
 
     off = run_replay(pods, spec, catalog, ReplayOptions(policy="dynpart", mig_op_delay_s=5))
     assert {x.pod.name: x for x in off.runs}["w"].start >= 9000  # without a drain, w waits for s2 too
+
+
+@pytest.mark.parametrize(("policy", "mode"), [("dynpart", "mig"), ("nos", "mig"), ("static", "mig"),
+                                              ("dynpart", "mps"), ("nos", "mps")])
+def test_what_the_replay_keeps_per_node_is_what_reading_the_node_again_gives(policy, mode, catalog, monkeypatch):
+    """The scheduler's free slices and the allocation are kept per node until the node changes or
+    a slice of it becomes ready (`ReplayCluster.versions`, `scheduler.free_by_resource`): the same
+    replay reading every node afresh at every step gives the same pods, times and timeline."""
+    from dynpart.simulations.replay import cluster as cluster_module
+    from dynpart.simulations.replay import scheduler
+
+    trace = synthetic_trace(150, seed=6)
+    spec = (synthetic_mig_cluster(2) if mode == "mig"
+            else cluster(("n0", 224_000, 4, "H100-80GB"), ("n1", 224_000, 4, "H100-80GB"), mode="mps"))
+    geometry = "all-balanced" if mode == "mig" else "mps-4"
+    opts = ReplayOptions(policy=policy, mig_op_delay_s=20.0,
+                         static_layout=tuple(static_layout(geometry, catalog.resolve("H100-80GB"), mode).items()))
+
+    def outcome(result):
+        return ([(r.pod.name, r.node, r.assigned, r.start, [str(s) for s in r.slices]) for r in result.runs],
+                result.timeline, result.reconfigurations, result.end_time)
+
+    kept = outcome(run_replay(trace.pods, spec, catalog, opts))
+    fresh_free, fresh_held = scheduler.free_by_resource, cluster_module.ReplayCluster._held_shares
+
+    def free_afresh(cl, node, now):
+        cl.free_cache[node] = None
+        return fresh_free(cl, node, now)
+
+    def held_afresh(self, i):
+        self._held_cache[i] = None
+        return fresh_held(self, i)
+
+    monkeypatch.setattr(scheduler, "free_by_resource", free_afresh)
+    monkeypatch.setattr(cluster_module.ReplayCluster, "_held_shares", held_afresh)
+    assert outcome(run_replay(trace.pods, spec, catalog, opts)) == kept
+    assert any(r[3] is not None for r in kept[0])  # (pods ran)
