@@ -1029,25 +1029,15 @@ class Agent:
         whole could run a single CUDA process. A restart or an upgrade keeps the label: then
         nothing changes, and the next agent finds its GPUs in the compute-modes file. Bounded: the
         kubelet kills the agent soon after SIGTERM. The CDI spec the plugin wrote (a CDI device-list
-        strategy) is removed then too; a restart keeps it (a container of a running pod created again
-        resolves its CDI names from it)."""
-        cdi = self.plugins.cdi if self.plugins is not None else None
-        if not self.compute_modes.ours and cdi is None:
+        strategy) stays: the kubelet keeps each container's CDI names, and a container of a pod still
+        running there, created again, resolves them from it (a spec naming GPUs that nothing asks for
+        is harmless; /var/run/cdi is a tmpfs, gone at the next boot)."""
+        if not self.compute_modes.ours:
             return
 
         async def hand_back() -> list[str] | None:
             node = await self.node_api.get()
             if node.labels.get(PARTITIONING_LABEL) in ("mig", "mps"):
-                return None
-            if cdi is not None:
-                try:
-                    cdi.remove()
-                    log.info("node %s: stopping on a node that left dynpart: its CDI spec %s removed", self.node,
-                             cdi.path)
-                except OSError as e:
-                    log.warning("node %s: stopping on a node that left dynpart: its CDI spec %s not removed: %s",
-                                self.node, cdi.path, e)
-            if not self.compute_modes.ours:
                 return None
             return await self.compute_modes.sync(await self.driver.devices(), set())
 

@@ -226,8 +226,8 @@ class AgentSettings(CommonSettings):
                               "`device_list_strategy`: the directory (a CDI spec directory of the node's runtime) "
                               "where the agent writes its spec `<cdi_kind, / written ->.json` and where it reads the "
                               "NVIDIA Container Toolkit's management spec")
-    cdi_kind: str = Field(default="dynpart.io/gpu", pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?/"
-                          r"[A-Za-z0-9]([A-Za-z0-9_-]*[A-Za-z0-9])?$",
+    cdi_kind: str = Field(default="dynpart.io/gpu", pattern=r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?/"
+                          r"[A-Za-z]([A-Za-z0-9_-]*[A-Za-z0-9])?$",
                           description="the agent's own device plugin, a CDI `device_list_strategy`: the kind "
                           "(vendor/class) of its CDI devices")
     cdi_management_spec: list[str] = Field(

@@ -49,7 +49,8 @@ ANNOTATION_PLUGIN = "dynpart-device-plugin"
 
 _NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")  # a CDI device name (parser.ValidateDeviceName)
 _REFUSED: set[str] = set()  # device names refused once (logged)
-_KIND = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z0-9]([A-Za-z0-9_-]*[A-Za-z0-9])?$")
+# (vendor and class start with a letter: parser.validateVendorOrClassName)
+_KIND = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z]([A-Za-z0-9_-]*[A-Za-z0-9])?$")
 
 
 def is_cdi(strategy: str) -> bool:
@@ -57,7 +58,8 @@ def is_cdi(strategy: str) -> bool:
 
 
 def valid_kind(kind: str) -> bool:
-    """`vendor/class` as CDI's parser accepts it (vendor: alphanumerics, `_`, `-`, `.`; class: no `.`)."""
+    """`vendor/class` as CDI's parser accepts it (each starting with a letter; vendor: alphanumerics,
+    `_`, `-`, `.`; class: no `.`)."""
     return bool(_KIND.match(kind))
 
 
@@ -112,7 +114,7 @@ def common_edits(paths: Iterable[str]) -> CommonEdits:
         except FileNotFoundError:
             tried.append(path)
             continue
-        except (OSError, yaml.YAMLError) as e:
+        except (OSError, ValueError, yaml.YAMLError) as e:  # (ValueError: not UTF-8)
             return CommonEdits(source=path, error=f"the management CDI spec {path} cannot be read: {e}")
         try:
             return _management_edits(path, raw)
@@ -163,6 +165,10 @@ def build_spec(devices: Iterable[PluginDevice], kind: str = DEFAULT_KIND, common
             continue
         nodes = out.setdefault(name, [])
         nodes += [n for n in d.nodes if n not in nodes]
+    # a device whose nodes are unknown (its minor number unread: a lost GPU, a driver that does
+    # not answer) is left out, so not advertised: CDI refuses a device with empty edits, and with
+    # it the whole spec, which would fail every container of the node
+    out = {name: nodes for name, nodes in out.items() if nodes}
 
     def node(path: str) -> dict[str, str]:
         host = host_device_path(dev_root, path)
@@ -229,7 +235,11 @@ class CdiSpecWriter:
             if not names:
                 self.remove()
             else:
-                content = json.dumps(spec, indent=2) + "\n"
+                try:
+                    content = json.dumps(spec, indent=2) + "\n"
+                except (TypeError, ValueError) as e:  # (a YAML value JSON has not, e.g. a date)
+                    raise OSError(f"the spec cannot be written as JSON ({e}): see the management CDI spec "
+                                  f"{common.source}") from None
                 if content != self._content:
                     self._write(content)
                     self._content = content

@@ -371,6 +371,9 @@ class DevicePluginManager:
         # before a device is added to a list, after every change; a device the spec on disk does not
         # name (its write failed) is held back
         self.cdi = cdi
+        # no spec is written before the first `update`: a restarted agent whose first pass cannot
+        # read the GPUs (`set_unhealthy`) keeps the last agent's, which running pods resolve from
+        self._updated = False
         self.kubelet_socket = os.path.join(plugin_dir, protocol.KUBELET_SOCKET_NAME)
         self.preferred = preferred
         self.allocate = allocate or AllocateSettings()
@@ -442,6 +445,7 @@ class DevicePluginManager:
             self.sealed &= present
             self._drop_allocated(set(self.allocated) - present)  # (Allocate refuses an id it does not list)
             self._wanted = wanted
+            self._updated = True
             await self._apply()
         await self._register_new()
 
@@ -581,7 +585,7 @@ class DevicePluginManager:
     def _write_cdi(self) -> None:
         """Write the CDI spec of every device Allocate may serve or is about to: those wanted
         (withdrawn included: served until sealed) and those a server still knows."""
-        if self.cdi is None:
+        if self.cdi is None or not self._updated:
             return
         devices = [d for ds in self._wanted.values() for d in ds]
         devices += [d for s in self.servers.values() for d in s.known()]

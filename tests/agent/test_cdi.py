@@ -305,21 +305,6 @@ async def test_failed_write_holds_the_devices_back(root):
 
 
 @pytest.mark.asyncio
-async def test_node_leaving_dynpart_removes_the_spec(rig: Rig, root):
-    rig.with_plugins()
-    assert rig.plugins is not None
-    rig.plugins.cdi = CdiSpecWriter(os.path.join(root, "cdi"))
-    rig.plugins.cdi.write(advertise(GPUS[2:])["nvidia.com/gpu"])
-    agent = rig.agent()
-    rig.node_api.labels["dynpart.io/gpu-partitioning"] = "mig"
-    await agent._hand_back()  # a restart: kept
-    assert os.path.exists(rig.plugins.cdi.path)
-    del rig.node_api.labels["dynpart.io/gpu-partitioning"]
-    await agent._hand_back()
-    assert not os.path.exists(rig.plugins.cdi.path)
-
-
-@pytest.mark.asyncio
 async def test_device_with_an_invalid_cdi_name_is_not_advertised(root, caplog):
     """An old driver's MIG UUID (`MIG-GPU-<uuid>/<gi>/<ci>`) is no CDI device name: left out of the
     spec, hence never listed (a pod would get a name no spec resolves); said once."""
@@ -334,3 +319,75 @@ async def test_device_with_an_invalid_cdi_name_is_not_advertised(root, caplog):
             assert [d.id for d in m.advertised()["nvidia.com/mig-1g.10gb"]] == ["MIG-b"]
             assert m.pending == {}  # (nothing to wait for: the watch does not retry it)
     assert len([r for r in caplog.records if "no valid CDI device name" in r.getMessage()]) == 1
+
+
+# --- helper-162's review: each of these failed before its fix -------------------------------------
+
+@pytest.fixture
+def spec_root() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="cdi-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_device_whose_nodes_are_unknown_is_left_out_not_written_empty(spec_root):
+    """CDI refuses a device with empty edits, and with it the whole spec (cdi.ReadSpec: 'invalid
+    device, empty device edits'): one GPU whose minor is unread (lost when the agent restarted)
+    failed every container of the node."""
+    gpus = [GpuView(index=0, uuid="GPU-0", memory_gb=80, mig_enabled=True, minor=0,
+                    mig=(MigDeviceView("1g.10gb", "MIG-a", caps=(12, 13)),)),
+            GpuView(index=2, uuid="GPU-2", memory_gb=80, healthy=False)]  # minor unknown
+    cdi = CdiSpecWriter(os.path.join(spec_root, "cdi"))
+    assert cdi.write([d for ds in advertise(gpus).values() for d in ds])
+    with open(cdi.path) as f:
+        spec = json.load(f)
+    assert [d["name"] for d in spec["devices"]] == ["MIG-a"] and cdi.names == {"MIG-a"}
+    assert all(d["containerEdits"]["deviceNodes"] for d in spec["devices"])
+
+
+@pytest.mark.parametrize("kind", ["9vendor.io/gpu", "dynpart.io/1gpu"])
+def test_a_kind_cdi_refuses_is_refused_here(kind):
+    """CDI's vendor and class start with a letter (validateVendorOrClassName)."""
+    with pytest.raises(ValueError):
+        AgentSettings(device_list_strategy="cdi-cri", cdi_kind=kind)
+    with pytest.raises(ValueError):
+        CdiSpecWriter("/nonexistent", kind=kind)
+
+
+@pytest.mark.parametrize("content", [
+    b"cdiVersion: 0.5.0\nkind: management.nvidia.com/gpu\n# \xff\xfe not UTF-8\n",
+    b"cdiVersion: 0.5.0\nkind: management.nvidia.com/gpu\ncontainerEdits:\n  env: [2026-11-29]\n",  # a YAML date
+], ids=["not-utf8", "yaml-date"])
+async def test_a_bad_management_spec_is_a_problem_not_an_exception(spec_root, content):
+    spec_dir = os.path.join(spec_root, "cdi")
+    os.makedirs(spec_dir)
+    with open(os.path.join(spec_dir, "management.nvidia.com-gpu.yaml"), "wb") as f:
+        f.write(content)
+    cdi = CdiSpecWriter(spec_dir)
+    cdi.write(advertise([GpuView(index=0, uuid="GPU-0", memory_gb=80, minor=0)])["nvidia.com/gpu"])
+    assert cdi.problem and "management" in cdi.problem
+    async with DevicePluginManager(os.path.join(spec_root, "dp"), serve=False, cdi=CdiSpecWriter(spec_dir)) as m:
+        await m.update(advertise([GpuView(index=0, uuid="GPU-0", memory_gb=80, minor=0)]))  # raised before
+
+
+async def test_a_restart_that_cannot_read_the_gpus_keeps_the_last_agents_spec(spec_root):
+    """`set_unhealthy` at the first pass (NVML failing) wrote an empty spec, i.e. removed the file
+    running pods resolve their CDI names from."""
+    spec_dir = os.path.join(spec_root, "cdi")
+    previous = CdiSpecWriter(spec_dir)
+    assert previous.write(advertise([GpuView(index=0, uuid="GPU-0", memory_gb=80, minor=0)])["nvidia.com/gpu"])
+    async with DevicePluginManager(os.path.join(spec_root, "dp"), serve=False, cdi=CdiSpecWriter(spec_dir)) as m:
+        await m.set_unhealthy()
+    assert os.path.exists(previous.path)
+
+
+async def test_leaving_dynpart_keeps_the_spec_a_running_pod_resolves_from(rig: Rig, spec_root):
+    rig.with_plugins()
+    assert rig.plugins is not None
+    rig.plugins.cdi = CdiSpecWriter(os.path.join(spec_root, "cdi"))
+    rig.plugins.cdi.write(advertise([GpuView(index=2, uuid="GPU-2", memory_gb=80, minor=5)])["nvidia.com/gpu"])
+    rig.pods.assign("running-pod", "nvidia.com/gpu", "GPU-2")
+    agent = rig.agent()
+    rig.node_api.labels.pop("dynpart.io/gpu-partitioning", None)
+    await agent._hand_back()
+    assert os.path.exists(rig.plugins.cdi.path)
