@@ -7,6 +7,8 @@ from collections import defaultdict
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dynpart.mig import MigRules
 from dynpart.settings import default_planner_settings
@@ -210,25 +212,28 @@ def test_a_drained_gpu_empties_for_a_whole_gpu_pod(catalog):
     assert {x.pod.name: x for x in off.runs}["w"].start >= 9000  # without a drain, w waits for s2 too
 
 
-@pytest.mark.parametrize(("policy", "mode"), [("dynpart", "mig"), ("nos", "mig"), ("static", "mig"),
-                                              ("dynpart", "mps"), ("nos", "mps")])
-def test_what_the_replay_keeps_per_node_is_what_reading_the_node_again_gives(policy, mode, catalog, monkeypatch):
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 1_000), case=st.sampled_from([("dynpart", "mig"), ("nos", "mig"), ("static", "mig"),
+                                                          ("dynpart", "mps"), ("nos", "mps")]),
+       compress=st.sampled_from([1.0, 3.0, 8.0]), delay=st.sampled_from([0.0, 20.0, 60.0]))
+def test_what_the_replay_keeps_per_node_is_what_reading_the_node_again_gives(seed, case, compress, delay, catalog):
     """The scheduler's free slices and the allocation are kept per node until the node changes or
     a slice of it becomes ready (`ReplayCluster.versions`, `scheduler.free_by_resource`): the same
     replay reading every node afresh at every step gives the same pods, times and timeline."""
     from dynpart.simulations.replay import cluster as cluster_module
     from dynpart.simulations.replay import scheduler
 
-    trace = synthetic_trace(150, seed=6)
+    policy, mode = case
+    trace = synthetic_trace(100, seed=seed)
     spec = (synthetic_mig_cluster(2) if mode == "mig"
             else cluster(("n0", 224_000, 4, "H100-80GB"), ("n1", 224_000, 4, "H100-80GB"), mode="mps"))
     geometry = "all-balanced" if mode == "mig" else "mps-4"
-    opts = ReplayOptions(policy=policy, mig_op_delay_s=20.0,
+    opts = ReplayOptions(policy=policy, mig_op_delay_s=delay, mps_switch_delay_s=delay, compress=compress,
                          static_layout=tuple(static_layout(geometry, catalog.resolve("H100-80GB"), mode).items()))
 
     def outcome(result):
-        return ([(r.pod.name, r.node, r.assigned, r.start, [str(s) for s in r.slices]) for r in result.runs],
-                result.timeline, result.reconfigurations, result.end_time)
+        return ([(r.pod.name, r.node, r.assigned, r.start, r.failed, [str(s) for s in r.slices]) for r in result.runs],
+                result.timeline, result.reconfigurations, result.mig_ops, result.gpus_touched, result.end_time)
 
     kept = outcome(run_replay(trace.pods, spec, catalog, opts))
     fresh_free, fresh_held = scheduler.free_by_resource, cluster_module.ReplayCluster._held_shares
@@ -241,7 +246,7 @@ def test_what_the_replay_keeps_per_node_is_what_reading_the_node_again_gives(pol
         self._held_cache[i] = None
         return fresh_held(self, i)
 
-    monkeypatch.setattr(scheduler, "free_by_resource", free_afresh)
-    monkeypatch.setattr(cluster_module.ReplayCluster, "_held_shares", held_afresh)
-    assert outcome(run_replay(trace.pods, spec, catalog, opts)) == kept
-    assert any(r[3] is not None for r in kept[0])  # (pods ran)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler, "free_by_resource", free_afresh)
+        mp.setattr(cluster_module.ReplayCluster, "_held_shares", held_afresh)
+        assert outcome(run_replay(trace.pods, spec, catalog, opts)) == kept
