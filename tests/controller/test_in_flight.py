@@ -75,6 +75,11 @@ def make(monkeypatch):
     return build
 
 
+# p1 puts ml/a on a second 1g.10gb beside the used one the agent reports; not acknowledged yet
+UNACKED = {"dynpart.io/spec-plan": "p1", "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "2@0,1",
+           SPEC_TERM: "3", SPEC_PODS: "ml/a"}
+
+
 def test_the_spec_carries_the_term_and_the_planned_pods():
     view = build_snapshot([reported("n1")], [pod("a", {"nvidia.com/mig-3g.40gb": "1"})], CAT)
     result = plan(view.snapshot, view.catalog)
@@ -110,8 +115,7 @@ async def test_an_earlier_leaders_unacknowledged_spec_is_adopted(make):
 
 
 async def test_an_unacknowledged_plan_is_revoked_before_its_pods_are_planned_again(make):
-    spec = {"dynpart.io/spec-plan": "p1", "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "2@0,1",
-            SPEC_TERM: "3", SPEC_PODS: "ml/a"}
+    spec = UNACKED
     c = make([reported("n1", spec)], Lead(term=3), ack_timeout_s=1.0)
     c.in_flight["n1"] = InFlight("p1", 0.0, {"ml/a"})
     await c._expire_acks(now=10.0)
@@ -143,8 +147,7 @@ async def test_a_revocation_its_agent_can_never_hold_is_written_again_from_its_r
     agent reports both used: it never destroys a used slice, so it could never hold the revocation,
     and the node stayed out of every round while that pod ran. Now the revocation is written again
     from the report as it is, once; an agent silent since gets nothing new."""
-    spec = {"dynpart.io/spec-plan": "p1", "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "2@0,1",
-            SPEC_TERM: "3", SPEC_PODS: "ml/a"}
+    spec = UNACKED
     c = make([reported("n1", spec)], Lead(term=3), ack_timeout_s=60.0)
     c.in_flight["n1"] = InFlight("p1", 0.0, {"ml/a"})
     await c._expire_acks(now=61.0)
@@ -1442,8 +1445,7 @@ async def test_an_acknowledgement_crossing_the_revocation_leaves_no_pod_reserved
     precondition on its status writes); the watch delivers it before the revocation's answer. The
     pods told PlanNotApplied ("planned again") are not kept reserved on n1, whose slices the
     revocation destroys."""
-    spec = {"dynpart.io/spec-plan": "p1", "dynpart.io/spec-mode": "mig", "dynpart.io/spec-gpu-0-1g.10gb": "2@0,1",
-            SPEC_TERM: "3", SPEC_PODS: "ml/a"}
+    spec = UNACKED
     c = make([reported("n1", spec)], Lead(term=3), ack_timeout_s=1.0)
     c.pods.cache["ml/a"] = pod("a", {"nvidia.com/mig-1g.10gb": "1"})
     c.in_flight["n1"] = InFlight("p1", 0.0, {"ml/a"})
