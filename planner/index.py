@@ -267,18 +267,23 @@ class GpuIndex:
             c.after_id += ids.tolist()
 
     def _add_rows(self) -> None:
-        """A `MigRows` row for every MIG bucket known now."""
+        """A `MigRows` row for every MIG bucket known now (the new ones of each model at once)."""
+        new: list[list[MigState]] = [[] for _ in self._mig_rows]  # per model, its new buckets
         for rep in self._reps[len(self._row_of):]:
             if isinstance(rep, MigState):
                 m = self._model_index.get(rep.rules)
                 if m is None:
                     m = self._model_index[rep.rules] = len(self._mig_rows)
                     self._mig_rows.append(MigRows(rep.rules))
-                self._row_of.append(self._mig_rows[m].add(rep))
+                    new.append([])
+                self._row_of.append(self._mig_rows[m].count + len(new[m]))
+                new[m].append(rep)
                 self._model_of.append(m)
             else:
                 self._row_of.append(-1)
                 self._model_of.append(-1)
+        for rows, states in zip(self._mig_rows, new):
+            rows.add(states)
 
     # --- capacity classes under an objective -----------------------------------------------------
 

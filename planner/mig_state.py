@@ -6,7 +6,7 @@ placements the remaining free memory slices still allow (placement-aware packing
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from functools import cache
 from itertools import chain
@@ -130,6 +130,13 @@ def _instance_tables(rules: MigRules) -> tuple[tuple[tuple[int, ...], ...], tupl
     return masks, codes
 
 
+@cache
+def _instance_arrays(rules: MigRules) -> tuple[np.ndarray, np.ndarray]:
+    """`_instance_tables` as arrays indexed [profile, start]."""
+    masks, codes = _instance_tables(rules)
+    return np.array(masks, dtype=np.int64), np.array(codes, dtype=np.int64)
+
+
 def _layout_of(info: GpuInfo) -> list[tuple[int, int, bool]]:
     """A GPU's instances as they are, (profile, start, hard) in start order (the order of a
     `MigState`'s instances: the used ones and the free ones, each in start order, merged)."""
@@ -155,7 +162,7 @@ class MigState:
     `GpuInfo` when first read: on a large cluster most GPUs are only bucketed and costed, which
     their `_Shape` is enough for."""
 
-    __slots__ = ("info", "rules", "_insts", "changed", "destroyed", "created", "_shape")
+    __slots__ = ("info", "rules", "_insts", "changed", "destroyed", "created", "_shape", "_as_is")
 
     def __init__(self, info: GpuInfo):
         assert info.rules is not None
@@ -166,6 +173,9 @@ class MigState:
         self.destroyed = 0
         self.created = 0
         self._shape: _Shape | None = None
+        # its instances as (profile, start, hard), read from `info` (for its key, then its row of
+        # `MigRows`: read once)
+        self._as_is: list[tuple[int, int, bool]] | None = None
 
     @property
     def insts(self) -> list[MigInst]:
@@ -187,17 +197,22 @@ class MigState:
         c = MigState.__new__(MigState)
         c.info, c.rules, c.changed, c.destroyed, c.created = self.info, self.rules, self.changed, self.destroyed, self.created
         c._insts = None if self._insts is None else [MigInst(i.p, i.start, i.used, i.pod, i.existing) for i in self._insts]
-        c._shape = self._shape
+        c._shape, c._as_is = self._shape, self._as_is
         return c
+
+    def instances(self) -> list[tuple[int, int, bool]]:
+        """Its instances as (profile, start, hard) in start order (read only)."""
+        if self._shape is not None:
+            return list(zip(self._shape.profiles, self._shape.starts, self._shape.hards))
+        if self._insts is None:
+            if self._as_is is None:
+                self._as_is = _layout_of(self.info)
+            return self._as_is
+        return [(i.p, i.start, i.used or i.pod is not None) for i in self._insts]
 
     def key(self) -> MigKey:
         rules = self.rules
-        if self._shape is not None:
-            insts = list(zip(self._shape.profiles, self._shape.starts, self._shape.hards))
-        elif self._insts is None:
-            insts = _layout_of(self.info)
-        else:
-            insts = [(i.p, i.start, i.used or i.pod is not None) for i in self._insts]
+        insts = self.instances()
         n_profiles = len(rules.memory)
         base = 2 * rules.model.memory_slices * n_profiles + 1
         code = 0
@@ -213,11 +228,7 @@ class MigState:
     def _layout(self) -> _Shape:
         shape = self._shape
         if shape is None:
-            if self._insts is None:
-                insts = _layout_of(self.info)
-            else:
-                insts = [(i.p, i.start, i.used or i.pod is not None) for i in self._insts]
-            shape = self._shape = _Shape(self.rules, insts)
+            shape = self._shape = _Shape(self.rules, self.instances())
         return shape
 
     def hard_code(self) -> int:
@@ -380,45 +391,60 @@ class MigRows:
     of them, so that the cheapest option of many states is found with numpy at once (`costs`),
     the same option `MigState.option` finds for each."""
 
-    _FIELDS = ("profiles", "starts", "masks", "free", "hard", "occupied", "counts", "compute", "media", "changed",
-               "codes")
-
     def __init__(self, rules: MigRules):
         self.rules = rules
         self.width = rules.model.memory_slices  # the most instances a GPU can have
-        self._new: list[tuple[object, ...]] = []  # rows not in the arrays yet
+        # per field, the rows so far and room for more (the filled part: `count` rows)
         self._arrays: dict[str, np.ndarray] = {}
-        self._count = 0
+        self.count = 0
 
-    def add(self, state: MigState) -> int:
-        """Add a row for `state` (not modified afterwards); returns its index."""
-        shape = state._layout()
-        pad = self.width - len(shape.profiles)
-        self._new.append((
-            shape.profiles + (len(self.rules.memory),) * pad,  # a pad instance: the profile "none"
-            shape.starts + (0,) * pad,
-            shape.masks + (0,) * pad,
-            tuple(not h for h in shape.hards) + (False,) * pad,
-            shape.hard, shape.occupied, shape.counts, shape.compute, shape.media, int(state.changed), shape.code,
-        ))
-        self._count += 1
-        return self._count - 1
+    def add(self, states: Sequence[MigState]) -> int:
+        """Add a row for each of `states` (not modified afterwards); returns the first's index.
+        All at once with numpy, from the states' instances (a cluster's buckets: thousands of
+        states, whose `_Shape`s are not built for this)."""
+        first, n = self.count, len(states)
+        if not n:
+            return first
+        rules, width = self.rules, self.width
+        none = len(rules.memory)  # the profile of a pad instance
+        layouts = [s.instances() for s in states]
+        sizes = np.fromiter(map(len, layouts), dtype=np.int64, count=n)
+        total = int(sizes.sum())
+        flat = np.fromiter(chain.from_iterable(chain.from_iterable(layouts)), dtype=np.int64,
+                           count=3 * total).reshape(total, 3)
+        p, start, is_hard = flat[:, 0], flat[:, 1], flat[:, 2].astype(bool)
+        row = np.repeat(np.arange(n), sizes)
+        col = np.arange(total) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # place in its row
+        mask_of, code_of = _instance_arrays(rules)
+        _, _, _, compute_of, media_of = _cost_tables(rules)
+        mask = mask_of[p, start]
+        profiles = np.full((n, width), none, dtype=np.int64)
+        starts, masks, free, hard_masks = (np.zeros((n, width), dtype=np.int64) for _ in range(4))
+        profiles[row, col], starts[row, col], masks[row, col] = p, start, mask
+        free[row, col], hard_masks[row, col] = ~is_hard, np.where(is_hard, mask, 0)
+        codes = np.zeros(n, dtype=np.int64)
+        np.add.at(codes, row[is_hard], code_of[p, start][is_hard])
+        new = {
+            "profiles": profiles, "starts": starts, "masks": masks, "free": free,
+            "hard": np.bitwise_or.reduce(hard_masks, axis=1), "occupied": np.bitwise_or.reduce(masks, axis=1),
+            "counts": np.bincount(row * (none + 1) + p, minlength=n * (none + 1)).reshape(n, none + 1)[:, :none],
+            "compute": compute_of[profiles].sum(axis=1), "media": media_of[profiles].sum(axis=1),
+            "changed": np.fromiter((s.changed for s in states), dtype=np.int64, count=n), "codes": codes,
+        }
+        end = first + n
+        for name, values in new.items():
+            old = self._arrays.get(name)
+            if old is None or len(old) < end:  # room for twice as many rows
+                grown = np.zeros((2 * end,) + values.shape[1:], dtype=np.int64)
+                if old is not None:
+                    grown[:first] = old[:first]
+                old = self._arrays[name] = grown
+            old[first:end] = values
+        self.count = end
+        return first
 
     def _field(self, name: str) -> np.ndarray:
-        if self._new:
-            columns = list(zip(*self._new))
-            for j, field in enumerate(self._FIELDS):
-                column = columns[j]
-                if isinstance(column[0], tuple):  # a row of values per state: flattened, much faster
-                    width = len(column[0])
-                    add = np.fromiter(chain.from_iterable(column), dtype=np.int64,
-                                      count=len(column) * width).reshape(len(column), width)
-                else:
-                    add = np.fromiter(column, dtype=np.int64, count=len(column))
-                old = self._arrays.get(field)
-                self._arrays[field] = add if old is None else np.concatenate([old, add])
-            self._new = []
-        return self._arrays[name]
+        return self._arrays[name][: self.count]
 
     def costs(self, rows: np.ndarray, p: int) -> tuple[np.ndarray, ...]:
         """For each row, the cheapest way to host one instance of profile p, as `MigState._option`

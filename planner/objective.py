@@ -68,7 +68,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Sequence
-from functools import cache, singledispatch
+from functools import cache, lru_cache, singledispatch
 
 import numpy as np
 
@@ -240,6 +240,18 @@ def _coverage(key: Hashable, refs: list[SliceRef],
         return free / cap, cov, slots
     _, rules, code = key
     assert isinstance(rules, MigRules) and profiles is not None
+    free, covs, hosts = _mig_coverage(rules, code)
+    for j, q in enumerate(profiles):
+        if q is not None:
+            cov[j], slots[j] = covs[q], hosts[q]
+    return free, cov, slots
+
+
+@lru_cache(maxsize=1 << 16)
+def _mig_coverage(rules: MigRules, code: int) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
+    """`_coverage` of the MIG class of this code, per profile index of the model. Kept for the
+    process (as `MigRules` are): a model has a few thousand classes of instances in use, and
+    every plan meets most of those its cluster has."""
     hard = compute = media = 0
     counts = [0] * len(rules.memory)
     for p, s in code_placements(rules, code):
@@ -249,16 +261,16 @@ def _coverage(key: Hashable, refs: list[SliceRef],
         media += rules.media[p]
     slices = rules.model.memory_slices
     cover_masks = _cover_masks(rules)
-    for j, q in enumerate(profiles):
-        if q is None:
-            continue
-        # the placements of p that `MigRules.can_add` accepts: those clear of the used slices,
-        # when the counts, compute and media limits allow one more p at all
+    cov = [0.0] * len(rules.memory)
+    slots = [0] * len(rules.memory)
+    for q in range(len(rules.memory)):
+        # the placements of q that `MigRules.can_add` accepts: those clear of the used slices,
+        # when the counts, compute and media limits allow one more q at all
         if counts[q] < rules.max_count[q] and compute + rules.compute[q] <= rules.model.compute_slices \
                 and not (rules.media[q] and media):
-            cov[j] = cover_masks[q][hard].bit_count() / slices
-            slots[j] = _mig_slots(rules, q, hard, counts[q], compute, media)
-    return (rules.full_mask & ~hard).bit_count() / slices, cov, slots
+            cov[q] = cover_masks[q][hard].bit_count() / slices
+            slots[q] = _mig_slots(rules, q, hard, counts[q], compute, media)
+    return (rules.full_mask & ~hard).bit_count() / slices, tuple(cov), tuple(slots)
 
 
 def _mig_slots(rules: MigRules, q: int, hard: int, count: int, compute: int, media: int) -> int:
@@ -453,6 +465,10 @@ class Objective:
         self.slots_of: list[list[int]] = []
         self.usable_of: list[list[list[float]]] = []
         self._ids: dict[Hashable, int] = {}
+        # per coverage (free share, coverage and slots per ref): usable, the multi-slice refs'
+        # coverage and slots, usable by row (shared by the classes of that coverage, read only)
+        self._by_coverage: dict[tuple[float, tuple[float, ...], tuple[int, ...]],
+                                tuple[np.ndarray, list[float], list[int], list[list[float]]]] = {}
         self._scores: dict[float, int] = {}
         self._moved_kinds: dict[tuple[int, int], tuple[int, ...]] = {}
         self._profiles: dict[MigRules, list[int | None]] = {}  # per model, each ref's profile index
@@ -478,9 +494,17 @@ class Objective:
                     profiles = self._profiles[key[1]] = [key[1].index.get(r.profile) if isinstance(r, MigSliceRef) else None
                                                          for r in self.refs]
             free, cov, slots = _coverage(key, self.refs, profiles)
-            cov_multi = [cov[j] for j in self.multi_refs]
-            slots_multi = [slots[j] for j in self.multi_refs]
-            usable = self.w1 @ np.array(cov)
+            # a cluster's classes share a few coverages (2,000 classes, 74 coverages on 8,000
+            # H100s): the tables of one are computed once (the same floats: the same product)
+            covers = (free, tuple(cov), tuple(slots))
+            hit = self._by_coverage.get(covers)
+            if hit is None:
+                usable = self.w1 @ np.array(cov)
+                hit = self._by_coverage[covers] = (
+                    usable, [cov[j] for j in self.multi_refs], [slots[j] for j in self.multi_refs],
+                    # by table row and memory step (the CPU grid's many steps share a row)
+                    [[row[m] for m in self.mrow_list] for row in usable.tolist()])
+            usable, cov_multi, slots_multi, usable_rows = hit
             if cid == len(self._free):
                 self._free = np.concatenate([self._free, np.zeros_like(self._free)])
                 self._cov = np.concatenate([self._cov, np.zeros_like(self._cov)])
@@ -492,8 +516,7 @@ class Objective:
             self.free_of.append(free)
             self.cov_of.append(cov_multi)
             self.slots_of.append(slots_multi)
-            # by table row and memory step (the CPU grid's many steps share a row)
-            self.usable_of.append([[row[m] for m in self.mrow_list] for row in usable.tolist()])
+            self.usable_of.append(usable_rows)
         return cid
 
     def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
