@@ -55,7 +55,13 @@ class MigRules:
         """Every rule a geometry breaks, as readable sentences (empty when valid). Answers are
         cached per geometry: a cluster's GPUs share a few layouts, and every planning round
         validates each of them."""
-        return list(self._violations(tuple(sorted(placements, key=lambda x: (x[1], x[0])))))
+        return list(self._violations_as_listed(tuple(placements)))
+
+    @lru_cache(maxsize=8192)  # noqa: B019 - as `_violations`
+    def _violations_as_listed(self, placements: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
+        """`_violations` of placements in any order (cached as listed: a cluster's GPUs list
+        their instances alike, and sorting them cost as much as the rest of a node's checks)."""
+        return self._violations(tuple(sorted(placements, key=lambda x: (x[1], x[0]))))
 
     @lru_cache(maxsize=8192)  # noqa: B019 - MigRules instances live for the process (one per model)
     def _violations(self, placements: tuple[tuple[str, int], ...]) -> tuple[str, ...]:
