@@ -313,8 +313,17 @@ class GpuIndex:
             return np.array([obj.class_id(capacity_class(s)) for s in states] + [0], dtype=np.int64)
         uniq, first = np.unique(bid[:-1], return_index=True)
         per = np.zeros(int(uniq.max()) + 1 if len(uniq) else 1, dtype=np.int64)
-        for b, g in zip(uniq.tolist(), first.tolist()):
-            per[b] = obj.class_id(capacity_class(states[g]))
+        # a MIG bucket's class from its row's code (`MigRows`, which the costs need anyway)
+        self._add_rows()
+        model_of = np.array(self._model_of, dtype=np.int64)[uniq]
+        row_of = np.array(self._row_of, dtype=np.int64)[uniq]
+        codes = np.zeros(len(uniq), dtype=np.int64)
+        for m, rows in enumerate(self._mig_rows):
+            at = np.flatnonzero(model_of == m)
+            codes[at] = rows.codes(row_of[at])
+        rules = [rows.rules for rows in self._mig_rows]
+        for b, g, m, code in zip(uniq.tolist(), first.tolist(), model_of.tolist(), codes.tolist()):
+            per[b] = obj.class_id(mig_class(rules[m], code) if m >= 0 else capacity_class(states[g]))
         out: np.ndarray = np.append(per[bid[:-1]], 0)
         return out
 

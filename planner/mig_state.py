@@ -150,9 +150,9 @@ def _start_of(inst: tuple[int, int, bool]) -> int:
     return inst[1]
 
 
-# the model's name, whether the plan changed the GPU, and its instances (start, profile, hard)
-# as the digits of one integer
-MigKey = tuple[str, bool, int]
+# the model's name, whether the plan changed the GPU, and its instances (profile, start, hard)
+# in start order (a tuple: hashed in C, faster than packing them into one integer)
+MigKey = tuple[str, bool, tuple[tuple[int, int, bool], ...]]
 
 _by_start = attrgetter("start")
 
@@ -211,14 +211,7 @@ class MigState:
         return [(i.p, i.start, i.used or i.pod is not None) for i in self._insts]
 
     def key(self) -> MigKey:
-        rules = self.rules
-        insts = self.instances()
-        n_profiles = len(rules.memory)
-        base = 2 * rules.model.memory_slices * n_profiles + 1
-        code = 0
-        for p, start, is_hard in insts:
-            code = code * base + ((start * n_profiles + p) << 1 | is_hard) + 1
-        return (rules.model.name, self.changed, code)
+        return (self.rules.model.name, self.changed, tuple(self.instances()))
 
     def has_pod(self) -> bool:
         if self._insts is None:
