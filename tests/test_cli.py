@@ -41,6 +41,19 @@ def test_bench_planner_time_limit_must_be_finite_and_not_negative(value, capsys)
     assert err.startswith("dynpart: error: --time-limit") and "must be" in err and "\n" not in err
 
 
+def test_bench_planner_reports_wall_and_cpu_time_per_plan(capsys):
+    """The wall clock counts other work on a shared machine too; the CPU time is the plan's own:
+    both are reported, and a plan's CPU time cannot be far above its wall time (one thread)."""
+    import json
+    assert main(["bench", "planner", "--nodes", "20", "--pending", "30", "--repeat", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["placed"] > 0 and len(out["plan_s_per_seed"]) == 3
+    assert 0 < out["plan_cpu_s_median"] <= 1.5 * out["plan_s_median"] + 0.01
+    assert main(["bench", "planner", "--nodes", "20", "--pending", "30", "--repeat", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "cpu s" in text and "CPU time median" in text
+
+
 def test_a_reader_that_goes_away_ends_the_command_quietly(monkeypatch, capsys):
     """`dynpart catalog H100-80GB | head -1`: the pipe closes while the command writes; it ends
     with 141 (as a shell tool killed by SIGPIPE does), no traceback."""
