@@ -321,9 +321,18 @@ class GpuIndex:
         for m, rows in enumerate(self._mig_rows):
             at = np.flatnonzero(model_of == m)
             codes[at] = rows.codes(row_of[at])
+        # buckets that differ in free instances only share their class: asked for once per (model,
+        # code), in the order of the buckets (that of the new classes' ids); others once each
+        key = np.where(model_of >= 0, model_of * (int(codes.max(initial=0)) + 1) + codes, -1 - np.arange(len(uniq)))
+        _, at, inverse = np.unique(key, return_index=True, return_inverse=True)
         rules = [rows.rules for rows in self._mig_rows]
-        for b, g, m, code in zip(uniq.tolist(), first.tolist(), model_of.tolist(), codes.tolist()):
-            per[b] = obj.class_id(mig_class(rules[m], code) if m >= 0 else capacity_class(states[g]))
+        ids = np.zeros(len(at), dtype=np.int64)
+        model_list, code_list, first_list = model_of.tolist(), codes.tolist(), first.tolist()
+        order = np.argsort(at)
+        for j, i in zip(order.tolist(), at[order].tolist()):
+            m = model_list[i]
+            ids[j] = obj.class_id(mig_class(rules[m], code_list[i]) if m >= 0 else capacity_class(states[first_list[i]]))
+        per[uniq] = ids[inverse.reshape(-1)]
         out: np.ndarray = np.append(per[bid[:-1]], 0)
         return out
 

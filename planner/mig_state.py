@@ -90,7 +90,7 @@ class _Shape:
     __slots__ = ("occupied", "hard", "counts", "compute", "media", "profiles", "starts", "masks", "hards", "free",
                  "code")
 
-    def __init__(self, rules: MigRules, insts: list[tuple[int, int, bool]]):
+    def __init__(self, rules: MigRules, insts: Sequence[tuple[int, int, bool]]):
         mask_of, code_of = _instance_tables(rules)
         compute, media = rules.compute, rules.media
         occupied = hard = used_compute = used_media = code = 0
@@ -174,8 +174,8 @@ class MigState:
         self.created = 0
         self._shape: _Shape | None = None
         # its instances as (profile, start, hard), read from `info` (for its key, then its row of
-        # `MigRows`: read once)
-        self._as_is: list[tuple[int, int, bool]] | None = None
+        # `MigRows`: read once; `compile_cluster` reads them with the snapshot's)
+        self._as_is: Sequence[tuple[int, int, bool]] | None = info.mig_layout
 
     @property
     def insts(self) -> list[MigInst]:
@@ -200,7 +200,7 @@ class MigState:
         c._shape, c._as_is = self._shape, self._as_is
         return c
 
-    def instances(self) -> list[tuple[int, int, bool]]:
+    def instances(self) -> Sequence[tuple[int, int, bool]]:
         """Its instances as (profile, start, hard) in start order (read only)."""
         if self._shape is not None:
             return list(zip(self._shape.profiles, self._shape.starts, self._shape.hards))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,7 @@ from dynpart.mig import MigRules
 from dynpart.planner.types import WHOLE_GPU, MigSliceRef, MpsSliceRef, SliceRef
 from dynpart.resources import MigResource, MpsResource, WholeGpuResource, parse_resource
 from dynpart.scheduling import NodeSelectorTerm, Taint, Toleration, affinity_admits, untolerated_taint
-from dynpart.snapshot import Mode, Node, PendingPod, RequestShare, Snapshot, gpu_capacity, validate_snapshot
+from dynpart.snapshot import Gpu, Mode, Node, PendingPod, RequestShare, Snapshot, validate_snapshot
 
 KIND_MIG, KIND_MPS, KIND_GPU = "mig", "mps", "gpu"
 
@@ -38,6 +38,10 @@ class GpuInfo:
     used_mps: list[tuple[int, str | None]] = field(default_factory=list)
     free_mps: list[int] = field(default_factory=list)
     whole_pod: str | None = None
+    # MIG: every instance as (profile index, start, used) in start order, as `compile_cluster`
+    # reads them (a `MigState` keys its bucket by it); None: derived from used_mig and free_mig
+    # (`init=False`: a `replace`d copy, with other instances, does not keep it)
+    mig_layout: tuple[tuple[int, int, bool], ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def has_used(self) -> bool:
@@ -172,22 +176,44 @@ def compile_cluster(snapshot_nodes: Sequence[Node], models: dict[str, GpuModel])
     """The nodes and their GPUs as they are (validated already; `models`: each node's model)."""
     nodes: list[NodeInfo] = []
     gpus: list[GpuInfo] = []
+    rules_of: dict[int, MigRules] = {}  # per model (by id): its rules, looked up once
     for ni, node in enumerate(snapshot_nodes):
         model = models[node.name]
-        rules = MigRules.of(model) if node.mode == "mig" else None
+        rules: MigRules | None = None
+        if node.mode == "mig":
+            rules = rules_of.get(id(model))
+            if rules is None:
+                rules = rules_of[id(model)] = MigRules.of(model)
         gids = []
-        for gpu in sorted(node.gpus, key=_by_index):
+        node_gpus = node.gpus
+        if not _ascending(node_gpus):
+            node_gpus = sorted(node_gpus, key=_by_index)
+        for gpu in node_gpus:
             used_mig: list[tuple[int, int, str | None]] = []
             free_mig: list[tuple[int, int]] = []
             used_mps: list[tuple[int, str | None]] = []
             free_mps: list[int] = []
+            layout: list[tuple[int, int, bool]] | None = None
             if rules is not None:
                 index = rules.index
-                for inst in sorted(gpu.mig, key=_by_start):
-                    if inst.used or inst.pod:
-                        used_mig.append((index[inst.profile], inst.start, inst.pod))
+                layout = []
+                # by start: a snapshot mostly lists them so (else sorted below, stably)
+                last, ordered = -1, True
+                for inst in gpu.mig:
+                    p, start, pod = index[inst.profile], inst.start, inst.pod
+                    if start <= last:
+                        ordered = False
+                    last = start
+                    if inst.used or pod:
+                        used_mig.append((p, start, pod))
+                        layout.append((p, start, True))
                     else:
-                        free_mig.append((index[inst.profile], inst.start))
+                        free_mig.append((p, start))
+                        layout.append((p, start, False))
+                if not ordered:
+                    used_mig.sort(key=_second)
+                    free_mig.sort(key=_second)
+                    layout = None  # (`MigState` orders them as it always has)
             else:
                 for s in gpu.mps:
                     if s.used or s.pod:
@@ -195,16 +221,30 @@ def compile_cluster(snapshot_nodes: Sequence[Node], models: dict[str, GpuModel])
                     else:
                         free_mps.append(s.size)
                 free_mps.sort(reverse=True)
+            info = GpuInfo(len(gpus), ni, gpu.index, model, rules,
+                           gpu.capacity if gpu.capacity is not None else model.mps_capacity_gb,
+                           used_mig, free_mig, used_mps, free_mps, gpu.whole_pod)
+            if layout is not None:
+                info.mig_layout = tuple(layout)
             gids.append(len(gpus))
-            gpus.append(GpuInfo(len(gpus), ni, gpu.index, model, rules, gpu_capacity(gpu, model), used_mig, free_mig,
-                                used_mps, free_mps, gpu.whole_pod))
+            gpus.append(info)
         nodes.append(NodeInfo(ni, node.name, node.mode, model, node.cpu_milli_free,
                               node.memory_mib_free, dict(node.labels), gids, node.unschedulable, tuple(node.taints)))
     return nodes, gpus
 
 
+def _ascending(gpus: Sequence[Gpu]) -> bool:
+    """Whether the GPUs are listed by index (as a snapshot mostly lists them)."""
+    last = -1
+    for gpu in gpus:
+        if gpu.index < last:
+            return False
+        last = gpu.index
+    return True
+
+
+_second = itemgetter(1)
 _by_index = attrgetter("index")
-_by_start = attrgetter("start")
 
 
 # per request signature (kind, profile, size, count, selector, accepted models, node constraints):
@@ -226,43 +266,66 @@ def compile_requests(problem: Problem, pending: Sequence[PendingPod], catalog: C
     requests: list[Request] = []
     kinds: dict[str, tuple[str, SliceRef, str | None, int]] = {}
     groups: _NodeGroups | None = None
-    fitting: dict[tuple[object, ...], tuple[np.ndarray, list[int]]] = {}
-    mig_shapes: dict[tuple[object, ...], tuple[int, int]] = {}
+    # per pod's own fields (resource, count, models, selector, tolerations, affinity), the pods'
+    # kinds and signatures: worked out once per distinct value (most pods share theirs), each
+    # signature numbered; per signature number, its static filter and MIG shapes
+    own_sigs: dict[tuple[object, ...], tuple[tuple[str, SliceRef, str | None, int], tuple[object, ...], int,
+                                             frozenset[str], NodeConstraints]] = {}
+    sig_ids: dict[tuple[object, ...], int] = {}
+    hits: dict[int, tuple[np.ndarray, str | None]] = {}
+    # per (signature number, CPU, memory): the candidates, as an array and a list, and the
+    # profile's memory slices on the first's model (MIG)
+    fitting: dict[tuple[int, int, int], tuple[np.ndarray, list[int], int]] = {}
+    mig_shapes: dict[int, tuple[int, int]] = {}
     model_of: np.ndarray | None = None
     apart = False
     for pi, pod in enumerate(pending):
         if pod.apart:
             apart = True
-        kind_of = kinds.get(pod.resource)
-        if kind_of is None:
-            kind_of = kinds[pod.resource] = _kind_of(pod.resource)
-        kind, ref, profile, size = kind_of
+        selector = pod.node_selector
+        own = (pod.resource, pod.count, tuple(pod.gpu_models), tuple(sorted(selector.items())) if selector else (),
+               tuple(pod.tolerations), tuple(pod.node_affinity))
+        known = own_sigs.get(own)
+        if known is None:
+            kind_of = kinds.get(pod.resource)
+            if kind_of is None:
+                kind_of = kinds[pod.resource] = _kind_of(pod.resource)
+            accepted = frozenset(catalog.resolve(m).family_name for m in pod.gpu_models)
+            constraints = NodeConstraints(tuple(pod.tolerations), tuple(pod.node_affinity))
+            signature: tuple[object, ...] = (kind_of[0], kind_of[2], kind_of[3], pod.count, own[3], accepted,
+                                              constraints)
+            known = own_sigs[own] = (kind_of, signature, sig_ids.setdefault(signature, len(sig_ids)), accepted,
+                                     constraints)
+        (kind, ref, profile, size), sig, sid, accepted, constraints = known
         req = Request(pi, pod.name, pod.resource, kind, ref, profile, size, pod.count, pod.cpu_milli,
                       pod.memory_mib, pod.priority, weights[pod.priority])
-        accepted = frozenset(catalog.resolve(m).family_name for m in pod.gpu_models)
-        constraints = NodeConstraints(tuple(pod.tolerations), tuple(pod.node_affinity))
-        sig = (kind, profile, size, pod.count, tuple(sorted(pod.node_selector.items())), accepted, constraints)
-        hit = static.get(sig)
+        hit = hits.get(sid)
         if hit is None:
-            if groups is None:
-                groups = _NodeGroups(nodes, gpus)
-            hit = static[sig] = groups.filter(req, pod.node_selector, accepted, constraints)
+            hit = static.get(sig)
+            if hit is None:
+                if groups is None:
+                    groups = _NodeGroups(nodes, gpus)
+                hit = static[sig] = groups.filter(req, selector, accepted, constraints)
+            hits[sid] = hit
         ok_nodes, summary = hit
-        fit = fitting.get((sig, req.cpu, req.mem))
+        fit = fitting.get((sid, req.cpu, req.mem))
         if fit is None:
             fits = ok_nodes[(cpu_free[ok_nodes] >= req.cpu) & (mem_free[ok_nodes] >= req.mem)] if len(ok_nodes) else ok_nodes
-            fit = fitting[(sig, req.cpu, req.mem)] = (fits, fits.tolist())
-        req._cand, req.candidates = fit
+            cands = fits.tolist()
+            mig_size = (nodes[cands[0]].model.profiles_by_name[ref.profile].memory
+                        if isinstance(ref, MigSliceRef) and cands else 0)
+            fit = fitting[(sid, req.cpu, req.mem)] = (fits, cands, mig_size)
+        req._cand, req.candidates, mig_size = fit
         if isinstance(ref, MigSliceRef) and req.candidates:
-            req.size = nodes[req.candidates[0]].model.profiles_by_name[ref.profile].memory
+            req.size = mig_size
             # one profile name can have different shapes on different models (A100-40GB's
             # 1g.10gb takes two memory slices, A100-80GB's one): the smallest, for the bound
-            shapes = mig_shapes.get(sig)
+            shapes = mig_shapes.get(sid)
             if shapes is None:
                 if model_of is None:
                     model_of = _model_ids(nodes)
                 profs = [nodes[n].model.profiles_by_name[ref.profile] for n in _one_per_value(model_of, ok_nodes)]
-                shapes = mig_shapes[sig] = (min(p.memory for p in profs), min(p.compute for p in profs))
+                shapes = mig_shapes[sid] = (min(p.memory for p in profs), min(p.compute for p in profs))
             req.min_memory, req.min_compute = shapes
         if not req.candidates:
             if len(ok_nodes):
@@ -354,27 +417,46 @@ class _NodeGroups:
         return np.flatnonzero(admitted).astype(np.int64), summary
 
 
+# a kind of the distribution: (slice, count, CPU, memory, GPU model families, selector, constraints)
+_KindKey = tuple[SliceRef, int, int, int, tuple[str, ...], tuple[tuple[str, str], ...], NodeConstraints]
+
+
 def compile_workload(workload: Sequence[RequestShare], pending: Sequence[PendingPod],
                      catalog: Catalog | None = None) -> list[DemandKind]:
     """The objective's request distribution: the snapshot's, else one share per pending pod.
     Equal kinds are merged, in a canonical order (the plan does not depend on the list's order).
     GPU models are resolved to their families with `catalog` (needed when a share names models)."""
-    acc: dict[tuple[SliceRef, int, int, int, tuple[str, ...], tuple[tuple[str, str], ...], NodeConstraints], float] = {}
+    keys: list[_KindKey] = []
+    totals: list[float] = []  # per key, its weight (added up in the items' order, as ever)
+    slot: dict[_KindKey, int] = {}
+    # per item's own fields, its key's slot: worked out once per distinct value (2,000 pending
+    # pods of `dynpart bench planner` have a few hundred)
+    slot_of: dict[tuple[object, ...], int] = {}
     # the weights are relative: scaled down where their sum would overflow (to inf, and the
     # objective's normalised weights to 0 or NaN), left as they are otherwise (the same plans)
     big = max((s.weight for s in workload), default=1.0)
     scale = big if big * len(workload) > 1e300 else 1.0
     for item in (workload or pending):
-        families: tuple[str, ...] = ()
-        if item.gpu_models:
-            if catalog is None:
-                raise ValueError("a request share names GPU models: compiling it needs the catalog")
-            families = tuple(sorted({catalog.resolve(m).family_name for m in item.gpu_models}))
-        constraints = NodeConstraints(tuple(item.tolerations), tuple(item.node_affinity))
-        key = (slice_ref_of(item.resource), item.count, item.cpu_milli, item.memory_mib, families,
-               tuple(sorted(item.node_selector.items())), constraints)
-        acc[key] = acc.get(key, 0.0) + (item.weight / scale if isinstance(item, RequestShare) else 1.0)
-    kinds = [DemandKind(r, c, cpu, mem, w, frozenset(f), sel, con) for (r, c, cpu, mem, f, sel, con), w in acc.items()]
+        selector = item.node_selector
+        own = (item.resource, item.count, item.cpu_milli, item.memory_mib, tuple(item.gpu_models),
+               tuple(sorted(selector.items())) if selector else (), tuple(item.tolerations), tuple(item.node_affinity))
+        j = slot_of.get(own)
+        if j is None:
+            families: tuple[str, ...] = ()
+            if item.gpu_models:
+                if catalog is None:
+                    raise ValueError("a request share names GPU models: compiling it needs the catalog")
+                families = tuple(sorted({catalog.resolve(m).family_name for m in item.gpu_models}))
+            constraints = NodeConstraints(tuple(item.tolerations), tuple(item.node_affinity))
+            key = (slice_ref_of(item.resource), item.count, item.cpu_milli, item.memory_mib, families,
+                   tuple(sorted(item.node_selector.items())), constraints)
+            j = slot_of[own] = slot.setdefault(key, len(keys))
+            if j == len(keys):
+                keys.append(key)
+                totals.append(0.0)
+        totals[j] += item.weight / scale if isinstance(item, RequestShare) else 1.0
+    kinds = [DemandKind(r, c, cpu, mem, w, frozenset(f), sel, con)
+             for (r, c, cpu, mem, f, sel, con), w in zip(keys, totals)]
     return sorted(kinds, key=_kind_order)
 
 

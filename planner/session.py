@@ -90,7 +90,7 @@ class PlanningSession:
         self.index = GpuIndex(self.problem)
         self.bid = self.index.buckets(self.states)
         self._caps = [capacity_left(g) for g in gpus]
-        self._totals: list[int] = [sum(c[k] for c in self._caps) for k in range(4)]
+        self._totals: list[int] = [sum(column) for column in zip(*self._caps)] if gpus else [0, 0, 0, 0]
         self._occupied = sum(1 for s in self.states if s.has_pod())
         self._static: StaticFilter = {}
         # the last objective: its workload, class ids of the GPUs, the nodes' terms and the rooms
