@@ -54,8 +54,9 @@ def _plan(snap: Snapshot, monkeypatch: pytest.MonkeyPatch, heap_after: int, heap
 
     def counted_scan(self, *args):  # type: ignore[no-untyped-def]
         calls["scan"] += 1
-        # a pod the heap would take once its kind has one (candidates on half the nodes or more)
-        calls["wide"] += 2 * len(args[0].candidates) >= len(self.problem.nodes)
+        # a pod the heap would take once its kind has one (candidates on a quarter of the nodes
+        # or more)
+        calls["wide"] += greedy_module._FEW_CANDIDATES * len(args[0].candidates) >= len(self.problem.nodes)
         return scan(self, *args)
 
     with monkeypatch.context() as m:
