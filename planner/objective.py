@@ -472,15 +472,11 @@ class Objective:
         self._scores: dict[float, int] = {}
         self._moved_kinds: dict[tuple[int, int], tuple[int, ...]] = {}
         self._profiles: dict[MigRules, list[int | None]] = {}  # per model, each ref's profile index
-        # per class id, in arrays that grow by doubling (`tables()` gives views of the filled part),
-        # filled from the lists when read (a plan meets thousands of classes at once, in its
-        # first step: one numpy write for all, not a few per class)
+        # per class id, in arrays that grow by doubling (`tables()` gives views of the filled part)
         self._free = np.zeros(64)
         self._cov = np.zeros((64, len(self.multi_refs)))
         self._slots = np.zeros((64, len(self.multi_refs)), dtype=np.int64)
         self._usable = np.zeros(self.w1.shape[:2] + (64,))  # by table row
-        self._usable_of: list[np.ndarray] = []  # per class id, its usable (shared per coverage)
-        self._filled = 0  # class ids in the arrays
         self.class_id(None)
 
     @property
@@ -509,7 +505,14 @@ class Objective:
                     # by table row and memory step (the CPU grid's many steps share a row)
                     [[row[m] for m in self.mrow_list] for row in usable.tolist()])
             usable, cov_multi, slots_multi, usable_rows = hit
-            self._usable_of.append(usable)
+            if cid == len(self._free):
+                self._free = np.concatenate([self._free, np.zeros_like(self._free)])
+                self._cov = np.concatenate([self._cov, np.zeros_like(self._cov)])
+                self._slots = np.concatenate([self._slots, np.zeros_like(self._slots)])
+                self._usable = np.concatenate([self._usable, np.zeros_like(self._usable)], axis=-1)
+            self._free[cid], self._usable[..., cid] = free, usable
+            if cov_multi:
+                self._cov[cid], self._slots[cid] = cov_multi, slots_multi
             self.free_of.append(free)
             self.cov_of.append(cov_multi)
             self.slots_of.append(slots_multi)
@@ -520,35 +523,11 @@ class Objective:
         """Per class id: free share (K,), coverage of the multi-slice refs (K, Rm), and the table
         usable (CPU rows, memory rows, K) of the one-slice kinds, read at `rows` of the steps."""
         k = len(self.free_of)
-        if self._filled < k:
-            self._fill(k)
         return self._free[:k], self._cov[:k], self._usable[..., :k]
 
     def slot_table(self) -> np.ndarray:
         """Per class id, the slices of each multi-slice ref it can still take (K, Rm)."""
-        k = len(self.free_of)
-        if self._filled < k:
-            self._fill(k)
-        return self._slots[:k]
-
-    def _fill(self, k: int) -> None:
-        """The arrays of `tables()` with the class ids met since they were last read, up to k."""
-        if k > len(self._free):  # room for twice as many, or more
-            size = len(self._free)
-            while size < k:
-                size *= 2
-            grow = size - len(self._free)
-            self._free = np.concatenate([self._free, np.zeros(grow)])
-            self._cov = np.concatenate([self._cov, np.zeros((grow, self._cov.shape[1]))])
-            self._slots = np.concatenate([self._slots, np.zeros((grow, self._slots.shape[1]), dtype=np.int64)])
-            self._usable = np.concatenate([self._usable, np.zeros(self._usable.shape[:2] + (grow,))], axis=-1)
-        f = self._filled
-        self._free[f:k] = self.free_of[f:k]
-        if self.multi_refs:
-            self._cov[f:k] = self.cov_of[f:k]
-            self._slots[f:k] = self.slots_of[f:k]
-        self._usable[..., f:k] = np.stack(self._usable_of[f:k], axis=-1)
-        self._filled = k
+        return self._slots[:len(self.free_of)]
 
     def rows(self, ic: np.ndarray, im: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The rows of `tables()`'s usable at these steps."""
