@@ -113,10 +113,12 @@ class _NodeView:
     """One node as the greedy's plain-Python path reads it: its GPUs' buckets and, under an
     objective, their classes and the node's terms at some steps of the objective's tables, with
     what the multi-slice kinds use of it per kind (`room`, where a GPU's class moves no
-    coverage: covm + 0.0 is covm, its sums of values >= 0 being never -0.0)."""
+    coverage: covm + 0.0 is covm, its sums of values >= 0 being never -0.0). `firsts`: (slot,
+    bucket) of the first GPU of each bucket (and class): the node's other GPUs of a bucket
+    weigh the same for any kind and lose to it on the slot."""
 
-    __slots__ = ("node", "bids", "classes", "f", "free", "single", "ic", "im", "row", "covm", "hostm", "wm", "room",
-                 "room_sum")
+    __slots__ = ("node", "bids", "firsts", "classes", "f", "free", "single", "ic", "im", "row", "covm", "hostm", "wm",
+                 "room", "room_sum")
 
     def __init__(self, greedy: Greedy, n: int, steps: tuple[int, int] | None):
         self.node = n
@@ -124,11 +126,13 @@ class _NodeView:
         self.bids: list[int] = greedy.bid[gpus].tolist()
         obj, terms, cls = greedy.objective, greedy.terms, greedy.cls
         if obj is None or terms is None or cls is None:
+            self.firsts = _firsts(self.bids, self.bids)
             return
         row = cls[gpus]
         if not terms.ok[n]:
             terms.ensure_one(obj, n, row, int(greedy.cpu[n]), int(greedy.mem[n]))
         self.classes: list[int] = row.tolist()
+        self.firsts = _firsts(self.bids, self.classes)
         self.f, self.free = float(terms.f[n]), float(terms.free[n])
         if steps is None:
             self.ic, self.im = int(terms.ic[n]), int(terms.im[n])
@@ -145,6 +149,17 @@ class _NodeView:
             self.room = [w * (self.covm[col] * (self.hostm[col] >= count))
                          for w, col, count in zip(self.wm, obj.multi_cols, obj.multi_counts)]
             self.room_sum = numpy_sum(self.room)
+
+
+def _firsts(bids: list[int], classes: list[int]) -> list[tuple[int, int]]:
+    """(slot, bucket) of the first slot of each distinct (bucket, class) pair."""
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for k, pair in enumerate(zip(bids, classes)):
+        if pair not in seen:
+            seen.add(pair)
+            out.append((k, pair[0]))
+    return out
 
 
 class _NodeHeap:
@@ -190,13 +205,15 @@ class _BucketHeap:
     __slots__ = ("entries", "bounds", "stale", "key", "exact", "slot")
 
     def __init__(self, cache: NodeBest):
-        # the node's top at its own steps (exact or a bound) bounds its top at any bucket
-        self.key = np.where(cache.ok, cache.top, NO_OPTION)
-        self.exact = np.zeros(len(self.key), dtype=bool)
-        self.slot = np.zeros(len(self.key), dtype=np.int64)
+        # the node's top at its own steps (exact or a bound) bounds its top at any bucket; lists,
+        # not arrays: the heaps read and write them one node at a time
+        key = np.where(cache.ok, cache.top, NO_OPTION)
+        self.key: list[int] = key.tolist()
+        self.exact: list[bool] = [False] * len(self.key)
+        self.slot: list[int] = [0] * len(self.key)
         ok = np.flatnonzero(cache.ok & (cache.top < NO_OPTION))
         self.entries: list[tuple[int, int]] = []
-        self.bounds: list[tuple[int, int]] = list(zip(self.key[ok].tolist(), ok.tolist()))
+        self.bounds: list[tuple[int, int]] = list(zip(key[ok].tolist(), ok.tolist()))
         heapify(self.bounds)
         self.stale: set[int] = set(np.flatnonzero(~cache.ok).tolist())
 
@@ -281,6 +298,10 @@ class Greedy:
         self.base_mem = mem if mem is not None else np.array([n.mem_free for n in problem.nodes], dtype=np.int64)
         self.cpu = self.base_cpu.copy()
         self.mem = self.base_mem.copy()
+        # the same as lists, for the paths that read one node at a time (a list's item costs a
+        # fraction of an array's)
+        self.cpu_of: list[int] = self.cpu.tolist()
+        self.mem_of: list[int] = self.mem.tolist()
         self.base_bid = self.bid.copy()
         self.placement: dict[int, tuple[int, list[_Pick]]] = {}
         self.changed_nodes: set[int] = set()
@@ -328,6 +349,9 @@ class Greedy:
                 self.cpu_room = rooms(self.cpu, self.objective.kind_cpu_steps)
                 self.mem_room = rooms(self.mem, self.objective.kind_mem_steps)
                 self.grid_room = rooms(self.cpu, self.objective.cpu_steps)
+            self.cpu_room_of: list[int] = self.cpu_room.tolist()
+            self.mem_room_of: list[int] = self.mem_room.tolist()
+            self.grid_room_of: list[int] = self.grid_room.tolist()
 
     def placements(self) -> Placements:
         return {idx: Assignment(node, tuple(gid for gid, _ in picks)) for idx, (node, picks) in self.placement.items()}
@@ -413,36 +437,38 @@ class Greedy:
         in the same order (`numpy_sum` where numpy sums), so the same results bit for bit.
         `steps`: per node, the CPU and memory steps the pod moves it to (None: it moves none).
         Only the GPUs with the node's fewest changes are scored: a score (-100..0) never makes
-        up for one more change."""
+        up for one more change; and only the first of each bucket (`_NodeView.firsts`)."""
         chg_of, rest_of = costs.chg, costs.rest
-        width = self.index.node_gpus.shape[1]
+        count_changes = self.count_changes
         # per node: the slots that can win, as (slot, changes, rest key, bucket)
         options: list[list[tuple[int, int, int, int]]] = []
         deltas: list[float] = []
         for pos, n in enumerate(nodes):
             view = self._view(n, None if steps is None else steps[pos])
-            valid = [(k, chg_of[b] if self.count_changes else 0, rest_of[b], b) for k, b in enumerate(view.bids)
+            valid = [(k, chg_of[b] if count_changes else 0, rest_of[b], b) for k, b in view.firsts
                      if chg_of[b] < NO_OPTION]
             if valid:
-                least = min(v[1] for v in valid)
-                if least < _FEW_CHANGES:
-                    valid = [v for v in valid if v[1] == least]
+                if len(valid) > 1:
+                    least = min([v[1] for v in valid])
+                    if least < _FEW_CHANGES:
+                        valid = [v for v in valid if v[1] == least]
                 if self.objective is not None:
-                    deltas.extend(self._deltas_scalar(costs, view, valid))
+                    self._deltas_scalar(costs, view, valid, deltas)
             options.append(valid)
         scores = self.objective.scores(deltas) if self.objective is not None and deltas else []
         tops, slots = [], []
         i = 0
         for valid in options:
-            top_of = [NO_OPTION] * width
-            key_of = [NO_OPTION] * width
+            # the least key, as `_node_best`'s argmin (the keys of a node's slots differ)
+            best_key, best_top, best_slot = NO_OPTION, NO_OPTION, 0
             for k, chg, rest, _ in valid:
-                top = top_of[k] = chg * _TOP_SCALE + (scores[i] if scores else 0) + _SCORE_OFFSET
-                key_of[k] = (min(top, _TOP_CAP) << 37) + (rest << 4 | k)
+                top = chg * _TOP_SCALE + (scores[i] if scores else 0) + _SCORE_OFFSET
+                key = (min(top, _TOP_CAP) << 37) + (rest << 4 | k)
+                if key < best_key:
+                    best_key, best_top, best_slot = key, top, k
                 i += 1
-            slot = key_of.index(min(key_of))  # the first least key, as argmin
-            tops.append(top_of[slot])
-            slots.append(slot)
+            tops.append(best_top)
+            slots.append(best_slot)
         return tops, slots
 
     def _view(self, n: int, steps: tuple[int, int] | None) -> _NodeView:
@@ -456,37 +482,33 @@ class Greedy:
             view = views[steps] = _NodeView(self, n, steps)
         return view
 
-    def _deltas_scalar(self, costs: AskCosts, view: _NodeView, valid: list[tuple[int, int, int, int]]) -> list[float]:
+    def _deltas_scalar(self, costs: AskCosts, view: _NodeView, valid: list[tuple[int, int, int, int]],
+                       deltas: list[float]) -> None:
         """`_delta` of the node for the slots `valid` (slot, changes, rest key, bucket), one row
-        at a time."""
+        at a time, appended to `deltas`."""
         obj = self.objective
         assert obj is not None
-        free_of, cov_of, usable_of = obj.free_of, obj.cov_of, obj.usable_of
-        after_of, classes, ic, im, row = costs.after_id, view.classes, view.ic, view.im, view.row
-        deltas = []
+        usable_of, transition = obj.usable_of, obj.transition
+        after_of, classes, im, row = costs.after_id, view.classes, view.im, view.row
+        multi, feeds = bool(obj.multi), obj.feeds
         for k, _, _, b in valid:
             before, after = classes[k], after_of[b]
             single = view.single + (usable_of[after][row][im] - usable_of[before][row][im])
-            free_after = view.free + (free_of[after] - free_of[before])
+            dfree, moved = transition(before, after)
+            free_after = view.free + dfree
             f_after = free_after - single
-            if obj.multi:
-                moved = obj.moved_kinds(before, after)
+            if multi:
                 if moved:
-                    ca, cb = cov_of[after], cov_of[before]
-                    sa, sb = obj.slots_of[after], obj.slots_of[before]
-                    covm, hostm, wm, multi_cols = view.covm, view.hostm, view.wm, obj.multi_cols
+                    covm, hostm, wm = view.covm, view.hostm, view.wm
                     mine = list(view.room)
-                    for j in moved:
-                        col = multi_cols[j]
-                        mine[j] = wm[j] * ((covm[col] + (ca[col] - cb[col]))
-                                           * (hostm[col] + (sa[col] - sb[col]) >= obj.multi_counts[j]))
+                    for j, col, dcov, dslots, count in moved:
+                        mine[j] = wm[j] * ((covm[col] + dcov) * (hostm[col] + dslots >= count))
                     f_after -= numpy_sum(mine)
                 else:
                     f_after -= view.room_sum
-            if obj.feeds:
-                f_after += obj.stranded_one(view.node, free_after, ic, im)
+            if feeds:
+                f_after += obj.stranded_one(view.node, free_after, view.ic, im)
             deltas.append(f_after - view.f)
-        return deltas
 
     def _weigh(self, costs: AskCosts, nodes: np.ndarray) -> tuple[np.ndarray | list[int], np.ndarray | list[int]]:
         """(top, slot) of `nodes` for one slice of the ask, the pod's CPU and memory moving none
@@ -509,8 +531,8 @@ class Greedy:
             kept = self._moved_best[ask] = {}
         steps: list[tuple[int, int]]
         if len(nodes) <= SCALAR_NODES:  # mostly one node, popped from a heap: numpy's calls cost more
-            free_cpu, free_mem = self.cpu, self.mem
-            steps = [obj.step_one(n, int(free_cpu[n]) - cpu, int(free_mem[n]) - mem) for n in nodes]
+            free_cpu, free_mem = self.cpu_of, self.mem_of
+            steps = [obj.step_one(n, free_cpu[n] - cpu, free_mem[n] - mem) for n in nodes]
         else:
             at = np.array(nodes, dtype=np.int64)
             ic, im = obj.steps(at, self.cpu[at] - cpu, self.mem[at] - mem)
@@ -549,7 +571,7 @@ class Greedy:
         assert self.objective is not None
         kept = self._moved_best.get(req.slice_ref)
         if kept is not None and (mine := kept.get(n)) is not None:
-            hit = mine.get(self.objective.step_one(n, int(self.cpu[n]) - req.cpu, int(self.mem[n]) - req.mem))
+            hit = mine.get(self.objective.step_one(n, self.cpu_of[n] - req.cpu, self.mem_of[n] - req.mem))
             if hit is not None:
                 return hit
         tops, slots = self._weigh_moved(costs, req.slice_ref, [n], req.cpu, req.mem)
@@ -663,7 +685,7 @@ class Greedy:
         entries = heap.entries
         member = None if len(req.candidates) == len(self.problem.nodes) else self._candidate_mask(req)
         ok, top_of, exact_of = cache.ok, cache.top, cache.exact
-        cpu, mem, need_cpu, need_mem = self.cpu, self.mem, req.cpu, req.mem
+        cpu, mem, need_cpu, need_mem = self.cpu_of, self.mem_of, req.cpu, req.mem
         moving = self.objective is not None and bool(need_cpu or need_mem)
         feeds = moving and self.objective is not None and self.objective.feeds
         best = (NO_OPTION, -1)
@@ -702,8 +724,8 @@ class Greedy:
                     heap.push_many([e[0] for e in held], [e[1] for e in held])
                     return _GAVE_UP
                 continue
-            if moving and (self.cpu_room[n] < need_cpu or self.mem_room[n] < need_mem
-                           or (feeds and self.grid_room[n] < need_cpu and self._strands_one(n, need_cpu, need_mem))):
+            if moving and (self.cpu_room_of[n] < need_cpu or self.mem_room_of[n] < need_mem
+                           or (feeds and self.grid_room_of[n] < need_cpu and self._strands_one(n, need_cpu, need_mem))):
                 top, slot = self._weigh_moved_one(costs, n, req)
                 if (top, n) < best:
                     best, best_slot = (top, n), slot
@@ -719,11 +741,11 @@ class Greedy:
         """`Objective.strands` of node n once a pod takes `cpu` and `mem` of it."""
         assert self.objective is not None
         if FEED_MEMORY:
-            return self.objective.strands_free(n, self._free_share(n), int(self.cpu[n]) - cpu, int(self.mem[n]) - mem)
+            return self.objective.strands_free(n, self._free_share(n), self.cpu_of[n] - cpu, self.mem_of[n] - mem)
         below = self._strand_below.get(n)
         if below is None:
             below = self._strand_below[n] = self.objective.strands_below(n, self._free_share(n))
-        return int(self.cpu[n]) - cpu < below
+        return self.cpu_of[n] - cpu < below
 
     def _free_share(self, n: int) -> float:
         """Node n's GPUs' free shares summed as `Objective.strands` sums them, kept until the node
@@ -763,12 +785,13 @@ class Greedy:
             if need:
                 self._refresh_bounds(costs, cache, np.array(need, dtype=np.int64), heap)
                 heap.stale.difference_update(need)
-            keys = cache.top[nodes]
-            key_of[nodes], exact_of[nodes] = keys, False
-            bh.push_bounds(keys.tolist(), nodes)
+            keys = cache.top[nodes].tolist()
+            for n, key in zip(nodes, keys):
+                key_of[n], exact_of[n] = key, False
+            bh.push_bounds(keys, nodes)
         entries, bounds = bh.entries, bh.bounds
         member = None if len(req.candidates) == len(self.problem.nodes) else self._candidate_mask(req)
-        cpu, mem, need_cpu, need_mem = self.cpu, self.mem, req.cpu, req.mem
+        cpu, mem, need_cpu, need_mem = self.cpu_of, self.mem_of, req.cpu, req.mem
         best = (NO_OPTION, -1)
         best_slot = -1
         held: list[tuple[int, int]] = []
@@ -791,7 +814,7 @@ class Greedy:
                     bh.push_many([e[0] for e in held], [e[1] for e in held])
                     return _GAVE_UP
                 continue
-            free_cpu, free_mem = int(cpu[n]), int(mem[n])
+            free_cpu, free_mem = cpu[n], mem[n]
             # the pod's top: at the node's own steps unless it moves the node as `_moves` tells
             # (then the bucket does not either: the key is that top); where it does, the key
             # unless it moves the node to other steps than the bucket does
@@ -802,7 +825,7 @@ class Greedy:
                 if (top, n) < best:
                     best, best_slot = (top, n), slot
             else:  # (k, n) is below every entry left, and every bound
-                best, best_slot = (k, n), int(bh.slot[n])
+                best, best_slot = (k, n), bh.slot[n]
                 break
         bh.push_many([e[0] for e in held], [e[1] for e in held])
         if best[0] >= NO_OPTION:
@@ -823,17 +846,18 @@ class Greedy:
             if key_of[n] == k and not exact_of[n] and n not in taken:
                 taken.add(n)
                 batch.append(n)
-        free_cpu = self.cpu
+        free_cpu = self.cpu_of
         short = [n for n in batch if free_cpu[n] < bucket]
         if short:  # no pod of the bucket fits there until the node changes
-            key_of[short], exact_of[short] = NO_OPTION, True
+            for n in short:
+                key_of[n], exact_of[n] = NO_OPTION, True
             batch = [n for n in batch if free_cpu[n] >= bucket]
         if not batch:
             return
         weigh: list[int] = []
         for n, top in zip(batch, self._own_tops(costs, ask, batch)):
             if not self._moves_one(n, bucket, 0):
-                key_of[n], exact_of[n], bh.slot[n] = top, True, cache.slot[n]
+                key_of[n], exact_of[n], bh.slot[n] = top, True, int(cache.slot[n])
                 _push_options(bh.entries, [top], [n])
                 continue
             bound = self._bucket_bound(ask, n, bucket, top)
@@ -844,7 +868,8 @@ class Greedy:
                 weigh.append(n)
         if weigh:
             tops, slots = self._weigh_bucket(costs, ask, weigh, bucket)
-            key_of[weigh], bh.slot[weigh], exact_of[weigh] = tops, slots, True
+            for n, top, slot in zip(weigh, tops, slots):
+                key_of[n], bh.slot[n], exact_of[n] = top, slot, True
             bh.push_many(tops, weigh)
 
     def _bucket_bound(self, ask: SliceRef, n: int, bucket: int, top: int) -> int:
@@ -860,7 +885,7 @@ class Greedy:
         points = changes * _TOP_SCALE + _SCORE_OFFSET - top  # the score, negated: 0..100
         if points >= 99:  # no ΔF bounds the best scores from below
             return top
-        free_cpu, free_mem = int(self.cpu[n]), int(self.mem[n])
+        free_cpu, free_mem = self.cpu_of[n], self.mem_of[n]
         fc = obj.node_fc_list[n]
         own_c, own_m = obj.step_one(n, free_cpu, free_mem)
         at_c = obj.step_one(n, free_cpu - bucket, free_mem)[0]
@@ -893,8 +918,8 @@ class Greedy:
 
     def _moves_one(self, n: int, cpu: int, mem: int) -> bool:
         """`_moves` of one node for a pod taking `cpu` and `mem` (>= 0) of it."""
-        return (self.cpu_room[n] < cpu or self.mem_room[n] < mem
-                or (self.grid_room[n] < cpu and self._strands_one(n, cpu, mem)))
+        return (self.cpu_room_of[n] < cpu or self.mem_room_of[n] < mem
+                or (self.grid_room_of[n] < cpu and self._strands_one(n, cpu, mem)))
 
     def _weigh_bucket(self, costs: AskCosts, ask: SliceRef, nodes: list[int], bucket: int) -> tuple[list[int], list[int]]:
         """(top, slot) of `nodes` for a pod of the ask taking `bucket` CPU and no memory: as the
@@ -1200,6 +1225,8 @@ class Greedy:
                 self.cls[gid] = after if after is not None else self.objective.class_id(capacity_class(st))
         self.cpu[node] -= req.cpu
         self.mem[node] -= req.mem
+        self.cpu_of[node] -= req.cpu
+        self.mem_of[node] -= req.mem
         self.placement[req.idx] = (node, picks)
         for other in req.apart:
             if other not in self.placement:
@@ -1209,9 +1236,10 @@ class Greedy:
         if self.terms is not None:
             self.terms.ok[node] = False
         if self.objective is not None:
-            self.cpu_room[node] = room(int(self.cpu[node]), self._cpu_steps)
-            self.grid_room[node] = room(int(self.cpu[node]), self.objective.cpu_step_list)
-            self.mem_room[node] = room(int(self.mem[node]), self._mem_steps)
+            cpu, mem = self.cpu_of[node], self.mem_of[node]
+            self.cpu_room[node] = self.cpu_room_of[node] = room(cpu, self._cpu_steps)
+            self.grid_room[node] = self.grid_room_of[node] = room(cpu, self.objective.cpu_step_list)
+            self.mem_room[node] = self.mem_room_of[node] = room(mem, self._mem_steps)
         for cache in self._best.values():
             cache.ok[node] = False
         for heap in self._heaps.values():

@@ -470,7 +470,7 @@ class Objective:
         self._by_coverage: dict[tuple[float, tuple[float, ...], tuple[int, ...]],
                                 tuple[np.ndarray, list[float], list[int], list[list[float]]]] = {}
         self._scores: dict[float, int] = {}
-        self._moved_kinds: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._transitions: dict[tuple[int, int], tuple[float, tuple[tuple[int, int, float, int, int], ...]]] = {}
         self._profiles: dict[MigRules, list[int | None]] = {}  # per model, each ref's profile index
         # per class id, in arrays that grow by doubling (`tables()` gives views of the filled part)
         self._free = np.zeros(64)
@@ -608,16 +608,18 @@ class Objective:
         return out
 
 
-    def moved_kinds(self, before: int, after: int) -> tuple[int, ...]:
-        """The multi-slice kinds whose ref a GPU's coverage changes for, from class `before` to
-        class `after`."""
-        kinds = self._moved_kinds.get((before, after))
-        if kinds is None:
+    def transition(self, before: int, after: int) -> tuple[float, tuple[tuple[int, int, float, int, int], ...]]:
+        """What a GPU's class moving from `before` to `after` changes: its free share (after less
+        before) and, per multi-slice kind whose ref's coverage or slots it changes, (kind, ref
+        column, coverage after less before, slots after less before, the kind's count)."""
+        hit = self._transitions.get((before, after))
+        if hit is None:
             ca, cb = self.cov_of[after], self.cov_of[before]
             sa, sb = self.slots_of[after], self.slots_of[before]
-            kinds = self._moved_kinds[(before, after)] = tuple(j for j, col in enumerate(self.multi_cols)
-                                                               if ca[col] != cb[col] or sa[col] != sb[col])
-        return kinds
+            moved = tuple((j, col, ca[col] - cb[col], sa[col] - sb[col], self.multi_counts[j])
+                          for j, col in enumerate(self.multi_cols) if ca[col] != cb[col] or sa[col] != sb[col])
+            hit = self._transitions[(before, after)] = (self.free_of[after] - self.free_of[before], moved)
+        return hit
 
     def multi_room_one(self, ic: int, im: int, covered: list[float], hosts: list[int]) -> float:
         """`multi_room` of one node, in plain Python (bit for bit the same)."""
