@@ -102,6 +102,9 @@ _BUCKETS_MAX = 4
 # what `_best_single_heap` returns when it leaves the pod to the scan
 _GAVE_UP = object()
 
+# per whole-point score s (negated: 0..98), the ΔF at which 100 sigmoid(-ΔF) is s + 1
+_LOG_ODDS = [math.log(100.0 / (points + 1) - 1.0) for points in range(99)]
+
 # the lowest top with no change: a score of SCORE_MIN
 _LOW = _SCORE_OFFSET + SCORE_MIN
 
@@ -122,29 +125,26 @@ class _NodeView:
 
     def __init__(self, greedy: Greedy, n: int, steps: tuple[int, int] | None):
         self.node = n
-        gpus = greedy.index.node_gpus[n]
-        self.bids: list[int] = greedy.bid[gpus].tolist()
-        obj, terms, cls = greedy.objective, greedy.terms, greedy.cls
-        if obj is None or terms is None or cls is None:
+        self.bids: list[int] = greedy.bid_rows[n]
+        obj, terms = greedy.objective, greedy.terms
+        if obj is None or terms is None:
             self.firsts = _firsts(self.bids, self.bids)
             return
-        row = cls[gpus]
-        if not terms.ok[n]:
-            terms.ensure_one(obj, n, row, int(greedy.cpu[n]), int(greedy.mem[n]))
-        self.classes: list[int] = row.tolist()
+        self.classes: list[int] = greedy.cls_rows[n]
         self.firsts = _firsts(self.bids, self.classes)
-        self.f, self.free = float(terms.f[n]), float(terms.free[n])
+        self.f, self.free, single, ic, im, covm, hostm = terms.one(obj, n, self.classes, greedy.cpu_of[n],
+                                                                   greedy.mem_of[n])
         if steps is None:
-            self.ic, self.im = int(terms.ic[n]), int(terms.im[n])
+            self.ic, self.im = ic, im
             self.row = obj.crow_list[self.ic]
-            self.single = float(terms.single[n])
+            self.single = single
         else:
             self.ic, self.im = steps
             self.row = obj.crow_list[self.ic]
             self.single = numpy_sum([obj.usable_of[c][self.row][self.im] for c in self.classes])
         if obj.multi:
-            self.covm: list[float] = terms.covm[n].tolist()
-            self.hostm: list[int] = terms.hostm[n].tolist()
+            self.covm: list[float] = covm
+            self.hostm: list[int] = hostm
             self.wm: list[float] = obj.wm_rows[self.row][self.im]
             self.room = [w * (self.covm[col] * (self.hostm[col] >= count))
                          for w, col, count in zip(self.wm, obj.multi_cols, obj.multi_counts)]
@@ -298,6 +298,9 @@ class Greedy:
         self.base_mem = mem if mem is not None else np.array([n.mem_free for n in problem.nodes], dtype=np.int64)
         self.cpu = self.base_cpu.copy()
         self.mem = self.base_mem.copy()
+        # each node's GPUs' buckets and classes, as lists (`_NodeView`), until the node changes
+        self.bid_rows: list[list[int]] = self.bid[self.index.node_gpus].tolist()
+        self.cls_rows: list[list[int]] = self.cls[self.index.node_gpus].tolist() if self.cls is not None else []
         # the same as lists, for the paths that read one node at a time (a list's item costs a
         # fraction of an array's)
         self.cpu_of: list[int] = self.cpu.tolist()
@@ -335,6 +338,7 @@ class Greedy:
         self._bucket_heaps: dict[tuple[SliceRef, int], _BucketHeap] = {}
         self._free_gpus: dict[int, float] = {}  # per node, its GPUs' free share (`_free_share`)
         self._strand_below: dict[int, float] = {}  # per node, the free CPU below which it strands
+        self._feeds: dict[int, tuple[float, float, dict[int, float]]] = {}  # per node, `_node_feeds`
         self._shares: dict[tuple[SliceRef, int], float] = {}  # `_slice_share` per feed class
         if self.objective is not None:
             # rooms in the kinds' steps, and in every step (`grid_room`): a pod that crosses
@@ -579,8 +583,13 @@ class Greedy:
 
     def _own_tops(self, costs: AskCosts, ask: SliceRef, nodes: list[int]) -> list[int]:
         """Each node's exact top at its own steps, weighed where it is only bounded or not valid."""
+        return self._own_best(costs, ask, nodes)[0]
+
+    def _own_best(self, costs: AskCosts, ask: SliceRef, nodes: list[int]) -> tuple[list[int], list[int]]:
+        """`_own_tops`, and each node's best slot there."""
         cache = self._ask_cache(ask)
-        need = [n for n in nodes if not (cache.ok[n] and cache.exact[n])]
+        ok, exact = cache.ok, cache.exact
+        need = [n for n in nodes if not (ok[n] and exact[n])]
         if need:
             at = np.array(need, dtype=np.int64)
             tops, slots = self._weigh(costs, at)
@@ -590,7 +599,7 @@ class Greedy:
             heap = self._heaps.get(ask)
             if heap is not None:
                 heap.push_many(list(tops), need)
-        return cast(list[int], cache.top[nodes].tolist())
+        return cache.top[nodes].tolist(), cache.slot[nodes].tolist()
 
     def _moves(self, req: Request, cand: np.ndarray) -> np.ndarray | None:
         """Mask of the candidates whose steps of the objective's CPU and memory tables the pod
@@ -754,7 +763,7 @@ class Greedy:
         if free is None:
             assert self.objective is not None and self.cls is not None
             free_of = self.objective.free_of
-            free = self._free_gpus[n] = numpy_sum([free_of[c] for c in self.cls[self.index.node_gpus[n]].tolist()])
+            free = self._free_gpus[n] = numpy_sum([free_of[c] for c in self.cls_rows[n]])
         return free
 
     def _bucket_of(self, cpu: int) -> int:
@@ -841,35 +850,40 @@ class Greedy:
         k = bounds[0][0]
         batch: list[int] = []
         taken: set[int] = set()
-        while bounds and bounds[0][0] == k and len(batch) < _HEAP_BATCH:
+        free_cpu = self.cpu_of
+        while bounds and bounds[0][0] == k and len(taken) < _HEAP_BATCH:
             _, n = heappop(bounds)
             if key_of[n] == k and not exact_of[n] and n not in taken:
                 taken.add(n)
-                batch.append(n)
-        free_cpu = self.cpu_of
-        short = [n for n in batch if free_cpu[n] < bucket]
-        if short:  # no pod of the bucket fits there until the node changes
-            for n in short:
-                key_of[n], exact_of[n] = NO_OPTION, True
-            batch = [n for n in batch if free_cpu[n] >= bucket]
+                if free_cpu[n] < bucket:  # no pod of the bucket fits there until the node changes
+                    key_of[n], exact_of[n] = NO_OPTION, True
+                else:
+                    batch.append(n)
         if not batch:
             return
+        entries, slot_of = bh.entries, bh.slot
+        cpu_room, mem_room, grid_room = self.cpu_room_of, self.mem_room_of, self.grid_room_of
         weigh: list[int] = []
-        for n, top in zip(batch, self._own_tops(costs, ask, batch)):
-            if not self._moves_one(n, bucket, 0):
-                key_of[n], exact_of[n], bh.slot[n] = top, True, int(cache.slot[n])
-                _push_options(bh.entries, [top], [n])
+        tops, slots = self._own_best(costs, ask, batch)
+        for n, top, slot in zip(batch, tops, slots):
+            # `_moves_one(n, bucket, 0)`, written out (a few calls per pod for each node it changes)
+            if cpu_room[n] >= bucket and mem_room[n] >= 0 and (grid_room[n] >= bucket
+                                                                or not self._strands_one(n, bucket, 0)):
+                key_of[n], exact_of[n], slot_of[n] = top, True, slot
+                if top < NO_OPTION:
+                    heappush(entries, (top, n))
                 continue
             bound = self._bucket_bound(ask, n, bucket, top)
             if bound > k:
                 key_of[n] = bound
-                _push_options(bounds, [bound], [n])
+                if bound < NO_OPTION:
+                    heappush(bounds, (bound, n))
             else:
                 weigh.append(n)
         if weigh:
             tops, slots = self._weigh_bucket(costs, ask, weigh, bucket)
             for n, top, slot in zip(weigh, tops, slots):
-                key_of[n], bh.slot[n], exact_of[n] = top, slot, True
+                key_of[n], slot_of[n], exact_of[n] = top, slot, True
             bh.push_many(tops, weigh)
 
     def _bucket_bound(self, ask: SliceRef, n: int, bucket: int, top: int) -> int:
@@ -885,22 +899,43 @@ class Greedy:
         points = changes * _TOP_SCALE + _SCORE_OFFSET - top  # the score, negated: 0..100
         if points >= 99:  # no ΔF bounds the best scores from below
             return top
-        free_cpu, free_mem = self.cpu_of[n], self.mem_of[n]
-        fc = obj.node_fc_list[n]
-        own_c, own_m = obj.step_one(n, free_cpu, free_mem)
-        at_c = obj.step_one(n, free_cpu - bucket, free_mem)[0]
-        feed_m, row0 = obj.feed_m_rows[fc][own_m], obj.fc_row0_list[fc]
-        feed_own = min(obj.feed_c_rows[fc][own_c - row0], feed_m)
-        feed_at = min(obj.feed_c_rows[fc][at_c - row0], feed_m)
-        free = self._free_share(n) - self._slice_share(ask, n)
+        feeds = self._feeds.get(n)
+        if feeds is None:
+            feeds = self._feeds[n] = self._node_feeds(n)
+        free_share, feed_own, feed_at_of = feeds
+        feed_at = feed_at_of.get(bucket)
+        if feed_at is None:
+            feed_at = feed_at_of[bucket] = self._feed_at(n, bucket)
+        free = free_share - self._slice_share(ask, n)
         rise = max(0.0, free - feed_at) - max(0.0, free - feed_own)
         if rise <= 0.0:
             return top
         # the least ΔF with this score: 100 sigmoid(-ΔF) below points + 1 (1e-9 of slack
         # against the floats' roundings, far above them)
-        low = math.log(100.0 / (points + 1) - 1.0) + rise - 1e-9
+        low = _LOG_ODDS[points] + rise - 1e-9
         score = -int(100.0 / (1.0 + math.exp(min(50.0, max(-50.0, low)))))
         return max(top, changes * _TOP_SCALE + score + _SCORE_OFFSET)
+
+    def _node_feeds(self, n: int) -> tuple[float, float, dict[int, float]]:
+        """What `_bucket_bound` reads of node n, kept until it changes: its GPUs' free share, the
+        GPUs its CPU and memory feed at its own steps, and (filled per bucket) those its memory and
+        its CPU less a bucket's feed."""
+        obj = self.objective
+        assert obj is not None
+        fc = obj.node_fc_list[n]
+        own_c, own_m = obj.step_one(n, self.cpu_of[n], self.mem_of[n])
+        feed_own = min(obj.feed_c_rows[fc][own_c - obj.fc_row0_list[fc]], obj.feed_m_rows[fc][own_m])
+        return self._free_share(n), feed_own, {}
+
+    def _feed_at(self, n: int, bucket: int) -> float:
+        """The GPUs node n's CPU less `bucket` and its memory feed."""
+        obj = self.objective
+        assert obj is not None
+        fc = obj.node_fc_list[n]
+        free_mem = self.mem_of[n]
+        at_c = obj.step_one(n, self.cpu_of[n] - bucket, free_mem)[0]
+        own_m = obj.step_one(n, self.cpu_of[n], free_mem)[1]
+        return min(obj.feed_c_rows[fc][at_c - obj.fc_row0_list[fc]], obj.feed_m_rows[fc][own_m])
 
     def _slice_share(self, ask: SliceRef, n: int) -> float:
         """The share of a GPU of node n that one slice of the ask takes of its free share (the
@@ -1045,7 +1080,8 @@ class Greedy:
         none of its GPUs can)."""
         if len(nodes) <= SCALAR_NODES:
             chg_of = costs.chg
-            least = [min([chg_of[b] for b in row]) for row in self.bid[self.index.node_gpus[nodes]].tolist()]
+            rows = self.bid_rows
+            least = [min([chg_of[b] for b in rows[n]]) for n in nodes.tolist()]
             return least if self.count_changes else [0 if c < NO_OPTION else NO_OPTION for c in least]
         chg = costs.arrays().chg[self.bid[self.index.node_gpus[nodes]]]
         out: np.ndarray = np.minimum.reduce(self._changes(chg), axis=1)
@@ -1223,6 +1259,10 @@ class Greedy:
             self.bid[gid] = self.index.bucket(st)
             if self.cls is not None and self.objective is not None:
                 self.cls[gid] = after if after is not None else self.objective.class_id(capacity_class(st))
+        gpus = self.index.node_gpus[node]
+        self.bid_rows[node] = self.bid[gpus].tolist()
+        if self.cls is not None:
+            self.cls_rows[node] = self.cls[gpus].tolist()
         self.cpu[node] -= req.cpu
         self.mem[node] -= req.mem
         self.cpu_of[node] -= req.cpu
@@ -1252,6 +1292,7 @@ class Greedy:
         self._views.pop(node, None)
         self._free_gpus.pop(node, None)
         self._strand_below.pop(node, None)
+        self._feeds.pop(node, None)
         for kept in self._moved_best.values():
             kept.pop(node, None)
 
