@@ -66,6 +66,7 @@ group's first row plus its CPU step, and everything else reads the tables as bef
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Sequence
 from functools import cache, lru_cache, singledispatch
@@ -637,14 +638,21 @@ class Objective:
         return out
 
     def scores(self, deltas: list[float]) -> list[int]:
-        """`score` of each ΔF, remembered per value (a few hundred values recur plan after plan)."""
+        """`score` of each ΔF, remembered per value (a few hundred values recur plan after plan);
+        one not met yet is scored in plain Python (`_score_one`), with numpy where that may differ."""
         memo = self._scores
-        missing = [d for d in deltas if d not in memo]
-        if missing:
-            if len(memo) > _SCORES_KEPT:
-                memo.clear()
-            memo.update(zip(missing, self.score(np.array(missing)).tolist()))
-        return [memo[d] for d in deltas]
+        out = []
+        for d in deltas:
+            q = memo.get(d)
+            if q is None:
+                q = _score_one(d)
+                if q is None:
+                    q = int(self.score(np.array([d]))[0])
+                if len(memo) > _SCORES_KEPT:
+                    memo.clear()
+                memo[d] = q
+            out.append(q)
+        return out
 
     @staticmethod
     def score(delta: np.ndarray) -> np.ndarray:
@@ -652,6 +660,19 @@ class Objective:
         negated (lower is better): whole points, 0.04 GPU wide near 0 and wider far from it."""
         score: np.ndarray = -np.trunc(100.0 / (1.0 + np.exp(np.clip(delta, -50.0, 50.0)))).astype(np.int64)
         return score
+
+
+def _score_one(delta: float) -> int | None:
+    """`Objective.score` of one ΔF with the math module's exp, where that gives numpy's score: its
+    exp and numpy's differ by a few units in the last place at most, which moves the score only
+    where 100 sigmoid(-ΔF) is that close to a whole point (None there, and for NaN)."""
+    if delta != delta:
+        return None
+    x = 100.0 / (1.0 + math.exp(min(50.0, max(-50.0, delta))))
+    t = int(x)
+    if (t and x - t < 1e-6) or x - t > 1.0 - 1e-6:  # (x > 0: no point below 0 to cross)
+        return None
+    return -t
 
 
 # the room of a value below the lowest step: no request moves it down a step

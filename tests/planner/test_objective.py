@@ -368,3 +368,25 @@ def test_the_column_sums_of_one_node_are_numpys_bit_for_bit(width, gpus, seed):
     for i in range(3):
         assert _column_sums([table[c].tolist() for c in classes[i].tolist()]) == want[i].tolist()
         assert table[classes[i][None, :]].sum(axis=1)[0].tolist() == want[i].tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(delta=st.one_of(st.floats(min_value=-60.0, max_value=60.0), st.floats(min_value=-0.3, max_value=0.3),
+                       st.sampled_from([0.0, -0.0, 50.0, -50.0, 1e300, -1e300, float("inf"), float("-inf")])))
+def test_a_score_in_plain_python_is_numpys(delta):
+    """`Objective.scores` scores a ΔF it has not met in plain Python: the same whole point as
+    `Objective.score` (numpy) gives, or none, where numpy decides."""
+    from dynpart.planner.objective import _score_one
+
+    want = int(Objective.score(np.array([delta]))[0])
+    got = _score_one(delta)
+    assert got is None or got == want
+    assert Objective([DemandKind(MigSliceRef("1g.10gb"), 1, 0, 0, 1.0)]).scores([delta]) == [want]
+
+
+def test_a_score_on_a_whole_point_is_left_to_numpy():
+    from dynpart.planner.objective import _score_one
+
+    assert _score_one(-50.0) is None  # 100 sigmoid(50) is 100.0
+    assert _score_one(0.0) is None  # 50.0
+    assert _score_one(0.02) == -49
