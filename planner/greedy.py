@@ -229,7 +229,7 @@ class _NodeRank:
     whether it can and the changes on its cheapest GPUs, valid where `ok`, and the score, valid
     where `q_ok`."""
 
-    __slots__ = ("fits", "chg", "q", "ok", "q_ok", "moved_q")
+    __slots__ = ("fits", "chg", "q", "ok", "q_ok", "moved_q", "changed")
 
     def __init__(self, n_nodes: int):
         self.fits = np.zeros(n_nodes, dtype=bool)
@@ -239,6 +239,17 @@ class _NodeRank:
         self.q_ok = np.zeros(n_nodes, dtype=bool)
         # per node, the score where the pod moves it to other steps: (CPU step, memory step) -> q
         self.moved_q: dict[int, dict[tuple[int, int], int]] = {}
+        # nodes changed since the ranking was last read: invalidated then (a plan changes a node
+        # per pod, and has a ranking per multi-slice kind and count)
+        self.changed: set[int] = set()
+
+    def forget_changed(self) -> None:
+        if self.changed:
+            gone = list(self.changed)
+            self.changed.clear()
+            self.ok[gone] = self.q_ok[gone] = False
+            for n in gone:
+                self.moved_q.pop(n, None)
 
 
 def _size(r: Request) -> float:
@@ -311,6 +322,10 @@ class Greedy:
         self._best: dict[SliceRef, NodeBest] = {}
         self._ranks: dict[tuple[SliceRef, int], _NodeRank] = {}
         self._heaps: dict[SliceRef, _NodeHeap] = {}
+        # the slice kinds past the scans (`_HEAP_AFTER`): their pods take the heaps; the kind's
+        # own heap is built (from its `NodeBest`, as it would stand had it been kept all along)
+        # for the first pod of CPU bucket 0, which alone pops it
+        self._heaped: set[SliceRef] = set()
         self._scans: dict[SliceRef, int] = {}
         self._singles = Counter(r.slice_ref for r in problem.requests if r.count == 1)  # one-slice pods per kind
         self._masks: dict[int, tuple[np.ndarray, list[bool]]] = {}
@@ -641,11 +656,11 @@ class Greedy:
         costs = self.index.costs(ask)
         cache = self._ask_cache(ask)
         heap = self._heaps.get(ask)
-        if heap is None:
+        if ask not in self._heaped:
             seen = self._scans[ask] = self._scans.get(ask, 0) + 1
             if seen > _HEAP_AFTER or self._singles[ask] > _HEAP_AFTER:
-                heap = self._heaps[ask] = _NodeHeap(cache)
-        if heap is not None and req.cpu >= 0 and req.mem >= 0 and _FEW_CANDIDATES * len(req.candidates) >= len(self.problem.nodes):
+                self._heaped.add(ask)
+        if ask in self._heaped and req.cpu >= 0 and req.mem >= 0 and _FEW_CANDIDATES * len(req.candidates) >= len(self.problem.nodes):
             bucket = self._bucket_of(req.cpu)
             if bucket:
                 bucket_heap = self._bucket_heaps.get((ask, bucket))
@@ -653,6 +668,8 @@ class Greedy:
                     bucket_heap = self._bucket_heaps[(ask, bucket)] = _BucketHeap(cache)
                 hit = self._best_single_bucket(req, costs, cache, heap, bucket_heap, bucket)
             else:
+                if heap is None:
+                    heap = self._heaps[ask] = _NodeHeap(cache)
                 hit = self._best_single_heap(req, costs, cache, heap)
             if hit is not _GAVE_UP:
                 return cast(tuple[int, int] | None, hit)
@@ -771,7 +788,7 @@ class Greedy:
         i = bisect_right(self._buckets, cpu)
         return self._buckets[i - 1] if i else 0
 
-    def _best_single_bucket(self, req: Request, costs: AskCosts, cache: NodeBest, heap: _NodeHeap,
+    def _best_single_bucket(self, req: Request, costs: AskCosts, cache: NodeBest, heap: _NodeHeap | None,
                             bucket_heap: _BucketHeap, bucket: int) -> tuple[int, int] | None | object:
         """`_best_single_heap` for a pod of CPU bucket `bucket` (> 0), by the bucket's heaps:
         exact entries pop in order of (key, node); the bounds below the least exact key are
@@ -793,7 +810,8 @@ class Greedy:
             need = [n for n in nodes if not cache.ok[n]]
             if need:
                 self._refresh_bounds(costs, cache, np.array(need, dtype=np.int64), heap)
-                heap.stale.difference_update(need)
+                if heap is not None:
+                    heap.stale.difference_update(need)
             keys = cache.top[nodes].tolist()
             for n, key in zip(nodes, keys):
                 key_of[n], exact_of[n] = key, False
@@ -1111,6 +1129,7 @@ class Greedy:
         rank = self._ranks.get(key)
         if rank is None:
             rank = self._ranks[key] = _NodeRank(len(self.problem.nodes))
+        rank.forget_changed()
         stale = cand[~rank.ok[cand]]
         if len(stale):
             rank.fits[stale], rank.chg[stale] = self._rank_fit(costs, stale, req.count)
@@ -1287,8 +1306,7 @@ class Greedy:
         for bucket_heap in self._bucket_heaps.values():
             bucket_heap.stale.add(node)
         for rank in self._ranks.values():
-            rank.ok[node] = rank.q_ok[node] = False
-            rank.moved_q.pop(node, None)
+            rank.changed.add(node)
         self._views.pop(node, None)
         self._free_gpus.pop(node, None)
         self._strand_below.pop(node, None)

@@ -300,6 +300,11 @@ def numpy_sum(values: Sequence[float]) -> float:
         for v in values:
             total += v
         return total
+    if n < 16:  # the loop below, unrolled: no full row of 8 after the first
+        total = ((values[0] + values[1]) + (values[2] + values[3])) + ((values[4] + values[5]) + (values[6] + values[7]))
+        for i in range(8, n):
+            total += values[i]
+        return total
     if n <= 128:
         r = list(values[:8])
         i = 8

@@ -390,3 +390,15 @@ def test_a_score_on_a_whole_point_is_left_to_numpy():
     assert _score_one(-50.0) is None  # 100 sigmoid(50) is 100.0
     assert _score_one(0.0) is None  # 50.0
     assert _score_one(0.02) == -49
+
+
+def test_numpy_sum_is_numpys_sum_bit_for_bit():
+    """The greedy's plain-Python sums (`numpy_sum`) against numpy's over a contiguous row, at
+    every length the pairwise blocks of 8 and 128 make differ."""
+    from dynpart.planner.objective import numpy_sum
+
+    rng = np.random.default_rng(7)
+    for n in list(range(0, 40)) + [127, 128, 129, 255, 256, 300]:
+        for _ in range(20):
+            row = rng.random(n) * rng.choice([1e-3, 1.0, 1e3], size=n)
+            assert numpy_sum(row.tolist()) == float(np.add.reduce(row))
