@@ -195,14 +195,15 @@ def _push_options(heap: list[tuple[int, int]], tops: list[int], nodes: list[int]
 class _BucketHeap:
     """One slice kind's nodes by their top for a pod taking a CPU bucket's CPU (and no memory):
     `key` per node, `exact` or a lower bound, with the best GPU's `slot` where exact. Two lazy
-    heaps of (key, node): `entries`, the exact keys; `bounds`, the bounds, weighed in batches
-    when they could win (so that a batch pops no exact entry of the same key). An entry holds
+    heaps of (key, node), each packed into one integer, key << `shift` | node (ordered as the
+    pairs, and cheaper to compare): `entries`, the exact keys; `bounds`, the bounds, weighed in
+    batches when they could win (so that a batch pops no exact entry of the same key). An entry holds
     while the node is not `stale` and its key and exactness are the entry's. A pod of the
     bucket or above pops the few nodes that can win: a node's top for it is at least its key
     (a pod that takes more never gets a lower top), the key itself where the pod moves the node
     to the same steps as the bucket does."""
 
-    __slots__ = ("entries", "bounds", "stale", "key", "exact", "slot")
+    __slots__ = ("entries", "bounds", "stale", "key", "exact", "slot", "shift")
 
     def __init__(self, cache: NodeBest):
         # the node's top at its own steps (exact or a bound) bounds its top at any bucket; lists,
@@ -211,17 +212,20 @@ class _BucketHeap:
         self.key: list[int] = key.tolist()
         self.exact: list[bool] = [False] * len(self.key)
         self.slot: list[int] = [0] * len(self.key)
+        self.shift = max(1, len(self.key)).bit_length()
         ok = np.flatnonzero(cache.ok & (cache.top < NO_OPTION))
-        self.entries: list[tuple[int, int]] = []
-        self.bounds: list[tuple[int, int]] = list(zip(key[ok].tolist(), ok.tolist()))
+        shift = self.shift
+        self.entries: list[int] = []
+        self.bounds: list[int] = [k << shift | n for k, n in zip(key[ok].tolist(), ok.tolist())]
         heapify(self.bounds)
         self.stale: set[int] = set(np.flatnonzero(~cache.ok).tolist())
 
     def push_many(self, tops: list[int], nodes: list[int]) -> None:
-        _push_options(self.entries, tops, nodes)
-
-    def push_bounds(self, tops: list[int], nodes: list[int]) -> None:
-        _push_options(self.bounds, tops, nodes)
+        """Push the exact entries of the nodes that have an option."""
+        entries, shift = self.entries, self.shift
+        for top, node in zip(tops, nodes):
+            if top < NO_OPTION:
+                heappush(entries, top << shift | node)
 
 
 class _NodeRank:
@@ -812,16 +816,19 @@ class Greedy:
                 self._refresh_bounds(costs, cache, np.array(need, dtype=np.int64), heap)
                 if heap is not None:
                     heap.stale.difference_update(need)
-            keys = cache.top[nodes].tolist()
-            for n, key in zip(nodes, keys):
+            bounds, shift = bh.bounds, bh.shift
+            for n, key in zip(nodes, cache.top[nodes].tolist()):
                 key_of[n], exact_of[n] = key, False
-            bh.push_bounds(keys, nodes)
-        entries, bounds = bh.entries, bh.bounds
+                if key < NO_OPTION:
+                    heappush(bounds, key << shift | n)
+        entries, bounds, shift = bh.entries, bh.bounds, bh.shift
+        mask = (1 << shift) - 1
         member = None if len(req.candidates) == len(self.problem.nodes) else self._candidate_mask(req)
         cpu, mem, need_cpu, need_mem = self.cpu_of, self.mem_of, req.cpu, req.mem
-        best = (NO_OPTION, -1)
+        # (top, node) packed as the heaps' entries: below any entry with an option
+        best = NO_OPTION << shift
         best_slot = -1
-        held: list[tuple[int, int]] = []
+        held: list[int] = []
         seen: set[int] = set()
         while True:
             if bounds and bounds[0] < best and (not entries or bounds[0] <= entries[0]):
@@ -829,16 +836,18 @@ class Greedy:
                 continue
             if not entries or entries[0] >= best:
                 break
-            k, n = heappop(entries)
+            entry = heappop(entries)
+            k, n = entry >> shift, entry & mask
             if k >= NO_OPTION:
                 break
             if n in seen or key_of[n] != k or not exact_of[n]:
                 continue  # a duplicate, or the node's entry moved on
             seen.add(n)
-            held.append((k, n))
+            held.append(entry)
             if (member is not None and not member[n]) or cpu[n] < need_cpu or mem[n] < need_mem:
                 if len(held) > _HEAP_POPS:
-                    bh.push_many([e[0] for e in held], [e[1] for e in held])
+                    for entry in held:
+                        heappush(entries, entry)
                     return _GAVE_UP
                 continue
             free_cpu, free_mem = cpu[n], mem[n]
@@ -849,28 +858,31 @@ class Greedy:
                                                      != obj.step_one(n, free_cpu - bucket, free_mem)) \
                     and self._moves_one(n, need_cpu, need_mem):
                 top, slot = self._weigh_moved_one(costs, n, req)
-                if (top, n) < best:
-                    best, best_slot = (top, n), slot
+                if top << shift | n < best:
+                    best, best_slot = top << shift | n, slot
             else:  # (k, n) is below every entry left, and every bound
-                best, best_slot = (k, n), bh.slot[n]
+                best, best_slot = entry, bh.slot[n]
                 break
-        bh.push_many([e[0] for e in held], [e[1] for e in held])
-        if best[0] >= NO_OPTION:
+        for entry in held:
+            heappush(entries, entry)
+        if best >> shift >= NO_OPTION:
             return None
-        return best[1], self.index.node_gpu_rows[best[1]][best_slot]
+        node = best & mask
+        return node, self.index.node_gpu_rows[node][best_slot]
 
     def _tighten_bounds(self, costs: AskCosts, ask: SliceRef, cache: NodeBest, bh: _BucketHeap, bucket: int) -> None:
         """Pop the bucket heap's least bounds (one key, a batch) and tighten each: the node's top at
         its own steps (weighed if only bounded), exact where the bucket does not move the node;
         else that top raised by what the stranding term rises at least (`_bucket_bound`),
         pushed back as a bound where it rose, weighed at the bucket where it did not."""
-        bounds, key_of, exact_of = bh.bounds, bh.key, bh.exact
-        k = bounds[0][0]
+        bounds, key_of, exact_of, shift = bh.bounds, bh.key, bh.exact, bh.shift
+        mask = (1 << shift) - 1
+        k = bounds[0] >> shift
         batch: list[int] = []
         taken: set[int] = set()
         free_cpu = self.cpu_of
-        while bounds and bounds[0][0] == k and len(taken) < _HEAP_BATCH:
-            _, n = heappop(bounds)
+        while bounds and bounds[0] >> shift == k and len(taken) < _HEAP_BATCH:
+            n = heappop(bounds) & mask
             if key_of[n] == k and not exact_of[n] and n not in taken:
                 taken.add(n)
                 if free_cpu[n] < bucket:  # no pod of the bucket fits there until the node changes
@@ -889,13 +901,13 @@ class Greedy:
                                                                 or not self._strands_one(n, bucket, 0)):
                 key_of[n], exact_of[n], slot_of[n] = top, True, slot
                 if top < NO_OPTION:
-                    heappush(entries, (top, n))
+                    heappush(entries, top << shift | n)
                 continue
             bound = self._bucket_bound(ask, n, bucket, top)
             if bound > k:
                 key_of[n] = bound
                 if bound < NO_OPTION:
-                    heappush(bounds, (bound, n))
+                    heappush(bounds, bound << shift | n)
             else:
                 weigh.append(n)
         if weigh:
