@@ -780,8 +780,8 @@ class NodeTerms:
             mem: int) -> tuple[float, float, float, int, int, list[float], list[int]]:
         """The terms of one node, `classes` its GPUs' (f, free, single, CPU and memory step,
         coverage and slots of the multi-slice refs), computed where not valid yet as `ensure`
-        computes them (numpy's cost per call dominates on one node): the same float operations
-        in the same order in plain Python, so the same terms bit for bit."""
+        computes them (numpy's cost per call dominates on one node): the sums over its GPUs in
+        plain Python, the same float operations in the same order, so the same terms bit for bit."""
         if self.ok[node]:
             return (float(self.f[node]), float(self.free[node]), float(self.single[node]), int(self.ic[node]),
                     int(self.im[node]), self.covm[node].tolist(), self.hostm[node].tolist())
@@ -795,9 +795,10 @@ class NodeTerms:
         covm: list[float] = []
         hostm: list[int] = []
         if objective.multi:
-            covm, hostm = _column_sums([objective.cov_of[c] for c in classes]), [0] * len(objective.multi_refs)
-            for slots in (objective.slots_of[c] for c in classes):
-                hostm = [h + k for h, k in zip(hostm, slots)]
+            # the coverage sums as `ensure` computes them, on one row
+            at = np.array(classes)[None, :]
+            covm = objective.tables()[1][at].sum(axis=1)[0].tolist()
+            hostm = objective.slot_table()[at].sum(axis=1)[0].tolist()
             self.covm[node], self.hostm[node] = covm, hostm
             multi = self.multi[node] = objective.multi_room_one(ic, im, covm, hostm)
         f = free - single - multi
@@ -807,17 +808,3 @@ class NodeTerms:
         self.ok[node] = True
         return f, free, single, ic, im, covm, hostm
 
-
-def _column_sums(rows: list[list[float]]) -> list[float]:
-    """Per column, the sum over `rows` as numpy sums an array (1, len(rows), width) over its
-    middle axis, bit for bit: one column is a contiguous row, summed as `numpy_sum` does; with
-    more, the rows are added one after another (numpy 2.4's reduction order for this layout,
-    checked by tests/planner/test_objective.py)."""
-    if not rows:
-        return []
-    if len(rows[0]) == 1:
-        return [numpy_sum([r[0] for r in rows])]
-    out = list(rows[0])
-    for r in rows[1:]:
-        out = [a + b for a, b in zip(out, r)]
-    return out

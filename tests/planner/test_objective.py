@@ -352,24 +352,6 @@ def test_a_learned_share_whose_models_left_the_cluster_does_not_stop_the_plannin
     assert _where(lp.decide(prepared, only_g), "ml/g")[0] == "a"
 
 
-@settings(max_examples=60, deadline=None)
-@given(width=st.integers(min_value=1, max_value=40), gpus=st.integers(min_value=1, max_value=20),
-       seed=st.integers(min_value=0, max_value=10**9))
-def test_the_column_sums_of_one_node_are_numpys_bit_for_bit(width, gpus, seed):
-    """`NodeTerms.one` sums a node's GPUs' coverage of the multi-slice refs in plain Python; the
-    vectorised paths sum (nodes, GPUs, refs) arrays over the GPUs with numpy, whose order of
-    additions differs with the number of refs: both must give the same floats."""
-    from dynpart.planner.objective import _column_sums
-
-    rng = np.random.default_rng(seed)
-    table = rng.random((32, width)) * rng.choice([1e-3, 1.0, 1e3], size=(32, width))
-    classes = rng.integers(0, 32, (3, gpus))
-    want = table[classes].sum(axis=1)
-    for i in range(3):
-        assert _column_sums([table[c].tolist() for c in classes[i].tolist()]) == want[i].tolist()
-        assert table[classes[i][None, :]].sum(axis=1)[0].tolist() == want[i].tolist()
-
-
 @settings(max_examples=200, deadline=None)
 @given(delta=st.one_of(st.floats(min_value=-60.0, max_value=60.0), st.floats(min_value=-0.3, max_value=0.3),
                        st.sampled_from([0.0, -0.0, 50.0, -50.0, 1e300, -1e300, float("inf"), float("-inf")])))
