@@ -102,6 +102,9 @@ _BUCKETS_MAX = 4
 # what `_best_single_heap` returns when it leaves the pod to the scan
 _GAVE_UP = object()
 
+# per whole-point score s (negated: 0..98), the ΔF at which 100 sigmoid(-ΔF) is s + 1
+_LOG_ODDS = [math.log(100.0 / (points + 1) - 1.0) for points in range(99)]
+
 # the lowest top with no change: a score of SCORE_MIN
 _LOW = _SCORE_OFFSET + SCORE_MIN
 
@@ -113,38 +116,50 @@ class _NodeView:
     """One node as the greedy's plain-Python path reads it: its GPUs' buckets and, under an
     objective, their classes and the node's terms at some steps of the objective's tables, with
     what the multi-slice kinds use of it per kind (`room`, where a GPU's class moves no
-    coverage: covm + 0.0 is covm, its sums of values >= 0 being never -0.0)."""
+    coverage: covm + 0.0 is covm, its sums of values >= 0 being never -0.0). `firsts`: (slot,
+    bucket) of the first GPU of each bucket (and class): the node's other GPUs of a bucket
+    weigh the same for any kind and lose to it on the slot."""
 
-    __slots__ = ("node", "bids", "classes", "f", "free", "single", "ic", "im", "row", "covm", "hostm", "wm", "room",
-                 "room_sum")
+    __slots__ = ("node", "bids", "firsts", "classes", "f", "free", "single", "ic", "im", "row", "covm", "hostm", "wm",
+                 "room", "room_sum")
 
     def __init__(self, greedy: Greedy, n: int, steps: tuple[int, int] | None):
         self.node = n
-        gpus = greedy.index.node_gpus[n]
-        self.bids: list[int] = greedy.bid[gpus].tolist()
-        obj, terms, cls = greedy.objective, greedy.terms, greedy.cls
-        if obj is None or terms is None or cls is None:
+        self.bids: list[int] = greedy.bid_rows[n]
+        obj, terms = greedy.objective, greedy.terms
+        if obj is None or terms is None:
+            self.firsts = _firsts(self.bids, self.bids)
             return
-        row = cls[gpus]
-        if not terms.ok[n]:
-            terms.ensure_one(obj, n, row, int(greedy.cpu[n]), int(greedy.mem[n]))
-        self.classes: list[int] = row.tolist()
-        self.f, self.free = float(terms.f[n]), float(terms.free[n])
+        self.classes: list[int] = greedy.cls_rows[n]
+        self.firsts = _firsts(self.bids, self.classes)
+        self.f, self.free, single, ic, im, covm, hostm = terms.one(obj, n, self.classes, greedy.cpu_of[n],
+                                                                   greedy.mem_of[n])
         if steps is None:
-            self.ic, self.im = int(terms.ic[n]), int(terms.im[n])
+            self.ic, self.im = ic, im
             self.row = obj.crow_list[self.ic]
-            self.single = float(terms.single[n])
+            self.single = single
         else:
             self.ic, self.im = steps
             self.row = obj.crow_list[self.ic]
             self.single = numpy_sum([obj.usable_of[c][self.row][self.im] for c in self.classes])
         if obj.multi:
-            self.covm: list[float] = terms.covm[n].tolist()
-            self.hostm: list[int] = terms.hostm[n].tolist()
+            self.covm: list[float] = covm
+            self.hostm: list[int] = hostm
             self.wm: list[float] = obj.wm_rows[self.row][self.im]
             self.room = [w * (self.covm[col] * (self.hostm[col] >= count))
                          for w, col, count in zip(self.wm, obj.multi_cols, obj.multi_counts)]
             self.room_sum = numpy_sum(self.room)
+
+
+def _firsts(bids: list[int], classes: list[int]) -> list[tuple[int, int]]:
+    """(slot, bucket) of the first slot of each distinct (bucket, class) pair."""
+    seen: set[tuple[int, int]] = set()
+    out = []
+    for k, pair in enumerate(zip(bids, classes)):
+        if pair not in seen:
+            seen.add(pair)
+            out.append((k, pair[0]))
+    return out
 
 
 class _NodeHeap:
@@ -180,31 +195,37 @@ def _push_options(heap: list[tuple[int, int]], tops: list[int], nodes: list[int]
 class _BucketHeap:
     """One slice kind's nodes by their top for a pod taking a CPU bucket's CPU (and no memory):
     `key` per node, `exact` or a lower bound, with the best GPU's `slot` where exact. Two lazy
-    heaps of (key, node): `entries`, the exact keys; `bounds`, the bounds, weighed in batches
-    when they could win (so that a batch pops no exact entry of the same key). An entry holds
+    heaps of (key, node), each packed into one integer, key << `shift` | node (ordered as the
+    pairs, and cheaper to compare): `entries`, the exact keys; `bounds`, the bounds, weighed in
+    batches when they could win (so that a batch pops no exact entry of the same key). An entry holds
     while the node is not `stale` and its key and exactness are the entry's. A pod of the
     bucket or above pops the few nodes that can win: a node's top for it is at least its key
     (a pod that takes more never gets a lower top), the key itself where the pod moves the node
     to the same steps as the bucket does."""
 
-    __slots__ = ("entries", "bounds", "stale", "key", "exact", "slot")
+    __slots__ = ("entries", "bounds", "stale", "key", "exact", "slot", "shift")
 
     def __init__(self, cache: NodeBest):
-        # the node's top at its own steps (exact or a bound) bounds its top at any bucket
-        self.key = np.where(cache.ok, cache.top, NO_OPTION)
-        self.exact = np.zeros(len(self.key), dtype=bool)
-        self.slot = np.zeros(len(self.key), dtype=np.int64)
+        # the node's top at its own steps (exact or a bound) bounds its top at any bucket; lists,
+        # not arrays: the heaps read and write them one node at a time
+        key = np.where(cache.ok, cache.top, NO_OPTION)
+        self.key: list[int] = key.tolist()
+        self.exact: list[bool] = [False] * len(self.key)
+        self.slot: list[int] = [0] * len(self.key)
+        self.shift = max(1, len(self.key)).bit_length()
         ok = np.flatnonzero(cache.ok & (cache.top < NO_OPTION))
-        self.entries: list[tuple[int, int]] = []
-        self.bounds: list[tuple[int, int]] = list(zip(self.key[ok].tolist(), ok.tolist()))
+        shift = self.shift
+        self.entries: list[int] = []
+        self.bounds: list[int] = [k << shift | n for k, n in zip(key[ok].tolist(), ok.tolist())]
         heapify(self.bounds)
         self.stale: set[int] = set(np.flatnonzero(~cache.ok).tolist())
 
     def push_many(self, tops: list[int], nodes: list[int]) -> None:
-        _push_options(self.entries, tops, nodes)
-
-    def push_bounds(self, tops: list[int], nodes: list[int]) -> None:
-        _push_options(self.bounds, tops, nodes)
+        """Push the exact entries of the nodes that have an option."""
+        entries, shift = self.entries, self.shift
+        for top, node in zip(tops, nodes):
+            if top < NO_OPTION:
+                heappush(entries, top << shift | node)
 
 
 class _NodeRank:
@@ -212,7 +233,7 @@ class _NodeRank:
     whether it can and the changes on its cheapest GPUs, valid where `ok`, and the score, valid
     where `q_ok`."""
 
-    __slots__ = ("fits", "chg", "q", "ok", "q_ok", "moved_q")
+    __slots__ = ("fits", "chg", "q", "ok", "q_ok", "moved_q", "changed")
 
     def __init__(self, n_nodes: int):
         self.fits = np.zeros(n_nodes, dtype=bool)
@@ -222,6 +243,17 @@ class _NodeRank:
         self.q_ok = np.zeros(n_nodes, dtype=bool)
         # per node, the score where the pod moves it to other steps: (CPU step, memory step) -> q
         self.moved_q: dict[int, dict[tuple[int, int], int]] = {}
+        # nodes changed since the ranking was last read: invalidated then (a plan changes a node
+        # per pod, and has a ranking per multi-slice kind and count)
+        self.changed: set[int] = set()
+
+    def forget_changed(self) -> None:
+        if self.changed:
+            gone = list(self.changed)
+            self.changed.clear()
+            self.ok[gone] = self.q_ok[gone] = False
+            for n in gone:
+                self.moved_q.pop(n, None)
 
 
 def _size(r: Request) -> float:
@@ -281,12 +313,23 @@ class Greedy:
         self.base_mem = mem if mem is not None else np.array([n.mem_free for n in problem.nodes], dtype=np.int64)
         self.cpu = self.base_cpu.copy()
         self.mem = self.base_mem.copy()
+        # each node's GPUs' buckets and classes, as lists (`_NodeView`), until the node changes
+        self.bid_rows: list[list[int]] = self.bid[self.index.node_gpus].tolist()
+        self.cls_rows: list[list[int]] = self.cls[self.index.node_gpus].tolist() if self.cls is not None else []
+        # the same as lists, for the paths that read one node at a time (a list's item costs a
+        # fraction of an array's)
+        self.cpu_of: list[int] = self.cpu.tolist()
+        self.mem_of: list[int] = self.mem.tolist()
         self.base_bid = self.bid.copy()
         self.placement: dict[int, tuple[int, list[_Pick]]] = {}
         self.changed_nodes: set[int] = set()
         self._best: dict[SliceRef, NodeBest] = {}
         self._ranks: dict[tuple[SliceRef, int], _NodeRank] = {}
         self._heaps: dict[SliceRef, _NodeHeap] = {}
+        # the slice kinds past the scans (`_HEAP_AFTER`): their pods take the heaps; the kind's
+        # own heap is built (from its `NodeBest`, as it would stand had it been kept all along)
+        # for the first pod of CPU bucket 0, which alone pops it
+        self._heaped: set[SliceRef] = set()
         self._scans: dict[SliceRef, int] = {}
         self._singles = Counter(r.slice_ref for r in problem.requests if r.count == 1)  # one-slice pods per kind
         self._masks: dict[int, tuple[np.ndarray, list[bool]]] = {}
@@ -314,6 +357,7 @@ class Greedy:
         self._bucket_heaps: dict[tuple[SliceRef, int], _BucketHeap] = {}
         self._free_gpus: dict[int, float] = {}  # per node, its GPUs' free share (`_free_share`)
         self._strand_below: dict[int, float] = {}  # per node, the free CPU below which it strands
+        self._feeds: dict[int, tuple[float, float, dict[int, float]]] = {}  # per node, `_node_feeds`
         self._shares: dict[tuple[SliceRef, int], float] = {}  # `_slice_share` per feed class
         if self.objective is not None:
             # rooms in the kinds' steps, and in every step (`grid_room`): a pod that crosses
@@ -328,6 +372,9 @@ class Greedy:
                 self.cpu_room = rooms(self.cpu, self.objective.kind_cpu_steps)
                 self.mem_room = rooms(self.mem, self.objective.kind_mem_steps)
                 self.grid_room = rooms(self.cpu, self.objective.cpu_steps)
+            self.cpu_room_of: list[int] = self.cpu_room.tolist()
+            self.mem_room_of: list[int] = self.mem_room.tolist()
+            self.grid_room_of: list[int] = self.grid_room.tolist()
 
     def placements(self) -> Placements:
         return {idx: Assignment(node, tuple(gid for gid, _ in picks)) for idx, (node, picks) in self.placement.items()}
@@ -413,36 +460,38 @@ class Greedy:
         in the same order (`numpy_sum` where numpy sums), so the same results bit for bit.
         `steps`: per node, the CPU and memory steps the pod moves it to (None: it moves none).
         Only the GPUs with the node's fewest changes are scored: a score (-100..0) never makes
-        up for one more change."""
+        up for one more change; and only the first of each bucket (`_NodeView.firsts`)."""
         chg_of, rest_of = costs.chg, costs.rest
-        width = self.index.node_gpus.shape[1]
+        count_changes = self.count_changes
         # per node: the slots that can win, as (slot, changes, rest key, bucket)
         options: list[list[tuple[int, int, int, int]]] = []
         deltas: list[float] = []
         for pos, n in enumerate(nodes):
             view = self._view(n, None if steps is None else steps[pos])
-            valid = [(k, chg_of[b] if self.count_changes else 0, rest_of[b], b) for k, b in enumerate(view.bids)
+            valid = [(k, chg_of[b] if count_changes else 0, rest_of[b], b) for k, b in view.firsts
                      if chg_of[b] < NO_OPTION]
             if valid:
-                least = min(v[1] for v in valid)
-                if least < _FEW_CHANGES:
-                    valid = [v for v in valid if v[1] == least]
+                if len(valid) > 1:
+                    least = min([v[1] for v in valid])
+                    if least < _FEW_CHANGES:
+                        valid = [v for v in valid if v[1] == least]
                 if self.objective is not None:
-                    deltas.extend(self._deltas_scalar(costs, view, valid))
+                    self._deltas_scalar(costs, view, valid, deltas)
             options.append(valid)
         scores = self.objective.scores(deltas) if self.objective is not None and deltas else []
         tops, slots = [], []
         i = 0
         for valid in options:
-            top_of = [NO_OPTION] * width
-            key_of = [NO_OPTION] * width
+            # the least key, as `_node_best`'s argmin (the keys of a node's slots differ)
+            best_key, best_top, best_slot = NO_OPTION, NO_OPTION, 0
             for k, chg, rest, _ in valid:
-                top = top_of[k] = chg * _TOP_SCALE + (scores[i] if scores else 0) + _SCORE_OFFSET
-                key_of[k] = (min(top, _TOP_CAP) << 37) + (rest << 4 | k)
+                top = chg * _TOP_SCALE + (scores[i] if scores else 0) + _SCORE_OFFSET
+                key = (min(top, _TOP_CAP) << 37) + (rest << 4 | k)
+                if key < best_key:
+                    best_key, best_top, best_slot = key, top, k
                 i += 1
-            slot = key_of.index(min(key_of))  # the first least key, as argmin
-            tops.append(top_of[slot])
-            slots.append(slot)
+            tops.append(best_top)
+            slots.append(best_slot)
         return tops, slots
 
     def _view(self, n: int, steps: tuple[int, int] | None) -> _NodeView:
@@ -456,37 +505,33 @@ class Greedy:
             view = views[steps] = _NodeView(self, n, steps)
         return view
 
-    def _deltas_scalar(self, costs: AskCosts, view: _NodeView, valid: list[tuple[int, int, int, int]]) -> list[float]:
+    def _deltas_scalar(self, costs: AskCosts, view: _NodeView, valid: list[tuple[int, int, int, int]],
+                       deltas: list[float]) -> None:
         """`_delta` of the node for the slots `valid` (slot, changes, rest key, bucket), one row
-        at a time."""
+        at a time, appended to `deltas`."""
         obj = self.objective
         assert obj is not None
-        free_of, cov_of, usable_of = obj.free_of, obj.cov_of, obj.usable_of
-        after_of, classes, ic, im, row = costs.after_id, view.classes, view.ic, view.im, view.row
-        deltas = []
+        usable_of, transition = obj.usable_of, obj.transition
+        after_of, classes, im, row = costs.after_id, view.classes, view.im, view.row
+        multi, feeds = bool(obj.multi), obj.feeds
         for k, _, _, b in valid:
             before, after = classes[k], after_of[b]
             single = view.single + (usable_of[after][row][im] - usable_of[before][row][im])
-            free_after = view.free + (free_of[after] - free_of[before])
+            dfree, moved = transition(before, after)
+            free_after = view.free + dfree
             f_after = free_after - single
-            if obj.multi:
-                moved = obj.moved_kinds(before, after)
+            if multi:
                 if moved:
-                    ca, cb = cov_of[after], cov_of[before]
-                    sa, sb = obj.slots_of[after], obj.slots_of[before]
-                    covm, hostm, wm, multi_cols = view.covm, view.hostm, view.wm, obj.multi_cols
+                    covm, hostm, wm = view.covm, view.hostm, view.wm
                     mine = list(view.room)
-                    for j in moved:
-                        col = multi_cols[j]
-                        mine[j] = wm[j] * ((covm[col] + (ca[col] - cb[col]))
-                                           * (hostm[col] + (sa[col] - sb[col]) >= obj.multi_counts[j]))
+                    for j, col, dcov, dslots, count in moved:
+                        mine[j] = wm[j] * ((covm[col] + dcov) * (hostm[col] + dslots >= count))
                     f_after -= numpy_sum(mine)
                 else:
                     f_after -= view.room_sum
-            if obj.feeds:
-                f_after += obj.stranded_one(view.node, free_after, ic, im)
+            if feeds:
+                f_after += obj.stranded_one(view.node, free_after, view.ic, im)
             deltas.append(f_after - view.f)
-        return deltas
 
     def _weigh(self, costs: AskCosts, nodes: np.ndarray) -> tuple[np.ndarray | list[int], np.ndarray | list[int]]:
         """(top, slot) of `nodes` for one slice of the ask, the pod's CPU and memory moving none
@@ -509,8 +554,8 @@ class Greedy:
             kept = self._moved_best[ask] = {}
         steps: list[tuple[int, int]]
         if len(nodes) <= SCALAR_NODES:  # mostly one node, popped from a heap: numpy's calls cost more
-            free_cpu, free_mem = self.cpu, self.mem
-            steps = [obj.step_one(n, int(free_cpu[n]) - cpu, int(free_mem[n]) - mem) for n in nodes]
+            free_cpu, free_mem = self.cpu_of, self.mem_of
+            steps = [obj.step_one(n, free_cpu[n] - cpu, free_mem[n] - mem) for n in nodes]
         else:
             at = np.array(nodes, dtype=np.int64)
             ic, im = obj.steps(at, self.cpu[at] - cpu, self.mem[at] - mem)
@@ -549,7 +594,7 @@ class Greedy:
         assert self.objective is not None
         kept = self._moved_best.get(req.slice_ref)
         if kept is not None and (mine := kept.get(n)) is not None:
-            hit = mine.get(self.objective.step_one(n, int(self.cpu[n]) - req.cpu, int(self.mem[n]) - req.mem))
+            hit = mine.get(self.objective.step_one(n, self.cpu_of[n] - req.cpu, self.mem_of[n] - req.mem))
             if hit is not None:
                 return hit
         tops, slots = self._weigh_moved(costs, req.slice_ref, [n], req.cpu, req.mem)
@@ -557,8 +602,13 @@ class Greedy:
 
     def _own_tops(self, costs: AskCosts, ask: SliceRef, nodes: list[int]) -> list[int]:
         """Each node's exact top at its own steps, weighed where it is only bounded or not valid."""
+        return self._own_best(costs, ask, nodes)[0]
+
+    def _own_best(self, costs: AskCosts, ask: SliceRef, nodes: list[int]) -> tuple[list[int], list[int]]:
+        """`_own_tops`, and each node's best slot there."""
         cache = self._ask_cache(ask)
-        need = [n for n in nodes if not (cache.ok[n] and cache.exact[n])]
+        ok, exact = cache.ok, cache.exact
+        need = [n for n in nodes if not (ok[n] and exact[n])]
         if need:
             at = np.array(need, dtype=np.int64)
             tops, slots = self._weigh(costs, at)
@@ -568,7 +618,7 @@ class Greedy:
             heap = self._heaps.get(ask)
             if heap is not None:
                 heap.push_many(list(tops), need)
-        return cast(list[int], cache.top[nodes].tolist())
+        return cache.top[nodes].tolist(), cache.slot[nodes].tolist()
 
     def _moves(self, req: Request, cand: np.ndarray) -> np.ndarray | None:
         """Mask of the candidates whose steps of the objective's CPU and memory tables the pod
@@ -610,11 +660,11 @@ class Greedy:
         costs = self.index.costs(ask)
         cache = self._ask_cache(ask)
         heap = self._heaps.get(ask)
-        if heap is None:
+        if ask not in self._heaped:
             seen = self._scans[ask] = self._scans.get(ask, 0) + 1
             if seen > _HEAP_AFTER or self._singles[ask] > _HEAP_AFTER:
-                heap = self._heaps[ask] = _NodeHeap(cache)
-        if heap is not None and req.cpu >= 0 and req.mem >= 0 and _FEW_CANDIDATES * len(req.candidates) >= len(self.problem.nodes):
+                self._heaped.add(ask)
+        if ask in self._heaped and req.cpu >= 0 and req.mem >= 0 and _FEW_CANDIDATES * len(req.candidates) >= len(self.problem.nodes):
             bucket = self._bucket_of(req.cpu)
             if bucket:
                 bucket_heap = self._bucket_heaps.get((ask, bucket))
@@ -622,6 +672,8 @@ class Greedy:
                     bucket_heap = self._bucket_heaps[(ask, bucket)] = _BucketHeap(cache)
                 hit = self._best_single_bucket(req, costs, cache, heap, bucket_heap, bucket)
             else:
+                if heap is None:
+                    heap = self._heaps[ask] = _NodeHeap(cache)
                 hit = self._best_single_heap(req, costs, cache, heap)
             if hit is not _GAVE_UP:
                 return cast(tuple[int, int] | None, hit)
@@ -663,7 +715,7 @@ class Greedy:
         entries = heap.entries
         member = None if len(req.candidates) == len(self.problem.nodes) else self._candidate_mask(req)
         ok, top_of, exact_of = cache.ok, cache.top, cache.exact
-        cpu, mem, need_cpu, need_mem = self.cpu, self.mem, req.cpu, req.mem
+        cpu, mem, need_cpu, need_mem = self.cpu_of, self.mem_of, req.cpu, req.mem
         moving = self.objective is not None and bool(need_cpu or need_mem)
         feeds = moving and self.objective is not None and self.objective.feeds
         best = (NO_OPTION, -1)
@@ -702,8 +754,8 @@ class Greedy:
                     heap.push_many([e[0] for e in held], [e[1] for e in held])
                     return _GAVE_UP
                 continue
-            if moving and (self.cpu_room[n] < need_cpu or self.mem_room[n] < need_mem
-                           or (feeds and self.grid_room[n] < need_cpu and self._strands_one(n, need_cpu, need_mem))):
+            if moving and (self.cpu_room_of[n] < need_cpu or self.mem_room_of[n] < need_mem
+                           or (feeds and self.grid_room_of[n] < need_cpu and self._strands_one(n, need_cpu, need_mem))):
                 top, slot = self._weigh_moved_one(costs, n, req)
                 if (top, n) < best:
                     best, best_slot = (top, n), slot
@@ -719,11 +771,11 @@ class Greedy:
         """`Objective.strands` of node n once a pod takes `cpu` and `mem` of it."""
         assert self.objective is not None
         if FEED_MEMORY:
-            return self.objective.strands_free(n, self._free_share(n), int(self.cpu[n]) - cpu, int(self.mem[n]) - mem)
+            return self.objective.strands_free(n, self._free_share(n), self.cpu_of[n] - cpu, self.mem_of[n] - mem)
         below = self._strand_below.get(n)
         if below is None:
             below = self._strand_below[n] = self.objective.strands_below(n, self._free_share(n))
-        return int(self.cpu[n]) - cpu < below
+        return self.cpu_of[n] - cpu < below
 
     def _free_share(self, n: int) -> float:
         """Node n's GPUs' free shares summed as `Objective.strands` sums them, kept until the node
@@ -732,7 +784,7 @@ class Greedy:
         if free is None:
             assert self.objective is not None and self.cls is not None
             free_of = self.objective.free_of
-            free = self._free_gpus[n] = numpy_sum([free_of[c] for c in self.cls[self.index.node_gpus[n]].tolist()])
+            free = self._free_gpus[n] = numpy_sum([free_of[c] for c in self.cls_rows[n]])
         return free
 
     def _bucket_of(self, cpu: int) -> int:
@@ -740,7 +792,7 @@ class Greedy:
         i = bisect_right(self._buckets, cpu)
         return self._buckets[i - 1] if i else 0
 
-    def _best_single_bucket(self, req: Request, costs: AskCosts, cache: NodeBest, heap: _NodeHeap,
+    def _best_single_bucket(self, req: Request, costs: AskCosts, cache: NodeBest, heap: _NodeHeap | None,
                             bucket_heap: _BucketHeap, bucket: int) -> tuple[int, int] | None | object:
         """`_best_single_heap` for a pod of CPU bucket `bucket` (> 0), by the bucket's heaps:
         exact entries pop in order of (key, node); the bounds below the least exact key are
@@ -762,16 +814,21 @@ class Greedy:
             need = [n for n in nodes if not cache.ok[n]]
             if need:
                 self._refresh_bounds(costs, cache, np.array(need, dtype=np.int64), heap)
-                heap.stale.difference_update(need)
-            keys = cache.top[nodes]
-            key_of[nodes], exact_of[nodes] = keys, False
-            bh.push_bounds(keys.tolist(), nodes)
-        entries, bounds = bh.entries, bh.bounds
+                if heap is not None:
+                    heap.stale.difference_update(need)
+            bounds, shift = bh.bounds, bh.shift
+            for n, key in zip(nodes, cache.top[nodes].tolist()):
+                key_of[n], exact_of[n] = key, False
+                if key < NO_OPTION:
+                    heappush(bounds, key << shift | n)
+        entries, bounds, shift = bh.entries, bh.bounds, bh.shift
+        mask = (1 << shift) - 1
         member = None if len(req.candidates) == len(self.problem.nodes) else self._candidate_mask(req)
-        cpu, mem, need_cpu, need_mem = self.cpu, self.mem, req.cpu, req.mem
-        best = (NO_OPTION, -1)
+        cpu, mem, need_cpu, need_mem = self.cpu_of, self.mem_of, req.cpu, req.mem
+        # (top, node) packed as the heaps' entries: below any entry with an option
+        best = NO_OPTION << shift
         best_slot = -1
-        held: list[tuple[int, int]] = []
+        held: list[int] = []
         seen: set[int] = set()
         while True:
             if bounds and bounds[0] < best and (not entries or bounds[0] <= entries[0]):
@@ -779,19 +836,21 @@ class Greedy:
                 continue
             if not entries or entries[0] >= best:
                 break
-            k, n = heappop(entries)
+            entry = heappop(entries)
+            k, n = entry >> shift, entry & mask
             if k >= NO_OPTION:
                 break
             if n in seen or key_of[n] != k or not exact_of[n]:
                 continue  # a duplicate, or the node's entry moved on
             seen.add(n)
-            held.append((k, n))
+            held.append(entry)
             if (member is not None and not member[n]) or cpu[n] < need_cpu or mem[n] < need_mem:
                 if len(held) > _HEAP_POPS:
-                    bh.push_many([e[0] for e in held], [e[1] for e in held])
+                    for entry in held:
+                        heappush(entries, entry)
                     return _GAVE_UP
                 continue
-            free_cpu, free_mem = int(cpu[n]), int(mem[n])
+            free_cpu, free_mem = cpu[n], mem[n]
             # the pod's top: at the node's own steps unless it moves the node as `_moves` tells
             # (then the bucket does not either: the key is that top); where it does, the key
             # unless it moves the node to other steps than the bucket does
@@ -799,52 +858,62 @@ class Greedy:
                                                      != obj.step_one(n, free_cpu - bucket, free_mem)) \
                     and self._moves_one(n, need_cpu, need_mem):
                 top, slot = self._weigh_moved_one(costs, n, req)
-                if (top, n) < best:
-                    best, best_slot = (top, n), slot
+                if top << shift | n < best:
+                    best, best_slot = top << shift | n, slot
             else:  # (k, n) is below every entry left, and every bound
-                best, best_slot = (k, n), int(bh.slot[n])
+                best, best_slot = entry, bh.slot[n]
                 break
-        bh.push_many([e[0] for e in held], [e[1] for e in held])
-        if best[0] >= NO_OPTION:
+        for entry in held:
+            heappush(entries, entry)
+        if best >> shift >= NO_OPTION:
             return None
-        return best[1], self.index.node_gpu_rows[best[1]][best_slot]
+        node = best & mask
+        return node, self.index.node_gpu_rows[node][best_slot]
 
     def _tighten_bounds(self, costs: AskCosts, ask: SliceRef, cache: NodeBest, bh: _BucketHeap, bucket: int) -> None:
         """Pop the bucket heap's least bounds (one key, a batch) and tighten each: the node's top at
         its own steps (weighed if only bounded), exact where the bucket does not move the node;
         else that top raised by what the stranding term rises at least (`_bucket_bound`),
         pushed back as a bound where it rose, weighed at the bucket where it did not."""
-        bounds, key_of, exact_of = bh.bounds, bh.key, bh.exact
-        k = bounds[0][0]
+        bounds, key_of, exact_of, shift = bh.bounds, bh.key, bh.exact, bh.shift
+        mask = (1 << shift) - 1
+        k = bounds[0] >> shift
         batch: list[int] = []
         taken: set[int] = set()
-        while bounds and bounds[0][0] == k and len(batch) < _HEAP_BATCH:
-            _, n = heappop(bounds)
+        free_cpu = self.cpu_of
+        while bounds and bounds[0] >> shift == k and len(taken) < _HEAP_BATCH:
+            n = heappop(bounds) & mask
             if key_of[n] == k and not exact_of[n] and n not in taken:
                 taken.add(n)
-                batch.append(n)
-        free_cpu = self.cpu
-        short = [n for n in batch if free_cpu[n] < bucket]
-        if short:  # no pod of the bucket fits there until the node changes
-            key_of[short], exact_of[short] = NO_OPTION, True
-            batch = [n for n in batch if free_cpu[n] >= bucket]
+                if free_cpu[n] < bucket:  # no pod of the bucket fits there until the node changes
+                    key_of[n], exact_of[n] = NO_OPTION, True
+                else:
+                    batch.append(n)
         if not batch:
             return
+        entries, slot_of = bh.entries, bh.slot
+        cpu_room, mem_room, grid_room = self.cpu_room_of, self.mem_room_of, self.grid_room_of
         weigh: list[int] = []
-        for n, top in zip(batch, self._own_tops(costs, ask, batch)):
-            if not self._moves_one(n, bucket, 0):
-                key_of[n], exact_of[n], bh.slot[n] = top, True, cache.slot[n]
-                _push_options(bh.entries, [top], [n])
+        tops, slots = self._own_best(costs, ask, batch)
+        for n, top, slot in zip(batch, tops, slots):
+            # `_moves_one(n, bucket, 0)`, written out (a few calls per pod for each node it changes)
+            if cpu_room[n] >= bucket and mem_room[n] >= 0 and (grid_room[n] >= bucket
+                                                                or not self._strands_one(n, bucket, 0)):
+                key_of[n], exact_of[n], slot_of[n] = top, True, slot
+                if top < NO_OPTION:
+                    heappush(entries, top << shift | n)
                 continue
             bound = self._bucket_bound(ask, n, bucket, top)
             if bound > k:
                 key_of[n] = bound
-                _push_options(bounds, [bound], [n])
+                if bound < NO_OPTION:
+                    heappush(bounds, bound << shift | n)
             else:
                 weigh.append(n)
         if weigh:
             tops, slots = self._weigh_bucket(costs, ask, weigh, bucket)
-            key_of[weigh], bh.slot[weigh], exact_of[weigh] = tops, slots, True
+            for n, top, slot in zip(weigh, tops, slots):
+                key_of[n], slot_of[n], exact_of[n] = top, slot, True
             bh.push_many(tops, weigh)
 
     def _bucket_bound(self, ask: SliceRef, n: int, bucket: int, top: int) -> int:
@@ -860,22 +929,43 @@ class Greedy:
         points = changes * _TOP_SCALE + _SCORE_OFFSET - top  # the score, negated: 0..100
         if points >= 99:  # no ΔF bounds the best scores from below
             return top
-        free_cpu, free_mem = int(self.cpu[n]), int(self.mem[n])
-        fc = obj.node_fc_list[n]
-        own_c, own_m = obj.step_one(n, free_cpu, free_mem)
-        at_c = obj.step_one(n, free_cpu - bucket, free_mem)[0]
-        feed_m, row0 = obj.feed_m_rows[fc][own_m], obj.fc_row0_list[fc]
-        feed_own = min(obj.feed_c_rows[fc][own_c - row0], feed_m)
-        feed_at = min(obj.feed_c_rows[fc][at_c - row0], feed_m)
-        free = self._free_share(n) - self._slice_share(ask, n)
+        feeds = self._feeds.get(n)
+        if feeds is None:
+            feeds = self._feeds[n] = self._node_feeds(n)
+        free_share, feed_own, feed_at_of = feeds
+        feed_at = feed_at_of.get(bucket)
+        if feed_at is None:
+            feed_at = feed_at_of[bucket] = self._feed_at(n, bucket)
+        free = free_share - self._slice_share(ask, n)
         rise = max(0.0, free - feed_at) - max(0.0, free - feed_own)
         if rise <= 0.0:
             return top
         # the least ΔF with this score: 100 sigmoid(-ΔF) below points + 1 (1e-9 of slack
         # against the floats' roundings, far above them)
-        low = math.log(100.0 / (points + 1) - 1.0) + rise - 1e-9
+        low = _LOG_ODDS[points] + rise - 1e-9
         score = -int(100.0 / (1.0 + math.exp(min(50.0, max(-50.0, low)))))
         return max(top, changes * _TOP_SCALE + score + _SCORE_OFFSET)
+
+    def _node_feeds(self, n: int) -> tuple[float, float, dict[int, float]]:
+        """What `_bucket_bound` reads of node n, kept until it changes: its GPUs' free share, the
+        GPUs its CPU and memory feed at its own steps, and (filled per bucket) those its memory and
+        its CPU less a bucket's feed."""
+        obj = self.objective
+        assert obj is not None
+        fc = obj.node_fc_list[n]
+        own_c, own_m = obj.step_one(n, self.cpu_of[n], self.mem_of[n])
+        feed_own = min(obj.feed_c_rows[fc][own_c - obj.fc_row0_list[fc]], obj.feed_m_rows[fc][own_m])
+        return self._free_share(n), feed_own, {}
+
+    def _feed_at(self, n: int, bucket: int) -> float:
+        """The GPUs node n's CPU less `bucket` and its memory feed."""
+        obj = self.objective
+        assert obj is not None
+        fc = obj.node_fc_list[n]
+        free_mem = self.mem_of[n]
+        at_c = obj.step_one(n, self.cpu_of[n] - bucket, free_mem)[0]
+        own_m = obj.step_one(n, self.cpu_of[n], free_mem)[1]
+        return min(obj.feed_c_rows[fc][at_c - obj.fc_row0_list[fc]], obj.feed_m_rows[fc][own_m])
 
     def _slice_share(self, ask: SliceRef, n: int) -> float:
         """The share of a GPU of node n that one slice of the ask takes of its free share (the
@@ -893,8 +983,8 @@ class Greedy:
 
     def _moves_one(self, n: int, cpu: int, mem: int) -> bool:
         """`_moves` of one node for a pod taking `cpu` and `mem` (>= 0) of it."""
-        return (self.cpu_room[n] < cpu or self.mem_room[n] < mem
-                or (self.grid_room[n] < cpu and self._strands_one(n, cpu, mem)))
+        return (self.cpu_room_of[n] < cpu or self.mem_room_of[n] < mem
+                or (self.grid_room_of[n] < cpu and self._strands_one(n, cpu, mem)))
 
     def _weigh_bucket(self, costs: AskCosts, ask: SliceRef, nodes: list[int], bucket: int) -> tuple[list[int], list[int]]:
         """(top, slot) of `nodes` for a pod of the ask taking `bucket` CPU and no memory: as the
@@ -1020,7 +1110,8 @@ class Greedy:
         none of its GPUs can)."""
         if len(nodes) <= SCALAR_NODES:
             chg_of = costs.chg
-            least = [min([chg_of[b] for b in row]) for row in self.bid[self.index.node_gpus[nodes]].tolist()]
+            rows = self.bid_rows
+            least = [min([chg_of[b] for b in rows[n]]) for n in nodes.tolist()]
             return least if self.count_changes else [0 if c < NO_OPTION else NO_OPTION for c in least]
         chg = costs.arrays().chg[self.bid[self.index.node_gpus[nodes]]]
         out: np.ndarray = np.minimum.reduce(self._changes(chg), axis=1)
@@ -1050,6 +1141,7 @@ class Greedy:
         rank = self._ranks.get(key)
         if rank is None:
             rank = self._ranks[key] = _NodeRank(len(self.problem.nodes))
+        rank.forget_changed()
         stale = cand[~rank.ok[cand]]
         if len(stale):
             rank.fits[stale], rank.chg[stale] = self._rank_fit(costs, stale, req.count)
@@ -1198,8 +1290,14 @@ class Greedy:
             self.bid[gid] = self.index.bucket(st)
             if self.cls is not None and self.objective is not None:
                 self.cls[gid] = after if after is not None else self.objective.class_id(capacity_class(st))
+        gpus = self.index.node_gpus[node]
+        self.bid_rows[node] = self.bid[gpus].tolist()
+        if self.cls is not None:
+            self.cls_rows[node] = self.cls[gpus].tolist()
         self.cpu[node] -= req.cpu
         self.mem[node] -= req.mem
+        self.cpu_of[node] -= req.cpu
+        self.mem_of[node] -= req.mem
         self.placement[req.idx] = (node, picks)
         for other in req.apart:
             if other not in self.placement:
@@ -1209,9 +1307,10 @@ class Greedy:
         if self.terms is not None:
             self.terms.ok[node] = False
         if self.objective is not None:
-            self.cpu_room[node] = room(int(self.cpu[node]), self._cpu_steps)
-            self.grid_room[node] = room(int(self.cpu[node]), self.objective.cpu_step_list)
-            self.mem_room[node] = room(int(self.mem[node]), self._mem_steps)
+            cpu, mem = self.cpu_of[node], self.mem_of[node]
+            self.cpu_room[node] = self.cpu_room_of[node] = room(cpu, self._cpu_steps)
+            self.grid_room[node] = self.grid_room_of[node] = room(cpu, self.objective.cpu_step_list)
+            self.mem_room[node] = self.mem_room_of[node] = room(mem, self._mem_steps)
         for cache in self._best.values():
             cache.ok[node] = False
         for heap in self._heaps.values():
@@ -1219,11 +1318,11 @@ class Greedy:
         for bucket_heap in self._bucket_heaps.values():
             bucket_heap.stale.add(node)
         for rank in self._ranks.values():
-            rank.ok[node] = rank.q_ok[node] = False
-            rank.moved_q.pop(node, None)
+            rank.changed.add(node)
         self._views.pop(node, None)
         self._free_gpus.pop(node, None)
         self._strand_below.pop(node, None)
+        self._feeds.pop(node, None)
         for kept in self._moved_best.values():
             kept.pop(node, None)
 

@@ -66,6 +66,7 @@ group's first row plus its CPU step, and everything else reads the tables as bef
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Sequence
 from functools import cache, lru_cache, singledispatch
@@ -299,6 +300,11 @@ def numpy_sum(values: Sequence[float]) -> float:
         for v in values:
             total += v
         return total
+    if n < 16:  # the loop below, unrolled: no full row of 8 after the first
+        total = ((values[0] + values[1]) + (values[2] + values[3])) + ((values[4] + values[5]) + (values[6] + values[7]))
+        for i in range(8, n):
+            total += values[i]
+        return total
     if n <= 128:
         r = list(values[:8])
         i = 8
@@ -470,7 +476,7 @@ class Objective:
         self._by_coverage: dict[tuple[float, tuple[float, ...], tuple[int, ...]],
                                 tuple[np.ndarray, list[float], list[int], list[list[float]]]] = {}
         self._scores: dict[float, int] = {}
-        self._moved_kinds: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._transitions: dict[tuple[int, int], tuple[float, tuple[tuple[int, int, float, int, int], ...]]] = {}
         self._profiles: dict[MigRules, list[int | None]] = {}  # per model, each ref's profile index
         # per class id, in arrays that grow by doubling (`tables()` gives views of the filled part)
         self._free = np.zeros(64)
@@ -608,16 +614,18 @@ class Objective:
         return out
 
 
-    def moved_kinds(self, before: int, after: int) -> tuple[int, ...]:
-        """The multi-slice kinds whose ref a GPU's coverage changes for, from class `before` to
-        class `after`."""
-        kinds = self._moved_kinds.get((before, after))
-        if kinds is None:
+    def transition(self, before: int, after: int) -> tuple[float, tuple[tuple[int, int, float, int, int], ...]]:
+        """What a GPU's class moving from `before` to `after` changes: its free share (after less
+        before) and, per multi-slice kind whose ref's coverage or slots it changes, (kind, ref
+        column, coverage after less before, slots after less before, the kind's count)."""
+        hit = self._transitions.get((before, after))
+        if hit is None:
             ca, cb = self.cov_of[after], self.cov_of[before]
             sa, sb = self.slots_of[after], self.slots_of[before]
-            kinds = self._moved_kinds[(before, after)] = tuple(j for j, col in enumerate(self.multi_cols)
-                                                               if ca[col] != cb[col] or sa[col] != sb[col])
-        return kinds
+            moved = tuple((j, col, ca[col] - cb[col], sa[col] - sb[col], self.multi_counts[j])
+                          for j, col in enumerate(self.multi_cols) if ca[col] != cb[col] or sa[col] != sb[col])
+            hit = self._transitions[(before, after)] = (self.free_of[after] - self.free_of[before], moved)
+        return hit
 
     def multi_room_one(self, ic: int, im: int, covered: list[float], hosts: list[int]) -> float:
         """`multi_room` of one node, in plain Python (bit for bit the same)."""
@@ -635,14 +643,21 @@ class Objective:
         return out
 
     def scores(self, deltas: list[float]) -> list[int]:
-        """`score` of each ΔF, remembered per value (a few hundred values recur plan after plan)."""
+        """`score` of each ΔF, remembered per value (a few hundred values recur plan after plan);
+        one not met yet is scored in plain Python (`_score_one`), with numpy where that may differ."""
         memo = self._scores
-        missing = [d for d in deltas if d not in memo]
-        if missing:
-            if len(memo) > _SCORES_KEPT:
-                memo.clear()
-            memo.update(zip(missing, self.score(np.array(missing)).tolist()))
-        return [memo[d] for d in deltas]
+        out = []
+        for d in deltas:
+            q = memo.get(d)
+            if q is None:
+                q = _score_one(d)
+                if q is None:
+                    q = int(self.score(np.array([d]))[0])
+                if len(memo) > _SCORES_KEPT:
+                    memo.clear()
+                memo[d] = q
+            out.append(q)
+        return out
 
     @staticmethod
     def score(delta: np.ndarray) -> np.ndarray:
@@ -650,6 +665,19 @@ class Objective:
         negated (lower is better): whole points, 0.04 GPU wide near 0 and wider far from it."""
         score: np.ndarray = -np.trunc(100.0 / (1.0 + np.exp(np.clip(delta, -50.0, 50.0)))).astype(np.int64)
         return score
+
+
+def _score_one(delta: float) -> int | None:
+    """`Objective.score` of one ΔF with the math module's exp, where that gives numpy's score: its
+    exp and numpy's differ by a few units in the last place at most, which moves the score only
+    where 100 sigmoid(-ΔF) is that close to a whole point (None there, and for NaN)."""
+    if delta != delta:
+        return None
+    x = 100.0 / (1.0 + math.exp(min(50.0, max(-50.0, delta))))
+    t = int(x)
+    if (t and x - t < 1e-6) or x - t > 1.0 - 1e-6:  # (x > 0: no point below 0 to cross)
+        return None
+    return -t
 
 
 # the room of a value below the lowest step: no request moves it down a step
@@ -748,26 +776,35 @@ class NodeTerms:
             self.f[nodes] += objective.stranded(nodes, self.free[nodes], ic, im)
         self.ok[nodes] = True
 
-    def ensure_one(self, objective: Objective, node: int, classes: np.ndarray, cpu: int, mem: int) -> None:
-        """`ensure` for one node, `classes` its GPUs' (numpy's cost per call dominates on one node):
-        the sums over its GPUs in plain Python, the same float operations in the same order, so
-        the same terms bit for bit; the coverage sums as `ensure` computes them, on one row."""
+    def one(self, objective: Objective, node: int, classes: list[int], cpu: int,
+            mem: int) -> tuple[float, float, float, int, int, list[float], list[int]]:
+        """The terms of one node, `classes` its GPUs' (f, free, single, CPU and memory step,
+        coverage and slots of the multi-slice refs), computed where not valid yet as `ensure`
+        computes them (numpy's cost per call dominates on one node): the sums over its GPUs in
+        plain Python, the same float operations in the same order, so the same terms bit for bit."""
         if self.ok[node]:
-            return
+            return (float(self.f[node]), float(self.free[node]), float(self.single[node]), int(self.ic[node]),
+                    int(self.im[node]), self.covm[node].tolist(), self.hostm[node].tolist())
         ic, im = objective.step_one(node, cpu, mem)
         usable_of = objective.usable_of
-        class_list = classes.tolist()
-        free = numpy_sum([objective.free_of[c] for c in class_list])
+        free = numpy_sum([objective.free_of[c] for c in classes])
         row = objective.crow_list[ic]
-        single = numpy_sum([usable_of[c][row][im] for c in class_list])
+        single = numpy_sum([usable_of[c][row][im] for c in classes])
         self.ic[node], self.im[node], self.free[node], self.single[node] = ic, im, free, single
+        multi = 0.0
+        covm: list[float] = []
+        hostm: list[int] = []
         if objective.multi:
-            c = objective.tables()[1][classes[None, :]]
-            covm = c.sum(axis=1)[0].tolist()
-            hostm = objective.slot_table()[classes[None, :]].sum(axis=1)[0].tolist()
+            # the coverage sums as `ensure` computes them, on one row
+            at = np.array(classes)[None, :]
+            covm = objective.tables()[1][at].sum(axis=1)[0].tolist()
+            hostm = objective.slot_table()[at].sum(axis=1)[0].tolist()
             self.covm[node], self.hostm[node] = covm, hostm
-            self.multi[node] = objective.multi_room_one(ic, im, covm, hostm)
-        self.f[node] = free - single - float(self.multi[node])
+            multi = self.multi[node] = objective.multi_room_one(ic, im, covm, hostm)
+        f = free - single - multi
         if objective.feeds:
-            self.f[node] += objective.stranded_one(node, free, ic, im)
+            f += objective.stranded_one(node, free, ic, im)
+        self.f[node] = f
         self.ok[node] = True
+        return f, free, single, ic, im, covm, hostm
+

@@ -350,3 +350,37 @@ def test_a_learned_share_whose_models_left_the_cluster_does_not_stop_the_plannin
     prepared = lp.prepare(later, 10.0)
     assert any(s.gpu_models == ["H"] for s in prepared.workload)  # still remembered
     assert _where(lp.decide(prepared, only_g), "ml/g")[0] == "a"
+
+
+@settings(max_examples=200, deadline=None)
+@given(delta=st.one_of(st.floats(min_value=-60.0, max_value=60.0), st.floats(min_value=-0.3, max_value=0.3),
+                       st.sampled_from([0.0, -0.0, 50.0, -50.0, 1e300, -1e300, float("inf"), float("-inf")])))
+def test_a_score_in_plain_python_is_numpys(delta):
+    """`Objective.scores` scores a ΔF it has not met in plain Python: the same whole point as
+    `Objective.score` (numpy) gives, or none, where numpy decides."""
+    from dynpart.planner.objective import _score_one
+
+    want = int(Objective.score(np.array([delta]))[0])
+    got = _score_one(delta)
+    assert got is None or got == want
+    assert Objective([DemandKind(MigSliceRef("1g.10gb"), 1, 0, 0, 1.0)]).scores([delta]) == [want]
+
+
+def test_a_score_on_a_whole_point_is_left_to_numpy():
+    from dynpart.planner.objective import _score_one
+
+    assert _score_one(-50.0) is None  # 100 sigmoid(50) is 100.0
+    assert _score_one(0.0) is None  # 50.0
+    assert _score_one(0.02) == -49
+
+
+def test_numpy_sum_is_numpys_sum_bit_for_bit():
+    """The greedy's plain-Python sums (`numpy_sum`) against numpy's over a contiguous row, at
+    every length the pairwise blocks of 8 and 128 make differ."""
+    from dynpart.planner.objective import numpy_sum
+
+    rng = np.random.default_rng(7)
+    for n in list(range(0, 40)) + [127, 128, 129, 255, 256, 300]:
+        for _ in range(20):
+            row = rng.random(n) * rng.choice([1e-3, 1.0, 1e3], size=n)
+            assert numpy_sum(row.tolist()) == float(np.add.reduce(row))
