@@ -18,7 +18,7 @@ from dynpart.mig import MigRules
 from dynpart.planner.types import WHOLE_GPU, MigSliceRef, MpsSliceRef, SliceRef
 from dynpart.resources import MigResource, MpsResource, WholeGpuResource, parse_resource
 from dynpart.scheduling import NodeSelectorTerm, Taint, Toleration, affinity_admits, untolerated_taint
-from dynpart.snapshot import Gpu, Mode, Node, PendingPod, RequestShare, Snapshot, validate_snapshot
+from dynpart.snapshot import Gpu, Mode, Node, PendingPod, RequestShare, Snapshot, gpu_capacity, validate_snapshot
 
 KIND_MIG, KIND_MPS, KIND_GPU = "mig", "mps", "gpu"
 
@@ -221,9 +221,8 @@ def compile_cluster(snapshot_nodes: Sequence[Node], models: dict[str, GpuModel])
                     else:
                         free_mps.append(s.size)
                 free_mps.sort(reverse=True)
-            info = GpuInfo(len(gpus), ni, gpu.index, model, rules,
-                           gpu.capacity if gpu.capacity is not None else model.mps_capacity_gb,
-                           used_mig, free_mig, used_mps, free_mps, gpu.whole_pod)
+            info = GpuInfo(len(gpus), ni, gpu.index, model, rules, gpu_capacity(gpu, model), used_mig, free_mig,
+                           used_mps, free_mps, gpu.whole_pod)
             if layout is not None:
                 info.mig_layout = tuple(layout)
             gids.append(len(gpus))
