@@ -48,6 +48,16 @@ openb MPS replay's 8-GPU pods no longer wait to the trace's end (mean 9,348 -> 1
 the other pods' tails pay for it under overload (compress 2.0, p95: MIG 2,519 -> 21,568 s, MPS
 31 -> 16,710 s; simulations/results/README.md, the last section).
 
+Where some kinds may use only some nodes, a kind's weight is scaled by the **scarcity** of the
+capacity it may use (`scarcity`: the GPUs the broadest kind of its mode may use over the GPUs it
+may use, at most SCARCITY_MAX): w_k is the chance that the next pod is of kind k, but a kind bound
+to a seventh of the GPUs brings that chance to a seventh of the capacity, and a free GPU there
+is worth that much more to it. Without it, pods that could go anywhere (and CPU-hungry ones that
+the stranding term sends to nodes rich in CPU) take the scarce models' GPUs and the pods bound to
+them fail first: openb gpuspec25, seeds 42-45, allocation at 100 % arrived 92.80 -> 95.74 %, at
+130 % 95.95 -> 96.06 % (simulations/results/README.md). Every weight is 1 where every kind may
+use every node, as in the replays.
+
 Placing a pod raises F by ΔF; among the options that place the most pods with the fewest
 changes, the greedy takes the one with the least ΔF, compared as the FGD scheduler plugin's
 whole-point score (`Objective.score`), so that near-equal options are then ordered by
@@ -93,6 +103,11 @@ FEED_STEPS_PER_GPU = 2
 FEED_STEPS_MAX = 256
 # whether memory strands GPUs as CPU does (its own grid of steps)
 FEED_MEMORY = False
+# the most a kind's weight is scaled by the scarcity of the capacity it may use (`scarcity`):
+# measured 2, 4, 8 and no limit on the openb gpuspec lists (simulations/results/README.md); above
+# 4 the scarce models' GPUs stay free for their pods longer than those pods come, and the
+# allocation at 130 % falls
+SCARCITY_MAX = 4.0
 
 
 def gpu_share(kind: DemandKind, node: NodeInfo, cap: int) -> float:
@@ -341,6 +356,41 @@ def access_groups(kinds: Sequence[DemandKind], nodes: Sequence[NodeInfo]) -> tup
     return of_node, [list(g) for g in groups]
 
 
+def scarcity(kinds: Sequence[DemandKind], nodes: Sequence[NodeInfo], group_of: Sequence[int] = (),
+             group_kinds: Sequence[Sequence[int]] = (), caps: Sequence[int] = ()) -> list[float]:
+    """Per kind, how much scarcer the capacity it may use is than the broadest kind's of its mode:
+    the GPUs the broadest kind may use over the GPUs it may use, at most SCARCITY_MAX (the GPUs of
+    the nodes it may use, `group_of` / `group_kinds` from `access_groups`, none: every node; of
+    those, the GPUs that can host its slices: its mode, a model offering its MIG profile, an MPS
+    capacity of at least its size where `caps` are given). 1 for every kind where all may use the
+    same GPUs. A pod asking for a model that holds a seventh of the GPUs brings its share of the
+    arrivals to a seventh of the capacity: a free GPU there is worth more to it than its weight
+    alone says, and FGD's F, which counts only the weight, lets pods that could go anywhere take
+    it (openb gpuspec lists: the model-bound pods fail first)."""
+    groups = list(group_kinds) or [list(range(len(kinds)))]
+    reach = [0] * len(kinds)
+    gpus_of: dict[tuple[int, str, str, int], int] = {}  # GPUs per (group, model, mode, capacity)
+    first: dict[tuple[int, str, str, int], int] = {}
+    for i, node in enumerate(nodes):
+        key: tuple[int, str, str, int] = (group_of[i] if group_of else 0, node.model.name, str(node.mode),
+                                          caps[i] if caps else 1 << 62)
+        gpus_of[key] = gpus_of.get(key, 0) + len(node.gpus)
+        first.setdefault(key, i)
+    hosts: dict[tuple[SliceRef, str, str, int], bool] = {}  # (few refs and models: asked once)
+    for key, gpus in gpus_of.items():
+        for j in groups[key[0]]:
+            at = (kinds[j].ref,) + key[1:]
+            ok = hosts.get(at)
+            if ok is None:
+                ok = hosts[at] = slice_share(kinds[j].ref, nodes[first[key]], key[3]) is not None
+            if ok:
+                reach[j] += gpus
+    top: dict[str, int] = {}
+    for j, k in enumerate(kinds):
+        top[_mode_of(k.ref)] = max(top.get(_mode_of(k.ref), 0), reach[j])
+    return [min(SCARCITY_MAX, top[_mode_of(k.ref)] / reach[j]) if reach[j] else 1.0 for j, k in enumerate(kinds)]
+
+
 def needs_access_groups(kinds: Sequence[DemandKind], nodes: Sequence[NodeInfo]) -> bool:
     """Whether some kind may not use some node (else every node sees the whole distribution)."""
     return any(k.restricted for k in kinds) or any(n.taints or n.unschedulable for n in nodes)
@@ -350,9 +400,12 @@ class Objective:
     """A request distribution compiled into lookup tables; capacity classes get ids as they are
     met (id 0: no GPU, used to pad nodes with fewer GPUs). `nodes`: the cluster's, by index,
     needed where some kind may not use some node (`access_groups`); with `caps` (`node_caps`),
-    F has the stranding term (without: none, as nothing tells what a slice is of a GPU)."""
+    F has the stranding term (without: none, as nothing tells what a slice is of a GPU).
+    `scarce_weights`: a kind's weight scaled by how scarce its capacity is (`scarcity`); off only
+    to reproduce FGD as its authors ran it."""
 
-    def __init__(self, kinds: list[DemandKind], nodes: Sequence[NodeInfo] = (), caps: Sequence[int] = ()):
+    def __init__(self, kinds: list[DemandKind], nodes: Sequence[NodeInfo] = (), caps: Sequence[int] = (),
+                 scarce_weights: bool = True):
         self.kinds = kinds
         group_of, group_kinds = (access_groups(kinds, nodes) if needs_access_groups(kinds, nodes)
                                  else ([], [list(range(len(kinds)))]))
@@ -424,9 +477,11 @@ class Objective:
         shape = (len(group_kinds), rows_c, len(kind_mem) + 1)
         w1 = np.zeros(shape + (len(self.refs),))
         wm = np.zeros(shape + (len(self.multi),))
+        scarce = scarcity(kinds, nodes, group_of, group_kinds, caps) if scarce_weights else [1.0] * len(kinds)
         for g, members in enumerate(group_kinds):
-            for k in (kinds[i] for i in members):
-                w = k.weight / total[_mode_of(k.ref)]
+            for i in members:
+                k = kinds[i]
+                w = k.weight / total[_mode_of(k.ref)] * scarce[i]
                 ic = int(np.searchsorted(kind_cpu, k.cpu)) + 1
                 im = int(np.searchsorted(kind_mem, k.mem)) + 1
                 if k.count == 1:

@@ -72,12 +72,13 @@ def collector_paused() -> Iterator[None]:
 
 class PlanningSession:
     def __init__(self, nodes: Sequence[Node], catalog: Catalog | None = None,
-                 models: dict[str, GpuModel] | None = None, stranding: bool = True):
-        """`models`: each node's model when the nodes were validated already. `stranding`: the
-        objective counts the GPUs a node's free CPU cannot feed (planner/objective.py); off only to
+                 models: dict[str, GpuModel] | None = None, fgd_as_published: bool = False):
+        """`models`: each node's model when the nodes were validated already. `fgd_as_published`:
+        the objective is FGD's F alone, without what dynpart adds (the GPUs a node's free CPU cannot
+        feed, kinds weighed by the scarcity of the capacity they may use: planner/objective.py), to
         reproduce FGD as its authors ran it (the packing benchmark's `fgd` policy)."""
         self.catalog = catalog or default_catalog()
-        self.stranding = stranding
+        self.fgd_as_published = fgd_as_published
         if models is None:
             models = validate_snapshot(Snapshot.model_construct(nodes=list(nodes), pending=[], workload=[]),
                                        self.catalog)
@@ -108,7 +109,8 @@ class PlanningSession:
         key = tuple(workload)
         if self._objective is None or self._objective[0] != key:
             obj = Objective(workload, self.problem.nodes,
-                            node_caps(self.problem.nodes, self.problem.gpus) if self.stranding else ())
+                            () if self.fgd_as_published else node_caps(self.problem.nodes, self.problem.gpus),
+                            scarce_weights=not self.fgd_as_published)
             cls = None
             rooms = None
             if obj.active:

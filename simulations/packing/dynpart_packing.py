@@ -113,8 +113,9 @@ class DynpartPacking:
             gpus = [Gpu.model_construct(index=g, mig=[], mps=[], whole_pod=None, capacity=state.capacity)
                     for g in range(int(state.ngpu[n]))]
             nodes.append(bridge.node(name, "mps", model, state.cpu[n], state.mem[n], gpus))
-        # (FGD as its authors ran it counts no CPU stranding beyond its typical pods')
-        return PlanningSession(nodes, catalog, stranding=self.name != "fgd")
+        # (FGD as its authors ran it counts no CPU stranding beyond its typical pods' and weighs its
+        # typical pods by their frequency alone)
+        return PlanningSession(nodes, catalog, fgd_as_published=self.name == "fgd")
 
     def place_batch(self, state: PackingState, pods: list[TracePod]) -> list[bool]:
         if self.session is None:

@@ -32,18 +32,28 @@ def _mps_node(name: str, used: list[list[int]], cpu: int = 64_000, mem: int = 25
                       for i, sizes in enumerate(used)])
 
 
-def _brute(kinds: list[DemandKind], cpu: int, mem: int, free: list[int], node: Node | None = None) -> float:
-    """The definition: free GPUs' share minus, for each kind by weight, what it could use (nothing
-    on a node it may not use: another model, a pool it does not select, a taint it does not
-    tolerate)."""
+def _may_use(k: DemandKind, node: Node) -> bool:
+    return not ((k.models and node.gpu_model not in k.models) or any(node.labels.get(a) != b for a, b in k.selector)
+                or untolerated_taint(node.taints, node.unschedulable, k.constraints.tolerations))
+
+
+def _scarcity(kinds: list[DemandKind], nodes: list[Node]) -> list[float]:
+    """Per kind, the GPUs the broadest kind may use over the GPUs it may use, at most 4."""
+    reach = [sum(len(n.gpus) for n in nodes if _may_use(k, n)) for k in kinds]
+    return [min(4.0, max(reach) / r) if r else 1.0 for r in reach]
+
+
+def _brute(kinds: list[DemandKind], cpu: int, mem: int, free: list[int], node: Node | None = None,
+           scarce: list[float] | None = None) -> float:
+    """The definition: free GPUs' share minus, for each kind by weight (times the scarcity of the
+    capacity it may use), what it could use (nothing on a node it may not use: another model, a
+    pool it does not select, a taint it does not tolerate)."""
     total = sum(k.weight for k in kinds)
     out = sum(free) / 1000
-    for k in kinds:
+    for i, k in enumerate(kinds):
         if cpu < k.cpu or mem < k.mem:
             continue
-        if node is not None and ((k.models and node.gpu_model not in k.models)
-                                 or any(node.labels.get(a) != b for a, b in k.selector)
-                                 or untolerated_taint(node.taints, node.unschedulable, k.constraints.tolerations)):
+        if node is not None and not _may_use(k, node):
             continue
         if k.ref is WHOLE_GPU:
             hosts = [f for f in free if f == 1000]
@@ -51,7 +61,7 @@ def _brute(kinds: list[DemandKind], cpu: int, mem: int, free: list[int], node: N
             assert isinstance(k.ref, MpsSliceRef)
             hosts = [f for f in free if f >= k.ref.size]
         if len(hosts) >= k.count:
-            out -= k.weight / total * sum(hosts) / 1000
+            out -= k.weight / total * (scarce[i] if scarce else 1.0) * sum(hosts) / 1000
     return out
 
 
@@ -89,7 +99,9 @@ def test_unusable_capacity_matches_its_definition(seed, restricted):
     obj = Objective(merged, problem.nodes)
     states = [new_state(g) for g in problem.gpus]
     rows = [[obj.class_id(capacity_class(states[g])) for g in info.gpus] + [0] * (4 - len(info.gpus)) for info in problem.nodes]
-    want = [_brute(merged, c, m, [1000 - sum(s.size for s in g.mps) for g in nd.gpus], nd)
+    scarce = _scarcity(merged, nodes)
+    assert restricted or scarce == [1.0] * len(merged)
+    want = [_brute(merged, c, m, [1000 - sum(s.size for s in g.mps) for g in nd.gpus], nd, scarce)
             for nd, c, m in zip(nodes, cpus, mems)]
     got = obj.unusable(np.array(rows), np.array(cpus), np.array(mems), np.arange(len(nodes)))
     assert np.allclose(got, want)
@@ -384,3 +396,49 @@ def test_numpy_sum_is_numpys_sum_bit_for_bit():
         for _ in range(20):
             row = rng.random(n) * rng.choice([1e-3, 1.0, 1e3], size=n)
             assert numpy_sum(row.tolist()) == float(np.add.reduce(row))
+
+
+def test_a_pod_any_model_can_host_leaves_the_scarce_models_gpus_to_the_pods_bound_to_them(monkeypatch):
+    # A CPU-hungry pod strands half a GPU on the abundant model's nodes (12 of 24 cores left for
+    # 2 GPUs, 8 cores asked per GPU) and nothing on the scarce model's node, rich in CPU. By
+    # weight alone (FGD's F) it goes there: the model-bound kind's weight is a quarter; but that
+    # kind may use 2 of the cluster's 14 GPUs, so its weight counts 4 times (SCARCITY_MAX) and
+    # the pod leaves them free. With the scaling off (SCARCITY_MAX 1) it takes the scarce GPU.
+    import dynpart.planner.objective as objective
+    from dynpart.planner.objective import scarcity
+    nodes = [_mps_node(f"h{i}", [[], [], []], cpu=24_000, model="H") for i in range(4)]
+    nodes.append(_mps_node("g0", [[], []], cpu=64_000, model="G"))
+    workload = [RequestShare(resource="nvidia.com/gpu", cpu_milli=8000, weight=3.0),
+                RequestShare(resource="nvidia.com/gpu", cpu_milli=8000, weight=1.0, gpu_models=["G"])]
+    snap = Snapshot(nodes=nodes, pending=[PendingPod(name="p", resource="nvidia.com/gpu", cpu_milli=12_000)],
+                    workload=workload)
+    problem = compile_problem(snap, MILLI)
+    from dynpart.planner.objective import access_groups
+    assert scarcity(problem.workload, problem.nodes, *access_groups(problem.workload, problem.nodes)) == [1.0, 4.0]
+    assert [p.node for p in plan(snap, MILLI).placements] == ["h0"]
+    monkeypatch.setattr(objective, "SCARCITY_MAX", 1.0)
+    assert [p.node for p in plan(snap, MILLI).placements] == ["g0"]
+    # every kind may use every node: no scaling
+    assert scarcity(problem.workload[:1], problem.nodes, *access_groups(problem.workload[:1], problem.nodes)) == [1.0]
+
+
+def test_the_scarcity_of_a_kind_counts_only_the_gpus_that_can_host_its_slices():
+    # 1g.5gb exists only on the A100-40GB (2 of the 10 MIG GPUs: 5 times scarcer, at most 4);
+    # 7g.80gb only on the H100s (8 of 10); 1g.10gb on both; the MPS kind is of another mode
+    from dynpart.planner.objective import node_caps, scarcity
+
+    def mig(name: str, model: str, n: int) -> Node:
+        return Node(name=name, mode="mig", gpu_model=model, cpu_milli_free=64_000, memory_mib_free=1 << 20,
+                    gpus=[Gpu(index=i) for i in range(n)])
+
+    snap = Snapshot(nodes=[mig("a", "A100-40GB", 2), mig("h", "H100-80GB", 8),
+                           Node(name="m", mode="mps", gpu_model="H100-80GB", cpu_milli_free=0, memory_mib_free=0,
+                                gpus=[Gpu(index=0)])],
+                    workload=[RequestShare(resource=r) for r in ("nvidia.com/mig-1g.5gb", "nvidia.com/mig-1g.10gb",
+                                                                 "nvidia.com/mig-7g.80gb", "nvidia.com/gpu-10gb")])
+    problem = compile_problem(snap, default_catalog())
+    names = [k.ref.profile if isinstance(k.ref, MigSliceRef) else f"mps-{k.ref.size}" for k in problem.workload
+             if isinstance(k.ref, (MigSliceRef, MpsSliceRef))]
+    got = dict(zip(names,
+                   scarcity(problem.workload, problem.nodes, caps=node_caps(problem.nodes, problem.gpus))))
+    assert got == {"1g.5gb": 4.0, "1g.10gb": 1.0, "7g.80gb": 1.25, "mps-10": 1.0}
