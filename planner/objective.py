@@ -48,15 +48,15 @@ openb MPS replay's 8-GPU pods no longer wait to the trace's end (mean 9,348 -> 1
 the other pods' tails pay for it under overload (compress 2.0, p95: MIG 2,519 -> 21,568 s, MPS
 31 -> 16,710 s; simulations/results/README.md, the last section).
 
-Where some kinds may use only some nodes, a kind's weight is scaled by the **scarcity** of the
-capacity it may use (`scarcity`: the GPUs the broadest kind of its mode may use over the GPUs it
+Where some kinds may use only some GPUs (a GPU model, labels, affinity, taints; a MIG profile
+only some models offer), a kind's weight is scaled by the **scarcity** of the capacity it may use (`scarcity`: the GPUs the broadest kind of its mode may use over the GPUs it
 may use, at most SCARCITY_MAX): w_k is the chance that the next pod is of kind k, but a kind bound
 to a seventh of the GPUs brings that chance to a seventh of the capacity, and a free GPU there
 is worth that much more to it. Without it, pods that could go anywhere (and CPU-hungry ones that
 the stranding term sends to nodes rich in CPU) take the scarce models' GPUs and the pods bound to
 them fail first: openb gpuspec25, seeds 42-45, allocation at 100 % arrived 92.80 -> 95.74 %, at
 130 % 95.95 -> 96.06 % (simulations/results/README.md). Every weight is 1 where every kind may
-use every node, as in the replays.
+use every GPU, as in the replays.
 
 Placing a pod raises F by ΔF; among the options that place the most pods with the fewest
 changes, the greedy takes the one with the least ΔF, compared as the FGD scheduler plugin's
@@ -104,8 +104,8 @@ FEED_STEPS_MAX = 256
 # whether memory strands GPUs as CPU does (its own grid of steps)
 FEED_MEMORY = False
 # the most a kind's weight is scaled by the scarcity of the capacity it may use (`scarcity`):
-# measured 2, 4, 8 and no limit on the openb gpuspec lists (simulations/results/README.md); above
-# 4 the scarce models' GPUs stay free for their pods longer than those pods come, and the
+# measured 2, 3, 4, 6, 8 and no limit on the openb gpuspec lists (simulations/results/README.md):
+# above 4 the scarce models' GPUs stay free for their pods longer than those pods come, and the
 # allocation at 130 % falls
 SCARCITY_MAX = 4.0
 
