@@ -49,10 +49,11 @@ the other pods' tails pay for it under overload (compress 2.0, p95: MIG 2,519 ->
 31 -> 16,710 s; simulations/results/README.md, the last section).
 
 Where some kinds may use only some GPUs (a GPU model, labels, affinity, taints; a MIG profile
-only some models offer), a kind's weight is scaled by the **scarcity** of the capacity it may use (`scarcity`: the GPUs the broadest kind of its mode may use over the GPUs it
-may use, at most SCARCITY_MAX): w_k is the chance that the next pod is of kind k, but a kind bound
-to a seventh of the GPUs brings that chance to a seventh of the capacity, and a free GPU there
-is worth that much more to it. Without it, pods that could go anywhere (and CPU-hungry ones that
+only some models offer), a kind's weight is scaled by the **scarcity** of the capacity it may
+use (`scarcity`: the GPUs the broadest kind of its mode may use over the GPUs it may use, at
+most SCARCITY_MAX): w_k is the chance that the next pod is of kind k, but a kind bound to a
+seventh of the GPUs brings that chance to a seventh of the capacity, and a free GPU there is
+worth that much more to it. Without it, pods that could go anywhere (and CPU-hungry ones that
 the stranding term sends to nodes rich in CPU) take the scarce models' GPUs and the pods bound to
 them fail first: openb gpuspec25, seeds 42-45, allocation at 100 % arrived 92.80 -> 95.74 %, at
 130 % 95.95 -> 96.06 % (simulations/results/README.md). Every weight is 1 where every kind may
