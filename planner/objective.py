@@ -364,10 +364,7 @@ def scarcity(kinds: Sequence[DemandKind], nodes: Sequence[NodeInfo], group_of: S
     the nodes it may use, `group_of` / `group_kinds` from `access_groups`, none: every node; of
     those, the GPUs that can host its slices: its mode, a model offering its MIG profile, an MPS
     capacity of at least its size where `caps` are given). 1 for every kind where all may use the
-    same GPUs. A pod asking for a model that holds a seventh of the GPUs brings its share of the
-    arrivals to a seventh of the capacity: a free GPU there is worth more to it than its weight
-    alone says, and FGD's F, which counts only the weight, lets pods that could go anywhere take
-    it (openb gpuspec lists: the model-bound pods fail first)."""
+    same GPUs. Why: the module docstring."""
     groups = list(group_kinds) or [list(range(len(kinds)))]
     reach = [0] * len(kinds)
     gpus_of: dict[tuple[int, str, str, int], int] = {}  # GPUs per (group, model, mode, capacity)
