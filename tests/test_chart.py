@@ -492,6 +492,17 @@ def test_notes_label_nodes_in_the_right_order(tmp_path):
     assert "kubectl -n gpu-op get pods" in nvidia and "NotIn, values: [mps]" in nvidia
 
 
+def test_notes_runtime_class_follows_the_device_list_strategy(tmp_path):
+    """NOTES ask for runtimeClassName: nvidia-legacy (GPU Operator's CDI mode) only where the
+    agent's own plugin names devices by UUID; a cdi-* strategy needs no RuntimeClass (review 171)."""
+    envvar = " ".join(render_notes(tmp_path / "envvar").split())
+    assert "needs runtimeClassName: nvidia-legacy" in envvar and "deviceListStrategy=cdi-cri" in envvar
+    for strategy in ("cdi-cri", "cdi-annotations"):
+        cdi = " ".join(render_notes(tmp_path / strategy, "--set", f"devicePlugin.deviceListStrategy={strategy}").split())
+        assert "nvidia-legacy" not in cdi
+        assert f"deviceListStrategy={strategy}): pods need no runtimeClassName" in cdi
+
+
 def test_planner_rbac_is_minimal(default):
     """What the planner calls: informers (list+watch) on pods, claims, volumes, storage classes and
     nodes, a node read (before an overdue plan is judged replaced), a merge patch of a node's
