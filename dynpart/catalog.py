@@ -191,17 +191,24 @@ class Catalog:
         for source, doc in documents:
             if not isinstance(doc, dict) or not isinstance(doc.get("models"), list):
                 raise CatalogError(f"{source}: a catalog file must be a mapping with a 'models' list")
+            named: dict[str, int] = {}  # name -> its entry in this file
             for i, entry in enumerate(doc["models"]):
                 try:
-                    models.append(GpuModel.model_validate(entry))
+                    model = GpuModel.model_validate(entry)
                 except ValidationError as e:
                     first = e.errors()[0]
                     loc = ".".join(str(x) for x in first["loc"])
                     name = entry.get("name", "?") if isinstance(entry, dict) else "?"
+                    # (a missing field's "input" is the entry around it: not a value to show)
+                    value = "" if first["type"] == "missing" else f" (value {first.get('input')!r})"
                     raise CatalogError(
-                        f"{source}: models[{i}] ({name}){'.' + loc if loc else ''}: {first['msg']}"
-                        f" (value {first.get('input')!r})"
+                        f"{source}: models[{i}] ({name}){'.' + loc if loc else ''}: {first['msg']}{value}"
                     ) from None
+                if model.name in named:  # a later file replaces a model; one file naming it twice is a slip
+                    raise CatalogError(f"{source}: models[{i}] ({model.name}): the name of models[{named[model.name]}] "
+                                       "too (a file names each model once; a later file may replace it)")
+                named[model.name] = i
+                models.append(model)
         return cls(models)
 
     def extended(self, other: Catalog) -> Catalog:

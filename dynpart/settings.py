@@ -158,6 +158,11 @@ class PlannerSettings(CommonSettings):
     identity: str = Field(default_factory=socket.gethostname, min_length=1,
                           description="this replica's name in the Lease")
 
+    @field_validator("lease_namespace")
+    @classmethod
+    def _lease_namespace(cls, value: str) -> str:
+        return _namespace(value)
+
     @model_validator(mode="after")
     def _consistent(self) -> PlannerSettings:
         # the leader writes only while its last renewal is younger than 2/3 of the lease
@@ -172,6 +177,15 @@ class PlannerSettings(CommonSettings):
             raise ValueError(f"batch_idle_s = {self.batch_idle_s:g} must be at most batch_timeout_s = "
                              f"{self.batch_timeout_s:g} (a batch closes at the latest after batch_timeout_s)")
         return self
+
+
+def _namespace(value: str) -> str:
+    """A namespace name, checked here, not by the API server after the process started (a Lease
+    read in a namespace that cannot exist fails on every try, for ever)."""
+    problem = dns_label_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
 
 
 def default_planner_settings() -> PlannerSettings:
@@ -285,6 +299,11 @@ class AgentSettings(CommonSettings):
                                          "device-plugin pods (restarted on this node after a MIG change)")
     nvidia_plugin_selector: str = Field(default="app=nvidia-device-plugin-daemonset",
                                         description="nvidia: label selector of those pods")
+
+    @field_validator("planner_lease_namespace")
+    @classmethod
+    def _lease_namespace(cls, value: str) -> str:
+        return _namespace(value)
 
     @field_validator("nvidia_plugin_namespace", "nvidia_plugin_selector")
     @classmethod

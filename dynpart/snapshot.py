@@ -237,7 +237,9 @@ def parse_snapshot(data: object) -> Snapshot:
         return Snapshot.model_validate(data)
     except ValidationError as e:
         raise SnapshotError(
-            [f"{field_path(err['loc'])} = {err.get('input')!r}: {err['msg']}" for err in e.errors()]
+            # (a missing field's "input" is the object around it: no value to show)
+            [f"{field_path(err['loc'])}: {err['msg']}" if err["type"] == "missing"
+             else f"{field_path(err['loc'])} = {err.get('input')!r}: {err['msg']}" for err in e.errors()]
         ) from None
 
 

@@ -187,6 +187,11 @@ models:
      "start 2 does not fit"),
     ("models: [", r"bad.yaml:1:\d+: not valid YAML: [^\n]*$"),
     ("models:\n  - {name: X, memory_gb: 8, memory_mib: 0}", r"models\[0\] \(X\)\.memory_mib"),
+    # (review 172) one file naming a model twice: the second silently won
+    ("models:\n  - {name: X, memory_gb: 24}\n  - {name: X, memory_gb: 48}",
+     r"bad.yaml: models\[1\] \(X\): the name of models\[0\] too \(a file names each model once"),
+    # a missing field: named, without the entry around it shown as its value
+    ("models:\n  - {memory_gb: 24}", r"models\[0\] \(\?\)\.name: Field required$"),
 ])
 def test_malformed_catalog_names_the_problem(tmp_path, body, message):
     f = tmp_path / "bad.yaml"

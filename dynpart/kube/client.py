@@ -12,6 +12,7 @@ import os
 import random
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
@@ -53,9 +54,9 @@ async def api_client(kubeconfig: str | None = None, settings: KubeSettings | Non
             except UnicodeDecodeError as e:  # (a kubeconfig saved as UTF-16 by PowerShell's `>`, say)
                 raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {path}: not UTF-8 text "
                                    f"({e.reason} at byte {e.start})") from None
-            except (TypeError, AttributeError) as e:  # a YAML list or string: the loader indexes it as a mapping
-                raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {path}: not a kubeconfig (a mapping "
-                                   f"of clusters, contexts and users): {e}") from None
+            except (TypeError, AttributeError) as e:  # the loader indexes what it reads as mappings
+                raise DynpartError(f"cannot connect to Kubernetes with kubeconfig {path}: {_not_a_kubeconfig(path, e)}"
+                                   ) from None
             credentials = _Credentials.of(loader, cfg)
             api = client.ApiClient(configuration=cfg)
         else:
@@ -263,3 +264,14 @@ async def read_json(resp: object, what: str | None = None) -> Obj:
     if not isinstance(decoded, dict):
         raise APIError(f"{what}: the answer is not a JSON object", status=raw.status)
     return decoded
+
+
+def _not_a_kubeconfig(path: str, error: Exception) -> str:
+    """What is wrong with a kubeconfig the loader failed on with a TypeError: a document that is not
+    a mapping (a YAML list or string: the loader's own error is Python's, no help), or a part of it."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        doc = None
+    what = "not a kubeconfig (a YAML mapping of clusters, contexts and users)"
+    return what if not isinstance(doc, dict) else f"{what}: a part of it is malformed ({error})"

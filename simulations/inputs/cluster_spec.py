@@ -140,12 +140,21 @@ def _default_mode(model: str, catalog: Catalog | None) -> str:
 _GROUP_KEYS = {"count", "gpu_model", "gpus", "mode", "cpu", "memory", "name"}
 
 
+# a node name prefix (the index is appended): a word of letters, digits, '-', '.' and '_'
+_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,200}[A-Za-z0-9])?$")
+
+
+def _keys(keys: set[Any]) -> str:
+    """Keys as the file wrote them (YAML keys need not be strings: `1:` is an integer)."""
+    return ", ".join(sorted(repr(k) if not isinstance(k, str) else k for k in keys))
+
+
 def parse_cluster(doc: Any, source: str = "<cluster>", catalog: Catalog | None = None) -> ClusterSpec:
     if not isinstance(doc, dict) or not isinstance(doc.get("nodes"), list) or not doc["nodes"]:
         raise TraceError(source, None, "a cluster file is a mapping with a non-empty 'nodes' list")
     extra = set(doc) - {"nodes"}
     if extra:
-        raise TraceError(source, None, f"unknown key(s) {', '.join(sorted(extra))}; expected 'nodes'")
+        raise TraceError(source, None, f"unknown key(s) {_keys(extra)}; expected 'nodes'")
     nodes: list[NodeSpec] = []
     for i, group in enumerate(doc["nodes"]):
         where = f"nodes[{i}]"
@@ -153,7 +162,7 @@ def parse_cluster(doc: Any, source: str = "<cluster>", catalog: Catalog | None =
             raise TraceError(source, None, f"{where}: expected a mapping, got {group!r}")
         unknown = set(group) - _GROUP_KEYS
         if unknown:
-            raise TraceError(source, None, f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
+            raise TraceError(source, None, f"{where}: unknown key(s) {_keys(unknown)}; "
                              f"expected {', '.join(sorted(_GROUP_KEYS))}")
         try:
             count = group.get("count", 1)
@@ -177,7 +186,11 @@ def parse_cluster(doc: Any, source: str = "<cluster>", catalog: Catalog | None =
             mem = parse_memory_mib(group.get("memory", DEFAULT_MEMORY_MIB))
         except ValueError as e:
             raise TraceError(source, None, f"{where}: {e}") from None
-        prefix = str(group.get("name") or (model.lower() if model else "cpu"))
+        name = group.get("name")
+        if name is not None and not (isinstance(name, str) and _NAME.match(name)):
+            raise TraceError(source, None, f"{where}: name {name!r}: expected a node name prefix (letters, digits, "
+                             "'-', '.' and '_', starting and ending with a letter or digit)")
+        prefix = name or (model.lower() if model else "cpu")
         for k in range(count):
             nodes.append(NodeSpec(f"{prefix}-{len(nodes):04d}" if "name" not in group else f"{prefix}-{k:03d}",
                                   cpu, mem, gpus, model, mode))

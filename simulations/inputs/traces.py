@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,11 +152,15 @@ def _closed(text: str, path: str, first: int) -> None:
                              "an unclosed quote?") from None
 
 
+# a CSV integer: ASCII digits, perhaps a minus sign (Python's int() also reads "6_000", "+6000" and
+# other scripts' digits, which no tool that wrote a trace meant)
+_INTEGER = re.compile(r"\s*-?[0-9]+\s*")
+
+
 def _int(path: str, line: int, column: str, value: str, lo: int = 0, hi: int | None = None) -> int:
-    try:
-        v = int(value)
-    except ValueError:
-        raise TraceError(path, line, f"{column} = {value!r}: not an integer") from None
+    if not _INTEGER.fullmatch(value):
+        raise TraceError(path, line, f"{column} = {value!r}: not an integer")
+    v = int(value)
     if v < lo or (hi is not None and v > hi):
         bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
         raise TraceError(path, line, f"{column} = {v}: out of range ({bound})")

@@ -62,12 +62,12 @@ class WorkloadSpec(BaseModel):
 
     seed: int = Field(0, ge=0, description="random seed: the same parameters and seed give the same pods")
     pods: int = Field(1200, ge=0, le=200_000, description="pods of the MIG part (0: no MIG part)")
-    rate: float = Field(3.6, gt=0, allow_inf_nan=False, description="MIG part: mean arrivals per minute (Poisson)")
+    rate: float = Field(3.6, gt=0, le=1_000_000, allow_inf_nan=False, description="MIG part: mean arrivals per minute (Poisson)")
     mix: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_MIG_MIX),
                                   description="MIG part: profiles asked for, NAME:WEIGHT,... (relative weights)")
     nodes: int = Field(4, ge=0, le=1000, description="MIG part: nodes")
     mps_pods: int = Field(800, ge=0, le=200_000, description="pods of the MPS part (0: no MPS part)")
-    mps_rate: float = Field(2.3, gt=0, allow_inf_nan=False, description="MPS part: mean arrivals per minute (Poisson)")
+    mps_rate: float = Field(2.3, gt=0, le=1_000_000, allow_inf_nan=False, description="MPS part: mean arrivals per minute (Poisson)")
     mps_mix: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_MPS_MIX),
                                       description="MPS part: slice sizes asked for, <N>gb:WEIGHT,...")
     mps_nodes: int = Field(2, ge=0, le=1000, description="MPS part: nodes")
@@ -102,8 +102,13 @@ class WorkloadSpec(BaseModel):
             raise ValueError("weights too large: their sum must be a finite number")
         return v
 
-    def check(self, catalog: Catalog) -> GpuModel:
-        """What needs the catalog: the model, the profile and size names, parts with nodes."""
+    def check(self, catalog: Catalog, source: str = "--workload") -> GpuModel:
+        """What needs the catalog: the model, the profile and size names, parts with nodes.
+        `source`: how errors name the parameters (the YAML file they came from)."""
+
+        def _error(field: str, message: str) -> SimulationError:
+            return SimulationError(f"{source}: {field}: {message}")
+
         try:
             model = catalog.resolve(self.gpu_model)
         except DynpartError as e:
@@ -120,7 +125,10 @@ class WorkloadSpec(BaseModel):
             names = [p.name for p in model.mig_profiles]
             for k in self.mix:
                 if k not in model.profiles_by_name:
-                    raise _error("mix", f"{k!r} is not a MIG profile of {model.name} ({', '.join(names)})")
+                    given = "mix" in self.model_fields_set
+                    raise _error("mix", f"{k!r} is not a MIG profile of {model.name} ({', '.join(names)})"
+                                 + ("" if given else f"; the default mix names H100-80GB's profiles: give mix= with "
+                                    f"{model.name}'s, e.g. mix={names[0]}:60,{names[-1]}:40"))
         if self.mps_pods:
             if not self.mps_nodes:
                 raise _error("mps_nodes", f"0 nodes cannot run the MPS part's {self.mps_pods} pods "
@@ -147,10 +155,6 @@ class WorkloadSpec(BaseModel):
                 v = f"{v:g}"
             out.append(f"{k}={v}")
         return ",".join(out)
-
-
-def _error(field: str, message: str) -> SimulationError:
-    return SimulationError(f"--workload: {field}: {message}")
 
 
 def keys_help() -> str:
@@ -203,6 +207,11 @@ def workload_spec(values: dict[str, Any], source: str = "--workload") -> Workloa
         raise SimulationError(f"{source}: {field}: {msg}{got}") from None
 
 
+def workload_source(value: str | None) -> str:
+    """How errors name the --workload value: its file, where it is one."""
+    return f"--workload {value}" if value and "=" not in value else "--workload"
+
+
 def read_workload(value: str | None) -> WorkloadSpec:
     """None: the defaults; `key=value,...`; or a YAML file with the same keys."""
     if value is None:
@@ -226,7 +235,7 @@ def read_workload(value: str | None) -> WorkloadSpec:
     if not isinstance(doc, dict):
         raise SimulationError(f"--workload {value}: expected a mapping of parameters (keys: "
                               f"{', '.join(WorkloadSpec.model_fields)})")
-    return workload_spec(doc, f"--workload {value}")
+    return workload_spec(doc, workload_source(value))
 
 
 @dataclass(frozen=True)
@@ -263,9 +272,9 @@ def _mean_share(mix: dict[str, float], share: dict[str, float]) -> float:
     return sum(w * share[k] for k, w in mix.items()) / total
 
 
-def generate(spec: WorkloadSpec, catalog: Catalog) -> list[WorkloadPart]:
+def generate(spec: WorkloadSpec, catalog: Catalog, source: str = "--workload") -> list[WorkloadPart]:
     """The parts with pods (MIG first), each on its own cluster."""
-    model = spec.check(catalog)
+    model = spec.check(catalog, source)
     parts: list[WorkloadPart] = []
     if spec.pods:
         rng = np.random.default_rng([spec.seed, 0])

@@ -21,7 +21,7 @@ from dynpart.catalog import load_catalog
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs import command_line
 from dynpart.simulations.packing import experiment as bp
-from dynpart.simulations.packing.dynpart_packing import MAX_BATCH
+from dynpart.simulations.packing.dynpart_packing import MAX_BATCH, TIME_LIMIT_S
 from dynpart.simulations.reporting import plots, report
 from dynpart.simulations.reporting.progress import Progress
 
@@ -38,8 +38,9 @@ def register(bench_sub: argparse._SubParsersAction) -> None:
                    help=f"dynpart: consecutive arrivals planned together, 1..{MAX_BATCH} (default 1: online)")
     p.add_argument("--seeds", default="42-51", help="shuffle seeds: N, N-M or a list (default 42-51, the paper's)")
     p.add_argument("--tune", type=float, default=1.3, help="workload size as a ratio of GPU capacity (default 1.3)")
-    p.add_argument("--time-limit", type=float, default=0.05,
-                   help="dynpart: planner exact-search budget per plan, deterministic seconds (default 0.05)")
+    p.add_argument("--time-limit", type=float,
+                   help=f"dynpart and fgd: planner exact-search budget per plan, deterministic seconds (default "
+                        f"{TIME_LIMIT_S:g})")
     p.add_argument("--jobs", type=int, default=command_line.default_jobs(), help="parallel processes (default: CPU count)")
     p.add_argument("--out", metavar="DIR", help="write summary.json, steps.csv and allocation.png there")
     p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
@@ -59,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise SimulationError(f"--jobs {args.jobs}: must be at least 1")
     command_line.check_time_limit(args.time_limit)
+    if args.time_limit is not None and not {"dynpart", "fgd"} & set(policies):
+        raise SimulationError(f"--time-limit {args.time_limit:g}: the planner's budget, used by the dynpart and fgd "
+                              f"policies, which --policy {args.policy} leaves out")
+    time_limit = TIME_LIMIT_S if args.time_limit is None else args.time_limit
     data = command_line.load(args.trace, args.nodes, args.cluster, catalog, default_cluster=None)
     out = report.out_dir(args.out) if args.out is not None else None  # a bad --out is found before the run
     if not args.json:
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     all_results = {}
     for pol in policies:
         batch = args.batch if pol == "dynpart" else 1
-        jobs = [bp.PackingJob(pol, s, batch, args.tune, args.time_limit) for s in seeds]
+        jobs = [bp.PackingJob(pol, s, batch, args.tune, time_limit) for s in seeds]
         prog = Progress(f"{pol} (batch {batch})", len(jobs))
         # with one process, a bar within each seed too (on a terminal only)
         inner = Progress(f"{pol} seed", 1) if (args.jobs <= 1 or len(jobs) == 1) and prog.tty else None

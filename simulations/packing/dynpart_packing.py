@@ -83,9 +83,14 @@ def fgd_typical_pods(pods: Sequence[TracePod], popularity_pct: float = 95.0) -> 
             for (res, count, cpu, models), n in sorted(kinds.items())]
 
 
+# the planner's exact-search budget per plan in the packing benchmark, deterministic seconds
+# (`dynpart bench packing --time-limit`)
+TIME_LIMIT_S = 0.05
+
+
 class DynpartPacking:
     def __init__(self, workload: list[RequestShare], catalog: Catalog | None = None, batch: int = 1,
-                 time_limit_s: float = 0.05, name: str = "dynpart", models: Iterable[str] = ()):
+                 time_limit_s: float = TIME_LIMIT_S, name: str = "dynpart", models: Iterable[str] = ()):
         self.name = name
         self.workload = workload
         # every GPU model the pods may ask for (all pods' gpu_spec, not only the first batch's): the

@@ -12,7 +12,7 @@ from dynpart.catalog import Catalog
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
 from dynpart.simulations.inputs.traces import TracePod
-from dynpart.simulations.packing.dynpart_packing import MAX_BATCH, DynpartPacking, fgd_typical_pods, trace_workload
+from dynpart.simulations.packing.dynpart_packing import MAX_BATCH, TIME_LIMIT_S, DynpartPacking, fgd_typical_pods, trace_workload
 from dynpart.simulations.packing.protocol import PackingPolicy, PackingResult, run_packing
 from dynpart.simulations.packing.reference_schedulers import BestFit, Random
 from dynpart.simulations.workers import worker_pool
@@ -66,7 +66,7 @@ class PackingJob:
     seed: int
     batch: int = 1
     ratio: float = 1.3
-    time_limit_s: float = 0.05
+    time_limit_s: float = TIME_LIMIT_S
 
 
 def policy_factory(job: PackingJob, pods: Sequence[TracePod], catalog: Catalog | None) -> Callable[[int], PackingPolicy]:

@@ -113,9 +113,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default: the best of the standard layouts "
                         "for the workload, by mean pending time; with the built-in workload it applies to the "
                         "part of its mode)")
-    p.add_argument("--mapping", choices=RULES, default=d.mapping,
-                   help="trace gpu_milli to MIG profile: smallest profile with at least that compute (default) or "
-                        "memory share")
+    p.add_argument("--mapping", choices=RULES,
+                   help="with --trace: trace gpu_milli to MIG profile: smallest profile with at least that compute "
+                        "(default) or memory share")
     p.add_argument("--compress", type=float, default=d.compress,
                    help="divide arrival times by this (durations kept): more load on the same cluster (default 1)")
     p.add_argument("--mig-delay", type=float, default=d.mig_op_delay_s,
@@ -183,7 +183,8 @@ def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tup
         raise SimulationError("--cluster goes with --trace; the built-in workload sets its own cluster "
                               "(--workload nodes=N,mps_nodes=M,gpus_per_node=G,gpu_model=MODEL)")
     spec = workloads.read_workload(args.workload)
-    generated = [w for w in workloads.generate(spec, catalog) if args.mode in (None, w.name)]
+    generated = [w for w in workloads.generate(spec, catalog, workloads.workload_source(args.workload))
+                 if args.mode in (None, w.name)]
     if not generated:
         raise SimulationError(f"--mode {args.mode}: the workload has no {args.mode.upper()} part "
                               f"({'pods' if args.mode == 'mig' else 'mps_pods'}=0)")
@@ -246,7 +247,11 @@ def run(args: argparse.Namespace) -> int:
     if planner.catalog_files:
         print(f"the planner setting catalog_files ({', '.join(planner.catalog_files)}) is not read by the "
               "simulator: pass the files with dynpart --catalog FILE simulate ...", file=sys.stderr)
-    base = ReplayOptions(mode=args.mode if args.trace else None, mapping=args.mapping, compress=args.compress,
+    if args.mapping is not None and not args.trace:
+        raise SimulationError(f"--mapping {args.mapping}: goes with --trace (it maps a trace's gpu_milli to MIG "
+                              "profiles; the built-in workload's pods name theirs)")
+    mapping = args.mapping or ReplayOptions.mapping
+    base = ReplayOptions(mode=args.mode if args.trace else None, mapping=mapping, compress=args.compress,
                          mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay, planner=planner)
     base.check()
     parts, spec = _parts(args, catalog, "static" in policies)
@@ -276,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = {
         "workload": None if spec is None else spec.model_dump(),
         "workload_inline": None if spec is None else spec.inline(),
-        "trace": args.trace, "mapping": args.mapping, "compress": args.compress,
+        "trace": args.trace, "mapping": mapping, "compress": args.compress,
         "mig_op_delay_s": args.mig_delay, "mps_switch_delay_s": args.mps_delay,
         "planner": planner.model_dump(include=PLANNER_FIELDS), "nos_batch": NOS_BATCH,
         "static_geometry": args.static_geometry,

@@ -160,6 +160,10 @@ def static_layout(name: str, model: GpuModel, mode: str) -> dict[str, str]:
         prof = match[0]
         count = max(k for k in range(1, prof.max + 1) if place_counts(model, {prof.name: k}) is not None)
         return {model.name: f"{prof.name}:{count}"}
+    if name.startswith("mps-"):  # an MPS layout on a MIG cluster (cf. all-7g in mps mode, above)
+        raise SimulationError(f"--static-geometry {name!r}: an MPS layout, and the cluster replayed is in mig mode "
+                              "(--mode mps replays it in mps mode); in mig mode use all-balanced, all-<profile> or "
+                              f"profile:count,... with profiles of {model.name}")
     for part in name.split(","):
         profile, _, n = part.strip().partition(":")
         if profile not in model.profiles_by_name or (n and not n.isdigit()):

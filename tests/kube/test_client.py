@@ -133,12 +133,14 @@ async def test_a_kubeconfig_that_is_not_one_is_a_one_line_error(tmp_path):
 
     bad = tmp_path / "kc.yaml"
     for text, message in (("garbage: [\n", f"kubeconfig {bad}:2:1: not valid YAML: expected the node content"),
-                          ("[]\n", f"kubeconfig {bad}: not a kubeconfig (a mapping of clusters, contexts and users)"),
-                          ("x\n", f"kubeconfig {bad}: not a kubeconfig (a mapping of clusters, contexts and users)")):
+                          ("[]\n", f"kubeconfig {bad}: not a kubeconfig (a YAML mapping of clusters, contexts and users)"),
+                          ("x\n", f"kubeconfig {bad}: not a kubeconfig (a YAML mapping of clusters, contexts and users)")):
         bad.write_text(text)
         with pytest.raises(DynpartError) as e:
             await api_client(str(bad))
         assert str(e.value).startswith(f"cannot connect to Kubernetes with {message}")
+        # (no Python error after it: "'str' object does not support item assignment", review 172)
+        assert text == "garbage: [\n" or str(e.value) == f"cannot connect to Kubernetes with {message}"
 
 
 async def test_a_kubeconfig_list_or_a_home_path_is_the_clients_to_read(tmp_path, monkeypatch):

@@ -75,3 +75,19 @@ def test_the_agent_refuses_a_plugin_selector_or_namespace_the_api_server_would(m
     settings = load_settings(AgentSettings)
     assert (settings.nvidia_plugin_namespace, settings.nvidia_plugin_selector) == \
         ("nvidia", "app in (nvidia-device-plugin-daemonset)")
+
+
+def test_the_lease_namespace_is_checked_when_the_process_starts(monkeypatch):
+    """A Lease namespace the API server cannot have (`Bad_NS`) made the planner retry its read for
+    ever, and the agent's fencing read fail on every pass (review 172)."""
+    from dynpart.settings import PlannerSettings
+
+    for kind, variable, field in ((PlannerSettings, "DYNPART_PLANNER_LEASE_NAMESPACE", "lease_namespace"),
+                                  (AgentSettings, "DYNPART_AGENT_PLANNER_LEASE_NAMESPACE", "planner_lease_namespace")):
+        for bad in ("Bad_NS", "kube system", ""):
+            monkeypatch.setenv(variable, bad)
+            with pytest.raises(DynpartError, match=rf"^setting {field} = '{bad}': '{bad}' is not a valid namespace "
+                                                   rf"name .*\(environment variable {variable}\)$"):
+                load_settings(kind)
+        monkeypatch.setenv(variable, "gpu-system")
+        assert getattr(load_settings(kind), field) == "gpu-system"

@@ -79,6 +79,10 @@ def test_unknown_mode_and_extra_fields():
         parse_snapshot({"nodes": [{"name": "n", "mode": "timeslice", "gpu_model": "H100-80GB"}]})
     with pytest.raises(SnapshotError, match=r"pending\[0\]\.replicas"):
         parse_snapshot({"pending": [{"name": "a", "resource": "nvidia.com/gpu", "replicas": 2}]})
+    # a missing field is named without the object around it shown as its value (review 172)
+    with pytest.raises(SnapshotError) as e:
+        parse_snapshot({"pending": [{"resource": "nvidia.com/gpu-10gb"}]})
+    assert e.value.problems == ["pending[0].name: Field required"]
 
 
 def test_every_problem_is_listed():

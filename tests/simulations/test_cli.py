@@ -427,6 +427,14 @@ def test_results_of_another_run_in_out_are_said_and_left(capsys, tmp_path):
     (["simulate", "--trace", "TRACE", "--cluster", "1x8xH100-80GB", "--mode", "mps", "--policy", "static",
       "--static-geometry", "mps-1000"], "--static-geometry 'mps-1000': in mps mode use all-balanced, mps-N (N equal "
                                        "slices, N in 1..48)"),
+    # (review 172: the MPS layout on a MIG cluster was "expected all-balanced, all-<profile> or ...")
+    (["simulate", "--trace", "TRACE", "--cluster", "1x8xH100-80GB", "--policy", "static", "--static-geometry", "mps-4"],
+     "--static-geometry 'mps-4': an MPS layout, and the cluster replayed is in mig mode (--mode mps replays it"),
+    # (review 172: flags that changed nothing were taken without a word)
+    (["simulate", "--workload", "pods=5,mps_pods=0", "--mapping", "memory"], "--mapping memory: goes with --trace"),
+    (["bench", "packing", "--seeds", "1", "--policy", "best-fit", "--trace", "TRACE", "--cluster", "1x8xT4",
+      "--time-limit", "3"], "--time-limit 3: the planner's budget, used by the dynpart and fgd policies, which --policy "
+                            "best-fit leaves out"),
     (["simulate", "--trace", "LONG", "--compress", "1e-6"], "--compress 1e-06: the last pod would arrive at 1e+13 s"),
     (["simulate", "--trace", "TRACE", "--cluster", "1x8xH100-80GB:"], "nodes[0]: mode '': expected mig or mps"),
     (["explain", "--snapshot", "HUGESNAP"], "pending[0].cpu_milli = 99999999999999999999: Input should be less than"),

@@ -38,6 +38,10 @@ def test_five_column_multigpu_format_has_no_times():
 
 @pytest.mark.parametrize("row, message", [
     ("x,abc,1,1,1000,,LS,R,0,1,0", "cpu_milli = 'abc': not an integer"),
+    # Python's int() reads these; a trace writer never meant them (review 172)
+    ("x,6_000,1,1,1000,,LS,R,0,1,0", "cpu_milli = '6_000': not an integer"),
+    ("x,+6000,1,1,1000,,LS,R,0,1,0", "cpu_milli = '+6000': not an integer"),
+    ("x,\u0666\u0660\u0660\u0660,1,1,1000,,LS,R,0,1,0", "cpu_milli = '\u0666\u0660\u0660\u0660': not an integer"),
     ("x,1,1,1,1000,,LS,R,0,1", "10 fields, the header has 11"),
     ("x,1,1,2,500,,LS,R,0,1,0", "only single-GPU pods may share"),
     ("x,1,1,0,300,,LS,R,0,1,0", "gpu_milli = 300 but num_gpu = 0"),
@@ -155,6 +159,24 @@ def test_cluster_yaml_and_inline_spec(catalog, tmp_path):
     # a typo in the inline mode is named, as in a YAML file (not taken for a missing file)
     with pytest.raises(TraceError, match=r"8x8xH100-80GB:mgi: nodes\[0\]: mode 'mgi': expected mig or mps"):
         read_cluster("8x8xH100-80GB:mgi", catalog)
+
+
+def test_cluster_keys_and_names_that_are_not_strings_are_named(catalog, tmp_path):
+    """YAML keys need not be strings (`1: 2`) and a name may be a mapping: both used to end in a
+    traceback or in node names such as "{'a': 1}-000" (review 172)."""
+    f = tmp_path / "c.yaml"
+    for text, error in (("nodes: [{count: 2, gpus: 8, gpu_model: H100-80GB}]\n1: 2\n", r"unknown key\(s\) 1; expected 'nodes'"),
+                        ("nodes: [{count: 2, gpus: 8, gpu_model: H100-80GB, 1: 2, x: 3}]\n",
+                         r"nodes\[0\]: unknown key\(s\) 1, x; expected count"),
+                        ("nodes: [{count: 2, gpus: 8, gpu_model: H100-80GB, name: {a: 1}}]\n",
+                         r"nodes\[0\]: name \{'a': 1\}: expected a node name prefix"),
+                        ("nodes: [{count: 2, gpus: 8, gpu_model: H100-80GB, name: 'gpu node'}]\n",
+                         r"nodes\[0\]: name 'gpu node': expected a node name prefix")):
+        f.write_text(text)
+        with pytest.raises(TraceError, match=error):
+            read_cluster(str(f), catalog)
+    f.write_text("nodes: [{count: 2, gpus: 8, gpu_model: H100-80GB, name: a100_pool.1}]\n")
+    assert [n.name for n in read_cluster(str(f), catalog).nodes] == ["a100_pool.1-000", "a100_pool.1-001"]
 
 
 def test_a_node_list_given_as_cluster_says_where_it_goes(catalog, tmp_path):

@@ -18,6 +18,7 @@ from dynpart.simulations.inputs.workloads import (
     generate,
     parse_inline,
     read_workload,
+    workload_source,
     workload_spec,
 )
 from dynpart.simulations.replay.engine import ReplayOptions, run_replay
@@ -102,7 +103,13 @@ def test_inline_and_yaml_parameters(tmp_path):
     ("mps_mix=100gb:1", "mps_mix: '100gb'"),
     ("mps_mix=big:1", "mps_mix: 'big'"),
     ("gpu_model=nope", "gpu_model:"),
-    ("gpu_model=A30-24GB,mix=1g.10gb:1", "mix: '1g.10gb' is not a MIG profile of A30-24GB"),
+    ("gpu_model=A30-24GB,mix=1g.10gb:1", "mix: '1g.10gb' is not a MIG profile of A30-24GB ("),
+    # the mix was not given: the error says it is the default one, and what to give (review 172)
+    ("gpu_model=A100-40GB", "mix: '2g.20gb' is not a MIG profile of A100-40GB (1g.5gb, 1g.5gb+me, 1g.10gb, 2g.10gb, "
+                            "3g.20gb, 4g.20gb, 7g.40gb); the default mix names H100-80GB's profiles: give mix= with "
+                            "A100-40GB's, e.g. mix=1g.5gb:60,7g.40gb:40"),
+    ("rate=1e300", "rate: Input should be less than or equal to 1000000"),
+    ("mps_rate=1e7", "mps_rate: Input should be less than or equal to 1000000"),
     ("pods=0,mps_pods=0", "pods: pods and mps_pods are both 0"),
     ("seed=1,seed=2", "seed: given twice"),
     ("=3", "expected key=value"),
@@ -114,7 +121,7 @@ def test_bad_parameters_name_the_field(value, field, catalog):
     assert msg.startswith("--workload") and field in msg and "\n" not in msg
 
 
-def test_bad_workload_files(tmp_path):
+def test_bad_workload_files(tmp_path, catalog):
     with pytest.raises(SimulationError, match="no-such.yaml"):
         read_workload(str(tmp_path / "no-such.yaml"))
     f = tmp_path / "list.yaml"
@@ -124,6 +131,10 @@ def test_bad_workload_files(tmp_path):
     f.write_text("rate: fast\n")
     with pytest.raises(SimulationError, match=f"--workload {f}: rate:"):
         read_workload(str(f))
+    # a mistake found against the catalog names the file too (review 172)
+    f.write_text("pods: 30\nmix: {1g.10gb: 5, 9g.1gb: 1}\n")
+    with pytest.raises(SimulationError, match=f"^--workload {f}: mix: '9g.1gb' is not a MIG profile of H100-80GB"):
+        generate(read_workload(str(f)), catalog, workload_source(str(f)))
     with pytest.raises(SimulationError, match="seed:"):
         workload_spec({"seed": -1})
 
