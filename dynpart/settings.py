@@ -30,7 +30,7 @@ from pydantic_settings import (
 from dynpart import yaml_text
 from dynpart.errors import DynpartError, read_problem, yaml_problem
 from dynpart.kube.conventions import DEFAULT_SCHEDULER, LEASE_NAME, SYSTEM_NAMESPACE
-from dynpart.kube.selectors import dns_label_problem, selector_problem
+from dynpart.kube.selectors import dns_label_problem, dns_subdomain_problem, selector_problem
 from dynpart.snapshot import RequestShare
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -148,7 +148,7 @@ class PlannerSettings(CommonSettings):
                                        "agent that runs the daemon itself). False (the chart's default, tmpfs): "
                                        "the agent's device plugin mounts the daemon's own /dev/shm into its clients")
     leader_election: bool = Field(default=True, description="only the holder of the lease plans")
-    lease_name: str = Field(default=LEASE_NAME, min_length=1, description="coordination.k8s.io Lease name")
+    lease_name: str = Field(default=LEASE_NAME, description="coordination.k8s.io Lease name")
     lease_namespace: str = Field(default=SYSTEM_NAMESPACE, description="namespace of the Lease")
     lease_duration_s: int = Field(default=15, ge=2, description="a standby takes over after this long without renewal")
     lease_renew_s: float = Field(default=4.0, gt=0, description="how often the leader renews (at most half of "
@@ -158,10 +158,11 @@ class PlannerSettings(CommonSettings):
     identity: str = Field(default_factory=socket.gethostname, min_length=1,
                           description="this replica's name in the Lease")
 
-    @field_validator("lease_namespace")
+    @field_validator("lease_name", "lease_namespace")
     @classmethod
-    def _lease_namespace(cls, value: str) -> str:
-        return _namespace(value)
+    def _lease(cls, value: str, info: ValidationInfo) -> str:
+        # only where used (as nvidia_plugin_namespace): a planner without leader election reads no Lease
+        return _lease_field(value, info) if info.data.get("leader_election", True) else value
 
     @model_validator(mode="after")
     def _consistent(self) -> PlannerSettings:
@@ -179,10 +180,11 @@ class PlannerSettings(CommonSettings):
         return self
 
 
-def _namespace(value: str) -> str:
-    """A namespace name, checked here, not by the API server after the process started (a Lease
-    read in a namespace that cannot exist fails on every try, for ever)."""
-    problem = dns_label_problem(value)
+def _lease_field(value: str, info: ValidationInfo) -> str:
+    """A Lease's name or namespace, checked here, not by the API server after the process started
+    (a Lease read under a name that cannot exist fails on every try, for ever)."""
+    namespace = (info.field_name or "").endswith("namespace")
+    problem = dns_label_problem(value) if namespace else dns_subdomain_problem(value, "Lease name")
     if problem:
         raise ValueError(problem)
     return value
@@ -300,10 +302,10 @@ class AgentSettings(CommonSettings):
     nvidia_plugin_selector: str = Field(default="app=nvidia-device-plugin-daemonset",
                                         description="nvidia: label selector of those pods")
 
-    @field_validator("planner_lease_namespace")
+    @field_validator("planner_lease_name", "planner_lease_namespace")
     @classmethod
-    def _lease_namespace(cls, value: str) -> str:
-        return _namespace(value)
+    def _lease(cls, value: str, info: ValidationInfo) -> str:
+        return _lease_field(value, info)  # (read on every pass: the fencing of plans)
 
     @field_validator("nvidia_plugin_namespace", "nvidia_plugin_selector")
     @classmethod

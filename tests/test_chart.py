@@ -991,11 +991,39 @@ def test_empty_values_are_refused(tmp_path):
         assert missing == {".".join(p) for p in paths if len(p) == depth}, error
 
 
-def test_bad_catalog_is_refused():
+def test_the_values_docs_say_may_be_emptied_may_be():
+    """docs/helm.md lists the values that may be emptied (`--set X=null`): each renders (review 171
+    found the list short of several that do)."""
+    _require_tools()
+    text = " ".join((ROOT / "docs" / "helm.md").read_text().split())
+    listed = re.search(r"Only (`planner\.resources`[^;]*?) may be emptied \(none\), and `([a-zA-Z.]+)`", text)
+    assert listed, "docs/helm.md lost its list of the values that may be emptied"
+    names = re.findall(r"`([a-zA-Z.]+)`", listed.group(1)) + [listed.group(2)]
+    assert len(names) >= 15 and "planner.runAsUser" in names
+    for name in names:
+        proc = subprocess.run([str(HELM), "template", "x", str(CHART), "--set", f"{name}=null"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, (name, proc.stderr)
+
+
+def test_bad_catalog_is_refused(tmp_path):
     _require_tools()
     proc = subprocess.run([str(HELM), "template", "x", str(CHART), "--set", "catalog.extra=gpus: []"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "models:" in proc.stderr
+    # a model named twice: the planner and the agent refuse the file, so the chart does (review 173)
+    from dynpart.catalog import load_catalog
+    from dynpart.errors import DynpartError
+
+    twice = "models:\n  - {name: X, memory_gb: 24}\n  - {name: X, memory_gb: 48}\n"
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump({"catalog": {"extra": twice}}))
+    assert "catalog.extra: models[1] (X): the name of models[0] too" in _template_error("-f", str(tmp_path / "values.yaml"))
+    (tmp_path / "catalog.yaml").write_text(twice)
+    with pytest.raises(DynpartError, match=r"models\[1\] \(X\): the name of models\[0\] too"):
+        load_catalog([tmp_path / "catalog.yaml"])
+    ok = yaml.safe_dump({"catalog": {"extra": twice.replace("name: X, memory_gb: 48", "name: Y, memory_gb: 48")}})
+    (tmp_path / "values.yaml").write_text(ok)
+    assert render("-f", str(tmp_path / "values.yaml"))
 
 
 def test_dockerfile_matches_the_chart(default):

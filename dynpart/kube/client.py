@@ -267,11 +267,16 @@ async def read_json(resp: object, what: str | None = None) -> Obj:
 
 
 def _not_a_kubeconfig(path: str, error: Exception) -> str:
-    """What is wrong with a kubeconfig the loader failed on with a TypeError: a document that is not
-    a mapping (a YAML list or string: the loader's own error is Python's, no help), or a part of it."""
-    try:
-        doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        doc = None
-    what = "not a kubeconfig (a YAML mapping of clusters, contexts and users)"
-    return what if not isinstance(doc, dict) else f"{what}: a part of it is malformed ({error})"
+    """What is wrong with a kubeconfig the loader failed on with a TypeError: a file that is not a
+    mapping (a YAML list or string: the loader's own error is Python's, no help), named where
+    `path` lists several (as $KUBECONFIG may, `~` expanded), or a part of one."""
+    files = [p for p in path.split(os.pathsep) if p]
+    for name in files:
+        try:
+            doc = yaml.safe_load(Path(os.path.expanduser(name)).read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue  # (the loader skips a file that is not there)
+        if not isinstance(doc, dict):
+            where = f"{name}: " if len(files) > 1 else ""
+            return f"{where}not a kubeconfig (a YAML mapping of clusters, contexts and users)"
+    return f"a part of it is malformed ({error})"

@@ -33,6 +33,14 @@ def dns_label_problem(text: str) -> str | None:
     return None
 
 
+def dns_subdomain_problem(text: str, what: str = "name") -> str | None:
+    """What is wrong with an object's name that must be an RFC 1123 subdomain (a Lease's), or None."""
+    if len(text) > 253 or not all(_DNS_LABEL.fullmatch(label) for label in text.split(".")):
+        return (f"{text!r} is not a valid {what} (lower-case letters, digits, '-' and '.', starting and ending "
+                "with a letter or digit, at most 253 characters)")
+    return None
+
+
 def _key_problem(key: str) -> str | None:
     m = _KEY.fullmatch(key)
     if not m or (m.group("prefix") and len(m.group("prefix")) > 253):

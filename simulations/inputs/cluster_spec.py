@@ -90,7 +90,7 @@ def parse_memory_mib(value: Any) -> int:
         if value > MAX_MEMORY_MIB:
             raise ValueError(f"memory {value}: at most {MAX_MEMORY_MIB} MiB ({MAX_MEMORY_MIB >> 20} TiB)")
         return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _MEM_UNITS:
         raise ValueError(f"memory {value!r}: expected MiB or a quantity like 512GiB, 1TiB, 4096Mi")
     exact = Fraction(m.group(1)) * _MEM_UNITS[m.group(2).lower()]
@@ -114,7 +114,7 @@ def parse_cpu_milli(value: Any) -> int:
             raise ValueError(f"cpu {value!r}: expected cores, at most {MAX_CPU_CORES}")
         exact = Fraction(repr(float(value))) * 1000
     else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(m?)\s*", str(value))
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(m?)\s*", str(value))
         if not m:
             raise ValueError(f"cpu {value!r}: expected cores or millicores like 112000m")
         exact = Fraction(m.group(1)) * (1 if m.group(2) else 1000)
@@ -187,7 +187,9 @@ def parse_cluster(doc: Any, source: str = "<cluster>", catalog: Catalog | None =
         except ValueError as e:
             raise TraceError(source, None, f"{where}: {e}") from None
         name = group.get("name")
-        if name is not None and not (isinstance(name, str) and _NAME.match(name)):
+        if isinstance(name, int) and not isinstance(name, bool):
+            name = str(name)  # (YAML reads `name: 2024` as a number)
+        if name not in (None, "") and not (isinstance(name, str) and _NAME.match(name)):
             raise TraceError(source, None, f"{where}: name {name!r}: expected a node name prefix (letters, digits, "
                              "'-', '.' and '_', starting and ending with a letter or digit)")
         prefix = name or (model.lower() if model else "cpu")
@@ -202,7 +204,7 @@ def parse_cluster(doc: Any, source: str = "<cluster>", catalog: Catalog | None =
 
 
 # any word after the colon: parse_cluster names a mode that is neither mig nor mps
-_INLINE = re.compile(r"^(\d+)x(\d+)x([A-Za-z0-9._+-]+?)(?::([A-Za-z0-9_-]*))?$")
+_INLINE = re.compile(r"^([0-9]+)x([0-9]+)x([A-Za-z0-9._+-]+?)(?::([A-Za-z0-9_-]*))?$")
 
 
 def read_cluster(value: str, catalog: Catalog | None = None) -> ClusterSpec:

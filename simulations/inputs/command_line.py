@@ -50,7 +50,7 @@ def parse_seeds(text: str) -> list[int]:
     if len(parts) > 1 and not all(parts):
         raise SimulationError(f"--seeds {text!r}: an empty item in the list")
     for part in filter(None, parts):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        m = re.fullmatch(r"([0-9]+)(?:-([0-9]+))?", part)
         if not m:
             raise SimulationError(f"--seeds {text!r}: expected N, N-M or a comma-separated list")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))

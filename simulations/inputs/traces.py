@@ -158,9 +158,12 @@ _INTEGER = re.compile(r"\s*-?[0-9]+\s*")
 
 
 def _int(path: str, line: int, column: str, value: str, lo: int = 0, hi: int | None = None) -> int:
-    if not _INTEGER.fullmatch(value):
-        raise TraceError(path, line, f"{column} = {value!r}: not an integer")
-    v = int(value)
+    try:
+        if not _INTEGER.fullmatch(value):
+            raise ValueError(value)
+        v = int(value)  # (ValueError too beyond Python's 4,300 digits)
+    except ValueError:
+        raise TraceError(path, line, f"{column} = {value[:40]!r}{'...' if len(value) > 40 else ''}: not an integer") from None
     if v < lo or (hi is not None and v > hi):
         bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
         raise TraceError(path, line, f"{column} = {v}: out of range ({bound})")

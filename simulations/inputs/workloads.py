@@ -36,7 +36,7 @@ DEFAULT_MIG_MIX = {"1g.10gb": 40.0, "2g.20gb": 30.0, "3g.40gb": 15.0, "4g.40gb":
 DEFAULT_MPS_MIX = {"10gb": 50.0, "20gb": 30.0, "40gb": 20.0}
 NODE_CPU_MILLI = 224_000  # an 8-GPU H100 node (DGX-like): 224 CPUs, 2 TiB
 NODE_MEMORY_MIB = 2 << 20
-_MPS_SIZE = re.compile(r"^(\d+)gb$")
+_MPS_SIZE = re.compile(r"([0-9]+)gb")  # (fullmatch: ASCII digits only, no trailing newline)
 MAX_TIME_S = 1e12  # arrival times and run times beyond this (30,000 years) are a mistake
 
 
@@ -127,8 +127,8 @@ class WorkloadSpec(BaseModel):
                 if k not in model.profiles_by_name:
                     given = "mix" in self.model_fields_set
                     raise _error("mix", f"{k!r} is not a MIG profile of {model.name} ({', '.join(names)})"
-                                 + ("" if given else f"; the default mix names H100-80GB's profiles: give mix= with "
-                                    f"{model.name}'s, e.g. mix={names[0]}:60,{names[-1]}:40"))
+                                 + ("" if given else f"; the default mix names H100-80GB's profiles: set mix to "
+                                    f"{model.name}'s, e.g. {names[0]}:60,{names[-1]}:40"))
         if self.mps_pods:
             if not self.mps_nodes:
                 raise _error("mps_nodes", f"0 nodes cannot run the MPS part's {self.mps_pods} pods "
@@ -136,10 +136,14 @@ class WorkloadSpec(BaseModel):
             if not self.mps_mix:
                 raise _error("mps_mix", "empty: name at least one size, e.g. 20gb")
             for k in self.mps_mix:
-                m = _MPS_SIZE.match(k)
+                m = _MPS_SIZE.fullmatch(k)
                 if not m or not 1 <= int(m.group(1)) <= model.mps_capacity_gb:
-                    raise _error("mps_mix", f"{k!r}: expected a size <N>gb with N in 1..{model.mps_capacity_gb} "
-                                 f"({model.name} holds {model.mps_capacity_gb} GiB of MPS slices)")
+                    cap = model.mps_capacity_gb
+                    raise _error("mps_mix", f"{k!r}: expected a size <N>gb with N in 1..{cap} ({model.name} holds "
+                                 f"{cap} GiB of MPS slices)"
+                                 + ("" if "mps_mix" in self.model_fields_set else
+                                    f"; the default mps_mix is H100-80GB's: set mps_mix to sizes {model.name} holds, "
+                                    f"e.g. {max(1, cap // 4)}gb:60,{max(1, cap // 2)}gb:40"))
         return model
 
     def mean_duration_s(self) -> float:

@@ -173,6 +173,9 @@ def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tup
         except DynpartError as e:
             raise SimulationError(str(e)) from None
         mode = args.mode or gpu_nodes[0].mode
+        if args.mapping is not None and mode == "mps":
+            raise SimulationError(f"--mapping {args.mapping}: maps gpu_milli to MIG profiles, and the cluster is "
+                                  "replayed in mps mode (a pod gets the GB within its share of the GPU's memory)")
         if args.mode:  # the cluster as replayed (its description names the mode)
             data.cluster = ClusterSpec(data.cluster.source, tuple(replace(n, mode=args.mode) if n.gpus else n
                                                                   for n in data.cluster.nodes))

@@ -345,7 +345,7 @@ def test_bench_planner_refuses_mig_on_a_model_without_mig(tmp_path, capsys):
 
 @pytest.mark.parametrize(("var", "value", "message"), [
     ("DYNPART_PLANNER_IDENTITY", "", "setting identity = '': String should have at least 1 character"),
-    ("DYNPART_PLANNER_LEASE_NAME", "", "setting lease_name = '': String should have at least 1 character"),
+    ("DYNPART_PLANNER_LEASE_NAME", "", "setting lease_name = '': '' is not a valid Lease name"),
     ("DYNPART_PLANNER_SCHEDULER_NAMES", '[""]', "setting scheduler_names.0 = ''"),
     ("DYNPART_PLANNER_KUBE__BACKOFF_INITIAL_S", "100", "backoff_initial_s (100) is above backoff_max_s (10) "
      "(environment variable DYNPART_PLANNER_KUBE__BACKOFF_INITIAL_S)"),

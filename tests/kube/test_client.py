@@ -143,6 +143,26 @@ async def test_a_kubeconfig_that_is_not_one_is_a_one_line_error(tmp_path):
         assert text == "garbage: [\n" or str(e.value) == f"cannot connect to Kubernetes with {message}"
 
 
+async def test_a_kubeconfig_in_a_list_or_a_malformed_part_is_named(tmp_path):
+    """Of a list of kubeconfigs ($KUBECONFIG's a:b), the one that is not a mapping is named; a
+    mapping with a malformed part says so (review 173: both were "not a kubeconfig")."""
+    import os
+
+    import pytest
+
+    from dynpart.errors import DynpartError
+    from dynpart.kube.client import api_client
+
+    bad, odd = tmp_path / "bad.yaml", tmp_path / "odd.yaml"
+    bad.write_text("[]\n")
+    odd.write_text("clusters: 5\n")
+    for path, message in ((f"{odd}{os.pathsep}{bad}", f"{bad}: not a kubeconfig (a YAML mapping of clusters"),
+                          (str(odd), "a part of it is malformed (")):
+        with pytest.raises(DynpartError) as e:
+            await api_client(path)
+        assert str(e.value).startswith(f"cannot connect to Kubernetes with kubeconfig {path}: {message}")
+
+
 async def test_a_kubeconfig_list_or_a_home_path_is_the_clients_to_read(tmp_path, monkeypatch):
     """$KUBECONFIG may list files (`a:b`) and a path may start with ~: one existing file is enough
     for the client, which merges them and expands ~ itself."""

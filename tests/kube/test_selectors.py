@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dynpart.errors import DynpartError
@@ -77,17 +79,25 @@ def test_the_agent_refuses_a_plugin_selector_or_namespace_the_api_server_would(m
         ("nvidia", "app in (nvidia-device-plugin-daemonset)")
 
 
-def test_the_lease_namespace_is_checked_when_the_process_starts(monkeypatch):
-    """A Lease namespace the API server cannot have (`Bad_NS`) made the planner retry its read for
-    ever, and the agent's fencing read fail on every pass (review 172)."""
+def test_the_lease_is_checked_when_the_process_starts(monkeypatch):
+    """A Lease namespace or name the API server cannot have (`Bad_NS`) made the planner retry its
+    read for ever, and the agent's fencing read fail on every pass (reviews 172, 173). A planner
+    without leader election reads no Lease: its settings are not checked."""
     from dynpart.settings import PlannerSettings
 
-    for kind, variable, field in ((PlannerSettings, "DYNPART_PLANNER_LEASE_NAMESPACE", "lease_namespace"),
-                                  (AgentSettings, "DYNPART_AGENT_PLANNER_LEASE_NAMESPACE", "planner_lease_namespace")):
-        for bad in ("Bad_NS", "kube system", ""):
+    for kind, prefix, field in ((PlannerSettings, "DYNPART_PLANNER_", "lease_namespace"),
+                                (PlannerSettings, "DYNPART_PLANNER_", "lease_name"),
+                                (AgentSettings, "DYNPART_AGENT_", "planner_lease_namespace"),
+                                (AgentSettings, "DYNPART_AGENT_", "planner_lease_name")):
+        variable = prefix + field.upper()
+        what = "namespace name" if field.endswith("namespace") else "Lease name"
+        for bad in ("Bad_NS", "kube system", "", "a..b"):
             monkeypatch.setenv(variable, bad)
-            with pytest.raises(DynpartError, match=rf"^setting {field} = '{bad}': '{bad}' is not a valid namespace "
-                                                   rf"name .*\(environment variable {variable}\)$"):
+            with pytest.raises(DynpartError, match=rf"^setting {field} = '{re.escape(bad)}': '{re.escape(bad)}' is not a "
+                                                   rf"valid {what} .*\(environment variable {variable}\)$"):
                 load_settings(kind)
-        monkeypatch.setenv(variable, "gpu-system")
-        assert getattr(load_settings(kind), field) == "gpu-system"
+        monkeypatch.setenv(variable, "gpu-system.x" if what == "Lease name" else "gpu-system")
+        assert getattr(load_settings(kind), field) in ("gpu-system", "gpu-system.x")
+    monkeypatch.setenv("DYNPART_PLANNER_LEASE_NAMESPACE", "Bad_NS")
+    monkeypatch.setenv("DYNPART_PLANNER_LEADER_ELECTION", "false")
+    assert load_settings(PlannerSettings).lease_namespace == "Bad_NS"

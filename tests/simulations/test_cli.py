@@ -432,6 +432,8 @@ def test_results_of_another_run_in_out_are_said_and_left(capsys, tmp_path):
      "--static-geometry 'mps-4': an MPS layout, and the cluster replayed is in mig mode (--mode mps replays it"),
     # (review 172: flags that changed nothing were taken without a word)
     (["simulate", "--workload", "pods=5,mps_pods=0", "--mapping", "memory"], "--mapping memory: goes with --trace"),
+    (["simulate", "--trace", "TRACE", "--cluster", "1x8xH100-80GB:mps", "--mapping", "memory"],
+     "--mapping memory: maps gpu_milli to MIG profiles, and the cluster is replayed in mps mode"),
     (["bench", "packing", "--seeds", "1", "--policy", "best-fit", "--trace", "TRACE", "--cluster", "1x8xT4",
       "--time-limit", "3"], "--time-limit 3: the planner's budget, used by the dynpart and fgd policies, which --policy "
                             "best-fit leaves out"),

@@ -106,8 +106,12 @@ def test_inline_and_yaml_parameters(tmp_path):
     ("gpu_model=A30-24GB,mix=1g.10gb:1", "mix: '1g.10gb' is not a MIG profile of A30-24GB ("),
     # the mix was not given: the error says it is the default one, and what to give (review 172)
     ("gpu_model=A100-40GB", "mix: '2g.20gb' is not a MIG profile of A100-40GB (1g.5gb, 1g.5gb+me, 1g.10gb, 2g.10gb, "
-                            "3g.20gb, 4g.20gb, 7g.40gb); the default mix names H100-80GB's profiles: give mix= with "
-                            "A100-40GB's, e.g. mix=1g.5gb:60,7g.40gb:40"),
+                            "3g.20gb, 4g.20gb, 7g.40gb); the default mix names H100-80GB's profiles: set mix to "
+                            "A100-40GB's, e.g. 1g.5gb:60,7g.40gb:40"),
+    ("pods=0,gpu_model=A30-24GB", "mps_mix: '40gb': expected a size <N>gb with N in 1..24 (A30-24GB holds 24 GiB of MPS "
+                                  "slices); the default mps_mix is H100-80GB's: set mps_mix to sizes A30-24GB holds, "
+                                  "e.g. 6gb:60,12gb:40"),
+    ("mps_mix=\u0661\u0660gb:1", "mps_mix: '\u0661\u0660gb': expected a size <N>gb"),
     ("rate=1e300", "rate: Input should be less than or equal to 1000000"),
     ("mps_rate=1e7", "mps_rate: Input should be less than or equal to 1000000"),
     ("pods=0,mps_pods=0", "pods: pods and mps_pods are both 0"),

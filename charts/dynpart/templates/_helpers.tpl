@@ -76,6 +76,17 @@ digest pins the exact image; the tag is then not used), else repository:tag (def
 {{- if not (kindIs "slice" (get $doc "models")) }}
 {{- fail "catalog.extra must be a YAML mapping with a `models:` list (the schema of dynpart/data/gpu-catalog.yaml)" }}
 {{- end }}
+{{- /* a model named twice: the planner and the agent refuse the file (dynpart/catalog.py) */}}
+{{- $named := dict }}
+{{- range $i, $m := get $doc "models" }}
+{{- if kindIs "map" $m }}
+{{- $name := toString (get $m "name") }}
+{{- if hasKey $named $name }}
+{{- fail (printf "catalog.extra: models[%d] (%s): the name of models[%v] too (a file names each model once)" $i $name (get $named $name)) }}
+{{- end }}
+{{- $_ := set $named $name $i }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 
