@@ -36,6 +36,12 @@ def test_five_column_multigpu_format_has_no_times():
     assert trace.pods[0].creation_time is None
 
 
+def test_an_integer_past_pythons_digit_limit_is_not_an_integer():
+    """int() refuses more than 4,300 digits with a ValueError of its own: a traceback (review 173)."""
+    with pytest.raises(TraceError, match=r"pods.csv:3: cpu_milli = '9{40}'\.\.\.: not an integer$"):
+        parse_pods(HEADER + "ok,1,1,1,100,,LS,R,0,1,0\n" + f"x,{'9' * 5000},1,1,100,,LS,R,0,1,0\n", "pods.csv")
+
+
 @pytest.mark.parametrize("row, message", [
     ("x,abc,1,1,1000,,LS,R,0,1,0", "cpu_milli = 'abc': not an integer"),
     # Python's int() reads these; a trace writer never meant them (review 172)
@@ -177,6 +183,10 @@ def test_cluster_keys_and_names_that_are_not_strings_are_named(catalog, tmp_path
             read_cluster(str(f), catalog)
     f.write_text("nodes: [{count: 2, gpus: 8, gpu_model: H100-80GB, name: a100_pool.1}]\n")
     assert [n.name for n in read_cluster(str(f), catalog).nodes] == ["a100_pool.1-000", "a100_pool.1-001"]
+    # a number, as YAML reads `name: 2024`, and an empty name (the default prefix) as before (review 173)
+    f.write_text("nodes: [{count: 1, gpus: 8, gpu_model: H100-80GB, name: 2024}, {count: 1, gpus: 1, "
+                 "gpu_model: H100-80GB, name: ''}]\n")
+    assert [n.name for n in read_cluster(str(f), catalog).nodes] == ["2024-000", "h100-80gb-000"]
 
 
 def test_a_node_list_given_as_cluster_says_where_it_goes(catalog, tmp_path):
