@@ -141,7 +141,7 @@ _GROUP_KEYS = {"count", "gpu_model", "gpus", "mode", "cpu", "memory", "name"}
 
 
 # a node name prefix (the index is appended): a word of letters, digits, '-', '.' and '_'
-_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,200}[A-Za-z0-9])?$")
+_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]{0,200}[A-Za-z0-9])?")
 
 
 def _keys(keys: set[Any]) -> str:
@@ -189,7 +189,7 @@ def parse_cluster(doc: Any, source: str = "<cluster>", catalog: Catalog | None =
         name = group.get("name")
         if isinstance(name, int) and not isinstance(name, bool):
             name = str(name)  # (YAML reads `name: 2024` as a number)
-        if name not in (None, "") and not (isinstance(name, str) and _NAME.match(name)):
+        if name not in (None, "") and not (isinstance(name, str) and _NAME.fullmatch(name)):
             raise TraceError(source, None, f"{where}: name {name!r}: expected a node name prefix (letters, digits, "
                              "'-', '.' and '_', starting and ending with a letter or digit)")
         prefix = name or (model.lower() if model else "cpu")
