@@ -46,7 +46,8 @@ fluid term (a grid of c_bar / 256, which the tables and the greedy's caches now 
 measured in session 38 and not kept: packing unchanged (-0.03 to +0.04 points per list), the
 openb MPS replay's 8-GPU pods no longer wait to the trace's end (mean 9,348 -> 1,090 s), but
 the other pods' tails pay for it under overload (compress 2.0, p95: MIG 2,519 -> 21,568 s, MPS
-31 -> 16,710 s; simulations/results/README.md, the last section).
+31 -> 16,710 s; simulations/results/README.md, "The fluid term"). With a prior for a whole GPU
+and a whole node added to the distribution (session 49: "A room prior" there) it was no better.
 
 Where some kinds may use only some GPUs (a GPU model, labels, affinity, taints; a MIG profile
 only some models offer), a kind's weight is scaled by the **scarcity** of the capacity it may

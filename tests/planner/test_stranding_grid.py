@@ -11,12 +11,14 @@ until the trace's end in the openb default replay on 8 x 8 H100 in MPS mode, fou
 
 Not fixed: a grid of c_bar / 256 passes this test and makes the term the fluid one (session
 38), but it made queues under overload collapse in both modes' replays (simulations/results/
-README.md, the last section), so the first test is a strict xfail.
+README.md, "The fluid term"), so the first test is a strict xfail.
 
 Nor would the fluid term be enough (session 48, the third test): with it the two options tie,
 and the tie goes to the first node in the snapshot's order, the GPU-free one if it comes first;
 nothing in the plan's order of preference keeps a whole node free for multi-GPU pods (nos, which
-takes the first node too, does the same in the replay of this cluster)."""
+takes the first node too, does the same in the replay of this cluster). The fluid term with a
+prior in the distribution for a whole GPU and a whole node (session 49) passes both tests, but
+its replays were no better than shipped (simulations/results/README.md, "A room prior"): not kept."""
 
 from __future__ import annotations
 
