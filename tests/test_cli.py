@@ -84,7 +84,8 @@ def test_yaml_files_refuse_a_key_given_twice_and_keep_merge_keys():
 
 @pytest.mark.parametrize("argv", [
     ["simulate", "--trace", ""], ["simulate", "--cluster", " "], ["simulate", "--static-geometry", ""],
-    ["simulate", "--planner-config", ""], ["bench", "packing", "--trace", ""], ["bench", "packing", "--nodes", ""],
+    ["simulate", "--planner-config", ""], ["simulate", "--seeds", ""],
+    ["bench", "packing", "--trace", ""], ["bench", "packing", "--nodes", ""],
     ["explain", "--snapshot", ""], ["explain", "--kubeconfig", ""],
 ], ids=lambda a: " ".join(a))
 def test_an_empty_value_is_refused_not_taken_for_the_default(argv, capsys):

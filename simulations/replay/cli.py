@@ -6,9 +6,10 @@ after their run time; a pod that finds no free slice is planned by the planner c
 loop (its batch window, resync and nodes held until they acknowledge; --planner-config gives its
 settings) with each policy (dynpart; nos, with nos's 10 s / 60 s batch window; static), and
 starts once its slices exist (a MIG instance created or destroyed costs --mig-delay seconds, an
-MPS configuration change --mps-delay). Prints pending-time mean and percentiles, placements, reconfigurations and the
-used slices disrupted (always 0 for a correct planner) per policy, and how much shorter
-dynpart's waits are.
+MPS configuration change --mps-delay). Prints pending-time mean and percentiles, placements, reconfigurations, the
+used slices disrupted (always 0 for a correct planner) and the share of the GPUs that pods
+held, time-weighted from the first arrival to the last (alloc mean), per policy, and how much
+shorter dynpart's waits are.
 
 Without --trace it replays the built-in workload: a seeded inference-and-training fleet on a
 small H100 cluster, a MIG part (pods asking for 1g.10gb ... 7g.80gb) and an MPS part (pods
@@ -42,6 +43,7 @@ from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs import command_line, workloads
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
 from dynpart.simulations.inputs.traces import PodTrace
+from dynpart.simulations.replay import seeds as sd
 from dynpart.simulations.replay.engine import (
     NOS_BATCH,
     REPLAY_POLICIES,
@@ -131,6 +133,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"{d.planner.plan_time_limit_s:g})")
     p.add_argument("--jobs", type=int, default=command_line.default_jobs(), help="replays run in parallel processes "
                    "(default: CPU count)")
+    p.add_argument("--seeds", metavar="N-M|LIST", type=given,
+                   help="replay the built-in workload once per seed (N, N-M or a list, e.g. 0-15) and report each "
+                        "policy's mean over the seeds of its per-seed mean, p95 and p99, with dynpart's change, a "
+                        "95%% interval and on how many seeds it was lower (one seed is one sample of the workload: "
+                        "which policy waits less can flip from seed to seed); with --out: summary.json, seeds.csv, "
+                        "pending_bars.png")
     p.add_argument("--out", metavar="DIR", help="write summary.json, steps.csv, pods.csv and PNG plots there")
     p.add_argument("--json", action="store_true", help="print the summary JSON on stdout")
     p.set_defaults(func=run)
@@ -186,6 +194,13 @@ def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tup
         raise SimulationError("--cluster goes with --trace; the built-in workload sets its own cluster "
                               "(--workload nodes=N,mps_nodes=M,gpus_per_node=G,gpu_model=MODEL)")
     spec = workloads.read_workload(args.workload)
+    return _workload_parts(args, catalog, want_static, spec), spec
+
+
+def _workload_parts(args: argparse.Namespace, catalog: Catalog, want_static: bool,
+                    spec: workloads.WorkloadSpec) -> list[Part]:
+    """The built-in workload's parts to replay (--mode picks one)."""
+    forced = args.static_geometry
     generated = [w for w in workloads.generate(spec, catalog, workloads.workload_source(args.workload))
                  if args.mode in (None, w.name)]
     if not generated:
@@ -201,7 +216,7 @@ def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tup
         statics = _statics(mine, model, w.name, w.trace) if want_static else []
         parts.append(Part(w.name, w.trace, w.cluster, model, w.name, statics, bool(mine), w.offered_load,
                           w.describe()))
-    return parts, spec
+    return parts
 
 
 def _check_workload(planner: PlannerSettings, catalog: Catalog, config: str | None) -> None:
@@ -257,20 +272,14 @@ def run(args: argparse.Namespace) -> int:
     base = ReplayOptions(mode=args.mode if args.trace else None, mapping=mapping, compress=args.compress,
                          mig_op_delay_s=args.mig_delay, mps_switch_delay_s=args.mps_delay, planner=planner)
     base.check()
+    if args.seeds is not None:
+        return _run_seeds(args, catalog, policies, base, planner, mapping)
     parts, spec = _parts(args, catalog, "static" in policies)
     for part in parts:
         check_arrivals(part.trace.pods, args.compress)
     _check_workload_profiles(planner, parts, args.planner_config)
     out = report.out_dir(args.out) if args.out is not None else None  # a bad --out is found before the run
-    jobs: list[Job] = []
-    for k, part in enumerate(parts):
-        for p in policies:
-            if p == "static":
-                jobs.extend(Job(k, replace(base, policy=p, static_layout=tuple(static_layout(g, part.model,
-                                                                                           part.mode).items())), g)
-                            for g in part.statics)
-            else:
-                jobs.append(Job(k, replace(base, policy=p), None))
+    jobs = _jobs(parts, policies, base)
     if not args.json:
         for part in parts:
             print(part.note, file=sys.stderr)
@@ -310,6 +319,125 @@ def run(args: argparse.Namespace) -> int:
                           "timeline.png")
     shown.finish()
     return 0
+
+
+def _jobs(parts: list[Part], policies: list[str], base: ReplayOptions) -> list[Job]:
+    """One replay per part and policy; the static policy, one per layout of the part's."""
+    jobs: list[Job] = []
+    for k, part in enumerate(parts):
+        for p in policies:
+            if p == "static":
+                jobs.extend(Job(k, replace(base, policy=p, static_layout=tuple(static_layout(g, part.model,
+                                                                                           part.mode).items())), g)
+                            for g in part.statics)
+            else:
+                jobs.append(Job(k, replace(base, policy=p), None))
+    return jobs
+
+
+def _run_seeds(args: argparse.Namespace, catalog: Catalog, policies: list[str], base: ReplayOptions,
+               planner: PlannerSettings, mapping: str) -> int:
+    """--seeds: the built-in workload replayed once per seed, each policy's figures averaged
+    over the seeds (`simulations/replay/seeds.py`)."""
+    if args.trace:
+        raise SimulationError(f"--seeds {args.seeds}: goes with the built-in workload (a trace is replayed as "
+                              "recorded; it has no seed)")
+    seeds = command_line.parse_seeds(args.seeds)
+    if args.cluster:
+        raise SimulationError("--cluster goes with --trace; the built-in workload sets its own cluster "
+                              "(--workload nodes=N,mps_nodes=M,gpus_per_node=G,gpu_model=MODEL)")
+    spec = workloads.read_workload(args.workload)
+    if "seed" in spec.model_fields_set:
+        raise SimulationError(f"--seeds {args.seeds} and {workloads.workload_source(args.workload)} seed="
+                              f"{spec.seed}: give the seeds once (--seeds replays the workload with each)")
+    parts: list[Part] = []
+    seed_of: list[int] = []
+    for seed in seeds:
+        for part in _workload_parts(args, catalog, "static" in policies, spec.model_copy(update={"seed": seed})):
+            check_arrivals(part.trace.pods, args.compress)
+            parts.append(part)
+            seed_of.append(seed)
+    _check_workload_profiles(planner, parts, args.planner_config)
+    out = report.out_dir(args.out) if args.out is not None else None  # a bad --out is found before the run
+    jobs = _jobs(parts, policies, base)
+    if not args.json:
+        for part in parts:
+            if seed_of[parts.index(part)] == seeds[0]:
+                print(part.note, file=sys.stderr)
+        print(f"seeds {args.seeds}: {len(seeds)} seed(s), {len(jobs)} replays", file=sys.stderr)
+    t0 = time.perf_counter()
+    results = _run_jobs(jobs, parts, catalog, args.jobs)
+    wall = time.perf_counter() - t0
+    part_docs = _seed_part_docs(seeds, parts, seed_of, jobs, results)
+    doc: dict[str, Any] = {
+        "seeds": seeds, "workload": spec.model_dump(exclude={"seed"}), "workload_inline": spec.inline(),
+        "mapping": mapping, "compress": args.compress,
+        "mig_op_delay_s": args.mig_delay, "mps_switch_delay_s": args.mps_delay,
+        "planner": planner.model_dump(include=PLANNER_FIELDS), "nos_batch": NOS_BATCH,
+        "static_geometry": args.static_geometry,
+        "figures": "per policy, the mean over the seeds of each seed's mean / p95 / p99 pending time of the GPU "
+                   "pods (a pod never placed waits until the end of the seed's longest run); dynpart_vs: the "
+                   "change of those means, a 95% bootstrap interval over the seeds (paired, "
+                   f"{sd.BOOTSTRAP_RESAMPLES} resamples), the seeds on which dynpart's figure was lower / higher",
+        "static_choice_rule": "unless --static-geometry forces one for the part's mode: the standard layout with "
+                              "the lowest mean of its per-seed means (then p95s, then pods never placed), the same "
+                              "layout on every seed",
+        "parts": part_docs, "wall_s": round(wall, 2),
+    }
+    shown = report.Results()
+    if args.json:
+        shown.print(json.dumps(doc, indent=2))
+    else:
+        shown.print(sd.table(part_docs, args.seeds), "", sd.comparison(part_docs), *sd.static_lines(part_docs))
+    if out is not None:
+        with report.staged(out) as stage:
+            report.write_json(stage / "summary.json", doc)
+            report.write_csv(stage / "seeds.csv", list(sd.CSV_COLUMNS), sd.csv_rows(part_docs))
+            bars = {f"{d['part'].upper()} part": {p["policy"]: (p["mean_of_means_s"] or 0.0, p["mean_of_p95s_s"] or 0.0)
+                                                  for p in d["policies"]} for d in part_docs}
+            plots.pending_bars(bars, stage / "pending_bars.png",
+                               f"built-in workload, seeds {args.seeds}: mean over the seeds of each seed's mean / p95")
+        if not args.json:
+            shown.print(f"wrote {out / 'summary.json'}, seeds.csv, pending_bars.png")
+    shown.finish()
+    return 0
+
+
+def _seed_part_docs(seeds: list[int], parts: list[Part], seed_of: list[int], jobs: list[Job],
+                    results: list[ReplayResult]) -> list[dict]:
+    """Per part of the workload, each policy's figures over the seeds."""
+    names = list(dict.fromkeys(p.name for p in parts))
+    docs = []
+    for name in names:
+        runs: dict[str, list[tuple[int, dict]]] = {}
+        statics: dict[str, list[tuple[int, dict]]] = {}
+        first = next(p for p in parts if p.name == name)
+        for seed in seeds:
+            mine = [(j, r) for j, r in zip(jobs, results) if parts[j.part].name == name and seed_of[j.part] == seed]
+            # pods never placed wait until the end of the seed's longest run, the same for every policy
+            horizon = max(r.end_time for _, r in mine)
+            for j, r in mine:
+                if j.geometry is None:
+                    runs.setdefault(j.opts.policy, []).append((seed, summary(r, horizon)))
+                else:
+                    statics.setdefault(j.geometry, []).append((seed, summary(r, horizon)))
+        policies = [sd.policy_figures(p, rows) for p, rows in runs.items()]
+        doc: dict[str, Any] = {"part": name, "mode": first.mode, "cluster_description": first.cluster.describe(),
+                               "offered_load_pct": None if first.offered_load is None else
+                               round(100 * first.offered_load, 1)}
+        if statics:
+            contenders = {g: sd.policy_figures(f"static ({g})", rows) for g, rows in statics.items()}
+            best = sd.best_static_over_seeds(contenders)
+            policies.append(contenders[best] | {"static_geometry": best, "static_choice": "forced" if first.forced
+                                                else f"best of {len(contenders)} standard layouts over the seeds"})
+            doc["best_static"] = best
+            doc["static_contenders"] = [{"geometry": g, "mean_of_means_s": c["mean_of_means_s"],
+                                         "mean_of_p95s_s": c["mean_of_p95s_s"], "never_placed": c["never_placed"]}
+                                        for g, c in contenders.items()]
+        doc["policies"] = policies
+        doc["dynpart_vs"] = sd.part_figures(policies)
+        docs.append(doc)
+    return docs
 
 
 def _run_jobs(jobs: list[Job], parts: list[Part], catalog: Catalog, n_proc: int) -> list[ReplayResult]:

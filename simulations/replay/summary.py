@@ -39,8 +39,7 @@ def summary(r: ReplayResult, horizon: float | None = None) -> dict:
     cpu_runs = [x for x in r.runs if x.resource is None]
     cpu_waits = [x.start - x.arrival for x in cpu_runs if x.start is not None]
     tl = r.timeline
-    span = tl[-1][0] - tl[0][0] if len(tl) > 1 else 0.0
-    avg_alloc = (sum((tl[i + 1][0] - tl[i][0]) * tl[i][3] for i in range(len(tl) - 1)) / span) if span else 0.0
+    window = arrival_window(r)
     return {
         "policy": r.policy,
         "mode": r.mode,
@@ -60,7 +59,8 @@ def summary(r: ReplayResult, horizon: float | None = None) -> dict:
         "gpus": r.gpu_count,
         "used_slices_disrupted": r.used_slices_disrupted,
         "plans_rejected": r.plans_rejected,
-        "allocation_mean_pct": round(avg_alloc, 2),
+        "allocation_mean_pct": round(mean_allocation(tl, *window), 2),
+        "allocation_window_s": [round(window[0], 1), round(window[1], 1)],
         "allocation_max_pct": round(max((t[3] for t in tl), default=0.0), 2),
         "max_waiting": max((t[1] for t in tl), default=0),
         "plan_calls": r.plan_calls,
@@ -70,6 +70,31 @@ def summary(r: ReplayResult, horizon: float | None = None) -> dict:
         "wall_s": round(r.wall_s, 2),
         "notes": r.ignored_rows,
     }
+
+
+def arrival_window(r: ReplayResult) -> tuple[float, float]:
+    """From the first pod's arrival to the last's: while the workload offers its load. (Over the
+    whole run the mean allocation would count the tail, where the last long pods run alone, and
+    a policy that finishes later would show less of its GPUs in use for the same work.) The whole
+    run where every pod arrives at once."""
+    arrivals = [x.arrival for x in r.runs]
+    if not arrivals or max(arrivals) <= min(arrivals):
+        return (r.timeline[0][0], r.timeline[-1][0]) if r.timeline else (0.0, 0.0)
+    return min(arrivals), max(arrivals)
+
+
+def mean_allocation(timeline: list[tuple[float, int, int, float]], start: float, end: float) -> float:
+    """Time-weighted mean of the timeline's allocation % over [start, end] (each point holds until
+    the next; before the first point nothing is allocated); 0 for an empty window."""
+    if end <= start or not timeline:
+        return 0.0
+    total = 0.0
+    for i, (t, _, _, alloc) in enumerate(timeline):
+        t_next = timeline[i + 1][0] if i + 1 < len(timeline) else end
+        lo, hi = max(t, start), min(t_next, end)
+        if hi > lo:
+            total += (hi - lo) * alloc
+    return total / (end - start)
 
 
 def static_key(s: dict) -> tuple[float, float, int]:

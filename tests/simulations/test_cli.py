@@ -101,6 +101,41 @@ def test_simulate_json_and_files(capsys, tmp_path):
                                                "pending_cdf.png", "pending_bars.png"}
 
 
+def test_simulate_seeds_averages_the_runs_of_each_seed(capsys, tmp_path):
+    workload = "pods=60,mps_pods=40,nodes=1,mps_nodes=1,gpus_per_node=2,rate=2,mps_rate=2"
+    out = tmp_path / "seeds"
+    assert main(["simulate", "--workload", workload, "--seeds", "3,1", "--policy", "dynpart,nos,static",
+                 "--jobs", "1", "--json", "--out", str(out)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["seeds"] == [3, 1] and "seed" not in doc["workload"]
+    assert [d["part"] for d in doc["parts"]] == ["mig", "mps"]
+    for part in doc["parts"]:
+        names = [p["policy"] for p in part["policies"]]
+        assert names[:2] == ["dynpart", "nos"] and names[2] == f"static ({part['best_static']})"
+        best = min(part["static_contenders"], key=lambda c: (c["mean_of_means_s"], c["mean_of_p95s_s"]))
+        assert best["geometry"] == part["best_static"]  # one layout for every seed
+        for p in part["policies"]:
+            assert [r["seed"] for r in p["per_seed"]] == [3, 1] and p["used_slices_disrupted"] == 0
+            assert p["mean_of_means_s"] == pytest.approx(sum(r["mean_s"] for r in p["per_seed"]) / 2, abs=0.051)
+        assert set(part["dynpart_vs"]) == set(names[1:])
+    # each seed's figures are those of the same workload replayed alone with that seed
+    for seed in (3, 1):
+        assert main(["simulate", "--workload", f"{workload},seed={seed}", "--policy", "dynpart,nos",
+                     "--jobs", "1", "--json"]) == 0
+        alone = json.loads(capsys.readouterr().out)
+        for part, single in zip(doc["parts"], alone["parts"]):
+            for p, s in zip(part["policies"], single["policies"]):
+                row = next(r for r in p["per_seed"] if r["seed"] == seed)
+                assert (row["mean_s"], row["p95_s"], row["reconfigurations"]) == (
+                    s["pending_s"]["mean"], s["pending_s"]["p95"], s["reconfigurations"])
+    assert {f.name for f in out.iterdir()} == {"summary.json", "seeds.csv", "pending_bars.png"}
+    assert len((out / "seeds.csv").read_text().splitlines()) == 1 + 2 * 3 * 2  # parts x policies x seeds
+    assert main(["simulate", "--workload", workload, "--seeds", "1-2", "--mode", "mig", "--policy", "dynpart,nos",
+                 "--jobs", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "seeds 1-2: each figure" in text and "[95% interval]" in text and " of 2" in text
+
+
 def test_simulate_trace_picks_the_best_static_layout(capsys, tmp_path):
     trace = tmp_path / "pods.csv"
     trace.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,"
@@ -292,6 +327,10 @@ def test_mps_mode_is_the_cluster_described(capsys, tmp_path):
     (["simulate", "--trace", "TRACE", "--policy", "nos,nos"], "--policy 'nos,nos': nos listed twice"),
     (["simulate", "--trace", "TRACE", "--out", ""], "--out '': expected a directory"),
     (["simulate", "--workload", "DUPKEY"], "DUPKEY:2:1: not valid YAML: key 'pods' given twice"),
+    (["simulate", "--trace", "TRACE", "--seeds", "0-3"], "--seeds 0-3: goes with the built-in workload (a trace"),
+    (["simulate", "--workload", "seed=2,pods=10", "--seeds", "0-3"],
+     "--seeds 0-3 and --workload seed=2: give the seeds once"),
+    (["simulate", "--seeds", "3-1"], "--seeds '3-1': bad range 3-1"),
     (["simulate", "--workload", "BLANK"], "--workload BLANK: the file is empty"),
     (["simulate", "--workload", "BOOLPODS"], "--workload BOOLPODS: pods: a number, not true/false"),
     (["simulate", "--trace", "TRACE", "--cluster", "1x8xH100-80GB", "--policy", "static", "--static-geometry",

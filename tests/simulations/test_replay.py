@@ -16,7 +16,7 @@ from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs.synthetic import synthetic_mig_cluster, synthetic_trace
 from dynpart.simulations.replay.engine import ReplayOptions, run_replay
 from dynpart.simulations.replay.mapping import mig_profile_for, request_for, static_layout
-from dynpart.simulations.replay.summary import percentile, summary
+from dynpart.simulations.replay.summary import arrival_window, mean_allocation, percentile, summary
 
 from .conftest import cluster, pod
 
@@ -188,6 +188,29 @@ def test_percentile():
     assert percentile([], 95) is None
     assert percentile([5.0], 50) == 5.0
     assert percentile(list(range(1, 101)), 95) == 95
+
+
+def test_mean_allocation_is_time_weighted_over_the_window():
+    timeline = [(0.0, 1, 0, 0.0), (10.0, 0, 1, 50.0), (30.0, 0, 2, 100.0), (40.0, 0, 0, 0.0)]
+    assert mean_allocation(timeline, 0.0, 40.0) == pytest.approx((20 * 50 + 10 * 100) / 40)
+    assert mean_allocation(timeline, 20.0, 35.0) == pytest.approx((10 * 50 + 5 * 100) / 15)
+    assert mean_allocation(timeline, 40.0, 50.0) == 0.0  # after the last point: its value, 0
+    assert mean_allocation(timeline, 5.0, 5.0) == 0.0
+
+
+def test_the_mean_allocation_ignores_the_tail_after_the_last_arrival(catalog):
+    # the same work, held from the first arrival to the last, whatever runs after: two policies
+    # that place every pod show what they held while the load was offered
+    trace = synthetic_trace(150, seed=2)
+    result = run_replay(trace.pods, synthetic_mig_cluster(1), catalog, ReplayOptions(policy="dynpart"))
+    first, last = arrival_window(result)
+    assert first == min(r.arrival for r in result.runs) and last == max(r.arrival for r in result.runs)
+    assert result.end_time > last  # pods still ran after the last arrival
+    s = summary(result)
+    assert s["allocation_window_s"] == [round(first, 1), round(last, 1)]
+    assert s["allocation_mean_pct"] == round(mean_allocation(result.timeline, first, last), 2)
+    whole_run = mean_allocation(result.timeline, result.timeline[0][0], result.end_time)
+    assert s["allocation_mean_pct"] > whole_run
 
 
 def test_a_drained_gpu_empties_for_a_whole_gpu_pod(catalog):

@@ -1,0 +1,77 @@
+"""Figures over several seeds of the built-in workload (`dynpart simulate --seeds`)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynpart.simulations.replay import seeds as sd
+
+
+def _summary(mean, p95=None, p99=None, never=0, reconfigs=0):
+    return {"pending_s": {"mean": mean, "p50": 0.0, "p95": mean if p95 is None else p95,
+                          "p99": mean if p99 is None else p99},
+            "gpu_pods": 10, "placed": 10 - never, "never_placed": never, "failed": 0,
+            "reconfigurations": reconfigs, "used_slices_disrupted": 0, "allocation_mean_pct": 50.0}
+
+
+def test_a_policy_lower_on_every_seed_has_an_interval_below_zero():
+    c = sd.paired_change([10.0, 20.0, 30.0, 40.0], [12.0, 25.0, 33.0, 50.0])
+    assert c["change_pct"] == -16.7  # 100 against 120
+    assert c["seeds_lower"] == 4 and c["seeds_higher"] == 0
+    lo, hi = c["interval_pct"]
+    assert lo <= c["change_pct"] <= hi < 0
+    assert sd.paired_change([10.0, 20.0, 30.0, 40.0], [12.0, 25.0, 33.0, 50.0]) == c  # a fixed generator
+
+
+def test_a_lead_that_flips_between_seeds_has_an_interval_across_zero():
+    c = sd.paired_change([10.0, 60.0, 10.0, 60.0], [40.0, 30.0, 40.0, 30.0])
+    assert c["seeds_lower"] == 2 and c["seeds_higher"] == 2
+    lo, hi = c["interval_pct"]
+    assert lo < 0 < hi
+
+
+def test_no_interval_from_one_seed_and_no_figure_without_one():
+    one = sd.paired_change([10.0], [20.0])
+    assert one["change_pct"] == -50.0 and one["interval_pct"] is None and one["seeds_lower"] == 1
+    assert sd.paired_change([10.0, None], [20.0, 30.0])["change_pct"] is None
+    assert sd.paired_change([1.0, 2.0], [0.0, 0.0])["change_pct"] is None  # no % of 0 s
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1e5), st.floats(0.5, 1e5)), min_size=2, max_size=20))
+def test_the_interval_holds_the_change_of_the_means(pairs):
+    ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
+    c = sd.paired_change(ours, theirs)
+    lo, hi = c["interval_pct"]
+    assert lo <= hi
+    assert c["seeds_lower"] + c["seeds_higher"] <= len(pairs)
+    assert min(100 * (a - b) / b for a, b in pairs) - 0.1 <= lo
+    assert hi <= max(100 * (a - b) / b for a, b in pairs) + 0.1
+
+
+def test_the_static_layout_is_one_for_every_seed_the_best_on_average():
+    # all-1g waits less on seed 1, all-balanced on seeds 2 and 3 and on average
+    contenders = {
+        "all-1g.10gb": sd.policy_figures("static (all-1g.10gb)", [(1, _summary(5.0)), (2, _summary(90.0)),
+                                                                   (3, _summary(90.0))]),
+        "all-balanced": sd.policy_figures("static (all-balanced)", [(1, _summary(20.0)), (2, _summary(30.0)),
+                                                                     (3, _summary(40.0))]),
+    }
+    assert contenders["all-balanced"]["mean_of_means_s"] == 30.0
+    assert sd.best_static_over_seeds(contenders) == "all-balanced"
+    tied = {"b": contenders["all-balanced"], "a": contenders["all-balanced"]}
+    assert sd.best_static_over_seeds(tied) == "b"  # the first of equals
+
+
+def test_part_figures_compare_dynpart_with_each_other_policy_seed_by_seed():
+    ours = sd.policy_figures("dynpart", [(0, _summary(10.0, 50.0)), (1, _summary(30.0, 70.0))])
+    nos = sd.policy_figures("nos", [(0, _summary(20.0, 40.0)), (1, _summary(20.0, 60.0))])
+    vs = sd.part_figures([ours, nos])
+    assert set(vs) == {"nos"}
+    assert vs["nos"]["mean"]["change_pct"] == 0.0 and vs["nos"]["mean"]["seeds_lower"] == 1
+    assert vs["nos"]["p95"]["change_pct"] == 20.0 and vs["nos"]["p95"]["seeds_higher"] == 2
+    assert ours["mean_of_p95s_s"] == 60.0 and ours["per_seed"][1]["seed"] == 1
+    rows = sd.csv_rows([{"part": "mig", "policies": [ours, nos]}])
+    assert len(rows) == 4 and rows[0][:4] == ("mig", 0, "dynpart", 10.0)
+    assert sd.part_figures([nos]) == {}
