@@ -396,7 +396,7 @@ def _run_seeds(args: argparse.Namespace, catalog: Catalog, policies: list[str], 
             bars = {f"{d['part'].upper()} part": {p["policy"]: (p["mean_of_means_s"] or 0.0, p["mean_of_p95s_s"] or 0.0)
                                                   for p in d["policies"]} for d in part_docs}
             plots.pending_bars(bars, stage / "pending_bars.png",
-                               f"built-in workload, seeds {args.seeds}: mean over the seeds of each seed's mean / p95")
+                               f"built-in workload, mean over seeds {args.seeds}")
         if not args.json:
             shown.print(f"wrote {out / 'summary.json'}, seeds.csv, pending_bars.png")
     shown.finish()
