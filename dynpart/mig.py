@@ -188,7 +188,13 @@ def profile_counts(geometry: Iterable[tuple[str, int]]) -> tuple[tuple[str, int]
 def maximal_geometries(model: GpuModel, profiles: Iterable[str] | None = None) -> list[tuple[tuple[str, int], ...]]:
     """Profile multisets that have a valid placement and to which no allowed profile can be
     added (in any placement). Deterministic order (largest profiles first)."""
-    allowed = sorted(set(profiles)) if profiles is not None else list(MigRules.of(model).names)
+    allowed = tuple(sorted(set(profiles))) if profiles is not None else MigRules.of(model).names
+    return list(_maximal(model, allowed))
+
+
+@lru_cache(maxsize=256)
+def _maximal(model: GpuModel, allowed: tuple[str, ...]) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """(Cached: nos's model asks for them on every GPU it re-lays, 4 ms each on an H100.)"""
     feasible = {profile_counts(g) for g in feasible_geometries(model, allowed)}
     maximal = []
     for multiset in feasible:
@@ -199,7 +205,7 @@ def maximal_geometries(model: GpuModel, profiles: Iterable[str] | None = None) -
             maximal.append(multiset)
     order = {n: i for i, n in enumerate(MigRules.of(model).names)}
     # largest profiles first, then fewer instances first
-    return sorted(maximal, key=lambda ms: sorted((-_size(model, n), -c, order[n]) for n, c in ms))
+    return tuple(sorted(maximal, key=lambda ms: sorted((-_size(model, n), -c, order[n]) for n, c in ms)))
 
 
 def _size(model: GpuModel, name: str) -> int:

@@ -26,6 +26,12 @@ def test_a100_40gb_has_the_twelve_maximal_geometries_of_the_user_guide():
     ]
     assert len(got) == 12
     assert sorted(map(sorted, (dict(g).items() for g in got))) == sorted(map(sorted, (e.items() for e in expected)))
+    # (cached, so nos's model does not build them again for every GPU it re-lays): the same
+    # answer for the profiles in any order, and a caller's changes to it do not reach the cache
+    again = maximal_geometries(a100, sorted(p for p in a100.profiles_by_name if p not in ("1g.10gb", "1g.5gb+me"))[::-1])
+    assert again == got and again is not got
+    got.clear()
+    assert len(maximal_geometries(a100, [p for p in a100.profiles_by_name if p not in ("1g.10gb", "1g.5gb+me")])) == 12
 
 
 def test_3g_with_four_1g_must_sit_at_4():

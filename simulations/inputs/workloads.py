@@ -149,10 +149,10 @@ class WorkloadSpec(BaseModel):
     def mean_duration_s(self) -> float:
         return self.duration_median_s * math.exp(self.duration_sigma ** 2 / 2)
 
-    def inline(self) -> str:
-        """The parameters as a --workload value."""
+    def inline(self, exclude: set[str] | None = None) -> str:
+        """The parameters as a --workload value (without those in `exclude`)."""
         out = []
-        for k, v in self.model_dump().items():
+        for k, v in self.model_dump(exclude=exclude).items():
             if isinstance(v, dict):
                 v = ",".join(f"{n}:{w:g}" for n, w in v.items())
             elif isinstance(v, float):

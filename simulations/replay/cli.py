@@ -42,7 +42,7 @@ from dynpart.settings import PlannerSettings, default_planner_settings, load_set
 from dynpart.simulations.errors import SimulationError
 from dynpart.simulations.inputs import command_line, workloads
 from dynpart.simulations.inputs.cluster_spec import ClusterSpec
-from dynpart.simulations.inputs.traces import PodTrace
+from dynpart.simulations.inputs.traces import PodTrace, TracePod
 from dynpart.simulations.replay import seeds as sd
 from dynpart.simulations.replay.engine import (
     NOS_BATCH,
@@ -149,10 +149,10 @@ def _one(args: tuple) -> ReplayResult:
     return run_replay(pods, spec, catalog, opts)
 
 
-def _statics(forced: str | None, model: GpuModel, mode: str, trace: PodTrace) -> list[str]:
+def _statics(forced: str | None, model: GpuModel, mode: str, pods: Sequence[TracePod]) -> list[str]:
     sizes: set[int] = set()
     if mode == "mps":  # the slice sizes the pods ask for, as the replay maps them
-        for pod in trace.pods:
+        for pod in pods:
             if pod.num_gpu:
                 request = parse_resource(request_for(pod, model, mode)[0])
                 if isinstance(request, MpsResource):
@@ -187,7 +187,7 @@ def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tup
         if args.mode:  # the cluster as replayed (its description names the mode)
             data.cluster = ClusterSpec(data.cluster.source, tuple(replace(n, mode=args.mode) if n.gpus else n
                                                                   for n in data.cluster.nodes))
-        statics = _statics(forced, model, mode, data.trace) if want_static else []
+        statics = _statics(forced, model, mode, data.trace.pods) if want_static else []
         return [Part("trace", data.trace, data.cluster, model, mode, statics, bool(forced),
                      note=data.describe())], None
     if args.cluster:
@@ -213,7 +213,7 @@ def _workload_parts(args: argparse.Namespace, catalog: Catalog, want_static: boo
     parts = []
     for w in generated:
         mine = forced if forced and static_fits(forced, w.name) else None
-        statics = _statics(mine, model, w.name, w.trace) if want_static else []
+        statics = _statics(mine, model, w.name, w.trace.pods) if want_static else []
         parts.append(Part(w.name, w.trace, w.cluster, model, w.name, statics, bool(mine), w.offered_load,
                           w.describe()))
     return parts
@@ -357,6 +357,13 @@ def _run_seeds(args: argparse.Namespace, catalog: Catalog, policies: list[str], 
             check_arrivals(part.trace.pods, args.compress)
             parts.append(part)
             seed_of.append(seed)
+    # the standard layouts of a part are those of every seed's pods (an MPS layout per slice size
+    # asked: a seed without a size's pods would leave that layout out, and it would be ranked on
+    # the other seeds only), the same list on every seed
+    for part in parts:
+        if part.statics and not part.forced:
+            same = [q.trace.pods for q in parts if q.name == part.name]
+            part.statics = _statics(None, part.model, part.mode, [p for pods in same for p in pods])
     _check_workload_profiles(planner, parts, args.planner_config)
     out = report.out_dir(args.out) if args.out is not None else None  # a bad --out is found before the run
     jobs = _jobs(parts, policies, base)
@@ -370,15 +377,16 @@ def _run_seeds(args: argparse.Namespace, catalog: Catalog, policies: list[str], 
     wall = time.perf_counter() - t0
     part_docs = _seed_part_docs(seeds, parts, seed_of, jobs, results)
     doc: dict[str, Any] = {
-        "seeds": seeds, "workload": spec.model_dump(exclude={"seed"}), "workload_inline": spec.inline(),
+        "seeds": seeds, "workload": spec.model_dump(exclude={"seed"}), "workload_inline": spec.inline(exclude={"seed"}),
         "mapping": mapping, "compress": args.compress,
         "mig_op_delay_s": args.mig_delay, "mps_switch_delay_s": args.mps_delay,
         "planner": planner.model_dump(include=PLANNER_FIELDS), "nos_batch": NOS_BATCH,
         "static_geometry": args.static_geometry,
         "figures": "per policy, the mean over the seeds of each seed's mean / p95 / p99 pending time of the GPU "
                    "pods (a pod never placed waits until the end of the seed's longest run); dynpart_vs: the "
-                   "change of those means, a 95% bootstrap interval over the seeds (paired, "
-                   f"{sd.BOOTSTRAP_RESAMPLES} resamples), the seeds on which dynpart's figure was lower / higher",
+                   "change of those means, a 95% t-interval of the mean per-seed difference as a share of the "
+                   "other policy's mean (paired over the seeds), the seeds on which dynpart's figure was lower / "
+                   "higher",
         "static_choice_rule": "unless --static-geometry forces one for the part's mode: the standard layout with "
                               "the lowest mean of its per-seed means (then p95s, then pods never placed), the same "
                               "layout on every seed",
@@ -388,7 +396,9 @@ def _run_seeds(args: argparse.Namespace, catalog: Catalog, policies: list[str], 
     if args.json:
         shown.print(json.dumps(doc, indent=2))
     else:
-        shown.print(sd.table(part_docs, args.seeds), "", sd.comparison(part_docs), *sd.static_lines(part_docs))
+        comparison = sd.comparison(part_docs)
+        shown.print(sd.table(part_docs, args.seeds), *(["", comparison] if comparison else []),
+                    *sd.static_lines(part_docs))
     if out is not None:
         with report.staged(out) as stage:
             report.write_json(stage / "summary.json", doc)
@@ -426,6 +436,8 @@ def _seed_part_docs(seeds: list[int], parts: list[Part], seed_of: list[int], job
                                "offered_load_pct": None if first.offered_load is None else
                                round(100 * first.offered_load, 1)}
         if statics:
+            if any(len(rows) != len(seeds) for rows in statics.values()):
+                raise AssertionError(f"{name} part: a static layout was not replayed on every seed")
             contenders = {g: sd.policy_figures(f"static ({g})", rows) for g, rows in statics.items()}
             best = sd.best_static_over_seeds(contenders)
             policies.append(contenders[best] | {"static_geometry": best, "static_choice": "forced" if first.forced

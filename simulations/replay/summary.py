@@ -39,7 +39,7 @@ def summary(r: ReplayResult, horizon: float | None = None) -> dict:
     cpu_runs = [x for x in r.runs if x.resource is None]
     cpu_waits = [x.start - x.arrival for x in cpu_runs if x.start is not None]
     tl = r.timeline
-    window = arrival_window(r)
+    window = arrival_window(r, horizon)
     return {
         "policy": r.policy,
         "mode": r.mode,
@@ -72,15 +72,18 @@ def summary(r: ReplayResult, horizon: float | None = None) -> dict:
     }
 
 
-def arrival_window(r: ReplayResult) -> tuple[float, float]:
-    """From the first pod's arrival to the last's: while the workload offers its load. (Over the
-    whole run the mean allocation would count the tail, where the last long pods run alone, and
-    a policy that finishes later would show less of its GPUs in use for the same work.) The whole
-    run where every pod arrives at once."""
-    arrivals = [x.arrival for x in r.runs]
-    if not arrivals or max(arrivals) <= min(arrivals):
-        return (r.timeline[0][0], r.timeline[-1][0]) if r.timeline else (0.0, 0.0)
-    return min(arrivals), max(arrivals)
+def arrival_window(r: ReplayResult, horizon: float | None = None) -> tuple[float, float]:
+    """From the first GPU pod's arrival to the last's (pods that can never run left out): while
+    the workload offers its load. (Over the whole run the mean allocation would count the tail,
+    where the last long pods run alone, and a policy that finishes later would show less of its
+    GPUs in use for the same work.) Where they all arrive at once, until `horizon`, the end that
+    runs compared with each other share (else the run's own end)."""
+    arrivals = [x.arrival for x in r.runs if x.resource is not None and not x.failed]
+    first = min(arrivals) if arrivals else (r.timeline[0][0] if r.timeline else 0.0)
+    last = max(arrivals) if arrivals else first
+    if last > first:
+        return first, last
+    return first, max(first, r.end_time if horizon is None else max(r.end_time, horizon))
 
 
 def mean_allocation(timeline: list[tuple[float, int, int, float]], start: float, end: float) -> float:

@@ -136,6 +136,24 @@ def test_simulate_seeds_averages_the_runs_of_each_seed(capsys, tmp_path):
     assert "seeds 1-2: each figure" in text and "[95% interval]" in text and " of 2" in text
 
 
+def test_simulate_seeds_replays_every_static_layout_on_every_seed(capsys):
+    """Seeds 3 and 5 draw no 10gb pod; mps-10gb was replayed on the other four only and ranked
+    on them (helper-174): every layout asked for by some seed is replayed on all."""
+    workload = "pods=0,mps_pods=2,mps_nodes=1,gpus_per_node=1,mps_mix=10gb:50,40gb:50,rate=0.1"
+    assert main(["simulate", "--seeds", "0-5", "--workload", workload, "--jobs", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (part,) = doc["parts"]
+    ours, _, static = part["policies"]
+    assert static["seeds"] == 6 and static["gpu_pods"] == ours["gpu_pods"] == 12
+    assert "mps-10gb" in {c["geometry"] for c in part["static_contenders"]}
+    assert part["dynpart_vs"][static["policy"]]["mean"]["change_pct"] is not None
+    # the workload as recorded can be given again with the same seeds
+    assert "seed=" not in doc["workload_inline"]
+    assert main(["simulate", "--seeds", "0-5", "--workload", doc["workload_inline"], "--jobs", "1",
+                 "--policy", "nos"]) == 0
+    assert "\n\n" not in capsys.readouterr().out.strip()  # no comparison: no empty lines for it
+
+
 def test_simulate_trace_picks_the_best_static_layout(capsys, tmp_path):
     trace = tmp_path / "pods.csv"
     trace.write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,"

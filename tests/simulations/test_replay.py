@@ -213,6 +213,20 @@ def test_the_mean_allocation_ignores_the_tail_after_the_last_arrival(catalog):
     assert s["allocation_mean_pct"] > whole_run
 
 
+def test_the_allocation_window_counts_gpu_pods_and_all_at_once_ends_where_the_runs_compared_end(catalog):
+    spec = cluster(("n0", 64_000, 2, "H100-80GB"), mode="mps")
+    # a CPU-only pod arriving late does not stretch the window (helper-174)
+    late_cpu = [pod("a", t0=0, t1=500), pod("b", t0=10, t1=900), pod("c", gpus=0, t0=50_000, t1=50_100)]
+    r = run_replay(late_cpu, spec, catalog, ReplayOptions(policy="dynpart"))
+    assert arrival_window(r) == (0.0, 10.0)
+    # every GPU pod at once: until the horizon the compared runs share, not each run's own end
+    at_once = [pod("a", t0=0, t1=500), pod("b", t0=0, t1=900)]
+    r = run_replay(at_once, spec, catalog, ReplayOptions(policy="dynpart"))
+    assert arrival_window(r) == (0.0, r.end_time)
+    assert arrival_window(r, horizon=2_000.0) == (0.0, 2_000.0)
+    assert summary(r, 2_000.0)["allocation_window_s"] == [0.0, 2_000.0]
+
+
 def test_a_drained_gpu_empties_for_a_whole_gpu_pod(catalog):
     # s1 and s2 hold a 4g.40gb each on the two GPUs; w (7g.80gb) waits. After drain_after_s the
     # loop drains GPU 0 (least in use, first): its free room is not used again (k, a 3g.40gb pod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,13 +17,16 @@ def _summary(mean, p95=None, p99=None, never=0, reconfigs=0):
             "reconfigurations": reconfigs, "used_slices_disrupted": 0, "allocation_mean_pct": 50.0}
 
 
-def test_a_policy_lower_on_every_seed_has_an_interval_below_zero():
+def test_four_seeds_lower_each_are_not_yet_a_difference():
     c = sd.paired_change([10.0, 20.0, 30.0, 40.0], [12.0, 25.0, 33.0, 50.0])
     assert c["change_pct"] == -16.7  # 100 against 120
     assert c["seeds_lower"] == 4 and c["seeds_higher"] == 0
-    lo, hi = c["interval_pct"]
-    assert lo <= c["change_pct"] <= hi < 0
-    assert sd.paired_change([10.0, 20.0, 30.0, 40.0], [12.0, 25.0, 33.0, 50.0]) == c  # a fixed generator
+    # Fieller, by hand: means 25 / 30, variances 166.7 / 252.7, covariance 203.3, t(0.975, 3)^2 / 4
+    # = 2.532: 260.3 R^2 - 2 x 235.2 R + 203.0 = 0, R = 0.712 .. 1.095
+    assert c["interval_pct"] == [-28.7, 9.5]
+    # the same differences over sixteen seeds: the interval is below 0
+    lo, hi = sd.paired_change([10.0, 20.0, 30.0, 40.0] * 4, [12.0, 25.0, 33.0, 50.0] * 4)["interval_pct"]
+    assert lo < -16.7 < hi < 0
 
 
 def test_a_lead_that_flips_between_seeds_has_an_interval_across_zero():
@@ -31,11 +36,42 @@ def test_a_lead_that_flips_between_seeds_has_an_interval_across_zero():
     assert lo < 0 < hi
 
 
-def test_no_interval_from_one_seed_and_no_figure_without_one():
+def test_a_ratio_far_below_one_stays_above_minus_100_percent():
+    """A policy waiting about 50 s against a static layout's thousands, which vary by thousands
+    from seed to seed: dividing a t-interval of the differences by the layout's mean gave
+    -114% (a wait cannot fall by more than all of it)."""
+    ours = [45.0, 52.0, 49.0, 60.0, 41.0, 55.0, 47.0, 50.0]
+    theirs = [1_500.0, 9_000.0, 2_500.0, 7_000.0, 800.0, 4_000.0, 3_000.0, 6_000.0]
+    lo, hi = sd.paired_change(ours, theirs)["interval_pct"]
+    assert -100.0 < lo < sd.paired_change(ours, theirs)["change_pct"] < hi < 0
+
+
+def test_no_interval_from_one_seed_nor_an_unbounded_one_and_no_figure_without_one():
     one = sd.paired_change([10.0], [20.0])
     assert one["change_pct"] == -50.0 and one["interval_pct"] is None and one["seeds_lower"] == 1
+    # two seeds whose other figure varies this much cannot bound the ratio
+    assert sd.paired_change([10.0, 12.0], [20.0, 40.0])["interval_pct"] is None
     assert sd.paired_change([10.0, None], [20.0, 30.0])["change_pct"] is None
-    assert sd.paired_change([1.0, 2.0], [0.0, 0.0])["change_pct"] is None  # no % of 0 s
+    assert sd.paired_change([1.0, 2.0], [0.0, 0.0]) == {"change_pct": None, "interval_pct": None,
+                                                         "seeds_lower": None, "seeds_higher": None}  # no % of 0 s
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 16])
+def test_the_interval_leaves_out_no_difference_one_time_in_twenty_at_most(n):
+    """Where the two policies do not differ, the 95% interval leaves a change of 0 out about 5%
+    of the time at most, whatever the number of seeds (a percentile bootstrap left it out 45% of
+    the time with 2 seeds, 16% with 5: helper-174). With few seeds it is often unbounded, and
+    then not given."""
+    rng = np.random.default_rng(n)
+    trials, out = 2000, 0
+    for _ in range(trials):
+        theirs = rng.uniform(50.0, 150.0, n)
+        ours = theirs + rng.normal(0.0, 20.0, n)
+        interval = sd.paired_change(list(ours), list(theirs))["interval_pct"]
+        out += interval is not None and not interval[0] <= 0.0 <= interval[1]
+    assert out / trials <= 0.07
+    if n >= 5:
+        assert out / trials >= 0.03
 
 
 @settings(max_examples=60, deadline=None)
@@ -43,11 +79,10 @@ def test_no_interval_from_one_seed_and_no_figure_without_one():
 def test_the_interval_holds_the_change_of_the_means(pairs):
     ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
     c = sd.paired_change(ours, theirs)
-    lo, hi = c["interval_pct"]
-    assert lo <= hi
     assert c["seeds_lower"] + c["seeds_higher"] <= len(pairs)
-    assert min(100 * (a - b) / b for a, b in pairs) - 0.1 <= lo
-    assert hi <= max(100 * (a - b) / b for a, b in pairs) + 0.1
+    if c["interval_pct"] is not None:
+        lo, hi = c["interval_pct"]
+        assert lo - 0.1 <= c["change_pct"] <= hi + 0.1
 
 
 def test_the_static_layout_is_one_for_every_seed_the_best_on_average():

@@ -80,10 +80,10 @@ def test_the_workers_are_seen_gone_when_the_pool_has_stopped_them(parent_sigterm
 def test_simulate_with_two_jobs_stops_on_ctrl_c(tmp_path: Path):
     """Ctrl-C reaches the whole process group, as a terminal sends it."""
     proc = subprocess.Popen([sys.executable, "-m", "dynpart.cli", "simulate", "--mode", "mig", "--policy", "dynpart,nos",
-                             "--jobs", "2", "--out", str(tmp_path / "out")],
+                             "--seeds", "0-11", "--jobs", "2", "--out", str(tmp_path / "out")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        time.sleep(6)  # the two replays running (nos's takes a minute or more)
+        time.sleep(6)  # replays running (24 of them, 3 s each for nos's)
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=30)
