@@ -190,11 +190,15 @@ def _parts(args: argparse.Namespace, catalog: Catalog, want_static: bool) -> tup
         statics = _statics(forced, model, mode, data.trace.pods) if want_static else []
         return [Part("trace", data.trace, data.cluster, model, mode, statics, bool(forced),
                      note=data.describe())], None
+    _no_cluster(args)
+    spec = workloads.read_workload(args.workload)
+    return _workload_parts(args, catalog, want_static, spec), spec
+
+
+def _no_cluster(args: argparse.Namespace) -> None:
     if args.cluster:
         raise SimulationError("--cluster goes with --trace; the built-in workload sets its own cluster "
                               "(--workload nodes=N,mps_nodes=M,gpus_per_node=G,gpu_model=MODEL)")
-    spec = workloads.read_workload(args.workload)
-    return _workload_parts(args, catalog, want_static, spec), spec
 
 
 def _workload_parts(args: argparse.Namespace, catalog: Catalog, want_static: bool,
@@ -343,9 +347,7 @@ def _run_seeds(args: argparse.Namespace, catalog: Catalog, policies: list[str], 
         raise SimulationError(f"--seeds {args.seeds}: goes with the built-in workload (a trace is replayed as "
                               "recorded; it has no seed)")
     seeds = command_line.parse_seeds(args.seeds)
-    if args.cluster:
-        raise SimulationError("--cluster goes with --trace; the built-in workload sets its own cluster "
-                              "(--workload nodes=N,mps_nodes=M,gpus_per_node=G,gpu_model=MODEL)")
+    _no_cluster(args)
     spec = workloads.read_workload(args.workload)
     if "seed" in spec.model_fields_set:
         raise SimulationError(f"--seeds {args.seeds} and {workloads.workload_source(args.workload)} seed="
@@ -360,16 +362,19 @@ def _run_seeds(args: argparse.Namespace, catalog: Catalog, policies: list[str], 
     # the standard layouts of a part are those of every seed's pods (an MPS layout per slice size
     # asked: a seed without a size's pods would leave that layout out, and it would be ranked on
     # the other seeds only), the same list on every seed
+    statics: dict[str, list[str]] = {}
     for part in parts:
         if part.statics and not part.forced:
-            same = [q.trace.pods for q in parts if q.name == part.name]
-            part.statics = _statics(None, part.model, part.mode, [p for pods in same for p in pods])
+            if part.name not in statics:
+                pods = [p for q in parts if q.name == part.name for p in q.trace.pods]
+                statics[part.name] = _statics(None, part.model, part.mode, pods)
+            part.statics = statics[part.name]
     _check_workload_profiles(planner, parts, args.planner_config)
     out = report.out_dir(args.out) if args.out is not None else None  # a bad --out is found before the run
     jobs = _jobs(parts, policies, base)
     if not args.json:
-        for part in parts:
-            if seed_of[parts.index(part)] == seeds[0]:
+        for part, seed in zip(parts, seed_of):
+            if seed == seeds[0]:
                 print(part.note, file=sys.stderr)
         print(f"seeds {args.seeds}: {len(seeds)} seed(s), {len(jobs)} replays", file=sys.stderr)
     t0 = time.perf_counter()
@@ -384,9 +389,9 @@ def _run_seeds(args: argparse.Namespace, catalog: Catalog, policies: list[str], 
         "static_geometry": args.static_geometry,
         "figures": "per policy, the mean over the seeds of each seed's mean / p95 / p99 pending time of the GPU "
                    "pods (a pod never placed waits until the end of the seed's longest run); dynpart_vs: the "
-                   "change of those means, a 95% t-interval of the mean per-seed difference as a share of the "
-                   "other policy's mean (paired over the seeds), the seeds on which dynpart's figure was lower / "
-                   "higher",
+                   "change of those means, a 95% interval for it (Fieller's for the ratio of the means, Student's "
+                   "t, paired over the seeds; null with one seed or where it would be unbounded), the seeds on "
+                   "which dynpart's figure was lower / higher",
         "static_choice_rule": "unless --static-geometry forces one for the part's mode: the standard layout with "
                               "the lowest mean of its per-seed means (then p95s, then pods never placed), the same "
                               "layout on every seed",
