@@ -167,10 +167,13 @@ def table(parts: Sequence[dict], seeds_text: str) -> str:
         "disrupted", "alloc mean"], rows)
 
 
-def _change(c: dict) -> str:
+def _change(c: dict, seeds: int) -> str:
     if c["change_pct"] is None:
         return "-"
-    interval = "" if c["interval_pct"] is None else f" [{c['interval_pct'][0]:+.1f}%, {c['interval_pct'][1]:+.1f}%]"
+    if c["interval_pct"] is not None:
+        interval = f" [{c['interval_pct'][0]:+.1f}%, {c['interval_pct'][1]:+.1f}%]"
+    else:  # one seed: no interval; more: the seeds do not bound the ratio
+        interval = "" if seeds < 2 else " [unbounded]"
     return f"{c['change_pct']:+.1f}%{interval}"
 
 
@@ -187,7 +190,7 @@ def comparison(parts: Sequence[dict]) -> str:
         n = d["policies"][0]["seeds"] if d["policies"] else 0
         for other, c in d.get("dynpart_vs", {}).items():
             rows.append(([d["part"].upper()] if several else []) + [
-                other, _change(c["mean"]), _lower(c["mean"], n), _change(c["p95"]), _lower(c["p95"], n)])
+                other, _change(c["mean"], n), _lower(c["mean"], n), _change(c["p95"], n), _lower(c["p95"], n)])
     if not rows:
         return ""
     return report.table((["part"] if several else []) + [

@@ -110,3 +110,14 @@ def test_part_figures_compare_dynpart_with_each_other_policy_seed_by_seed():
     rows = sd.csv_rows([{"part": "mig", "policies": [ours, nos]}])
     assert len(rows) == 4 and rows[0][:4] == ("mig", 0, "dynpart", 10.0)
     assert sd.part_figures([nos]) == {}
+
+
+def test_the_comparison_says_when_the_seeds_do_not_bound_the_change():
+    ours = sd.policy_figures("dynpart", [(0, _summary(10.0)), (1, _summary(12.0))])
+    nos = sd.policy_figures("nos", [(0, _summary(20.0)), (1, _summary(40.0))])
+    text = sd.comparison([{"part": "mig", "policies": [ours, nos], "dynpart_vs": sd.part_figures([ours, nos])}])
+    assert "-63.3% [unbounded]" in text and "2 of 2" in text
+    one = sd.policy_figures("dynpart", [(0, _summary(10.0))])
+    other = sd.policy_figures("nos", [(0, _summary(20.0))])
+    text = sd.comparison([{"part": "mig", "policies": [one, other], "dynpart_vs": sd.part_figures([one, other])}])
+    assert "-50.0%" in text and "[" not in text.splitlines()[-1]
