@@ -66,9 +66,9 @@ def ratio_interval(a: np.ndarray, b: np.ndarray) -> tuple[float, float] | None:
     """Fieller's 95% interval for mean(a) / mean(b) over paired samples: the ratios R for which
     mean(a) - R mean(b) is within Student's t quantile of its standard error (the per-seed
     differences a - R b). Unlike a t-interval of the differences divided by mean(b), it counts
-    the uncertainty of mean(b) too, and never goes below a ratio of 0 while mean(a) is clearly
-    above 0 (a wait cannot fall by more than 100%). None with fewer than 2 samples, or where
-    mean(b) is not clearly above 0 (the interval would be unbounded)."""
+    the uncertainty of mean(b) too. Its set is cut at a ratio of 0 (waits are never negative, so
+    the true ratio is not below 0: a change of more than -100% is no answer). None with fewer than
+    2 samples, or where mean(b) is not clearly above 0 (the interval would be unbounded)."""
     n = len(a)
     if n < 2:
         return None
@@ -78,11 +78,12 @@ def ratio_interval(a: np.ndarray, b: np.ndarray) -> tuple[float, float] | None:
     qa = mb * mb - q * float(cov[1, 1])
     qb = ma * mb - q * float(cov[0, 1])
     qc = ma * ma - q * float(cov[0, 0])
-    disc = qb * qb - qa * qc
-    if qa <= 0 or disc < 0:
+    if qa <= 0:
         return None
-    root = math.sqrt(disc)
-    return (qb - root) / qa, (qb + root) / qa
+    # with qa > 0 the quadratic is <= 0 at mean(a) / mean(b), so its discriminant is >= 0: a
+    # negative one is rounding (a = c b on every seed: a single point)
+    root = math.sqrt(max(0.0, qb * qb - qa * qc))
+    return max(0.0, (qb - root) / qa), max(0.0, (qb + root) / qa)
 
 
 def policy_figures(label: str, per_seed: Sequence[tuple[int, dict]]) -> dict:

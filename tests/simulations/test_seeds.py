@@ -44,6 +44,16 @@ def test_a_ratio_far_below_one_stays_above_minus_100_percent():
     theirs = [1_500.0, 9_000.0, 2_500.0, 7_000.0, 800.0, 4_000.0, 3_000.0, 6_000.0]
     lo, hi = sd.paired_change(ours, theirs)["interval_pct"]
     assert -100.0 < lo < sd.paired_change(ours, theirs)["change_pct"] < hi < 0
+    # dynpart's waits 0 on most seeds (a p95 on a light part): Fieller's set reaches below a
+    # ratio of 0, which no waits can have (-110.3% before the cut: helper-175)
+    lo, hi = sd.paired_change([0.0, 0.0, 0.0, 0.0, 30.0], [100.0, 110.0, 90.0, 105.0, 95.0])["interval_pct"]
+    assert lo == -100.0 and -100.0 < hi < 0
+
+
+def test_waits_in_proportion_on_every_seed_give_that_one_ratio():
+    """a = 0.85 b on every seed: the interval is the one point (rounding made the discriminant
+    -9e-13 and the interval 'unbounded': helper-175)."""
+    assert sd.paired_change([8.5, 9.35, 7.65], [10.0, 11.0, 9.0])["interval_pct"] == [-15.0, -15.0]
 
 
 def test_no_interval_from_one_seed_nor_an_unbounded_one_and_no_figure_without_one():
@@ -79,10 +89,9 @@ def test_the_interval_leaves_out_no_difference_one_time_in_twenty_at_most(n):
 def test_the_interval_holds_the_change_of_the_means(pairs):
     ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
     c = sd.paired_change(ours, theirs)
-    assert c["seeds_lower"] + c["seeds_higher"] <= len(pairs)
     if c["interval_pct"] is not None:
         lo, hi = c["interval_pct"]
-        assert lo - 0.1 <= c["change_pct"] <= hi + 0.1
+        assert -100.0 <= lo and lo - 0.1 <= c["change_pct"] <= hi + 0.1
 
 
 def test_the_static_layout_is_one_for_every_seed_the_best_on_average():
