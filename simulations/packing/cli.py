@@ -23,6 +23,7 @@ from dynpart.simulations.inputs import command_line
 from dynpart.simulations.packing import experiment as bp
 from dynpart.simulations.packing.dynpart_packing import MAX_BATCH, TIME_LIMIT_S
 from dynpart.simulations.reporting import plots, report
+from dynpart.simulations.reporting.paired import difference_interval
 from dynpart.simulations.reporting.progress import Progress
 
 
@@ -109,11 +110,14 @@ def run(args: argparse.Namespace) -> int:
         label = f"{pol}" + (f" (batch {batch})" if pol == "dynpart" else "")
         curves[label] = bp.mean_curve(results)
         all_results[label] = results
-    doc = summaries[0] if len(summaries) == 1 else {"runs": summaries}
+    versus = _dynpart_versus(summaries)
+    doc = summaries[0] if len(summaries) == 1 else {"runs": summaries, **({"dynpart_vs": versus} if versus else {})}
     # the results are printed first: a file that cannot be written loses none of them (and a
     # reader that goes away loses none of the files)
     shown = report.Results()
     shown.print(json.dumps(doc, indent=2) if args.json else _summary_table(summaries))
+    if not args.json and versus:
+        shown.print(*_versus_lines(versus))
     if not args.json and not bp.reached(130, args.tune):
         levels = "100% or 130%" if not bp.reached(100, args.tune) else "130%"
         ends = ", ".join(f"{s['policy']} {s['alloc_at_end']:.2f}%" for s in summaries)
@@ -150,6 +154,47 @@ def _write(out: Path, doc: dict, summaries: list[dict], all_results: dict, curve
     plots.packing_curves(curves, out / "allocation.png",
                          f"packing: {data.trace_name or 'synthetic workload'}, seeds {args.seeds}",
                          {k: v for k, v in published.items() if k in ("best-fit", "fgd")})
+
+
+def _dynpart_versus(summaries: list[dict]) -> dict[str, dict]:
+    """dynpart's allocation against each other policy of the run, seed by seed (the same seeds:
+    the same pods in the same order), at 100% and 130% arrived: the mean difference in points,
+    its 95% t-interval (paired), and the seeds on which dynpart allocated more / less."""
+    ours = next((s for s in summaries if s["policy"] == "dynpart"), None)
+    if ours is None:
+        return {}
+    out: dict[str, dict] = {}
+    for other in summaries:
+        if other is ours:
+            continue
+        figures = {}
+        for level in ("alloc_at_100", "alloc_at_130"):
+            theirs = {p["seed"]: p[level] for p in other["per_seed"]}
+            pairs = [(p[level], theirs[p["seed"]]) for p in ours["per_seed"]
+                     if p[level] is not None and theirs.get(p["seed"]) is not None]
+            if not pairs:
+                continue
+            a, b = [x for x, _ in pairs], [y for _, y in pairs]
+            interval = difference_interval(a, b)
+            figures[level] = {
+                "difference_points": round(sum(a) / len(a) - sum(b) / len(b), 3),
+                "interval_points": None if interval is None else [round(v, 3) for v in interval],
+                "seeds": len(pairs), "seeds_higher": sum(x > y for x, y in pairs),
+                "seeds_lower": sum(x < y for x, y in pairs)}
+        out[other["policy"]] = figures
+    return out
+
+
+def _versus_lines(versus: dict[str, dict]) -> list[str]:
+    lines = [""]
+    for other, figures in versus.items():
+        for level, f in figures.items():
+            interval = "" if f["interval_points"] is None else \
+                f" [{f['interval_points'][0]:+.3f}, {f['interval_points'][1]:+.3f}]"
+            lines.append(f"dynpart against {other}, {level[len('alloc_at_'):]}% arrived: {f['difference_points']:+.3f} "
+                         f"points{interval} (95% t-interval, paired over the seeds), higher on {f['seeds_higher']} "
+                         f"and lower on {f['seeds_lower']} of {f['seeds']} seeds")
+    return lines
 
 
 def _pct(value: float | None) -> str:

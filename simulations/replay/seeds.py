@@ -20,16 +20,14 @@ sample of its workload.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy import stats
 
 from dynpart.simulations.replay.summary import change_pct, rnd
 from dynpart.simulations.reporting import report
+from dynpart.simulations.reporting.paired import ratio_interval
 
-CONFIDENCE = 0.95
 FIGURES = ("mean", "p95", "p99")
 
 
@@ -60,30 +58,6 @@ def paired_change(ours: Sequence[float | None], theirs: Sequence[float | None]) 
     if bounds is not None:
         out["interval_pct"] = [round(100.0 * (r - 1.0), 1) for r in bounds]
     return out
-
-
-def ratio_interval(a: np.ndarray, b: np.ndarray) -> tuple[float, float] | None:
-    """Fieller's 95% interval for mean(a) / mean(b) over paired samples: the ratios R for which
-    mean(a) - R mean(b) is within Student's t quantile of its standard error (the per-seed
-    differences a - R b). Unlike a t-interval of the differences divided by mean(b), it counts
-    the uncertainty of mean(b) too. Its set is cut at a ratio of 0 (waits are never negative, so
-    the true ratio is not below 0: a change of more than -100% is no answer). None with fewer than
-    2 samples, or where mean(b) is not clearly above 0 (the interval would be unbounded)."""
-    n = len(a)
-    if n < 2:
-        return None
-    q = float(stats.t.ppf(0.5 + CONFIDENCE / 2, n - 1)) ** 2 / n
-    cov = np.cov(a, b, ddof=1)
-    ma, mb = float(a.mean()), float(b.mean())
-    qa = mb * mb - q * float(cov[1, 1])
-    qb = ma * mb - q * float(cov[0, 1])
-    qc = ma * ma - q * float(cov[0, 0])
-    if qa <= 0:
-        return None
-    # with qa > 0 the quadratic is <= 0 at mean(a) / mean(b), so its discriminant is >= 0: a
-    # negative one is rounding (a = c b on every seed: a single point)
-    root = math.sqrt(max(0.0, qb * qb - qa * qc))
-    return max(0.0, (qb - root) / qa), max(0.0, (qb + root) / qa)
 
 
 def policy_figures(label: str, per_seed: Sequence[tuple[int, dict]]) -> dict:

@@ -37,6 +37,13 @@ def test_bench_packing_json_and_files(capsys, tmp_path):
         assert r["seeds"] == [42, 43] and len(r["per_seed"]) == 2
         assert 0 < r["alloc_at_100"] <= r["alloc_at_130"] <= 100
     assert runs[0]["per_seed"][0]["used_slices_disrupted"] == 0
+    # dynpart against the other policy, seed by seed
+    vs = doc["dynpart_vs"]["best-fit"]["alloc_at_130"]
+    diffs = [a["alloc_at_130"] - b["alloc_at_130"] for a, b in zip(runs[0]["per_seed"], runs[1]["per_seed"])]
+    assert vs["seeds"] == 2 and vs["difference_points"] == pytest.approx(sum(diffs) / 2, abs=1e-3)
+    assert vs["seeds_higher"] == sum(d > 0 for d in diffs) and vs["seeds_lower"] == sum(d < 0 for d in diffs)
+    lo, hi = vs["interval_points"]
+    assert lo <= vs["difference_points"] <= hi
     assert {p.name for p in out.iterdir()} == {"summary.json", "steps.csv", "allocation.png"}
     assert (out / "steps.csv").read_text().startswith("policy,batch,seed,arrived_pct,allocation_pct")
 
