@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from dynpart.simulations.replay.summary import change_pct, rnd
+from dynpart.simulations.replay.summary import change_pct, rnd, static_key
 from dynpart.simulations.reporting import report
 from dynpart.simulations.reporting.paired import ratio_interval
 
@@ -85,20 +85,17 @@ def policy_figures(label: str, per_seed: Sequence[tuple[int, dict]]) -> dict:
 
 
 def static_rank(figures: dict) -> tuple[float, float, int]:
-    """How static layouts are ranked over the seeds (lower is better), as `summary.static_key`
-    ranks them on one run: the mean of the per-seed means, then of the p95s, then pods never
-    placed."""
-    inf = float("inf")
-    mean, p95 = figures["mean_of_means_s"], figures["mean_of_p95s_s"]
-    return (inf if mean is None else mean, inf if p95 is None else p95, figures["never_placed"])
+    """How static layouts are ranked over the seeds (lower is better): `summary.static_key` on the
+    mean of the per-seed means and p95s, and the pods never placed."""
+    return static_key({"pending_s": {"mean": figures["mean_of_means_s"], "p95": figures["mean_of_p95s_s"]},
+                       "never_placed": figures["never_placed"]})
 
 
 def best_static_over_seeds(contenders: Mapping[str, dict]) -> str:
     """The static layout with the best `static_rank`; the first of equals in the given order."""
     if not contenders:
         raise ValueError("no static layout to choose from")
-    names = list(contenders)
-    return min(names, key=lambda g: (static_rank(contenders[g]), names.index(g)))
+    return min(contenders, key=lambda g: static_rank(contenders[g]))
 
 
 def part_figures(policies: Sequence[dict]) -> dict:
